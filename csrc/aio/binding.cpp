@@ -1,0 +1,132 @@
+// Python binding: raw pointers and sizes in, errno tuples out. Python validates
+// tensors and keeps buffers alive until wait() returns their result.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "engine.h"
+#include "io_handle.h"
+
+namespace py = pybind11;
+using deepoffload::HandleConfig;
+using deepoffload::IoHandle;
+using deepoffload::OpResult;
+
+namespace {
+
+std::unique_ptr<IoHandle> make_handle(const std::string& engine, int64_t block_size, int queue_depth,
+                                      bool single_submit, bool overlap_events, int threads) {
+    if (block_size <= 0) throw std::invalid_argument("block_size must be > 0 bytes, got " + std::to_string(block_size));
+    HandleConfig config;
+    config.engine = engine;
+    config.block_size = static_cast<size_t>(block_size);
+    config.queue_depth = queue_depth;
+    config.single_submit = single_submit;
+    config.overlap_events = overlap_events;
+    config.threads = threads;
+    return std::unique_ptr<IoHandle>(new IoHandle(config));
+}
+
+py::object wait_op(IoHandle& handle, int64_t op_id, double timeout_s) {
+    OpResult r;
+    bool finished;
+    {
+        py::gil_scoped_release release;
+        finished = handle.wait(op_id, timeout_s, &r);
+    }
+    if (!finished) return py::none();
+    return py::make_tuple(r.err, r.operation, r.path, r.offset, r.detail, r.direct);
+}
+
+int64_t submit_op(IoHandle& handle, bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int fd,
+                  int64_t offset, int64_t flags) {
+    if (nbytes < 0) throw std::invalid_argument("nbytes must be >= 0, got " + std::to_string(nbytes));
+    if (flags < 0) throw std::invalid_argument("flags must be >= 0, got " + std::to_string(flags));
+    return handle.submit(write, reinterpret_cast<char*>(ptr), static_cast<size_t>(nbytes), path, fd, offset,
+                         static_cast<unsigned>(flags));
+}
+
+py::tuple dio_alignment(const std::string& path) {
+    size_t memory = 0, offset = 0;
+    bool supported = false;
+    int rc = deepoffload::probe_dio_alignment(path, &memory, &offset, &supported);
+    if (rc < 0) {
+        errno = -rc;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, path.c_str());
+        throw py::error_already_set();
+    }
+    return py::make_tuple(memory, offset, supported);
+}
+
+py::tuple self_test(const std::string& engine, const std::string& directory) {
+    std::string reason;
+    bool ok;
+    {
+        py::gil_scoped_release release;
+        ok = deepoffload::engine_self_test(engine, directory, &reason);
+    }
+    return py::make_tuple(ok, reason);
+}
+
+py::dict build_features() {
+    py::dict d;
+#ifdef DEEPOFFLOAD_HAVE_LIBAIO
+    d["libaio"] = true;
+#ifdef DEEPOFFLOAD_HAVE_PGETEVENTS
+    d["io_pgetevents"] = true;
+    d["reap"] = "io_pgetevents";
+#else
+    d["io_pgetevents"] = false;
+    d["reap"] = "io_getevents";
+#endif
+#else
+    d["libaio"] = false;
+    d["io_pgetevents"] = false;
+    d["reap"] = "none";
+#endif
+#ifdef DEEPOFFLOAD_HAVE_URING
+    d["io_uring"] = true;
+#else
+    d["io_uring"] = false;
+#endif
+    return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "deepoffload native async IO core";
+    m.attr("TRUNCATE") = static_cast<int>(deepoffload::kFlagTruncate);
+    m.attr("BUFFERED") = static_cast<int>(deepoffload::kFlagBuffered);
+    m.attr("FSYNC") = static_cast<int>(deepoffload::kFlagFsync);
+
+    m.def("engines", &deepoffload::compiled_engines, "Compiled-in engines, best first.");
+    m.def("build_features", &build_features, "Features compiled into this build.");
+    m.def("self_test", &self_test, py::arg("engine"), py::arg("directory"),
+          "O_DIRECT write+read round trip of a temporary file in directory: (ok, reason).");
+    m.def("dio_alignment", &dio_alignment, py::arg("path"),
+          "(memory_alignment, offset_alignment, direct_supported) in bytes for an existing file or directory.");
+
+    py::class_<IoHandle>(m, "Handle")
+        .def(py::init(&make_handle), py::arg("engine"), py::arg("block_size"), py::arg("queue_depth"),
+             py::arg("single_submit"), py::arg("overlap_events"), py::arg("threads"))
+        .def("submit", &submit_op, py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"),
+             py::arg("fd"), py::arg("offset"), py::arg("flags"),
+             "Queue a read or write of nbytes at ptr; returns the op id. Never blocks on IO.")
+        .def("wait", &wait_op, py::arg("op_id"), py::arg("timeout_s") = -1.0,
+             "(errno, operation, path, offset, detail, direct) or None on timeout; releases the GIL.")
+        .def("done", &IoHandle::done, py::arg("op_id"))
+        .def("pending", &IoHandle::pending)
+        .def("close", &IoHandle::close, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("engine", [](IoHandle& h) { return h.config().engine; })
+        .def_property_readonly("block_size", [](IoHandle& h) { return h.config().block_size; })
+        .def_property_readonly("queue_depth", [](IoHandle& h) { return h.config().queue_depth; })
+        .def_property_readonly("single_submit", [](IoHandle& h) { return h.config().single_submit; })
+        .def_property_readonly("overlap_events", [](IoHandle& h) { return h.config().overlap_events; })
+        .def_property_readonly("threads", [](IoHandle& h) { return h.config().threads; });
+}

@@ -1,0 +1,61 @@
+// The narrow engine interface: perform a batch of (fd, buffer, length, offset)
+// transfers with up to queue_depth in flight. Splitting, alignment, bounce
+// buffers and error reporting live above this, in io_handle.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace deepoffload {
+
+struct EngineConfig {
+    size_t block_size = 1 << 20;  // bytes per block
+    int queue_depth = 32;         // blocks in flight per engine instance
+    bool single_submit = false;   // one block per submission call
+    bool overlap_events = true;   // refill the queue as completions arrive
+};
+
+struct Block {
+    int fd = -1;
+    bool write = false;
+    char* buf = nullptr;
+    size_t len = 0;
+    int64_t offset = 0;
+    // Set by Engine::run: bytes transferred (may be short) or -errno.
+    int64_t result = 0;
+    // Set by Engine::run when result < 0 came from submitting, not from the IO.
+    bool submit_failed = false;
+};
+
+class Engine {
+public:
+    virtual ~Engine() = default;
+    virtual const char* name() const = 0;
+    // Performs all n blocks and sets each block's result. Never throws.
+    virtual void run(Block* blocks, size_t n) = 0;
+};
+
+struct EngineError {
+    int err = 0;          // errno
+    std::string message;  // what failed, with errno text
+};
+
+// Engines compiled into this build, best first (e.g. io_uring, libaio, posix).
+std::vector<std::string> compiled_engines();
+
+// Creates an engine instance; returns nullptr and fills *error on failure.
+std::unique_ptr<Engine> make_engine(const std::string& name, const EngineConfig& config, EngineError* error);
+
+// Per-engine constructors (defined in engine_<name>.cpp when compiled in).
+std::unique_ptr<Engine> make_posix_engine(const EngineConfig& config, EngineError* error);
+#ifdef DEEPOFFLOAD_HAVE_LIBAIO
+std::unique_ptr<Engine> make_libaio_engine(const EngineConfig& config, EngineError* error);
+#endif
+#ifdef DEEPOFFLOAD_HAVE_URING
+std::unique_ptr<Engine> make_uring_engine(const EngineConfig& config, EngineError* error);
+#endif
+
+}  // namespace deepoffload

@@ -1,0 +1,113 @@
+// The IO handle: worker threads that split each read/write operation into
+// shards and blocks, handle alignment, bounce buffers, short transfers and
+// errors once for every engine. No Python here.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine.h"
+
+namespace deepoffload {
+
+enum OpFlags : unsigned {
+    kFlagTruncate = 1u,  // after a successful write, truncate the file to offset + nbytes
+    kFlagBuffered = 2u,  // do not use O_DIRECT
+    kFlagFsync = 4u,     // fdatasync after a successful write
+};
+constexpr unsigned kAllFlags = kFlagTruncate | kFlagBuffered | kFlagFsync;
+
+// Outcome of one operation. err == 0 means success.
+struct OpResult {
+    int err = 0;
+    std::string operation;  // "open", "read", "write", "submit", "truncate", "fsync", "close"
+    std::string path;
+    int64_t offset = 0;     // file offset of the failing piece
+    std::string detail;
+    bool direct = false;    // O_DIRECT was used for the aligned part of the op
+};
+
+struct HandleConfig {
+    std::string engine = "posix";
+    size_t block_size = 1 << 20;  // bytes
+    int queue_depth = 32;
+    bool single_submit = false;
+    bool overlap_events = true;
+    int threads = 1;  // intra-op parallelism: worker threads, each with its own engine
+};
+
+struct Op;
+struct Worker;
+
+class IoHandle {
+public:
+    // Throws std::invalid_argument for bad settings, std::runtime_error when an
+    // engine cannot be created.
+    explicit IoHandle(const HandleConfig& config);
+    ~IoHandle();  // waits for in-flight ops, joins threads; never throws
+    IoHandle(const IoHandle&) = delete;
+    IoHandle& operator=(const IoHandle&) = delete;
+
+    // Queues an operation and returns its id (> 0). `buffer` must stay valid
+    // until wait() returns the result. fd >= 0: use that descriptor (not closed);
+    // `path` is then only used in messages. Throws std::invalid_argument for bad
+    // arguments, std::runtime_error after close().
+    int64_t submit(bool write, char* buffer, size_t nbytes, const std::string& path, int fd, int64_t offset,
+                   unsigned flags);
+
+    // Waits up to timeout_s seconds (< 0: forever). Returns false on timeout;
+    // otherwise fills *result and forgets the op. Throws std::invalid_argument
+    // for an unknown id.
+    bool wait(int64_t op_id, double timeout_s, OpResult* result);
+    bool done(int64_t op_id);  // throws std::invalid_argument for an unknown id
+    size_t pending();          // submitted and not yet collected by wait()
+    void close();              // waits for in-flight ops and joins threads; idempotent
+
+    const HandleConfig& config() const { return config_; }
+
+private:
+    struct Task {
+        std::shared_ptr<Op> op;
+        int shard;  // -1: open files and plan shards
+    };
+
+    void worker_loop(Worker* worker);
+    void prepare(const std::shared_ptr<Op>& op);
+    void run_shard(Worker* worker, Op& op, int shard);
+    void finish_shard(Op& op);
+    void complete(Op& op);
+    std::shared_ptr<Op> find(int64_t op_id);
+
+    HandleConfig config_;
+    std::mutex mutex_;
+    std::condition_variable work_cv_;  // workers wait for tasks
+    std::condition_variable done_cv_;  // waiters wait for op completion
+    std::deque<Task> queue_;
+    std::map<int64_t, std::shared_ptr<Op>> ops_;
+    int64_t next_id_ = 1;
+    size_t running_ = 0;  // ops submitted and not yet complete
+    bool stopping_ = false;
+    bool closed_ = false;
+    std::vector<std::unique_ptr<Worker>> workers_;
+    std::vector<std::thread> threads_;
+};
+
+// Direct-IO alignment of an existing file or directory (a directory is probed
+// with a temporary file). Returns 0 or -errno (only when the path is missing or
+// unusable); unknown alignment is reported as 4096/4096.
+int probe_dio_alignment(const std::string& path, size_t* memory_alignment, size_t* offset_alignment,
+                        bool* direct_supported);
+
+// Small O_DIRECT write + read round trip through `engine` in `directory`.
+// Returns true, or false with a reason (including errno text). Never throws.
+bool engine_self_test(const std::string& engine, const std::string& directory, std::string* reason);
+
+}  // namespace deepoffload
