@@ -1,0 +1,1 @@
+"""The ``deepoffload`` command line: report, bench, tune, demo."""

@@ -1,0 +1,52 @@
+"""``deepoffload <command>``: each command is a module in this package with ``add_arguments(parser)`` and
+``run(args) -> int``. Command modules import torch and other heavy modules inside ``run`` only, so building the
+parser stays cheap and ``report`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from ..version import __version__
+
+COMMANDS = {
+    "report": ("deepoffload.cli.report", "what works here and why not: ops, probes, engines, versions"),
+}
+
+
+def _optional_commands() -> None:
+    """Commands whose modules exist in this install (added by their features)."""
+    for name, module, summary in (
+        ("bench", "deepoffload.cli.bench", "measure read/write throughput of a folder, optionally against fio"),
+        ("tune", "deepoffload.cli.tune", "search the async-IO settings that move bytes fastest here"),
+        ("demo", "deepoffload.cli.demo", "train a small language model with its optimizer state on storage"),
+    ):
+        if importlib.util.find_spec(module) is not None:
+            COMMANDS.setdefault(name, (module, summary))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _optional_commands()
+    parser = argparse.ArgumentParser(prog="deepoffload", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"deepoffload {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, summary) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,298 @@
+"""``deepoffload report``: which ops work here, which engines, and for each missing piece why and how to get it.
+
+Warm (probes cached) it runs no compiler and does not import torch; it never builds the op. When the op is already
+built (prebuilt or in the cache) it is loaded, which takes milliseconds, and each engine's runtime self-test is run.
+Exit status: 0 when the async-IO op can be used here, 1 when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..version import __version__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", metavar="DIR", help="also check this folder: free space, filesystem, O_DIRECT")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--no-probe-cache", action="store_true", help="run the probes again instead of using the cache")
+
+
+# -- gathering ----------------------------------------------------------------------------------------------------
+def _first_line(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (out.stdout or out.stderr).strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+def library_version(deb: str, rpm: str, soname: str) -> str | None:
+    """The installed version of a system library, from the package manager or its file name."""
+    if shutil.which("dpkg-query"):
+        for name in (deb, f"{deb}t64"):
+            v = _first_line(["dpkg-query", "-W", "-f=${Version}", name])
+            if v:
+                return v
+    if shutil.which("rpm"):
+        v = _first_line(["rpm", "-q", "--qf", "%{VERSION}", rpm])
+        if v and "not installed" not in v:
+            return v
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64"):
+        found = sorted(Path(d).glob(f"{soname}.so.*"))
+        if found:
+            return f"{found[-1].resolve().name} (file)"
+    return None
+
+
+def versions(builder) -> dict:
+    from ..op_builder.builder import torch_version
+    from ..op_builder.cache import cache_root
+
+    compiler = _first_line([*builder.toolchain.compiler.split(), "--version"]) if builder.toolchain.compiler_path \
+        else None
+    info = {
+        "deepoffload": __version__,
+        "torch": torch_version(),
+        "python": platform.python_version(),
+        "compiler": compiler or f"{builder.toolchain.compiler} (not found)",
+        "kernel": f"{platform.system()} {platform.release()}",
+        "cache_dir": str(cache_root()),
+    }
+    if not builder.toolchain.is_windows:
+        info["libaio"] = library_version("libaio1", "libaio", "libaio")
+        info["liburing"] = library_version("liburing2", "liburing", "liburing")
+    return info
+
+
+def op_status(builder, results: dict) -> dict:
+    """One row of the ops table, loading the op (never building it) to self-test its engines."""
+    from ..op_builder.hints import install_hint
+
+    prebuilt = builder.prebuilt_info()
+    row = {
+        "name": builder.NAME,
+        "installed": prebuilt is not None,
+        "compatible": builder.is_compatible(results),
+        "engines_buildable": builder.engines(results),
+        "built": None,
+        "engines": {},
+        "auto_engine": None,
+        "probes": {},
+    }
+    for name, r in results.items():
+        row["probes"][name] = {
+            "status": "ok" if r.ok else ("n/a" if not r.applicable else "missing"),
+            "reason": r.reason,
+            "output_tail": list(r.output_tail),
+            "hint": "" if r.ok else install_hint(name, builder.platform),
+        }
+    directory = None
+    if results["cxx"].ok:
+        try:
+            directory = builder.finished_build(results)
+        except OSError:
+            directory = None
+    if prebuilt is not None:
+        row["built"] = "prebuilt"
+    elif directory is not None:
+        row["built"] = str(directory)
+    if row["built"] and builder.platform == sys.platform:
+        try:
+            from ..io import native
+
+            for engine, (ok, reason) in native.engine_status().items():
+                row["engines"][engine] = {"ok": ok, "reason": reason}
+            row["auto_engine"] = next((e for e, s in row["engines"].items() if s["ok"]), None)
+        except Exception as e:  # the report must describe a broken op, not die of it
+            row["load_error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def _filesystem(path: Path) -> tuple[str, str]:
+    """(filesystem type, mount point) of ``path``, from /proc/mounts."""
+    best = ("unknown", "/")
+    try:
+        real = str(path.resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mount = parts[1].replace("\\040", " ")
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[1]):
+                best = (parts[2], mount)
+    except OSError:
+        pass
+    return best
+
+
+def _direct_io_alignment(directory: Path) -> tuple[bool, int | None, str]:
+    """(O_DIRECT works, smallest working alignment in bytes, reason) found by writing a temp file."""
+    import mmap
+
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False, None, "O_DIRECT does not exist on this platform"
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".deepoffload-dio-")
+    os.close(fd)
+    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | flag)
+        except OSError as e:
+            return False, None, f"open with O_DIRECT refused: {e.strerror}"
+        try:
+            buf = mmap.mmap(-1, 8192)  # page-aligned memory
+            for alignment in (512, 1024, 2048, 4096):
+                try:
+                    os.pwrite(fd, memoryview(buf)[:alignment], alignment)
+                    return True, alignment, ""
+                except OSError as e:
+                    reason = e.strerror
+            return False, None, f"aligned writes refused: {reason}"
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(tmp)
+
+
+def path_status(path: str) -> dict:
+    p = Path(path)
+    row: dict = {"path": str(p)}
+    if not p.is_dir():
+        row["error"] = "not an existing folder"
+        return row
+    usage = shutil.disk_usage(p)
+    fstype, mount = _filesystem(p)
+    row.update(free_bytes=usage.free, total_bytes=usage.total, filesystem=fstype, mount=mount,
+               writable=os.access(p, os.W_OK))
+    if row["writable"]:
+        ok, alignment, reason = _direct_io_alignment(p)
+        row.update(direct_io=ok, alignment=alignment, direct_io_reason=reason)
+    else:
+        row.update(direct_io=None, alignment=None, direct_io_reason="folder is not writable")
+    return row
+
+
+def gather(path: str | None = None, use_cache: bool = True) -> dict:
+    from ..op_builder import ALL_OPS
+
+    ops = []
+    version_info = None
+    for builder_class in ALL_OPS.values():
+        builder = builder_class()
+        results = builder.probe_results(use_cache=use_cache)
+        ops.append(op_status(builder, results))
+        version_info = version_info or versions(builder)
+    report = {"versions": version_info, "ops": ops}
+    if path:
+        report["path"] = path_status(path)
+    return report
+
+
+# -- printing -----------------------------------------------------------------------------------------------------
+class Style:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def _wrap(self, code: str, text: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.enabled else text
+
+    def ok(self, text: str) -> str:
+        return self._wrap("32", text)
+
+    def bad(self, text: str) -> str:
+        return self._wrap("31", text)
+
+    def dim(self, text: str) -> str:
+        return self._wrap("2", text)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    import re
+
+    visible = lambda s: len(re.sub(r"\033\[[0-9;]*m", "", s))  # noqa: E731
+    widths = [max(visible(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        lines.append("  ".join(cell + " " * (widths[i] - visible(cell)) for i, cell in enumerate(r)).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render(report: dict, style: Style) -> str:
+    out = []
+    yes = lambda b: style.ok("yes") if b else style.bad("no")  # noqa: E731
+    op_rows = []
+    for op in report["ops"]:
+        if op["engines"]:
+            engines = ", ".join(e if s["ok"] else f"{e} ({style.bad('fails self-test')})"
+                                for e, s in op["engines"].items())
+        else:
+            engines = ", ".join(op["engines_buildable"]) + style.dim(" (when built)")
+        op_rows.append([op["name"], yes(op["installed"]), yes(op["compatible"]),
+                        op["built"] and ("prebuilt" if op["built"] == "prebuilt" else "yes (cache)") or "not yet",
+                        engines])
+    out.append(_table(op_rows, ["op", "prebuilt", "compatible", "built", "engines"]))
+    for op in report["ops"]:
+        out.append("")
+        out.append(f"{op['name']} probes:")
+        rows = []
+        for name, p in op["probes"].items():
+            status = {"ok": style.ok("ok"), "missing": style.bad("missing"), "n/a": style.dim("n/a")}[p["status"]]
+            rows.append([name, status, p["reason"] if p["status"] != "ok" else ""])
+        out.append(_table(rows, ["probe", "status", "reason"]))
+        for name, p in op["probes"].items():
+            if p["status"] == "missing":
+                out.append(f"  {name}: {p['hint']}")
+        if op["auto_engine"]:
+            out.append(f"engine 'auto' selects: {style.ok(op['auto_engine'])}")
+        for engine, s in op["engines"].items():
+            if not s["ok"]:
+                out.append(f"  {engine} self-test failed: {s['reason']}")
+        if op.get("load_error"):
+            out.append(style.bad(f"the built op does not load: {op['load_error']}"))
+        if not op["built"] and op["compatible"]:
+            out.append(style.dim("the op builds on first use (or prebuild it: see the README)"))
+    out.append("")
+    out.append(_table([[k, str(v) if v is not None else style.dim("not found")]
+                       for k, v in report["versions"].items()], ["version", "value"]))
+    if "path" in report:
+        p = report["path"]
+        out.append("")
+        if "error" in p:
+            out.append(style.bad(f"{p['path']}: {p['error']}"))
+        else:
+            direct = (style.ok(f"yes, alignment {p['alignment']} bytes") if p["direct_io"]
+                      else style.bad(f"no ({p['direct_io_reason']})"))
+            out.append(_table([
+                ["folder", p["path"]],
+                ["filesystem", f"{p['filesystem']} (mounted at {p['mount']})"],
+                ["free", f"{p['free_bytes'] / 1e9:.1f} GB of {p['total_bytes'] / 1e9:.1f} GB"],
+                ["writable", yes(p["writable"])],
+                ["O_DIRECT", direct],
+            ], ["path check", "value"]))
+    return "\n".join(out)
+
+
+def usable(report: dict) -> bool:
+    op = next(o for o in report["ops"] if o["name"] == "async_io")
+    return bool(op["compatible"] and not op.get("load_error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    report = gather(args.path, use_cache=not args.no_probe_cache)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print(render(report, Style(color)))
+    return 0 if usable(report) else 1

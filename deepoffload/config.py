@@ -1,0 +1,126 @@
+"""Async-IO settings: one set of defaults, defined here, overridable by environment variables and config files.
+
+Keys match DeepSpeed's ``aio`` section (``block_size``, ``queue_depth``, ``intra_op_parallelism``, ``single_submit``,
+``overlap_events``; ``thread_count`` is accepted as an alias) so existing configs work, plus ``engine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+ENGINES = ("auto", "io_uring", "libaio", "posix", "windows")
+ALIASES = {"thread_count": "intra_op_parallelism"}
+ENV_PREFIX = "DEEPOFFLOAD_AIO_"
+
+
+class ConfigError(ValueError):
+    """A config key or value that is not accepted; the message names the key and what is accepted."""
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}: expected a positive integer (bytes/count), got {value!r}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def parse_bool_env(key: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: expected 1/0/true/false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """How the async-IO op moves bytes.
+
+    block_size: bytes per IO request (the op splits each transfer into blocks of this size).
+    queue_depth: requests kept in flight per thread.
+    intra_op_parallelism: threads that share one transfer (each gets a contiguous part).
+    single_submit: submit one request per system call instead of batches.
+    overlap_events: refill the queue as completions arrive instead of waiting for a whole batch.
+    engine: "auto" (the best engine whose self-test passes), "io_uring", "libaio", "posix" or "windows".
+    """
+
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    engine: str = "auto"
+
+    def __post_init__(self) -> None:
+        for key in ("block_size", "queue_depth", "intra_op_parallelism"):
+            _positive_int(key, getattr(self, key))
+        for key in ("single_submit", "overlap_events"):
+            _bool(key, getattr(self, key))
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine: expected one of {', '.join(ENGINES)}, got {self.engine!r}")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, base: "AioConfig | None" = None) -> "AioConfig":
+        """Build from a dict of DeepSpeed ``aio`` keys (and ``engine``); unknown keys are errors."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"aio config: expected a mapping of keys to values, got {type(values).__name__}")
+        known = cls.keys()
+        changes: dict[str, Any] = {}
+        for key, value in values.items():
+            name = ALIASES.get(key, key)
+            if name not in known:
+                raise ConfigError(f"unknown aio config key {key!r}; accepted: {', '.join(known + tuple(ALIASES))}")
+            if name in changes:
+                raise ConfigError(f"{key}: given twice (as {name!r} and its alias)")
+            changes[name] = value
+        return dataclasses.replace(base or cls.from_env(), **changes)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "AioConfig":
+        """Read a JSON file: either the ``aio`` section itself or a document with an ``aio`` key."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except ValueError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        if isinstance(data, dict) and isinstance(data.get("aio"), dict):
+            data = data["aio"]
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "AioConfig":
+        """Defaults, overridden by ``DEEPOFFLOAD_AIO_<KEY>`` variables (e.g. ``DEEPOFFLOAD_AIO_ENGINE=posix``)."""
+        environ = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            var = ENV_PREFIX + f.name.upper()
+            if var not in environ:
+                continue
+            text = environ[var]
+            if f.type in ("int", int):
+                try:
+                    changes[f.name] = int(text, 0)
+                except ValueError as e:
+                    raise ConfigError(f"{var}: expected an integer, got {text!r}") from e
+            elif f.type in ("bool", bool):
+                changes[f.name] = parse_bool_env(var, text)
+            else:
+                changes[f.name] = text
+        return cls(**changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,115 @@
+"""Aligned, page-locked host buffers: the memory that takes the async-IO op's fast path (no bounce copy).
+
+``aligned_empty`` maps anonymous memory (page-aligned by construction), locks it with ``mlock`` where
+``RLIMIT_MEMLOCK`` allows (warning once and carrying on unlocked where it does not), registers it with the
+accelerator when there is one, and wraps it in a tensor. The mapping, its lock and its registration live exactly as
+long as the tensor (and any view of it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import mmap
+import os
+import threading
+import warnings
+import weakref
+from typing import Sequence
+
+import torch
+
+from . import accelerator
+
+PAGE_SIZE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if os.name == "posix" else None
+_locked_lock = threading.Lock()
+_locked: dict[int, int] = {}  # start address -> bytes, for is_pinned()
+_warned_memlock = False
+
+
+def _numel(shape_or_numel: int | Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    if isinstance(shape_or_numel, int):
+        shape: tuple[int, ...] = (shape_or_numel,)
+    else:
+        shape = tuple(int(s) for s in shape_or_numel)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"aligned_empty: negative dimension in shape {shape}")
+    return math.prod(shape), shape
+
+
+def _lock_pages(address: int, nbytes: int) -> bool:
+    global _warned_memlock
+    if _libc is None:
+        return False
+    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if not _warned_memlock:
+        _warned_memlock = True
+        warnings.warn(
+            f"deepoffload: cannot page-lock {nbytes} bytes ({os.strerror(err)}); RLIMIT_MEMLOCK is probably too "
+            f"small (raise it with `ulimit -l unlimited` or in limits.conf); using unlocked buffers, which still "
+            f"work but may be slower", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _release(address: int, nbytes: int, locked: bool, registered: bool) -> None:
+    with _locked_lock:
+        _locked.pop(address, None)
+    if registered:
+        accelerator.current().unregister_host(address)
+    if locked and _libc is not None:
+        _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
+
+
+def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torch.uint8, alignment: int = 0,
+                  pin: bool = True) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on an ``alignment``-byte boundary (0 = the page size).
+
+    With ``pin`` the pages are locked in memory (and registered with CUDA when present) where the memlock limit
+    allows. The memory is returned to the system when the tensor and all its views are gone.
+    """
+    numel, shape = _numel(shape_or_numel)
+    alignment = alignment or PAGE_SIZE
+    if alignment & (alignment - 1):
+        raise ValueError(f"aligned_empty: alignment must be a power of two, got {alignment}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    extra = alignment - PAGE_SIZE if alignment > PAGE_SIZE else 0
+    length = (nbytes + extra + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    base = raw.data_ptr()
+    skip = (-base) % alignment
+    locked = pin and _lock_pages(base, length)
+    registered = pin and accelerator.current().register_host(base, length)
+    with _locked_lock:
+        if locked or registered:
+            _locked[base] = length
+    weakref.finalize(region, _release, base, length, locked, registered)
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
+def is_aligned(tensor: torch.Tensor, alignment: int = 0) -> bool:
+    """True when the tensor's data starts on an ``alignment``-byte boundary (0 = the page size)."""
+    return tensor.data_ptr() % (alignment or PAGE_SIZE) == 0
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """True when the tensor's memory is page-locked (by ``aligned_empty`` or by torch's pinned allocator)."""
+    if tensor.device.type != "cpu":
+        return False
+    ptr = tensor.data_ptr()
+    with _locked_lock:
+        for start, length in _locked.items():
+            if start <= ptr < start + length:
+                return True
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:
+        return False

@@ -1,0 +1,324 @@
+"""``AsyncIOHandle``: asynchronous reads and writes of tensors to files, returning ``Request`` objects.
+
+Python validates tensors and keeps them (and any staging buffer) alive until their transfer is collected; the
+native handle does the IO on its own threads without the GIL and reports each failure as (errno, operation, path,
+offset), which becomes an ``OSError`` here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import threading
+import warnings
+import weakref
+from pathlib import Path
+from typing import Callable, Union
+
+import torch
+
+from ..config import AioConfig
+from . import accelerator
+from .buffers import aligned_empty
+from .native import BUFFERED, FSYNC, TRUNCATE, native, resolve_engine
+
+FileRef = Union[str, os.PathLike, int]
+
+_live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
+_warned_buffered: set[str] = set()
+
+
+class ValidationError(OSError):
+    """``validate=True`` found the file's bytes differ from the tensor's."""
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def check_tensor(tensor: object, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: the tensor is not contiguous; pass tensor.contiguous() (a copy) instead")
+    if tensor.device.type != "cpu" and not accelerator.current().is_device_tensor(tensor):
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported (CPU or {accelerator.current().name})")
+    if tensor.is_sparse or tensor.is_quantized:
+        raise ValueError(f"{what}: sparse and quantized tensors have no single byte buffer; use .dequantize() or "
+                         f".to_dense() first")
+    return tensor
+
+
+def os_error(err: int, operation: str, path: str, offset: int, detail: str) -> OSError:
+    """The exception for a failed transfer: errno, operation, path and offset all in it."""
+    message = f"{os.strerror(err)} during {operation} at offset {offset}"
+    if detail:
+        message += f" ({detail})"
+    return OSError(err, message, path)
+
+
+class Request:
+    """One asynchronous transfer. ``wait()`` returns the bytes moved or raises ``OSError``; ``done()`` polls."""
+
+    def __init__(self, handle: "AsyncIOHandle", op_id: int, nbytes: int, path: str,
+                 keep_alive: tuple, finish: Callable[[], None] | None):
+        self._handle = weakref.ref(handle)
+        self._native = handle._native
+        self._op_id = op_id
+        self.nbytes = nbytes
+        self.path = path
+        self._keep_alive = keep_alive  # tensors and staging buffers the native side is using
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._collected = False
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True when the transfer has finished (successfully or not); never blocks."""
+        return self._collected or self._native.done(self._op_id)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the transfer finishes; return its bytes or raise its ``OSError``.
+
+        With ``timeout`` (seconds), raise ``TimeoutError`` if it has not finished by then. Waiting again returns the
+        same result (or raises the same error).
+        """
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
+        try:
+            if not self._collected:
+                self._collect(timeout)
+        finally:
+            self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return self.nbytes
+
+    def _collect(self, timeout: float | None) -> None:
+        result = self._native.wait(self._op_id, -1.0 if timeout is None else float(timeout))
+        if result is None:
+            raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
+        self._collected = True
+        handle = self._handle()
+        if handle is not None:
+            handle._forget(self._op_id)
+        err, operation, path, offset, detail, direct = result
+        try:
+            if err:
+                self._error = os_error(err, operation, path, offset, detail)
+                return
+            if not direct:
+                _warn_buffered(path)
+            if self._finish is not None:
+                self._finish()
+        except BaseException as e:  # a validation failure or a device copy error belongs to this request
+            self._error = e
+        finally:
+            self._keep_alive = ()
+            self._finish = None
+
+    def __enter__(self) -> "Request":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.wait()
+        else:  # already failing: make sure the buffers outlive the IO, without masking the first error
+            try:
+                self.wait()
+            except Exception:
+                pass
+
+
+def _warn_buffered(path: str) -> None:
+    folder = str(Path(path).parent)
+    if folder not in _warned_buffered:
+        _warned_buffered.add(folder)
+        warnings.warn(f"deepoffload: the filesystem of {folder} refuses O_DIRECT; using buffered IO there "
+                      f"(correct, but through the page cache)", RuntimeWarning, stacklevel=4)
+
+
+class AsyncIOHandle:
+    """Reads and writes tensors to files with the async-IO op.
+
+    Settings come from ``config`` (an ``AioConfig``; default: ``AioConfig.from_env()``) and keyword overrides
+    (``block_size``, ``queue_depth``, ``intra_op_parallelism``, ``single_submit``, ``overlap_events``, ``engine``).
+    Any contiguous CPU tensor works, at any file offset; page-aligned buffers (``aligned_empty``) skip the bounce
+    copy. A write from offset 0 leaves the file exactly the tensor's size unless ``truncate=False``.
+    """
+
+    def __init__(self, config: AioConfig | None = None, **overrides):
+        self.config = AioConfig.from_dict(overrides, base=config) if overrides or config is None else config
+        self.engine = resolve_engine(self.config.engine)
+        c = self.config
+        self._native = native().Handle(self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events,
+                                       c.intra_op_parallelism)
+        self._pending: dict[int, Request] = {}
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        _live_handles.add(self)
+
+    # -- transfers --------------------------------------------------------------------------------------------
+    def read_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> Request:
+        """Start reading ``tensor.nbytes`` bytes at ``offset`` of ``file`` (a path or an open descriptor) into
+        ``tensor``. Reading past the end of the file is an error (ENODATA), never a silent hole."""
+        check_tensor(tensor, "read")
+        finish = None
+        target = tensor
+        if tensor.device.type != "cpu":
+            target = aligned_empty(tensor.numel(), tensor.dtype)
+            finish = lambda: tensor.view(-1).copy_(target.view(-1))  # noqa: E731
+        return self._submit(False, target, file, offset, 0, (tensor, target), finish)
+
+    def write_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None,
+                    fsync: bool = False) -> Request:
+        """Start writing ``tensor``'s bytes at ``offset`` of ``file``. ``truncate`` (default: ``offset == 0``)
+        cuts the file to end where this write ends; ``fsync`` makes the data durable before the request
+        completes."""
+        check_tensor(tensor, "write")
+        source = tensor
+        if tensor.device.type != "cpu":
+            source = aligned_empty(tensor.numel(), tensor.dtype)
+            source.view(-1).copy_(tensor.view(-1))
+        flags = (TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (FSYNC if fsync else 0)
+        return self._submit(True, source, file, offset, flags, (tensor, source), None)
+
+    def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False) -> int:
+        """Read synchronously; return the bytes read. ``validate`` compares with Python's own read of the file."""
+        nbytes = self.read_async(tensor, file, offset).wait()
+        if validate:
+            _validate(tensor, file, offset)
+        return nbytes
+
+    def write(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False,
+              truncate: bool | None = None, fsync: bool = False) -> int:
+        """Write synchronously; return the bytes written. ``validate`` re-reads the file and compares."""
+        nbytes = self.write_async(tensor, file, offset, truncate=truncate, fsync=fsync).wait()
+        if validate:
+            _validate(tensor, file, offset)
+        return nbytes
+
+    def _submit(self, write: bool, buffer: torch.Tensor, file: FileRef, offset: int, flags: int, keep_alive: tuple,
+                finish: Callable[[], None] | None) -> Request:
+        if self._closed:
+            raise ValueError("this AsyncIOHandle is closed")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"file offset must be a non-negative integer (bytes), got {offset!r}")
+        fd, path = _file_ref(file)
+        nbytes = buffer.numel() * buffer.element_size()
+        with self._pending_lock:
+            op_id = self._native.submit(write, buffer.data_ptr(), nbytes, path, fd, offset, flags)
+            request = Request(self, op_id, nbytes, path, keep_alive, finish)
+            self._pending[op_id] = request
+        return request
+
+    def _forget(self, op_id: int) -> None:
+        with self._pending_lock:
+            self._pending.pop(op_id, None)
+
+    def wait_all(self) -> int:
+        """Wait for every transfer in flight; return how many finished. If any failed, raise the first error
+        after all have finished (no transfer is left running behind an exception)."""
+        with self._pending_lock:
+            requests = list(self._pending.values())
+        first_error = None
+        for request in requests:
+            try:
+                request.wait()
+            except OSError as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return len(requests)
+
+    def pending(self) -> int:
+        """Transfers submitted and not yet waited for."""
+        with self._pending_lock:
+            return len(self._pending)
+
+    # -- lifetime ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish every transfer in flight and stop the handle's threads. Errors of transfers nobody waited for
+        are still raised by their ``Request.wait()``."""
+        if not self._closed:
+            self._closed = True
+            self._native.close()
+
+    def __enter__(self) -> "AsyncIOHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self.wait_all()
+        finally:
+            self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- settings ---------------------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def queue_depth(self) -> int:
+        return self.config.queue_depth
+
+    @property
+    def intra_op_parallelism(self) -> int:
+        return self.config.intra_op_parallelism
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"AsyncIOHandle(engine={self.engine!r}, block_size={c.block_size}, queue_depth={c.queue_depth}, "
+                f"intra_op_parallelism={c.intra_op_parallelism}, single_submit={c.single_submit}, "
+                f"overlap_events={c.overlap_events})")
+
+
+def _file_ref(file: FileRef) -> tuple[int, str]:
+    if isinstance(file, bool):
+        raise TypeError("file: expected a path or a file descriptor, got a bool")
+    if isinstance(file, int):
+        if file < 0:
+            raise ValueError(f"file descriptor must be >= 0, got {file}")
+        return file, f"<fd {file}>"
+    if isinstance(file, (str, os.PathLike)):
+        path = os.fspath(file)
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"file: expected a non-empty path, got {file!r}")
+        return -1, path
+    raise TypeError(f"file: expected a path or a file descriptor, got {type(file).__name__}")
+
+
+def _validate(tensor: torch.Tensor, file: FileRef, offset: int) -> None:
+    """Compare the tensor's bytes with the file's, read by Python itself (no page-cache tricks)."""
+    expected = byte_view(tensor.detach().cpu())
+    nbytes = expected.numel()
+    if isinstance(file, int):
+        data = os.pread(file, nbytes, offset)
+        path = f"<fd {file}>"
+    else:
+        path = os.fspath(file)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(nbytes)
+    if len(data) != nbytes or (nbytes and not torch.equal(expected, torch.frombuffer(bytearray(data), dtype=torch.uint8))):
+        raise ValidationError(errno.EIO, f"validation failed: the {nbytes} bytes at offset {offset} differ from "
+                                         f"the tensor's", path)
+
+
+@atexit.register
+def _close_live_handles() -> None:
+    """At interpreter exit, let transfers in flight finish before the buffers they use are torn down."""
+    for handle in list(_live_handles):
+        try:
+            handle.close()
+        except Exception:
+            pass

@@ -1,0 +1,350 @@
+"""``OpBuilder``: one base class that probes, builds just in time, and loads prebuilt or cached ops.
+
+A concrete op is a small subclass that declares its sources, probes and flags (see ``async_io.py``). Loading goes:
+prebuilt (installed with the package, used when the torch it was built against matches) -> a finished build in the
+cache -> a just-in-time build through ``torch.utils.cpp_extension``, under a lock that many processes share and that
+dies with its holder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+from .cache import atomic_write_text, cache_root, exclusive_lock
+from .hints import install_hint
+from .probes import Probe, ProbeResult, function_probe, run_probes
+from .toolchain import Toolchain
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+PREBUILT_PACKAGE = "deepoffload._ops"
+BUILD_INFO = "build_info.json"
+SANITIZE_ENV = "DEEPOFFLOAD_SANITIZE"
+DEFAULT_BUILD_SECONDS = 20
+
+CXX_PROBE = function_probe("cxx", "cstdio", "std::puts(\"\");", description="a working C++ compiler")
+
+_loaded: dict[str, ModuleType] = {}
+_load_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+class BuildError(RuntimeError):
+    """The op could not be built; ``compiler_lines`` holds the compiler's error lines and ``hint`` what to do."""
+
+    def __init__(self, op: str, compiler_lines: list[str], hint: str):
+        self.op = op
+        self.compiler_lines = compiler_lines
+        self.hint = hint
+        shown = "\n  ".join(compiler_lines) or "(no compiler output)"
+        super().__init__(f"building the {op} op failed:\n  {shown}\nhint: {hint}")
+
+
+def package_version() -> str:
+    from . import _version_of_package
+
+    return _version_of_package()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def torch_version() -> str:
+    """torch's version without importing torch (1.4 s here) when it is not imported yet."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.__version__
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "none"
+
+
+def python_abi() -> str:
+    return f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
+
+
+class OpBuilder:
+    """Base class: subclasses set ``NAME`` (the op), ``MODULE`` (the native module's name) and override
+    ``source_files``, ``probes`` and ``feature_flags``."""
+
+    NAME = ""
+    MODULE = ""
+
+    def __init__(self, toolchain: Toolchain | None = None, platform: str = sys.platform):
+        self.platform = platform
+        self.toolchain = toolchain or Toolchain.from_environment(platform=platform)
+
+    # -- declared by subclasses -------------------------------------------------------------------------------
+    def source_files(self) -> list[Path]:
+        raise NotImplementedError
+
+    def probes(self) -> list[Probe]:
+        """Probes this op uses; the C++ compiler probe is always first."""
+        return [CXX_PROBE]
+
+    def feature_flags(self, results: dict[str, ProbeResult]) -> tuple[list[str], list[str]]:
+        """(compile flags, link flags) for the features whose probes passed."""
+        return [], []
+
+    def engines(self, results: dict[str, ProbeResult]) -> list[str]:
+        return []
+
+    # -- probing ----------------------------------------------------------------------------------------------
+    def probe_results(self, use_cache: bool = True) -> dict[str, ProbeResult]:
+        return run_probes(self.probes(), self.toolchain, use_cache=use_cache)
+
+    def is_compatible(self, results: dict[str, ProbeResult] | None = None) -> bool:
+        """True when the op can be built here (a C++ compiler works) or a usable prebuilt op is installed."""
+        results = results if results is not None else self.probe_results()
+        return results[CXX_PROBE.name].ok or self.prebuilt_info() is not None
+
+    # -- flags and keys ---------------------------------------------------------------------------------------
+    def base_cflags(self) -> list[str]:
+        if self.toolchain.is_windows:
+            return ["/O2", "/std:c++17", "/EHsc"]
+        flags = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+        sanitize = os.environ.get(SANITIZE_ENV, "").strip()
+        if sanitize:
+            flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]
+        return flags
+
+    def build_flags(self, results: dict[str, ProbeResult] | None = None) -> tuple[list[str], list[str]]:
+        results = results if results is not None else self.probe_results()
+        cflags, ldflags = self.feature_flags(results)
+        cflags = [*self.base_cflags(), *self.toolchain.cflags, *cflags]
+        ldflags = [*self.toolchain.ldflags, *ldflags]
+        if not self.toolchain.is_windows and self.platform != "darwin":
+            # cpp_extension links torch's libraries after ours; the op uses none of them, but libc10 and
+            # libtorch_cpu re-export a few libstdc++ symbols. Naming libstdc++ first and linking --as-needed drops
+            # them, so the op loads without `import torch` (the report stays fast) and without torch's rpath.
+            ldflags = ["-Wl,--as-needed", *ldflags, "-lstdc++"]
+        sanitize = os.environ.get(SANITIZE_ENV, "").strip()
+        if sanitize and not self.toolchain.is_windows:
+            ldflags.append(f"-fsanitize={sanitize}")
+        return cflags, ldflags
+
+    def build_key(self, cflags: list[str], ldflags: list[str]) -> str:
+        """A hash of everything that changes the binary: package, torch and Python versions, compiler, flags and
+        the sources' bytes."""
+        h = hashlib.sha256()
+        for part in (package_version(), torch_version(), python_abi(), self.toolchain.identity(), *cflags, "|",
+                     *ldflags):
+            h.update(part.encode() + b"\0")
+        for src in sorted(self.all_source_files()):
+            h.update(src.name.encode() + b"\0" + src.read_bytes())
+        return h.hexdigest()[:16]
+
+    def all_source_files(self) -> list[Path]:
+        """Sources plus the headers they include (headers change the binary too)."""
+        sources = self.source_files()
+        headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
+        return [*sources, *headers]
+
+    def build_dir(self, key: str) -> Path:
+        return cache_root() / "build" / f"{self.NAME}-{key}"
+
+    # -- loading ----------------------------------------------------------------------------------------------
+    def load(self, verbose: bool = False) -> ModuleType:
+        """The native module: prebuilt if it matches this torch, else built (once) in the cache."""
+        with _load_lock:
+            module = _loaded.get(self.NAME)
+            if module is None:
+                module = self._load_prebuilt() or self.jit_load(verbose=verbose)
+                _loaded[self.NAME] = module
+            return module
+
+    def prebuilt_info(self) -> dict | None:
+        """The build record of the prebuilt op installed with the package, or None."""
+        spec = importlib.util.find_spec(PREBUILT_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        for location in spec.submodule_search_locations:
+            info_path = Path(location) / BUILD_INFO
+            try:
+                info = json.loads(info_path.read_text())
+            except (OSError, ValueError):
+                continue
+            op = info.get("ops", {}).get(self.NAME)
+            if op:
+                return {**op, "torch": info.get("torch"), "python": info.get("python")}
+        return None
+
+    def _load_prebuilt(self) -> ModuleType | None:
+        info = self.prebuilt_info()
+        if info is None:
+            return None
+        if info.get("torch") != torch_version() or info.get("python") != python_abi():
+            warn_once(f"prebuilt-{self.NAME}",
+                      f"deepoffload: the prebuilt {self.NAME} op was built for torch {info.get('torch')} "
+                      f"({info.get('python')}), this is torch {torch_version()} ({python_abi()}); "
+                      f"building it just in time instead")
+            return None
+        try:
+            return importlib.import_module(f"{PREBUILT_PACKAGE}.{self.MODULE}")
+        except ImportError as e:
+            warn_once(f"prebuilt-{self.NAME}",
+                      f"deepoffload: the prebuilt {self.NAME} op does not load ({e}); building it just in time")
+            return None
+
+    def jit_load(self, verbose: bool = False) -> ModuleType:
+        """Load the cached build for the current sources and flags, building it first if needed."""
+        results = self.probe_results()
+        if not results[CXX_PROBE.name].ok:
+            r = results[CXX_PROBE.name]
+            raise BuildError(self.NAME, list(r.output_tail) or [r.reason], install_hint("cxx", self.platform))
+        cflags, ldflags = self.build_flags(results)
+        key = self.build_key(cflags, ldflags)
+        directory = self.build_dir(key)
+        module = self._load_finished(directory)
+        if module is not None:
+            return module
+
+        def say_waiting() -> None:
+            print(f"deepoffload: waiting for another process that is building the {self.NAME} op in {directory}",
+                  file=sys.stderr, flush=True)
+
+        with exclusive_lock(directory.parent / f"{directory.name}.lock", on_wait=say_waiting):
+            module = self._load_finished(directory)
+            if module is not None:
+                return module
+            return self._build(directory, cflags, ldflags, verbose)
+
+    def finished_build(self, results: dict[str, ProbeResult] | None = None) -> Path | None:
+        """The cache directory of a finished build for the current sources and flags, or None (never builds)."""
+        cflags, ldflags = self.build_flags(results)
+        directory = self.build_dir(self.build_key(cflags, ldflags))
+        return directory if (directory / "ready.json").exists() else None
+
+    def _load_finished(self, directory: Path) -> ModuleType | None:
+        """Import a finished build; a build whose library is missing, altered or unloadable is discarded with a
+        warning (it will be rebuilt)."""
+        record_path = directory / "ready.json"
+        if not record_path.exists():
+            return None
+        problem = None
+        try:
+            record = json.loads(record_path.read_text())
+            library = directory / record["library"]
+            if _sha256(library) != record["sha256"]:
+                problem = "its library does not match the one that was built (truncated or altered)"
+            else:
+                return _import_extension(self.MODULE, library)
+        except (OSError, ValueError, KeyError, ImportError) as e:
+            problem = f"it does not load: {e}"
+        warnings.warn(f"deepoffload: discarding the cached {self.NAME} build in {directory}: {problem}; "
+                      f"rebuilding", RuntimeWarning, stacklevel=4)
+        record_path.unlink(missing_ok=True)
+        return None
+
+    def _build(self, directory: Path, cflags: list[str], ldflags: list[str], verbose: bool) -> ModuleType:
+        from torch.utils import cpp_extension
+
+        if directory.exists():
+            shutil.rmtree(directory)  # leftovers of a killed or failed build, torch's stale 'lock' file included
+        directory.mkdir(parents=True)
+        expected = _expected_build_seconds()
+        print(f"deepoffload: building the {self.NAME} op (first use for this torch and compiler; usually about "
+              f"{expected} s) in {directory}", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        env_before = os.environ.get("CXX")
+        if self.toolchain.compiler and not self.toolchain.is_windows:
+            os.environ["CXX"] = self.toolchain.compiler
+        try:
+            module = cpp_extension.load(
+                name=self.MODULE,
+                sources=[str(s) for s in self.source_files()],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(directory),
+                verbose=verbose,
+                with_cuda=False,
+            )
+        except (RuntimeError, OSError, ImportError) as e:
+            lines = compiler_error_lines(str(e))
+            raise BuildError(self.NAME, lines, build_hint(lines, self.platform)) from e
+        finally:
+            if env_before is None:
+                os.environ.pop("CXX", None)
+            else:
+                os.environ["CXX"] = env_before
+        seconds = time.monotonic() - start
+        library = Path(module.__file__)
+        atomic_write_text(directory / "ready.json", json.dumps({
+            "library": library.name, "sha256": _sha256(library), "seconds": round(seconds, 1),
+            "cflags": cflags, "ldflags": ldflags,
+        }, indent=1))
+        _record_build_seconds(seconds)
+        return module
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _import_extension(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_times_path() -> Path:
+    return cache_root() / "build-seconds.json"
+
+
+def _expected_build_seconds() -> int:
+    try:
+        return max(1, round(json.loads(_build_times_path().read_text())["last"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_BUILD_SECONDS
+
+
+def _record_build_seconds(seconds: float) -> None:
+    try:
+        atomic_write_text(_build_times_path(), json.dumps({"last": round(seconds, 1)}))
+    except OSError:
+        pass
+
+
+_ERROR_LINE = re.compile(r"(error|undefined reference|cannot find|no such file|fatal)", re.IGNORECASE)
+
+
+def compiler_error_lines(output: str, limit: int = 12) -> list[str]:
+    """The lines of a compiler's output that say what went wrong (or its last lines)."""
+    lines = [l.rstrip() for l in output.splitlines() if l.strip()]
+    errors = [l for l in lines if _ERROR_LINE.search(l) and not l.startswith("FAILED:")]
+    return (errors or lines)[-limit:]
+
+
+def build_hint(lines: list[str], platform: str = sys.platform) -> str:
+    text = "\n".join(lines).lower()
+    if "libaio" in text:
+        return install_hint("libaio", platform)
+    if "liburing" in text:
+        return install_hint("liburing", platform)
+    if "ninja" in text:
+        return "pip install ninja"
+    if "python.h" in text:
+        return "install the Python development headers (apt-get install python3-dev)"
+    return (f"check the compiler ({install_hint('cxx', platform)}); set CXX to choose another; "
+            f"run `deepoffload report` for what was found")

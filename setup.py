@@ -1,0 +1,98 @@
+"""Installs deepoffload without compiling anything, unless asked to prebuild the native ops.
+
+The C++ sources (csrc/) and the op builders (op_builder/) ship inside the package as ``deepoffload/csrc`` and
+``deepoffload.op_builder``, so a non-editable install can still build the op just in time.
+
+Prebuilding: ``DEEPOFFLOAD_BUILD_OPS=1`` (every op) or ``DEEPOFFLOAD_BUILD_AIO=1`` compiles the async-IO op into the
+package. It needs torch installed, so use ``pip install --no-build-isolation .`` (or ``pip wheel
+--no-build-isolation``). An op asked for that cannot be built fails the install with the probe's reason.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from deepoffload.version import __version__  # noqa: E402  (no torch, no native code)
+
+
+def requested_ops() -> list:
+    def on(var):
+        return os.environ.get(var, "0").strip().lower() in ("1", "true", "yes", "on")
+
+    return ["async_io"] if on("DEEPOFFLOAD_BUILD_OPS") or on("DEEPOFFLOAD_BUILD_AIO") else []
+
+
+def prebuild_config():
+    """ext_modules and cmdclass for the requested ops (empty when none were requested)."""
+    ops = requested_ops()
+    if not ops:
+        return {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        sys.exit("deepoffload: prebuilding ops needs torch installed first; then install with "
+                 "`pip install --no-build-isolation .`")
+    import op_builder
+    from op_builder.builder import CXX_PROBE, python_abi
+
+    builder = op_builder.AsyncIOBuilder()
+    results = builder.probe_results(use_cache=False)
+    if not results[CXX_PROBE.name].ok:
+        r = results[CXX_PROBE.name]
+        sys.exit(f"deepoffload: DEEPOFFLOAD_BUILD_AIO was requested but the async_io op cannot be built here: "
+                 f"{r.reason}\n  " + "\n  ".join(r.output_tail))
+    cflags, ldflags = builder.build_flags(results)
+    sources = [str(p.relative_to(ROOT)) for p in builder.source_files()]
+    info = {
+        "torch": torch.__version__,
+        "python": python_abi(),
+        "deepoffload": __version__,
+        "ops": {builder.NAME: {
+            "module": builder.MODULE,
+            "engines": builder.engines(results),
+            "cflags": cflags,
+            "ldflags": ldflags,
+            "probes": {name: r.to_json() for name, r in results.items()},
+        }},
+    }
+
+    class BuildWithInfo(BuildExtension):
+        def run(self):
+            super().run()
+            target = Path(self.build_lib if not self.inplace else ROOT) / "deepoffload" / "_ops" / "build_info.json"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(info, indent=1))
+
+    extension = CppExtension(f"deepoffload._ops.{builder.MODULE}", sources, extra_compile_args=cflags,
+                             extra_link_args=ldflags)
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildWithInfo.with_options(use_ninja=True)}}
+
+
+setup(
+    name="deepoffload",
+    version=__version__,
+    description="Train and run PyTorch models larger than memory by streaming tensors to and from NVMe",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=[
+        "deepoffload",
+        *(f"deepoffload.{p.parent.name}" for p in sorted((ROOT / "deepoffload").glob("*/__init__.py"))),
+        "deepoffload.op_builder",
+        "deepoffload.csrc",
+    ],
+    package_dir={"deepoffload": "deepoffload", "deepoffload.op_builder": "op_builder", "deepoffload.csrc": "csrc"},
+    package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"], "deepoffload._ops": ["build_info.json"]},
+    install_requires=["torch>=2.1", "ninja", "packaging", "tqdm"],
+    extras_require={"test": ["pytest", "hypothesis", "numpy"]},
+    entry_points={"console_scripts": ["deepoffload = deepoffload.cli.main:main"]},
+    zip_safe=False,
+    **prebuild_config(),
+)
