@@ -405,6 +405,21 @@ void IoHandle::prepare(const std::shared_ptr<Op>& op_ptr) {
     }
     op.result.direct = op.direct;
 
+    // Extending direct writes are serialized by some file systems (ext4 waits for
+    // each one): set the final size first so the blocks land inside the file.
+    // The size the write leaves is the same either way: max(old size, end).
+    if (op.write && op.direct && op.nbytes > 0 && platform::is_regular_file(op.buffered_fd) == 1) {
+        const int64_t end = op.offset + static_cast<int64_t>(op.nbytes);
+        const int64_t size = platform::file_size(op.buffered_fd);
+        int rc = size < 0 ? static_cast<int>(size) : (size < end ? platform::truncate_fd(op.buffered_fd, end) : 0);
+        if (rc < 0) {
+            op.fail(-rc, "truncate", end,
+                    "cannot extend '" + op.path + "' to " + std::to_string(end) + " bytes: " + platform::errno_text(-rc));
+            complete(op);
+            return;
+        }
+    }
+
     // Plan shards: interior cuts at multiples of `unit` from the aligned start.
     const int64_t begin = op.offset;
     const int64_t end = op.offset + static_cast<int64_t>(op.nbytes);

@@ -49,6 +49,7 @@ int fd_is_direct(int fd);
 int truncate_fd(int fd, int64_t size);  // 0 or -errno
 int sync_data(int fd);                  // fdatasync; 0 or -errno
 int64_t file_size(int fd);              // size in bytes or -errno
+int is_regular_file(int fd);            // 1 regular file, 0 other (device, pipe), -errno
 
 // Path helpers (also used by the native tests).
 int path_kind(const std::string& path);  // 1 = directory, 2 = other existing, -errno otherwise

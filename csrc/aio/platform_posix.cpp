@@ -205,6 +205,12 @@ int64_t file_size(int fd) {
     return static_cast<int64_t>(st.st_size);
 }
 
+int is_regular_file(int fd) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return -errno;
+    return S_ISREG(st.st_mode) ? 1 : 0;
+}
+
 int path_kind(const std::string& path) {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0) return -errno;
