@@ -50,7 +50,11 @@ std::vector<std::string> compiled_engines();
 std::unique_ptr<Engine> make_engine(const std::string& name, const EngineConfig& config, EngineError* error);
 
 // Per-engine constructors (defined in engine_<name>.cpp when compiled in).
+#ifdef _WIN32
+std::unique_ptr<Engine> make_windows_engine(const EngineConfig& config, EngineError* error);
+#else
 std::unique_ptr<Engine> make_posix_engine(const EngineConfig& config, EngineError* error);
+#endif
 #ifdef DEEPOFFLOAD_HAVE_LIBAIO
 std::unique_ptr<Engine> make_libaio_engine(const EngineConfig& config, EngineError* error);
 #endif

@@ -425,7 +425,8 @@ void IoHandle::prepare(const std::shared_ptr<Op>& op_ptr) {
     const int64_t end = op.offset + static_cast<int64_t>(op.nbytes);
     if (op.nbytes > 0) {
         const int64_t align = static_cast<int64_t>(op.off_align);
-        const int64_t unit = std::max<int64_t>(align, static_cast<int64_t>(kShardUnit));
+        const int64_t unit = std::max<int64_t>({align, static_cast<int64_t>(op.mem_align),
+                                                static_cast<int64_t>(kShardUnit)});
         const int64_t mid_begin = std::min(end, round_up(begin, align));
         const int64_t units = (end - mid_begin) / unit;
         const int64_t k = std::max<int64_t>(1, std::min<int64_t>(config_.threads, units));
@@ -461,8 +462,11 @@ void IoHandle::run_shard(Worker* worker, Op& op, int shard) {
     if (!transfer_buffered(op, mem(b), static_cast<size_t>(mid_b - b), b)) return;
 
     if (mid_e > mid_b) {
+        // Direct blocks are whole multiples of both alignments so every block's
+        // memory and file offset stay aligned.
+        const int64_t grain = std::max<int64_t>(align, static_cast<int64_t>(op.mem_align));
         const size_t block = op.direct ? static_cast<size_t>(std::max<int64_t>(
-                                             align, round_down(static_cast<int64_t>(config_.block_size), align)))
+                                             grain, round_down(static_cast<int64_t>(config_.block_size), grain)))
                                        : config_.block_size;
         char* user = mem(mid_b);
         const size_t len = static_cast<size_t>(mid_e - mid_b);

@@ -36,7 +36,7 @@ struct OpResult {
 };
 
 struct HandleConfig {
-    std::string engine = "posix";
+    std::string engine = compiled_engines().back();  // the portable engine: "posix" ("windows" on Windows)
     size_t block_size = 1 << 20;  // bytes
     int queue_depth = 32;
     bool single_submit = false;

@@ -13,6 +13,11 @@
 #include "../../csrc/aio/io_handle.h"
 #include "../../csrc/aio/platform.h"
 
+#if !defined(_WIN32)
+#include <signal.h>
+#include <sys/time.h>
+#endif
+
 using namespace deepoffload;
 
 namespace {
@@ -300,6 +305,65 @@ void test_config_and_lifecycle() {
     check(probe_dio_alignment(g_dir + "/missing", &mem, &off, &direct) == -ENOENT, "dio alignment of a missing path");
 }
 
+#if !defined(_WIN32)
+volatile sig_atomic_t g_ticks = 0;
+void on_alarm(int) { g_ticks = g_ticks + 1; }
+
+// Runs an engine directly on this thread (workers block signals) under a 1 ms
+// SIGALRM installed without SA_RESTART, so every wait can fail with EINTR.
+void test_engine_under_signals(const std::string& engine) {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_alarm;
+    sigemptyset(&sa.sa_mask);
+    struct sigaction old;
+    sigaction(SIGALRM, &sa, &old);
+    itimerval tv;
+    tv.it_interval.tv_sec = 0;
+    tv.it_interval.tv_usec = 1000;
+    tv.it_value = tv.it_interval;
+    setitimer(ITIMER_REAL, &tv, nullptr);
+
+    const size_t block = 65536, count = 64;
+    Buffer out(block * count), in(block * count);
+    fill(out.data, block * count, 99);
+    const std::string path = temp_path("eintr-" + engine);
+    int fd = platform::open_file(path, true, true);
+    int rfd = platform::open_file(path, false, true);
+    check(fd >= 0 && rfd >= 0, engine + " open for the signal test");
+    EngineConfig ec;
+    ec.queue_depth = 8;
+    EngineError error;
+    std::unique_ptr<Engine> e = make_engine(engine, ec, &error);
+    check(e != nullptr, engine + " make_engine: " + error.message);
+    bool ok = e != nullptr && fd >= 0 && rfd >= 0;
+    for (int round = 0; ok && round < 30; ++round) {
+        for (bool write : {true, false}) {
+            std::vector<Block> blocks;
+            for (size_t i = 0; i < count; ++i) {
+                Block b;
+                b.fd = write ? fd : rfd;
+                b.write = write;
+                b.buf = (write ? out.data : in.data) + i * block;
+                b.len = block;
+                b.offset = static_cast<int64_t>(i * block);
+                blocks.push_back(b);
+            }
+            e->run(blocks.data(), blocks.size());
+            for (const Block& b : blocks) ok = ok && b.result == static_cast<int64_t>(block);
+        }
+        ok = ok && std::memcmp(out.data, in.data, block * count) == 0;
+    }
+    tv.it_interval.tv_usec = 0;
+    tv.it_value = tv.it_interval;
+    setitimer(ITIMER_REAL, &tv, nullptr);
+    sigaction(SIGALRM, &old, nullptr);
+    check(ok, engine + " engine round trips under a 1 ms SIGALRM (" + std::to_string(g_ticks) + " signals)");
+    if (fd >= 0) platform::close_file(fd);
+    if (rfd >= 0) platform::close_file(rfd);
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -319,6 +383,9 @@ int main(int argc, char** argv) {
             test_round_trips(engine);
             test_many_in_flight(engine);
             test_errors(engine);
+#if !defined(_WIN32)
+            test_engine_under_signals(engine);
+#endif
         }
         test_config_and_lifecycle();
     } catch (const std::exception& e) {
