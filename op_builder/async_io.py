@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .builder import CSRC, CXX_PROBE, OpBuilder
+from .builder import CXX_PROBE, OpBuilder
 from .probes import Probe, ProbeResult, function_probe
 
 LIBAIO_PROBE = function_probe(
@@ -35,7 +35,7 @@ class AsyncIOBuilder(OpBuilder):
     MODULE = "deepoffload_aio"
 
     def source_files(self) -> list[Path]:
-        files = sorted((CSRC / "aio").glob("*.cpp"))
+        files = sorted((self.csrc / "aio").glob("*.cpp"))
         if self.toolchain.is_windows:
             return [f for f in files if not f.stem.endswith("_posix")]
         return [f for f in files if not f.stem.endswith("_windows")]

@@ -88,9 +88,10 @@ class OpBuilder:
     NAME = ""
     MODULE = ""
 
-    def __init__(self, toolchain: Toolchain | None = None, platform: str = sys.platform):
+    def __init__(self, toolchain: Toolchain | None = None, platform: str = sys.platform, csrc: Path = CSRC):
         self.platform = platform
         self.toolchain = toolchain or Toolchain.from_environment(platform=platform)
+        self.csrc = Path(csrc)
 
     # -- declared by subclasses -------------------------------------------------------------------------------
     def source_files(self) -> list[Path]:
@@ -187,11 +188,16 @@ class OpBuilder:
                 return {**op, "torch": info.get("torch"), "python": info.get("python")}
         return None
 
+    def prebuilt_matches(self, info: dict | None = None) -> bool:
+        """True when a prebuilt op is installed and was built for this torch and Python."""
+        info = info if info is not None else self.prebuilt_info()
+        return info is not None and info.get("torch") == torch_version() and info.get("python") == python_abi()
+
     def _load_prebuilt(self) -> ModuleType | None:
         info = self.prebuilt_info()
         if info is None:
             return None
-        if info.get("torch") != torch_version() or info.get("python") != python_abi():
+        if not self.prebuilt_matches(info):
             warn_once(f"prebuilt-{self.NAME}",
                       f"deepoffload: the prebuilt {self.NAME} op was built for torch {info.get('torch')} "
                       f"({info.get('python')}), this is torch {torch_version()} ({python_abi()}); "

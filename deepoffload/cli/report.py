@@ -102,7 +102,10 @@ def op_status(builder, results: dict) -> dict:
             directory = builder.finished_build(results)
         except OSError:
             directory = None
-    if prebuilt is not None:
+    if prebuilt is not None and not builder.prebuilt_matches(prebuilt):
+        row["prebuilt_mismatch"] = (f"the prebuilt op was built for torch {prebuilt.get('torch')} "
+                                    f"({prebuilt.get('python')}); it will be built just in time instead")
+    if builder.prebuilt_matches(prebuilt):
         row["built"] = "prebuilt"
     elif directory is not None:
         row["built"] = str(directory)
@@ -258,6 +261,8 @@ def render(report: dict, style: Style) -> str:
         for engine, s in op["engines"].items():
             if not s["ok"]:
                 out.append(f"  {engine} self-test failed: {s['reason']}")
+        if op.get("prebuilt_mismatch"):
+            out.append(style.dim(op["prebuilt_mismatch"]))
         if op.get("load_error"):
             out.append(style.bad(f"the built op does not load: {op['load_error']}"))
         if not op["built"] and op["compatible"]:

@@ -109,7 +109,7 @@ class Request:
             if err:
                 self._error = os_error(err, operation, path, offset, detail)
                 return
-            if not direct:
+            if not direct and not path.startswith("<fd "):  # a caller's descriptor is used as opened
                 _warn_buffered(path)
             if self._finish is not None:
                 self._finish()

@@ -1,0 +1,299 @@
+"""The async-IO handle from Python: round trips checked against Python's own file IO, requests in flight, reads by
+fd, every error as an OSError with errno/operation/path/offset, and the DeepSpeed-compatible surface."""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deepoffload
+from deepoffload import AioConfig, AsyncIOHandle, aligned_empty
+from deepoffload.io.native import engine_status
+
+SIZES = [1, 4096, 1_000_003, 2 * 65536 + 512]  # bytes; the handle below uses 64 KiB blocks
+OFFSETS = [0, 4096, 12345]
+
+
+def usable_engines() -> list[str]:
+    return [e for e, (ok, _) in engine_status().items() if ok]
+
+
+def make_buffer(kind: str, nbytes: int) -> torch.Tensor:
+    if kind == "pinned":
+        return aligned_empty(nbytes)
+    if kind == "aligned":
+        return aligned_empty(nbytes, pin=False)
+    return torch.empty(nbytes + 1, dtype=torch.uint8)[1:]  # one byte past an aligned start
+
+
+def python_read(path, offset: int, nbytes: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(nbytes)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("engine", ["io_uring", "libaio", "posix"])
+def test_round_trips_match_python_file_io(aio, scratch, engine, threads):
+    if engine not in usable_engines():
+        pytest.skip(f"{engine} is not usable here: {engine_status().get(engine, (False, 'not compiled in'))[1]}")
+    gen = torch.Generator().manual_seed(threads)
+    for single_submit, overlap in itertools.product([False, True], [False, True]):
+        with AsyncIOHandle(engine=engine, block_size=65536, queue_depth=8, intra_op_parallelism=threads,
+                           single_submit=single_submit, overlap_events=overlap) as h:
+            for nbytes, offset, kind in itertools.product(SIZES, OFFSETS, ["pinned", "aligned", "unaligned"]):
+                path = scratch / f"f-{nbytes}-{offset}-{kind}"
+                data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+                src = make_buffer(kind, nbytes)
+                src.copy_(data)
+                prefix = os.urandom(offset)
+                path.write_bytes(prefix)
+                assert h.write(src, path, offset) == nbytes
+                on_disk = path.read_bytes()
+                assert on_disk[:offset] == prefix, "a write at an offset keeps the bytes before it"
+                assert on_disk[offset:] == data.numpy().tobytes(), (nbytes, offset, kind)
+                dst = make_buffer(kind, nbytes)
+                dst.zero_()
+                assert h.read(dst, path, offset) == nbytes
+                assert torch.equal(dst, data), (engine, threads, single_submit, overlap, nbytes, offset, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool,
+                                   torch.complex64, torch.int64])
+def test_any_dtype_and_shape(handle, scratch, dtype):
+    t = (torch.randn(3, 5, 7) * 100).to(dtype)
+    path = scratch / "t.bin"
+    handle.write(t, path)
+    assert path.stat().st_size == t.numel() * t.element_size()
+    back = torch.empty_like(t)
+    handle.read(back, path)
+    assert torch.equal(back, t)
+    scalar = torch.tensor(3.5).to(dtype)
+    handle.write(scalar, path)
+    out = torch.zeros((), dtype=dtype)
+    handle.read(out, path)
+    assert torch.equal(out, scalar)
+
+
+def test_overwrite_with_a_shorter_tensor_leaves_exactly_its_bytes(handle, scratch):
+    path = scratch / "x"
+    handle.write(torch.ones(3 << 20, dtype=torch.uint8), path)
+    handle.write(torch.full((1000,), 7, dtype=torch.uint8), path)
+    assert path.read_bytes() == bytes([7]) * 1000, "no stale tail from the longer file"
+    handle.write(torch.full((10,), 9, dtype=torch.uint8), path, 5000)
+    assert path.stat().st_size == 5010, "a write at an offset extends the file"
+    handle.write(torch.full((10,), 8, dtype=torch.uint8), path, 0, truncate=False)
+    assert path.stat().st_size == 5010
+
+
+def test_empty_tensor(handle, scratch):
+    path = scratch / "empty"
+    assert handle.write(torch.empty(0), path) == 0
+    assert path.exists() and path.stat().st_size == 0
+    assert handle.read(torch.empty(0), path) == 0
+
+
+def test_many_requests_in_flight_and_several_handles(aio, scratch):
+    tensors = [torch.randint(0, 256, (300_000 + i,), dtype=torch.uint8) for i in range(12)]
+    with AsyncIOHandle(intra_op_parallelism=2) as a, AsyncIOHandle(engine="posix") as b:
+        reqs = [(a if i % 2 else b).write_async(t, scratch / f"m{i}") for i, t in enumerate(tensors)]
+        assert a.pending() + b.pending() <= 12
+        assert sum(r.wait() for r in reqs) == sum(t.numel() for t in tensors)
+        outs = [torch.empty_like(t) for t in tensors]
+        reqs = [(b if i % 2 else a).read_async(o, scratch / f"m{i}") for i, o in enumerate(outs)]
+        assert a.wait_all() + b.wait_all() == 12
+        assert all(r.done() for r in reqs)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+
+
+def test_request_wait_is_repeatable_and_a_context_manager(handle, scratch):
+    t = torch.arange(1000, dtype=torch.int32)
+    with handle.write_async(t, scratch / "r") as req:
+        pass
+    assert req.done() and req.wait() == 4000 and req.wait(timeout=0) == 4000
+    assert handle.wait_all() == 0, "nothing pending: returns 0, no abort"
+
+
+def test_reads_and_writes_by_fd(handle, scratch):
+    path = scratch / "fd"
+    t = torch.randint(0, 256, (123_457,), dtype=torch.uint8)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        handle.write(t, fd, 100)
+        back = torch.empty_like(t)
+        handle.read(back, fd, 100)
+        assert torch.equal(back, t)
+        os.fstat(fd)  # the caller's descriptor stays open
+    finally:
+        os.close(fd)
+
+
+def test_validate_detects_a_mismatch(handle, scratch, monkeypatch):
+    path = scratch / "v"
+    t = torch.randint(0, 256, (10_000,), dtype=torch.uint8)
+    assert handle.write(t, path, validate=True) == 10_000
+    back = torch.empty_like(t)
+    assert handle.read(back, path, validate=True) == 10_000
+    with open(path, "r+b") as f:  # the file no longer holds what the tensor holds
+        f.seek(5)
+        f.write(b"\xff" if t[5] != 255 else b"\x00")
+    from deepoffload.io.handle import _validate
+
+    with pytest.raises(deepoffload.ValidationError, match="differ"):
+        _validate(t, path, 0)
+    with pytest.raises(deepoffload.ValidationError):
+        _validate(t, path, 1)
+
+
+def test_missing_file_raises_with_errno_operation_path_offset(handle, scratch):
+    missing = scratch / "nope" / "x"
+    with pytest.raises(FileNotFoundError) as info:
+        handle.read(torch.empty(10), missing)
+    e = info.value
+    assert e.errno == errno.ENOENT and e.filename == str(missing)
+    assert "open" in str(e) and "offset" in str(e)
+    with pytest.raises(FileNotFoundError):
+        handle.write(torch.empty(10), missing)
+
+
+def test_read_past_the_end_raises_and_the_process_lives(handle, scratch):
+    path = scratch / "short"
+    path.write_bytes(b"x" * 5000)
+    with pytest.raises(OSError) as info:
+        handle.read(torch.empty(10_000, dtype=torch.uint8), path)
+    assert info.value.errno == errno.ENODATA and "5000" in str(info.value)
+    with pytest.raises(OSError):
+        handle.read(torch.empty(10, dtype=torch.uint8), path, 4999)
+
+
+def test_permission_denied(handle, scratch):
+    if os.geteuid() == 0:
+        directory = "/proc/1"  # root bypasses modes, not procfs
+        with pytest.raises(OSError) as info:
+            handle.write(torch.empty(10), f"{directory}/deepoffload-test")
+        assert info.value.errno in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EROFS)
+    else:
+        path = scratch / "ro"
+        path.write_bytes(b"x")
+        path.chmod(0o400)
+        with pytest.raises(PermissionError):
+            handle.write(torch.empty(10), path)
+
+
+def test_bad_input_gets_clear_errors(handle, scratch):
+    with pytest.raises(ValueError, match="contiguous"):
+        handle.write(torch.empty(10, 10).t(), scratch / "x")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        handle.write(b"bytes", scratch / "x")
+    with pytest.raises(ValueError, match="offset"):
+        handle.write(torch.empty(1), scratch / "x", -1)
+    with pytest.raises(TypeError, match="path or a file descriptor"):
+        handle.write(torch.empty(1), 3.5)
+    with pytest.raises(ValueError, match="engine"):
+        AsyncIOHandle(engine="nonsense")
+    with pytest.raises(ValueError, match="block_size"):
+        AsyncIOHandle(block_size=0)
+    with pytest.raises(ValueError, match="unknown aio config key"):
+        AsyncIOHandle(blocksize=4096)
+
+
+def test_disk_full_raises_enospc(aio, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        with AsyncIOHandle() as h, pytest.warns(RuntimeWarning, match="O_DIRECT"):
+            with pytest.raises(OSError) as info:
+                h.write(torch.zeros(4 << 20, dtype=torch.uint8), mnt / "big")
+        assert info.value.errno == errno.ENOSPC
+        assert "write" in str(info.value) and "big" in str(info.value)
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_errors_in_a_subprocess_never_abort(aio, scratch):
+    """The risky calls of the reference (short file, wait with nothing pending, exit with parallelism 1 and
+    operations in flight) run in a child whose exit status must be clean."""
+    code = f"""
+import torch, deepoffload
+from deepoffload.op_builder import AsyncIOBuilder
+h = AsyncIOBuilder().load().aio_handle(1048576, 8, False, True, 1)
+assert h.wait() == 0
+open({str(scratch / 's')!r}, 'wb').write(b'x' * 100)
+try:
+    h.sync_pread(torch.empty(1000, dtype=torch.uint8), {str(scratch / 's')!r})
+except OSError as e:
+    print('OSError', e.errno)
+big = torch.zeros(64 << 20, dtype=torch.uint8)
+h.async_pwrite(big, {str(scratch / 'b')!r})
+print('exiting with an operation in flight')
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "OSError 61" in proc.stdout
+    assert "terminate" not in proc.stderr
+
+
+def test_deepspeed_compatible_surface(aio, scratch):
+    from deepoffload.op_builder import AsyncIOBuilder
+
+    module = AsyncIOBuilder().load()
+    h = module.aio_handle(block_size=1048576, queue_depth=8, single_submit=False, overlap_events=True,
+                          intra_op_parallelism=3)
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
+            h.get_intra_op_parallelism()) == (1048576, 8, False, True, 3)
+    assert h.get_alignment() >= 512
+    names = ["read", "write", "pread", "pwrite", "sync_pread", "sync_pwrite", "async_pread", "async_pwrite"]
+    params = {n: list(inspect.signature(getattr(h, n)).parameters) for n in names}
+    assert params["read"] == params["write"] == ["buffer", "filename", "validate", "file_offset"]
+    assert params["pread"] == ["buffer", "filename", "validate", "async_op", "file_offset"]
+    assert params["sync_pread"] == params["async_pwrite"] == ["buffer", "filename", "file_offset"]
+    buf = h.new_cpu_locked_tensor(1_000_001, torch.empty(0, dtype=torch.float16))
+    assert buf.dtype == torch.float16 and buf.numel() == 1_000_001 and h.is_pinned(buf)
+    buf.copy_(torch.randn(1_000_001))
+    path = str(scratch / "ds")
+    assert h.sync_pwrite(buf, path) == 1
+    assert h.write(buf, path, True) == 1
+    out = torch.empty_like(buf)
+    assert h.async_pread(out, path) == 0
+    assert h.wait() == 1 and torch.equal(out, buf)
+    assert h.pread(out, path, False, True, 0) == 0 and h.pread(out, path, False, True, 2) == 0
+    assert h.wait() == 2
+    assert h.wait() == 0
+    assert h.read(out, path, False) == 1
+    assert h.free_cpu_locked_tensor(buf) is True
+
+
+def test_config_defaults_are_defined_once(monkeypatch):
+    from deepoffload.io.compat import aio_handle
+
+    defaults = AioConfig()
+    sig = inspect.signature(aio_handle.__init__).parameters
+    assert sig["block_size"].default == defaults.block_size
+    assert sig["queue_depth"].default == defaults.queue_depth
+    monkeypatch.setenv("DEEPOFFLOAD_AIO_ENGINE", "posix")
+    monkeypatch.setenv("DEEPOFFLOAD_AIO_QUEUE_DEPTH", "4")
+    env = AioConfig.from_env()
+    assert env.engine == "posix" and env.queue_depth == 4
+    assert AioConfig.from_dict({"thread_count": 2}).intra_op_parallelism == 2
+
+
+def test_aligned_empty(aio):
+    t = aligned_empty((3, 1000), torch.float32)
+    assert t.shape == (3, 1000) and t.data_ptr() % 4096 == 0 and deepoffload.is_pinned(t)
+    big = aligned_empty(10, torch.uint8, alignment=1 << 16)
+    assert big.data_ptr() % (1 << 16) == 0
+    assert aligned_empty(0).numel() == 0
+    with pytest.raises(ValueError, match="power of two"):
+        aligned_empty(10, alignment=3000)
+    assert not deepoffload.is_pinned(torch.empty(10))
