@@ -1,0 +1,142 @@
+"""Timed transfers through ``AsyncIOHandle`` and the test file they use.
+
+A ``Sample`` is one timed transfer of a whole file. Throughput is in GB/s (1e9 bytes per second). Reads measure the
+storage, not the page cache: the op uses O_DIRECT where the filesystem accepts it, and the file's cached pages are
+evicted (fsync, then ``posix_fadvise(DONTNEED)``) before every read in any case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..io.buffers import aligned_empty
+from ..io.handle import AsyncIOHandle
+
+BUFFER_KINDS = ("pinned", "unaligned")
+OPS = ("write", "read")
+
+
+class BenchError(Exception):
+    """A problem the user can fix (folder, space, missing tool); its message is one line saying what to do."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed transfer: ``nbytes`` moved by ``tool`` in ``seconds``, split into requests of ``block_size``
+    bytes."""
+
+    tool: str
+    op: str
+    nbytes: int
+    seconds: float
+    block_size: int
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (1e9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def requests(self) -> int:
+        """Block-sized requests the transfer was split into."""
+        return max(1, math.ceil(self.nbytes / self.block_size))
+
+    @property
+    def seconds_per_request(self) -> float:
+        """Transfer time divided by the number of block requests (with a queue, not one request's latency)."""
+        return self.seconds / self.requests
+
+
+def make_buffer(nbytes: int, kind: str) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` bytes: ``pinned`` is page-aligned and page-locked (the zero-copy path),
+    ``unaligned`` starts one byte past a torch allocation (the bounce-buffer path). Filled with a random
+    (incompressible) pattern."""
+    if kind == "pinned":
+        buffer = aligned_empty(nbytes)
+    elif kind == "unaligned":
+        buffer = torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+    else:
+        raise ValueError(f"buffer kind must be one of {', '.join(BUFFER_KINDS)}, got {kind!r}")
+    pattern = torch.randint(0, 256, (min(nbytes, 1 << 20),), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(0))
+    for offset in range(0, nbytes, pattern.numel()):
+        chunk = buffer[offset:offset + pattern.numel()]
+        chunk.copy_(pattern[:chunk.numel()])
+    return buffer
+
+
+def direct_io_works(path: Path) -> bool:
+    """True when ``path`` (an existing file) can be opened with O_DIRECT."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def evict(path: Path) -> None:
+    """Write back and drop ``path``'s pages from the page cache, so the next buffered read comes from storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def scratch_file(folder: str | os.PathLike, nbytes: int, spare: int = 0) -> Iterator[Path]:
+    """A new, empty file in ``folder`` for a test of ``nbytes`` bytes (plus ``spare`` bytes of headroom), removed
+    on exit whatever happens. Raises ``BenchError`` when the folder is missing, not writable or has too little
+    free space."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise BenchError(f"{folder} is not an existing folder; pass --path a folder on the storage to measure")
+    free = shutil.disk_usage(folder).free
+    if free < nbytes + spare:
+        raise BenchError(f"not enough free space in {folder}: the test file needs {nbytes + spare} bytes, "
+                         f"{free} are free; pass a smaller --size or another --path")
+    path = folder / f".deepoffload-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as e:
+        raise BenchError(f"cannot create a test file in {folder}: {e.strerror}; pass --path a folder you can "
+                         f"write to") from e
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def time_transfer(handle: AsyncIOHandle, op: str, buffer: torch.Tensor, path: Path, direct: bool) -> Sample:
+    """Move ``buffer`` to (``write``) or from (``read``) the start of ``path`` once and time it.
+
+    Writes overwrite in place (no truncation, like fio) and, when the file is not on O_DIRECT, are fsynced so the
+    time includes reaching storage. Before a read the file's cached pages are evicted (not timed).
+    """
+    if op == "write":
+        start = time.perf_counter()
+        handle.write(buffer, path, truncate=False, fsync=not direct)
+    elif op == "read":
+        evict(path)
+        start = time.perf_counter()
+        handle.read(buffer, path)
+    else:
+        raise ValueError(f"op must be 'read' or 'write', got {op!r}")
+    seconds = time.perf_counter() - start
+    return Sample("deepoffload", op, buffer.numel(), seconds, handle.block_size)

@@ -1,0 +1,126 @@
+"""One benchmark run: our transfers, fio's and the baselines' on one test file, interleaved loop by loop
+(ours, fio, mmap, torch for writes, then the same for reads), so a noisy shared disk affects all alike."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import AioConfig
+from ..io.handle import AsyncIOHandle
+from . import baselines
+from .fio import fio_executable, run_fio
+from .measure import BUFFER_KINDS, OPS, Sample, direct_io_works, make_buffer, scratch_file, time_transfer
+
+BASELINES: dict[str, tuple[Callable[..., Sample], ...]] = {
+    "write": (baselines.mmap_write, baselines.torch_save),
+    "read": (baselines.mmap_read, baselines.torch_load),
+}
+UNITS = {"throughput": "GB/s (1e9 bytes per second)", "time": "seconds", "size": "bytes"}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to measure: ``nbytes`` (bytes per transfer and test-file size) in ``folder`` with ``config``."""
+
+    folder: Path
+    nbytes: int
+    config: AioConfig = field(default_factory=AioConfig.from_env)
+    ops: tuple[str, ...] = OPS
+    loops: int = 3
+    buffer: str = "pinned"
+    compare_fio: bool = False
+    baselines: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loops < 1:
+            raise ValueError(f"loops must be at least 1, got {self.loops}")
+        if not self.ops or any(op not in OPS for op in self.ops):
+            raise ValueError(f"ops must be some of {OPS}, got {self.ops}")
+        if self.buffer not in BUFFER_KINDS:
+            raise ValueError(f"buffer must be one of {BUFFER_KINDS}, got {self.buffer!r}")
+
+
+@dataclass
+class BenchResult:
+    settings: BenchSettings
+    engine: str
+    direct_io: bool
+    samples: list[Sample]
+
+    def series(self, tool: str, op: str) -> list[Sample]:
+        return [s for s in self.samples if s.tool == tool and s.op == op]
+
+    def ratios(self, op: str, other: str = "fio") -> list[float]:
+        """Per-loop ratio of our throughput to ``other``'s (loop i with loop i)."""
+        return [ours.gbps / theirs.gbps for ours, theirs in zip(self.series("deepoffload", op),
+                                                                 self.series(other, op))]
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        results: dict[str, Any] = {}
+        for op in s.ops:
+            tools = dict.fromkeys(x.tool for x in self.samples if x.op == op)
+            entry: dict[str, Any] = {tool: summarize(self.series(tool, op)) for tool in tools}
+            for other in tools:
+                if other != "deepoffload":
+                    ratios = self.ratios(op, other)
+                    entry[f"ratio_vs_{other}"] = {"per_loop": ratios, "median": statistics.median(ratios)}
+            results[op] = entry
+        return {
+            "units": UNITS,
+            "path": str(s.folder),
+            "file_bytes": s.nbytes,
+            "loops": s.loops,
+            "buffer": s.buffer,
+            "direct_io": self.direct_io,
+            "config": {**s.config.to_dict(), "engine": self.engine},
+            "results": results,
+        }
+
+
+def summarize(samples: list[Sample]) -> dict[str, Any]:
+    """Per-loop and median throughput (GB/s) and time per block request and per whole transfer (seconds)."""
+    return {
+        "gbps": [x.gbps for x in samples],
+        "median_gbps": statistics.median(x.gbps for x in samples),
+        "bytes_per_transfer": samples[0].nbytes,
+        "requests_per_transfer": samples[0].requests,
+        "seconds_per_transfer": [x.seconds for x in samples],
+        "median_seconds_per_transfer": statistics.median(x.seconds for x in samples),
+        "median_seconds_per_request": statistics.median(x.seconds_per_request for x in samples),
+    }
+
+
+def run(settings: BenchSettings, on_sample: Callable[[Sample], None] | None = None) -> BenchResult:
+    """Measure as ``settings`` say; the test file is removed afterwards, also on errors. Problems the user can fix
+    raise ``BenchError``; IO failures raise ``OSError``."""
+    s = settings
+    if s.compare_fio:
+        fio_executable()  # fail before spending time when fio is missing
+    buffer = make_buffer(s.nbytes, s.buffer)
+    spare = 1 << 20 if s.baselines else 0
+    samples: list[Sample] = []
+    with scratch_file(s.folder, s.nbytes, spare) as path, AsyncIOHandle(s.config) as handle:
+        direct = direct_io_works(path)
+        if s.baselines:  # torch.load needs a file torch.save wrote; everything else reads its first nbytes
+            baselines.torch_save(buffer, path)
+        else:
+            handle.write(buffer, path)
+        for _ in range(s.loops):
+            for op in s.ops:
+                steps: list[Callable[[], Sample]] = [lambda: time_transfer(handle, op, buffer, path, direct)]
+                if s.compare_fio:
+                    c = s.config
+                    steps.append(lambda: run_fio(path, op, s.nbytes, c.block_size, c.queue_depth,
+                                                 c.intra_op_parallelism))
+                if s.baselines:
+                    steps.extend(lambda f=f: f(buffer, path) for f in BASELINES[op])
+                for step in steps:
+                    sample = step()
+                    samples.append(sample)
+                    if on_sample is not None:
+                        on_sample(sample)
+        return BenchResult(s, handle.engine, direct, samples)

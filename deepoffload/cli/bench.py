@@ -1,0 +1,121 @@
+"""``deepoffload bench``: how fast a folder's storage is through deepoffload, per loop and median, optionally side by
+side with fio (same file, block size, queue depth, O_DIRECT) and with mmap and torch.save/torch.load.
+
+Throughput is in GB/s = 1e9 bytes per second. Exit status: 0 on success, 1 on an error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _size(text: str) -> int:
+    from ..bench.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config and the async-IO knobs; ones given override the config file (or the defaults)."""
+    parser.add_argument("--config", metavar="FILE", help="start from this aio JSON config (e.g. from `tune`)")
+    parser.add_argument("--block-size", type=_size, metavar="BYTES", help="bytes per IO request (K/M/G suffixes)")
+    parser.add_argument("--queue-depth", type=int, metavar="N", help="requests in flight per thread")
+    parser.add_argument("--threads", type=int, metavar="N", help="threads sharing one transfer "
+                        "(intra_op_parallelism)")
+    parser.add_argument("--engine", choices=("auto", "io_uring", "libaio", "posix"), help="async-IO engine")
+
+
+def config_from_args(args: argparse.Namespace):
+    from ..config import AioConfig
+
+    base = AioConfig.from_json(args.config) if args.config else AioConfig.from_env()
+    overrides = {key: value for key, value in (("block_size", args.block_size), ("queue_depth", args.queue_depth),
+                                               ("intra_op_parallelism", args.threads), ("engine", args.engine))
+                 if value is not None}
+    return AioConfig.from_dict(overrides, base=base)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to measure")
+    parser.add_argument("--size", type=_size, default="1G", metavar="BYTES",
+                        help="test file size = bytes per transfer (K/M/G suffixes, powers of 1024; default 1G)")
+    add_knob_arguments(parser)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--read", dest="ops", action="store_const", const=("read",), help="reads only")
+    which.add_argument("--write", dest="ops", action="store_const", const=("write",), help="writes only")
+    which.add_argument("--both", dest="ops", action="store_const", const=("write", "read"),
+                       help="writes and reads (default)")
+    parser.add_argument("--loops", type=int, default=3, metavar="N", help="timed transfers per kind (default 3)")
+    parser.add_argument("--buffer", choices=("pinned", "unaligned"), default="pinned",
+                        help="pinned: page-aligned, page-locked (zero copy); unaligned: through bounce buffers")
+    parser.add_argument("--compare-fio", action="store_true", help="run fio interleaved with ours, print ours/fio")
+    parser.add_argument("--baselines", action="store_true", help="also time mmap and torch.save/torch.load+fsync")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.measure import BenchError
+    from ..config import ConfigError
+
+    try:
+        return _run(args)
+    except (BenchError, ConfigError, ValueError, OSError) as e:
+        print(f"deepoffload bench: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench.runner import BenchSettings, run as run_bench
+
+    settings = BenchSettings(folder=Path(args.path), nbytes=args.size, config=config_from_args(args),
+                             ops=args.ops or ("write", "read"), loops=args.loops, buffer=args.buffer,
+                             compare_fio=args.compare_fio, baselines=args.baselines)
+    progress = None if args.json else (lambda s: print(f"  {s.op:5} {s.tool:11} {s.gbps:7.3f} GB/s",
+                                                       file=sys.stderr, flush=True))
+    result = run_bench(settings, progress)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_table(result.to_dict()))
+    return 0
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3f} ms" if value < 1 else f"{value:.3f} s"
+
+
+def format_table(report: dict) -> str:
+    from ..bench.sizes import format_size
+
+    c = report["config"]
+    lines = [
+        f"deepoffload bench  {report['path']}  {report['file_bytes']} bytes ({format_size(report['file_bytes'])}) "
+        f"per transfer  {report['buffer']} buffer  {'O_DIRECT' if report['direct_io'] else 'buffered (fsync)'}",
+        f"engine {c['engine']}  block_size {c['block_size']} ({format_size(c['block_size'])})  queue_depth "
+        f"{c['queue_depth']}  threads {c['intra_op_parallelism']}  single_submit {c['single_submit']}  "
+        f"overlap_events {c['overlap_events']}",
+        "throughput in GB/s (1e9 bytes/s); time per request = transfer time / block requests",
+    ]
+    for op, entry in report["results"].items():
+        loops = len(entry["deepoffload"]["gbps"])
+        header = f"{op:<18}" + "".join(f"{'loop ' + str(i + 1):>9}" for i in range(loops))
+        lines += ["", header + f"{'median':>9}{'per request':>14}{'per transfer':>14}"]
+        for tool, data in entry.items():
+            if tool.startswith("ratio_vs_"):
+                continue
+            lines.append(f"  {tool:<16}" + "".join(f"{g:9.3f}" for g in data["gbps"])
+                         + f"{data['median_gbps']:9.3f}{_seconds(data['median_seconds_per_request']):>14}"
+                         + f"{_seconds(data['median_seconds_per_transfer']):>14}")
+        for key, data in entry.items():
+            if key.startswith("ratio_vs_"):
+                name = "ours/" + key.removeprefix("ratio_vs_")
+                lines.append(f"  {name:<16}" + "".join(f"{r:9.3f}" for r in data["per_loop"])
+                             + f"{data['median']:9.3f}  (median of per-loop ratios)")
+    return "\n".join(lines)
