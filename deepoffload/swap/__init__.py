@@ -1,0 +1,1 @@
+"""Swapping tensors and optimizer state to storage: ``SwapConfig``, ``TensorSwapper``, ``OffloadedOptimizer``."""

@@ -1,0 +1,111 @@
+"""Swap settings: the async-IO settings (``AioConfig``, unchanged) plus where and how tensors are swapped.
+
+A config dict or JSON file may hold the ``aio`` keys at top level (what ``deepoffload tune`` writes), under an
+``aio`` section (DeepSpeed's layout), or both, next to the swap keys below. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config import ALIASES as AIO_ALIASES
+from ..config import AioConfig, ConfigError, _bool, _positive_int
+
+SWAP_ALIASES = {"nvme_path": "folder", "pin_memory": "pin"}
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """Where and how tensors are swapped to storage.
+
+    aio: how bytes move (block size, queue depth, threads, engine); see ``AioConfig``.
+    folder: the base folder for swap files (None: the system temp folder). Each run gets its own sub-folder there.
+    buffer_count: aligned staging buffers in the pool (the pipeline uses 3: read ahead, step, write behind).
+    chunk_bytes: bytes of optimizer state per pipelined chunk, and the size of each pooled buffer (page-aligned).
+        Peak memory of an offloaded step is about ``buffer_count * chunk_bytes`` plus the largest single
+        parameter's state, whatever the model size.
+    pin: page-lock the buffers (faster IO; needs RLIMIT_MEMLOCK, warns and carries on unlocked without it).
+    checksum: hash every tensor at swap-out (xxh3-64) and check it at swap-in; a changed byte is an error.
+    keep_files: leave the swap files when closing (for inspection); by default they are removed on close and at
+        interpreter exit.
+    """
+
+    aio: AioConfig = field(default_factory=AioConfig.from_env)
+    folder: str | None = None
+    buffer_count: int = 4
+    chunk_bytes: int = 32 << 20
+    pin: bool = True
+    checksum: bool = False
+    keep_files: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.aio, AioConfig):
+            raise ConfigError(f"aio: expected an AioConfig, got {type(self.aio).__name__}")
+        if self.folder is not None and (not isinstance(self.folder, (str, os.PathLike)) or not os.fspath(self.folder)):
+            raise ConfigError(f"folder: expected a path to a folder (or null for the temp folder), got {self.folder!r}")
+        if self.folder is not None:
+            object.__setattr__(self, "folder", os.fspath(self.folder))
+        _positive_int("buffer_count", self.buffer_count)
+        _positive_int("chunk_bytes", self.chunk_bytes)
+        for key in ("pin", "checksum", "keep_files"):
+            _bool(key, getattr(self, key))
+
+    @classmethod
+    def swap_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "aio")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "SwapConfig":
+        """Build from swap keys plus ``aio`` keys (top level and/or an ``aio`` section); unknown keys are errors."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"swap config: expected a mapping of keys to values, got {type(values).__name__}")
+        swap: dict[str, Any] = {}
+        aio: dict[str, Any] = {}
+        section = values.get("aio", {})
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"aio: expected a section of aio keys, got {section!r}")
+        aio_keys = AioConfig.keys() + tuple(AIO_ALIASES)
+        for key, value in values.items():
+            if key == "aio":
+                continue
+            name = SWAP_ALIASES.get(key, key)
+            if name in cls.swap_keys():
+                if name in swap:
+                    raise ConfigError(f"{key}: given twice (as {name!r} and its alias)")
+                swap[name] = value
+            elif key in aio_keys:
+                aio[key] = value
+            else:
+                raise ConfigError(f"unknown swap config key {key!r}; accepted: "
+                                  f"{', '.join(cls.swap_keys() + tuple(SWAP_ALIASES) + aio_keys + ('aio',))}")
+        for key, value in section.items():
+            if key in aio:
+                raise ConfigError(f"{key}: given both at top level and in the aio section")
+            aio[key] = value
+        return cls(aio=AioConfig.from_dict(aio), **swap)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "SwapConfig":
+        """Read a JSON file of swap and/or aio keys (a ``deepoffload tune`` output loads unchanged)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from e
+        except ValueError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "SwapConfig":
+        """A copy with some swap keys changed (``aio=`` takes an ``AioConfig``)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Swap keys plus an ``aio`` section; ``from_dict`` reads it back."""
+        values = {key: getattr(self, key) for key in self.swap_keys()}
+        values["aio"] = self.aio.to_dict()
+        return values

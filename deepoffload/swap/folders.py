@@ -1,0 +1,67 @@
+"""Per-run, rank-aware swap folders, removed on close and at interpreter exit unless kept.
+
+A run folder is ``<base>/deepoffload-rank<R>-<unique>``: two jobs (or two ranks of one job) on the same base path
+never share files, and the rank in the name tells them apart when kept for inspection.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import threading
+
+_owned_lock = threading.Lock()
+_owned: set[str] = set()
+
+
+def current_rank() -> int:
+    """This process's rank: from the default ``torch.distributed`` process group when one is initialised, else
+    ``$RANK`` (set by torchrun), else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    text = os.environ.get("RANK", "0")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"RANK={text!r} is not an integer; unset it or set it to this process's rank") from None
+
+
+def create_run_folder(base: str | None, rank: int | None = None) -> str:
+    """Create and return a fresh folder for this run's swap files under ``base`` (None: the temp folder).
+
+    The folder is registered for removal at interpreter exit; ``remove_run_folder`` removes it earlier, and
+    ``keep_run_folder`` keeps it."""
+    base = base or tempfile.gettempdir()
+    try:
+        os.makedirs(base, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix=f"deepoffload-rank{current_rank() if rank is None else rank}-", dir=base)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create a swap folder in {base} ({e.strerror}); choose a writable folder "
+                               f"with `folder=` (or --path)", base) from e
+    with _owned_lock:
+        _owned.add(folder)
+    return folder
+
+
+def keep_run_folder(folder: str) -> None:
+    """Leave ``folder`` in place at interpreter exit."""
+    with _owned_lock:
+        _owned.discard(folder)
+
+
+def remove_run_folder(folder: str) -> None:
+    """Remove ``folder`` and its files now."""
+    keep_run_folder(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@atexit.register
+def _remove_owned() -> None:
+    with _owned_lock:
+        folders = list(_owned)
+    for folder in folders:
+        remove_run_folder(folder)

@@ -1,0 +1,59 @@
+"""A bounded pool of page-aligned (optionally page-locked) staging buffers of one size.
+
+Buffers are made on first use, at most ``count`` of them, each ``buffer_bytes`` bytes. A request larger than that
+gets a one-off buffer that is freed when released, so the pool itself never grows past ``count * buffer_bytes``.
+The pool owns its buffers; whoever acquires one owns it until ``release`` (or ``forget``, when views of it must
+outlive their use, e.g. tensors left resident after a failed write).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..io.buffers import PAGE_SIZE, aligned_empty
+
+
+def round_up(nbytes: int, alignment: int = PAGE_SIZE) -> int:
+    """``nbytes`` rounded up to a multiple of ``alignment`` (bytes)."""
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+class BufferPool:
+    """``count`` reusable uint8 buffers of ``buffer_bytes`` bytes (rounded up to the page size)."""
+
+    def __init__(self, count: int, buffer_bytes: int, pin: bool = True):
+        self.count = count
+        self.buffer_bytes = round_up(buffer_bytes)
+        self.pin = pin
+        self._free: list[torch.Tensor] = []
+        self._pooled: set[int] = set()  # data_ptr of every pooled buffer, free or in use
+
+    def try_acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of at least ``nbytes`` bytes, or None when all pooled buffers are in use. Larger requests
+        than ``buffer_bytes`` always succeed with a one-off buffer."""
+        if nbytes > self.buffer_bytes:
+            return self.one_off(nbytes)
+        if self._free:
+            return self._free.pop()
+        if len(self._pooled) < self.count:
+            buffer = aligned_empty(self.buffer_bytes, pin=self.pin)
+            self._pooled.add(buffer.data_ptr())
+            return buffer
+        return None
+
+    def one_off(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes outside the pool, freed when released."""
+        return aligned_empty(round_up(nbytes), pin=self.pin)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Give a buffer back; no view of it may be used afterwards. One-off buffers are freed."""
+        if buffer.data_ptr() in self._pooled:
+            self._free.append(buffer)
+
+    def forget(self, buffer: torch.Tensor) -> None:
+        """Stop pooling ``buffer`` (its views live on and free it when they die); a new one replaces it."""
+        self._pooled.discard(buffer.data_ptr())
+
+    def held_bytes(self) -> int:
+        """Bytes of pooled buffers made so far (free or in use)."""
+        return len(self._pooled) * self.buffer_bytes

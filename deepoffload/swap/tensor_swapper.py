@@ -1,0 +1,399 @@
+"""``TensorSwapper``: move named groups of tensors to files in a per-run folder and back, asynchronously, through a
+bounded pool of aligned staging buffers.
+
+Each group is one file; each tensor in it keeps a ``SwapRecord`` (key, dtype, shape, bytes, file, offset, ...)
+and is read back sized from its own record. Tensors are staged through a pooled buffer (a copy, so any strides,
+dtype or device work; the copy is skipped when the tensor already sits in the staging buffer where it will be
+written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until its new write has
+completed; a failed write drops them (the file is unknown now) and the caller keeps its tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from ..io.handle import AsyncIOHandle, Request
+from .config import SwapConfig
+from .folders import create_run_folder, keep_run_folder, remove_run_folder
+from .pool import BufferPool, round_up
+
+Groups = Mapping[str, Mapping[str, torch.Tensor]]
+
+
+class ChecksumError(OSError):
+    """A swapped tensor's bytes changed on storage (its checksum no longer matches)."""
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    """Where one swapped tensor lives and what it is.
+
+    nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (page-aligned).
+    device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
+    global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+    offset: int
+    device: torch.device
+    checksum: int | None = None
+    dtensor: tuple | None = None
+
+
+def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """A DTensor's local shard and its (mesh, placements, shape, stride); other tensors as they are."""
+    if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
+        return tensor.to_local(), (tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tensor.stride())
+    return tensor, None
+
+
+def _checked(group: str, key: str, tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"swap_out: {group}/{key} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_sparse or tensor.is_quantized:
+        raise ValueError(f"swap_out: {group}/{key} is sparse or quantized and has no single byte buffer; swap "
+                         f"tensor.to_dense() or tensor.dequantize() instead")
+    return tensor
+
+
+def _hash(region: torch.Tensor) -> int:
+    try:
+        import xxhash
+    except ImportError as e:
+        raise ImportError("checksum=True needs the xxhash package: pip install xxhash") from e
+    return xxhash.xxh3_64_intdigest(region.numpy()) if region.numel() else 0
+
+
+def _group_span(records: Iterable[SwapRecord]) -> int:
+    """Bytes a group's file holds (the end of its last tensor, rounded up to the page size)."""
+    return round_up(max((r.offset + r.nbytes for r in records), default=0))
+
+
+class SwapOut:
+    """Writes in flight for some groups. ``wait()`` returns the bytes written once the new records are in force
+    and the staging buffer is released; on failure it raises the first ``OSError`` and the caller's tensors stay
+    its own (nothing was freed)."""
+
+    def __init__(self, swapper: "TensorSwapper", requests: list[Request], records: dict[str, dict[str, SwapRecord]],
+                 buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None):
+        self._swapper = swapper
+        self._requests = requests
+        self._records = records
+        self._buffers = buffers  # the staging buffer written from, and the swap-in buffer it replaces, if any
+        self._sources = sources  # the caller's tensors, alive until their bytes are written
+        self._on_done = on_done
+        self._result: int | BaseException | None = None
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return tuple(self._records)
+
+    def done(self) -> bool:
+        return self._result is not None or all(r.done() for r in self._requests)
+
+    def wait(self) -> int:
+        if self._result is None:
+            self._finish()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        return self._result
+
+    def _finish(self) -> None:
+        swapper, error, nbytes = self._swapper, None, 0
+        for request in self._requests:
+            try:
+                nbytes += request.wait()
+            except OSError as e:
+                error = error or e
+        for group in self._records:
+            if swapper._writing.get(group) is self:
+                del swapper._writing[group]
+        if error is None:
+            swapper._records.update(self._records)
+            swapper.bytes_written += nbytes
+            if self._on_done is not None:
+                self._on_done()
+            for buffer in self._buffers:
+                swapper.pool.release(buffer)
+        else:
+            for group in self._records:
+                swapper._records.pop(group, None)
+            for buffer in self._buffers:
+                swapper.pool.forget(buffer)  # views of it may stay resident in the caller's hands
+        self._result = error if error is not None else nbytes
+        self._requests, self._sources, self._buffers, self._on_done = [], (), [], None
+        if self in swapper._pending_out:
+            swapper._pending_out.remove(self)
+
+
+class SwapIn:
+    """Reads in flight for some groups. ``wait()`` returns ``{group: {key: tensor}}``: views of one pooled buffer
+    (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is called."""
+
+    def __init__(self, swapper: "TensorSwapper", requests: list[Request], layout: dict[str, tuple[int, dict]],
+                 buffer: torch.Tensor | None):
+        self._swapper = swapper
+        self._requests = requests
+        self._layout = layout  # group -> (start in buffer, records)
+        self._buffer = buffer
+        self._tensors: dict[str, dict[str, torch.Tensor]] | None = None
+
+    def wait(self) -> dict[str, dict[str, torch.Tensor]]:
+        if self._tensors is None:
+            error, nbytes = None, 0
+            for request in self._requests:
+                try:
+                    nbytes += request.wait()
+                except OSError as e:
+                    error = error or e
+            self._requests = []
+            if error is not None:
+                self.release()
+                raise error
+            self._swapper.bytes_read += nbytes
+            tensors = {}
+            for group, (start, records) in self._layout.items():
+                tensors[group] = {key: self._restore(start, record) for key, record in records.items()}
+            self._tensors = tensors
+        return self._tensors
+
+    def _restore(self, start: int, record: SwapRecord) -> torch.Tensor:
+        if record.nbytes == 0:
+            local = torch.empty(record.shape, dtype=record.dtype)
+        else:
+            region = self._buffer[start + record.offset:start + record.offset + record.nbytes]
+            if record.checksum is not None and _hash(region) != record.checksum:
+                self.release()
+                raise ChecksumError(5, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at offset "
+                                       f"{record.offset}): the swap file was changed or corrupted", record.file)
+            local = region.view(record.dtype).view(record.shape)
+        if record.device.type != "cpu":
+            local = local.to(record.device)
+        if record.dtensor is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = record.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def release(self) -> None:
+        """Give the staging buffer back (after waiting for the reads); the tensors from ``wait()`` die with it."""
+        for request in self._requests:
+            try:
+                request.wait()
+            except OSError:
+                pass
+        self._requests = []
+        if self._buffer is not None:
+            self._swapper.pool.release(self._buffer)
+            self._buffer = None
+
+    def detach(self) -> None:
+        """The tensors from ``wait()`` stay in use indefinitely: the buffer leaves the pool (freed with them)."""
+        buffer = self._hand_over()
+        if buffer is not None:
+            self._swapper.pool.forget(buffer)
+
+    def _hand_over(self) -> torch.Tensor | None:
+        """Give up the staging buffer to a ``SwapOut`` that takes charge of it."""
+        buffer, self._buffer = self._buffer, None
+        return buffer
+
+
+class TensorSwapper:
+    """Swaps named groups of tensors to files in its own run folder (rank-aware; removed on ``close`` and at exit
+    unless ``config.keep_files``). One group is one file ``<folder>/<group>.swp``; group names are file names
+    (letters, digits, ``-``, ``_``, ``.``)."""
+
+    def __init__(self, config: SwapConfig | None = None, *, rank: int | None = None):
+        self.config = config or SwapConfig()
+        self.folder = create_run_folder(self.config.folder, rank)
+        if self.config.keep_files:
+            keep_run_folder(self.folder)
+        self.handle = AsyncIOHandle(self.config.aio)
+        self.pool = BufferPool(self.config.buffer_count, self.config.chunk_bytes, self.config.pin)
+        self._records: dict[str, dict[str, SwapRecord]] = {}
+        self._writing: dict[str, SwapOut] = {}
+        self._pending_out: collections.deque[SwapOut] = collections.deque()
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._closed = False
+
+    # -- queries ------------------------------------------------------------------------------------------
+    def records(self, group: str) -> Mapping[str, SwapRecord]:
+        """The records of a group's tensors on storage (empty if none)."""
+        return dict(self._records.get(group, {}))
+
+    def groups(self) -> list[str]:
+        return list(self._records)
+
+    def stored_bytes(self, group: str | None = None) -> int:
+        """Bytes of tensor data on storage, for one group or all."""
+        groups = [group] if group is not None else list(self._records)
+        return sum(r.nbytes for g in groups for r in self._records.get(g, {}).values())
+
+    # -- transfers ------------------------------------------------------------------------------------------
+    def swap_out(self, groups: Groups, on_done: Callable[[], None] | None = None,
+                 staged: SwapIn | None = None) -> SwapOut:
+        """Start writing each group's tensors to its file; keep the tensors until the write is done.
+
+        ``on_done`` runs once all are written, before any staging buffer is reused: drop your references to the
+        tensors there. ``staged``: the ``SwapIn`` these tensors came from; its buffer is written from directly
+        when they all still sit where they were read (no copy), and is released once the write is done."""
+        self._check_open()
+        layout: dict[str, dict[str, tuple[torch.Tensor, Any, int]]] = {}
+        total = 0
+        for group, tensors in groups.items():
+            self._check_group(group)
+            self._wait_writing(group)
+            offset, entries = 0, {}
+            for key, tensor in tensors.items():
+                local, spec = _local(_checked(group, key, tensor))
+                entries[key] = (local, spec, offset)
+                offset = round_up(offset + local.numel() * local.element_size())
+            layout[group] = entries
+            total += round_up(offset)
+        retired = staged._hand_over() if staged is not None else None
+        if retired is not None and self._in_place(layout, retired):
+            buffer, buffers = retired, [retired]
+        else:
+            buffer = self._acquire(total)
+            buffers = [buffer] + ([retired] if retired is not None else [])
+        requests, records, start = [], {}, 0
+        for group, entries in layout.items():
+            file = os.path.join(self.folder, f"{group}.swp")
+            group_records, end = {}, 0
+            for key, (local, spec, offset) in entries.items():
+                nbytes = local.numel() * local.element_size()
+                region = buffer[start + offset:start + offset + nbytes]
+                if nbytes and region.data_ptr() != local.data_ptr():
+                    region.view(local.dtype).view(local.shape).copy_(local)
+                checksum = _hash(region) if self.config.checksum else None
+                group_records[key] = SwapRecord(key, local.dtype, tuple(local.shape), nbytes, file, offset,
+                                                local.device, checksum, spec)
+                end = offset + nbytes
+            span = round_up(end)
+            buffer[start + end:start + span].zero_()  # no stale bytes in the file's padding
+            records[group] = group_records
+            if span:
+                requests.append(self.handle.write_async(buffer[start:start + span], file))
+            else:
+                open(file, "wb").close()
+            start += span
+        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done)
+        for group in records:
+            self._writing[group] = write
+        self._pending_out.append(write)
+        return write
+
+    def swap_in(self, groups: Iterable[str]) -> SwapIn:
+        """Start reading the named groups back (each sized from its records). Groups with nothing on storage
+        come back empty."""
+        self._check_open()
+        layout, total = {}, 0
+        for group in groups:
+            self._wait_writing(group)
+            records = self._records.get(group, {})
+            layout[group] = (total, records)
+            total += _group_span(records.values())
+        buffer = self._acquire(total) if total else None
+        requests = []
+        for group, (start, records) in layout.items():
+            span = _group_span(records.values())
+            if span:
+                file = next(iter(records.values())).file
+                requests.append(self.handle.read_async(buffer[start:start + span], file))
+        return SwapIn(self, requests, layout, buffer)
+
+    def discard(self, group: str) -> None:
+        """Forget a group and delete its file."""
+        self._wait_writing(group)
+        records = self._records.pop(group, None)
+        if records:
+            try:
+                os.unlink(next(iter(records.values())).file)
+            except FileNotFoundError:
+                pass
+
+    def wait_all(self) -> None:
+        """Wait for every write in flight; raise the first failure after all have finished."""
+        error = None
+        while self._pending_out:
+            try:
+                self._pending_out[0].wait()
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Finish the writes in flight, stop the IO threads and remove the run folder (unless kept)."""
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+        finally:
+            self._closed = True
+            self.handle.close()
+            if not self.config.keep_files:
+                remove_run_folder(self.folder)
+
+    def __enter__(self) -> "TensorSwapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this TensorSwapper is closed")
+
+    @staticmethod
+    def _check_group(group: str) -> None:
+        if not isinstance(group, str) or not group or not all(c.isalnum() or c in "-_." for c in group) \
+                or group.startswith("."):
+            raise ValueError(f"group name {group!r}: use letters, digits, '-', '_' and '.' (it names a file)")
+
+    def _wait_writing(self, group: str) -> None:
+        write = self._writing.get(group)
+        if write is not None:
+            write.wait()
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer of ``nbytes``: a pooled one, waiting for the oldest write to free one if needed, or a
+        one-off buffer when nothing in flight can free one (the pool's bound is then exceeded only briefly)."""
+        while True:
+            buffer = self.pool.try_acquire(nbytes)
+            if buffer is not None:
+                return buffer
+            if not self._pending_out:
+                return self.pool.one_off(nbytes)
+            try:
+                self._pending_out[0].wait()
+            except OSError:
+                pass  # reported to whoever waits for that write; its buffer left the pool, so look again
+
+    @staticmethod
+    def _in_place(layout: dict, buffer: torch.Tensor) -> bool:
+        """True when every tensor already sits in ``buffer`` exactly where ``layout`` puts it."""
+        base, start = buffer.data_ptr(), 0
+        for entries in layout.values():
+            end = 0
+            for local, _, offset in entries.values():
+                nbytes = local.numel() * local.element_size()
+                if nbytes and (local.device.type != "cpu" or not local.is_contiguous()
+                               or local.data_ptr() != base + start + offset):
+                    return False
+                end = offset + nbytes
+            start += round_up(end)
+        return start <= buffer.numel()
