@@ -25,6 +25,7 @@ from .native import BUFFERED, FSYNC, TRUNCATE, native, resolve_engine
 
 FileRef = Union[str, os.PathLike, int]
 
+WAIT_SLICE_S = 0.2
 _live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
 _warned_buffered: set[str] = set()
 
@@ -97,7 +98,12 @@ class Request:
         return self.nbytes
 
     def _collect(self, timeout: float | None) -> None:
-        result = self._native.wait(self._op_id, -1.0 if timeout is None else float(timeout))
+        if timeout is None:  # wait in slices so Ctrl-C (or any signal handler's exception) gets through
+            result = None
+            while result is None:
+                result = self._native.wait(self._op_id, WAIT_SLICE_S)
+        else:
+            result = self._native.wait(self._op_id, float(timeout))
         if result is None:
             raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
         self._collected = True
