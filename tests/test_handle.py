@@ -297,3 +297,37 @@ def test_aligned_empty(aio):
     with pytest.raises(ValueError, match="power of two"):
         aligned_empty(10, alignment=3000)
     assert not deepoffload.is_pinned(torch.empty(10))
+
+
+def test_the_gil_is_released_while_waiting(aio, scratch):
+    """Another Python thread keeps running while the main thread waits on a large transfer."""
+    import threading
+
+    ticks = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(1)
+
+    big = aligned_empty(256 << 20)
+    big.fill_(3)
+    with AsyncIOHandle(engine="posix") as h:
+        req = h.write_async(big, scratch / "gil", fsync=True)
+        counter = threading.Thread(target=count)
+        counter.start()
+        before = len(ticks)
+        req.wait()
+        during = len(ticks) - before
+        stop.set()
+        counter.join()
+    assert during > 0, "the waiting thread held the GIL"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_tensors_are_staged_through_pinned_memory(handle, scratch):
+    t = torch.randn(1_000_003, device="cuda")
+    handle.write(t, scratch / "cuda")
+    back = torch.empty_like(t)
+    handle.read(back, scratch / "cuda")
+    assert torch.equal(back, t)
