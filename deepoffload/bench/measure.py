@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from ..config import AioConfig
 from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle
 
@@ -140,3 +141,12 @@ def time_transfer(handle: AsyncIOHandle, op: str, buffer: torch.Tensor, path: Pa
         raise ValueError(f"op must be 'read' or 'write', got {op!r}")
     seconds = time.perf_counter() - start
     return Sample("deepoffload", op, buffer.numel(), seconds, handle.block_size)
+
+
+def round_trip(config: AioConfig, buffer: torch.Tensor, path: Path, direct: bool) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of one write and one read of ``buffer`` at the start of ``path`` with a new handle
+    made from ``config`` (its start-up and shutdown are not timed)."""
+    with AsyncIOHandle(config) as handle:
+        write = time_transfer(handle, "write", buffer, path, direct)
+        read = time_transfer(handle, "read", buffer, path, direct)
+    return write.gbps, read.gbps

@@ -1,0 +1,127 @@
+"""``deepoffload tune``: search the async-IO settings that move bytes fastest in a folder, within a time budget, and
+write them as an aio JSON config (the keys ``AioConfig`` and the swappers read; real booleans and numbers).
+
+The score is the combined read+write throughput (see ``deepoffload.bench.search``). Exit status: 0 on success, 1 on
+an error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+
+from .bench import _size
+
+PLOT_HINT = "--plot needs matplotlib, which is not installed: pip install matplotlib"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to tune for")
+    parser.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+                        help="wall-clock budget, setup included; no trial starts that would end after it (default 60)")
+    parser.add_argument("--output", default="aio.json", metavar="FILE",
+                        help="where to write the best config as aio JSON (default aio.json)")
+    parser.add_argument("--size", type=_size, default="256M", metavar="BYTES",
+                        help="bytes per trial transfer and test-file size (K/M/G suffixes; default 256M)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw throughput against block size and queue depth per "
+                        "engine (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()  # the budget counts everything from here: importing torch, self-tests, setup
+    from ..bench.measure import BenchError
+    from ..config import ConfigError
+
+    try:
+        if args.budget <= 0:
+            raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise BenchError(PLOT_HINT)
+        return _run(args, started)
+    except (BenchError, ConfigError, ValueError, OSError) as e:
+        print(f"deepoffload tune: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, started: float) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from ..bench.measure import direct_io_works, make_buffer, round_trip, scratch_file
+    from ..bench.search import SCORE_DESCRIPTION, Search, default_knobs
+    from ..config import AioConfig
+    from ..io.native import engine_status, resolve_engine
+
+    engines = [name for name, (ok, _) in engine_status().items() if ok]
+    start = AioConfig.from_env()
+    start = dataclasses.replace(start, engine=resolve_engine(start.engine))
+    buffer = make_buffer(args.size, "pinned")
+    with scratch_file(args.path, args.size) as path:
+        direct = direct_io_works(path)
+        round_trip(start, buffer, path, direct)  # lays the file out (untimed for the search)
+        with tqdm(total=round(args.budget, 1), unit="s", desc="tuning", file=sys.stderr,
+                  bar_format="{desc}: {bar} {n:.1f}/{total:.1f} s{postfix}") as bar:
+            def progress(trial) -> None:
+                bar.n = min(round(time.monotonic() - started, 1), bar.total)
+                bar.set_postfix_str(f"{len(search.trials)} trials, last {trial.score:.2f} GB/s")
+
+            search = Search(lambda c: round_trip(c, buffer, path, direct), start, default_knobs(engines, args.size),
+                            args.budget, started=started, on_trial=progress)
+            result = search.run()
+    print(format_trials(result, direct))
+    config = result.best.to_dict()
+    Path(args.output).write_text(json.dumps(config, indent=2) + "\n")
+    print(f"\noptimised for {SCORE_DESCRIPTION}")
+    print(f"best: {json.dumps(config)}")
+    print(f"      write {result.best_write_gbps:.3f} GB/s, read {result.best_read_gbps:.3f} GB/s, score "
+          f"{result.best_score:.3f} GB/s (medians of {sum(t.config == result.best for t in result.trials)} trials)")
+    print(f"wrote {args.output}; {len(result.trials)} trials in {result.elapsed_s:.1f} s of a {result.budget_s:.0f} s "
+          f"budget ({result.stopped})")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plotted {args.plot}")
+    return 0
+
+
+def format_trials(result, direct: bool) -> str:
+    from ..bench.sizes import format_size
+
+    lines = [f"trials ({'O_DIRECT' if direct else 'buffered'}; GB/s = 1e9 bytes/s; * = best)",
+             f"{'#':>3} {'phase':<7} {'engine':<9} {'block':>8} {'qd':>4} {'thr':>3} {'single':>6} {'overlap':>7} "
+             f"{'write':>7} {'read':>7} {'score':>7}"]
+    for i, t in enumerate(result.trials, 1):
+        c = t.config
+        mark = "*" if c == result.best else " "
+        lines.append(f"{i:>3} {t.phase:<7} {c.engine:<9} {format_size(c.block_size):>8} {c.queue_depth:>4} "
+                     f"{c.intra_op_parallelism:>3} {str(c.single_submit):>6} {str(c.overlap_events):>7} "
+                     f"{t.write_gbps:7.3f} {t.read_gbps:7.3f} {t.score:7.3f}{mark}")
+    return "\n".join(lines)
+
+
+def plot(result, path: str) -> None:
+    """Score of every trial against block size and against queue depth, one colour per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    engines = sorted({t.config.engine for t in result.trials})
+    for ax, key, label in ((axes[0], "block_size", "block size (bytes)"), (axes[1], "queue_depth", "queue depth")):
+        for engine in engines:
+            mine = [t for t in result.trials if t.config.engine == engine]
+            ax.scatter([getattr(t.config, key) for t in mine], [t.score for t in mine], label=engine, alpha=0.7)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("combined read+write GB/s (1e9 bytes/s)")
+    axes[1].legend(title="engine")
+    fig.suptitle("deepoffload tune")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,165 @@
+"""``deepoffload tune``: the guided search (on a fake clock and fake measurements, so its budget and its choices are
+exact) and the command end to end on a real folder, whose output must load into ``AioConfig`` unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import pytest
+import torch  # noqa: F401  (imported here so the budget test times the search, not this import)
+
+from deepoffload.bench.search import Knob, Search, combined_score, default_knobs
+from deepoffload.config import AioConfig
+from deepoffload.cli.main import main
+
+START = AioConfig(engine="io_uring")
+ENGINES = ("io_uring", "libaio", "posix")
+KNOBS = default_knobs(ENGINES, 1 << 30)
+
+
+class FakeDisk:
+    """Measurements from a formula with one peak, each taking ``seconds`` on a fake clock."""
+
+    def __init__(self, seconds: float = 1.0, lucky: AioConfig | None = None):
+        self.now = 0.0
+        self.seconds = seconds
+        self.lucky = lucky
+        self.calls: list[AioConfig] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def measure(self, config: AioConfig) -> tuple[float, float]:
+        self.now += self.seconds
+        self.calls.append(config)
+        if config == self.lucky and self.calls.count(config) == 1:
+            return 100.0, 100.0  # one lucky measurement, then the truth
+        penalty = ((math.log2(config.block_size) - 18) ** 2 + (math.log2(config.queue_depth) - 3) ** 2
+                   + (config.intra_op_parallelism - 2) ** 2 + config.single_submit + (not config.overlap_events)
+                   + (config.engine != "libaio"))
+        return 4.0 / (1 + penalty), 2.0 / (1 + penalty)
+
+
+def search(disk: FakeDisk, budget: float, **kwargs) -> Search:
+    return Search(disk.measure, START, KNOBS, budget, clock=disk.clock, **kwargs)
+
+
+def test_finds_the_peak_without_a_grid():
+    disk = FakeDisk()
+    result = search(disk, budget=1000).run()
+    assert result.best == AioConfig(block_size=256 << 10, queue_depth=8, intra_op_parallelism=2, engine="libaio")
+    assert result.stopped == "converged"
+    assert (result.best_write_gbps, result.best_read_gbps) == (4.0, 2.0)
+    assert result.best_score == pytest.approx(combined_score(4.0, 2.0)) == pytest.approx(8 / 3)
+    grid = math.prod(len(k.values) for k in KNOBS)
+    assert len(result.trials) < grid / 20
+    assert sum(t.config == result.best for t in result.trials) == 5  # the leaders were measured again
+
+
+def test_stops_starting_trials_that_would_overrun_the_budget():
+    disk = FakeDisk(seconds=1.0)
+    result = search(disk, budget=7.5).run()
+    assert len(result.trials) == 7 and result.elapsed_s == 7.0 <= 7.5
+    assert result.stopped == "budget"
+
+
+def test_search_share_leaves_time_for_repeats():
+    disk = FakeDisk(seconds=1.0)
+    result = search(disk, budget=10, search_share=0.5).run()
+    phases = [t.phase for t in result.trials]
+    assert phases == ["search"] * 5 + ["repeat"] * 5
+
+
+def test_first_trial_runs_even_when_the_budget_is_shorter():
+    disk = FakeDisk(seconds=5.0)
+    result = search(disk, budget=1).run()
+    assert len(result.trials) == 1 and result.best == START and result.stopped == "budget"
+
+
+def test_setup_time_counts_against_the_budget():
+    disk = FakeDisk(seconds=1.0)
+    disk.now = 4.0
+    result = Search(disk.measure, START, KNOBS, 7.5, clock=disk.clock, started=0.0).run()
+    assert len(result.trials) == 3 and result.elapsed_s == 7.0
+
+
+def test_a_lucky_measurement_does_not_win():
+    lucky = dataclasses.replace(START, block_size=2 << 20)  # the first step the search tries
+    disk = FakeDisk(lucky=lucky)
+    result = search(disk, budget=1000).run()
+    assert disk.calls.count(lucky) > 1
+    assert result.best != lucky
+    assert result.best.engine == "libaio" and result.best.block_size == 256 << 10
+
+
+def test_bad_budget():
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        Search(FakeDisk().measure, START, KNOBS, 0)
+
+
+def test_knobs_fit_the_transfer_and_start_outside_the_lists():
+    knobs = {k.name: k for k in default_knobs(["posix"], 300 << 10)}
+    assert [v["block_size"] for v in knobs["block_size"].values] == [128 << 10, 256 << 10]
+    odd = AioConfig(block_size=3 << 20, queue_depth=5, engine="posix")
+    assert knobs["queue_depth"].index(odd) is None
+    disk = FakeDisk()
+    result = Search(disk.measure, odd, [Knob("engine", ({"engine": "posix"}, {"engine": "libaio"}), False)], 100,
+                    clock=disk.clock).run()
+    assert result.best == dataclasses.replace(odd, engine="libaio")
+
+
+# -- the command ---------------------------------------------------------------------------------------------------
+def test_tune_within_budget_and_output_loads_unchanged(aio, scratch, tmp_path, capsys):
+    output = tmp_path / "aio.json"
+    budget = 3.0
+    begin = time.monotonic()
+    code = main(["tune", "--path", str(scratch), "--budget", str(budget), "--size", "8M", "--output", str(output)])
+    elapsed = time.monotonic() - begin
+    out = capsys.readouterr().out
+    assert code == 0
+    assert elapsed < budget + 3.0  # a trial of 8 MiB takes milliseconds; the margin is for a busy shared machine
+    data = json.loads(output.read_text())
+    assert tuple(data) == AioConfig.keys()
+    assert all(type(data[k]) is int for k in ("block_size", "queue_depth", "intra_op_parallelism"))
+    assert all(type(data[k]) is bool for k in ("single_submit", "overlap_events"))
+    assert data["engine"] in aio.engines()
+    assert AioConfig.from_json(output).to_dict() == data
+    assert "optimised for combined read+write" in out and "trials" in out and "GB/s" in out
+    assert list(scratch.iterdir()) == []
+
+
+def test_plot_without_matplotlib_fails_before_measuring(scratch, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    output = tmp_path / "aio.json"
+    code = main(["tune", "--path", str(scratch), "--budget", "30", "--output", str(output), "--plot",
+                 str(tmp_path / "p.png")])
+    err = capsys.readouterr().err
+    assert code == 1 and "pip install matplotlib" in err
+    assert not output.exists() and list(scratch.iterdir()) == []
+
+
+def test_plot(aio, scratch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "p.png"
+    code = main(["tune", "--path", str(scratch), "--budget", "2", "--size", "4M", "--output",
+                 str(tmp_path / "aio.json"), "--plot", str(picture)])
+    assert code == 0 and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv,message", [(["--budget", "0"], "positive number of seconds"),
+                                          (["--budget", "-2"], "positive number of seconds")])
+def test_bad_arguments(scratch, capsys, argv, message):
+    assert main(["tune", "--path", str(scratch), *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_not_a_folder(aio, scratch, tmp_path, capsys):
+    a_file = scratch / "file"
+    a_file.write_bytes(b"x")
+    assert main(["tune", "--path", str(a_file), "--budget", "5", "--size", "1M",
+                 "--output", str(tmp_path / "aio.json")]) == 1
+    assert "is not an existing folder" in capsys.readouterr().err
