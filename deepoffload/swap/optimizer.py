@@ -153,10 +153,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _run(self, chunks: list[list[torch.Tensor]], action: Callable[[list[torch.Tensor]], None] | None) -> None:
         """Read chunk k+1 and write chunk k-1 while ``action`` runs on chunk k; return once every write is done.
-        On any error, every transfer in flight finishes first; state whose write failed stays in memory."""
+        A failed write does not stop the step: its state stays in memory and the first such error is raised at the
+        end. A failed read stops it (that chunk cannot step). Transfers in flight always finish first."""
         writes: list[SwapOut] = []
         reads: list[SwapIn] = []
         current: SwapIn | None = None
+        error: OSError | None = None  # a failed write: the step still completes (that state stays in memory)
         try:
             if chunks:
                 reads.append(self._read(chunks[0]))
@@ -173,24 +175,26 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 current = None
                 pending = []
                 for write in writes:  # collect finished writes early: their memory is released sooner
-                    if write.done():
-                        write.wait()
-                    else:
+                    if not write.done():
                         pending.append(write)
+                        continue
+                    try:
+                        write.wait()
+                    except OSError as e:
+                        error = error or e
                 writes = pending
         finally:
             if current is not None:  # its state stays in memory, in use: the buffer leaves the pool
                 current.detach()
             for read in reads:
                 read.release()
-            error = None
             for write in writes:
                 try:
                     write.wait()
                 except OSError as e:
                     error = error or e
-            if error is not None:
-                raise error
+        if error is not None:
+            raise error
 
     def _read(self, chunk: list[torch.Tensor]) -> SwapIn:
         return self.swapper.swap_in([self._name(p) for p in chunk if self.swapper.records(self._name(p))])

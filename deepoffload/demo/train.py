@@ -1,0 +1,106 @@
+"""Train the same model twice, step by step in lockstep: optimizer state in memory (reference) and on storage
+(``OffloadedOptimizer``), and measure what offloading costs and saves."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..swap.config import SwapConfig
+from ..swap.optimizer import OffloadedOptimizer
+from .model import SyntheticText, build_model
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.01),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3),
+    "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
+}
+
+
+@dataclass
+class DemoResult:
+    """Figures of one demo run. Times in seconds, sizes in bytes."""
+
+    parameters: int
+    steps: int
+    losses_memory: list[float] = field(default_factory=list)
+    losses_offloaded: list[float] = field(default_factory=list)
+    step_seconds_memory: list[float] = field(default_factory=list)
+    step_seconds_offloaded: list[float] = field(default_factory=list)
+    optimizer_seconds_offloaded: float = 0.0
+    state_bytes_memory: int = 0
+    state_bytes_on_storage: int = 0
+    staging_bytes: int = 0
+    bytes_moved: int = 0
+    params_match: bool = False
+    folder: str = ""
+
+    @property
+    def losses_match(self) -> bool:
+        return self.losses_memory == self.losses_offloaded
+
+    @property
+    def io_gb_per_s(self) -> float:
+        """Bytes read plus written per second of offloaded optimizer steps, in GB/s (1e9 bytes/s)."""
+        return self.bytes_moved / self.optimizer_seconds_offloaded / 1e9 if self.optimizer_seconds_offloaded else 0.0
+
+    @property
+    def overhead(self) -> float:
+        """Median offloaded step time over median in-memory step time, minus 1 (first step excluded)."""
+        skip = 1 if self.steps > 1 else 0
+        memory = statistics.median(self.step_seconds_memory[skip:])
+        return statistics.median(self.step_seconds_offloaded[skip:]) / memory - 1 if memory else 0.0
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def run_demo(model_size: str, steps: int, optimizer: str, config: SwapConfig,
+             progress: Callable[[int, DemoResult], None] | None = None) -> DemoResult:
+    """Train ``model_size`` for ``steps`` steps both ways, alternating which goes first each step."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    make = OPTIMIZERS[optimizer]
+    reference, offloaded_model = build_model(model_size), build_model(model_size)
+    data = SyntheticText(reference.size)
+    in_memory = make(reference.parameters())
+    offloaded = OffloadedOptimizer(make, offloaded_model.parameters(), config)
+    result = DemoResult(parameters=sum(p.numel() for p in reference.parameters()), steps=steps,
+                        folder=offloaded.swapper.folder)
+    try:
+        for step in range(steps):
+            tokens = data.batch()
+            runs = [(reference, in_memory, result.losses_memory, result.step_seconds_memory),
+                    (offloaded_model, offloaded, result.losses_offloaded, result.step_seconds_offloaded)]
+            for model, opt, losses, seconds in runs[:: 1 if step % 2 == 0 else -1]:
+                start = time.perf_counter()
+                loss = model.loss(tokens)
+                opt.zero_grad()
+                loss.backward()
+                before_step = time.perf_counter()
+                opt.step()
+                end = time.perf_counter()
+                if opt is offloaded:
+                    result.optimizer_seconds_offloaded += end - before_step
+                losses.append(loss.item())
+                seconds.append(end - start)
+            result.bytes_moved = offloaded.swapper.bytes_read + offloaded.swapper.bytes_written
+            if progress is not None:
+                progress(step, result)
+        result.state_bytes_memory = _state_bytes(in_memory)
+        result.state_bytes_on_storage = offloaded.stored_bytes()
+        result.staging_bytes = offloaded.swapper.pool.held_bytes()
+        result.params_match = all(torch.equal(a, b) for a, b in zip(reference.parameters(),
+                                                                     offloaded_model.parameters()))
+    finally:
+        offloaded.close()
+    return result
