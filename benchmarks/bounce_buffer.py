@@ -1,0 +1,53 @@
+"""What the bounce path costs: throughput of an unaligned buffer (one byte past a torch allocation, so every
+transfer is staged through the handle's aligned bounce buffers) against a page-aligned, page-locked one, same handle,
+same file, interleaved round by round (alternating which goes first), median of the per-round ratios.
+
+    python benchmarks/bounce_buffer.py [--path DIR] [--size 1G] [--rounds 5] [--engine auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+
+from deepoffload.bench.measure import OPS, BenchError, direct_io_works, make_buffer, scratch_file, time_transfer
+from deepoffload.bench.sizes import format_size, parse_size
+from deepoffload.io.handle import AsyncIOHandle
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--path", default=tempfile.gettempdir(), help="folder on the disk to measure")
+    parser.add_argument("--size", type=parse_size, default="1G", help="bytes per transfer (default 1G)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--engine", default="auto")
+    args = parser.parse_args()
+    buffers = {kind: make_buffer(args.size, kind) for kind in ("pinned", "unaligned")}
+    gbps: dict[tuple[str, str], list[float]] = {(kind, op): [] for kind in buffers for op in OPS}
+    with scratch_file(args.path, args.size) as path, AsyncIOHandle(engine=args.engine) as handle:
+        direct = direct_io_works(path)
+        handle.write(buffers["pinned"], path)  # lay the file out
+        for r in range(args.rounds):
+            for op in OPS:
+                for kind in (("pinned", "unaligned") if r % 2 == 0 else ("unaligned", "pinned")):
+                    gbps[kind, op].append(time_transfer(handle, op, buffers[kind], path, direct).gbps)
+        print(f"bounce buffer: {format_size(args.size)} per transfer, engine {handle.engine}, {handle.config.block_size}"
+              f"-byte blocks, queue depth {handle.config.queue_depth}, {'O_DIRECT' if direct else 'buffered'}, "
+              f"{args.rounds} rounds interleaved; GB/s = 1e9 bytes/s")
+    print(f"{'op':<7}{'aligned GB/s':>14}{'unaligned GB/s':>16}{'unaligned/aligned':>19}   per-round ratios")
+    for op in OPS:
+        aligned, unaligned = gbps["pinned", op], gbps["unaligned", op]
+        ratios = [u / a for u, a in zip(unaligned, aligned)]
+        print(f"{op:<7}{statistics.median(aligned):14.3f}{statistics.median(unaligned):16.3f}"
+              f"{statistics.median(ratios):19.3f}   " + " ".join(f"{x:.2f}" for x in ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BenchError as e:
+        print(f"bounce_buffer: error: {e}", file=sys.stderr)
+        sys.exit(1)
