@@ -23,6 +23,7 @@ from .folders import create_run_folder, keep_run_folder, remove_run_folder
 from .pool import BufferPool, round_up
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
+TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
 
 
 class ChecksumError(OSError):
@@ -33,7 +34,7 @@ class ChecksumError(OSError):
 class SwapRecord:
     """Where one swapped tensor lives and what it is.
 
-    nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (page-aligned).
+    nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (64-byte aligned).
     device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
     global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
     """
@@ -259,7 +260,7 @@ class TensorSwapper:
             for key, tensor in tensors.items():
                 local, spec = _local(_checked(group, key, tensor))
                 entries[key] = (local, spec, offset)
-                offset = round_up(offset + local.numel() * local.element_size())
+                offset = round_up(offset + local.numel() * local.element_size(), TENSOR_ALIGNMENT)
             layout[group] = entries
             total += round_up(offset)
         retired = staged._hand_over() if staged is not None else None
