@@ -27,8 +27,9 @@ Gradients never pile up. Once a block's gradients are complete (after its last b
   gradients freed. One backward per step (no gradient accumulation) and no clipping by a global norm: each block steps
   before the others' gradients exist. Per-parameter optimizers (Adam, AdamW, SGD, ...) give exactly the same result as
   a global step.
-- ``mode="grads"``: the block's gradients go to storage (accumulating over several backward passes); ``step()`` then
-  streams block by block: weights and gradients in, optimizer step, weights out.
+- ``mode="grads"``: the block's gradients go to storage (accumulating over several backward passes, in the master
+  dtype); ``step()`` then streams block by block: weights and gradients in, optimizer step, weights out. No global
+  clipping either (not implemented: it needs the global norm before the first block steps).
 ``step()`` also steps the parameters outside blocks (their state offloaded too); call it after each backward.
 
 Mixed precision (``compute_dtype``): the stored parameters are the master weights (their dtype, e.g. fp32); blocks
@@ -52,7 +53,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 from .config import SwapConfig
 from .optimizer import OffloadedOptimizer
 from .pool import PAGE_SIZE, round_up
-from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
+from .tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut, TensorSwapper
 
 MODES = ("fused", "grads")
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -88,6 +89,11 @@ class OffloadStats:
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _span(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of one group's file and staging buffer region holding ``tensors`` (as ``TensorSwapper`` packs them)."""
+    return round_up(sum(round_up(t.numel() * t.element_size(), TENSOR_ALIGNMENT) for t in tensors))
 
 
 def _placeholder(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -263,7 +269,7 @@ class ParameterOffload:
         self.compute_dtype = compute_dtype
         self.blocks = [_Block(i, prefix, block, compute_dtype) for i, (prefix, block) in enumerate(blocks)]
         self._check_sharing()
-        block_bytes = max((round_up(b.nbytes) for b in self.blocks), default=PAGE_SIZE)
+        block_bytes = max((_span(b.masters) for b in self.blocks), default=PAGE_SIZE)
         # reads of the prefetch window and the current block, one write behind, one gradient write (grads mode)
         self.swapper = TensorSwapper(config.replace(chunk_bytes=block_bytes, buffer_count=prefetch + 4))
         in_blocks = {id(p) for b in self.blocks for p in b.params}
@@ -304,20 +310,31 @@ class ParameterOffload:
                                  f"in a block: shared parameters must stay in memory; choose blocks= without it")
 
     def _offload_all(self) -> None:
-        """Write every block out, releasing each once its bytes are on storage (two writes in flight at most)."""
-        previous: _Block | None = None
+        """Write every block out (two writes in flight at most); release the parameters only once all are on
+        storage, so a failure leaves the module exactly as it was."""
+        writes: list[tuple[_Block, SwapOut]] = []
         try:
             for block in self.blocks:
-                block.kept = True  # in memory until written
-                self._start_write(block, staged=None)
-                if previous is not None:
-                    self._wait_write(previous)
-                previous = block
-            if previous is not None:
-                self._wait_write(previous)
+                writes.append((block, self.swapper.swap_out({block.group: block.master_tensors()})))
+                if len(writes) > 1:
+                    self._wait_setup(*writes[-2])
+            if writes:
+                self._wait_setup(*writes[-1])
         except BaseException:
-            self.swapper.close()
+            try:
+                self.swapper.close()
+            except OSError:
+                pass  # the first failure is the one reported
             raise
+        for block in self.blocks:
+            block.clear_data()
+
+    def _wait_setup(self, block: _Block, write: SwapOut) -> None:
+        try:
+            write.wait()
+        except OSError as e:
+            raise OSError(e.errno, f"offloading the parameters of block {block.prefix} failed ({e.strerror}); the "
+                                   f"module is unchanged", e.filename) from e
 
     def _patch(self, block: _Block) -> None:
         forward = block.module.forward
@@ -524,8 +541,10 @@ class ParameterOffload:
     def _write_grads(self, block: _Block) -> None:
         """Send the block's gradients to storage (added to those already there); ``param.grad`` is freed now and
         given back if the write fails."""
-        self._wait_grad_writes()
         grads = self._block_grads(block)
+        self._grad_bytes = _nbytes(grads.values()) + sum(_nbytes(g.values()) for _, _, g in self._grad_writes)
+        self._note_peak()
+        self._wait_grad_writes()
         if not grads:
             return
         if self.swapper.records(block.grad_group):
