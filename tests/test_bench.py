@@ -190,6 +190,15 @@ def test_fio_failure_is_one_line_and_file_removed(aio, scratch, capsys, fake_fio
     assert list(scratch.iterdir()) == []
 
 
+def test_compare_fio_needs_direct_io(aio, scratch, capsys, fake_fio, monkeypatch):
+    import deepoffload.bench.runner as runner
+
+    monkeypatch.setattr(runner, "direct_io_works", lambda path: False)
+    line = error_line(capsys, ["bench", "--path", str(scratch), "--size", "1M", "--compare-fio"])
+    assert "refuses O_DIRECT" in line and "--compare-fio" in line
+    assert fake_fio() == [] and list(scratch.iterdir()) == []
+
+
 @pytest.mark.parametrize("text", ["", "not json", '{"jobs": []}', '{"jobs": [{"read": {}}]}'])
 def test_parse_fio_json_rejects_malformed(text):
     with pytest.raises(BenchError, match="fio's read throughput"):

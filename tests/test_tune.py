@@ -151,7 +151,8 @@ def test_plot(aio, scratch, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [(["--budget", "0"], "positive number of seconds"),
-                                          (["--budget", "-2"], "positive number of seconds")])
+                                          (["--budget", "-2"], "positive number of seconds"),
+                                          (["--output", "/nonexistent-folder/aio.json"], "cannot write")])
 def test_bad_arguments(scratch, capsys, argv, message):
     assert main(["tune", "--path", str(scratch), *argv]) == 1
     assert message in capsys.readouterr().err

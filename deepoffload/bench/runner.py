@@ -12,7 +12,8 @@ from ..config import AioConfig
 from ..io.handle import AsyncIOHandle
 from . import baselines
 from .fio import fio_executable, run_fio
-from .measure import BUFFER_KINDS, OPS, Sample, direct_io_works, make_buffer, scratch_file, time_transfer
+from .measure import (BUFFER_KINDS, OPS, BenchError, Sample, direct_io_works, make_buffer, scratch_file,
+                      time_transfer)
 
 BASELINES: dict[str, tuple[Callable[..., Sample], ...]] = {
     "write": (baselines.mmap_write, baselines.torch_save),
@@ -105,6 +106,9 @@ def run(settings: BenchSettings, on_sample: Callable[[Sample], None] | None = No
     samples: list[Sample] = []
     with scratch_file(s.folder, s.nbytes, spare) as path, AsyncIOHandle(s.config) as handle:
         direct = direct_io_works(path)
+        if s.compare_fio and not direct:
+            raise BenchError(f"{s.folder} refuses O_DIRECT, so fio cannot run there with direct=1; leave out "
+                             f"--compare-fio or pass --path a folder on a real disk")
         if s.baselines:  # torch.load needs a file torch.save wrote; everything else reads its first nbytes
             baselines.torch_save(buffer, path)
         else:

@@ -11,7 +11,8 @@ import json
 import sys
 
 
-def _size(text: str) -> int:
+def size_argument(text: str) -> int:
+    """argparse type for byte sizes with K/M/G suffixes (see ``deepoffload.bench.sizes``)."""
     from ..bench.sizes import parse_size
 
     try:
@@ -23,7 +24,8 @@ def _size(text: str) -> int:
 def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     """--config and the async-IO knobs; ones given override the config file (or the defaults)."""
     parser.add_argument("--config", metavar="FILE", help="start from this aio JSON config (e.g. from `tune`)")
-    parser.add_argument("--block-size", type=_size, metavar="BYTES", help="bytes per IO request (K/M/G suffixes)")
+    parser.add_argument("--block-size", type=size_argument, metavar="BYTES",
+                        help="bytes per IO request (K/M/G suffixes)")
     parser.add_argument("--queue-depth", type=int, metavar="N", help="requests in flight per thread")
     parser.add_argument("--threads", type=int, metavar="N", help="threads sharing one transfer "
                         "(intra_op_parallelism)")
@@ -42,7 +44,7 @@ def config_from_args(args: argparse.Namespace):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to measure")
-    parser.add_argument("--size", type=_size, default="1G", metavar="BYTES",
+    parser.add_argument("--size", type=size_argument, default="1G", metavar="BYTES",
                         help="test file size = bytes per transfer (K/M/G suffixes, powers of 1024; default 1G)")
     add_knob_arguments(parser)
     which = parser.add_mutually_exclusive_group()

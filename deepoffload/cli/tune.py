@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 
-from .bench import _size
+from .bench import size_argument
 
 PLOT_HINT = "--plot needs matplotlib, which is not installed: pip install matplotlib"
 
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock budget, setup included; no trial starts that would end after it (default 60)")
     parser.add_argument("--output", default="aio.json", metavar="FILE",
                         help="where to write the best config as aio JSON (default aio.json)")
-    parser.add_argument("--size", type=_size, default="256M", metavar="BYTES",
+    parser.add_argument("--size", type=size_argument, default="256M", metavar="BYTES",
                         help="bytes per trial transfer and test-file size (K/M/G suffixes; default 256M)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw throughput against block size and queue depth per "
                         "engine (needs matplotlib)")
@@ -40,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise BenchError(PLOT_HINT)
+        for name in (args.output, args.plot):
+            if name and not os.access(os.path.dirname(os.path.abspath(name)), os.W_OK):
+                raise BenchError(f"cannot write {name}: its folder is missing or not writable")
         return _run(args, started)
     except (BenchError, ConfigError, ValueError, OSError) as e:
         print(f"deepoffload tune: error: {e}", file=sys.stderr)
