@@ -71,6 +71,8 @@ class OffloadStats:
         or being written, plus compute-dtype copies. Parameters outside blocks are ``rest_bytes`` (always resident).
     grad_bytes / peak_grad_bytes: block gradient bytes in memory (before they reach storage or the optimizer).
     block_bytes: the largest block's parameter bytes in memory when resident (stored dtype plus compute copy).
+    rest_bytes: parameters outside blocks (always in memory).
+    staging_bytes: pooled staging buffers held now, for parameters and optimizer state (reused, page-aligned).
     """
 
     bytes_read: int
@@ -85,6 +87,7 @@ class OffloadStats:
     peak_grad_bytes: int
     block_bytes: int
     rest_bytes: int
+    staging_bytes: int
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -270,8 +273,9 @@ class ParameterOffload:
         self.blocks = [_Block(i, prefix, block, compute_dtype) for i, (prefix, block) in enumerate(blocks)]
         self._check_sharing()
         block_bytes = max((_span(b.masters) for b in self.blocks), default=PAGE_SIZE)
-        # reads of the prefetch window and the current block, one write behind, one gradient write (grads mode)
-        self.swapper = TensorSwapper(config.replace(chunk_bytes=block_bytes, buffer_count=prefetch + 4))
+        # the current block, the prefetch window and one write behind; anything more (gradients in grads mode) gets
+        # short-lived one-off buffers, so idle pooled memory stays within the (prefetch + 2) blocks bound
+        self.swapper = TensorSwapper(config.replace(chunk_bytes=block_bytes, buffer_count=prefetch + 2))
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
         state_config = config.replace(chunk_bytes=max(2 * block_bytes, config.chunk_bytes // 8), buffer_count=3)
@@ -687,7 +691,8 @@ class ParameterOffload:
             resident_bytes=sum(b.resident_bytes() for b in self.blocks), peak_bytes=self._peak,
             grad_bytes=self._grad_bytes, peak_grad_bytes=self._peak_grad,
             block_bytes=max((b.nbytes + b.compute_nbytes for b in self.blocks), default=0),
-            rest_bytes=_nbytes(self.rest))
+            rest_bytes=_nbytes(self.rest),
+            staging_bytes=self.swapper.pool.held_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers))
 
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
