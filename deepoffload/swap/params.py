@@ -213,7 +213,8 @@ class _Recompute(torch.autograd.Function):
     """Runs a block keeping only its inputs; backward re-reads its parameters and recomputes it."""
 
     @staticmethod
-    def forward(ctx, call: _BlockCall, *tensors: torch.Tensor):
+    def forward(ctx, call: _BlockCall, token: torch.Tensor, *tensors: torch.Tensor):
+        # token requires grad, so the outputs do even when no input does (the parameters are not inputs here)
         ctx.call = call
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
@@ -256,7 +257,7 @@ class _Recompute(torch.autograd.Function):
             offload._release(block)
             raise
         offload._after_backward(block)
-        return (None, *[t.grad if t.requires_grad else None for t in inputs])
+        return (None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
 
 class ParameterOffload:
@@ -285,6 +286,7 @@ class ParameterOffload:
             self._block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
             rest = [p for p in self.rest if p.requires_grad]
             self._rest_optimizer = OffloadedOptimizer(optimizer, rest, state_config) if rest else None
+        self._token = torch.empty(0, requires_grad=True)
         self._grad_writes: list[tuple[_Block, SwapOut, dict]] = []
         self._io_wait = 0.0
         self._optimizer_seconds = 0.0
@@ -367,7 +369,7 @@ class ParameterOffload:
             raise ValueError(f"block {block.prefix} runs with gradients enabled but offload_parameters() got no "
                              f"optimizer=: pass optimizer= to train, freeze the parameters, or use torch.no_grad()")
         call = _BlockCall(self, block, forward, flat, spec)
-        return call.rebuild(_Recompute.apply(call, *tensors))
+        return call.rebuild(_Recompute.apply(call, self._token, *tensors))
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         """The next ``prefetch`` distinct blocks expected after block ``index`` in ``phase``."""
