@@ -7,6 +7,8 @@
 #include <cstring>
 #include <exception>
 #include <stdexcept>
+#include <system_error>
+#include <thread>
 
 #include "platform.h"
 
@@ -158,6 +160,32 @@ void make_blocks(std::vector<Block>* out, int fd, bool write, char* buf, size_t 
     }
 }
 
+// A memcpy on a helper thread, so a bounce copy overlaps the IO of the previous
+// or next wave. Copies inline when no thread can be started. The destructor
+// joins, so no exit path leaves the thread running (or a joinable std::thread).
+class BackgroundCopy {
+public:
+    BackgroundCopy() = default;
+    BackgroundCopy(const BackgroundCopy&) = delete;
+    BackgroundCopy& operator=(const BackgroundCopy&) = delete;
+    ~BackgroundCopy() { join(); }
+
+    void start(char* dst, const char* src, size_t len) {
+        join();
+        try {
+            thread_ = std::thread([dst, src, len] { std::memcpy(dst, src, len); });
+        } catch (const std::system_error&) {
+            std::memcpy(dst, src, len);
+        }
+    }
+    void join() {
+        if (thread_.joinable()) thread_.join();
+    }
+
+private:
+    std::thread thread_;
+};
+
 }  // namespace
 
 IoHandle::IoHandle(const HandleConfig& config) : config_(config) {
@@ -187,7 +215,8 @@ IoHandle::IoHandle(const HandleConfig& config) : config_(config) {
         EngineError error;
         w->engine = make_engine(config.engine, ec, &error);
         if (!w->engine) {
-            throw std::runtime_error("cannot start engine '" + config.engine + "': " + error.message);
+            throw std::system_error(error.err, std::generic_category(),
+                                    "cannot start engine '" + config.engine + "': " + error.message);
         }
         workers_.push_back(std::move(w));
     }
@@ -196,7 +225,7 @@ IoHandle::IoHandle(const HandleConfig& config) : config_(config) {
             Worker* raw = w.get();
             threads_.emplace_back([this, raw] { worker_loop(raw); });
         }
-    } catch (const std::exception& e) {
+    } catch (const std::exception& e) {  // std::system_error (EAGAIN: too many threads) or std::bad_alloc
         {
             std::lock_guard<std::mutex> lock(mutex_);
             stopping_ = true;
@@ -205,7 +234,9 @@ IoHandle::IoHandle(const HandleConfig& config) : config_(config) {
         work_cv_.notify_all();
         for (auto& t : threads_) t.join();
         threads_.clear();
-        throw std::runtime_error(std::string("cannot start IO worker threads: ") + e.what());
+        const auto* system = dynamic_cast<const std::system_error*>(&e);
+        throw std::system_error(system ? system->code() : std::make_error_code(std::errc::not_enough_memory),
+                                std::string("cannot start IO worker threads: ") + e.what());
     }
 }
 
@@ -475,31 +506,46 @@ void IoHandle::run_shard(Worker* worker, Op& op, int shard) {
             make_blocks(&worker->blocks, op.io_fd, op.write, user, len, mid_b, block);
             worker->engine->run(worker->blocks.data(), worker->blocks.size());
             if (!settle_blocks(op, worker->blocks.data(), worker->blocks.size())) return;
-        } else {
-            // Misaligned memory: stage through the worker's aligned bounce buffer in waves.
-            const size_t qd = static_cast<size_t>(config_.queue_depth);
-            const size_t want = std::max(block, std::min(block * qd, kMaxBounceBytes / block * block));
-            if (!worker->ensure_bounce(want, std::max<size_t>(op.mem_align, 4096))) {
-                op.fail(ENOMEM, op.write ? "write" : "read", mid_b,
-                        "cannot allocate a " + std::to_string(want) + "-byte bounce buffer");
-                return;
-            }
-            const size_t wave_max = worker->bounce_size / block * block;
-            for (size_t done = 0; done < len; done += wave_max) {
-                if (op.failed.load()) return;
-                const size_t wave = std::min(wave_max, len - done);
-                const int64_t at = mid_b + static_cast<int64_t>(done);
-                if (op.write) std::memcpy(worker->bounce, user + done, wave);
-                make_blocks(&worker->blocks, op.io_fd, op.write, worker->bounce, wave, at, block);
-                worker->engine->run(worker->blocks.data(), worker->blocks.size());
-                if (!settle_blocks(op, worker->blocks.data(), worker->blocks.size())) return;
-                if (!op.write) std::memcpy(user + done, worker->bounce, wave);
-            }
+        } else if (!transfer_bounced(worker, op, user, len, mid_b, block)) {
+            return;
         }
     }
 
     // Unaligned tail.
     transfer_buffered(op, mem(mid_e), static_cast<size_t>(e - mid_e), mid_e);
+}
+
+// Misaligned user memory: stage [user, user+len) (file offset `at`) through the
+// worker's aligned bounce buffer, split in two slots of `half` bytes used in
+// turn. While the engine transfers one slot, a helper thread copies the next
+// wave into the other (writes) or the previous wave out of it (reads).
+bool IoHandle::transfer_bounced(Worker* worker, Op& op, char* user, size_t len, int64_t at, size_t block) {
+    const size_t qd = static_cast<size_t>(config_.queue_depth);
+    const size_t half = std::max(block, std::min(block * qd, kMaxBounceBytes / 2 / block * block));
+    const size_t slots = len > half ? 2 : 1;
+    if (!worker->ensure_bounce(slots * half, std::max<size_t>(op.mem_align, 4096))) {
+        op.fail(ENOMEM, op.write ? "write" : "read", at,
+                "cannot allocate a " + std::to_string(slots * half) + "-byte bounce buffer");
+        return false;
+    }
+    char* slot[2] = {worker->bounce, worker->bounce + (slots - 1) * half};
+    const size_t waves = (len + half - 1) / half;
+    auto wave_len = [&](size_t i) { return std::min(half, len - i * half); };
+    BackgroundCopy copy;
+    if (op.write) std::memcpy(slot[0], user, wave_len(0));
+    for (size_t i = 0; i < waves; ++i) {
+        if (op.failed.load()) return false;
+        char* buf = slot[i % 2];
+        const size_t n = wave_len(i);
+        if (op.write && i + 1 < waves) copy.start(slot[(i + 1) % 2], user + (i + 1) * half, wave_len(i + 1));
+        make_blocks(&worker->blocks, op.io_fd, op.write, buf, n, at + static_cast<int64_t>(i * half), block);
+        worker->engine->run(worker->blocks.data(), worker->blocks.size());
+        copy.join();  // the other slot is free again
+        if (!settle_blocks(op, worker->blocks.data(), worker->blocks.size())) return false;
+        if (!op.write) copy.start(user + i * half, buf, n);
+    }
+    copy.join();
+    return true;
 }
 
 void IoHandle::finish_shard(Op& op) {

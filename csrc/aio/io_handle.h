@@ -49,8 +49,8 @@ struct Worker;
 
 class IoHandle {
 public:
-    // Throws std::invalid_argument for bad settings, std::runtime_error when an
-    // engine cannot be created.
+    // Throws std::invalid_argument for bad settings, std::system_error (the errno
+    // in its code) when an engine or a worker thread cannot be created.
     explicit IoHandle(const HandleConfig& config);
     ~IoHandle();  // waits for in-flight ops, joins threads; never throws
     IoHandle(const IoHandle&) = delete;
@@ -82,6 +82,7 @@ private:
     void worker_loop(Worker* worker);
     void prepare(const std::shared_ptr<Op>& op);
     void run_shard(Worker* worker, Op& op, int shard);
+    bool transfer_bounced(Worker* worker, Op& op, char* user, size_t len, int64_t at, size_t block);
     void finish_shard(Op& op);
     void complete(Op& op);
     std::shared_ptr<Op> find(int64_t op_id);
