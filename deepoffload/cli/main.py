@@ -6,30 +6,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
 from ..version import __version__
 
 COMMANDS = {
     "report": ("deepoffload.cli.report", "what works here and why not: ops, probes, engines, versions"),
+    "bench": ("deepoffload.cli.bench", "measure read/write throughput of a folder, optionally against fio"),
+    "tune": ("deepoffload.cli.tune", "search the async-IO settings that move bytes fastest here"),
+    "demo": ("deepoffload.cli.demo", "train a small language model with its optimizer state on storage"),
 }
-
-
-def _optional_commands() -> None:
-    """Commands whose modules exist in this install (added by their features)."""
-    for name, module, summary in (
-        ("bench", "deepoffload.cli.bench", "measure read/write throughput of a folder, optionally against fio"),
-        ("tune", "deepoffload.cli.tune", "search the async-IO settings that move bytes fastest here"),
-        ("demo", "deepoffload.cli.demo", "train a small language model with its optimizer state on storage"),
-    ):
-        if importlib.util.find_spec(module) is not None:
-            COMMANDS.setdefault(name, (module, summary))
+DESCRIPTION = ("Move PyTorch tensors and optimizer state between memory and fast storage. "
+               "Start with `deepoffload report`, then `deepoffload demo`.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    _optional_commands()
-    parser = argparse.ArgumentParser(prog="deepoffload", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="deepoffload", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"deepoffload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, summary) in COMMANDS.items():
