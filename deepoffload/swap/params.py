@@ -128,6 +128,7 @@ class _Block:
         self.write: SwapOut | None = None
         self.written: dict[str, torch.Tensor] = {}
         self.pending_backward = 0
+        self.grads: dict[str, torch.Tensor] = {}  # master-dtype gradients kept after their write failed
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
@@ -354,8 +355,8 @@ class ParameterOffload:
     # -- running blocks --------------------------------------------------------------------------------------
     def _run(self, block: _Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
         if self._closed:
-            raise RuntimeError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload that is "
-                               f"closed; close(restore=True) brings them back into memory")
+            raise RuntimeError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
+                               f"without restore=True, so they are gone; close(restore=True) keeps them")
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         wants_grad = any(p.requires_grad for p in block.params)
@@ -533,9 +534,14 @@ class ParameterOffload:
         self._write_back(block)
 
     def _block_grads(self, block: _Block) -> dict[str, torch.Tensor]:
-        """The block's in-memory gradients in the master dtype."""
-        return {name: (param.grad if param is master else param.grad.to(master.dtype))
-                for name, param, master in zip(block.names, block.params, block.masters) if param.grad is not None}
+        """The block's in-memory gradients in the master dtype (``param.grad`` added to any kept after a failed
+        write; the block holds none afterwards)."""
+        grads = {name: (param.grad if param is master else param.grad.to(master.dtype))
+                 for name, param, master in zip(block.names, block.params, block.masters) if param.grad is not None}
+        kept, block.grads = block.grads, {}
+        for name, grad in kept.items():
+            grads[name] = torch.add(grad, grads[name]) if name in grads else grad
+        return grads
 
     def _fused_step(self, block: _Block) -> None:
         grads = self._block_grads(block)
@@ -583,14 +589,13 @@ class ParameterOffload:
             try:
                 write.wait()
             except OSError as e:
-                for name, param in zip(block.names, block.params):
-                    if name in grads:
-                        param.grad = grads[name].to(param.dtype)
+                block.grads = grads  # the bytes on storage are unknown now: memory holds the only copy
                 error = error or OSError(e.errno, f"writing the gradients of block {block.prefix} failed "
-                                                  f"({e.strerror}); they stay in memory (param.grad)", e.filename)
+                                                  f"({e.strerror}); they stay in memory and step() uses them",
+                                         e.filename)
             finally:
                 self._io_wait += time.perf_counter() - start
-        self._grad_bytes = 0
+        self._grad_bytes = sum(_nbytes(b.grads.values()) for b in self.blocks)
         if error is not None:
             raise error
 
@@ -599,8 +604,8 @@ class ParameterOffload:
         self._wait_grad_writes()
         for block in self.blocks:
             self._release(block)
-        todo = [b for b in self.blocks if self.swapper.records(b.grad_group) or any(p.grad is not None
-                                                                                     for p in b.params)]
+        todo = [b for b in self.blocks if self.swapper.records(b.grad_group) or b.grads
+                or any(p.grad is not None for p in b.params)]
         grad_reads: dict[int, SwapIn] = {}
 
         def start(k: int) -> None:
@@ -646,6 +651,7 @@ class ParameterOffload:
             self._rest_optimizer.zero_grad(set_to_none)
         for block in self.blocks:
             self.swapper.discard(block.grad_group)
+            block.grads = {}
             for param in block.params:
                 param.grad = None
 
@@ -725,7 +731,7 @@ class ParameterOffload:
     def close(self, restore: bool = False) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files. ``restore=True`` first reads
         every parameter back into memory (master dtype), so the module works as before; otherwise offloaded
-        parameters stay empty placeholders."""
+        parameters stay empty placeholders and calling a block raises."""
         if self._closed:
             return
         try:
@@ -743,7 +749,7 @@ class ParameterOffload:
                     self._release(block)
         finally:
             self._closed = True
-            for module, forward in self._patched:
+            for module, forward in self._patched if restore else ():  # else calls keep failing with a clear error
                 if module.__dict__.get("forward") is forward:
                     del module.forward
             self.swapper.close()
