@@ -5,6 +5,8 @@
 // be used by several engines (worker threads) at once, which binding a handle
 // to a per-engine port would forbid. Descriptors that are not bound to the
 // port (a caller's synchronous handle) are transferred synchronously.
+// Slots are heap objects so a slot set aside under Wine (see running_on_wine)
+// can outlive its engine.
 // single_submit has no effect: every ReadFile/WriteFile is its own submission.
 #if defined(_WIN32)
 
@@ -12,6 +14,7 @@
 #include "platform.h"
 #include "platform_windows.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -26,23 +29,41 @@ namespace {
 
 class WindowsEngine;
 
-// One transfer in flight. The completion packet carries &ov.
+// Guards every Slot::state and every engine's completed_ and stale_ lists.
+std::mutex g_route_mutex;
+
+enum class SlotState { kIdle, kInFlight, kDone, kStale };
+
+// One transfer. The completion packet carries &ov.
 struct Slot {
+    explicit Slot(WindowsEngine* o) : owner(o) {}
     OVERLAPPED ov;
-    WindowsEngine* owner = nullptr;
+    WindowsEngine* owner;     // nullptr once a stale slot's engine is gone
     Block* block = nullptr;
-    DWORD bytes = 0;  // set by the dispatcher
-    DWORD code = 0;   // Win32 error of the transfer, 0 on success; set by the dispatcher
+    DWORD bytes = 0;          // set by the dispatcher
+    DWORD code = 0;           // Win32 error of the transfer, 0 on success; set by the dispatcher
+    SlotState state = SlotState::kIdle;
 };
+
+// Windows queues no completion packet for a ReadFile/WriteFile that fails at
+// once (an error other than ERROR_IO_PENDING). Wine 8 sometimes does (a write
+// to a full disk), sometimes not (/dev/full): under Wine such a slot is set
+// aside until its packet comes, and a new one takes its place.
+bool running_on_wine() {
+    HMODULE ntdll = GetModuleHandleW(L"ntdll.dll");
+    return ntdll != nullptr && GetProcAddress(ntdll, "wine_get_version") != nullptr;
+}
 
 class WindowsEngine final : public Engine {
 public:
-    explicit WindowsEngine(const EngineConfig& config)
-        : slots_(static_cast<size_t>(config.queue_depth)), overlap_events_(config.overlap_events) {
-        for (Slot& s : slots_) {
-            s.owner = this;
-            free_.push_back(&s);
-        }
+    explicit WindowsEngine(const EngineConfig& config) : overlap_events_(config.overlap_events) {
+        for (int i = 0; i < config.queue_depth; ++i) free_.push_back(new Slot(this));
+    }
+
+    ~WindowsEngine() override {
+        std::lock_guard<std::mutex> lock(g_route_mutex);
+        for (Slot* s : stale_) s->owner = nullptr;  // the dispatcher frees it if its packet ever comes
+        for (Slot* s : free_) delete s;
     }
 
     const char* name() const override { return "windows"; }
@@ -60,9 +81,10 @@ public:
             }
             if (in_flight == 0) continue;
             {
-                std::unique_lock<std::mutex> lock(mutex_);
+                std::unique_lock<std::mutex> lock(g_route_mutex);
                 cv_.wait(lock, [this] { return !completed_.empty(); });
                 ready.swap(completed_);
+                for (Slot* s : ready) s->state = SlotState::kIdle;
             }
             for (Slot* s : ready) {
                 settle(s);
@@ -73,11 +95,21 @@ public:
         }
     }
 
-    // Called by the dispatcher thread for each completion packet of this engine.
-    void deliver(Slot* s) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        completed_.push_back(s);
-        cv_.notify_one();
+    // The dispatcher's side; called with g_route_mutex held.
+    static void deliver_locked(Slot* s, DWORD bytes, DWORD code) {
+        if (s->state == SlotState::kStale) {  // the packet of a transfer that already failed at once
+            if (s->owner != nullptr) {
+                std::vector<Slot*>& stale = s->owner->stale_;
+                stale.erase(std::find(stale.begin(), stale.end(), s));
+            }
+            delete s;
+            return;
+        }
+        s->bytes = bytes;
+        s->code = code;
+        s->state = SlotState::kDone;
+        s->owner->completed_.push_back(s);
+        s->owner->cv_.notify_one();
     }
 
 private:
@@ -102,18 +134,32 @@ private:
         s->ov.Offset = static_cast<DWORD>(at & 0xffffffffu);
         s->ov.OffsetHigh = static_cast<DWORD>(at >> 32);
         s->block = &b;
+        {
+            std::lock_guard<std::mutex> lock(g_route_mutex);
+            s->state = SlotState::kInFlight;
+        }
         // Blocks are at most 1 GiB (IoHandle's limit), so the length fits a DWORD.
         const DWORD len = static_cast<DWORD>(b.len);
         BOOL ok = b.write ? WriteFile(h, b.buf, len, nullptr, &s->ov) : ReadFile(h, b.buf, len, nullptr, &s->ov);
-        if (!ok) {
-            DWORD code = GetLastError();
-            if (code != ERROR_IO_PENDING) {  // failed at once: no packet is queued
-                free_.push_back(s);
-                b.result = code == ERROR_HANDLE_EOF ? 0 : platform::windows::from_win32(code);
-                return false;
-            }
+        if (ok) return true;  // done at once: a packet is queued all the same
+        const DWORD code = GetLastError();
+        if (code == ERROR_IO_PENDING) return true;
+        b.result = code == ERROR_HANDLE_EOF ? 0 : platform::windows::from_win32(code);
+        static const bool wine = running_on_wine();
+        std::lock_guard<std::mutex> lock(g_route_mutex);
+        if (!wine) {
+            s->state = SlotState::kIdle;
+            free_.push_back(s);
+        } else if (s->state == SlotState::kDone) {  // Wine: its packet already came
+            completed_.erase(std::find(completed_.begin(), completed_.end(), s));
+            s->state = SlotState::kIdle;
+            free_.push_back(s);
+        } else {  // Wine: a packet may still come
+            s->state = SlotState::kStale;
+            stale_.push_back(s);
+            free_.push_back(new Slot(this));
         }
-        return true;  // pending, or done at once: either way a packet is queued
+        return false;
     }
 
     static void settle(Slot* s) {
@@ -125,12 +171,11 @@ private:
         }
     }
 
-    std::vector<Slot> slots_;  // fixed size: OVERLAPPED addresses must not move
-    std::vector<Slot*> free_;  // used by the run() thread only
     bool overlap_events_;
-    std::mutex mutex_;
+    std::vector<Slot*> free_;  // owned; used by the run() thread only
     std::condition_variable cv_;
-    std::vector<Slot*> completed_;  // guarded by mutex_
+    std::vector<Slot*> completed_;  // guarded by g_route_mutex
+    std::vector<Slot*> stale_;      // owned; guarded by g_route_mutex
 };
 
 // Hands every completion packet of the process-wide port to the engine that started the transfer.
@@ -140,14 +185,13 @@ void dispatch_completions(HANDLE port) {
         ULONG_PTR key = 0;
         OVERLAPPED* ov = nullptr;
         BOOL ok = GetQueuedCompletionStatus(port, &bytes, &key, &ov, INFINITE);
+        const DWORD code = ok ? 0 : GetLastError();
         if (ov == nullptr) {
             if (!ok) return;  // the port itself failed; nothing more will arrive
             continue;
         }
-        Slot* s = CONTAINING_RECORD(ov, Slot, ov);
-        s->bytes = bytes;
-        s->code = ok ? 0 : GetLastError();
-        s->owner->deliver(s);
+        std::lock_guard<std::mutex> lock(g_route_mutex);
+        WindowsEngine::deliver_locked(CONTAINING_RECORD(ov, Slot, ov), bytes, code);
     }
 }
 
