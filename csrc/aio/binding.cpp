@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 
 #include "engine.h"
 #include "io_handle.h"
@@ -32,13 +33,26 @@ std::unique_ptr<IoHandle> make_handle(const std::string& engine, int64_t block_s
     return std::unique_ptr<IoHandle>(new IoHandle(config));
 }
 
+// Runs fn() with the GIL released. Not py::gil_scoped_release: at interpreter exit, a daemon thread that takes the
+// GIL back is ended by pthread_exit, whose forced unwind out of that guard's (noexcept) destructor would call
+// std::terminate ("terminate called without an active exception"); from a plain call it unwinds the thread cleanly.
+template <typename F>
+bool without_gil(F&& fn) {
+    PyThreadState* state = PyEval_SaveThread();
+    bool result;
+    try {
+        result = fn();
+    } catch (...) {
+        PyEval_RestoreThread(state);
+        throw;
+    }
+    PyEval_RestoreThread(state);
+    return result;
+}
+
 py::object wait_op(IoHandle& handle, int64_t op_id, double timeout_s) {
     OpResult r;
-    bool finished;
-    {
-        py::gil_scoped_release release;
-        finished = handle.wait(op_id, timeout_s, &r);
-    }
+    const bool finished = without_gil([&] { return handle.wait(op_id, timeout_s, &r); });
     if (!finished) return py::none();
     return py::make_tuple(r.err, r.operation, r.path, r.offset, r.detail, r.direct);
 }
@@ -65,11 +79,7 @@ py::tuple dio_alignment(const std::string& path) {
 
 py::tuple self_test(const std::string& engine, const std::string& directory) {
     std::string reason;
-    bool ok;
-    {
-        py::gil_scoped_release release;
-        ok = deepoffload::engine_self_test(engine, directory, &reason);
-    }
+    const bool ok = without_gil([&] { return deepoffload::engine_self_test(engine, directory, &reason); });
     return py::make_tuple(ok, reason);
 }
 
@@ -101,6 +111,15 @@ py::dict build_features() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "deepoffload native async IO core";
+    // An engine or thread that cannot start (a resource limit, a missing kernel feature) is an OSError with errno.
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const std::system_error& e) {
+            py::tuple args = py::make_tuple(e.code().value(), e.what());
+            PyErr_SetObject(PyExc_OSError, args.ptr());
+        }
+    });
     m.attr("TRUNCATE") = static_cast<int>(deepoffload::kFlagTruncate);
     m.attr("BUFFERED") = static_cast<int>(deepoffload::kFlagBuffered);
     m.attr("FSYNC") = static_cast<int>(deepoffload::kFlagFsync);
@@ -122,7 +141,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              "(errno, operation, path, offset, detail, direct) or None on timeout; releases the GIL.")
         .def("done", &IoHandle::done, py::arg("op_id"))
         .def("pending", &IoHandle::pending)
-        .def("close", &IoHandle::close, py::call_guard<py::gil_scoped_release>())
+        .def("close", [](IoHandle& h) { without_gil([&] { return h.close(), true; }); })
         .def_property_readonly("engine", [](IoHandle& h) { return h.config().engine; })
         .def_property_readonly("block_size", [](IoHandle& h) { return h.config().block_size; })
         .def_property_readonly("queue_depth", [](IoHandle& h) { return h.config().queue_depth; })

@@ -26,6 +26,7 @@ from .native import BUFFERED, FSYNC, TRUNCATE, native, resolve_engine
 FileRef = Union[str, os.PathLike, int]
 
 WAIT_SLICE_S = 0.2
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # what the native op's integer arguments can hold
 _live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
 _warned_buffered: set[str] = set()
 
@@ -42,13 +43,16 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 def check_tensor(tensor: object, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise ValueError(f"{what}: sparse ({tensor.layout}) and quantized tensors have no single byte buffer; use "
+                         f".dequantize() or .to_dense() first")
+    if tensor.is_conj() or tensor.is_neg():  # a lazy view: its bytes in memory are not its values
+        raise ValueError(f"{what}: the tensor is a lazy conjugate/negative view whose memory holds other values; "
+                         f"pass tensor.resolve_conj().resolve_neg() (a copy) instead")
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: the tensor is not contiguous; pass tensor.contiguous() (a copy) instead")
     if tensor.device.type != "cpu" and not accelerator.current().is_device_tensor(tensor):
         raise ValueError(f"{what}: tensors on {tensor.device} are not supported (CPU or {accelerator.current().name})")
-    if tensor.is_sparse or tensor.is_quantized:
-        raise ValueError(f"{what}: sparse and quantized tensors have no single byte buffer; use .dequantize() or "
-                         f".to_dense() first")
     return tensor
 
 
@@ -107,9 +111,6 @@ class Request:
         if result is None:
             raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
         self._collected = True
-        handle = self._handle()
-        if handle is not None:
-            handle._forget(self._op_id)
         err, operation, path, offset, detail, direct = result
         try:
             if err:
@@ -124,6 +125,9 @@ class Request:
         finally:
             self._keep_alive = ()
             self._finish = None
+            handle = self._handle()
+            if handle is not None:  # pending until its buffers are released: see _close_live_handles
+                handle._forget(self._op_id)
 
     def __enter__(self) -> "Request":
         return self
@@ -159,6 +163,10 @@ class AsyncIOHandle:
         self.config = AioConfig.from_dict(overrides, base=config) if overrides or config is None else config
         self.engine = resolve_engine(self.config.engine)
         c = self.config
+        for key, limit in (("block_size", INT64_MAX), ("queue_depth", INT32_MAX), ("intra_op_parallelism", INT32_MAX)):
+            if getattr(c, key) > limit:  # the native op would refuse it with an unreadable TypeError
+                raise ValueError(f"{key}={getattr(c, key)} is out of range; use a value like the default "
+                                 f"({getattr(AioConfig, key)})")
         self._native = native().Handle(self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events,
                                        c.intra_op_parallelism)
         self._pending: dict[int, Request] = {}
@@ -214,6 +222,8 @@ class AsyncIOHandle:
             raise ValueError(f"file offset must be a non-negative integer (bytes), got {offset!r}")
         fd, path = _file_ref(file)
         nbytes = buffer.numel() * buffer.element_size()
+        if offset > INT64_MAX - nbytes:
+            raise ValueError(f"file offset {offset} + {nbytes} bytes is past the largest file offset (2**63 - 1)")
         with self._pending_lock:
             op_id = self._native.submit(write, buffer.data_ptr(), nbytes, path, fd, offset, flags)
             request = Request(self, op_id, nbytes, path, keep_alive, finish)
@@ -292,8 +302,8 @@ def _file_ref(file: FileRef) -> tuple[int, str]:
     if isinstance(file, bool):
         raise TypeError("file: expected a path or a file descriptor, got a bool")
     if isinstance(file, int):
-        if file < 0:
-            raise ValueError(f"file descriptor must be >= 0, got {file}")
+        if not 0 <= file <= INT32_MAX:
+            raise ValueError(f"file descriptor must be an open descriptor (0 to {INT32_MAX}), got {file}")
         return file, f"<fd {file}>"
     if isinstance(file, (str, os.PathLike)):
         path = os.fspath(file)
@@ -322,8 +332,14 @@ def _validate(tensor: torch.Tensor, file: FileRef, offset: int) -> None:
 
 @atexit.register
 def _close_live_handles() -> None:
-    """At interpreter exit, let transfers in flight finish before the buffers they use are torn down."""
+    """At interpreter exit, let transfers in flight finish before the buffers they use are torn down, and collect
+    them here (or wait for the thread collecting one) so that their tensors are freed before finalization: torch
+    aborts the process when a daemon thread frees a tensor once finalization has begun."""
     for handle in list(_live_handles):
+        try:
+            handle.wait_all()
+        except Exception:
+            pass  # reported to whoever waits for those requests
         try:
             handle.close()
         except Exception:
