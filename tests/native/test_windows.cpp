@@ -175,6 +175,9 @@ int main(int argc, char** argv) {
         std::printf("cannot create a temporary directory in %s: %s\n", argv[1], platform::errno_text(-rc).c_str());
         return 2;
     }
+    std::vector<std::string> engines = compiled_engines();
+    check(engines.size() == 1 && engines[0] == "windows" && HandleConfig().engine == "windows",
+          "the Windows build has the windows engine only, and it is the default");
     test_error_text(dir);
     test_open_modes(dir);
     test_engine_direct(dir);
