@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="JSON",
                         help="swap/aio settings file (e.g. written by `deepoffload tune`)")
     parser.add_argument("--keep", action="store_true", help="keep the swap files for inspection")
+    parser.add_argument("--stream-layers", action="store_true",
+                        help="stream the model's blocks from storage too (parameter offload; own built-in model, "
+                             "Adam; try --steps 10)")
 
 
 def state_estimate(args: argparse.Namespace) -> int:
@@ -56,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if not chunk_set:  # a small model's state in ~16 chunks: the staging buffers stay a small part of it
         config = config.replace(chunk_bytes=min(config.chunk_bytes, max(1 << 20, state_estimate(args) // 16)))
     config = config.replace(folder=args.path or config.folder or os.getcwd(), keep_files=args.keep or config.keep_files)
+    if args.stream_layers:
+        from ..demo.stream import report_stream
+
+        return report_stream(args.steps, config)
     print(f"deepoffload demo: {args.model_size} model, {args.optimizer}, {args.steps} steps, optimizer state on "
           f"storage under {config.folder} (engine {config.aio.engine}, chunks of {_mb(config.chunk_bytes)}); the same model trains in memory alongside "
           f"for comparison")

@@ -280,7 +280,7 @@ class ParameterOffload:
         self.swapper = TensorSwapper(config.replace(chunk_bytes=block_bytes, buffer_count=prefetch + 2))
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
-        state_config = config.replace(chunk_bytes=max(2 * block_bytes, config.chunk_bytes // 8), buffer_count=3)
+        state_config = config.replace(chunk_bytes=block_bytes, buffer_count=3)  # state read, stepped, written
         self._block_optimizer = self._rest_optimizer = None
         if optimizer is not None:
             masters = [m for b in self.blocks for m in b.masters if m.requires_grad]
