@@ -74,8 +74,13 @@ def run_probe(probe: Probe, toolchain: Toolchain) -> ProbeResult:
     with tempfile.TemporaryDirectory(prefix="deepoffload-probe-") as tmp:
         src = Path(tmp) / f"{probe.name}.cpp"
         src.write_text(probe.source)
-        cmd = [*toolchain.compiler.split(), *toolchain.cflags, str(src), "-o", str(Path(tmp) / "probe")]
-        cmd += [*toolchain.ldflags, *(f"-l{lib}" for lib in probe.libraries)]
+        out = Path(tmp) / "probe"
+        if toolchain.is_windows:  # MSVC: /Fe names the executable, libraries follow /link
+            cmd = [*toolchain.compiler.split(), *toolchain.cflags, str(src), f"/Fe{out}.exe", "/link",
+                   *toolchain.ldflags, *(f"{lib}.lib" for lib in probe.libraries)]
+        else:
+            cmd = [*toolchain.compiler.split(), *toolchain.cflags, str(src), "-o", str(out), *toolchain.ldflags,
+                   *(f"-l{lib}" for lib in probe.libraries)]
         env = dict(os.environ)
         env.update(toolchain.env)
         try:

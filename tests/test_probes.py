@@ -148,3 +148,19 @@ def test_release_flags_are_optimised_and_portable():
         {n: probes_mod.ProbeResult(n, True) for n in ("cxx", "libaio", "io_pgetevents", "liburing")})
     assert "-O2" in cflags or "-O3" in cflags
     assert not any("march=native" in f for f in cflags)
+
+
+def test_msvc_probe_command_line(monkeypatch):
+    """On Windows the probe speaks cl's language: /Fe for the output, libraries after /link."""
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(probes_mod.subprocess, "run", fake_run)
+    tc = Toolchain("cl", "C:/VS/cl.exe", cflags=("/O2",), platform="win32")
+    assert run_probe(Probe("x", "int main(){return 0;}", ("aio",)), tc).ok
+    (cmd,) = seen
+    assert cmd[0] == "cl" and "/O2" in cmd and any(a.startswith("/Fe") for a in cmd)
+    assert cmd[cmd.index("/link") + 1:] == ["aio.lib"] and "-o" not in cmd

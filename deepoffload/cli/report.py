@@ -27,13 +27,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- gathering ----------------------------------------------------------------------------------------------------
-def _first_line(cmd: list[str]) -> str | None:
+def _first_line(cmd: list[str], any_status: bool = False) -> str | None:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = (out.stdout or out.stderr).strip().splitlines()
-    return lines[0].strip() if out.returncode == 0 and lines else None
+    return lines[0].strip() if (out.returncode == 0 or any_status) and lines else None
+
+
+def compiler_version(toolchain) -> str | None:
+    """The compiler's own first line: ``c++ --version``, or MSVC's banner (``cl`` alone prints it)."""
+    if not toolchain.compiler_path:
+        return None
+    if toolchain.is_windows:
+        return _first_line(toolchain.compiler.split(), any_status=True)
+    return _first_line([*toolchain.compiler.split(), "--version"])
 
 
 def library_version(deb: str, rpm: str, soname: str) -> str | None:
@@ -58,8 +67,7 @@ def versions(builder) -> dict:
     from ..op_builder.builder import torch_version
     from ..op_builder.cache import cache_root
 
-    compiler = _first_line([*builder.toolchain.compiler.split(), "--version"]) if builder.toolchain.compiler_path \
-        else None
+    compiler = compiler_version(builder.toolchain)
     info = {
         "deepoffload": __version__,
         "torch": torch_version(),

@@ -24,7 +24,12 @@ from . import accelerator
 
 PAGE_SIZE = mmap.PAGESIZE
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if os.name == "posix" else None
+if os.name == "posix":
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    _kernel32 = None
+else:
+    _libc = None
+    _kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
 _locked_lock = threading.Lock()
 _locked: dict[int, int] = {}  # start address -> bytes, for is_pinned()
 _warned_memlock = False
@@ -41,19 +46,30 @@ def _numel(shape_or_numel: int | Sequence[int]) -> tuple[int, tuple[int, ...]]:
 
 
 def _lock_pages(address: int, nbytes: int) -> bool:
+    """mlock (POSIX) or VirtualLock (Windows); warns once and returns False where the limit refuses."""
     global _warned_memlock
-    if _libc is None:
-        return False
-    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0:
-        return True
-    err = ctypes.get_errno()
+    if _libc is not None:
+        if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0:
+            return True
+        reason = (f"{os.strerror(ctypes.get_errno())}; RLIMIT_MEMLOCK is probably too small (raise it with "
+                  f"`ulimit -l unlimited` or in limits.conf)")
+    else:
+        if _kernel32.VirtualLock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)):
+            return True
+        reason = (f"Windows error {ctypes.get_last_error()}; the process working-set quota is probably too "
+                  f"small (SetProcessWorkingSetSize)")
     if not _warned_memlock:
         _warned_memlock = True
-        warnings.warn(
-            f"deepoffload: cannot page-lock {nbytes} bytes ({os.strerror(err)}); RLIMIT_MEMLOCK is probably too "
-            f"small (raise it with `ulimit -l unlimited` or in limits.conf); using unlocked buffers, which still "
-            f"work but may be slower", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"deepoffload: cannot page-lock {nbytes} bytes ({reason}); using unlocked buffers, which "
+                      f"still work but may be slower", RuntimeWarning, stacklevel=3)
     return False
+
+
+def _unlock_pages(address: int, nbytes: int) -> None:
+    if _libc is not None:
+        _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
+    else:
+        _kernel32.VirtualUnlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
 
 
 def _release(address: int, nbytes: int, locked: bool, registered: bool) -> None:
@@ -61,8 +77,8 @@ def _release(address: int, nbytes: int, locked: bool, registered: bool) -> None:
         _locked.pop(address, None)
     if registered:
         accelerator.current().unregister_host(address)
-    if locked and _libc is not None:
-        _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
+    if locked:
+        _unlock_pages(address, nbytes)
 
 
 def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torch.uint8, alignment: int = 0,
@@ -82,7 +98,10 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
         return torch.empty(shape, dtype=dtype)
     extra = alignment - PAGE_SIZE if alignment > PAGE_SIZE else 0
     length = (nbytes + extra + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
-    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if os.name == "posix":
+        region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # an anonymous mapping backed by the paging file, 64 KiB-aligned
+        region = mmap.mmap(-1, length)
     raw = torch.frombuffer(region, dtype=torch.uint8)
     base = raw.data_ptr()
     skip = (-base) % alignment
