@@ -1,0 +1,172 @@
+"""Optimizer step with about 1 GB of Adam state: in memory, offloaded (OffloadedOptimizer), and the pure IO of the
+same bytes through the async-IO handle (write then read back the state, the same chunk sizes); interleaved A B C
+A B C on the shared disk, medians and ratios printed. Then peak RSS of short offloaded and in-memory training runs
+for two model sizes, each in a fresh process (VmHWM; ru_maxrss where /proc is missing).
+
+    python benchmarks/optimizer_offload.py [--state-gb 1.0] [--rounds 3] [--folder DIR]
+
+Target: offloaded <= 1.15 x max(in-memory step, IO time); offloaded peak RSS must not grow with the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+TENSOR_NUMEL = 1 << 20  # 4 MiB fp32 parameters
+
+
+def make_params(state_bytes: int):
+    import torch
+
+    count = max(1, round(state_bytes / (8 * TENSOR_NUMEL)))  # Adam: exp_avg + exp_avg_sq, 8 bytes per element
+    params = []
+    for i in range(count):
+        p = torch.nn.Parameter(torch.randn(TENSOR_NUMEL, generator=torch.Generator().manual_seed(i)))
+        p.grad = torch.randn(TENSOR_NUMEL, generator=torch.Generator().manual_seed(10_000 + i))
+        params.append(p)
+    return params
+
+
+def io_only(handle, folder: str, state_bytes: int, chunk_bytes: int) -> float:
+    """Seconds to write ``state_bytes`` as chunk files and read them back, reads of chunk k+1 overlapping the write
+    of chunk k as in the optimizer's pipeline."""
+    from deepoffload.io.buffers import aligned_empty
+
+    chunks = max(1, state_bytes // chunk_bytes)
+    buffers = [aligned_empty(chunk_bytes) for _ in range(3)]
+    for b in buffers:
+        b.fill_(1)
+    files = [os.path.join(folder, f"io{k}.bin") for k in range(chunks)]
+    for f in files:  # the files exist, as the optimizer's do after its first step
+        handle.write(buffers[0], f)
+    start = time.perf_counter()
+    reads = [handle.read_async(buffers[0], files[0])]
+    writes = []
+    for k in range(chunks):
+        if k + 1 < chunks:
+            reads.append(handle.read_async(buffers[(k + 1) % 3], files[k + 1]))
+        reads.pop(0).wait()
+        writes.append(handle.write_async(buffers[k % 3], files[k]))
+        if len(writes) > 1:
+            writes.pop(0).wait()
+    for w in writes:
+        w.wait()
+    seconds = time.perf_counter() - start
+    for f in files:
+        os.unlink(f)
+    return seconds
+
+
+def step_times(state_gb: float, rounds: int, folder: str) -> None:
+    import torch
+
+    from deepoffload.io.handle import AsyncIOHandle
+    from deepoffload.swap.config import SwapConfig
+    from deepoffload.swap.optimizer import OffloadedOptimizer
+
+    state_bytes = int(state_gb * 1e9)
+    config = SwapConfig(folder=folder)
+    memory_params, offload_params = make_params(state_bytes), make_params(state_bytes)
+    in_memory = torch.optim.Adam(memory_params, lr=1e-3)
+    offloaded = OffloadedOptimizer(torch.optim.Adam, offload_params, config, lr=1e-3)
+    handle = AsyncIOHandle(config.aio)
+    in_memory.step()
+    offloaded.step()  # first steps create the state
+    stored = offloaded.stored_bytes()
+    print(f"state: {stored:,} bytes of Adam state ({len(offload_params)} params of {TENSOR_NUMEL:,} fp32), "
+          f"chunks of {config.chunk_bytes:,} bytes, {config.buffer_count} buffers, engine {handle.engine}")
+    times: dict[str, list[float]] = {"in-memory step": [], "offloaded step": [], "IO only": []}
+    moved_before = offloaded.swapper.bytes_read + offloaded.swapper.bytes_written
+    for _ in range(rounds):
+        start = time.perf_counter()
+        in_memory.step()
+        times["in-memory step"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        offloaded.step()
+        times["offloaded step"].append(time.perf_counter() - start)
+        times["IO only"].append(io_only(handle, offloaded.swapper.folder, stored, config.chunk_bytes))
+    moved = (offloaded.swapper.bytes_read + offloaded.swapper.bytes_written - moved_before) / rounds
+    same = all(torch.equal(a, b) for a, b in zip(memory_params, offload_params))
+    offloaded.close()
+    handle.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name, values in times.items():
+        print(f"  {name:15s} median {med[name]:.3f} s   runs: {', '.join(f'{v:.3f}' for v in values)}")
+    bound = max(med["in-memory step"], med["IO only"])
+    print(f"  offloaded step moves {moved / 1e9:.2f} GB: {moved / 1e9 / med['offloaded step']:.2f} GB/s "
+          f"(1e9 bytes/s); IO only: {2 * stored / 1e9 / med['IO only']:.2f} GB/s")
+    print(f"  ratio offloaded / in-memory: {med['offloaded step'] / med['in-memory step']:.2f}")
+    print(f"  ratio offloaded / IO only:   {med['offloaded step'] / med['IO only']:.2f}")
+    print(f"  ratio offloaded / max(in-memory, IO): {med['offloaded step'] / bound:.2f} (target <= 1.15)")
+    print(f"  parameters identical after {rounds + 1} steps: {same}")
+
+
+def rss_child(mode: str, state_gb: float, folder: str) -> None:
+    """In a fresh process: RSS after making params and grads, then peak RSS over 3 optimizer steps (bytes)."""
+    import torch
+
+    from deepoffload.swap.config import SwapConfig
+    from deepoffload.swap.optimizer import OffloadedOptimizer
+
+    params = make_params(int(state_gb * 1e9))
+    with open("/proc/self/statm") as f:
+        baseline = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    if mode == "offloaded":
+        optimizer = OffloadedOptimizer(torch.optim.Adam, params, SwapConfig(folder=folder), lr=1e-3)
+    else:
+        optimizer = torch.optim.Adam(params, lr=1e-3)
+    for _ in range(3):
+        optimizer.step()
+    print(json.dumps({"baseline": baseline, "peak": peak_rss_bytes()}))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS: VmHWM, which starts afresh at exec (ru_maxrss carries the parent's peak over a
+    fork + exec, so a child of a big parent reports the parent's figure)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_rss(sizes: list[float], folder: str) -> None:
+    print("peak RSS over 3 steps, above params + grads (fresh process each):")
+    for state_gb in sizes:
+        figures = {}
+        for mode in ("in-memory", "offloaded"):
+            out = subprocess.run([sys.executable, __file__, "--rss-child", mode, str(state_gb), folder],
+                                 capture_output=True, text=True, check=True)
+            figures[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        extra = {m: (f["peak"] - f["baseline"]) / 1e6 for m, f in figures.items()}
+        print(f"  state {state_gb:.2f} GB: in-memory +{extra['in-memory']:.0f} MB, offloaded +{extra['offloaded']:.0f} MB"
+              f" (peak {figures['offloaded']['peak'] / 1e6:.0f} MB vs {figures['in-memory']['peak'] / 1e6:.0f} MB)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--state-gb", type=float, default=1.0, help="Adam state in GB (1e9 bytes), default 1.0")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rss-sizes", default="0.25,1.0", help="state sizes (GB) for the peak RSS runs")
+    parser.add_argument("--folder", default=tempfile.gettempdir(), help="where swap files go (a real disk)")
+    parser.add_argument("--rss-child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss_child:
+        mode, state_gb, folder = args.rss_child
+        rss_child(mode, float(state_gb), folder)
+        return
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared: figures are noisy)")
+    peak_rss([float(s) for s in args.rss_sizes.split(",")], args.folder)  # first, while this process is small
+    step_times(args.state_gb, args.rounds, args.folder)
+
+
+if __name__ == "__main__":
+    main()
