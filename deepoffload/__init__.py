@@ -20,6 +20,14 @@ _LAZY = {
     "is_pinned": "deepoffload.io.buffers",
     "AioConfig": "deepoffload.config",
     "ConfigError": "deepoffload.config",
+    "SwapConfig": "deepoffload.swap.config",
+    "TensorSwapper": "deepoffload.swap.tensor_swapper",
+    "ChecksumError": "deepoffload.swap.tensor_swapper",
+    "OffloadedOptimizer": "deepoffload.swap.optimizer",
+    "offload_parameters": "deepoffload.swap.params",
+    "ParameterOffload": "deepoffload.swap.params",
+    "OffloadStats": "deepoffload.swap.params",
+    "find_blocks": "deepoffload.swap.params",
 }
 
 __all__ = ["__version__", *_LAZY]
