@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory saved:               {_mb(saved)} (state not in RAM, minus {_mb(result.staging_bytes)} of "
           f"staging buffers)")
     print(f"IO:                         {_mb(result.bytes_moved)} moved at {result.io_gb_per_s:.2f} GB/s "
-          f"(1e9 bytes/s, over the offloaded optimizer steps)")
+          f"(1e9 bytes/s, over the offloaded optimizer steps after the first)")
     print(f"step time:                  overhead {100 * result.overhead:+.1f}% against in memory (median step, "
           f"first step excluded)")
     match = result.losses_match and result.params_match

@@ -34,11 +34,11 @@ class DemoResult:
     losses_offloaded: list[float] = field(default_factory=list)
     step_seconds_memory: list[float] = field(default_factory=list)
     step_seconds_offloaded: list[float] = field(default_factory=list)
-    optimizer_seconds_offloaded: float = 0.0
+    optimizer_seconds_offloaded: list[float] = field(default_factory=list)
+    bytes_moved_per_step: list[int] = field(default_factory=list)
     state_bytes_memory: int = 0
     state_bytes_on_storage: int = 0
     staging_bytes: int = 0
-    bytes_moved: int = 0
     params_match: bool = False
     folder: str = ""
 
@@ -47,9 +47,17 @@ class DemoResult:
         return self.losses_memory == self.losses_offloaded
 
     @property
+    def bytes_moved(self) -> int:
+        """Bytes read plus written by the offloaded optimizer over the whole run."""
+        return sum(self.bytes_moved_per_step)
+
+    @property
     def io_gb_per_s(self) -> float:
-        """Bytes read plus written per second of offloaded optimizer steps, in GB/s (1e9 bytes/s)."""
-        return self.bytes_moved / self.optimizer_seconds_offloaded / 1e9 if self.optimizer_seconds_offloaded else 0.0
+        """Bytes read plus written per second of offloaded optimizer step, in GB/s (1e9 bytes/s); the first step
+        (which makes the state and only writes) is excluded when there are more."""
+        skip = 1 if len(self.optimizer_seconds_offloaded) > 1 else 0
+        seconds = sum(self.optimizer_seconds_offloaded[skip:])
+        return sum(self.bytes_moved_per_step[skip:]) / seconds / 1e9 if seconds else 0.0
 
     @property
     def overhead(self) -> float:
@@ -90,10 +98,11 @@ def run_demo(model_size: str, steps: int, optimizer: str, config: SwapConfig,
                 opt.step()
                 end = time.perf_counter()
                 if opt is offloaded:
-                    result.optimizer_seconds_offloaded += end - before_step
+                    result.optimizer_seconds_offloaded.append(end - before_step)
                 losses.append(loss.item())
                 seconds.append(end - start)
-            result.bytes_moved = offloaded.swapper.bytes_read + offloaded.swapper.bytes_written
+            result.bytes_moved_per_step.append(offloaded.swapper.bytes_read + offloaded.swapper.bytes_written
+                                               - result.bytes_moved)
             if progress is not None:
                 progress(step, result)
         result.state_bytes_memory = _state_bytes(in_memory)

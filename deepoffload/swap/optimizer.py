@@ -7,6 +7,12 @@ and chunk k-1 written while chunk k steps. The wrapped optimizer does all the ma
 always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory.
 
 Optimizers that need all parameters at once inside one step (``LBFGS``) are refused.
+
+Distributed training: build the optimizer after wrapping the model (``fully_shard`` for FSDP2, whose DTensor
+parameters have their local shard stored; ``DistributedDataParallel``) inside an initialised process group. Each
+rank stores only its own state, in ``<folder>/deepoffload-rank<R>-<unique>``; on one machine the ranks share the
+base folder safely, across machines each uses its local disk. A multi-node job is only a matter of launching, e.g.
+``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py``.
 """
 
 from __future__ import annotations
@@ -152,19 +158,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return chunks
 
     def _run(self, chunks: list[list[torch.Tensor]], action: Callable[[list[torch.Tensor]], None] | None) -> None:
-        """Read chunk k+1 and write chunk k-1 while ``action`` runs on chunk k; return once every write is done.
+        """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done.
         A failed write does not stop the step: its state stays in memory and the first such error is raised at the
         end. A failed read stops it (that chunk cannot step). Transfers in flight always finish first."""
         writes: list[SwapOut] = []
         reads: list[SwapIn] = []
         current: SwapIn | None = None
         error: OSError | None = None  # a failed write: the step still completes (that state stays in memory)
+        ahead = max(1, self.config.buffer_count - 2)  # chunks read ahead; one buffer steps, one writes behind
         try:
-            if chunks:
-                reads.append(self._read(chunks[0]))
             for k, chunk in enumerate(chunks):
-                if k + 1 < len(chunks):
-                    reads.append(self._read(chunks[k + 1]))
+                while len(reads) <= ahead and k + len(reads) < len(chunks):
+                    reads.append(self._read(chunks[k + len(reads)]))
                 current = reads.pop(0)
                 by_name = {self._name(p): p for p in chunk}
                 for name, tensors in current.wait().items():
