@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -50,8 +51,9 @@ def signal_storm() -> Iterator[dict[str, int]]:
 
 
 def round_trips_under_signals(engine: str, nbytes: int, folder) -> dict[str, int]:
-    """Write ``nbytes`` of random bytes from a pinned buffer, then read them back both into a pinned buffer and
-    into an unaligned tensor (the bounce path), all under the signal storm; check every byte."""
+    """Write ``nbytes`` of random bytes from a pinned buffer (waiting in native code: signals interrupt its futex
+    waits, the handlers run between wait slices), then read them back into a pinned buffer and into an unaligned
+    tensor (the bounce path) while polling ``done()`` from Python, all under the signal storm; check every byte."""
     data = aligned_empty(nbytes)
     data.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)))
     path = folder / f"{engine}.bin"
@@ -62,6 +64,8 @@ def round_trips_under_signals(engine: str, nbytes: int, folder) -> dict[str, int
     with AsyncIOHandle(engine=engine, intra_op_parallelism=2) as h, signal_storm() as counts:
         assert h.write(data, path) == nbytes
         reads = [h.read_async(aligned_back, path), h.read_async(unaligned_back, path)]
+        while not all(r.done() for r in reads):  # poll from Python, so the handlers run between polls too
+            time.sleep(0.0002)
         assert [r.wait() for r in reads] == [nbytes, nbytes], "no short read"
         assert h.pending() == 0
     assert path.stat().st_size == nbytes, "no short write"
