@@ -168,7 +168,9 @@ class OpBuilder:
         with _load_lock:
             module = _loaded.get(self.NAME)
             if module is None:
-                module = self._load_prebuilt() or self.jit_load(verbose=verbose)
+                # a sanitizer build is always built here: the prebuilt op has no sanitizers
+                prebuilt = None if os.environ.get(SANITIZE_ENV, "").strip() else self._load_prebuilt()
+                module = prebuilt or self.jit_load(verbose=verbose)
                 _loaded[self.NAME] = module
             return module
 
