@@ -92,7 +92,7 @@ setup(
     package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"], "deepoffload._ops": ["build_info.json"]},
     # tqdm: progress of demo/tune; xxhash: swap checksums (xxh3, several GB/s; a corrupted swap file is an error,
     # not a wrong result)
-    install_requires=["torch>=2.1", "ninja", "packaging", "tqdm", "xxhash"],
+    install_requires=["torch>=2.1", "ninja", "tqdm", "xxhash"],
     extras_require={"test": ["pytest", "hypothesis", "numpy"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["deepoffload = deepoffload.cli.main:main"]},
     zip_safe=False,
