@@ -70,6 +70,17 @@ def test_groups_share_one_buffer_and_read_sized_from_own_records(swapper):
     again.release()
 
 
+def test_rewriting_a_group_waits_for_its_read(swapper):
+    swapper.swap_out({"g": {"t": torch.full((1 << 20,), 1.0)}}).wait()
+    read = swapper.swap_in(["g"])
+    swapper.swap_out({"g": {"t": torch.full((1 << 20,), 2.0)}}).wait()  # same file, while the read may run
+    assert read.wait()["g"]["t"].eq(1).all()
+    read.release()
+    again = swapper.swap_in(["g"])
+    assert again.wait()["g"]["t"].eq(2).all()
+    again.release()
+
+
 def test_non_contiguous_and_views_are_staged_by_copy(swapper):
     base = torch.randn(64, 32)
     tensors = {"t": base.t(), "s": base[::3, 1:5], "e": base.expand(2, 64, 32)[1]}

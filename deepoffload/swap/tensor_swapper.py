@@ -94,10 +94,6 @@ class SwapOut:
         self._on_done = on_done
         self._result: int | BaseException | None = None
 
-    @property
-    def groups(self) -> tuple[str, ...]:
-        return tuple(self._records)
-
     def done(self) -> bool:
         return self._result is not None or all(r.done() for r in self._requests)
 
@@ -147,25 +143,35 @@ class SwapIn:
         self._layout = layout  # group -> (start in buffer, records)
         self._buffer = buffer
         self._tensors: dict[str, dict[str, torch.Tensor]] | None = None
+        self._error: OSError | None = None
 
     def wait(self) -> dict[str, dict[str, torch.Tensor]]:
         if self._tensors is None:
-            error, nbytes = None, 0
-            for request in self._requests:
-                try:
-                    nbytes += request.wait()
-                except OSError as e:
-                    error = error or e
-            self._requests = []
+            error = self._wait_io()
             if error is not None:
                 self.release()
                 raise error
-            self._swapper.bytes_read += nbytes
             tensors = {}
             for group, (start, records) in self._layout.items():
                 tensors[group] = {key: self._restore(start, record) for key, record in records.items()}
             self._tensors = tensors
         return self._tensors
+
+    def _wait_io(self) -> OSError | None:
+        """Finish the reads (the files may be rewritten after this); return the first error (kept for later)."""
+        error, nbytes = self._error, 0
+        for request in self._requests:
+            try:
+                nbytes += request.wait()
+            except OSError as e:
+                error = error or e
+        self._requests = []
+        self._error = error
+        self._swapper.bytes_read += nbytes if error is None else 0
+        for group in self._layout:
+            if self._swapper._reading.get(group) is self:
+                del self._swapper._reading[group]
+        return error
 
     def _restore(self, start: int, record: SwapRecord) -> torch.Tensor:
         if record.nbytes == 0:
@@ -188,12 +194,7 @@ class SwapIn:
 
     def release(self) -> None:
         """Give the staging buffer back (after waiting for the reads); the tensors from ``wait()`` die with it."""
-        for request in self._requests:
-            try:
-                request.wait()
-            except OSError:
-                pass
-        self._requests = []
+        self._wait_io()
         if self._buffer is not None:
             self._swapper.pool.release(self._buffer)
             self._buffer = None
@@ -224,6 +225,7 @@ class TensorSwapper:
         self.pool = BufferPool(self.config.buffer_count, self.config.chunk_bytes, self.config.pin)
         self._records: dict[str, dict[str, SwapRecord]] = {}
         self._writing: dict[str, SwapOut] = {}
+        self._reading: dict[str, SwapIn] = {}
         self._pending_out: collections.deque[SwapOut] = collections.deque()
         self.bytes_read = 0
         self.bytes_written = 0
@@ -256,6 +258,8 @@ class TensorSwapper:
         for group, tensors in groups.items():
             self._check_group(group)
             self._wait_writing(group)
+            if group in self._reading:  # its file is about to be rewritten: let the read finish first
+                self._reading[group]._wait_io()
             offset, entries = 0, {}
             for key, tensor in tensors.items():
                 local, spec = _local(_checked(group, key, tensor))
@@ -313,7 +317,10 @@ class TensorSwapper:
             if span:
                 file = next(iter(records.values())).file
                 requests.append(self.handle.read_async(buffer[start:start + span], file))
-        return SwapIn(self, requests, layout, buffer)
+        read = SwapIn(self, requests, layout, buffer)
+        for group in layout:
+            self._reading[group] = read
+        return read
 
     def discard(self, group: str) -> None:
         """Forget a group and delete its file."""
