@@ -243,6 +243,7 @@ class _Recompute(torch.autograd.Function):
         inputs = _detached(ctx.saved_tensors)
         offload._acquire(block, "backward", training=True)
         try:
+            offload._prefetch_state(block)
             cpu_state, devices, states, device_type = call.rng
             with torch.random.fork_rng(devices=devices, device_type=device_type):
                 torch.set_rng_state(cpu_state)
@@ -280,11 +281,15 @@ class ParameterOffload:
         self.swapper = TensorSwapper(config.replace(chunk_bytes=block_bytes, buffer_count=prefetch + 2))
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
-        state_config = config.replace(chunk_bytes=block_bytes, buffer_count=3)  # state read, stepped, written
+        # a block's state (Adam: about two block spans) read ahead during its backward while the previous block's is
+        # written behind: 6 chunks of a block span; with more state per block, reads wait for those writes
+        state_config = config.replace(chunk_bytes=block_bytes, buffer_count=6)
         self._block_optimizer = self._rest_optimizer = None
         if optimizer is not None:
             masters = [m for b in self.blocks for m in b.masters if m.requires_grad]
             self._block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
+            if self._block_optimizer is not None:  # finished by step(): a block's state writes overlap the next
+                self._block_optimizer.write_behind = True
             rest = [p for p in self.rest if p.requires_grad]
             self._rest_optimizer = OffloadedOptimizer(optimizer, rest, state_config) if rest else None
         self._token = torch.empty(0, requires_grad=True)
@@ -403,6 +408,12 @@ class ParameterOffload:
         if block.index not in self._upcoming(block.index, "forward", training):
             self._release(block)
 
+    def _prefetch_state(self, block: _Block) -> None:
+        """fused mode, the block's last backward of the pass: start reading its optimizer state, so the step
+        that follows the backward finds it in memory."""
+        if self.mode == "fused" and block.pending_backward == 1 and self._block_optimizer is not None:
+            self._block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+
     def _after_backward(self, block: _Block) -> None:
         block.pending_backward -= 1
         if block.pending_backward > 0:
@@ -489,6 +500,15 @@ class ParameterOffload:
             block.write, block.written = None, {}
             self._io_wait += time.perf_counter() - start
             self._note_peak()
+
+    def _wait_state_writes(self) -> None:
+        """Wait for the block optimizer's state writes in flight (a failed one leaves its state in memory)."""
+        if self._block_optimizer is not None:
+            start = time.perf_counter()
+            try:
+                self._block_optimizer.wait_writes()
+            finally:
+                self._io_wait += time.perf_counter() - start
 
     def _wait_param_writes(self) -> None:
         error = None
@@ -614,6 +634,7 @@ class ParameterOffload:
                 self._start_read(block)
                 if self.swapper.records(block.grad_group):
                     grad_reads[block.index] = self.swapper.swap_in([block.grad_group])
+                self._block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
 
         for k in range(self.prefetch + 1):
             start(k)
@@ -639,6 +660,7 @@ class ParameterOffload:
             raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
         if self.mode == "grads" and self._block_optimizer is not None:
             self._step_streamed()
+        self._wait_state_writes()
         self._wait_param_writes()
         if self._rest_optimizer is not None:
             self._rest_optimizer.step()
@@ -660,7 +682,7 @@ class ParameterOffload:
         first failure (those blocks stay in memory)."""
         self._check_open()
         error = None
-        for action in (self._wait_grad_writes, self._wait_param_writes):
+        for action in (self._wait_grad_writes, self._wait_state_writes, self._wait_param_writes):
             try:
                 action()
             except OSError as e:
