@@ -1,6 +1,10 @@
 """Parameter offload: forward+backward+step time streamed (fused mode, prefetch 1) against in memory and against the
 pure IO time of the bytes a streamed step moves, interleaved A B C A B C in one run; then peak RSS streamed vs in
-memory for two model sizes, each in its own process.
+memory for two model sizes, each in its own process, under glibc's default allocator settings and with
+MALLOC_MMAP_THRESHOLD_=1048576: by default glibc raises its mmap threshold (up to 32 MiB) each time a large mmapped
+block is freed, after which same-sized tensors (a block's gradients, activations and temporaries, allocated by torch
+through malloc) come from the heap, and memory freed there is kept by the process rather than given back; a fixed
+1 MiB threshold maps and unmaps every large tensor, so RSS shows what is actually in use. Both rows are printed.
 
     python benchmarks/param_offload.py [--folder DIR] [--steps N]
 
@@ -161,16 +165,22 @@ def main() -> int:
     print("time per training step (the machine's 2 cores and disk are shared with other engineers: noisy)")
     timing(folder, args.steps, width=768, depth=8, batch=256)
     print("peak RSS during 2 training steps (own process each; Adam; fused mode, prefetch 1)")
-    for depth in (6, 18):
-        row = {}
-        for streamed in (False, True):
-            out = subprocess.run([sys.executable, __file__, "--folder", folder, "--rss-child", "768", str(depth),
-                                  str(int(streamed))], capture_output=True, text=True, check=True)
-            row[streamed] = json.loads(out.stdout.strip().splitlines()[-1])
-        params = depth * 2 * (768 * 4 * 768) + depth * (5 * 768)
-        print(f"  {depth:2d} blocks ({params * 4 / 1e6:5.0f} MB of fp32 weights): peak in memory "
-              f"{row[False]['peak_rss'] / 1e6:6.0f} MB, streamed {row[True]['peak_rss'] / 1e6:6.0f} MB (RSS before the "
-              f"first step: {row[False]['start_rss'] / 1e6:.0f} MB and {row[True]['start_rss'] / 1e6:.0f} MB)")
+    for label, threshold in (("glibc default", None), ("MALLOC_MMAP_THRESHOLD_=1048576", "1048576")):
+        env = dict(os.environ)
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if threshold is not None:
+            env["MALLOC_MMAP_THRESHOLD_"] = threshold
+        print(f" {label}:")
+        for depth in (6, 18):
+            row = {}
+            for streamed in (False, True):
+                out = subprocess.run([sys.executable, __file__, "--folder", folder, "--rss-child", "768", str(depth),
+                                      str(int(streamed))], capture_output=True, text=True, check=True, env=env)
+                row[streamed] = json.loads(out.stdout.strip().splitlines()[-1])
+            params = depth * 2 * (768 * 4 * 768) + depth * (5 * 768)
+            print(f"  {depth:2d} blocks ({params * 4 / 1e6:5.0f} MB of fp32 weights): peak in memory "
+                  f"{row[False]['peak_rss'] / 1e6:6.0f} MB, streamed {row[True]['peak_rss'] / 1e6:6.0f} MB (RSS before "
+                  f"the first step: {row[False]['start_rss'] / 1e6:.0f} MB and {row[True]['start_rss'] / 1e6:.0f} MB)")
     return 0
 
 
