@@ -5,8 +5,10 @@ O_DIRECT is exercised (``DEEPOFFLOAD_TEST_DIR`` to choose one)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -37,3 +39,44 @@ def handle(aio):
 
     with AsyncIOHandle() as h:
         yield h
+
+
+def _run(command: list[str], what: str) -> None:
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode:
+        raise OSError(f"{what} failed: {' '.join(command)}: {proc.stderr.strip()}")
+
+
+@pytest.fixture
+def small_fs(tmp_path) -> Iterator[Callable[..., Path]]:
+    """A factory mounting a small filesystem: ``small_fs(nbytes, kind, read_only=False)`` with kind ``"ext4"`` (a
+    loop-mounted image, accepts O_DIRECT), ``"tmpfs"`` (O_DIRECT since Linux 6.6) or ``"ramfs"`` (no O_DIRECT, no
+    size limit). Unmounted after the test. Needs root: skipped with the reason otherwise, or when this machine cannot
+    mount (no loop devices, in a container)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mounts: list[Path] = []
+
+    def mount(nbytes: int, kind: str = "ext4", read_only: bool = False) -> Path:
+        point = tmp_path / f"mnt-{len(mounts)}"
+        point.mkdir()
+        ro = ["-o", "ro"] if read_only else []
+        try:
+            if kind in ("tmpfs", "ramfs"):
+                size = ["-o", f"size={nbytes}"] if kind == "tmpfs" else []
+                _run(["mount", "-t", kind, *size, *ro, kind, str(point)], f"mounting a {kind}")
+            else:
+                image = tmp_path / f"fs-{len(mounts)}.img"
+                with open(image, "wb") as f:
+                    f.truncate(nbytes)
+                # no journal, no reserved blocks: the free space is (nearly) all usable and fills predictably
+                _run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", str(image)], "mkfs.ext4")
+                _run(["mount", "-o", "loop", *ro, str(image), str(point)], "loop-mounting an ext4 image")
+        except (OSError, FileNotFoundError) as e:
+            pytest.skip(f"cannot mount a small {kind} here: {e}")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounts):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)

@@ -204,21 +204,13 @@ def test_bad_input_gets_clear_errors(handle, scratch):
         AsyncIOHandle(blocksize=4096)
 
 
-def test_disk_full_raises_enospc(aio, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount tmpfs here")
-    try:
-        with AsyncIOHandle() as h:  # tmpfs takes O_DIRECT since Linux 6.6, else the handle falls back
-            with pytest.raises(OSError) as info:
-                h.write(torch.zeros(4 << 20, dtype=torch.uint8), mnt / "big")
-        assert info.value.errno == errno.ENOSPC
-        assert "write" in str(info.value) and "big" in str(info.value)
-    finally:
-        subprocess.run(["umount", str(mnt)])
+def test_disk_full_raises_enospc(aio, small_fs):
+    mnt = small_fs(1 << 20, "tmpfs")
+    with AsyncIOHandle() as h:  # tmpfs takes O_DIRECT since Linux 6.6, else the handle falls back
+        with pytest.raises(OSError) as info:
+            h.write(torch.zeros(4 << 20, dtype=torch.uint8), mnt / "big")
+    assert info.value.errno == errno.ENOSPC
+    assert "write" in str(info.value) and "big" in str(info.value)
 
 
 def test_errors_in_a_subprocess_never_abort(aio, scratch):
@@ -333,25 +325,17 @@ def test_cuda_tensors_are_staged_through_pinned_memory(handle, scratch):
     assert torch.equal(back, t)
 
 
-def test_filesystem_without_o_direct_falls_back_to_buffered_and_warns_once(aio, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting ramfs needs root")
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount ramfs here")
-    try:
-        import warnings
+def test_filesystem_without_o_direct_falls_back_to_buffered_and_warns_once(aio, small_fs):
+    import warnings
 
-        t = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
-        with AsyncIOHandle() as h, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            h.write(t, mnt / "a")
-            h.write(t, mnt / "b")
-            back = torch.empty_like(t)
-            h.read(back, mnt / "a")
-        assert torch.equal(back, t)
-        said = [w for w in caught if "refuses O_DIRECT" in str(w.message)]
-        assert len(said) == 1, [str(w.message) for w in caught]
-    finally:
-        subprocess.run(["umount", str(mnt)])
+    mnt = small_fs(0, "ramfs")
+    t = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
+    with AsyncIOHandle() as h, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.write(t, mnt / "a")
+        h.write(t, mnt / "b")
+        back = torch.empty_like(t)
+        h.read(back, mnt / "a")
+    assert torch.equal(back, t)
+    said = [w for w in caught if "refuses O_DIRECT" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]

@@ -192,19 +192,10 @@ def test_windows_specifics_under_wine(windows_programs, wine_env, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.root
-def test_disk_full_under_wine(windows_programs, wine_env, tmp_path):
+def test_disk_full_under_wine(windows_programs, wine_env, tmp_path, small_fs):
     """An 8 MiB write to a 1 MiB volume fails with ENOSPC carrying the Windows code, and the program goes on."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    volume = tmp_path / "small"
-    volume.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(volume)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs is not allowed here")
-    try:
-        passed, failed, output = _run_under_wine(wine_env, windows_programs / "test_windows.exe",
-                                                 _unix_to_wine(tmp_path), _unix_to_wine(volume))
-    finally:
-        subprocess.run(["umount", str(volume)], check=True)
+    volume = small_fs(1 << 20, "tmpfs")
+    passed, failed, output = _run_under_wine(wine_env, windows_programs / "test_windows.exe",
+                                             _unix_to_wine(tmp_path), _unix_to_wine(volume))
     assert failed == 0, "\n".join(l for l in output.splitlines() if l.startswith("FAIL"))
     assert "skip: no small volume" not in output and passed > 20

@@ -1,5 +1,5 @@
-"""Fixtures of the reliability suite: the engines that work here, a small filesystem that fills up (root only),
-open-descriptor counts and a helper that runs Python code in a child process."""
+"""Fixtures of the reliability suite: the engines that work here, open-descriptor counts, filling a small
+filesystem (``small_fs`` itself lives in tests/conftest.py) and a helper that runs Python code in a child process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
@@ -26,44 +26,6 @@ def engines(aio) -> list[str]:
 def open_fds() -> int:
     """Descriptors this process has open now."""
     return len(os.listdir("/proc/self/fd"))
-
-
-def _run(command: list[str], what: str) -> None:
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode:
-        raise OSError(f"{what} failed: {' '.join(command)}: {proc.stderr.strip()}")
-
-
-@pytest.fixture
-def small_fs(tmp_path) -> Iterator[Callable[..., Path]]:
-    """A factory mounting a small filesystem: ``small_fs(nbytes, kind)`` with kind ``"ext4"`` (a loop-mounted
-    image, accepts O_DIRECT) or ``"tmpfs"`` (buffered IO only). Unmounted after the test. Needs root: skipped
-    with the reason otherwise, or when this machine cannot mount (no loop devices, in a container)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small filesystem needs root")
-    mounts: list[Path] = []
-
-    def mount(nbytes: int, kind: str = "ext4") -> Path:
-        point = tmp_path / f"mnt-{len(mounts)}"
-        point.mkdir()
-        try:
-            if kind == "tmpfs":
-                _run(["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(point)], "mounting a tmpfs")
-            else:
-                image = tmp_path / f"fs-{len(mounts)}.img"
-                with open(image, "wb") as f:
-                    f.truncate(nbytes)
-                # no journal, no reserved blocks: the free space is (nearly) all usable and fills predictably
-                _run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", str(image)], "mkfs.ext4")
-                _run(["mount", "-o", "loop", str(image), str(point)], "loop-mounting an ext4 image")
-        except (OSError, FileNotFoundError) as e:
-            pytest.skip(f"cannot mount a small {kind} here: {e}")
-        mounts.append(point)
-        return point
-
-    yield mount
-    for point in reversed(mounts):
-        subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 def fill(folder: Path, leave_bytes: int) -> Path:
