@@ -14,9 +14,11 @@ from ..swap.config import SwapConfig
 from ..swap.params import offload_parameters
 from .model import ModelSize, SyntheticText, build_model
 
-# Blocks dominate (a small vocabulary keeps the embedding and head, which stay in memory, small): 12 blocks of 0.8M
+# Blocks dominate (a small vocabulary keeps the embedding and head, which stay in memory, small): 16 blocks of 0.8M
 # parameters; the in-memory run's model state is 16 bytes per parameter (weights, gradients, Adam's two moments).
-STREAM_SIZE = ModelSize(vocab=256, width=256, layers=12, heads=4, context=64, batch=8)
+# The streamed run's resident bytes do not grow with the depth (about 3 blocks of weights, 6 blocks' worth of
+# optimizer-state staging, one block's gradients): 16 blocks keep the model state above 4x of them.
+STREAM_SIZE = ModelSize(vocab=256, width=256, layers=16, heads=4, context=64, batch=8)
 
 
 @dataclass

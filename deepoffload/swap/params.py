@@ -24,7 +24,7 @@ one extra forward. Backward with ``retain_graph``/``create_graph`` through a blo
 Gradients never pile up. Once a block's gradients are complete (after its last backward in the pass):
 - ``mode="fused"`` (memory-minimal): the block's optimizer step runs right away inside backward, its optimizer state
   read from and written back to storage (``OffloadedOptimizer``), the updated weights are written back and the
-  gradients freed. One backward per step (no gradient accumulation) and no clipping by a global norm: each block steps
+  gradients freed. The block's state is read while its backward runs. One backward per step (no gradient accumulation) and no clipping by a global norm: each block steps
   before the others' gradients exist. Per-parameter optimizers (Adam, AdamW, SGD, ...) give exactly the same result as
   a global step.
 - ``mode="grads"``: the block's gradients go to storage (accumulating over several backward passes, in the master
@@ -288,8 +288,6 @@ class ParameterOffload:
         if optimizer is not None:
             masters = [m for b in self.blocks for m in b.masters if m.requires_grad]
             self._block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
-            if self._block_optimizer is not None:  # finished by step(): a block's state writes overlap the next
-                self._block_optimizer.write_behind = True
             rest = [p for p in self.rest if p.requires_grad]
             self._rest_optimizer = OffloadedOptimizer(optimizer, rest, state_config) if rest else None
         self._token = torch.empty(0, requires_grad=True)
