@@ -281,8 +281,8 @@ class ParameterOffload:
         self.swapper = TensorSwapper(config.replace(chunk_bytes=block_bytes, buffer_count=prefetch + 2))
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
-        # a block's state (Adam: about two block spans) read ahead during its backward while the previous block's is
-        # written behind: 6 chunks of a block span; with more state per block, reads wait for those writes
+        # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
+        # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes
         state_config = config.replace(chunk_bytes=block_bytes, buffer_count=6)
         self._block_optimizer = self._rest_optimizer = None
         if optimizer is not None:
