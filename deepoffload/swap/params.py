@@ -815,8 +815,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         raise ValueError(f"compute_dtype={compute_dtype!r}: expected a floating-point torch.dtype, e.g. "
                          f"torch.bfloat16")
     if optimizer is not None and not callable(optimizer):
-        raise TypeError(f"optimizer=: expected a factory taking a list of parameters (e.g. a torch.optim class or a "
-                        "lambda), got {type(optimizer).__name__}")
+        raise TypeError("optimizer=: expected a factory taking a list of parameters (e.g. a torch.optim class or a "
+                        f"lambda), got {type(optimizer).__name__}")
     names = {id(m): name for name, m in module.named_modules()}
     if blocks is None:
         chosen = find_blocks(module)
