@@ -1,6 +1,7 @@
-"""Optimizer step with about 1 GB of Adam state: in memory, offloaded (OffloadedOptimizer), and the pure IO of the
-same bytes through the async-IO handle (write then read back the state, the same chunk sizes); interleaved A B C
-A B C on the shared disk, medians (and best-of, less sensitive to other users of the machine) and ratios printed. Then peak RSS of short offloaded and in-memory training runs
+"""Optimizer step with about 1 GB of Adam state: in memory, offloaded (OffloadedOptimizer, with torch's thread
+setting and with ``compute_threads`` leaving one core to the IO threads), and the pure IO of the same bytes through
+the async-IO handle (write then read back the state, the same chunk sizes); interleaved A B C D A B C D on the
+shared disk, medians (and best-of, less sensitive to other users of the machine) and ratios printed. Then peak RSS of short offloaded and in-memory training runs
 for two model sizes, each in a fresh process (VmHWM; ru_maxrss where /proc is missing).
 
     python benchmarks/optimizer_offload.py [--state-gb 1.0] [--rounds 3] [--folder DIR]
@@ -74,42 +75,51 @@ def step_times(state_gb: float, rounds: int, folder: str) -> None:
 
     state_bytes = int(state_gb * 1e9)
     config = SwapConfig(folder=folder)
-    memory_params, offload_params = make_params(state_bytes), make_params(state_bytes)
+    threads = torch.get_num_threads()
+    memory_params = make_params(state_bytes)
     in_memory = torch.optim.Adam(memory_params, lr=1e-3)
-    offloaded = OffloadedOptimizer(torch.optim.Adam, offload_params, config, lr=1e-3)
+    offloaded = {}  # name -> (optimizer, its params)
+    for name, compute_threads in ((f"offloaded, {threads} thr", None),
+                                  (f"offloaded, {max(1, threads - 1)} thr", max(1, threads - 1))):
+        params = make_params(state_bytes)
+        offloaded[name] = (OffloadedOptimizer(torch.optim.Adam, params, config, lr=1e-3), params)
+        offloaded[name][0].compute_threads = compute_threads
     handle = AsyncIOHandle(config.aio)
     in_memory.step()
-    offloaded.step()  # first steps create the state
-    stored = offloaded.stored_bytes()
-    print(f"state: {stored:,} bytes of Adam state ({len(offload_params)} params of {TENSOR_NUMEL:,} fp32), "
-          f"chunks of {config.chunk_bytes:,} bytes, {config.buffer_count} buffers, engine {handle.engine}")
-    times: dict[str, list[float]] = {"in-memory step": [], "offloaded step": [], "IO only": []}
-    moved_before = offloaded.swapper.bytes_read + offloaded.swapper.bytes_written
+    for optimizer, _ in offloaded.values():
+        optimizer.step()  # first steps create the state
+    any_offloaded = next(iter(offloaded.values()))[0]
+    stored = any_offloaded.stored_bytes()
+    print(f"state: {stored:,} bytes of Adam state ({len(memory_params)} params of {TENSOR_NUMEL:,} fp32), "
+          f"chunks of {config.chunk_bytes:,} bytes, {config.buffer_count} buffers, engine {handle.engine}, "
+          f"torch intra-op threads {threads}")
+    times: dict[str, list[float]] = {"in-memory step": [], **{name: [] for name in offloaded}, "IO only": []}
     for _ in range(rounds):
         start = time.perf_counter()
         in_memory.step()
         times["in-memory step"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        offloaded.step()
-        times["offloaded step"].append(time.perf_counter() - start)
-        times["IO only"].append(io_only(handle, offloaded.swapper.folder, stored, config.chunk_bytes))
-    moved = (offloaded.swapper.bytes_read + offloaded.swapper.bytes_written - moved_before) / rounds
-    same = all(torch.equal(a, b) for a, b in zip(memory_params, offload_params))
-    offloaded.close()
+        for name, (optimizer, _) in offloaded.items():
+            start = time.perf_counter()
+            optimizer.step()
+            times[name].append(time.perf_counter() - start)
+        times["IO only"].append(io_only(handle, any_offloaded.swapper.folder, stored, config.chunk_bytes))
+    same = {name: all(torch.equal(a, b) for a, b in zip(memory_params, params))
+            for name, (_, params) in offloaded.items()}
+    for optimizer, _ in offloaded.values():
+        optimizer.close()
     handle.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     for name, values in times.items():
-        print(f"  {name:15s} median {med[name]:.3f} s, best {best[name]:.3f} s   runs: "
+        print(f"  {name:18s} median {med[name]:.3f} s, best {best[name]:.3f} s   runs: "
               f"{', '.join(f'{v:.3f}' for v in values)}")
+    print(f"  IO only moves {2 * stored / 1e9:.2f} GB: {2 * stored / 1e9 / med['IO only']:.2f} GB/s (1e9 bytes/s)")
     bound = max(med["in-memory step"], med["IO only"])
-    print(f"  offloaded step moves {moved / 1e9:.2f} GB: {moved / 1e9 / med['offloaded step']:.2f} GB/s "
-          f"(1e9 bytes/s); IO only: {2 * stored / 1e9 / med['IO only']:.2f} GB/s")
-    print(f"  ratio offloaded / in-memory: {med['offloaded step'] / med['in-memory step']:.2f}")
-    print(f"  ratio offloaded / IO only:   {med['offloaded step'] / med['IO only']:.2f}")
-    print(f"  ratio offloaded / max(in-memory, IO): {med['offloaded step'] / bound:.2f} (target <= 1.15); "
-          f"best-of: {best['offloaded step'] / max(best['in-memory step'], best['IO only']):.2f}")
-    print(f"  parameters identical after {rounds + 1} steps: {same}")
+    best_bound = max(best["in-memory step"], best["IO only"])
+    for name in offloaded:
+        print(f"  {name}: / in-memory {med[name] / med['in-memory step']:.2f}, / IO only {med[name] / med['IO only']:.2f}"
+              f", / max(in-memory, IO) {med[name] / bound:.2f} (target <= 1.15; best-of {best[name] / best_bound:.2f})"
+              f"; parameters identical to in-memory after {rounds + 1} steps: {same[name]}")
 
 
 def rss_child(mode: str, state_gb: float, folder: str) -> None:

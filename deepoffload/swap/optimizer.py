@@ -17,8 +17,9 @@ base folder safely, across machines each uses its local disk. A multi-node job i
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -26,6 +27,20 @@ from .config import SwapConfig
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
 
 UNSUPPORTED = (torch.optim.LBFGS,)
+
+
+@contextlib.contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside the block (None: left as it is), then restored."""
+    previous = torch.get_num_threads()
+    if count is None or count == previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _state_bytes(tensor: torch.Tensor) -> int:
@@ -46,6 +61,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     those parameters needs (e.g. while their gradients are being computed); ``write_behind = True`` lets ``step``
     return with its last writes in flight, to be finished by ``wait_writes()`` or the next step (whose result they
     then share: a failed write raises there, its state still in memory).
+
+    ``compute_threads`` (None by default: torch's setting is left alone): torch's intra-op threads while ``step``
+    runs, restored after. With few cores, compute threads on every core starve the IO threads and the disk idles
+    between transfers; leaving one core to IO (e.g. 1 on 2 cores) made a 1 GB Adam step markedly faster on a shared
+    2-core machine (benchmarks/optimizer_offload.py prints both). Elementwise optimizers (Adam, AdamW, SGD, Adagrad,
+    RMSprop) give the same bits at any thread count; one whose step reduces a large tensor (e.g. Adafactor's norm)
+    matches the in-memory optimizer run with the same thread count. Process-wide while the step runs.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer | type, params: Iterable | None = None,
@@ -76,6 +98,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.swapper = TensorSwapper(self.config)
         self._names: dict[torch.Tensor, str] = {}
         self.write_behind = False
+        self._compute_threads: int | None = None
         self._behind: list[SwapOut] = []  # writes left in flight by a write-behind step
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
@@ -110,6 +133,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
+    @property
+    def compute_threads(self) -> int | None:
+        """torch intra-op threads while ``step`` runs (None: unchanged); see the class docstring."""
+        return self._compute_threads
+
+    @compute_threads.setter
+    def compute_threads(self, count: int | None) -> None:
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ValueError(f"compute_threads: expected a positive number of threads or None (torch's setting), "
+                             f"got {count!r}")
+        self._compute_threads = count
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
 
@@ -131,7 +166,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
+        with _intra_op_threads(self._compute_threads):
+            self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
         return loss
 
     def prefetch(self, params: Iterable[torch.Tensor]) -> None:
