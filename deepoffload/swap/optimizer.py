@@ -57,10 +57,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     (which return and take the real state, read from storage). ``state`` shows only what is kept in memory.
     Under ``torch.distributed`` each rank swaps its own (local-shard) state into its own folder.
 
-    Pipelining across steps (both off by default): ``prefetch(params)`` starts reading the state a coming step over
-    those parameters needs (e.g. while their gradients are being computed); ``write_behind = True`` lets ``step``
-    return with its last writes in flight, to be finished by ``wait_writes()`` or the next step (whose result they
-    then share: a failed write raises there, its state still in memory).
+    Pipelining across steps (off by default): ``prefetch(params)`` starts reading the state a coming step over those
+    parameters needs (e.g. while their gradients are being computed). ``step`` returns only once its writes are on
+    storage, so a failed write is raised by the step that made it, with that state still in memory.
 
     ``compute_threads`` (None by default: torch's setting is left alone): torch's intra-op threads while ``step``
     runs, restored after. With few cores, compute threads on every core starve the IO threads and the disk idles
@@ -97,9 +96,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.config = config or SwapConfig()
         self.swapper = TensorSwapper(self.config)
         self._names: dict[torch.Tensor, str] = {}
-        self.write_behind = False
         self._compute_threads: int | None = None
-        self._behind: list[SwapOut] = []  # writes left in flight by a write-behind step
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
@@ -180,19 +177,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if key not in self._prefetched:
                 self._prefetched[key] = self._read(chunk)
 
-    def wait_writes(self) -> None:
-        """Wait for the state writes a write-behind ``step`` left in flight; raise the first failure (that state
-        stays in memory and is used by the next step)."""
-        error = None
-        behind, self._behind = self._behind, []
-        for write in behind:
-            try:
-                write.wait()
-            except OSError as e:
-                error = error or e
-        if error is not None:
-            raise error
-
     def _drop_prefetched(self, keep: set[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], SwapIn]:
         """Release the prefetched reads not in ``keep``; return (and forget) the others."""
         kept, prefetched, self._prefetched = {}, self._prefetched, {}
@@ -236,14 +220,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _run(self, chunks: list[list[torch.Tensor]], action: Callable[[list[torch.Tensor]], None] | None) -> None:
         """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done
-        (with ``write_behind``, once every chunk is stepped). A failed write does not stop the step: its state stays
+        A failed write does not stop the step: its state stays
         in memory and the first such error is raised at the end. A failed read stops it (that chunk cannot step).
         Transfers in flight always finish first when it stops."""
-        writes: list[SwapOut] = self._behind  # a write-behind step's: collected (and reported) here
-        self._behind = []
+        writes: list[SwapOut] = []
         prefetched = self._drop_prefetched({tuple(map(id, chunk)) for chunk in chunks})
         reads: list[SwapIn] = []
-        finished = False
         current: SwapIn | None = None
         error: OSError | None = None  # a failed write: the step still completes (that state stays in memory)
         ahead = max(1, self.config.buffer_count - 2)  # chunks read ahead; one buffer steps, one writes behind
@@ -270,14 +252,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     except OSError as e:
                         error = error or e
                 writes = pending
-            finished = True
         finally:
             if current is not None:  # its state stays in memory, in use: the buffer leaves the pool
                 current.detach()
             for read in reads + list(prefetched.values()):
                 read.release()
-            if finished and self.write_behind:
-                self._behind, writes = writes, []
             for write in writes:
                 try:
                     write.wait()
@@ -315,7 +294,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()`` with the tensor state read back from storage (copies the
         caller owns; suitable for ``torch.save``)."""
-        self.wait_writes()
         self.swapper.wait_all()
         result = self.optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(self._params())}
@@ -338,7 +316,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (from ``state_dict()`` of this class or of the plain optimizer) and move its tensor
         state to storage."""
-        self.wait_writes()
         self._drop_prefetched()
         self.swapper.wait_all()
         self.optimizer.load_state_dict(state_dict)
@@ -355,7 +332,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Finish all IO and remove the swap files (unless ``keep_files``). The optimizer is unusable after."""
         try:
             self._drop_prefetched()
-            self.wait_writes()
         finally:
             self.swapper.close()
 

@@ -499,15 +499,6 @@ class ParameterOffload:
             self._io_wait += time.perf_counter() - start
             self._note_peak()
 
-    def _wait_state_writes(self) -> None:
-        """Wait for the block optimizer's state writes in flight (a failed one leaves its state in memory)."""
-        if self._block_optimizer is not None:
-            start = time.perf_counter()
-            try:
-                self._block_optimizer.wait_writes()
-            finally:
-                self._io_wait += time.perf_counter() - start
-
     def _wait_param_writes(self) -> None:
         error = None
         for block in self.blocks:
@@ -658,7 +649,6 @@ class ParameterOffload:
             raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
         if self.mode == "grads" and self._block_optimizer is not None:
             self._step_streamed()
-        self._wait_state_writes()
         self._wait_param_writes()
         if self._rest_optimizer is not None:
             self._rest_optimizer.step()
@@ -680,7 +670,7 @@ class ParameterOffload:
         first failure (those blocks stay in memory)."""
         self._check_open()
         error = None
-        for action in (self._wait_grad_writes, self._wait_state_writes, self._wait_param_writes):
+        for action in (self._wait_grad_writes, self._wait_param_writes):
             try:
                 action()
             except OSError as e:
