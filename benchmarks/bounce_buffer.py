@@ -8,13 +8,13 @@ same file, interleaved round by round (alternating which goes first), median of 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import tempfile
 
-from deepoffload.bench.measure import OPS, BenchError, direct_io_works, make_buffer, scratch_file, time_transfer
+from deepoffload.bench.measure import OPS, direct_io_works, make_buffer, scratch_file, time_transfer
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.io.handle import AsyncIOHandle
+
+from common import ratio_row, run_main
 
 
 def main() -> int:
@@ -36,18 +36,11 @@ def main() -> int:
         print(f"bounce buffer: {format_size(args.size)} per transfer, engine {handle.engine}, "
               f"{handle.config.block_size}-byte blocks, queue depth {handle.config.queue_depth}, {'O_DIRECT' if direct else 'buffered'}, "
               f"{args.rounds} rounds interleaved; GB/s = 1e9 bytes/s")
-    print(f"{'op':<7}{'aligned GB/s':>14}{'unaligned GB/s':>16}{'unaligned/aligned':>19}   per-round ratios")
+    print(f"{'op':<7}{'unaligned GB/s':>14}{'aligned GB/s':>16}{'unaligned/aligned':>19}   per-round ratios")
     for op in OPS:
-        aligned, unaligned = gbps["pinned", op], gbps["unaligned", op]
-        ratios = [u / a for u, a in zip(unaligned, aligned)]
-        print(f"{op:<7}{statistics.median(aligned):14.3f}{statistics.median(unaligned):16.3f}"
-              f"{statistics.median(ratios):19.3f}   " + " ".join(f"{x:.2f}" for x in ratios))
+        print(ratio_row(f"{op:<7}", gbps["unaligned", op], gbps["pinned", op], (14, 16, 19)))
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BenchError as e:
-        print(f"bounce_buffer: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main("bounce_buffer", main)

@@ -8,7 +8,6 @@ the per-pair ratios. fio runs with the same file, block size, queue depth, direc
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -18,6 +17,8 @@ from deepoffload.bench.measure import OPS, BenchError, direct_io_works, make_buf
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.io.handle import AsyncIOHandle
 from deepoffload.io.native import engine_status
+
+from common import ratio_row, run_main
 
 
 def main() -> int:
@@ -54,16 +55,9 @@ def main() -> int:
     print(f"{'engine':<10}{'op':<7}{'ours GB/s':>11}{'fio GB/s':>10}{'ours/fio':>10}   per-round ratios")
     for op in OPS:
         for engine in engines:
-            ours, fio = gbps[engine, op, "ours"], gbps[engine, op, "fio"]
-            ratios = [a / b for a, b in zip(ours, fio)]
-            print(f"{engine:<10}{op:<7}{statistics.median(ours):11.3f}{statistics.median(fio):10.3f}"
-                  f"{statistics.median(ratios):10.3f}   " + " ".join(f"{x:.2f}" for x in ratios))
+            print(ratio_row(f"{engine:<10}{op:<7}", gbps[engine, op, "ours"], gbps[engine, op, "fio"], (11, 10, 10)))
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BenchError as e:
-        print(f"engines_vs_fio: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main("engines_vs_fio", main)

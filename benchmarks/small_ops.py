@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.config import AioConfig
 from deepoffload.io.handle import AsyncIOHandle
 from deepoffload.io.native import engine_status
+
+from common import run_main
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -104,8 +105,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BenchError as e:
-        print(f"small_ops: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main("small_ops", main)

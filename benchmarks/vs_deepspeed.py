@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ def measure(args: argparse.Namespace) -> int:
     from deepoffload.bench.measure import OPS, evict, scratch_file, time_transfer, direct_io_works
     from deepoffload.bench.sizes import format_size
     from deepoffload.io.handle import AsyncIOHandle
+
+    from common import ratio_row
 
     block, depth = args.block_size, args.queue_depth
     reference = AsyncIOBuilder().load().aio_handle(block, depth, False, True, 1)
@@ -83,10 +84,7 @@ def measure(args: argparse.Namespace) -> int:
           f"{'O_DIRECT' if direct else 'buffered'}, {args.rounds} rounds interleaved; GB/s = 1e9 bytes/s")
     print(f"{'op':<7}{'ours GB/s':>11}{'reference GB/s':>16}{'ours/reference':>16}   per-round ratios")
     for op in OPS:
-        mine, theirs = gbps["ours", op], gbps["reference", op]
-        ratios = [a / b for a, b in zip(mine, theirs)]
-        print(f"{op:<7}{statistics.median(mine):11.3f}{statistics.median(theirs):16.3f}"
-              f"{statistics.median(ratios):16.3f}   " + " ".join(f"{x:.2f}" for x in ratios), flush=True)
+        print(ratio_row(f"{op:<7}", gbps["ours", op], gbps["reference", op], (11, 16, 16)), flush=True)
     return 0
 
 
