@@ -43,6 +43,16 @@ def parse_bool_env(key: str, text: str) -> bool:
     raise ConfigError(f"{key}: expected 1/0/true/false, got {text!r}")
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON document in ``path``; ``ConfigError`` naming the file when it cannot be read or parsed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from e
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+
+
 @dataclass(frozen=True)
 class AioConfig:
     """How the async-IO op moves bytes.
@@ -93,10 +103,7 @@ class AioConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "AioConfig":
         """Read a JSON file: either the ``aio`` section itself or a document with an ``aio`` key."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except ValueError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        data = read_json(path)
         if isinstance(data, dict) and isinstance(data.get("aio"), dict):
             data = data["aio"]
         return cls.from_dict(data)

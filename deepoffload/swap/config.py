@@ -7,14 +7,12 @@ A config dict or JSON file may hold the ``aio`` keys at top level (what ``deepof
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import ALIASES as AIO_ALIASES
-from ..config import AioConfig, ConfigError, _bool, _positive_int
+from ..config import AioConfig, ConfigError, _bool, _positive_int, read_json
 
 SWAP_ALIASES = {"nvme_path": "folder", "pin_memory": "pin"}
 
@@ -92,13 +90,7 @@ class SwapConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "SwapConfig":
         """Read a JSON file of swap and/or aio keys (a ``deepoffload tune`` output loads unchanged)."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from e
-        except ValueError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path))
 
     def replace(self, **changes: Any) -> "SwapConfig":
         """A copy with some swap keys changed (``aio=`` takes an ``AioConfig``)."""
