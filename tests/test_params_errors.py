@@ -93,7 +93,9 @@ def test_storage_full_during_fused_write_back_keeps_the_block(small_fs):
         offload.close()
 
 
-def test_storage_full_while_writing_gradients_keeps_them(small_fs):
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_storage_full_while_writing_gradients_keeps_them(small_fs, clip):
+    """The gradients kept in memory are stepped (and counted in the global norm when clipping) exactly once."""
     reference, model = pair()
     x = torch.randn(4, 128)
     reference(x).square().mean().backward()
@@ -106,11 +108,15 @@ def test_storage_full_while_writing_gradients_keeps_them(small_fs):
         assert info.value.errno == errno.ENOSPC and "gradients of block 1" in str(info.value)
         assert offload.stats.grad_bytes >= 128 * 129 * 4  # block 1's gradients, kept in memory
         os.remove(filler)
-        offload.step()  # steps from the gradients kept in memory (block 1) and in param.grad (block 0): none lost
+        # steps from the gradients kept in memory (block 1) and in param.grad (block 0): none lost
+        total = offload.step(clip_grad_norm=clip)
         offload.zero_grad()
         assert all(p.grad is None for p in model.parameters())
     finally:
         offload.close(restore=True)
+    if clip is not None:
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        assert torch.equal(total, expected) and expected.item() > clip
     torch.optim.Adam(reference.parameters(), lr=1e-2).step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 

@@ -102,10 +102,11 @@ class Mlp(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-@pytest.mark.parametrize("mode", ["fused", "grads"])
-def test_mixed_precision_matches_in_memory_with_the_same_casts(scratch, mode):
+@pytest.mark.parametrize("mode, clip", [("fused", None), ("grads", None), ("grads", 0.05)])
+def test_mixed_precision_matches_in_memory_with_the_same_casts(scratch, mode, clip):
     """fp32 masters on storage, bf16 compute. The reference keeps fp32 masters in memory, computes with bf16
-    copies and steps the masters with the bf16 gradients cast to fp32: the same arithmetic, so bit-identical."""
+    copies and steps the masters with the bf16 gradients cast to fp32 (clipped by their global norm if ``clip``):
+    the same arithmetic, so bit-identical."""
     width, depth = 16, 3
     torch.manual_seed(0)
     masters_model = nn.Sequential(*[Mlp(width) for _ in range(depth)])
@@ -126,6 +127,7 @@ def test_mixed_precision_matches_in_memory_with_the_same_casts(scratch, mode):
             for master, param in zip(masters_model.parameters(), compute.parameters()):
                 master.grad = param.grad.float()
                 param.grad = None
+            expected = None if clip is None else torch.nn.utils.clip_grad_norm_(masters_model.parameters(), clip)
             optimizer.step()
             optimizer.zero_grad()
             with torch.no_grad():
@@ -133,9 +135,10 @@ def test_mixed_precision_matches_in_memory_with_the_same_casts(scratch, mode):
                     param.copy_(master)
             streamed = model(x).float().square().mean()
             streamed.backward()
-            offload.step()
+            total = offload.step(clip_grad_norm=clip)
             offload.zero_grad()
             assert streamed.item() == loss.item()
+            assert total is expected is None or (torch.equal(total, expected) and total.item() > clip)
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     finally:
         offload.close(restore=True)

@@ -24,12 +24,18 @@ one extra forward. Backward with ``retain_graph``/``create_graph`` through a blo
 Gradients never pile up. Once a block's gradients are complete (after its last backward in the pass):
 - ``mode="fused"`` (memory-minimal): the block's optimizer step runs right away inside backward, its optimizer state
   read from and written back to storage (``OffloadedOptimizer``), the updated weights are written back and the
-  gradients freed. The block's state is read while its backward runs. One backward per step (no gradient accumulation) and no clipping by a global norm: each block steps
+  gradients freed. The block's state is read while its backward runs. One backward per step (no gradient
+  accumulation) and no clipping by a global norm (``step(clip_grad_norm=...)`` raises ValueError): each block steps
   before the others' gradients exist. Per-parameter optimizers (Adam, AdamW, SGD, ...) give exactly the same result as
   a global step.
 - ``mode="grads"``: the block's gradients go to storage (accumulating over several backward passes, in the master
-  dtype); ``step()`` then streams block by block: weights and gradients in, optimizer step, weights out. No global
-  clipping either (not implemented: it needs the global norm before the first block steps).
+  dtype); ``step()`` then streams block by block: weights and gradients in, optimizer step, weights out.
+  ``step(clip_grad_norm=max_norm, norm_type=2.0)`` clips by the global norm in two passes: first the blocks'
+  gradients are streamed in (``prefetch`` blocks ahead, pooled buffers) for their norms, which join those of the
+  gradients outside blocks; then the step pass multiplies each gradient by ``min(max_norm / (norm + 1e-6), 1)``
+  before stepping. Same arithmetic and order as ``torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm,
+  norm_type)`` on the master-dtype gradients (``grad_norm``), so bit-identical; it returns the total norm. Cost:
+  one more read of the gradients.
 ``step()`` also steps the parameters outside blocks (their state offloaded too); call it after each backward.
 
 Mixed precision (``compute_dtype``): the stored parameters are the master weights (their dtype, e.g. fp32); blocks
@@ -43,13 +49,14 @@ from __future__ import annotations
 import errno
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from . import grad_norm
 from .config import SwapConfig
 from .optimizer import OffloadedOptimizer
 from .pool import PAGE_SIZE, round_up
@@ -542,12 +549,14 @@ class ParameterOffload:
                 param.grad = None
         self._write_back(block)
 
-    def _block_grads(self, block: _Block) -> dict[str, torch.Tensor]:
+    def _block_grads(self, block: _Block, consume: bool = True) -> dict[str, torch.Tensor]:
         """The block's in-memory gradients in the master dtype (``param.grad`` added to any kept after a failed
-        write; the block holds none afterwards)."""
+        write; with ``consume`` the block holds none of those kept afterwards)."""
         grads = {name: (param.grad if param is master else param.grad.to(master.dtype))
                  for name, param, master in zip(block.names, block.params, block.masters) if param.grad is not None}
-        kept, block.grads = block.grads, {}
+        kept = block.grads
+        if consume:
+            block.grads = {}
         for name, grad in kept.items():
             grads[name] = torch.add(grad, grads[name]) if name in grads else grad
         return grads
@@ -608,50 +617,105 @@ class ParameterOffload:
         if error is not None:
             raise error
 
-    def _step_streamed(self) -> None:
-        """grads mode: weights and gradients in, step, weights out, block by block (``prefetch`` blocks ahead)."""
+    def _blocks_with_grads(self) -> list[_Block]:
+        """grads mode: finish the gradient writes, release the blocks and list those holding gradients (on
+        storage, or in memory after a failed write), in order."""
         self._wait_grad_writes()
         for block in self.blocks:
             self._release(block)
-        todo = [b for b in self.blocks if self.swapper.records(b.grad_group) or b.grads
+        return [b for b in self.blocks if self.swapper.records(b.grad_group) or b.grads
                 or any(p.grad is not None for p in b.params)]
-        grad_reads: dict[int, SwapIn] = {}
+
+    def _stream_grads(self, todo: list[_Block], start_also: Callable[[_Block], None] | None = None,
+                      discard: bool = False) -> Iterator[tuple[_Block, dict[str, torch.Tensor]]]:
+        """Yield each block of ``todo`` with its gradients (master dtype), read from storage ``prefetch`` blocks
+        ahead (pooled staging buffers, valid until the next block is asked for) or, after a failed write dropped
+        the file, taken from memory. ``start_also(block)`` starts the block's other reads along with its
+        gradients'; ``discard`` deletes each block's stored gradients once the caller is done with them."""
+        reads: dict[int, SwapIn] = {}
 
         def start(k: int) -> None:
             if k < len(todo):
                 block = todo[k]
-                self._start_read(block)
+                if start_also is not None:
+                    start_also(block)
                 if self.swapper.records(block.grad_group):
-                    grad_reads[block.index] = self.swapper.swap_in([block.grad_group])
-                self._block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+                    reads[block.index] = self.swapper.swap_in([block.grad_group])
 
-        for k in range(self.prefetch + 1):
-            start(k)
-        for k, block in enumerate(todo):
+        try:
+            for k in range(self.prefetch + 1):
+                start(k)
+            for k, block in enumerate(todo):
+                read = reads.pop(block.index, None)
+                try:
+                    grads = self._block_grads(block, consume=discard)
+                    if read is not None:
+                        grads = self._timed_wait(read)[block.grad_group]
+                    yield block, grads
+                finally:
+                    if read is not None:
+                        read.release()
+                if discard:
+                    self.swapper.discard(block.grad_group)
+                start(k + 1 + self.prefetch)
+        finally:
+            for read in reads.values():
+                read.release()
+
+    def _global_norm(self, todo: list[_Block], norm_type: float) -> torch.Tensor:
+        """grads mode: the norm of every gradient, the blocks' streamed from storage one window at a time, taken
+        exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters())`` takes it (see ``grad_norm``)."""
+        norms: dict[int, torch.Tensor] = {}
+        rest = [p for p in self.rest if p.grad is not None]
+        norms.update(zip(map(id, rest), grad_norm.tensor_norms([p.grad for p in rest], norm_type)))
+        for block, grads in self._stream_grads(todo):
+            params = [p for name, p in zip(block.names, block.params) if name in grads]
+            values = grad_norm.tensor_norms([grads[name] for name in block.names if name in grads], norm_type)
+            norms.update(zip(map(id, params), values))
+        ordered = [norms[id(p)] for p in self.module.parameters() if id(p) in norms]
+        return grad_norm.total_norm(ordered, norm_type)
+
+    def _step_streamed(self, todo: list[_Block], coefficient: torch.Tensor | None) -> None:
+        """grads mode: weights and gradients in, (clip), step, weights out, block by block (``prefetch`` ahead)."""
+        def start_also(block: _Block) -> None:
+            self._start_read(block)
+            self._block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+
+        for block, grads in self._stream_grads(todo, start_also, discard=True):
             self._materialize(block)
-            grads = self._block_grads(block)
-            read = grad_reads.pop(block.index, None)
-            try:
-                if read is not None:  # else the gradients are in memory after a failed write dropped the file
-                    grads = self._timed_wait(read)[block.grad_group]
-                self._step_block(block, grads)
-            finally:
-                if read is not None:
-                    read.release()
-            self.swapper.discard(block.grad_group)
-            start(k + 1 + self.prefetch)
+            if coefficient is not None:
+                grad_norm.scale_([grads[name] for name in block.names if name in grads], coefficient)
+            self._step_block(block, grads)
 
-    def step(self) -> None:
+    def step(self, clip_grad_norm: float | None = None, norm_type: float = 2.0) -> torch.Tensor | None:
         """Finish a training step after ``backward()``: in grads mode, stream every block through its optimizer
-        step; in fused mode, wait for the blocks' write-backs. Then step the parameters outside blocks."""
+        step; in fused mode, wait for the blocks' write-backs. Then step the parameters outside blocks.
+
+        clip_grad_norm: grads mode only: clip all gradients (blocks' and the rest's) by their global
+            ``norm_type``-norm first, exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters(),
+            clip_grad_norm, norm_type)`` would (same arithmetic and order, so bit-identical); this costs one extra
+            streamed read of the blocks' gradients. Returns that total norm (a 0-dim tensor), else None. Fused mode
+            raises ValueError: each block steps inside backward, before the other blocks' gradients exist."""
         self._check_open()
         if self._block_optimizer is None and self._rest_optimizer is None:
             raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
+        total = coefficient = None
+        if clip_grad_norm is not None:
+            grad_norm.check_clip_args(clip_grad_norm, norm_type)
+            if self.mode == "fused":
+                raise ValueError("step(clip_grad_norm=...): clipping by the global gradient norm is impossible in "
+                                 "fused mode (each block already stepped inside backward, before the other blocks' "
+                                 "gradients existed); use offload_parameters(..., mode=\"grads\") to clip")
+            total = self._global_norm(self._blocks_with_grads(), norm_type)
+            coefficient = grad_norm.clip_coefficient(clip_grad_norm, total)
         if self.mode == "grads" and self._block_optimizer is not None:
-            self._step_streamed()
+            self._step_streamed(self._blocks_with_grads(), coefficient)
         self._wait_param_writes()
         if self._rest_optimizer is not None:
+            if coefficient is not None:
+                grad_norm.scale_([p.grad for p in self.rest if p.grad is not None], coefficient)
             self._rest_optimizer.step()
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: those outside blocks, and the blocks' gradients on storage (grads mode)."""
