@@ -627,11 +627,13 @@ class ParameterOffload:
                 or any(p.grad is not None for p in b.params)]
 
     def _stream_grads(self, todo: list[_Block], start_also: Callable[[_Block], None] | None = None,
-                      discard: bool = False) -> Iterator[tuple[_Block, dict[str, torch.Tensor]]]:
+                      prepare: Callable[[_Block], None] | None = None, discard: bool = False
+                      ) -> Iterator[tuple[_Block, dict[str, torch.Tensor]]]:
         """Yield each block of ``todo`` with its gradients (master dtype), read from storage ``prefetch`` blocks
         ahead (pooled staging buffers, valid until the next block is asked for) or, after a failed write dropped
         the file, taken from memory. ``start_also(block)`` starts the block's other reads along with its
-        gradients'; ``discard`` deletes each block's stored gradients once the caller is done with them."""
+        gradients'; ``prepare(block)`` runs before its gradients are taken (a failure there loses none of those
+        kept in memory); ``discard`` deletes each block's stored gradients once the caller is done with them."""
         reads: dict[int, SwapIn] = {}
 
         def start(k: int) -> None:
@@ -648,6 +650,8 @@ class ParameterOffload:
             for k, block in enumerate(todo):
                 read = reads.pop(block.index, None)
                 try:
+                    if prepare is not None:
+                        prepare(block)
                     grads = self._block_grads(block, consume=discard)
                     if read is not None:
                         grads = self._timed_wait(read)[block.grad_group]
@@ -681,8 +685,7 @@ class ParameterOffload:
             self._start_read(block)
             self._block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
 
-        for block, grads in self._stream_grads(todo, start_also, discard=True):
-            self._materialize(block)
+        for block, grads in self._stream_grads(todo, start_also, prepare=self._materialize, discard=True):
             if coefficient is not None:
                 grad_norm.scale_([grads[name] for name in block.names if name in grads], coefficient)
             self._step_block(block, grads)
