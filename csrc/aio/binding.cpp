@@ -35,7 +35,7 @@ std::unique_ptr<IoHandle> make_handle(const std::string& engine, int64_t block_s
 
 // Runs fn() with the GIL released. Not py::gil_scoped_release: at interpreter exit, a daemon thread that takes the
 // GIL back is ended by pthread_exit, whose forced unwind out of that guard's (noexcept) destructor would call
-// std::terminate ("terminate called without an active exception"); from a plain call it unwinds the thread cleanly.
+// the C++ runtime's terminate handler ("terminate called without an active exception"); a plain call unwinds cleanly.
 template <typename F>
 bool without_gil(F&& fn) {
     PyThreadState* state = PyEval_SaveThread();
