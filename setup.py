@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -35,7 +35,7 @@ def prebuild_config():
         return {}
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import BuildExtension, include_paths
     except ImportError:
         sys.exit("deepoffload: prebuilding ops needs torch installed first; then install with "
                  "`pip install --no-build-isolation .`")
@@ -70,8 +70,10 @@ def prebuild_config():
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(json.dumps(info, indent=1))
 
-    extension = CppExtension(f"deepoffload._ops.{builder.MODULE}", sources, extra_compile_args=cflags,
-                             extra_link_args=ldflags)
+    # A plain Extension, not CppExtension: the op uses pybind11 (from torch's headers) and no torch library, and
+    # CppExtension would link libc10/libtorch, which then must be loaded (import torch) before the op can be.
+    extension = Extension(f"deepoffload._ops.{builder.MODULE}", sources, include_dirs=include_paths(),
+                          extra_compile_args=cflags, extra_link_args=ldflags, language="c++")
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildWithInfo.with_options(use_ninja=True)}}
 
 

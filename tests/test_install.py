@@ -121,6 +121,12 @@ def test_prebuilt_wheel_loads_without_compiling_and_falls_back_on_torch_mismatch
     assert "ROUNDTRIP True" in proc.stdout
     assert BUILDING not in proc.stderr, "the prebuilt op loads without compiling"
     assert "/_ops/deepoffload_aio" in proc.stdout.split("MODULE ")[1].splitlines()[0]
+    bare = run_in(venv, "import sys; from deepoffload.op_builder import AsyncIOBuilder; "
+                        "m = AsyncIOBuilder().load_native(); print(m.__file__, 'torch' in sys.modules)",
+                  run_dir, tmp_path / "cache")
+    assert bare.returncode == 0 and BUILDING not in bare.stderr and "does not load" not in bare.stderr, bare.stderr
+    assert "/_ops/deepoffload_aio" in bare.stdout and bare.stdout.split()[-1] == "False", \
+        "the prebuilt op loads without torch (it links none of torch's libraries)"
     (info_path,) = venv.glob("lib/python*/site-packages/deepoffload/_ops/build_info.json")
     info = json.loads(info_path.read_text())
     assert info["torch"] == torch.__version__ and "async_io" in info["ops"]
