@@ -115,7 +115,7 @@ class OpBuilder:
     def is_compatible(self, results: dict[str, ProbeResult] | None = None) -> bool:
         """True when the op can be built here (a C++ compiler works) or a usable prebuilt op is installed."""
         results = results if results is not None else self.probe_results()
-        return results[CXX_PROBE.name].ok or self.prebuilt_info() is not None
+        return results[CXX_PROBE.name].ok or self.prebuilt_matches()
 
     # -- flags and keys ---------------------------------------------------------------------------------------
     def base_cflags(self) -> list[str]:
@@ -175,7 +175,10 @@ class OpBuilder:
             return module
 
     def prebuilt_info(self) -> dict | None:
-        """The build record of the prebuilt op installed with the package, or None."""
+        """The build record of the prebuilt op installed with the package, or None (always for a simulated other
+        platform: what is installed here was built for this one)."""
+        if self.platform != sys.platform:
+            return None
         spec = importlib.util.find_spec(PREBUILT_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
             return None

@@ -12,6 +12,8 @@ import pytest
 from deepoffload.cli import report
 from deepoffload.cli.main import main
 
+from conftest import without_prebuilt_op
+
 
 def run_report(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deepoffload", "report", *args], capture_output=True, text=True,
@@ -56,6 +58,7 @@ def test_colour_only_on_a_terminal_and_no_color_respected():
     assert "liburing.h: No such file" in plain and "apt-get install liburing-dev" in plain
 
 
+@without_prebuilt_op
 def test_missing_pieces_show_reason_and_hint(tmp_path):
     sysroot = tmp_path / "empty"
     sysroot.mkdir()
@@ -67,6 +70,7 @@ def test_missing_pieces_show_reason_and_hint(tmp_path):
     assert data["ops"][0]["built"] is None
 
 
+@without_prebuilt_op
 def test_exit_status_is_nonzero_when_the_op_cannot_be_used(tmp_path):
     proc = run_report(env={"CXX": "deepoffload-no-such-compiler", "DEEPOFFLOAD_CACHE_DIR": str(tmp_path / "c")})
     assert proc.returncode == 1
@@ -90,6 +94,7 @@ def test_path_that_is_not_a_folder(tmp_path, capsys):
     assert "not an existing folder" in capsys.readouterr().out
 
 
+@without_prebuilt_op
 @pytest.mark.parametrize("built", [False, True])
 def test_report_does_not_import_torch(aio, tmp_path, built):
     """torch takes over a second to import; the report loads the built op without it and never builds."""
