@@ -22,7 +22,7 @@ LOAD_SCRIPT = """
 import sys, time
 from deepoffload.op_builder import AsyncIOBuilder
 start = time.monotonic()
-module = AsyncIOBuilder(csrc=sys.argv[1]).load_native()
+module = AsyncIOBuilder(csrc=sys.argv[1]).jit_load()  # the JIT path, even where a prebuilt op is installed
 print("LOADED", module.__file__, ",".join(module.engines()), round(time.monotonic() - start, 3), flush=True)
 """
 
