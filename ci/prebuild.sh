@@ -25,6 +25,7 @@ PY
 python -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q "torch==$torch_version" "$wheel" pytest hypothesis numpy
 cp -r "$repo/tests" "$work/tests"
+cp -r "$repo/csrc" "$work/csrc"  # the native tests (tests/native, Wine) compile the C++ sources directly
 cp "$repo/pyproject.toml" "$work/"
 cd "$work"
 DEEPOFFLOAD_CACHE_DIR="$work/cache" "$work/venv/bin/python" - <<'PY'
