@@ -12,6 +12,7 @@
 #include "../../csrc/aio/engine.h"
 #include "../../csrc/aio/io_handle.h"
 #include "../../csrc/aio/platform.h"
+#include "check.h"
 
 #if !defined(_WIN32)
 #include <signal.h>
@@ -22,19 +23,8 @@ using namespace deepoffload;
 
 namespace {
 
-int g_passed = 0;
-int g_failed = 0;
 std::string g_dir;
 std::vector<std::string> g_files;
-
-void check(bool ok, const std::string& what) {
-    if (ok) {
-        ++g_passed;
-    } else {
-        ++g_failed;
-        std::printf("FAIL: %s\n", what.c_str());
-    }
-}
 
 std::string temp_path(const std::string& name) {
     std::string p = g_dir + "/" + name;
@@ -394,6 +384,5 @@ int main(int argc, char** argv) {
     for (const std::string& f : g_files) platform::remove_path(f);
     rc = platform::remove_path(g_dir);
     check(rc == 0, "temporary directory removed: " + (rc < 0 ? platform::errno_text(-rc) : std::string()));
-    std::printf("%d passed, %d failed\n", g_passed, g_failed);
-    return g_failed == 0 ? 0 : 1;
+    return report();
 }

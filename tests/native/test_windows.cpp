@@ -12,23 +12,13 @@
 #include "../../csrc/aio/engine.h"
 #include "../../csrc/aio/io_handle.h"
 #include "../../csrc/aio/platform.h"
+#include "check.h"
 #include "../../csrc/aio/platform_windows.h"
 
 using namespace deepoffload;
 
 namespace {
 
-int g_passed = 0;
-int g_failed = 0;
-
-void check(bool ok, const std::string& what) {
-    if (ok) {
-        ++g_passed;
-    } else {
-        ++g_failed;
-        std::printf("FAIL: %s\n", what.c_str());
-    }
-}
 
 bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
 
@@ -184,6 +174,5 @@ int main(int argc, char** argv) {
     test_disk_full(argc > 2 ? argv[2] : "");
     rc = platform::remove_path(dir);
     check(rc == 0, "temporary directory removed: " + (rc < 0 ? platform::errno_text(-rc) : std::string()));
-    std::printf("%d passed, %d failed\n", g_passed, g_failed);
-    return g_failed == 0 ? 0 : 1;
+    return report();
 }
