@@ -91,6 +91,14 @@ with deepoffload.AsyncIOHandle() as h:
 """
 
 
+def use_op(venv: Path, run_dir: Path, cache: Path) -> subprocess.CompletedProcess:
+    """Run USE_OP in ``venv`` from ``run_dir``; it must succeed and round-trip a tensor."""
+    proc = run_in(venv, USE_OP, run_dir, cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "ROUNDTRIP True" in proc.stdout
+    return proc
+
+
 def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     wheel = build_wheel(tmp_path, prebuild=False)
     names = zipfile.ZipFile(wheel).namelist()
@@ -101,9 +109,7 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     venv = fresh_venv(tmp_path, wheel)
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
-    proc = run_in(venv, USE_OP, run_dir, tmp_path / "cache")
-    assert proc.returncode == 0, proc.stderr
-    assert "ROUNDTRIP True" in proc.stdout
+    proc = use_op(venv, run_dir, tmp_path / "cache")
     assert str(venv) in proc.stdout.split("PACKAGE ")[1], "deepoffload came from the fresh venv"
     assert proc.stderr.count(BUILDING) == 1
     report = subprocess.run([str(venv / "bin" / "deepoffload"), "report", "--json"], capture_output=True, text=True,
@@ -119,9 +125,7 @@ def test_prebuilt_wheel_loads_without_compiling_and_falls_back_on_torch_mismatch
     venv = fresh_venv(tmp_path, wheel)
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
-    proc = run_in(venv, USE_OP, run_dir, tmp_path / "cache")
-    assert proc.returncode == 0, proc.stderr
-    assert "ROUNDTRIP True" in proc.stdout
+    proc = use_op(venv, run_dir, tmp_path / "cache")
     assert BUILDING not in proc.stderr, "the prebuilt op loads without compiling"
     assert "/_ops/deepoffload_aio" in proc.stdout.split("MODULE ")[1].splitlines()[0]
     bare = run_in(venv, "import sys; from deepoffload.op_builder import AsyncIOBuilder; "
@@ -136,10 +140,8 @@ def test_prebuilt_wheel_loads_without_compiling_and_falls_back_on_torch_mismatch
     assert info["ops"]["async_io"]["probes"]["cxx"]["ok"] and "posix" in info["ops"]["async_io"]["engines"]
     info["torch"] = "1.0.0"
     info_path.write_text(json.dumps(info))
-    proc = run_in(venv, USE_OP, run_dir, tmp_path / "cache")
-    assert proc.returncode == 0, proc.stderr
+    proc = use_op(venv, run_dir, tmp_path / "cache")
     assert "built for torch 1.0.0" in proc.stderr and proc.stderr.count(BUILDING) == 1
-    assert "ROUNDTRIP True" in proc.stdout
 
 
 def test_requested_prebuild_without_a_compiler_fails_the_install(tmp_path):
