@@ -95,7 +95,15 @@ setup(
     # tqdm: progress of demo/tune; xxhash: swap checksums (xxh3, several GB/s; a corrupted swap file is an error,
     # not a wrong result)
     install_requires=["torch>=2.1", "ninja", "tqdm", "xxhash"],
-    extras_require={"test": ["pytest", "hypothesis", "numpy"], "plot": ["matplotlib"]},
+    # test: the suite, plus the projects whose own code proves the compatibility claims (pinned so CI is repeatable;
+    # DeepSpeed with DS_ACCELERATOR=cpu, Hugging Face models built from configs, never downloaded)
+    extras_require={
+        "test": ["pytest", "hypothesis", "numpy", "deepspeed==0.19.8", "transformers==5.24.0", "safetensors==0.8.0",
+                 "accelerate==1.15.0"],
+        "deepspeed": ["deepspeed>=0.16"],
+        "hf": ["transformers>=4.40", "safetensors"],
+        "plot": ["matplotlib"],
+    },
     entry_points={"console_scripts": ["deepoffload = deepoffload.cli.main:main"]},
     zip_safe=False,
     **prebuild_config(),
