@@ -109,10 +109,12 @@ class Accelerator:
 
     # -- device operations --------------------------------------------------------------------------------------
     def new_stream(self, device: torch.device) -> torch.Stream | None:
-        """A side stream on ``device`` for staging copies, or None where the backend has no streams (copies are
-        then synchronous)."""
+        """A side stream on ``device`` for staging copies, or None where the backend has no streams or no events
+        (copies are then synchronous)."""
         try:
-            return torch.Stream(device=device)
+            stream = torch.Stream(device=device)
+            stream.record_event().synchronize()  # fails here, not mid-transfer, where events are missing
+            return stream
         except (RuntimeError, NotImplementedError):
             return None
 
