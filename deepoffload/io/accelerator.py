@@ -3,7 +3,8 @@
 Everything goes through PyTorch's device-agnostic API: ``torch.accelerator`` names the accelerator, ``torch.Stream``
 and ``torch.Event`` order the copies, and torch's pinned host allocator (``pin_memory=True``) page-locks host memory
 for the current accelerator. The only backend-specific code is ``_HOST_REGISTER``: backends that can page-lock memory
-we already own (so ``aligned_empty`` keeps its exact lifetime and size instead of torch's power-of-two host cache).
+we already own (so ``aligned_empty`` keeps its exact size and lifetime, where torch's caching host allocator rounds
+sizes up and keeps freed memory).
 
 Where an accelerator cannot page-lock host memory, buffers are ordinary memory (correct; device copies from them
 are not asynchronous) and a warning says so once.
