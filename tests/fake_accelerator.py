@@ -31,8 +31,8 @@ class FakeEvent:
 
 class FakeAccelerator(accelerator.Accelerator):
     """``pinning``: "register" (host memory we own is registered), "allocator" (pinned memory comes from the
-    accelerator's own allocator), or "none" (the base class's behaviour where torch has no pinned allocator: a
-    warning, then ordinary memory). ``fail_sync_at``: the n-th synchronize (from 1) raises like a device error."""
+    accelerator's own allocator), or "none" (the accelerator refuses both: warned once, then ordinary memory).
+    ``fail_sync_at``: the n-th synchronize (from 1) raises like a device error."""
 
     def __init__(self, pinning: str = "register", streams: bool = True, fail_sync_at: int | None = None):
         super().__init__("fake")
@@ -73,7 +73,8 @@ class FakeAccelerator(accelerator.Accelerator):
             self.pinned[tensor.data_ptr()] = nbytes
             self.log.append(("pinned_empty", tensor.data_ptr(), nbytes))
             return tensor
-        return super().pinned_empty(nbytes)  # torch has no pinned allocator on this machine: warns, None
+        accelerator.warn_unpinned(self.device_type, "the fake accelerator has no pinned allocator")
+        return None
 
     def is_pinned(self, ptr: int, nbytes: int) -> bool:
         return any(start <= ptr and ptr + nbytes <= start + length for start, length in self.pinned.items())

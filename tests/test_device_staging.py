@@ -222,7 +222,7 @@ def test_registered_buffers_are_unregistered_when_freed(fake):
 
 def test_no_pinning_falls_back_to_ordinary_memory_and_warns_once(handle, scratch, monkeypatch):
     monkeypatch.setattr(accelerator, "_warned_unpinned", False)
-    fake = FakeAccelerator(pinning="none")  # torch has no pinned allocator on this machine
+    fake = FakeAccelerator(pinning="none")
     with accelerator.use(fake), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first, second = aligned_empty(4096), aligned_empty(8192)
@@ -281,3 +281,26 @@ def test_a_slot_refuses_a_second_transfer_while_one_is_in_flight():
     slot.start_io(object())
     with pytest.raises(RuntimeError, match="reused for device copy while its file IO is in flight"):
         slot.start_copy(FakeAccelerator(), torch.empty(1), torch.empty(1), None)
+
+
+def test_failed_host_registration_warns_once_and_leaves_ordinary_memory(monkeypatch):
+    monkeypatch.setattr(accelerator, "_warned_unpinned", False)
+    calls = []
+    monkeypatch.setitem(accelerator._HOST_REGISTER, "fake", (lambda ptr, n: calls.append(n) or False, None))
+    with accelerator.use(accelerator.Accelerator("fake")), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buffers = [aligned_empty(4096 * (i + 1)) for i in range(3)]
+    assert calls == [4096, 8192, 12288] and all(is_aligned(b) for b in buffers)
+    messages = [str(w.message) for w in caught if "page-lock host memory" in str(w.message)]
+    assert len(messages) == 1 and "fake accelerator" in messages[0], messages
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="torch has a pinned allocator here")
+def test_accelerator_without_a_pinned_allocator_warns_once_and_leaves_ordinary_memory(monkeypatch):
+    monkeypatch.setattr(accelerator, "_warned_unpinned", False)
+    with accelerator.use(accelerator.Accelerator("fake")), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buffers = [aligned_empty(5000, alignment=8192) for _ in range(2)]
+    assert all(is_aligned(b, 8192) for b in buffers)
+    messages = [str(w.message) for w in caught if "page-lock host memory" in str(w.message)]
+    assert len(messages) == 1 and "pin_memory" in messages[0], messages
