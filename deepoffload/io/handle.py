@@ -158,7 +158,8 @@ class AsyncIOHandle:
     Any contiguous CPU tensor works, at any file offset; page-aligned buffers (``aligned_empty``) skip the bounce
     copy. Tensors of the current accelerator go through page-locked host memory: ``read``/``write`` in chunks with
     the device copy overlapping the file IO (``DeviceStager``), ``read_async``/``write_async`` through one host
-    buffer of the tensor's size. A write from offset 0 leaves the file exactly the tensor's size unless ``truncate=False``.
+    buffer of the tensor's size. A write from offset 0 leaves the file exactly the tensor's size unless
+    ``truncate=False``.
     """
 
     def __init__(self, config: AioConfig | None = None, **overrides):
