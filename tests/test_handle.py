@@ -316,15 +316,6 @@ def test_the_gil_is_released_while_waiting(aio, scratch):
     assert during > 0, "the waiting thread held the GIL"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_cuda_tensors_are_staged_through_pinned_memory(handle, scratch):
-    t = torch.randn(1_000_003, device="cuda")
-    handle.write(t, scratch / "cuda")
-    back = torch.empty_like(t)
-    handle.read(back, scratch / "cuda")
-    assert torch.equal(back, t)
-
-
 def test_filesystem_without_o_direct_falls_back_to_buffered_and_warns_once(aio, small_fs):
     import warnings
 

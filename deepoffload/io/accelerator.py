@@ -1,50 +1,166 @@
-"""The accelerator-specific part of buffer handling, behind one small interface.
+"""The host side of whichever accelerator PyTorch runs on (CUDA, ROCm, XPU, MPS, HPU, a PrivateUse1 backend, ...).
 
-Today: CUDA (page-locked host memory registered with ``cudaHostRegister`` so device copies are asynchronous) or none.
-Another accelerator (XPU, ...) adds a subclass and a line in ``current()``.
+Everything goes through PyTorch's device-agnostic API: ``torch.accelerator`` names the accelerator, ``torch.Stream``
+and ``torch.Event`` order the copies, and torch's pinned host allocator (``pin_memory=True``) page-locks host memory
+for the current accelerator. The only backend-specific code is ``_HOST_REGISTER``: backends that can page-lock memory
+we already own (so ``aligned_empty`` keeps its exact size and lifetime, where torch's caching host allocator rounds
+sizes up and keeps freed memory).
+
+Where an accelerator cannot page-lock host memory, buffers are ordinary memory (correct; device copies from them
+are not asynchronous) and a warning says so once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+import warnings
+from typing import Callable, Iterator
 
 import torch
 
 
+def _cudart_register(ptr: int, nbytes: int) -> bool:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+
+
+def _cudart_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+# device type -> (register [ptr, ptr+nbytes) -> True when page-locked, unregister ptr). ROCm builds report "cuda".
+_HOST_REGISTER: dict[str, tuple[Callable[[int, int], bool], Callable[[int], None]]] = {
+    "cuda": (_cudart_register, _cudart_unregister),
+}
+
+_warned_unpinned = False
+_warn_lock = threading.Lock()
+
+
+def warn_unpinned(device_type: str, reason: str) -> None:
+    """Say once per process that host buffers for ``device_type`` are ordinary (pageable) memory."""
+    global _warned_unpinned
+    with _warn_lock:
+        if _warned_unpinned:
+            return
+        _warned_unpinned = True
+    warnings.warn(f"deepoffload: cannot page-lock host memory for the {device_type} accelerator ({reason}); using "
+                  f"ordinary memory, which is correct but makes device copies synchronous", RuntimeWarning,
+                  stacklevel=3)
+
+
 class Accelerator:
-    """No accelerator: host memory needs no registration and tensors are always on the CPU."""
+    """Host-side operations for one accelerator type; ``device_type`` None means no accelerator (CPU only).
 
-    name = "none"
+    Streams and events are ``torch.Stream``/``torch.Event``. A test double overrides the methods below the
+    "device operations" line to run on host memory.
+    """
 
-    def register_host(self, ptr: int, nbytes: int) -> bool:
-        """Make [ptr, ptr+nbytes) usable for asynchronous device copies; True when it was registered."""
-        return False
+    def __init__(self, device_type: str | None = None):
+        self.device_type = device_type
 
-    def unregister_host(self, ptr: int) -> None:
-        pass
+    @property
+    def name(self) -> str:
+        return self.device_type or "none"
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
-        return False
+        """True when ``tensor`` lives in this accelerator's memory (and must be staged through host memory)."""
+        return self.device_type is not None and tensor.device.type == self.device_type
 
-
-class CudaAccelerator(Accelerator):
-    name = "cuda"
+    # -- host memory ------------------------------------------------------------------------------------------
+    def can_register_host(self) -> bool:
+        """True when memory allocated elsewhere can be page-locked for this accelerator (``register_host``)."""
+        return self.device_type in _HOST_REGISTER
 
     def register_host(self, ptr: int, nbytes: int) -> bool:
-        if nbytes == 0:
+        """Page-lock [ptr, ptr+nbytes) for asynchronous device copies; True when it was. False (warned once) when
+        this accelerator refuses; False silently when there is no accelerator or nothing to register."""
+        if self.device_type is None or nbytes == 0:
             return False
-        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+        entry = _HOST_REGISTER.get(self.device_type)
+        if entry is None:
+            return False
+        try:
+            ok = entry[0](ptr, nbytes)
+        except (RuntimeError, OSError) as e:
+            ok, reason = False, str(e)
+        else:
+            reason = "host registration returned an error"
+        if not ok:
+            warn_unpinned(self.device_type, reason)
+        return ok
 
     def unregister_host(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        entry = _HOST_REGISTER.get(self.device_type or "")
+        if entry is not None:
+            entry[1](ptr)
 
-    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cuda"
+    def pinned_empty(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of page-locked host memory from torch's pinned allocator for this accelerator, or None
+        (warned once) where it has none. Freed memory returns to torch's host cache
+        (``torch.accelerator.empty_host_cache()`` releases it)."""
+        if self.device_type is None:
+            return None
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:
+            warn_unpinned(self.device_type, str(e).splitlines()[0])
+            return None
+
+    # -- device operations --------------------------------------------------------------------------------------
+    def new_stream(self, device: torch.device) -> torch.Stream | None:
+        """A side stream on ``device`` for staging copies, or None where the backend has no streams or no events
+        (copies are then synchronous)."""
+        try:
+            stream = torch.Stream(device=device)
+            stream.record_event().synchronize()  # fails here, not mid-transfer, where events are missing
+            return stream
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def wait_for_current(self, stream: torch.Stream | None, device: torch.device) -> None:
+        """Make ``stream`` wait for the work queued so far on ``device``'s current stream (which produced, or last
+        used the memory of, the tensor being staged)."""
+        if stream is not None:
+            stream.wait_stream(torch.accelerator.current_stream(device))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.Stream | None) -> torch.Event | None:
+        """Queue ``dst.copy_(src)`` (one side on the host, one on the device) on ``stream``; return an event that
+        completes with it (None: the copy already completed)."""
+        if stream is None:
+            dst.copy_(src)
+            return None
+        with stream:
+            dst.copy_(src, non_blocking=True)
+        return stream.record_event()
+
+    def synchronize(self, event: torch.Event | None) -> None:
+        """Block until ``event`` (from ``copy``) has completed."""
+        if event is not None:
+            event.synchronize()
+
+
+_override: Accelerator | None = None
 
 
 @functools.lru_cache(maxsize=None)
+def _detected() -> Accelerator:
+    device = torch.accelerator.current_accelerator(check_available=True)
+    return Accelerator(device.type if device is not None else None)
+
+
 def current() -> Accelerator:
-    """The accelerator of this process (decided once)."""
-    if torch.cuda.is_available():
-        return CudaAccelerator()
-    return Accelerator()
+    """The accelerator of this process (detected once), or the one ``use()`` installed."""
+    return _override if _override is not None else _detected()
+
+
+@contextlib.contextmanager
+def use(accelerator: Accelerator) -> Iterator[Accelerator]:
+    """Make ``accelerator`` the current one inside the block (for tests: a double that runs on host memory)."""
+    global _override
+    previous, _override = _override, accelerator
+    try:
+        yield accelerator
+    finally:
+        _override = previous

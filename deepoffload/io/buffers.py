@@ -2,8 +2,10 @@
 
 ``aligned_empty`` maps anonymous memory (page-aligned by construction), locks it with ``mlock`` where
 ``RLIMIT_MEMLOCK`` allows (warning once and carrying on unlocked where it does not), registers it with the
-accelerator when there is one, and wraps it in a tensor. The mapping, its lock and its registration live exactly as
-long as the tensor (and any view of it).
+accelerator when it can register memory it did not allocate, and wraps it in a tensor. The mapping, its lock and its
+registration live exactly as long as the tensor (and any view of it). An accelerator that cannot register such memory
+(see ``accelerator``) gets a slice of torch's pinned host memory for it instead; one that cannot page-lock at all gets
+the mapping unregistered (warned once).
 """
 
 from __future__ import annotations
@@ -72,11 +74,11 @@ def _unlock_pages(address: int, nbytes: int) -> None:
         _kernel32.VirtualUnlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
 
 
-def _release(address: int, nbytes: int, locked: bool, registered: bool) -> None:
+def _release(address: int, nbytes: int, locked: bool, registered_with: accelerator.Accelerator | None) -> None:
     with _locked_lock:
         _locked.pop(address, None)
-    if registered:
-        accelerator.current().unregister_host(address)
+    if registered_with is not None:
+        registered_with.unregister_host(address)
     if locked:
         _unlock_pages(address, nbytes)
 
@@ -85,8 +87,9 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
                   pin: bool = True) -> torch.Tensor:
     """An uninitialised CPU tensor whose data starts on an ``alignment``-byte boundary (0 = the page size).
 
-    With ``pin`` the pages are locked in memory (and registered with CUDA when present) where the memlock limit
-    allows. The memory is returned to the system when the tensor and all its views are gone.
+    With ``pin`` the pages are locked in memory where the memlock limit allows, and page-locked for the current
+    accelerator when there is one. The memory is returned to the system (or, for memory from torch's pinned
+    allocator, to torch's host cache) when the tensor and all its views are gone.
     """
     numel, shape = _numel(shape_or_numel)
     alignment = alignment or PAGE_SIZE
@@ -96,6 +99,12 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
     nbytes = numel * itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    acc = accelerator.current()
+    if pin and acc.device_type is not None and not acc.can_register_host():
+        pinned = acc.pinned_empty(nbytes + alignment)  # None (warned once): the mapping below, unregistered
+        if pinned is not None:
+            skip = (-pinned.data_ptr()) % alignment
+            return pinned[skip:skip + nbytes].view(dtype).view(shape)
     extra = alignment - PAGE_SIZE if alignment > PAGE_SIZE else 0
     length = (nbytes + extra + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
     if os.name == "posix":
@@ -106,11 +115,11 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
     base = raw.data_ptr()
     skip = (-base) % alignment
     locked = pin and _lock_pages(base, length)
-    registered = pin and accelerator.current().register_host(base, length)
+    registered = pin and acc.can_register_host() and acc.register_host(base, length)
     with _locked_lock:
         if locked or registered:
             _locked[base] = length
-    weakref.finalize(region, _release, base, length, locked, registered)
+    weakref.finalize(region, _release, base, length, locked, acc if registered else None)
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 

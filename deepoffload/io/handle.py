@@ -156,7 +156,10 @@ class AsyncIOHandle:
     Settings come from ``config`` (an ``AioConfig``; default: ``AioConfig.from_env()``) and keyword overrides
     (``block_size``, ``queue_depth``, ``intra_op_parallelism``, ``single_submit``, ``overlap_events``, ``engine``).
     Any contiguous CPU tensor works, at any file offset; page-aligned buffers (``aligned_empty``) skip the bounce
-    copy. A write from offset 0 leaves the file exactly the tensor's size unless ``truncate=False``.
+    copy. Tensors of the current accelerator go through page-locked host memory: ``read``/``write`` in chunks with
+    the device copy overlapping the file IO (``DeviceStager``), ``read_async``/``write_async`` through one host
+    buffer of the tensor's size. A write from offset 0 leaves the file exactly the tensor's size unless
+    ``truncate=False``.
     """
 
     def __init__(self, config: AioConfig | None = None, **overrides):
@@ -172,6 +175,7 @@ class AsyncIOHandle:
         self._pending: dict[int, Request] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._stager = None
         _live_handles.add(self)
 
     # -- transfers --------------------------------------------------------------------------------------------
@@ -181,9 +185,10 @@ class AsyncIOHandle:
         check_tensor(tensor, "read")
         finish = None
         target = tensor
-        if tensor.device.type != "cpu":
+        acc = accelerator.current()
+        if acc.is_device_tensor(tensor):  # the whole tensor through one page-locked buffer, copied on completion
             target = aligned_empty(tensor.numel(), tensor.dtype)
-            finish = lambda: tensor.view(-1).copy_(target.view(-1))  # noqa: E731
+            finish = lambda: acc.synchronize(acc.copy(tensor.view(-1), target.view(-1), None))  # noqa: E731
         return self._submit(False, target, file, offset, 0, (tensor, target), finish)
 
     def write_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None,
@@ -193,26 +198,44 @@ class AsyncIOHandle:
         completes."""
         check_tensor(tensor, "write")
         source = tensor
-        if tensor.device.type != "cpu":
+        acc = accelerator.current()
+        if acc.is_device_tensor(tensor):  # the whole tensor copied to one page-locked buffer first
             source = aligned_empty(tensor.numel(), tensor.dtype)
-            source.view(-1).copy_(tensor.view(-1))
+            acc.synchronize(acc.copy(source.view(-1), tensor.view(-1), None))
         flags = (TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (FSYNC if fsync else 0)
         return self._submit(True, source, file, offset, flags, (tensor, source), None)
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False) -> int:
-        """Read synchronously; return the bytes read. ``validate`` compares with Python's own read of the file."""
-        nbytes = self.read_async(tensor, file, offset).wait()
+        """Read synchronously; return the bytes read. ``validate`` compares with Python's own read of the file.
+        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``)."""
+        if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
+            nbytes = self._device_stager().read(tensor, file, offset)
+        else:
+            nbytes = self.read_async(tensor, file, offset).wait()
         if validate:
             _validate(tensor, file, offset)
         return nbytes
 
     def write(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False,
               truncate: bool | None = None, fsync: bool = False) -> int:
-        """Write synchronously; return the bytes written. ``validate`` re-reads the file and compares."""
-        nbytes = self.write_async(tensor, file, offset, truncate=truncate, fsync=fsync).wait()
+        """Write synchronously; return the bytes written. ``validate`` re-reads the file and compares.
+        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``)."""
+        if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
+            nbytes = self._device_stager().write(tensor, file, offset, truncate=truncate, fsync=fsync)
+        else:
+            nbytes = self.write_async(tensor, file, offset, truncate=truncate, fsync=fsync).wait()
         if validate:
             _validate(tensor, file, offset)
         return nbytes
+
+    def _device_stager(self):
+        """This handle's ``DeviceStager`` (created on first use of an accelerator tensor)."""
+        with self._pending_lock:
+            if self._stager is None:
+                from .staging import DeviceStager
+
+                self._stager = DeviceStager(self)
+            return self._stager
 
     def _submit(self, write: bool, buffer: torch.Tensor, file: FileRef, offset: int, flags: int, keep_alive: tuple,
                 finish: Callable[[], None] | None) -> Request:

@@ -213,8 +213,9 @@ def _detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
-def _device_type(tensors: Sequence[torch.Tensor]) -> str:
-    return next((t.device.type for t in tensors if t.device.type != "cpu"), "cuda")
+def _device_type(tensors: Sequence[torch.Tensor]) -> str | None:
+    """The inputs' accelerator type; None (torch then uses the current accelerator's) when all are on the CPU."""
+    return next((t.device.type for t in tensors if t.device.type != "cpu"), None)
 
 
 class _Recompute(torch.autograd.Function):
