@@ -166,7 +166,14 @@ class CheckpointReader:
             self._state_dict = self._load_torch(path)
             self.format = "torch"
         else:
-            self._headers = [read_header(path)]
+            try:
+                self._headers = [read_header(path)]
+            except CheckpointError as e:
+                if path.suffix in (".pt", ".pth", ".bin"):
+                    raise CheckpointError(f"{e}; as a torch.save file it is not in torch's zip format (saved with "
+                                          f"_use_new_zipfile_serialization=False?): re-save it with torch.save "
+                                          f"defaults") from None
+                raise
             self.format = "safetensors"
         if self._headers:
             self._entries = {name: entry for header in self._headers for name, entry in header.entries.items()}
