@@ -246,7 +246,8 @@ class CheckpointReader:
         if strict and unexpected:
             problems.append(f"{len(unexpected)} unexpected: {unexpected[:20]}")
         if problems:
-            hint = " (pass strict=False to allow missing and unexpected names)" if strict and (missing or unexpected) else ""
+            names_problem = strict and (missing or unexpected)
+            hint = " (pass strict=False to allow missing and unexpected names)" if names_problem else ""
             raise CheckpointError(f"{self.path} does not match the expected tensors: " + "; ".join(problems) + hint)
         return KeyReport(missing, unexpected)
 
@@ -275,7 +276,8 @@ class CheckpointReader:
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for ``names`` (default: all), in storage order, reading ahead. ``dtype``: one
         dtype for every floating point tensor, or name -> dtype. Each tensor is read once its turn comes; at most
-        ``inflight_bytes`` are read ahead of the caller."""
+        ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are served from torch's
+        copy-on-write mapping of the file (read from the page cache as they are touched), converted where asked."""
         selected = self._select(names)
         for name in selected:  # refuse a bad conversion before reading anything
             self._target(name, self.shape_dtype(name)[1], dtype)

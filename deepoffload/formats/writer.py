@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -200,7 +201,7 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
         raise ValueError("metadata must map strings to strings")
     own = handle is None
     handle = AsyncIOHandle() if own else handle
-    tag = f"{prefix}-{os.getpid()}-{id(folder):x}"
+    tag = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
                                staging_bytes)
@@ -261,8 +262,9 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
     own = handle is None
     handle = AsyncIOHandle() if own else handle
     try:
-        (shard,) = _write_shards(_items(tensors), path.parent, f"{path.name}-{os.getpid()}", float("inf"),
-                                 header_bytes, metadata, handle, 16 << 20)
+        tag = f"{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        (shard,) = _write_shards(_items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle,
+                                 16 << 20)
     finally:
         if own:
             handle.close()
