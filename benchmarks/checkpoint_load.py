@@ -2,8 +2,8 @@
 safetensors.torch.load_file and torch.load(mmap=True, weights_only=True), and against the raw read speed that
 `deepoffload bench` measures (one read of a file of the same size into a page-aligned, page-locked buffer, same
 folder, default settings), and that same read into a newly allocated buffer ("raw read, fresh"): a loader has to
-put the tensors in fresh memory, whose page faults cost time of their own (on this project's VM they alone run at
-about 0.5 GB/s).
+put the tensors in fresh memory, whose page faults cost time of their own ("fresh memory": allocating the same
+bytes and touching every page, no IO).
 
 The checkpoint is a Hugging Face sharded safetensors folder written by deepoffload.formats.save_sharded, plus the
 same tensors in one torch.save file. Every load is cold: each file is fsynced and its cached pages dropped
@@ -109,7 +109,7 @@ def main() -> int:
                 "safetensors": (shards, lambda: [t for s in shards for t in st_load_file(s).values()]),
                 "torch.load": ([torch_file], lambda: torch.load(torch_file, mmap=True, weights_only=True).values()),
             }
-            order = [*loaders, "raw read", "raw read, fresh"]
+            order = [*loaders, "raw read", "raw read, fresh", "fresh memory"]
             times: dict[str, list[float]] = {name: [] for name in order}
             for r in range(args.rounds):
                 for name in order[r % len(order):] + order[:r % len(order)]:
@@ -119,6 +119,10 @@ def main() -> int:
                         evict(raw_path)
                         start = time.perf_counter()
                         handle.read(aligned_empty(nbytes, pin=False), raw_path)
+                        times[name].append(time.perf_counter() - start)
+                    elif name == "fresh memory":  # no IO: allocate the bytes and touch every page
+                        start = time.perf_counter()
+                        aligned_empty(nbytes, pin=False)[::4096].fill_(1)
                         times[name].append(time.perf_counter() - start)
                     else:
                         files, load = loaders[name]
