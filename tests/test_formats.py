@@ -410,3 +410,39 @@ def test_fuzzed_headers_never_read_wrong(scratch, data):
     except CheckpointError:
         return
     assert_same(ours, safetensors_torch.load_file(path))
+
+
+def test_read_into_reuses_its_buffers_block_after_block(scratch, monkeypatch):
+    from deepoffload.formats import reader as reader_module
+
+    blocks = {f"layers.{b}.{w}": random_tensor((300, 257), torch.float32, b * 10 + i)
+              for b in range(4) for i, w in enumerate(("q", "k"))}
+    blocks["odd"] = random_tensor((3,), torch.int8)  # leaves the next tensors at offsets floats do not divide
+    blocks.update({f"layers.4.{w}": random_tensor((5, 7), torch.float32, 99 + i) for i, w in enumerate("qk")})
+    save_file(blocks, scratch / "m.safetensors")
+    allocations = []
+    real = reader_module.aligned_empty
+    monkeypatch.setattr(reader_module, "aligned_empty", lambda *a, **k: allocations.append(a) or real(*a, **k))
+    with CheckpointReader(scratch / "m.safetensors", span_bytes=1 << 20, inflight_bytes=1 << 20) as reader:
+        for b in range(5):
+            names = [n for n in blocks if n.startswith(f"layers.{b}.")]
+            out = {n: torch.empty(blocks[n].shape, dtype=torch.float32) for n in names}
+            reader.read_into(out)
+            assert_same(out, {n: blocks[n] for n in names})
+            if b == 0:
+                after_first = len(allocations)
+        assert len(allocations) == after_first  # later blocks reuse the first block's buffers
+        half = {"layers.0.q": torch.empty(300, 257, dtype=torch.bfloat16)}
+        reader.read_into(half)
+        assert same_bytes(half["layers.0.q"], blocks["layers.0.q"].bfloat16())
+        with pytest.raises(CheckpointError, match=r"layers.0.k: checkpoint \[300, 257\], destination \[257, 300\]"):
+            reader.read_into({"layers.0.k": torch.empty(257, 300)})
+        with pytest.raises(CheckpointError, match="odd: checkpoint torch.int8 cannot become torch.float32"):
+            reader.read_into({"odd": torch.empty(3)})
+        with pytest.raises(CheckpointError, match="nope: not in the checkpoint"):
+            reader.read_into({"nope": torch.empty(3)})
+    torch.save(blocks, scratch / "m.pt")
+    with CheckpointReader(scratch / "m.pt") as reader:
+        out = {"layers.3.k": torch.empty(300, 257)}
+        reader.read_into(out)
+        assert_same(out, {"layers.3.k": blocks["layers.3.k"]})

@@ -142,6 +142,7 @@ class CheckpointReader:
         self._open()
         self._handle = handle
         self._own_handle = False
+        self._pool: list[torch.Tensor] = []  # span buffers read_into reuses
 
     # -- opening ----------------------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -307,15 +308,29 @@ class CheckpointReader:
                 spans.append(_Span(entry.path, entry.start, entry.end, [entry]))
         return spans
 
-    def _submit(self, span: _Span, file_sizes: dict[str, int]):
+    def _submit(self, span: _Span, file_sizes: dict[str, int], pool: list[torch.Tensor] | None):
+        """Start reading ``span``: (first byte read, its buffer, the request, the pooled buffer or None)."""
         start = span.start // READ_ALIGNMENT * READ_ALIGNMENT
         end = min(-(-span.end // READ_ALIGNMENT) * READ_ALIGNMENT, file_sizes[span.path])
         if end <= start:
-            return start, None, None
-        buffer = aligned_empty(end - start, pin=False)
-        return start, buffer, self.handle.read_async(buffer, span.path, start)
+            return start, None, None, None
+        pooled = None
+        if pool is not None and end - start <= self._pool_buffer_bytes:
+            pooled = pool.pop() if pool else aligned_empty(self._pool_buffer_bytes, pin=False)
+            buffer = pooled[:end - start]
+        else:
+            buffer = aligned_empty(end - start, pin=False)
+        return start, buffer, self.handle.read_async(buffer, span.path, start), pooled
 
-    def _iter_safetensors(self, selected: list[str], dtype: DtypeSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def _pool_buffer_bytes(self) -> int:
+        return self.span_bytes + 2 * READ_ALIGNMENT  # a span of span_bytes, widened to the alignment at both ends
+
+    def _spans(self, selected: list[str], pool: list[torch.Tensor] | None
+               ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
+        """Yield (span, first byte read, buffer) for the spans covering ``selected``, each once its read is done,
+        reading ahead up to ``inflight_bytes``. With ``pool``, buffers come from it and go back to it once the
+        caller resumes the generator (so the caller must be done with a buffer by then)."""
         spans = self._plan(selected)
         file_sizes = {header.path: header.file_size for header in self._headers}
         queue: collections.deque = collections.deque()
@@ -325,20 +340,56 @@ class CheckpointReader:
                 while next_span < len(spans) and (not queue or inflight + spans[next_span].end - spans[next_span].start
                                                   <= self.inflight_bytes):
                     span = spans[next_span]
-                    queue.append((span, *self._submit(span, file_sizes)))
+                    queue.append((span, *self._submit(span, file_sizes, pool)))
                     inflight += span.end - span.start
                     next_span += 1
-                span, start, buffer, request = queue.popleft()
+                span, start, buffer, request, pooled = queue.popleft()
                 if request is not None:
                     request.wait()
                 inflight -= span.end - span.start
-                for entry in span.entries:
-                    yield entry.name, self._tensor(entry, buffer, start, dtype)
+                yield span, start, buffer
+                if pooled is not None:
+                    pool.append(pooled)
         finally:  # the caller stopped early or a read failed: let reads in flight finish before their buffers go
-            for _, _, _, request in queue:
+            for _, _, _, request, _ in queue:
                 if request is not None:
                     with contextlib.suppress(OSError):
                         request.wait()
+
+    def _iter_safetensors(self, selected: list[str], dtype: DtypeSpec) -> Iterator[tuple[str, torch.Tensor]]:
+        for span, start, buffer in self._spans(selected, None):
+            for entry in span.entries:
+                yield entry.name, self._tensor(entry, buffer, start, dtype)
+
+    def read_into(self, destinations: Mapping[str, torch.Tensor]) -> None:
+        """Copy each named checkpoint tensor into the tensor given for it (e.g. a block's materialized parameters),
+        converting floating point dtypes. Shapes must match exactly. Spans are read into buffers that this reader
+        keeps and reuses from call to call (at most ``inflight_bytes`` plus one span of them), so loading block
+        after block allocates no new memory; ``close()`` frees them."""
+        problems = []
+        for name, tensor in destinations.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                problems.append(f"{name}: the destination must be a materialized tensor")
+            elif name not in self:
+                problems.append(f"{name}: not in the checkpoint")
+            else:
+                shape, dtype = self.shape_dtype(name)
+                if shape != tuple(tensor.shape):
+                    problems.append(f"{name}: checkpoint {list(shape)}, destination {list(tensor.shape)}")
+                elif not _convertible(dtype, tensor.dtype):
+                    problems.append(f"{name}: checkpoint {dtype} cannot become {tensor.dtype} exactly")
+        if problems:
+            raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))
+        if self._state_dict is not None:
+            for name, tensor in destinations.items():
+                with torch.no_grad():
+                    tensor.copy_(self._state_dict[name])
+            return
+        for span, start, buffer in self._spans(list(destinations), self._pool):
+            for entry in span.entries:
+                if entry.name in destinations:
+                    with torch.no_grad():
+                        destinations[entry.name].copy_(self._tensor(entry, buffer, start, None))
 
     def _tensor(self, entry: TensorEntry, buffer: torch.Tensor | None, start: int, dtype: DtypeSpec) -> torch.Tensor:
         target = self._target(entry.name, entry.dtype, dtype)
@@ -359,10 +410,12 @@ class CheckpointReader:
         return self._handle
 
     def close(self) -> None:
-        """Close the handle this reader made (a handle passed in stays open); reading again makes a new one."""
+        """Close the handle this reader made (a handle passed in stays open) and free read_into's buffers;
+        reading again makes new ones."""
         if self._own_handle and self._handle is not None:
             self._handle.close()
         self._handle, self._own_handle = None, False
+        self._pool = []
 
     def __enter__(self) -> "CheckpointReader":
         return self
