@@ -446,3 +446,15 @@ def test_read_into_reuses_its_buffers_block_after_block(scratch, monkeypatch):
         out = {"layers.3.k": torch.empty(300, 257)}
         reader.read_into(out)
         assert_same(out, {"layers.3.k": blocks["layers.3.k"]})
+
+
+def test_public_names_resolve_and_import_is_cheap():
+    import subprocess
+
+    import deepoffload.formats as formats
+
+    for name in formats.__all__:
+        assert getattr(formats, name) is not None, name
+    code = "import sys, deepoffload.formats; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["False"]
