@@ -1,0 +1,147 @@
+"""Checkpoint load speed: deepoffload.formats.load_file (O_DIRECT through the async-IO op) against
+safetensors.torch.load_file and torch.load(mmap=True, weights_only=True), and against the raw read speed that
+`deepoffload bench` measures (one read of a file of the same size into a page-aligned, page-locked buffer, same
+folder, default settings), and that same read into a newly allocated buffer ("raw read, fresh"): a loader has to
+put the tensors in fresh memory, whose page faults cost time of their own ("fresh memory": allocating the same
+bytes and touching every page, no IO).
+
+The checkpoint is a Hugging Face sharded safetensors folder written by deepoffload.formats.save_sharded, plus the
+same tensors in one torch.save file. Every load is cold: each file is fsynced and its cached pages dropped
+(posix_fadvise DONTNEED) before the timed load, and every load ends by touching every page of every tensor (a
+mapped loader reads from storage only then). The loaders run interleaved round by round, rotating which goes first.
+Printed: GB/s (1e9 bytes/s) per loader (median over rounds), and the median of per-round ratios.
+
+    python benchmarks/checkpoint_load.py [--path DIR] [--size 1G] [--shard-size 256M] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from deepoffload.bench.measure import BenchError, direct_io_works, evict, scratch_file, time_transfer
+from deepoffload.bench.sizes import format_size, parse_size
+from deepoffload.formats import load_file, save_sharded
+from deepoffload.io.buffers import aligned_empty
+from deepoffload.io.handle import AsyncIOHandle
+
+from common import ratio_row, run_main
+
+# A transformer block's worth of sizes in bytes (fp16 7B-like rows, scaled down): big and small tensors mixed.
+TENSOR_BYTES = (32 << 20, 32 << 20, 8 << 20, 8 << 20, 88 << 20, 88 << 20, 88 << 20, 8 << 10, 8 << 10)
+
+
+def make_checkpoint(folder: Path, total: int, shard_bytes: int) -> tuple[list[Path], Path, int]:
+    """Write ``total`` bytes of bf16 tensors as sharded safetensors and as one torch.save file; return the shard
+    paths, the torch file and the bytes of tensor data."""
+    pattern = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    tensors, written, i = {}, 0, 0
+    while written < total:
+        nbytes = min(TENSOR_BYTES[i % len(TENSOR_BYTES)], total - written)
+        nbytes -= nbytes % 2
+        start = (i * 4099) % (pattern.numel() - nbytes) if nbytes < pattern.numel() else 0
+        data = pattern[start:start + nbytes] if nbytes <= pattern.numel() else pattern.repeat(
+            -(-nbytes // pattern.numel()))[:nbytes]
+        tensors[f"model.layers.{i // len(TENSOR_BYTES)}.w{i % len(TENSOR_BYTES)}"] = data.clone().view(torch.bfloat16)
+        written += nbytes
+        i += 1
+    shards = save_sharded(tensors, folder / "safetensors", max_shard_bytes=shard_bytes)
+    torch_file = folder / "model.pt"
+    torch.save(tensors, torch_file)
+    return shards, torch_file, written
+
+
+def touch(tensors) -> int:
+    """Read one byte of every page of every tensor."""
+    total = 0
+    for t in tensors:
+        flat = t.reshape(-1).view(torch.uint8)
+        total += int(flat[::4096].sum())
+    return total
+
+
+def timed(files: list[Path], load) -> float:
+    for path in files:
+        evict(path)
+    gc.collect()
+    start = time.perf_counter()
+    loaded = load()
+    touch(loaded)
+    seconds = time.perf_counter() - start
+    del loaded
+    gc.collect()
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", default=None, help="folder on the storage to measure (default: a temporary "
+                                                     "folder in the current directory)")
+    parser.add_argument("--size", type=parse_size, default=parse_size("1G"), help="checkpoint bytes (default 1G)")
+    parser.add_argument("--shard-size", type=parse_size, default=parse_size("256M"), help="max bytes per shard")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    from safetensors.torch import load_file as st_load_file
+
+    base = Path(args.path) if args.path else Path.cwd()
+    if not base.is_dir():
+        raise BenchError(f"{base} is not an existing folder; pass --path a folder on the storage to measure")
+    if shutil.disk_usage(base).free < 3 * args.size + (64 << 20):
+        raise BenchError(f"{base} needs about {format_size(3 * args.size)} free; pass a smaller --size")
+    work = Path(tempfile.mkdtemp(prefix=".deepoffload-ckpt-bench-", dir=base))
+    try:
+        shards, torch_file, nbytes = make_checkpoint(work, args.size, args.shard_size)
+        folder = work / "safetensors"
+        with scratch_file(work, nbytes) as raw_path, AsyncIOHandle() as handle:
+            buffer = aligned_empty(nbytes)
+            buffer.fill_(7)
+            handle.write(buffer, raw_path)
+            direct = direct_io_works(raw_path)
+            loaders = {
+                "deepoffload": (shards, lambda: load_file(folder).values()),
+                "safetensors": (shards, lambda: [t for s in shards for t in st_load_file(s).values()]),
+                "torch.load": ([torch_file], lambda: torch.load(torch_file, mmap=True, weights_only=True).values()),
+            }
+            order = [*loaders, "raw read", "raw read, fresh", "fresh memory"]
+            times: dict[str, list[float]] = {name: [] for name in order}
+            for r in range(args.rounds):
+                for name in order[r % len(order):] + order[:r % len(order)]:
+                    if name == "raw read":
+                        times[name].append(time_transfer(handle, "read", buffer, raw_path, direct).seconds)
+                    elif name == "raw read, fresh":
+                        evict(raw_path)
+                        start = time.perf_counter()
+                        handle.read(aligned_empty(nbytes, pin=False), raw_path)
+                        times[name].append(time.perf_counter() - start)
+                    elif name == "fresh memory":  # no IO: allocate the bytes and touch every page
+                        start = time.perf_counter()
+                        aligned_empty(nbytes, pin=False)[::4096].fill_(1)
+                        times[name].append(time.perf_counter() - start)
+                    else:
+                        files, load = loaders[name]
+                        times[name].append(timed(files, load))
+            del buffer
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gbps = {name: [nbytes / s / 1e9 for s in values] for name, values in times.items()}
+    print(f"checkpoint: {format_size(nbytes)} of bf16 tensors, {len(shards)} safetensors shards and one torch.save "
+          f"file; cold cache, every page touched; {args.rounds} interleaved rounds; O_DIRECT: {direct}")
+    print(f"{'loader':<18}{'GB/s (median)':>14}   per round")
+    for name, values in gbps.items():
+        print(f"{name:<18}{statistics.median(values):>14.3f}   " + " ".join(f"{v:.2f}" for v in values))
+    print()
+    print(f"{'ratio':<30}{'ours':>8}{'other':>8}{'ratio':>8}   per round")
+    for other in ("safetensors", "torch.load", "raw read", "raw read, fresh"):
+        print(ratio_row(f"deepoffload / {other:<16}", gbps["deepoffload"], gbps[other], (8, 8, 8)))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main("checkpoint_load", main)

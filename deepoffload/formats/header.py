@@ -1,0 +1,196 @@
+"""The safetensors header: its dtypes, a strict parser and an encoder.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JSON (an object mapping each
+tensor's name to ``{"dtype", "shape", "data_offsets": [begin, end]}``, plus an optional ``"__metadata__"`` object of
+strings), then the tensors' raw little-endian bytes, back to back. Offsets count from the end of the header. The
+parser accepts exactly what the reference reader (``safetensors``) accepts: the tensors must cover the data region
+without gaps or overlaps and end where the file ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
+METADATA_KEY = "__metadata__"
+
+# safetensors dtype name -> torch dtype, for the dtypes this torch has (fp8 and unsigned ints are recent).
+DTYPES: dict[str, torch.dtype] = {name: dtype for name, dtype in (
+    ("F64", torch.float64), ("F32", torch.float32), ("F16", torch.float16), ("BF16", torch.bfloat16),
+    ("I64", torch.int64), ("I32", torch.int32), ("I16", torch.int16), ("I8", torch.int8), ("U8", torch.uint8),
+    ("BOOL", torch.bool), ("C64", torch.complex64),
+    ("U64", getattr(torch, "uint64", None)), ("U32", getattr(torch, "uint32", None)),
+    ("U16", getattr(torch, "uint16", None)),
+    ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)), ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
+    ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
+    ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+) if dtype is not None}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or index is malformed, missing or does not match what the caller expects. The message
+    names the file."""
+
+
+def check_little_endian() -> None:
+    """safetensors (and the byte views used here) are little-endian; refuse to run where they would be wrong."""
+    if sys.byteorder != "little":
+        raise RuntimeError("deepoffload.formats reads and writes checkpoint bytes as-is and needs a little-endian "
+                           f"host; this one is {sys.byteorder}-endian: use safetensors' own reader here")
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: ``path``, absolute byte offsets ``[start, end)`` in that file, its dtype and shape."""
+
+    name: str
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors file: its tensors in file order, its metadata and where its data region starts."""
+
+    path: str
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str] | None
+    data_start: int
+    file_size: int
+
+
+def _no_duplicates(pairs: list) -> dict:
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_header(raw: bytes, file_size: int, path: str) -> Header:
+    """Validate and parse a safetensors file from its first bytes ``raw`` (at least the length field and the whole
+    header) and its total size. Raises ``CheckpointError`` naming ``path`` and what is wrong."""
+    def bad(reason: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a valid safetensors file: {reason}")
+
+    if file_size < 8 or len(raw) < 8:
+        raise bad(f"{file_size} bytes is shorter than the 8-byte header length")
+    (length,) = struct.unpack("<Q", raw[:8])
+    if length > MAX_HEADER_BYTES:
+        raise bad(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+    if 8 + length > file_size:
+        raise bad(f"header length {length} runs past the end of the {file_size}-byte file")
+    if len(raw) < 8 + length:
+        raise ValueError(f"parse_header needs the first {8 + length} bytes, got {len(raw)}")
+    try:
+        text = raw[8:8 + length].decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("the header does not start with '{'")
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"the header is not a JSON object ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    metadata = header.pop(METADATA_KEY, None)
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise bad(f"{METADATA_KEY} must be an object of strings")
+    data_start = 8 + length
+    data_bytes = file_size - data_start
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"tensor {name!r}: expected exactly the keys dtype, shape, data_offsets, got {info!r:.200}")
+        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype_name not in DTYPES:
+            raise bad(f"tensor {name!r}: dtype {dtype_name!r} is unknown or not supported by this torch "
+                      f"(known: {', '.join(DTYPES)})")
+        if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
+            raise bad(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r:.200}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                      f"got {offsets!r:.200}")
+        dtype = DTYPES[dtype_name]
+        nbytes = math.prod(shape) * element_size(dtype)
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"tensor {name!r}: {dtype_name} of shape {shape} takes {nbytes} bytes but data_offsets "
+                      f"{offsets} span {offsets[1] - offsets[0]}")
+        if offsets[1] > data_bytes:
+            raise bad(f"tensor {name!r}: data_offsets {offsets} run past the {data_bytes}-byte data region")
+        spans.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    position, previous = 0, None
+    for begin, end, name, _, _ in spans:
+        if begin < position:
+            raise bad(f"tensors {previous!r} and {name!r} overlap (at data offset {begin})")
+        if begin > position:
+            raise bad(f"{begin - position} bytes before tensor {name!r} (data offset {position}) belong to no tensor")
+        position, previous = end, name
+    if position != data_bytes:
+        raise bad(f"the tensors end at data offset {position} but the data region is {data_bytes} bytes "
+                  f"(truncated or trailing bytes)")
+    entries = {name: TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
+               for begin, end, name, dtype, shape in spans}
+    return Header(path, entries, metadata, data_start, file_size)
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate the header of the safetensors file at ``path`` (two small buffered reads)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) == 8:
+                (length,) = struct.unpack("<Q", raw)
+                if length <= MAX_HEADER_BYTES and 8 + length <= file_size:
+                    raw += f.read(length)
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a folder, not a safetensors file") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such safetensors file") from None
+    return parse_header(raw, file_size, path)
+
+
+def encode_header(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], int, int]],
+                  metadata: Mapping[str, str] | None, reserve: int = 0) -> bytes:
+    """The 8-byte length and JSON header for ``tensors`` (name -> (dtype, shape, data begin, data end)), padded with
+    spaces (which the format allows) to ``reserve`` bytes when given, else to a multiple of 8. Raises
+    ``ValueError`` if it does not fit in ``reserve``."""
+    header: dict = {}
+    if metadata:
+        header[METADATA_KEY] = {str(k): str(v) for k, v in metadata.items()}
+    for name, (dtype, shape, begin, end) in tensors.items():
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    total = reserve if reserve else 8 + (len(text) + 7) // 8 * 8
+    if 8 + len(text) > total:
+        raise ValueError(f"header of {8 + len(text)} bytes does not fit in {total}")
+    body = text + b" " * (total - 8 - len(text))
+    return struct.pack("<Q", len(body)) + body

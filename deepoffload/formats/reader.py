@@ -1,0 +1,438 @@
+"""Read checkpoints tensor by tensor: safetensors files read through the async-IO op, torch.save files by mmap.
+
+``CheckpointReader`` opens a ``.safetensors`` file, a Hugging Face sharded folder (``model.safetensors.index.json``
+beside its shards) or a ``torch.save`` state dict, validates every header at open, and yields tensors lazily by
+name, so a caller can load one block of a model at a time. Safetensors bytes are read with O_DIRECT (no page
+cache) into page-aligned buffers: neighbouring tensors are read together in spans of up to ``span_bytes`` and
+sliced, and up to ``inflight_bytes`` of spans are read ahead while the caller works on earlier ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
+
+import torch
+
+from ..io.buffers import aligned_empty
+from ..io.handle import AsyncIOHandle
+from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+READ_ALIGNMENT = 4096  # spans start and end on this boundary (or at the end of the file) so O_DIRECT needs no bounce
+
+DtypeSpec = Union[torch.dtype, Mapping[str, torch.dtype], None]
+Expected = Mapping[str, Union[torch.Tensor, Sequence[int], tuple]]
+
+
+class KeyReport(NamedTuple):
+    """Names the model expects that the checkpoint lacks, and names the checkpoint has that the model does not."""
+
+    missing: list[str]
+    unexpected: list[str]
+
+
+@dataclass
+class _Span:
+    """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``."""
+
+    path: str
+    start: int
+    end: int
+    entries: list[TensorEntry] = field(default_factory=list)
+
+
+def _is_torch_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def _find_index(folder: Path) -> Path | None:
+    if (folder / INDEX_NAME).is_file():
+        return folder / INDEX_NAME
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointError(f"{folder}: several safetensors index files ({', '.join(p.name for p in indexes)}); "
+                              f"pass the one to load")
+    return indexes[0] if indexes else None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file name), validated."""
+    try:
+        document = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{index}: cannot read the safetensors index: {e}") from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: not a safetensors index: expected an object with a 'weight_map' of "
+                              f"tensor name -> shard file name")
+    for shard in set(weight_map.values()):
+        if shard in ("", ".", "..") or "/" in shard or "\\" in shard:
+            raise CheckpointError(f"{index}: shard name {shard!r} is not a file name in the index's folder")
+    return weight_map
+
+
+def _open_sharded(index: Path) -> list[Header]:
+    weight_map = _read_index(index)
+    by_shard: dict[str, set[str]] = collections.defaultdict(set)
+    for name, shard in weight_map.items():
+        by_shard[shard].add(name)
+    headers = []
+    for shard in sorted(by_shard):
+        path = index.parent / shard
+        if not path.is_file():
+            names = sorted(by_shard[shard])
+            raise CheckpointError(f"{index}: shard {shard} is missing (it should hold {len(names)} tensors, e.g. "
+                                  f"{names[0]!r}); the checkpoint is incomplete")
+        header = read_header(path)
+        listed, stored = by_shard[shard], set(header.entries)
+        if listed != stored:
+            raise CheckpointError(f"{index} and its shard {shard} disagree: listed but not in the shard: "
+                                  f"{sorted(listed - stored)[:10]}; in the shard but not listed: "
+                                  f"{sorted(stored - listed)[:10]}")
+        headers.append(header)
+    return headers
+
+
+def _expected_shape_dtype(name: str, value: object) -> tuple[tuple[int, ...], torch.dtype | None]:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
+        return tuple(int(s) for s in value[0]), value[1]
+    if isinstance(value, (tuple, list, torch.Size)):
+        return tuple(int(s) for s in value), None
+    raise TypeError(f"expected[{name!r}]: give a tensor (a meta tensor will do), a shape, or (shape, dtype); got "
+                    f"{type(value).__name__}")
+
+
+def _convertible(stored: torch.dtype, target: torch.dtype) -> bool:
+    return stored == target or (stored.is_floating_point and target.is_floating_point)
+
+
+class CheckpointReader:
+    """Lazy, validated access to the tensors of a checkpoint (see the module docstring for the layouts).
+
+    ``handle``: an ``AsyncIOHandle`` to read with (default: one made here with the default settings, closed by
+    ``close()``). ``span_bytes``: the largest read that covers several tensors; ``inflight_bytes``: how many bytes
+    of spans are read ahead; ``gap_bytes``: unrequested bytes between two requested tensors that are read through
+    rather than splitting the span. Tensors yielded from one span are views of its buffer: keeping one alive keeps
+    the span's memory (at most ``span_bytes``, or that one tensor's size) alive; ``clone()`` it to drop the rest.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, handle: AsyncIOHandle | None = None, span_bytes: int = 64 << 20,
+                 inflight_bytes: int = 256 << 20, gap_bytes: int = 1 << 20):
+        check_little_endian()
+        for key, value in (("span_bytes", span_bytes), ("inflight_bytes", inflight_bytes)):
+            if not isinstance(value, int) or value < READ_ALIGNMENT:
+                raise ValueError(f"{key} must be an integer of at least {READ_ALIGNMENT} bytes, got {value!r}")
+        self.path = Path(path)
+        self.span_bytes, self.inflight_bytes, self.gap_bytes = span_bytes, inflight_bytes, max(0, gap_bytes)
+        self._headers: list[Header] = []
+        self._state_dict: dict[str, torch.Tensor] | None = None
+        self.metadata: dict | None = None
+        self._open()
+        self._handle = handle
+        self._own_handle = False
+        self._pool: list[torch.Tensor] = []  # span buffers read_into reuses
+
+    # -- opening ----------------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        path = self.path
+        if path.is_dir():
+            index = _find_index(path)
+            if index is not None:
+                self._headers = _open_sharded(index)
+                self.format = "safetensors-sharded"
+            elif (path / SINGLE_NAME).is_file():
+                self._headers = [read_header(path / SINGLE_NAME)]
+                self.format = "safetensors"
+            else:
+                raise CheckpointError(f"{path}: no {INDEX_NAME} or {SINGLE_NAME} in this folder; pass a "
+                                      f".safetensors file, a folder of sharded safetensors, or a torch.save file")
+        elif not path.exists():
+            raise CheckpointError(f"{path}: no such checkpoint file or folder")
+        elif path.name.endswith(".index.json"):
+            self._headers = _open_sharded(path)
+            self.format = "safetensors-sharded"
+        elif _is_torch_zip(path):
+            self._state_dict = self._load_torch(path)
+            self.format = "torch"
+        else:
+            try:
+                self._headers = [read_header(path)]
+            except CheckpointError as e:
+                if path.suffix in (".pt", ".pth", ".bin"):
+                    raise CheckpointError(f"{e}; as a torch.save file it is not in torch's zip format (saved with "
+                                          f"_use_new_zipfile_serialization=False?): re-save it with torch.save "
+                                          f"defaults") from None
+                raise
+            self.format = "safetensors"
+        if self._headers:
+            self._entries = {name: entry for header in self._headers for name, entry in header.entries.items()}
+            if len(self._headers) == 1:
+                self.metadata = self._headers[0].metadata
+
+    @staticmethod
+    def _load_torch(path: Path) -> dict[str, torch.Tensor]:
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot load it as a torch.save state dict (read with mmap=True, "
+                                  f"weights_only=True): {e}") from None
+        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in state.items())):
+            raise CheckpointError(f"{path}: a torch.save checkpoint must hold a flat dict of name -> tensor "
+                                  f"(a state_dict); got {type(state).__name__}")
+        return state
+
+    # -- what is in it ----------------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Every tensor's name, in storage order (shard by shard, by offset)."""
+        return list(self._state_dict) if self._state_dict is not None else list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._state_dict if self._state_dict is not None else self._entries)
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The stored shape and dtype of ``name``."""
+        if self._state_dict is not None:
+            if name not in self._state_dict:
+                raise KeyError(f"{self.path}: no tensor named {name!r}")
+            t = self._state_dict[name]
+            return tuple(t.shape), t.dtype
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        entry = self._entries[name]
+        return entry.shape, entry.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors as stored."""
+        return sum(math.prod(shape) * element_size(dtype) for shape, dtype in map(self.shape_dtype, self.names()))
+
+    def check(self, expected: Expected, strict: bool = True) -> KeyReport:
+        """Compare the checkpoint with ``expected`` (name -> tensor, shape or (shape, dtype); a meta model's
+        ``state_dict()`` will do). A shape that differs, or a dtype that cannot be converted (only floating point
+        converts to floating point), is always an error; missing and unexpected names are errors when ``strict``,
+        else returned. Raises ``CheckpointError`` listing every problem."""
+        names = set(self.names())
+        missing = [n for n in expected if n not in names]
+        unexpected = [n for n in self.names() if n not in expected]
+        mismatched = []
+        for name, value in expected.items():
+            if name in names:
+                shape, dtype = _expected_shape_dtype(name, value)
+                stored_shape, stored_dtype = self.shape_dtype(name)
+                if stored_shape != shape:
+                    mismatched.append(f"{name}: checkpoint {list(stored_shape)}, expected {list(shape)}")
+                elif dtype is not None and not _convertible(stored_dtype, dtype):
+                    mismatched.append(f"{name}: checkpoint {stored_dtype} cannot become {dtype} exactly")
+        problems = []
+        if mismatched:
+            problems.append(f"{len(mismatched)} mismatched: " + "; ".join(mismatched[:20]))
+        if strict and missing:
+            problems.append(f"{len(missing)} missing: {missing[:20]}")
+        if strict and unexpected:
+            problems.append(f"{len(unexpected)} unexpected: {unexpected[:20]}")
+        if problems:
+            names_problem = strict and (missing or unexpected)
+            hint = " (pass strict=False to allow missing and unexpected names)" if names_problem else ""
+            raise CheckpointError(f"{self.path} does not match the expected tensors: " + "; ".join(problems) + hint)
+        return KeyReport(missing, unexpected)
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    def _target(self, name: str, stored: torch.dtype, dtype: DtypeSpec) -> torch.dtype:
+        if dtype is None:
+            return stored
+        if isinstance(dtype, torch.dtype):  # like from_pretrained's torch_dtype: floating point tensors only
+            return dtype if stored.is_floating_point and dtype.is_floating_point else stored
+        target = dtype.get(name, stored)
+        if not _convertible(stored, target):
+            raise CheckpointError(f"{self.path}: tensor {name!r} is stored as {stored}; converting it to {target} "
+                                  f"would not be exact (only floating point converts to floating point)")
+        return target
+
+    def _select(self, names: Iterable[str] | None) -> list[str]:
+        if names is None:
+            return self.names()
+        wanted = list(dict.fromkeys(names))
+        absent = [n for n in wanted if n not in self]
+        if absent:
+            raise CheckpointError(f"{self.path}: no tensors named {absent[:20]}")
+        return wanted
+
+    def iter_tensors(self, names: Iterable[str] | None = None, dtype: DtypeSpec = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` for ``names`` (default: all), in storage order, reading ahead. ``dtype``: one
+        dtype for every floating point tensor, or name -> dtype. Each tensor is read once its turn comes; at most
+        ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are served from torch's
+        copy-on-write mapping of the file (read from the page cache as they are touched), converted where asked."""
+        selected = self._select(names)
+        for name in selected:  # refuse a bad conversion before reading anything
+            self._target(name, self.shape_dtype(name)[1], dtype)
+        if self._state_dict is not None:
+            for name in selected:
+                t = self._state_dict[name]
+                target = self._target(name, t.dtype, dtype)
+                yield name, t if target == t.dtype else t.to(target)
+            return
+        yield from self._iter_safetensors(selected, dtype)
+
+    def read(self, names: Iterable[str] | None = None, dtype: DtypeSpec = None) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` for ``names`` (default: all), in storage order."""
+        return dict(self.iter_tensors(names, dtype))
+
+    def _plan(self, selected: list[str]) -> list[_Span]:
+        order = {header.path: i for i, header in enumerate(self._headers)}
+        entries = sorted((self._entries[n] for n in selected), key=lambda e: (order[e.path], e.start))
+        spans: list[_Span] = []
+        for entry in entries:
+            last = spans[-1] if spans else None
+            if (last is not None and last.path == entry.path and entry.start - last.end <= self.gap_bytes
+                    and entry.end - last.start <= self.span_bytes):
+                last.end = max(last.end, entry.end)
+                last.entries.append(entry)
+            else:
+                spans.append(_Span(entry.path, entry.start, entry.end, [entry]))
+        return spans
+
+    def _submit(self, span: _Span, file_sizes: dict[str, int], pool: list[torch.Tensor] | None):
+        """Start reading ``span``: (first byte read, its buffer, the request, the pooled buffer or None)."""
+        start = span.start // READ_ALIGNMENT * READ_ALIGNMENT
+        end = min(-(-span.end // READ_ALIGNMENT) * READ_ALIGNMENT, file_sizes[span.path])
+        if end <= start:
+            return start, None, None, None
+        pooled = None
+        if pool is not None and end - start <= self._pool_buffer_bytes:
+            pooled = pool.pop() if pool else aligned_empty(self._pool_buffer_bytes, pin=False)
+            buffer = pooled[:end - start]
+        else:
+            buffer = aligned_empty(end - start, pin=False)
+        return start, buffer, self.handle.read_async(buffer, span.path, start), pooled
+
+    @property
+    def _pool_buffer_bytes(self) -> int:
+        return self.span_bytes + 2 * READ_ALIGNMENT  # a span of span_bytes, widened to the alignment at both ends
+
+    def _spans(self, selected: list[str], pool: list[torch.Tensor] | None
+               ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
+        """Yield (span, first byte read, buffer) for the spans covering ``selected``, each once its read is done,
+        reading ahead up to ``inflight_bytes``. With ``pool``, buffers come from it and go back to it once the
+        caller resumes the generator (so the caller must be done with a buffer by then)."""
+        spans = self._plan(selected)
+        file_sizes = {header.path: header.file_size for header in self._headers}
+        queue: collections.deque = collections.deque()
+        inflight, next_span = 0, 0
+        try:
+            while next_span < len(spans) or queue:
+                while next_span < len(spans) and (not queue or inflight + spans[next_span].end - spans[next_span].start
+                                                  <= self.inflight_bytes):
+                    span = spans[next_span]
+                    queue.append((span, *self._submit(span, file_sizes, pool)))
+                    inflight += span.end - span.start
+                    next_span += 1
+                span, start, buffer, request, pooled = queue.popleft()
+                if request is not None:
+                    request.wait()
+                inflight -= span.end - span.start
+                yield span, start, buffer
+                if pooled is not None:
+                    pool.append(pooled)
+        finally:  # the caller stopped early or a read failed: let reads in flight finish before their buffers go
+            for _, _, _, request, _ in queue:
+                if request is not None:
+                    with contextlib.suppress(OSError):
+                        request.wait()
+
+    def _iter_safetensors(self, selected: list[str], dtype: DtypeSpec) -> Iterator[tuple[str, torch.Tensor]]:
+        for span, start, buffer in self._spans(selected, None):
+            for entry in span.entries:
+                yield entry.name, self._tensor(entry, buffer, start, dtype)
+
+    def read_into(self, destinations: Mapping[str, torch.Tensor]) -> None:
+        """Copy each named checkpoint tensor into the tensor given for it (e.g. a block's materialized parameters),
+        converting floating point dtypes. Shapes must match exactly. Spans are read into buffers that this reader
+        keeps and reuses from call to call (at most ``inflight_bytes`` plus one span of them), so loading block
+        after block allocates no new memory; ``close()`` frees them."""
+        problems = []
+        for name, tensor in destinations.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                problems.append(f"{name}: the destination must be a materialized tensor")
+            elif name not in self:
+                problems.append(f"{name}: not in the checkpoint")
+            else:
+                shape, dtype = self.shape_dtype(name)
+                if shape != tuple(tensor.shape):
+                    problems.append(f"{name}: checkpoint {list(shape)}, destination {list(tensor.shape)}")
+                elif not _convertible(dtype, tensor.dtype):
+                    problems.append(f"{name}: checkpoint {dtype} cannot become {tensor.dtype} exactly")
+        if problems:
+            raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))
+        if self._state_dict is not None:
+            for name, tensor in destinations.items():
+                with torch.no_grad():
+                    tensor.copy_(self._state_dict[name])
+            return
+        for span, start, buffer in self._spans(list(destinations), self._pool):
+            for entry in span.entries:
+                if entry.name in destinations:
+                    with torch.no_grad():
+                        destinations[entry.name].copy_(self._tensor(entry, buffer, start, None))
+
+    def _tensor(self, entry: TensorEntry, buffer: torch.Tensor | None, start: int, dtype: DtypeSpec) -> torch.Tensor:
+        target = self._target(entry.name, entry.dtype, dtype)
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=target)
+        raw = buffer[entry.start - start:entry.end - start]
+        if (entry.start - start) % element_size(entry.dtype):  # the format does not align tensors: copy to view
+            raw = raw.clone()
+        tensor = raw.view(entry.dtype).view(entry.shape)
+        return tensor if target == entry.dtype else tensor.to(target)
+
+    # -- lifetime ---------------------------------------------------------------------------------------------
+    @property
+    def handle(self) -> AsyncIOHandle:
+        if self._handle is None:
+            self._handle = AsyncIOHandle()
+            self._own_handle = True
+        return self._handle
+
+    def close(self) -> None:
+        """Close the handle this reader made (a handle passed in stays open) and free read_into's buffers;
+        reading again makes new ones."""
+        if self._own_handle and self._handle is not None:
+            self._handle.close()
+        self._handle, self._own_handle = None, False
+        self._pool = []
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointReader({str(self.path)!r}, format={self.format!r}, tensors={len(self)})"
+
+
+def load_file(path: str | os.PathLike, *, dtype: DtypeSpec = None, names: Iterable[str] | None = None,
+              expected: Expected | None = None, strict: bool = True,
+              handle: AsyncIOHandle | None = None) -> dict[str, torch.Tensor]:
+    """Load a checkpoint (any layout ``CheckpointReader`` opens) into ``{name: tensor}``. With ``expected``, first
+    check its names and shapes (see ``CheckpointReader.check``)."""
+    with CheckpointReader(path, handle=handle) as reader:
+        if expected is not None:
+            reader.check(expected, strict=strict)
+        return reader.read(names, dtype)

@@ -1,0 +1,273 @@
+"""Write safetensors checkpoints through the async-IO op, streaming: tensors come from an iterator and are copied
+into page-aligned staging buffers that are written while the next ones fill, so nothing but the staging buffers
+(two of ``staging_bytes``) needs to stay in memory.
+
+A shard's header must precede its data, but a stream does not say in advance which tensors a shard will hold, so
+each shard reserves ``header_bytes`` for its header (padded with spaces, which the format allows) and starts its
+data right after, page-aligned; a shard whose header would outgrow the reservation is closed early and the next one
+reserves twice as much. Shards are written under temporary names and renamed (Hugging Face names:
+``model.safetensors``, or ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``) only once all
+of them are written and synced, then the index; files of an earlier save with the same prefix are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+from ..io.buffers import aligned_empty
+from ..io.handle import AsyncIOHandle, Request, byte_view
+from .header import DTYPE_NAMES, METADATA_KEY, check_little_endian, encode_header
+
+DEFAULT_METADATA = {"format": "pt"}  # transformers refuses shards without it
+PAGE = 4096
+
+
+def _entry_bytes(name: str, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> int:
+    """Bytes this tensor's entry adds to the compact JSON header (with its comma)."""
+    info = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+    return len(json.dumps({name: info}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")) - 1
+
+
+class _ShardFile:
+    """One shard being written to a temporary file: its header reservation, its entries and its staging."""
+
+    def __init__(self, path: Path, header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle,
+                 staging: list[torch.Tensor]):
+        self.path, self.header_bytes, self.handle, self.staging = path, header_bytes, handle, staging
+        self.metadata = dict(metadata)
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        self.data_bytes = 0
+        meta = json.dumps({METADATA_KEY: self.metadata}, separators=(",", ":"), ensure_ascii=False).encode()
+        self.json_bytes = len(meta) if self.metadata else 2  # '{...}' so far
+        self.requests: list[Request | None] = [None, None]
+        self.current, self.fill, self.file_pos = 0, 0, header_bytes
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+
+    def fits_header(self, name: str, tensor: torch.Tensor) -> bool:
+        end = self.data_bytes + tensor.numel() * tensor.element_size()
+        return 8 + self.json_bytes + _entry_bytes(name, tensor.dtype, tuple(tensor.shape), self.data_bytes, end) \
+            <= self.header_bytes
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        begin, end = self.data_bytes, self.data_bytes + nbytes
+        self.json_bytes += _entry_bytes(name, tensor.dtype, tuple(tensor.shape), begin, end)
+        self.entries[name] = (tensor.dtype, tuple(tensor.shape), begin, end)
+        self.data_bytes = end
+        source = byte_view(tensor)
+        done = 0
+        while done < nbytes:
+            buffer = self.staging[self.current]
+            n = min(nbytes - done, buffer.numel() - self.fill)
+            buffer[self.fill:self.fill + n].copy_(source[done:done + n])
+            self.fill += n
+            done += n
+            if self.fill == buffer.numel():
+                self._flush()
+
+    def _flush(self) -> None:
+        """Start writing the current staging buffer and switch to the other one (once its write has finished)."""
+        if self.fill:
+            buffer = self.staging[self.current][:self.fill]
+            self.requests[self.current] = self.handle.write_async(buffer, self.path, self.file_pos, truncate=False)
+            self.file_pos += self.fill
+            self.fill = 0
+        self.current ^= 1
+        previous = self.requests[self.current]
+        if previous is not None:
+            self.requests[self.current] = None
+            previous.wait()
+
+    def finish(self) -> None:
+        """Write the rest of the data, then the header, and sync the file."""
+        self._flush()
+        self._flush()
+        header = encode_header(self.entries, self.metadata, reserve=self.header_bytes)
+        block = aligned_empty(len(header), pin=False)
+        block.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        self.handle.write(block, self.path, 0, truncate=False, fsync=True)
+        size = os.stat(self.path).st_size
+        if size != self.header_bytes + self.data_bytes:  # the writes above leave exactly this; never ship less
+            raise OSError(f"{self.path}: expected {self.header_bytes + self.data_bytes} bytes after writing, "
+                          f"found {size}")
+
+    def abandon(self) -> None:
+        for request in self.requests:
+            if request is not None:
+                with contextlib.suppress(OSError):
+                    request.wait()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def _items(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    for item in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
+        name, tensor = item
+        if not isinstance(name, str) or name == METADATA_KEY:
+            raise ValueError(f"tensor names must be strings other than {METADATA_KEY!r}, got {name!r}")
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ValueError(f"{name!r}: safetensors has no dtype for {tensor.dtype} (supported: "
+                             f"{', '.join(str(d) for d in DTYPE_NAMES)})")
+        if tensor.device.type == "meta":
+            raise ValueError(f"{name!r} is on the meta device and has no values to save; materialize it first")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"{name!r}: {tensor.layout} tensors cannot be saved; pass tensor.to_dense()")
+        yield name, tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
+
+
+def _sync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem (or OS) lets a folder be opened and synced
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_shards(items: Iterator[tuple[str, torch.Tensor]], folder: Path, tag: str, max_shard_bytes: float,
+                  header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle,
+                  staging_bytes: int) -> list[_ShardFile]:
+    staging = [aligned_empty(staging_bytes, pin=False), aligned_empty(staging_bytes, pin=False)]
+    shards: list[_ShardFile] = []
+    current: _ShardFile | None = None
+    try:
+        for name, tensor in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            if current is not None and (current.data_bytes + nbytes > max_shard_bytes
+                                        or not current.fits_header(name, tensor)):
+                if not current.fits_header(name, tensor):
+                    header_bytes *= 2
+                current.finish()
+                current = None
+            if current is None:
+                while True:  # a fresh shard: make sure even this one entry fits its header
+                    current = _ShardFile(folder / f".{tag}-{len(shards) + 1:05d}.partial", header_bytes, metadata,
+                                         handle, staging)
+                    shards.append(current)
+                    if current.fits_header(name, tensor):
+                        break
+                    shards.pop().abandon()
+                    header_bytes *= 2
+            current.add(name, tensor)
+        if current is None:  # nothing to save: still one valid, empty file
+            current = _ShardFile(folder / f".{tag}-00001.partial", header_bytes, metadata, handle, staging)
+            shards.append(current)
+        current.finish()
+    except BaseException:
+        for shard in shards:
+            shard.abandon()
+        raise
+    return shards
+
+
+def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                 folder: str | os.PathLike, *, max_shard_bytes: int = 5 * 10**9, prefix: str = "model",
+                 metadata: Mapping[str, str] | None = None, handle: AsyncIOHandle | None = None,
+                 header_bytes: int = 64 << 10, staging_bytes: int = 16 << 20) -> list[Path]:
+    """Write ``tensors`` (a mapping or an iterator of ``(name, tensor)``, consumed once, one tensor at a time) into
+    ``folder`` as safetensors shards of at most ``max_shard_bytes`` of data each (a larger tensor gets a shard of
+    its own), named as Hugging Face names them, with ``{prefix}.safetensors.index.json`` when there are several.
+    ``metadata`` (strings) goes into every shard's header (default ``{"format": "pt"}``, which transformers needs).
+    Returns the shard paths. On any error no file of the save is left and an earlier save stays as it was.
+    """
+    check_little_endian()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+        raise ValueError(f"prefix must be a plain file name part (letters, digits, '_', '.', '-'), got {prefix!r}")
+    if not isinstance(max_shard_bytes, (int, float)) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
+    if header_bytes < PAGE or header_bytes % PAGE or staging_bytes < PAGE or staging_bytes % PAGE:
+        raise ValueError(f"header_bytes and staging_bytes must be positive multiples of {PAGE}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    metadata = DEFAULT_METADATA if metadata is None else metadata
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError("metadata must map strings to strings")
+    own = handle is None
+    handle = AsyncIOHandle() if own else handle
+    tag = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
+                               staging_bytes)
+    finally:
+        if own:
+            handle.close()
+    count = len(shards)
+    names = ([f"{prefix}.safetensors"] if count == 1 else
+             [f"{prefix}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)])
+    index_path = folder / f"{prefix}.safetensors.index.json"
+    weight_map = {name: final for shard, final in zip(shards, names) for name in shard.entries}
+    total = sum(shard.data_bytes for shard in shards)
+    partial_index = folder / f".{tag}.index.partial"
+    try:
+        if count > 1:
+            with open(partial_index, "w", encoding="utf-8") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
+                          ensure_ascii=False)
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        for shard in shards:
+            shard.abandon()
+        with contextlib.suppress(FileNotFoundError):
+            partial_index.unlink()
+        raise
+    if count == 1:
+        with contextlib.suppress(FileNotFoundError):  # a reader would prefer a stale index over the new file
+            index_path.unlink()
+    final_paths = []
+    for shard, final in zip(shards, names):
+        os.replace(shard.path, folder / final)
+        final_paths.append(folder / final)
+    if count > 1:
+        os.replace(partial_index, index_path)
+    stale = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
+    for path in folder.iterdir():
+        if stale.fullmatch(path.name) and path.name not in names:
+            path.unlink()
+    _sync_folder(folder)
+    return final_paths
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
+              metadata: Mapping[str, str] | None = None, handle: AsyncIOHandle | None = None) -> Path:
+    """Write the mapping ``tensors`` into the one safetensors file ``path`` (replaced only once complete)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError("save_file takes a mapping of name -> tensor; to stream an iterator use save_sharded")
+    path = Path(path)
+    check_little_endian()
+    metadata = DEFAULT_METADATA if metadata is None else metadata
+    layout, position = {}, 0
+    for name, tensor in tensors.items():  # the exact header, so the one file never needs a second shard
+        nbytes = tensor.numel() * tensor.element_size()
+        layout[name] = (tensor.dtype, tuple(tensor.shape), position, position + nbytes)
+        position += nbytes
+    header_bytes = -(-len(encode_header(layout, metadata)) // PAGE) * PAGE
+    own = handle is None
+    handle = AsyncIOHandle() if own else handle
+    try:
+        tag = f"{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        (shard,) = _write_shards(_items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle,
+                                 16 << 20)
+    finally:
+        if own:
+            handle.close()
+    os.replace(shard.path, path)
+    _sync_folder(path.parent)
+    return path

@@ -1,0 +1,460 @@
+"""deepoffload.formats: safetensors and torch.save checkpoints read and written through the async-IO op, checked
+byte for byte against the safetensors library's own reader and writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from deepoffload.formats import CheckpointError, CheckpointReader, load_file, save_file, save_sharded  # noqa: E402
+from deepoffload.formats.header import DTYPES, encode_header  # noqa: E402
+from deepoffload.io.handle import AsyncIOHandle  # noqa: E402
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bytes of every bit pattern (NaNs included) for float types; 0/1 for bool."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (NaN payloads included)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert list(sorted(got)) == list(sorted(want))
+    bad = [k for k in want if not same_bytes(got[k], want[k])]
+    assert not bad, f"differ: {bad}"
+
+
+ALL_DTYPES = sorted(DTYPES.values(), key=str)
+# Awkward layouts: scalars, empty tensors, and sizes that leave later tensors at odd offsets.
+SHAPES = [(), (0,), (3, 0, 2), (1,), (3,), (7, 5), (129, 33)]
+
+
+def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for i, dtype in enumerate(ALL_DTYPES):
+        for j, shape in enumerate(SHAPES):
+            tensors[f"t.{str(dtype).split('.')[-1]}.{j}"] = random_tensor(shape, dtype, seed + i * 100 + j)
+    return tensors
+
+
+# -- reading what safetensors wrote ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_reads_each_dtype_bit_identical_to_safetensors(scratch, dtype):
+    tensors = {f"x{j}": random_tensor(shape, dtype, j) for j, shape in enumerate(SHAPES)}
+    path = scratch / "one.safetensors"
+    safetensors_torch.save_file(tensors, path)
+    assert_same(load_file(path), safetensors_torch.load_file(path))
+    assert_same(load_file(path), tensors)
+
+
+def test_reads_mixed_file_with_odd_offsets(scratch):
+    tensors = mixed_tensors()
+    path = scratch / "mixed.safetensors"
+    save_file(tensors, path)  # keeps the given order: many tensors start at offsets their dtype does not divide
+    assert_same(load_file(path), tensors)
+    assert_same(safetensors_torch.load_file(path), tensors)
+
+
+def test_reads_hf_sharded_folder_written_by_transformers(scratch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(scratch / "hf", max_shard_size="100KB")
+    assert (scratch / "hf" / "model.safetensors.index.json").is_file()
+    with CheckpointReader(scratch / "hf") as reader:
+        assert reader.format == "safetensors-sharded"
+        loaded = reader.read()
+    state = model.state_dict()
+    assert_same({k: loaded[k] for k in state if k in loaded}, {k: v for k, v in state.items() if k in loaded})
+    assert set(state) - set(loaded) <= {"lm_head.weight"}  # a tied head is saved once
+
+
+# -- writing what safetensors and transformers read --------------------------------------------------------------
+def test_sharded_round_trip_against_safetensors(scratch):
+    tensors = mixed_tensors(seed=5)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    paths = save_sharded(iter(tensors.items()), scratch / "ck", max_shard_bytes=total // 4)
+    count = len(paths)
+    assert count >= 4
+    assert [p.name for p in paths] == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    index = json.loads((scratch / "ck" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == total
+    assert set(index["weight_map"]) == set(tensors)
+    reference = {}
+    for path in paths:
+        part = safetensors_torch.load_file(path)
+        assert all(index["weight_map"][k] == path.name for k in part)
+        reference.update(part)
+    assert_same(reference, tensors)
+    assert_same(load_file(scratch / "ck"), tensors)
+    assert sorted(os.listdir(scratch / "ck")) == sorted([p.name for p in paths] + ["model.safetensors.index.json"])
+
+
+def test_shard_size_limit_and_oversized_tensor(scratch):
+    tensors = {"a": torch.zeros(100), "big": torch.ones(1000), "b": torch.zeros(100), "c": torch.zeros(100)}
+    paths = save_sharded(tensors, scratch, max_shard_bytes=900)
+    parts = [list(safetensors_torch.load_file(p)) for p in paths]
+    assert parts == [["a"], ["big"], ["b", "c"]]
+
+
+def test_single_shard_has_no_index_and_replaces_an_earlier_save(scratch):
+    first = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}
+    save_sharded(first, scratch, max_shard_bytes=1024)
+    assert (scratch / "model.safetensors.index.json").exists()
+    second = {"only": torch.arange(10.0)}
+    paths = save_sharded(second, scratch)
+    assert [p.name for p in paths] == ["model.safetensors"]
+    assert sorted(os.listdir(scratch)) == ["model.safetensors"]  # stale shards and index removed
+    assert_same(load_file(scratch), second)
+    assert safetensors_torch.safe_open(paths[0], "pt").metadata() == {"format": "pt"}
+
+
+def test_header_reservation_overflow_starts_new_shards(scratch):
+    tensors = {f"layer.{i}." + "x" * 200: torch.full((3,), float(i)) for i in range(60)}
+    paths = save_sharded(tensors, scratch, header_bytes=4096)
+    assert len(paths) > 1  # 60 entries of ~280 bytes do not fit one 4 KiB header
+    assert_same(load_file(scratch), tensors)
+    for path in paths:
+        safetensors_torch.load_file(path)
+    huge_name = {"n" * 10000: torch.zeros(2)}  # one entry larger than the reservation: it grows
+    save_sharded(huge_name, scratch / "huge", header_bytes=4096)
+    assert_same(load_file(scratch / "huge"), huge_name)
+
+
+def test_empty_save_and_empty_tensors(scratch):
+    save_sharded({}, scratch / "none")
+    assert load_file(scratch / "none") == {}
+    assert safetensors_torch.load_file(scratch / "none" / "model.safetensors") == {}
+    empties = {"e": torch.empty(0), "s": torch.tensor(3.5), "z": torch.empty(2, 0, dtype=torch.int64)}
+    save_sharded(empties, scratch / "empties")
+    assert_same(load_file(scratch / "empties"), empties)
+    assert_same(safetensors_torch.load_file(scratch / "empties" / "model.safetensors"), empties)
+
+
+def test_transformers_from_pretrained_reads_our_shards(scratch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    config.save_pretrained(scratch)
+    state = model.state_dict()
+    save_sharded(((k, v) for k, v in state.items()), scratch, max_shard_bytes=40_000)
+    assert (scratch / "model.safetensors.index.json").is_file()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(scratch)
+    assert_same(loaded.state_dict(), state)
+
+
+def test_streams_from_a_generator_one_tensor_at_a_time(scratch):
+    produced = []
+
+    def blocks():
+        for i in range(6):
+            t = torch.full((1 << 16,), float(i))
+            produced.append(i)
+            yield f"b{i}", t
+
+    save_sharded(blocks(), scratch, max_shard_bytes=3 << 18, staging_bytes=1 << 16)
+    assert produced == list(range(6))
+    assert_same(load_file(scratch), {f"b{i}": torch.full((1 << 16,), float(i)) for i in range(6)})
+
+
+# -- writer errors ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, message", [
+    ({"m": torch.empty(3, device="meta")}, "meta device"),
+    ({"c": torch.zeros(2, dtype=torch.complex128)}, "no dtype"),
+    ({"__metadata__": torch.zeros(2)}, "other than"),
+])
+def test_writer_refuses_bad_tensors_and_leaves_no_file(scratch, bad, message):
+    save_sharded({"keep": torch.ones(4)}, scratch)
+    before = sorted(os.listdir(scratch))
+    with pytest.raises(ValueError, match=message):
+        save_sharded({"first": torch.zeros(10), **bad}, scratch)
+    assert sorted(os.listdir(scratch)) == before
+    assert_same(load_file(scratch), {"keep": torch.ones(4)})
+
+
+def test_writer_failing_iterator_leaves_the_earlier_save(scratch):
+    save_sharded({"keep": torch.ones(4)}, scratch)
+
+    def failing():
+        yield "a", torch.zeros(1 << 18)
+        yield "b", torch.zeros(1 << 18)
+        raise RuntimeError("producer failed")
+
+    with pytest.raises(RuntimeError, match="producer failed"):
+        save_sharded(failing(), scratch, max_shard_bytes=1 << 20)
+    assert sorted(os.listdir(scratch)) == ["model.safetensors"]
+    assert_same(load_file(scratch), {"keep": torch.ones(4)})
+    with pytest.raises(ValueError, match="twice"):
+        save_sharded([("a", torch.zeros(1)), ("a", torch.zeros(1))], scratch)
+
+
+# -- reading subsets, lazily -------------------------------------------------------------------------------------
+class CountingHandle(AsyncIOHandle):
+    def __init__(self):
+        super().__init__()
+        self.read_bytes = 0
+
+    def read_async(self, tensor, file, offset=0):
+        self.read_bytes += tensor.numel() * tensor.element_size()
+        return super().read_async(tensor, file, offset)
+
+
+def test_reads_only_the_requested_block(scratch):
+    blocks = {f"layers.{b}.{w}": random_tensor((256, 256), torch.float32, b * 10 + i)
+              for b in range(4) for i, w in enumerate(("q", "k", "v"))}
+    save_sharded(blocks, scratch, max_shard_bytes=1 << 20)
+    with CountingHandle() as handle, CheckpointReader(scratch, handle=handle, span_bytes=1 << 20,
+                                                      gap_bytes=0) as reader:
+        names = [n for n in reader.names() if n.startswith("layers.2.")]
+        got = reader.read(names)
+        assert_same(got, {n: blocks[n] for n in names})
+        block_bytes = 3 * 256 * 256 * 4
+        assert block_bytes <= handle.read_bytes <= block_bytes + 2 * 4096 * 3
+        generator = reader.iter_tensors()
+        name, first = next(generator)  # reading ahead is bounded by inflight_bytes (default 256 MiB: all here)
+        assert same_bytes(first, blocks[name])
+        generator.close()
+
+
+def test_read_ahead_bounded_and_spans_split(scratch):
+    tensors = {f"w{i}": random_tensor((1 << 14,), torch.float32, i) for i in range(16)}  # 64 KiB each
+    save_file(tensors, scratch / "m.safetensors")
+    with CountingHandle() as handle, CheckpointReader(scratch / "m.safetensors", handle=handle,
+                                                      span_bytes=128 << 10, inflight_bytes=256 << 10) as reader:
+        generator = reader.iter_tensors()
+        next(generator)
+        assert handle.read_bytes <= (256 << 10) + 8192  # two spans of two tensors, not the whole file
+        rest = dict(generator)
+        assert len(rest) == 15
+        assert_same({"w0": tensors["w0"], **rest}, tensors)
+
+
+def test_dtype_conversion(scratch):
+    tensors = {"f": random_tensor((8,), torch.float32), "i": torch.arange(8), "h": torch.randn(4).half()}
+    save_file(tensors, scratch / "m.safetensors")
+    got = load_file(scratch / "m.safetensors", dtype=torch.bfloat16)
+    assert got["f"].dtype == got["h"].dtype == torch.bfloat16 and got["i"].dtype == torch.int64
+    assert torch.equal(got["f"], tensors["f"].bfloat16())
+    got = load_file(scratch / "m.safetensors", dtype={"h": torch.float32})
+    assert got["h"].dtype == torch.float32 and got["f"].dtype == torch.float32
+    with pytest.raises(CheckpointError, match="'i'.*not be exact"):
+        load_file(scratch / "m.safetensors", dtype={"i": torch.float32})
+
+
+def test_check_against_expected_names_and_shapes(scratch):
+    save_file({"a": torch.zeros(2, 3), "b": torch.zeros(4), "extra": torch.zeros(1)}, scratch / "m.safetensors")
+    with torch.device("meta"):
+        expected = {"a": torch.empty(2, 3), "b": torch.empty(4), "gone": torch.empty(1)}
+    with CheckpointReader(scratch / "m.safetensors") as reader:
+        with pytest.raises(CheckpointError, match=r"1 missing: \['gone'\].*1 unexpected: \['extra'\].*strict=False"):
+            reader.check(expected)
+        assert reader.check(expected, strict=False) == (["gone"], ["extra"])
+        with pytest.raises(CheckpointError, match=r"a: checkpoint \[2, 3\], expected \[3, 2\]"):
+            reader.check({"a": (3, 2), "b": (4,)}, strict=False)
+        with pytest.raises(CheckpointError, match="b: checkpoint torch.float32 cannot become torch.int64"):
+            reader.check({"a": ((2, 3), torch.bfloat16), "b": ((4,), torch.int64)}, strict=False)
+        with pytest.raises(CheckpointError, match="no tensors named"):
+            reader.read(["nope"])
+    with pytest.raises(CheckpointError, match="missing"):
+        load_file(scratch / "m.safetensors", expected=expected)
+
+
+def test_torch_save_state_dict(scratch):
+    tensors = mixed_tensors(seed=9)
+    torch.save(tensors, scratch / "sd.pt")
+    with CheckpointReader(scratch / "sd.pt") as reader:
+        assert reader.format == "torch"
+        assert_same(reader.read(), tensors)
+        assert reader.shape_dtype("t.float32.5") == ((7, 5), torch.float32)
+    torch.save({"nested": {"a": torch.zeros(1)}}, scratch / "nested.pt")
+    with pytest.raises(CheckpointError, match="flat dict"):
+        CheckpointReader(scratch / "nested.pt")
+    torch.save({"a": torch.zeros(1)}, scratch / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match="zip format"):
+        CheckpointReader(scratch / "legacy.pt")
+
+
+def test_big_endian_host_refused(scratch, monkeypatch):
+    save_file({"a": torch.zeros(1)}, scratch / "m.safetensors")
+    monkeypatch.setattr(sys, "byteorder", "big")
+    with pytest.raises(RuntimeError, match="little-endian"):
+        CheckpointReader(scratch / "m.safetensors")
+    with pytest.raises(RuntimeError, match="little-endian"):
+        save_sharded({"a": torch.zeros(1)}, scratch / "out")
+
+
+# -- malformed files and indexes -----------------------------------------------------------------------------------
+def raw_file(path: Path, header: object, data: bytes = b"", length: int | None = None) -> Path:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+    return path
+
+
+F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize("header, data, length, message", [
+    ({"a": F32_2}, b"\0" * 8, 10**9, "exceeds the limit"),
+    ({"a": F32_2}, b"\0" * 8, 5000, "past the end"),
+    (b"[1, 2]", b"", None, "JSON object"),
+    (b"{not json", b"", None, "JSON object"),
+    (b'{"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": {"dtype": "F32", "shape": [0], '
+     b'"data_offsets": [0, 0]}}', b"", None, "duplicate key"),
+    (b"\xff\xfe", b"", None, "JSON object"),
+    ({"a": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "dtype 'F99' is unknown"),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "takes 12 bytes"),
+    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative"),
+    ({"a": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None, "begin <= end"),
+    ({"a": F32_2}, b"\0" * 4, None, "run past"),
+    ({"a": F32_2}, b"\0" * 12, None, "trailing"),
+    ({"a": F32_2, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "overlap"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "belong to no tensor"),
+    ({"a": {**F32_2, "extra": 1}}, b"\0" * 8, None, "exactly the keys"),
+    ({"__metadata__": {"k": 1}, "a": F32_2}, b"\0" * 8, None, "object of strings"),
+])
+def test_malformed_headers_are_clear_errors(scratch, header, data, length, message):
+    path = raw_file(scratch / "bad.safetensors", header, data, length)
+    with pytest.raises(CheckpointError, match=message) as info:
+        CheckpointReader(path)
+    assert str(path) in str(info.value)
+
+
+def test_short_file_and_missing_file(scratch):
+    (scratch / "short.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match="shorter than the 8-byte"):
+        load_file(scratch / "short.safetensors")
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_file(scratch / "absent.safetensors")
+    (scratch / "empty_folder").mkdir()
+    with pytest.raises(CheckpointError, match="no model.safetensors.index.json or model.safetensors"):
+        load_file(scratch / "empty_folder")
+
+
+def test_index_problems(scratch):
+    tensors = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}
+    save_sharded(tensors, scratch, max_shard_bytes=1024)
+    index_path = scratch / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    os.rename(scratch / "model-00002-of-00004.safetensors", scratch / "moved")
+    with pytest.raises(CheckpointError, match="shard model-00002-of-00004.safetensors is missing"):
+        CheckpointReader(scratch)
+    os.rename(scratch / "moved", scratch / "model-00002-of-00004.safetensors")
+    wrong = dict(index, weight_map={**index["weight_map"], "w0": "model-00002-of-00004.safetensors"})
+    index_path.write_text(json.dumps(wrong))
+    with pytest.raises(CheckpointError, match="disagree"):
+        CheckpointReader(scratch)
+    index_path.write_text(json.dumps(dict(index, weight_map={"w0": "../model-00001-of-00004.safetensors"})))
+    with pytest.raises(CheckpointError, match="not a file name"):
+        CheckpointReader(index_path)
+    index_path.write_text("{]")
+    with pytest.raises(CheckpointError, match="cannot read the safetensors index"):
+        CheckpointReader(scratch)
+    index_path.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="weight_map"):
+        CheckpointReader(scratch)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_headers_never_read_wrong(scratch, data):
+    """Any mutation of a valid file either is refused with CheckpointError or reads exactly what safetensors
+    reads."""
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int16),
+               "c": torch.tensor(True)}
+    layout, position = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        layout[name] = (t.dtype, tuple(t.shape), position, position + n)
+        position += n
+    raw = bytearray(encode_header(layout, {"format": "pt"}) + b"".join(
+        t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values()))
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, len(raw) - 1))
+        if kind == "flip":
+            raw[at] = data.draw(st.integers(0, 255))
+        elif kind == "cut":
+            del raw[at:at + data.draw(st.integers(1, 8))]
+        else:
+            raw[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+        if len(raw) < 2:
+            break
+    path = scratch / "fuzz.safetensors"
+    path.write_bytes(bytes(raw))
+    try:
+        ours = load_file(path)
+    except CheckpointError:
+        return
+    assert_same(ours, safetensors_torch.load_file(path))
+
+
+def test_read_into_reuses_its_buffers_block_after_block(scratch, monkeypatch):
+    from deepoffload.formats import reader as reader_module
+
+    blocks = {f"layers.{b}.{w}": random_tensor((300, 257), torch.float32, b * 10 + i)
+              for b in range(4) for i, w in enumerate(("q", "k"))}
+    blocks["odd"] = random_tensor((3,), torch.int8)  # leaves the next tensors at offsets floats do not divide
+    blocks.update({f"layers.4.{w}": random_tensor((5, 7), torch.float32, 99 + i) for i, w in enumerate("qk")})
+    save_file(blocks, scratch / "m.safetensors")
+    allocations = []
+    real = reader_module.aligned_empty
+    monkeypatch.setattr(reader_module, "aligned_empty", lambda *a, **k: allocations.append(a) or real(*a, **k))
+    with CheckpointReader(scratch / "m.safetensors", span_bytes=1 << 20, inflight_bytes=1 << 20) as reader:
+        for b in range(5):
+            names = [n for n in blocks if n.startswith(f"layers.{b}.")]
+            out = {n: torch.empty(blocks[n].shape, dtype=torch.float32) for n in names}
+            reader.read_into(out)
+            assert_same(out, {n: blocks[n] for n in names})
+            if b == 0:
+                after_first = len(allocations)
+        assert len(allocations) == after_first  # later blocks reuse the first block's buffers
+        half = {"layers.0.q": torch.empty(300, 257, dtype=torch.bfloat16)}
+        reader.read_into(half)
+        assert same_bytes(half["layers.0.q"], blocks["layers.0.q"].bfloat16())
+        with pytest.raises(CheckpointError, match=r"layers.0.k: checkpoint \[300, 257\], destination \[257, 300\]"):
+            reader.read_into({"layers.0.k": torch.empty(257, 300)})
+        with pytest.raises(CheckpointError, match="odd: checkpoint torch.int8 cannot become torch.float32"):
+            reader.read_into({"odd": torch.empty(3)})
+        with pytest.raises(CheckpointError, match="nope: not in the checkpoint"):
+            reader.read_into({"nope": torch.empty(3)})
+    torch.save(blocks, scratch / "m.pt")
+    with CheckpointReader(scratch / "m.pt") as reader:
+        out = {"layers.3.k": torch.empty(300, 257)}
+        reader.read_into(out)
+        assert_same(out, {"layers.3.k": blocks["layers.3.k"]})
+
+
+def test_public_names_resolve_and_import_is_cheap():
+    import subprocess
+
+    import deepoffload.formats as formats
+
+    for name in formats.__all__:
+        assert getattr(formats, name) is not None, name
+    code = "import sys, deepoffload.formats; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["False"]
