@@ -284,3 +284,20 @@ def test_async_save_refuses_unpicklable_objects_at_the_call(scratch):
     with pytest.raises(Exception, match="lambda|pickle"):
         deepoffload.save_async({"f": lambda: 0}, scratch / "x.pt")
     assert not os.listdir(scratch)
+
+
+def test_reader_returns_the_files_bytes_for_any_read_order(scratch, monkeypatch):
+    monkeypatch.setattr(streams, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
+    data = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    (scratch / "f.bin").write_bytes(data.numpy().tobytes())
+    g = torch.Generator().manual_seed(6)
+    with streams.DirectReader(scratch / "f.bin") as reader:
+        for _ in range(200):  # forwards, backwards, across chunks, small and large, past the end
+            start = int(torch.randint(0, 1_000_010, (1,), generator=g))
+            length = int(torch.randint(0, 300_000 if _ % 3 else 5000, (1,), generator=g))
+            out = bytearray(length)
+            reader.seek(start)
+            got = reader.readinto(out)
+            assert got == max(0, min(length, 1_000_003 - start))
+            assert bytes(out[:got]) == data[start:start + got].numpy().tobytes()

@@ -15,6 +15,7 @@ import errno
 import io
 import os
 import threading
+import warnings
 from typing import Callable
 
 import torch
@@ -26,12 +27,13 @@ from ..io.handle import AsyncIOHandle, Request
 STAGING_BYTES = 32 << 20  # per staging buffer; a multiple of every O_DIRECT alignment
 STAGING_BUFFERS = 2  # double buffering: one fills while the other is written
 DIRECT_READ_MIN = 256 << 10  # reads this large go through the op; smaller ones are plain preads
+READ_AHEAD = 4  # read-ahead chunks in flight
 
 _handles: dict[AioConfig, AsyncIOHandle] = {}
 _handles_lock = threading.Lock()
 _pool: list[torch.Tensor] = []  # idle staging buffers, reused across writers
 _pool_lock = threading.Lock()
-POOL_MAX = 4
+POOL_MAX = STAGING_BUFFERS + 4  # enough for one writer and one reader at a time
 
 
 def shared_handle(config: AioConfig | None = None) -> AsyncIOHandle:
@@ -45,9 +47,12 @@ def shared_handle(config: AioConfig | None = None) -> AsyncIOHandle:
 
 
 def _take_staging() -> torch.Tensor:
+    """A staging buffer of ``STAGING_BYTES`` (read-ahead chunks use the same size)."""
     with _pool_lock:
-        if _pool:
-            return _pool.pop()
+        while _pool:
+            buffer = _pool.pop()
+            if buffer.nbytes == STAGING_BYTES:
+                return buffer
     return aligned_empty(STAGING_BYTES)
 
 
@@ -57,9 +62,13 @@ def _give_staging(buffer: torch.Tensor) -> None:
             _pool.append(buffer)
 
 
-def writable_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte memoryview of a contiguous CPU tensor's memory (no copy; valid while the tensor lives)."""
-    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+def address_of(view: memoryview) -> int:
+    """The address of a contiguous memoryview's first byte (read-only views too)."""
+    if view.nbytes == 0:
+        return 0
+    with warnings.catch_warnings():  # torch warns that a read-only buffer is not writable; only its address is used
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
 
 
 class DirectWriter(io.RawIOBase):
@@ -82,9 +91,9 @@ class DirectWriter(io.RawIOBase):
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
         self._handle = shared_handle(config)
         self._staging: list[torch.Tensor] = []
-        self._views: list[memoryview] = []
         self._requests: list[Request | None] = []
         self._current = -1  # index of the buffer being filled; -1 before the first write
+        self._capacity = STAGING_BYTES  # bytes per staging buffer
         self._filling = False  # whether the current buffer takes bytes (not yet submitted)
         self._fill = 0  # bytes in the current buffer
         self._written = 0  # file offset where the current buffer goes
@@ -103,6 +112,7 @@ class DirectWriter(io.RawIOBase):
     def write(self, data) -> int:
         source = memoryview(data).cast("B")
         nbytes = source.nbytes
+        address = address_of(source)
         self._position += nbytes
         if self.error is not None:
             return nbytes
@@ -113,11 +123,11 @@ class DirectWriter(io.RawIOBase):
             while done < nbytes:
                 if not self._filling:
                     self._next_buffer()
-                take = min(nbytes - done, STAGING_BYTES - self._fill)
-                self._views[self._current][self._fill:self._fill + take] = source[done:done + take]
+                take = min(nbytes - done, self._capacity - self._fill)
+                ctypes.memmove(self._staging[self._current].data_ptr() + self._fill, address + done, take)
                 self._fill += take
                 done += take
-                if self._fill == STAGING_BYTES:
+                if self._fill == self._capacity:
                     self._submit()
         except OSError as e:
             self._fail(e)
@@ -148,7 +158,7 @@ class DirectWriter(io.RawIOBase):
             os.close(self._fd)
             for buffer in self._staging:
                 _give_staging(buffer)
-            self._staging, self._views = [], []
+            self._staging = []
             super().close()
         if self.error is not None:
             raise self.error
@@ -174,7 +184,6 @@ class DirectWriter(io.RawIOBase):
         if len(self._staging) < STAGING_BUFFERS:
             buffer = _take_staging()
             self._staging.append(buffer)
-            self._views.append(writable_view(buffer))
             self._requests.append(None)
             self._current = len(self._staging) - 1
         else:
@@ -212,8 +221,14 @@ class DirectWriter(io.RawIOBase):
 
 
 class DirectReader(io.RawIOBase):
-    """A seekable read-only stream over ``path``: reads of ``DIRECT_READ_MIN`` bytes or more go through the op
-    straight into the caller's buffer; smaller ones are plain ``pread``s.
+    """A seekable read-only stream over ``path`` that reads ahead through the op.
+
+    A read of ``DIRECT_READ_MIN`` bytes or more starts (or moves) a read-ahead window: the ``READ_AHEAD`` chunks of
+    ``STAGING_BYTES`` bytes from the one holding the read's first byte are read asynchronously into aligned, page-locked
+    buffers (large aligned O_DIRECT requests), and reads are copied out of them. As reads move forward, chunks behind
+    them are reused for the chunks ahead, so a file read front to back (as ``torch.load`` reads a ``torch.save``
+    file) is read at the op's full queue depth. Small reads outside the window (zip headers) and large reads behind
+    it are plain ``pread``s or direct op reads.
 
     ``on_read(offset, view)`` is called after each read with the file offset and the bytes read (used to verify
     checksums); an exception it raises fails the read. ``error`` keeps the first exception a read raised.
@@ -226,9 +241,12 @@ class DirectReader(io.RawIOBase):
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.size = os.fstat(self._fd).st_size
         self._position = 0
-        self._config = config
+        self._handle = shared_handle(config)
         self._on_read = on_read
         self.error: BaseException | None = None  # the first exception a read raised
+        self._chunks: dict[int, list] = {}  # chunk index -> [buffer, request or None, bytes]
+        self._free: list[torch.Tensor] = []
+        self._chunk = STAGING_BYTES  # bytes per read-ahead chunk
 
     def readable(self) -> bool:
         return True
@@ -260,22 +278,68 @@ class DirectReader(io.RawIOBase):
         if nbytes == 0:
             return 0
         view = target[:nbytes]
-        if nbytes >= DIRECT_READ_MIN:
-            shared_handle(self._config).read(torch.frombuffer(view, dtype=torch.uint8), self.path, self._position)
+        position = self._position
+        first = position // self._chunk
+        behind = bool(self._chunks) and first < min(self._chunks)
+        if not behind and (nbytes >= DIRECT_READ_MIN or first in self._chunks):
+            self._copy_ahead(view, position)
+        elif nbytes >= DIRECT_READ_MIN:
+            self._handle.read(torch.frombuffer(view, dtype=torch.uint8), self.path, position)
         else:
-            done = 0
-            while done < nbytes:
-                got = os.preadv(self._fd, [view[done:]], self._position + done)
-                if got == 0:
-                    raise OSError(errno.ENODATA, f"file ended at offset {self._position + done} while reading",
-                                  self.path)
-                done += got
+            self._pread(view, position)
         if self._on_read is not None:
-            self._on_read(self._position, view)
-        self._position += nbytes
+            self._on_read(position, view)
+        self._position = position + nbytes
         return nbytes
+
+    def _pread(self, view: memoryview, position: int) -> None:
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(self._fd, [view[done:]], position + done)
+            if got == 0:
+                raise OSError(errno.ENODATA, f"file ended at offset {position + done} while reading", self.path)
+            done += got
+
+    def _copy_ahead(self, view: memoryview, position: int) -> None:
+        done, end, address = 0, position + view.nbytes, address_of(view)
+        for index in range(position // self._chunk, (end - 1) // self._chunk + 1):
+            self._advance(index)
+            chunk = self._chunks[index]
+            if chunk[1] is not None:
+                request, chunk[1] = chunk[1], None
+                request.wait()
+            start = max(position, index * self._chunk) - index * self._chunk
+            take = min(end, index * self._chunk + chunk[2]) - index * self._chunk - start
+            ctypes.memmove(address + done, chunk[0].data_ptr() + start, take)
+            done += take
+
+    def _advance(self, first: int) -> None:
+        """Make the window start at chunk ``first``: recycle the chunks before it, start reading the ones after."""
+        for index in [i for i in self._chunks if i < first]:
+            self._release(index)
+        last = min(first + READ_AHEAD, -(-self.size // self._chunk))
+        for index in range(first, last):
+            if index not in self._chunks:
+                buffer = self._free.pop() if self._free else _take_staging()
+                length = min(self._chunk, self.size - index * self._chunk)
+                request = self._handle.read_async(buffer[:length], self.path, index * self._chunk)
+                self._chunks[index] = [buffer, request, length]
+
+    def _release(self, index: int) -> None:
+        buffer, request, _ = self._chunks.pop(index)
+        if request is not None:
+            try:
+                request.wait()  # its memory must outlive the read; nobody needs its bytes or its error
+            except OSError:
+                pass
+        self._free.append(buffer)
 
     def close(self) -> None:
         if not self.closed:
+            for index in list(self._chunks):
+                self._release(index)
+            for buffer in self._free:
+                _give_staging(buffer)
+            self._free = []
             os.close(self._fd)
         super().close()
