@@ -14,11 +14,14 @@ aligned O_DIRECT writes and read with aligned read-ahead. Use them wherever DCP'
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 from typing import Any, Generator
 
 from torch.distributed.checkpoint import filesystem as _dcp_fs
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from .checkpoint.streams import DirectReader, DirectWriter
 from .config import AioConfig
@@ -66,9 +69,19 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
 
 
 class FileSystemReader(_dcp_fs.FileSystemReader):
-    """DCP's ``FileSystemReader`` (same arguments), reading through the async-IO op; ``config`` sets the op."""
+    """DCP's ``FileSystemReader`` (same arguments), reading through the async-IO op; ``config`` sets the op.
+
+    Items are read in file order (DCP's reader takes them in plan order), so each file is read front to back and
+    the read-ahead never fetches what is then skipped."""
 
     def __init__(self, path: str | os.PathLike, *args: Any, config: AioConfig | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self.fs = OpFileSystem(config)
         self.path = self.fs.init_path(path)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        def position(item: ReadItem) -> tuple[str, int]:
+            info = self.storage_data[item.storage_index]
+            return info.relative_path, info.offset
+
+        return super().read_data(dataclasses.replace(plan, items=sorted(plan.items, key=position)), planner)

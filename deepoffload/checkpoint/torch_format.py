@@ -51,11 +51,11 @@ def record(obj: object, pickle_module=pickle, pickle_protocol: int = torch.seria
 
 
 def snapshot(records: list[Record]) -> list[Record]:
-    """The same records with every storage copied into one page-aligned, page-locked arena (device storages are
-    copied to the host), so the originals may change afterwards."""
+    """The same records with every storage copied into one page-aligned arena (page-locked when a storage is on an
+    accelerator, for the device-to-host copy), so the originals may change afterwards."""
     storages = [data for _, data, _ in records if isinstance(data, torch.UntypedStorage)]
     total = sum(-(-s.nbytes() // RECORD_ALIGNMENT) * RECORD_ALIGNMENT for s in storages)
-    arena = aligned_empty(max(total, 1))
+    arena = aligned_empty(max(total, 1), pin=any(s.device.type != "cpu" for s in storages))
     base = arena.untyped_storage()
     start = arena.storage_offset()
     copied: list[Record] = []
