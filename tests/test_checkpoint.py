@@ -301,3 +301,16 @@ def test_reader_returns_the_files_bytes_for_any_read_order(scratch, monkeypatch)
             got = reader.readinto(out)
             assert got == max(0, min(length, 1_000_003 - start))
             assert bytes(out[:got]) == data[start:start + got].numpy().tobytes()
+
+
+def test_pending_async_save_completes_before_the_interpreter_exits(scratch):
+    import subprocess
+    import sys
+
+    code = ("import torch, deepoffload\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            f"deepoffload.save_async({{'w': torch.randn(8_000_000, generator=g)}}, {str(scratch / 'exit.pt')!r})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    expected = torch.randn(8_000_000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.load(scratch / "exit.pt")["w"], expected)

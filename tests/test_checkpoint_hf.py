@@ -48,6 +48,7 @@ def train(output_dir, max_steps, resume=None):
     return trainer.model.linear.weight.detach().clone()
 
 
+@pytest.mark.slow  # importing transformers takes about 30 s here
 def test_trainer_recipe_writes_with_deepoffload_and_resumes_identically(tmp_path, monkeypatch):
     written = []
     write_file = api._write_file
