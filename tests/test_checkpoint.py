@@ -314,3 +314,28 @@ def test_pending_async_save_completes_before_the_interpreter_exits(scratch):
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     expected = torch.randn(8_000_000, generator=torch.Generator().manual_seed(0))
     assert torch.equal(torch.load(scratch / "exit.pt")["w"], expected)
+
+
+def test_a_failed_read_raises_and_its_chunk_is_never_served(scratch, monkeypatch):
+    monkeypatch.setattr(streams, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
+    (scratch / "f.bin").write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    with streams.DirectReader(scratch / "f.bin") as reader:
+        os.truncate(scratch / "f.bin", 100_000)  # the reads past here now fail
+        for _ in range(2):
+            reader.seek(200_000)
+            with pytest.raises(OSError) as info:
+                reader.readinto(bytearray(10_000))
+            assert info.value.errno == errno.ENODATA and "f.bin" in str(info.value)
+        reader.seek(0)
+        out = bytearray(50_000)
+        assert reader.readinto(out) == 50_000 and bytes(out) == (bytes(range(256)) * 4096)[:50_000]
+
+
+def test_a_symlinked_checkpoint_is_written_through_the_link(scratch):
+    (scratch / "real").mkdir()
+    deepoffload.save({"v": 1}, scratch / "real" / "c.pt")
+    os.symlink(scratch / "real" / "c.pt", scratch / "latest.pt")
+    deepoffload.save({"v": 2}, scratch / "latest.pt")
+    assert os.path.islink(scratch / "latest.pt") and deepoffload.load(scratch / "real" / "c.pt") == {"v": 2}
+    assert sorted(os.listdir(scratch / "real")) == ["c.pt"]

@@ -82,8 +82,9 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
 
 
 def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, config: AioConfig | None) -> str:
-    folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    target = os.path.realpath(path) if os.path.islink(path) else path  # like torch.save: write through a link
+    folder = os.path.dirname(os.path.abspath(target))
+    temporary = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         sink = DirectWriter(temporary, config=config, sync=sync)
     except OSError as e:
@@ -95,8 +96,8 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
             sink.abort()
             raise
         sink.close()  # raises the first write error
-        _keep_mode(path, temporary)
-        os.replace(temporary, path)
+        _keep_mode(target, temporary)
+        os.replace(temporary, target)
     except BaseException as e:
         remove_quietly(temporary)
         if isinstance(e, OSError):

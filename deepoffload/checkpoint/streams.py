@@ -156,9 +156,10 @@ class DirectWriter(io.RawIOBase):
                     self._fail(OSError(e.errno, f"{e.strerror} during fsync", self.path))
         finally:
             os.close(self._fd)
-            for buffer in self._staging:
-                _give_staging(buffer)
-            self._staging = []
+            for buffer, request in zip(self._staging, self._requests):
+                if request is None:  # a write still in flight (interrupted wait) keeps its buffer to itself
+                    _give_staging(buffer)
+            self._staging, self._requests = [], []
             super().close()
         if self.error is not None:
             raise self.error
@@ -306,8 +307,12 @@ class DirectReader(io.RawIOBase):
             self._advance(index)
             chunk = self._chunks[index]
             if chunk[1] is not None:
-                request, chunk[1] = chunk[1], None
-                request.wait()
+                try:
+                    chunk[1].wait()
+                except BaseException:
+                    del self._chunks[index]  # never serve a chunk whose read failed (or is still running)
+                    raise
+                chunk[1] = None
             start = max(position, index * self._chunk) - index * self._chunk
             take = min(end, index * self._chunk + chunk[2]) - index * self._chunk - start
             ctypes.memmove(address + done, chunk[0].data_ptr() + start, take)
