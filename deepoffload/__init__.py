@@ -28,6 +28,9 @@ _LAZY = {
     "ParameterOffload": "deepoffload.swap.params",
     "OffloadStats": "deepoffload.swap.params",
     "find_blocks": "deepoffload.swap.params",
+    "save": "deepoffload.checkpoint.api",
+    "save_async": "deepoffload.checkpoint.api",
+    "load": "deepoffload.checkpoint.api",
 }
 
 __all__ = ["__version__", *_LAZY]

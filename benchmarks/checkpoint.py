@@ -1,0 +1,195 @@
+"""Checkpoint save and load of a model + AdamW state dict: deepoffload.save/load and deepoffload.dcp against
+torch.save + fsync, torch.load (and mmap=True), safetensors and DCP's own FileSystemWriter/Reader, with raw
+sequential IO through the op (what `deepoffload bench` measures) as the ceiling.
+
+Every method runs once per round, in an order rotated round by round (interleaved); every file's pages are evicted
+from the page cache before it is read (cold cache) and every save includes its fsync. Prints the median GB/s of
+each method (state-dict bytes / seconds; GB = 1e9 bytes) and the median of per-round ratios against deepoffload.
+Also times `save_async`: how long the call blocks, against copying the state once.
+
+    python benchmarks/checkpoint.py [--path DIR] [--size 1G] [--rounds 3]
+
+DeepSpeed's FastFileWriter is not included: it needs DeepSpeed's own async-IO op, whose build takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import deepoffload
+from deepoffload.bench.measure import BenchError, evict, scratch_file, time_transfer
+from deepoffload.bench.sizes import format_size, parse_size
+
+from common import run_main
+
+
+def training_state(nbytes: int) -> dict:
+    """A model of 2048-wide linear layers and its AdamW state (one real step), about ``nbytes`` in all."""
+    width = 2048
+    layers = max(1, round(nbytes / (3 * 4 * width * width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}
+
+
+def tensors_of(obj, prefix=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors_of(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from tensors_of(v, f"{prefix}{i}.")
+    elif isinstance(obj, torch.Tensor):
+        yield prefix[:-1], obj
+
+
+def touch(obj) -> None:
+    """Read one byte of every page of every tensor (mmap=True defers the reading until the bytes are used)."""
+    for _, t in tensors_of(obj):
+        if t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def evict_tree(path: Path) -> None:
+    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+        evict(p)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--path", default=tempfile.gettempdir(), help="folder on the disk to measure")
+    parser.add_argument("--size", type=parse_size, default="1G", help="state-dict bytes (default 1G)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import safetensors.torch as st
+    import torch.distributed.checkpoint as dcp
+
+    import deepoffload.dcp as odcp
+
+    state = training_state(args.size)
+    flat = {name: t for name, t in tensors_of(state)}
+    nbytes = sum(t.nbytes for t in flat.values())
+    base = Path(args.path)
+    if shutil.disk_usage(base).free < 8 * nbytes:
+        raise BenchError(f"{base} needs {8 * nbytes} free bytes for the files of all methods; pass --size smaller")
+    folder = Path(tempfile.mkdtemp(prefix=".deepoffload-ckpt-bench-", dir=base))
+
+    def torch_save(p):
+        with open(p, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def safetensors_save(p):
+        st.save_file(flat, p)
+        fsync_path(p)
+
+    def dcp_target():
+        return {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+                "optimizer": {"state": {i: {k: torch.empty_like(v) for k, v in s.items()}
+                                        for i, s in state["optimizer"]["state"].items()},
+                              "param_groups": state["optimizer"]["param_groups"]}, "epoch": 0}
+
+    saves: dict[str, tuple[Callable[[Path], object], str]] = {
+        "deepoffload.save": (lambda p: deepoffload.save(state, p), "ours.pt"),
+        "deepoffload.save checksum=False": (lambda p: deepoffload.save(state, p, checksum=False), "nocrc.pt"),
+        "torch.save + fsync": (torch_save, "torch.pt"),
+        "safetensors save_file + fsync": (safetensors_save, "st.safetensors"),
+        "deepoffload.dcp writer": (lambda p: dcp.save(state, storage_writer=odcp.FileSystemWriter(p), no_dist=True),
+                                   "dcp-ours"),
+        "DCP FileSystemWriter": (lambda p: dcp.save(state, storage_writer=dcp.FileSystemWriter(p), no_dist=True),
+                                 "dcp-theirs"),
+    }
+    loads: dict[str, tuple[Callable[[Path], object], str]] = {
+        "deepoffload.load": (lambda p: deepoffload.load(p), "ours.pt"),
+        "torch.load": (lambda p: torch.load(p), "torch.pt"),
+        "torch.load mmap=True (+touch)": (lambda p: touch(torch.load(p, mmap=True)), "torch.pt"),
+        "safetensors load_file": (lambda p: st.load_file(p), "st.safetensors"),
+        "deepoffload.dcp reader": (lambda p: dcp.load(dcp_target(), storage_reader=odcp.FileSystemReader(p),
+                                                      no_dist=True), "dcp-theirs"),
+        "DCP FileSystemReader": (lambda p: dcp.load(dcp_target(), storage_reader=dcp.FileSystemReader(p),
+                                                    no_dist=True), "dcp-theirs"),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in [*saves, *loads, "raw op write", "raw op read"]}
+    blocked, copy = [], []
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    warnings.filterwarnings("ignore", "Detected an existing checkpoint")
+    try:
+        raw = deepoffload.aligned_empty(nbytes)
+        with scratch_file(folder, nbytes) as raw_path, deepoffload.AsyncIOHandle() as handle:
+            for r in range(args.rounds):
+                order = list(saves)
+                order = order[r % len(order):] + order[:r % len(order)]
+                for name in order:
+                    run, file = saves[name]
+                    start = time.perf_counter()
+                    run(folder / file)
+                    seconds[name].append(time.perf_counter() - start)
+                    evict_tree(folder / file)
+                seconds["raw op write"].append(time_transfer(handle, "write", raw, raw_path, True).seconds)
+                order = list(loads)
+                order = order[r % len(order):] + order[:r % len(order)]
+                for name in order:
+                    run, file = loads[name]
+                    evict_tree(folder / file)
+                    start = time.perf_counter()
+                    run(folder / file)
+                    seconds[name].append(time.perf_counter() - start)
+                seconds["raw op read"].append(time_transfer(handle, "read", raw, raw_path, True).seconds)
+                start = time.perf_counter()
+                future = deepoffload.save_async(state, folder / "async.pt")
+                blocked.append(time.perf_counter() - start)
+                future.result()
+                start = time.perf_counter()
+                copies = [t.clone() for t in flat.values()]
+                copy.append(time.perf_counter() - start)
+                del copies
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    print(f"checkpoint: {format_size(nbytes)} state dict ({len(flat)} tensors, model + AdamW), {args.rounds} rounds "
+          f"interleaved, cold cache, saves include fsync; GB/s = 1e9 bytes/s; ratio = median of per-round "
+          f"ratios deepoffload/method (time of method / time of ours)")
+    for group, ours in ((list(saves) + ["raw op write"], "deepoffload.save"),
+                        (list(loads) + ["raw op read"], "deepoffload.load")):
+        print(f"{'method':<34}{'GB/s':>8}{'ours/this':>11}   per-round ratios")
+        for name in group:
+            ratios = [b / a for a, b in zip(seconds[ours], seconds[name])]
+            print(f"{name:<34}{nbytes / statistics.median(seconds[name]) / 1e9:8.3f}{statistics.median(ratios):11.2f}"
+                  f"   " + " ".join(f"{x:.2f}" for x in ratios))
+        if ours == "deepoffload.save":
+            for a, b in (("deepoffload.dcp writer", "DCP FileSystemWriter"),):
+                ratios = [y / x for x, y in zip(seconds[a], seconds[b])]
+                print(f"  {a} / {b}: {statistics.median(ratios):.2f}")
+        else:
+            ratios = [y / x for x, y in zip(seconds["deepoffload.dcp reader"], seconds["DCP FileSystemReader"])]
+            print(f"  deepoffload.dcp reader / DCP FileSystemReader: {statistics.median(ratios):.2f}")
+    print(f"save_async blocked {statistics.median(blocked):.3f} s (median); copying the state once takes "
+          f"{statistics.median(copy):.3f} s; ratio {statistics.median([b / c for b, c in zip(blocked, copy)]):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main("checkpoint", main)

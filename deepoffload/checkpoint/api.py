@@ -1,0 +1,140 @@
+"""``save``, ``save_async`` and ``load``: ``torch.save``/``torch.load`` with the bytes moved by the async-IO op, and
+saves that never leave a half-written file under the checkpoint's name."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+
+from ..config import AioConfig
+from .streams import DirectReader, DirectWriter
+from .torch_format import Record, ZipChecksums, record, remove_quietly, snapshot, write_records
+
+_executor: ThreadPoolExecutor | None = None
+_async_lock = threading.Lock()
+_last_async: Future | None = None
+
+
+def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
+         config: AioConfig | None = None) -> None:
+    """Write ``obj`` to ``path`` exactly as ``torch.save(obj, f)`` would write it to a file object, so
+    ``torch.load`` reads it.
+
+    The file is written to a temporary name in the same folder through the async-IO op (large aligned writes,
+    double-buffered), fsynced, renamed over ``path`` and the folder fsynced (``sync=False`` skips both fsyncs: the
+    rename is still atomic, but a power loss may lose the file). ``checksum`` stores each record's CRC-32 (as
+    ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing folder, no
+    permission) raises ``OSError`` naming ``path``, and a previous file under ``path`` is left as it was.
+    """
+    _write_file(record(obj), os.fspath(path), checksum, sync, config)
+
+
+def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
+               config: AioConfig | None = None) -> "Future[str]":
+    """Like ``save``, but return as soon as ``obj`` has been copied to staging memory; the file is written on a
+    background thread. The returned future's ``result()`` is ``path`` once the file is in place, or raises the
+    write's ``OSError``.
+
+    ``obj`` (its tensors included) may be changed as soon as this returns: the file holds its state at the call.
+    One save is written at a time, in order; a call made while the previous save is still being written waits for
+    it first, so staging memory holds at most one checkpoint. Pending saves complete before the interpreter exits.
+    """
+    global _executor, _last_async
+    with _async_lock:
+        previous = _last_async
+        if previous is not None:
+            wait_futures([previous])
+        records = snapshot(record(obj))
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepoffload-save")
+        future = _executor.submit(_write_file, records, os.fspath(path), checksum, sync, config)
+        _last_async = future
+        return future
+
+
+def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: bool | None = None,
+         checksum: bool = False, config: AioConfig | None = None, **pickle_load_args: Any) -> Any:
+    """Read a ``torch.save`` file (any, not only ours) and return what ``torch.load(path, map_location,
+    weights_only=weights_only)`` returns; tensor bytes are read through the async-IO op.
+
+    ``checksum=True`` verifies the CRC-32 stored with every record and raises ``ChecksumError`` on a mismatch (or
+    when the file recorded none).
+    """
+    path = os.fspath(path)
+    verifier = ZipChecksums(path) if checksum else None
+    with DirectReader(path, config=config, on_read=verifier.on_read if verifier else None) as reader:
+        try:
+            result = torch.load(reader, map_location=map_location, weights_only=weights_only, **pickle_load_args)
+        except Exception as e:
+            if reader.error is not None:  # what torch reports then is a consequence, not the cause
+                raise reader.error from e
+            raise
+    if verifier is not None:
+        verifier.finish()
+    return result
+
+
+def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, config: AioConfig | None) -> str:
+    target = os.path.realpath(path) if os.path.islink(path) else path  # like torch.save: write through a link
+    folder = os.path.dirname(os.path.abspath(target))
+    temporary = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        sink = DirectWriter(temporary, config=config, sync=sync)
+    except OSError as e:
+        raise _naming(e, path) from e
+    try:
+        try:
+            write_records(records, sink, checksum)
+        except BaseException:
+            sink.abort()
+            raise
+        sink.close()  # raises the first write error
+        _keep_mode(target, temporary)
+        os.replace(temporary, target)
+    except BaseException as e:
+        remove_quietly(temporary)
+        if isinstance(e, OSError):
+            raise _naming(e, path) from e
+        raise
+    if sync:
+        _fsync_folder(folder, path)
+    return path
+
+
+def _keep_mode(path: str, temporary: str) -> None:
+    """An overwritten checkpoint keeps its permission bits, as it would with ``torch.save``."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    os.chmod(temporary, mode)
+
+
+def _fsync_folder(folder: str, path: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # no directory descriptors here (Windows): the rename is as durable as this system makes it
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot save {path}: fsync of its folder failed ({e.strerror})", path) from e
+    finally:
+        os.close(fd)
+
+
+def _naming(error: OSError, path: str) -> OSError:
+    """``error`` restated so that it names the checkpoint (the underlying error names the temporary file)."""
+    detail = error.strerror or str(error)
+    if error.filename and error.filename != path:
+        detail += f" (writing {error.filename})"
+    if error.errno is None:
+        return OSError(f"cannot save {path}: {detail}")
+    return OSError(error.errno, f"cannot save {path}: {detail}", path)

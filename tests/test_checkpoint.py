@@ -1,0 +1,353 @@
+"""deepoffload.save / save_async / load: torch.save's exact bytes, torch.load's exact objects, atomic replacement,
+errors that name the checkpoint, checksums."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pickle
+import threading
+import warnings
+
+import pytest
+import torch
+
+import deepoffload
+from deepoffload.checkpoint import streams
+from deepoffload.swap.tensor_swapper import ChecksumError
+
+MiB = 1 << 20
+
+
+def assert_same(a, b, where="obj"):
+    """Same structure, same types, tensors with the same dtype, shape, strides and bits."""
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
+        assert a.device == b.device and a.storage_offset() == b.storage_offset(), where
+        if a.is_quantized:
+            a, b = a.int_repr(), b.int_repr()
+        assert torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() and a.is_contiguous() else a,
+                           b.reshape(-1).view(torch.uint8) if b.numel() and b.is_contiguous() else b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def training_state(seed=0, width=64):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Linear(width, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    for _ in range(3):
+        model(torch.randn(5, width)).sum().backward()
+        opt.step()
+        sched.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "rng": torch.get_rng_state(), "step": 3, "note": "epoch 1"}
+
+
+def odd_tensors():
+    base = torch.arange(24, dtype=torch.float32)
+    return {
+        "bool": torch.tensor([True, False, True]), "int8": torch.arange(-5, 5, dtype=torch.int8),
+        "uint16": torch.arange(7).to(torch.uint16), "f16": torch.randn(5).half(), "bf16": torch.randn(5).bfloat16(),
+        "f8": torch.randn(6).to(torch.float8_e4m3fn), "c64": torch.randn(4, dtype=torch.complex64),
+        "f64": torch.randn(3, dtype=torch.float64), "scalar": torch.tensor(2.5), "empty": torch.empty(0),
+        "empty2d": torch.empty(3, 0, dtype=torch.int64), "base": base, "view": base[3:9], "matrix": base.view(4, 6),
+        "transposed": base.view(4, 6).t(), "strided": base[::5], "same": base,
+    }
+
+
+def test_bytes_are_exactly_torch_saves(scratch):
+    for i, obj in enumerate([training_state(), odd_tensors(), torch.randn(3, 5), [1, "x", None]]):
+        deepoffload.save(obj, scratch / f"c{i}.pt")
+        expected = io.BytesIO()
+        torch.save(obj, expected)
+        assert (scratch / f"c{i}.pt").read_bytes() == expected.getvalue()
+
+
+def test_round_trip_of_training_state_with_both_loaders(scratch):
+    state = training_state()
+    deepoffload.save(state, scratch / "ckpt.pt")
+    assert_same(deepoffload.load(scratch / "ckpt.pt"), state)
+    assert_same(torch.load(scratch / "ckpt.pt"), state)
+    assert sorted(os.listdir(scratch)) == ["ckpt.pt"], "no temporary file is left behind"
+
+
+def test_restored_training_continues_identically(scratch):
+    def run(resume_from=None):
+        torch.manual_seed(1)
+        model = torch.nn.Linear(8, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        if resume_from is not None:
+            state = deepoffload.load(resume_from)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"])
+        for step in range(0 if resume_from is None else 2, 4):
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            if step == 1 and resume_from is None:
+                deepoffload.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                  "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}, scratch / "r.pt")
+        return model.weight.detach().clone()
+
+    # the first run trains steps 0..3 and checkpoints after step 1; the second resumes there and runs steps 2..3
+    uninterrupted = run()
+    resumed = run(scratch / "r.pt")
+    assert torch.equal(uninterrupted, resumed)
+
+
+def test_views_shared_storages_odd_dtypes_empty_and_noncontiguous(scratch):
+    obj = odd_tensors()
+    deepoffload.save(obj, scratch / "odd.pt")
+    for loaded in (deepoffload.load(scratch / "odd.pt"), torch.load(scratch / "odd.pt")):
+        assert_same(loaded, obj)
+        assert loaded["same"] is loaded["base"], "the same tensor stays one object"
+        for name in ("view", "matrix", "transposed", "strided"):
+            assert loaded[name].untyped_storage().data_ptr() == loaded["base"].untyped_storage().data_ptr(), name
+        loaded["base"][4] = -1
+        assert loaded["view"][1] == -1 and loaded["transposed"][4, 0] == -1, "views still share memory"
+
+
+def test_we_read_torch_saves_files_including_the_legacy_format(scratch):
+    torch.save({"state": training_state(), "odd": odd_tensors()}, scratch / "zip.pt")
+    # (torch.load itself cannot read the newer dtypes from the legacy format)
+    torch.save(training_state(), scratch / "legacy.pt", _use_new_zipfile_serialization=False)
+    for name in ("zip.pt", "legacy.pt"):
+        assert_same(deepoffload.load(scratch / name), torch.load(scratch / name))
+
+
+def test_large_tensors_span_several_staging_buffers(scratch, monkeypatch):
+    monkeypatch.setattr(streams, "STAGING_BYTES", 1 * MiB)
+    monkeypatch.setattr(streams, "_pool", [])
+    monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
+    g = torch.Generator().manual_seed(3)
+    obj = {"big": torch.randn(3 * MiB // 4 + 17, generator=g), "small": torch.randn(10, generator=g),
+           "mid": torch.randint(0, 255, (MiB + 4097,), dtype=torch.uint8, generator=g)}
+    deepoffload.save(obj, scratch / "big.pt")
+    expected = io.BytesIO()
+    torch.save(obj, expected)
+    assert (scratch / "big.pt").read_bytes() == expected.getvalue()
+    assert_same(deepoffload.load(scratch / "big.pt", checksum=True), obj)
+
+
+def test_map_location_and_weights_only_behave_as_in_torch_load(scratch):
+    deepoffload.save({"w": torch.ones(3)}, scratch / "w.pt")
+    for location in ("meta", torch.device("meta"), {"cpu": "meta"}, lambda storage, loc: storage):
+        ours, theirs = deepoffload.load(scratch / "w.pt", location), torch.load(scratch / "w.pt", location)
+        assert ours["w"].device == theirs["w"].device
+    deepoffload.save({"f": threading.Lock}, scratch / "unsafe.pt")  # a global weights_only refuses
+    with pytest.raises(pickle.UnpicklingError):
+        deepoffload.load(scratch / "unsafe.pt")
+    assert deepoffload.load(scratch / "unsafe.pt", weights_only=False)["f"] is threading.Lock
+
+
+def test_quantized_and_sparse_tensors(scratch):
+    obj = {"q": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.qint8),
+           "sparse": torch.eye(4).to_sparse()}
+    deepoffload.save(obj, scratch / "q.pt")
+    loaded = deepoffload.load(scratch / "q.pt", weights_only=False)
+    assert torch.equal(loaded["q"].int_repr(), obj["q"].int_repr()) and loaded["q"].q_scale() == obj["q"].q_scale()
+    assert torch.equal(loaded["sparse"].to_dense(), torch.eye(4))
+
+
+def flip_byte_in(path, needle: bytes):
+    data = bytearray(path.read_bytes())
+    at = data.index(needle)
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_checksums_catch_a_flipped_byte(scratch):
+    marker = torch.tensor([1234.5678] * 64, dtype=torch.float64)
+    deepoffload.save({"t": marker}, scratch / "c.pt")
+    assert_same(deepoffload.load(scratch / "c.pt", checksum=True), {"t": marker})
+    flip_byte_in(scratch / "c.pt", marker[:1].numpy().tobytes())
+    with pytest.raises(ChecksumError, match="data/0"):
+        deepoffload.load(scratch / "c.pt", checksum=True)
+    assert not torch.equal(deepoffload.load(scratch / "c.pt")["t"], marker), "unchecked, the change goes through"
+
+
+def test_checksums_can_be_skipped_and_then_are_not_claimed(scratch):
+    deepoffload.save({"t": torch.ones(100)}, scratch / "n.pt", checksum=False)
+    assert torch.equal(torch.load(scratch / "n.pt")["t"], torch.ones(100)), "torch.load reads it"
+    with pytest.raises(ChecksumError, match="no checksums"):
+        deepoffload.load(scratch / "n.pt", checksum=True)
+
+
+def test_missing_folder_names_the_checkpoint(scratch):
+    target = scratch / "absent" / "x.pt"
+    with pytest.raises(FileNotFoundError) as info:
+        deepoffload.save({"a": torch.ones(2)}, target)
+    assert str(target) in str(info.value)
+    assert info.value.filename == str(target)
+    with pytest.raises(FileNotFoundError):
+        deepoffload.load(target)
+
+
+def test_serialization_error_leaves_the_previous_checkpoint(scratch):
+    deepoffload.save({"v": 1}, scratch / "p.pt")
+    before = (scratch / "p.pt").read_bytes()
+    with pytest.raises(Exception):
+        deepoffload.save({"f": lambda: 0}, scratch / "p.pt")  # lambdas do not pickle
+    assert (scratch / "p.pt").read_bytes() == before
+    assert sorted(os.listdir(scratch)) == ["p.pt"]
+
+
+def test_overwrite_keeps_the_permission_bits(scratch):
+    deepoffload.save({"v": 1}, scratch / "m.pt")
+    os.chmod(scratch / "m.pt", 0o640)
+    deepoffload.save({"v": 2}, scratch / "m.pt")
+    assert (os.stat(scratch / "m.pt").st_mode & 0o777) == 0o640
+    assert deepoffload.load(scratch / "m.pt") == {"v": 2}
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("kind", ["ext4", "tmpfs"])
+def test_disk_full_raises_and_leaves_the_previous_checkpoint_intact(small_fs, kind):
+    folder = small_fs(16 * MiB, kind)
+    old = {"model": torch.randn(MiB // 4)}  # 1 MiB
+    deepoffload.save(old, folder / "ckpt.pt")
+    before = (folder / "ckpt.pt").read_bytes()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "deepoffload: the filesystem .* refuses O_DIRECT", RuntimeWarning)
+        with pytest.raises(OSError) as info:
+            deepoffload.save({"model": torch.randn(24 * MiB // 4)}, folder / "ckpt.pt")  # 24 MiB: does not fit
+        assert info.value.errno == errno.ENOSPC, info.value
+        assert str(folder / "ckpt.pt") in str(info.value)
+        assert (folder / "ckpt.pt").read_bytes() == before
+        assert os.listdir(folder) == ["ckpt.pt"] or sorted(os.listdir(folder)) == ["ckpt.pt", "lost+found"]
+        future = deepoffload.save_async({"model": torch.randn(24 * MiB // 4)}, folder / "ckpt.pt")
+        with pytest.raises(OSError) as info:
+            future.result(timeout=120)
+        assert info.value.errno == errno.ENOSPC
+        assert (folder / "ckpt.pt").read_bytes() == before
+        deepoffload.save({"model": torch.ones(10)}, folder / "ckpt.pt")  # and the space came back
+    assert torch.equal(torch.load(folder / "ckpt.pt")["model"], torch.ones(10))
+
+
+@pytest.mark.root
+def test_read_only_filesystem_names_the_checkpoint(small_fs):
+    folder = small_fs(4 * MiB, "tmpfs", read_only=True)
+    with pytest.raises(OSError) as info:
+        deepoffload.save({"a": 1}, folder / "ro.pt")
+    assert info.value.errno == errno.EROFS and str(folder / "ro.pt") in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
+def test_permission_denied_names_the_checkpoint(scratch):
+    locked = scratch / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(PermissionError) as info:
+        deepoffload.save({"a": 1}, locked / "x.pt")
+    assert str(locked / "x.pt") in str(info.value)
+
+
+# -- asynchronous save --------------------------------------------------------------------------------------------
+def test_async_save_snapshots_at_the_call(scratch):
+    state = training_state(width=256)
+    expected = io.BytesIO()
+    torch.save(state, expected)
+    future = deepoffload.save_async(state, scratch / "a.pt")
+    for tensor in state["model"].values():  # training goes on right away
+        tensor.add_(1)
+    state["optimizer"]["param_groups"][0]["lr"] = 123.0
+    state["note"] = "changed"
+    assert future.result(timeout=120) == str(scratch / "a.pt")
+    assert (scratch / "a.pt").read_bytes() == expected.getvalue()
+
+
+def test_async_saves_run_in_order_and_report_errors(scratch):
+    futures = [deepoffload.save_async({"i": torch.full((1000,), i)}, scratch / "o.pt") for i in range(3)]
+    bad = deepoffload.save_async({"i": torch.ones(1)}, scratch / "missing" / "o.pt")
+    assert [f.result(timeout=120) for f in futures] == [str(scratch / "o.pt")] * 3
+    assert torch.equal(deepoffload.load(scratch / "o.pt")["i"], torch.full((1000,), 2))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        bad.result(timeout=120)
+
+
+def test_async_save_refuses_unpicklable_objects_at_the_call(scratch):
+    with pytest.raises(Exception, match="lambda|pickle"):
+        deepoffload.save_async({"f": lambda: 0}, scratch / "x.pt")
+    assert not os.listdir(scratch)
+
+
+def test_reader_returns_the_files_bytes_for_any_read_order(scratch, monkeypatch):
+    monkeypatch.setattr(streams, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
+    data = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    (scratch / "f.bin").write_bytes(data.numpy().tobytes())
+    g = torch.Generator().manual_seed(6)
+    with streams.DirectReader(scratch / "f.bin") as reader:
+        for _ in range(200):  # forwards, backwards, across chunks, small and large, past the end
+            start = int(torch.randint(0, 1_000_010, (1,), generator=g))
+            length = int(torch.randint(0, 300_000 if _ % 3 else 5000, (1,), generator=g))
+            out = bytearray(length)
+            reader.seek(start)
+            got = reader.readinto(out)
+            assert got == max(0, min(length, 1_000_003 - start))
+            assert bytes(out[:got]) == data[start:start + got].numpy().tobytes()
+
+
+def test_pending_async_save_completes_before_the_interpreter_exits(scratch):
+    import subprocess
+    import sys
+
+    code = ("import torch, deepoffload\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            f"deepoffload.save_async({{'w': torch.randn(8_000_000, generator=g)}}, {str(scratch / 'exit.pt')!r})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    expected = torch.randn(8_000_000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.load(scratch / "exit.pt")["w"], expected)
+
+
+def test_a_failed_read_raises_and_its_chunk_is_never_served(scratch, monkeypatch):
+    monkeypatch.setattr(streams, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
+    (scratch / "f.bin").write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    with streams.DirectReader(scratch / "f.bin") as reader:
+        os.truncate(scratch / "f.bin", 100_000)  # the reads past here now fail
+        for _ in range(2):
+            reader.seek(200_000)
+            with pytest.raises(OSError) as info:
+                reader.readinto(bytearray(10_000))
+            assert info.value.errno == errno.ENODATA and "f.bin" in str(info.value)
+        reader.seek(0)
+        out = bytearray(50_000)
+        assert reader.readinto(out) == 50_000 and bytes(out) == (bytes(range(256)) * 4096)[:50_000]
+
+
+def test_a_symlinked_checkpoint_is_written_through_the_link(scratch):
+    (scratch / "real").mkdir()
+    deepoffload.save({"v": 1}, scratch / "real" / "c.pt")
+    os.symlink(scratch / "real" / "c.pt", scratch / "latest.pt")
+    deepoffload.save({"v": 2}, scratch / "latest.pt")
+    assert os.path.islink(scratch / "latest.pt") and deepoffload.load(scratch / "real" / "c.pt") == {"v": 2}
+    assert sorted(os.listdir(scratch / "real")) == ["c.pt"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_tensors_save_async_and_load_to_the_device(scratch):
+    state = {"w": torch.randn(1000, device="cuda"), "cpu": torch.arange(5)}
+    expected = {"w": state["w"].cpu(), "cpu": state["cpu"].clone()}
+    future = deepoffload.save_async(state, scratch / "cuda.pt")
+    state["w"].add_(1)
+    future.result(timeout=120)
+    loaded = deepoffload.load(scratch / "cuda.pt")
+    assert loaded["w"].device.type == "cuda" and torch.equal(loaded["w"].cpu(), expected["w"])
+    assert torch.equal(deepoffload.load(scratch / "cuda.pt", map_location="cpu")["w"], expected["w"])
