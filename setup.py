@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -85,8 +85,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=[
-        "deepoffload",
-        *(f"deepoffload.{p.parent.name}" for p in sorted((ROOT / "deepoffload").glob("*/__init__.py"))),
+        # every subpackage at any depth (deepoffload.swap.params is two levels down)
+        *find_packages(where=str(ROOT), include=["deepoffload", "deepoffload.*"]),
         "deepoffload.op_builder",
         "deepoffload.csrc",
     ],
