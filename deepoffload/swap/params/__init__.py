@@ -21,11 +21,22 @@ through it. The forward runs under the same grad mode as the in-memory model, so
 results are bit-identical to in-memory training with the same optimizer (on deterministic kernels). Each block costs
 one extra forward. Backward with ``retain_graph``/``create_graph`` through a block is not supported.
 
+The recomputation repeats none of the forward's side effects (``side_effects``): it runs on the block's buffers as
+they were before the forward (BatchNorm statistics, counters) and puts back what the forward left, under the
+forward's RNG state, and with a Hugging Face ``DynamicCache`` argument rewound to its state before the forward (the
+entries the forward added are detached from the block's graph); caches updated in place (``StaticCache``) are
+refused in a forward with gradients enabled. A block's gradients are complete when no other of its calls will be
+back-propagated in the backward under way (asked of the autograd engine), so blocks called out of order (0, 1, 0),
+inside ``torch.utils.checkpoint`` (either kind), or forwards that are never back-propagated (validation without
+``torch.no_grad()``) step exactly once. Backward through a forward made before the block's last optimizer step is
+refused (RuntimeError), as is a block's backward without ``optimizer=`` when its parameters need gradients; the
+forward itself works (an eval call without ``torch.no_grad()``).
+
 Gradients never pile up. Once a block's gradients are complete (after its last backward in the pass):
 - ``mode="fused"`` (memory-minimal): the block's optimizer step runs right away inside backward, its optimizer state
   read from and written back to storage (``OffloadedOptimizer``), the updated weights are written back and the
   gradients freed. The block's state is read while its backward runs. One backward per step (no gradient
-  accumulation) and no clipping by a global norm (``step(clip_grad_norm=...)`` raises ValueError): each block steps
+  accumulation: a second backward pass before ``step()`` raises RuntimeError) and no clipping by a global norm (``step(clip_grad_norm=...)`` raises ValueError): each block steps
   before the others' gradients exist. Per-parameter optimizers (Adam, AdamW, SGD, ...) give exactly the same result as
   a global step.
 - ``mode="grads"``: the block's gradients go to storage (accumulating over several backward passes, in the master
@@ -40,18 +51,28 @@ Gradients never pile up. Once a block's gradients are complete (after its last b
 
 Mixed precision (``compute_dtype``): the stored parameters are the master weights (their dtype, e.g. fp32); blocks
 compute with a copy cast to ``compute_dtype`` (e.g. bf16) whose gradients are cast back to the master dtype for the
-step. Parameters report ``compute_dtype`` while offloaded; inputs of the blocks must match it (cast the rest of the
-model, or use autocast).
+step. Parameters report ``compute_dtype`` while offloaded; a block casts its floating-point inputs to
+``compute_dtype`` and its ``compute_dtype`` outputs back to the dtype of its first floating-point input, so an fp32
+model streams bf16 blocks. Buffers keep their dtype.
+
+Checkpoints and the model's lifetime: ``module.state_dict()`` (hence ``save_pretrained``) holds the blocks' real
+weights, read from storage one block at a time (copies, master dtype); ``named_parameters()`` still shows the
+placeholders. ``close()`` reads every block back into memory by default (``close(restore=False)`` discards them).
+Moves that would change a streamed parameter (``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` on the
+module or any module holding a block) raise ValueError before anything is converted. ``torch.compile`` runs the
+streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see ``trainer``.
 
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked
 transitions), ``store`` (the blocks' IO as residency moves), ``schedule`` (prefetch order), ``recompute`` (the
-autograd function), ``training`` (fused and grads modes, clipping), ``offload`` (``ParameterOffload``, the
-public entry point), ``blocks`` (the default block rule).
+autograd function), ``side_effects`` (what recomputation must not repeat), ``training`` (fused and grads modes,
+clipping), ``offload`` (``ParameterOffload``, the public entry point), ``blocks`` (the default block rule),
+``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``).
 """
 
 from .blocks import find_blocks
 from .offload import MODES, OffloadStats, OptimizerFactory, ParameterOffload, offload_parameters
 from .residency import Residency, ResidencyError
+from .trainer import StreamedOptimizer, trainer_arguments
 
 __all__ = ["MODES", "OffloadStats", "OptimizerFactory", "ParameterOffload", "Residency", "ResidencyError",
-           "find_blocks", "offload_parameters"]
+           "StreamedOptimizer", "find_blocks", "offload_parameters", "trainer_arguments"]

@@ -25,6 +25,23 @@ MODES = tuple(TRAINING_MODES)
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
+def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
+    """``forward`` with its floating-point tensor arguments cast to ``dtype`` and its ``dtype`` outputs cast back
+    to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16)."""
+    def cast(x: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only):
+            return x.to(to)
+        return x
+
+    def run(*args, **kwargs):
+        flat = pytree.tree_leaves((args, kwargs))
+        outer = next((x.dtype for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), dtype)
+        args, kwargs = pytree.tree_map(lambda x: cast(x, dtype), (args, kwargs))
+        return pytree.tree_map(lambda x: cast(x, outer, only=dtype), forward(*args, **kwargs))
+
+    return run
+
+
 @dataclass(frozen=True)
 class OffloadStats:
     """Figures of a ``ParameterOffload`` since it was made (or since ``reset_peak`` for the peaks). Bytes, seconds.
@@ -59,7 +76,7 @@ class OffloadStats:
 class ParameterOffload:
     """The handle ``offload_parameters`` returns: streams the blocks' parameters, steps them when training, and
     reports ``stats``. Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()``
-    ends offloading (``restore=True`` reads the parameters back into memory first)."""
+    ends offloading (by default reading the parameters back into memory first)."""
 
     def __init__(self, module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, prefetch: int, mode: str,
                  optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig):
@@ -88,9 +105,11 @@ class ParameterOffload:
         self._token = torch.empty(0, requires_grad=True)
         self._closed = False
         self.store.offload_all()
-        self._patched = []
+        self._patched: list[tuple[nn.Module, str, Callable]] = []
+        self._hooks = []
         for block in self.blocks:
             self._patch(block)
+        self._guard_moves()
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _check_sharing(self) -> None:
@@ -110,12 +129,56 @@ class ParameterOffload:
 
     def _patch(self, block: Block) -> None:
         forward = block.module.forward
+        if block.compute_dtype is not None:
+            forward = _casting(forward, block.compute_dtype)
 
         def streamed_forward(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                # torch.compile: the block runs eagerly (its parameters change shape as they are streamed), the
+                # rest compiles; the compiler is imported only by then (importing it costs about 90 MB)
+                return torch.compiler.disable(self._run)(block, forward, args, kwargs)
             return self._run(block, forward, args, kwargs)
-
         block.module.forward = streamed_forward
-        self._patched.append((block.module, streamed_forward))
+        self._patched.append((block.module, "forward", streamed_forward))
+        self._hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
+
+    def _block_state_dict(self, block: Block) -> Callable:
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            # the block's parameters as stored (master values), read block by block when on storage
+            self.store.wait_write(block)
+            for name, tensor in self.store.read_copy(block).items():
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = tensor
+        return hook
+
+    def _guard_moves(self) -> None:
+        """``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... on the module or any module holding
+        a block: refused before anything is converted when they would change a streamed parameter."""
+        holders = set()
+        for name, _ in ((b.prefix, b) for b in self.blocks):
+            parts = name.split(".") if name else []
+            for k in range(len(parts) + 1):
+                holders.add(".".join(parts[:k]))
+        for name, sub in self.module.named_modules():
+            if name in holders:
+                original = sub._apply
+
+                def guarded(fn, recurse=True, _original=original):
+                    self._check_move(fn)
+                    return _original(fn, recurse)
+
+                sub._apply = guarded
+                self._patched.append((sub, "_apply", guarded))
+
+    def _check_move(self, fn: Callable) -> None:
+        for block in self.blocks:
+            for name, param in zip(block.names, block.params):
+                moved = fn(param.data)
+                if moved.dtype != param.dtype or moved.device != param.device:
+                    raise ValueError(f"this would move the streamed parameter {block.qualified(name)} from "
+                                     f"{param.dtype} on {param.device} to {moved.dtype} on {moved.device}, but its "
+                                     f"values live on storage: convert or move the model before "
+                                     f"offload_parameters(), or pass compute_dtype= to compute blocks in another dtype")
 
     # -- running blocks (the ``Streamer`` that ``Recompute`` talks to) ---------------------------------------
     def _run(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -131,9 +194,6 @@ class ParameterOffload:
                 return forward(*args, **kwargs)
             finally:
                 self.after_forward(block, training=False)
-        if wants_grad and self._block_optimizer is None:
-            raise ValueError(f"block {block.prefix} runs with gradients enabled but offload_parameters() got no "
-                             f"optimizer=: pass optimizer= to train, freeze the parameters, or use torch.no_grad()")
         call = BlockCall(self, block, forward, flat, spec)
         return call.rebuild(Recompute.apply(call, self._token, *tensors))
 
@@ -151,20 +211,31 @@ class ParameterOffload:
         for j in window:
             self.store.start_read(self.blocks[j])
         self.store.materialize(block)
+        if phase == "backward":
+            block.restore_grads()
 
     def after_forward(self, block: Block, training: bool) -> None:
         if block.index not in self._upcoming(block.index, "forward", training):
             self.store.release(block)
 
-    def before_backward(self, block: Block) -> None:
-        self.training.before_backward(block)
+    def before_backward(self, call: BlockCall, last: bool) -> None:
+        block = call.block
+        if call.steps != block.steps:
+            raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
+                               f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
+                               f"Run validation under torch.no_grad(), and backward each forward before step()")
+        if block.trainable and self._block_optimizer is None:
+            raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
+                               f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
+                               f"parameters (requires_grad_(False))")
+        self.training.before_backward(block, last)
 
-    def after_backward(self, block: Block) -> None:
-        block.pending_backward -= 1
-        if block.pending_backward > 0:
-            self.store.release(block)
-        else:
+    def after_backward(self, block: Block, last: bool) -> None:
+        if last:
             self.training.after_backward(block)
+        else:
+            block.stash_grads()
+            self.store.release(block)
 
     def release(self, block: Block) -> None:
         self.store.release(block)
@@ -185,6 +256,7 @@ class ParameterOffload:
         if clip_grad_norm is not None:
             grad_norm.check_clip_args(clip_grad_norm, norm_type)
         total, coefficient = self.training.step(clip_grad_norm, norm_type)
+        self.training.end_step()
         self.store.wait_writes()
         if self._rest_optimizer is not None:
             if coefficient is not None:
@@ -242,36 +314,43 @@ class ParameterOffload:
         return [o for o in (self._block_optimizer, self._rest_optimizer) if o is not None]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's ``state_dict()`` with the blocks' parameters read from storage (copies, master dtype)."""
+        """The module's ``state_dict()``: the blocks' parameters are read from storage one block at a time (copies,
+        master dtype); ``module.state_dict()`` itself does the same."""
         self._check_open()
         self.store.wait_writes()
-        result = self.module.state_dict()
-        for block in self.blocks:
-            for name, tensor in self.store.read_copy(block).items():
-                result[block.qualified(name)] = tensor
-        return result
+        return self.module.state_dict()
 
-    def close(self, restore: bool = False) -> None:
-        """End offloading: finish writes, unhook the blocks and remove the swap files. ``restore=True`` first reads
-        every parameter back into memory (master dtype), so the module works as before; otherwise offloaded
-        parameters stay empty placeholders and calling a block raises."""
+    def close(self, restore: bool = True) -> None:
+        """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
+
+        restore: True (the default): first read every block back into memory (master dtype), so the module holds
+            its trained weights and works as before; this needs memory for the whole model. If a block cannot be
+            read, this raises and nothing is closed. False: discard them (take ``state_dict()`` first to keep them);
+            calling a block then raises."""
         if self._closed:
             return
-        try:
+        if restore:  # a failure here (a block unreadable) leaves everything open and as it was
             self.training.finish_writes()
             self.store.wait_writes()
+            values = [self.store.read_copy(block) for block in self.blocks]
+        try:
             if restore:
-                values = [self.store.read_copy(block) for block in self.blocks]
                 for block, tensors in zip(self.blocks, values):
                     self.store.restore(block, tensors)
             else:
+                self.training.finish_writes()
+                self.store.wait_writes()
                 for block in self.blocks:
                     self.store.release(block)
         finally:
             self._closed = True
-            for module, forward in self._patched if restore else ():  # else calls keep failing with a clear error
-                if module.__dict__.get("forward") is forward:
-                    del module.forward
+            for hook in self._hooks:
+                hook.remove()
+            for module, attribute, patched in self._patched:
+                if attribute == "forward" and not restore:
+                    continue  # calls keep failing with a clear error
+                if module.__dict__.get(attribute) is patched:
+                    delattr(module, attribute)
             self.swapper.close()
             for optimizer in self.optimizers:
                 optimizer.close()

@@ -1,11 +1,17 @@
 """Recomputation: a block runs inside an autograd function that keeps only its inputs; backward makes the block
-resident again, recomputes it under the forward's RNG state and back-propagates through it.
+resident again, recomputes it under the forward's RNG state, buffers and cache state (``side_effects``), and
+back-propagates through it.
 
-The function talks to the streaming side through ``Streamer`` (make resident, release, what to do after a
-forward and after a backward); it knows nothing of storage or optimizers."""
+Which backward is a block's last in a pass (when its gradients are complete) is asked of the autograd engine: the
+block's other pending calls that the running backward will still execute. Calls whose graph is never back-propagated
+(a validation forward without ``torch.no_grad()``, the forward that ``torch.utils.checkpoint`` recomputes) are
+simply dropped with their graph.
+
+The function talks to the streaming side through ``Streamer``; it knows nothing of storage or optimizers."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -13,27 +19,33 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .residency import Block
+from .side_effects import Captured, check_caches
 
 
 class Streamer(Protocol):
     def acquire(self, block: Block, phase: str, training: bool) -> None: ...
     def after_forward(self, block: Block, training: bool) -> None: ...
-    def before_backward(self, block: Block) -> None: ...
-    def after_backward(self, block: Block) -> None: ...
+    def before_backward(self, call: "BlockCall", last: bool) -> None: ...
+    def after_backward(self, block: Block, last: bool) -> None: ...
     def release(self, block: Block) -> None: ...
 
 
 class BlockCall:
-    """One call of a block: its non-tensor arguments, how to rebuild them, and its outputs' structure."""
+    """One call of a block: its non-tensor arguments, how to rebuild them, its outputs' structure, and what
+    recomputation needs (RNG state, state before the forward, the block's step count at the forward)."""
 
     def __init__(self, streamer: Streamer, block: Block, forward: Callable, flat: list, spec: Any):
         self.streamer, self.block, self.forward = streamer, block, forward
-        self.flat, self.spec = flat, spec
         self.positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        self.flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
+        self.spec = spec
         self.out_flat: list = []
         self.out_spec: Any = None
         self.out_positions: list[int] = []
         self.rng: tuple | None = None
+        self.captured = Captured(block.module, check_caches(block.prefix, flat))
+        self.steps = block.steps
+        self.node: weakref.ref | None = None  # the autograd node (ctx) of this call
 
     def run(self, tensors: Sequence[torch.Tensor]) -> Any:
         flat = list(self.flat)
@@ -47,6 +59,11 @@ class BlockCall:
         for position, tensor in zip(self.out_positions, outputs):
             flat[position] = tensor
         return pytree.tree_unflatten(flat, self.out_spec)
+
+    def will_run_backward(self) -> bool:
+        """This call's backward is still to run in the backward pass under way."""
+        node = self.node() if self.node is not None else None
+        return node is not None and torch._C._will_engine_execute_node(node)
 
 
 def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -64,6 +81,7 @@ class Recompute(torch.autograd.Function):
     def forward(ctx, call: BlockCall, token: torch.Tensor, *tensors: torch.Tensor):
         # token requires grad, so the outputs do even when no input does (the parameters are not inputs here)
         ctx.call = call
+        call.node = weakref.ref(ctx)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
         device_type = _device_type(tensors)
@@ -73,6 +91,7 @@ class Recompute(torch.autograd.Function):
         try:
             with torch.enable_grad():  # the same grad mode, hence the same kernels, as the in-memory model
                 flat, call.out_spec = pytree.tree_flatten(call.run(detached(tensors)))
+            call.captured.detach_new_cache_entries()
             call.out_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
             outputs = tuple(flat[i].detach() for i in call.out_positions)
@@ -80,30 +99,33 @@ class Recompute(torch.autograd.Function):
         finally:
             streamer.after_forward(block, training=True)
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
-        block.pending_backward += 1
+        block.calls.add(call)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         call: BlockCall = ctx.call
         streamer, block = call.streamer, call.block
-        inputs = detached(ctx.saved_tensors)
+        inputs = detached(ctx.saved_tensors)  # (this may run torch.utils.checkpoint's recomputation first)
+        block.calls.discard(call)
+        last = not any(other.will_run_backward() for other in list(block.calls))
+        streamer.before_backward(call, last)
         streamer.acquire(block, "backward", training=True)
         try:
-            streamer.before_backward(block)
             cpu_state, devices, states, device_type = call.rng
-            with torch.random.fork_rng(devices=devices, device_type=device_type):
-                torch.set_rng_state(cpu_state)
-                set_device_states(devices, states, device_type=device_type)
-                with torch.enable_grad():
-                    flat, _ = pytree.tree_flatten(call.run(inputs))
-            pairs = [(flat[i], g) for i, g in zip(call.out_positions, grads)
-                     if g is not None and flat[i].requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            del flat, pairs
+            with call.captured.replay():  # (until the recomputed graph is done: it saved the buffers it read)
+                with torch.random.fork_rng(devices=devices, device_type=device_type):
+                    torch.set_rng_state(cpu_state)
+                    set_device_states(devices, states, device_type=device_type)
+                    with torch.enable_grad():
+                        flat, _ = pytree.tree_flatten(call.run(inputs))
+                pairs = [(flat[i], g) for i, g in zip(call.out_positions, grads)
+                         if g is not None and flat[i].requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                del flat, pairs
         except BaseException:
             streamer.release(block)
             raise
-        streamer.after_backward(block)
+        streamer.after_backward(block, last)
         return (None, None, *[t.grad if t.requires_grad else None for t in inputs])

@@ -17,6 +17,7 @@ computing with a placeholder or overwriting the only valid copy of a block.
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Iterable
 
 import torch
@@ -87,7 +88,10 @@ class Block:
         self.write: SwapOut | None = None
         self.written: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}  # master-dtype gradients kept after their write failed
-        self.pending_backward = 0
+        self.partial: dict[str, torch.Tensor] = {}  # ``param.grad`` of a pass's earlier backwards, while released
+        self.calls: weakref.WeakSet = weakref.WeakSet()  # training calls whose backward has not run yet
+        self.steps = 0  # optimizer steps of this block so far
+        self.stepped = False  # fused mode: stepped since the last ``ParameterOffload.step()``
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
@@ -124,6 +128,20 @@ class Block:
             param.data = placeholder(param, self.compute_dtype)
             if master is not param:
                 master.data = placeholder(master)
+
+    def stash_grads(self) -> None:
+        """Take ``param.grad`` off the parameters before they are released (an optimizer must not see gradients
+        of a block whose values are not in memory); ``restore_grads`` puts them back for its next backward, where
+        autograd adds to them exactly as in memory."""
+        for name, param in zip(self.names, self.params):
+            if param.grad is not None:
+                self.partial[name] = param.grad
+                param.grad = None
+
+    def restore_grads(self) -> None:
+        for name, param in zip(self.names, self.params):
+            if name in self.partial:
+                param.grad = self.partial.pop(name)
 
     def master_tensors(self) -> dict[str, torch.Tensor]:
         return {name: master.detach() for name, master in zip(self.names, self.masters)}

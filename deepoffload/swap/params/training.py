@@ -34,12 +34,15 @@ class Training:
         self.optimizer_seconds = 0.0
 
     # -- the interface ParameterOffload uses ------------------------------------------------------------------
-    def before_backward(self, block: Block) -> None:
-        """The block is resident and about to back-propagate."""
+    def before_backward(self, block: Block, last: bool) -> None:
+        """The block is about to back-propagate (``last``: for the last time in this pass)."""
 
     def after_backward(self, block: Block) -> None:
         """The block's gradients for this pass are complete (its last backward); it is still resident."""
         raise NotImplementedError
+
+    def end_step(self) -> None:
+        """``ParameterOffload.step()`` finished a training step."""
 
     def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Step the blocks as the mode requires; return the total gradient norm and the clip coefficient for the
@@ -49,7 +52,7 @@ class Training:
     def zero_grad(self) -> None:
         """Drop every gradient of the blocks, in memory and on storage."""
         for block in self.store.blocks:
-            block.grads = {}
+            block.grads, block.partial = {}, {}
             for param in block.params:
                 param.grad = None
 
@@ -64,6 +67,7 @@ class Training:
         start = time.perf_counter()
         try:
             self.block_optimizer.step()
+            block.steps += 1
         except BaseException:
             self.store.keep(block)  # the updated values stay in memory, the only valid copy
             raise
@@ -91,18 +95,32 @@ class Training:
 class Fused(Training):
     name = "fused"
 
-    def before_backward(self, block: Block) -> None:
-        """The block's last backward of the pass: start reading its optimizer state, so the step that follows
-        finds it in memory."""
-        if block.pending_backward == 1 and self.block_optimizer is not None:
-            self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+    def before_backward(self, block: Block, last: bool) -> None:
+        """Refuse a second step of the block before ``step()``; on its last backward of the pass start reading its
+        optimizer state, so the step that follows finds it in memory."""
+        if not (last and block.trainable):
+            return
+        if block.stepped:
+            raise RuntimeError(f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
+                               f"accumulation, or a second loss): each block steps inside its backward, so the "
+                               f"second pass would step it again. Call step() after each backward, or use "
+                               f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
+        self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
 
     def after_backward(self, block: Block) -> None:
+        if not block.trainable:
+            self.store.release(block)
+            return
+        block.stepped = True
         grads = self.block_grads(block)
         self.store.grad_bytes = nbytes(grads.values())
         self.store.note_peak()
         self.step_block(block, grads)
         self.store.grad_bytes = 0
+
+    def end_step(self) -> None:
+        for block in self.store.blocks:
+            block.stepped = False
 
     def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[None, None]:
         if clip_grad_norm is not None:
