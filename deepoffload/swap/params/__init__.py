@@ -36,9 +36,9 @@ Gradients never pile up. Once a block's gradients are complete (after its last b
 - ``mode="fused"`` (memory-minimal): the block's optimizer step runs right away inside backward, its optimizer state
   read from and written back to storage (``OffloadedOptimizer``), the updated weights are written back and the
   gradients freed. The block's state is read while its backward runs. One backward per step (no gradient
-  accumulation: a second backward pass before ``step()`` raises RuntimeError) and no clipping by a global norm (``step(clip_grad_norm=...)`` raises ValueError): each block steps
-  before the others' gradients exist. Per-parameter optimizers (Adam, AdamW, SGD, ...) give exactly the same result as
-  a global step.
+  accumulation: a second backward pass before ``step()`` raises RuntimeError) and no clipping by a global norm
+  (``step(clip_grad_norm=...)`` raises ValueError): each block steps before the others' gradients exist.
+  Per-parameter optimizers (Adam, AdamW, SGD, ...) give exactly the same result as a global step.
 - ``mode="grads"``: the block's gradients go to storage (accumulating over several backward passes, in the master
   dtype); ``step()`` then streams block by block: weights and gradients in, optimizer step, weights out.
   ``step(clip_grad_norm=max_norm, norm_type=2.0)`` clips by the global norm in two passes: first the blocks'

@@ -138,6 +138,7 @@ class ParameterOffload:
                 # rest compiles; the compiler is imported only by then (importing it costs about 90 MB)
                 return torch.compiler.disable(self._run)(block, forward, args, kwargs)
             return self._run(block, forward, args, kwargs)
+
         block.module.forward = streamed_forward
         self._patched.append((block.module, "forward", streamed_forward))
         self._hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))

@@ -10,8 +10,9 @@
                            |
                            +--write failed--> KEPT (memory holds the only valid copy)
 
-``close(restore=True)`` ends every block in RESTORED. A move not in ``TRANSITIONS`` raises ``ResidencyError`` at once, so a bookkeeping bug stops the program instead of
-computing with a placeholder or overwriting the only valid copy of a block.
+``close(restore=True)`` ends every block in RESTORED. A move not in ``TRANSITIONS`` raises ``ResidencyError`` at
+once, so a bookkeeping bug stops the program instead of computing with a placeholder or overwriting the only valid
+copy of a block.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Both talk to the blocks only through ``BlockStore`` (residency moves) and to the
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
