@@ -100,7 +100,7 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    offload.close()
+    offload.close(restore=False)
     io.close()
     median = {name: statistics.median(values) for name, values in times.items()}
     params = sum(p.numel() for p in reference.parameters())

@@ -123,13 +123,18 @@ def test_storage_full_while_writing_gradients_keeps_them(small_fs, clip):
 
 def test_missing_swap_file_names_the_parameter(scratch):
     _, model = pair()
-    with offload_parameters(model, str(scratch)) as offload:
+    offload = offload_parameters(model, str(scratch))
+    try:
         path = os.path.join(offload.swapper.folder, "block1.swp")
         os.remove(path)
         with pytest.raises(FileNotFoundError) as info, torch.no_grad():
             model(torch.randn(2, 128))
         message = str(info.value)
         assert "parameter 1.weight" in message and "1.bias" in message and info.value.filename == path
+        with pytest.raises(FileNotFoundError):
+            offload.close()  # restoring cannot read block 1: said, not skipped
+    finally:
+        offload.close(restore=False)
 
 
 def test_bad_arguments_are_clear_errors(scratch):
@@ -153,11 +158,12 @@ def test_bad_arguments_are_clear_errors(scratch):
     with pytest.raises(ValueError, match="outside the blocks"):
         offload_parameters(tied, str(scratch), blocks=[tied[0], tied[1]])
     offload = offload_parameters(model, str(scratch))
-    with pytest.raises(ValueError, match="no optimizer"):
-        model(torch.randn(2, 128))  # gradients enabled, parameters need them, nothing to step them
+    out = model(torch.randn(2, 128))  # gradients enabled: the forward works (an eval call without no_grad)
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        out.sum().backward()  # but the parameters need gradients and nothing steps them
     with pytest.raises(ValueError, match="no optimizer"):
         offload.step()
-    offload.close()
+    offload.close(restore=False)
     with pytest.raises(RuntimeError, match="closed"):
         with torch.no_grad():
             model(torch.randn(2, 128))

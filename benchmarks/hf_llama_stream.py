@@ -1,0 +1,165 @@
+"""Tiny Hugging Face Llama (hidden 512, 8 layers, random weights) streamed by ``offload_parameters`` against the
+same model in memory and against accelerate's disk offload, interleaved A B A B:
+
+1. training step time (forward + backward + Adam step, fused mode, prefetch 1) and peak RSS while training, streamed
+   vs in memory: each (variant, round) in its own process, RSS sampled every millisecond during the steps (the model
+   is built in memory before it is offloaded, so the process's all-time high-water mark would show that instead),
+   with MALLOC_MMAP_THRESHOLD_=1048576 so that RSS shows memory in use rather than what glibc keeps (see the README's
+   troubleshooting);
+2. forward and ``generate(20)`` (greedy, KV cache) time, deepoffload vs accelerate ``dispatch_model`` with every
+   decoder layer on "disk" (embeddings, final norm and head in memory for both), in one process; the outputs of both
+   are checked equal to the in-memory model's.
+
+    python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] [--part training|inference|both]
+
+The 2 cores and the disk are shared: read the ratios, not the absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+SEQ, BATCH, STEPS = 32, 2, 3
+
+
+def build():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def train_child(variant: str, folder: str) -> None:
+    """One variant's training steps; prints JSON: seconds of each step after the first, peak RSS bytes."""
+    from deepoffload.swap.params import offload_parameters
+
+    model = build().train()
+    ids = torch.randint(0, 8192, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    if variant == "memory":
+        optimizer = adam(model.parameters())
+        step = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
+    else:
+        offload = offload_parameters(model, folder, optimizer=adam)
+        step = lambda: (offload.step(), offload.zero_grad())  # noqa: E731
+    peak, stop = [rss_bytes()], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.001):
+            peak[0] = max(peak[0], rss_bytes())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    times = []
+    try:
+        for _ in range(STEPS):
+            start = time.perf_counter()
+            model(ids, labels=ids).loss.backward()
+            step()
+            times.append(time.perf_counter() - start)
+    finally:
+        stop.set()
+        sampler.join()
+    print(json.dumps({"seconds": times[1:], "rss": peak[0]}))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def training(folder: str, rounds: int) -> None:
+    results: dict[str, list] = {"memory": [], "streamed": []}
+    for r in range(rounds):
+        for variant in ("memory", "streamed") if r % 2 == 0 else ("streamed", "memory"):
+            out = subprocess.run([sys.executable, __file__, "--child", variant, "--folder", folder],
+                                 capture_output=True, text=True, check=True,
+                                 env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}).stdout
+            results[variant].append(json.loads(out.strip().splitlines()[-1]))
+    step = {v: [statistics.median(x["seconds"]) for x in rs] for v, rs in results.items()}
+    rss = {v: [x["rss"] / 2**20 for x in rs] for v, rs in results.items()}
+    ratios = [s / m for s, m in zip(step["streamed"], step["memory"])]
+    print(f"training step (batch {BATCH} x {SEQ} tokens, Adam): in memory {statistics.median(step['memory']):.3f} s, "
+          f"streamed {statistics.median(step['streamed']):.3f} s, streamed/memory {statistics.median(ratios):.2f} "
+          f"({' '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"peak RSS while training: in memory {statistics.median(rss['memory']):.0f} MiB, streamed "
+          f"{statistics.median(rss['streamed']):.0f} MiB, streamed/memory "
+          f"{statistics.median(rss['streamed']) / statistics.median(rss['memory']):.2f}")
+
+
+def inference(folder: str, rounds: int) -> None:
+    from accelerate import dispatch_model
+
+    from deepoffload.swap.params import offload_parameters
+
+    reference = build()
+    ids = torch.randint(0, 8192, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected_logits = reference(ids).logits
+        expected_tokens = reference.generate(ids, max_new_tokens=20, do_sample=False)
+    ours = build()
+    offload = offload_parameters(ours, f"{folder}/ours")
+    theirs = build()
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "disk" for i in range(8)}}
+    theirs = dispatch_model(theirs, device_map=device_map, main_device="cpu", offload_dir=f"{folder}/accelerate")
+    timings: dict[str, dict[str, list[float]]] = {"deepoffload": {"forward": [], "generate": []},
+                                                  "accelerate": {"forward": [], "generate": []}}
+    models = {"deepoffload": ours, "accelerate": theirs}
+    with torch.no_grad():
+        for r in range(rounds):
+            for name in ("deepoffload", "accelerate") if r % 2 == 0 else ("accelerate", "deepoffload"):
+                model = models[name]
+                start = time.perf_counter()
+                logits = model(ids).logits
+                timings[name]["forward"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                tokens = model.generate(ids, max_new_tokens=20, do_sample=False)
+                timings[name]["generate"].append(time.perf_counter() - start)
+                if not (torch.equal(logits, expected_logits) and torch.equal(tokens, expected_tokens)):
+                    print(f"{name}: outputs differ from the in-memory model", file=sys.stderr)
+    for what in ("forward", "generate"):
+        a, b = timings["deepoffload"][what], timings["accelerate"][what]
+        ratios = [x / y for x, y in zip(a, b)]
+        print(f"{what:8s} ({SEQ} tokens{', +20 new' if what == 'generate' else ''}): deepoffload "
+              f"{statistics.median(a):.3f} s, accelerate disk offload {statistics.median(b):.3f} s, "
+              f"deepoffload/accelerate {statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+    offload.close(restore=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", default=None, help="where swap files go (default: a temp folder)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--part", choices=["training", "inference", "both"], default="both")
+    parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
+    if args.child:
+        train_child(args.child, folder)
+        return
+    if args.part in ("training", "both"):
+        training(folder, args.rounds)
+    if args.part in ("inference", "both"):
+        inference(folder, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Parameter offload: run and train models larger than memory by streaming blocks of parameters from storage.
+
+``offload_parameters(module, ...)`` writes the parameters of chosen submodules ("blocks") to files and frees their
+memory; each parameter keeps its identity but holds a 0-element placeholder of its dtype and device while it is on
+storage (its shape lives in the swap record). A block's parameters are read back just before the block runs (the
+next ``prefetch`` blocks are read meanwhile) and released right after.
+
+Blocks (default rule): the children of every ``nn.ModuleList`` / ``nn.Sequential`` found by walking the module from
+the top (the module itself included), not looking inside a block once chosen; children without parameters are
+skipped. Blocks are expected to run in that order (prefetch follows it; another order is still correct, only slower).
+Parameters outside blocks (embeddings, heads, norms) and all buffers stay in memory. A parameter may not be shared
+between two blocks or between a block and the rest.
+
+Inference (grad disabled, or nothing needs a gradient): the block's own ``forward`` runs on the resident parameters,
+so outputs are bit-identical to the in-memory model.
+
+Training uses recomputation (what ZeRO-Infinity does with activation checkpointing): each block runs inside a custom
+autograd function that keeps only the block's inputs; backward reads the parameters again (prefetching earlier
+blocks in reverse order), restores the RNG state, recomputes the block with gradients enabled and back-propagates
+through it. The forward runs under the same grad mode as the in-memory model, so the same kernels are chosen and
+results are bit-identical to in-memory training with the same optimizer (on deterministic kernels). Each block costs
+one extra forward. Backward with ``retain_graph``/``create_graph`` through a block is not supported.
+
+The recomputation repeats none of the forward's side effects (``side_effects``): it runs on the block's buffers as
+they were before the forward (BatchNorm statistics, counters) and puts back what the forward left, under the
+forward's RNG state, and with a Hugging Face ``DynamicCache`` argument rewound to its state before the forward (the
+entries the forward added are detached from the block's graph); caches updated in place (``StaticCache``) are
+refused in a forward with gradients enabled. A block's gradients are complete when no other of its calls will be
+back-propagated in the backward under way (asked of the autograd engine), so blocks called out of order (0, 1, 0),
+inside ``torch.utils.checkpoint`` (either kind), or forwards that are never back-propagated (validation without
+``torch.no_grad()``) step exactly once. Backward through a forward made before the block's last optimizer step is
+refused (RuntimeError), as is a block's backward without ``optimizer=`` when its parameters need gradients; the
+forward itself works (an eval call without ``torch.no_grad()``).
+
+Gradients never pile up. Once a block's gradients are complete (after its last backward in the pass):
+- ``mode="fused"`` (memory-minimal): the block's optimizer step runs right away inside backward, its optimizer state
+  read from and written back to storage (``OffloadedOptimizer``), the updated weights are written back and the
+  gradients freed. The block's state is read while its backward runs. One backward per step (no gradient
+  accumulation: a second backward pass before ``step()`` raises RuntimeError) and no clipping by a global norm
+  (``step(clip_grad_norm=...)`` raises ValueError): each block steps before the others' gradients exist.
+  Per-parameter optimizers (Adam, AdamW, SGD, ...) give exactly the same result as a global step.
+- ``mode="grads"``: the block's gradients go to storage (accumulating over several backward passes, in the master
+  dtype); ``step()`` then streams block by block: weights and gradients in, optimizer step, weights out.
+  ``step(clip_grad_norm=max_norm, norm_type=2.0)`` clips by the global norm in two passes: first the blocks'
+  gradients are streamed in (``prefetch`` blocks ahead, pooled buffers) for their norms, which join those of the
+  gradients outside blocks; then the step pass multiplies each gradient by ``min(max_norm / (norm + 1e-6), 1)``
+  before stepping. Same arithmetic and order as ``torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm,
+  norm_type)`` on the master-dtype gradients (``grad_norm``), so bit-identical; it returns the total norm. Cost:
+  one more read of the gradients.
+``step()`` also steps the parameters outside blocks (their state offloaded too); call it after each backward.
+
+Mixed precision (``compute_dtype``): the stored parameters are the master weights (their dtype, e.g. fp32); blocks
+compute with a copy cast to ``compute_dtype`` (e.g. bf16) whose gradients are cast back to the master dtype for the
+step. Parameters report ``compute_dtype`` while offloaded; a block casts its floating-point inputs to
+``compute_dtype`` and its ``compute_dtype`` outputs back to the dtype of its first floating-point input, so an fp32
+model streams bf16 blocks. Buffers keep their dtype.
+
+Checkpoints and the model's lifetime: ``module.state_dict()`` (hence ``save_pretrained``) holds the blocks' real
+weights, read from storage one block at a time (copies, master dtype); ``named_parameters()`` still shows the
+placeholders. ``close()`` reads every block back into memory by default (``close(restore=False)`` discards them).
+Moves that would change a streamed parameter (``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` on the
+module or any module holding a block) raise ValueError before anything is converted. ``torch.compile`` runs the
+streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see ``trainer``.
+
+Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked
+transitions), ``store`` (the blocks' IO as residency moves), ``schedule`` (prefetch order), ``recompute`` (the
+autograd function), ``side_effects`` (what recomputation must not repeat), ``training`` (fused and grads modes,
+clipping), ``offload`` (``ParameterOffload``, the public entry point), ``blocks`` (the default block rule),
+``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``).
+"""
+
+from .blocks import find_blocks
+from .offload import MODES, OffloadStats, OptimizerFactory, ParameterOffload, offload_parameters
+from .residency import Residency, ResidencyError
+from .trainer import StreamedOptimizer, trainer_arguments
+
+__all__ = ["MODES", "OffloadStats", "OptimizerFactory", "ParameterOffload", "Residency", "ResidencyError",
+           "StreamedOptimizer", "find_blocks", "offload_parameters", "trainer_arguments"]

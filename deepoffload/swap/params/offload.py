@@ -1,0 +1,418 @@
+"""``ParameterOffload`` (what ``offload_parameters`` returns): hooks the blocks, makes each resident as it runs
+(prefetching per ``schedule``), hands training calls to ``recompute`` and finished gradients to the mode in
+``training``; every move of a block's memory goes through ``BlockStore`` as a checked ``Residency`` transition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .. import grad_norm
+from ..config import SwapConfig
+from ..optimizer import OffloadedOptimizer
+from .blocks import find_blocks
+from .recompute import BlockCall, Recompute
+from .residency import Block, nbytes
+from .schedule import upcoming
+from .store import BlockStore
+from .training import MODES as TRAINING_MODES
+
+MODES = tuple(TRAINING_MODES)
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
+    """``forward`` with its floating-point tensor arguments cast to ``dtype`` and its ``dtype`` outputs cast back
+    to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16)."""
+    def cast(x: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only):
+            return x.to(to)
+        return x
+
+    def run(*args, **kwargs):
+        flat = pytree.tree_leaves((args, kwargs))
+        outer = next((x.dtype for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), dtype)
+        args, kwargs = pytree.tree_map(lambda x: cast(x, dtype), (args, kwargs))
+        return pytree.tree_map(lambda x: cast(x, outer, only=dtype), forward(*args, **kwargs))
+
+    return run
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """Figures of a ``ParameterOffload`` since it was made (or since ``reset_peak`` for the peaks). Bytes, seconds.
+
+    bytes_read / bytes_written: storage traffic of block parameters and gradients.
+    state_bytes_read / state_bytes_written: storage traffic of the offloaded optimizer state.
+    io_wait_seconds: time the calling thread was blocked on parameter and gradient reads and writes.
+    optimizer_seconds: time spent in optimizer steps of blocks (their state IO included).
+    resident_bytes / peak_bytes: block parameter bytes in memory now / at most: staging buffers being read, in use
+        or being written, plus compute-dtype copies. Parameters outside blocks are ``rest_bytes`` (always resident).
+    grad_bytes / peak_grad_bytes: block gradient bytes in memory (before they reach storage or the optimizer).
+    block_bytes: the largest block's parameter bytes in memory when resident (stored dtype plus compute copy).
+    rest_bytes: parameters outside blocks (always in memory).
+    staging_bytes: pooled staging buffers held now, for parameters and optimizer state (reused, page-aligned).
+    """
+
+    bytes_read: int
+    bytes_written: int
+    state_bytes_read: int
+    state_bytes_written: int
+    io_wait_seconds: float
+    optimizer_seconds: float
+    resident_bytes: int
+    peak_bytes: int
+    grad_bytes: int
+    peak_grad_bytes: int
+    block_bytes: int
+    rest_bytes: int
+    staging_bytes: int
+
+
+class ParameterOffload:
+    """The handle ``offload_parameters`` returns: streams the blocks' parameters, steps them when training, and
+    reports ``stats``. Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()``
+    ends offloading (by default reading the parameters back into memory first)."""
+
+    def __init__(self, module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, prefetch: int, mode: str,
+                 optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig):
+        self.module = module
+        self.prefetch = prefetch
+        self.mode = mode
+        self.compute_dtype = compute_dtype
+        self.blocks = [Block(i, prefix, block, compute_dtype) for i, (prefix, block) in enumerate(blocks)]
+        self._check_sharing()
+        self.store = BlockStore(self.blocks, prefetch, config)
+        self.swapper = self.store.swapper
+        in_blocks = {id(p) for b in self.blocks for p in b.params}
+        self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
+        # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
+        # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes
+        state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=6)
+        block_optimizer = rest_optimizer = None
+        if optimizer is not None:
+            masters = [m for b in self.blocks for m in b.masters if m.requires_grad]
+            block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
+            rest = [p for p in self.rest if p.requires_grad]
+            rest_optimizer = OffloadedOptimizer(optimizer, rest, state_config) if rest else None
+        self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
+        self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer,
+                                             rest_optimizer)
+        self._token = torch.empty(0, requires_grad=True)
+        self._closed = False
+        self.store.offload_all()
+        self._patched: list[tuple[nn.Module, str, Callable]] = []
+        self._hooks = []
+        for block in self.blocks:
+            self._patch(block)
+        self._guard_moves()
+
+    # -- setup ---------------------------------------------------------------------------------------------
+    def _check_sharing(self) -> None:
+        """Refuse a parameter shared between two blocks, or between a block and the rest of the module."""
+        owner: dict[int, str] = {}
+        for block in self.blocks:
+            for name, param in zip(block.names, block.params):
+                other = owner.setdefault(id(param), block.qualified(name))
+                if other != block.qualified(name):
+                    raise ValueError(f"parameter {block.qualified(name)} is the same tensor as {other} in another "
+                                     f"block: shared parameters must stay in memory; choose blocks= without them")
+        prefixes = tuple(b.prefix + "." for b in self.blocks)
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if id(param) in owner and not name.startswith(prefixes):
+                raise ValueError(f"parameter {name} (outside the blocks) is the same tensor as {owner[id(param)]} "
+                                 f"in a block: shared parameters must stay in memory; choose blocks= without it")
+
+    def _patch(self, block: Block) -> None:
+        forward = block.module.forward
+        if block.compute_dtype is not None:
+            forward = _casting(forward, block.compute_dtype)
+
+        def streamed_forward(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                # torch.compile: the block runs eagerly (its parameters change shape as they are streamed), the
+                # rest compiles; the compiler is imported only by then (importing it costs about 90 MB)
+                return torch.compiler.disable(self._run)(block, forward, args, kwargs)
+            return self._run(block, forward, args, kwargs)
+
+        block.module.forward = streamed_forward
+        self._patched.append((block.module, "forward", streamed_forward))
+        self._hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
+
+    def _block_state_dict(self, block: Block) -> Callable:
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            # the block's parameters as stored (master values), read block by block when on storage
+            self.store.wait_write(block)
+            for name, tensor in self.store.read_copy(block).items():
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = tensor
+        return hook
+
+    def _guard_moves(self) -> None:
+        """``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... on the module or any module holding
+        a block: refused before anything is converted when they would change a streamed parameter."""
+        holders = set()
+        for name, _ in ((b.prefix, b) for b in self.blocks):
+            parts = name.split(".") if name else []
+            for k in range(len(parts) + 1):
+                holders.add(".".join(parts[:k]))
+        for name, sub in self.module.named_modules():
+            if name in holders:
+                original = sub._apply
+
+                def guarded(fn, recurse=True, _original=original):
+                    self._check_move(fn)
+                    return _original(fn, recurse)
+
+                sub._apply = guarded
+                self._patched.append((sub, "_apply", guarded))
+
+    def _check_move(self, fn: Callable) -> None:
+        for block in self.blocks:
+            for name, param in zip(block.names, block.params):
+                moved = fn(param.data)
+                if moved.dtype != param.dtype or moved.device != param.device:
+                    raise ValueError(f"this would move the streamed parameter {block.qualified(name)} from "
+                                     f"{param.dtype} on {param.device} to {moved.dtype} on {moved.device}, but its "
+                                     f"values live on storage: convert or move the model before "
+                                     f"offload_parameters(), or pass compute_dtype= to compute blocks in another dtype")
+
+    # -- running blocks (the ``Streamer`` that ``Recompute`` talks to) ---------------------------------------
+    def _run(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if self._closed:
+            raise RuntimeError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
+                               f"without restore=True, so they are gone; close(restore=True) keeps them")
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        wants_grad = any(p.requires_grad for p in block.params)
+        if not torch.is_grad_enabled() or not (wants_grad or any(t.requires_grad for t in tensors)):
+            self.acquire(block, "forward", training=False)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.after_forward(block, training=False)
+        call = BlockCall(self, block, forward, flat, spec)
+        return call.rebuild(Recompute.apply(call, self._token, *tensors))
+
+    def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
+        return upcoming(index, len(self.blocks), self.prefetch, phase, training)
+
+    def acquire(self, block: Block, phase: str, training: bool) -> None:
+        """Make ``block`` resident, start reading its window and release blocks outside it."""
+        window = self._upcoming(block.index, phase, training)
+        keep = {block.index, *window}
+        for other in self.blocks:
+            if other.index not in keep:
+                self.store.release(other)
+        self.store.start_read(block)
+        for j in window:
+            self.store.start_read(self.blocks[j])
+        self.store.materialize(block)
+        if phase == "backward":
+            block.restore_grads()
+
+    def after_forward(self, block: Block, training: bool) -> None:
+        if block.index not in self._upcoming(block.index, "forward", training):
+            self.store.release(block)
+
+    def before_backward(self, call: BlockCall, last: bool) -> None:
+        block = call.block
+        if call.steps != block.steps:
+            raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
+                               f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
+                               f"Run validation under torch.no_grad(), and backward each forward before step()")
+        if block.trainable and self._block_optimizer is None:
+            raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
+                               f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
+                               f"parameters (requires_grad_(False))")
+        self.training.before_backward(block, last)
+
+    def after_backward(self, block: Block, last: bool) -> None:
+        if last:
+            self.training.after_backward(block)
+        else:
+            block.stash_grads()
+            self.store.release(block)
+
+    def release(self, block: Block) -> None:
+        self.store.release(block)
+
+    # -- steps -------------------------------------------------------------------------------------------------
+    def step(self, clip_grad_norm: float | None = None, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Finish a training step after ``backward()``: in grads mode, stream every block through its optimizer
+        step; in fused mode, wait for the blocks' write-backs. Then step the parameters outside blocks.
+
+        clip_grad_norm: grads mode only: clip all gradients (blocks' and the rest's) by their global
+            ``norm_type``-norm first, exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters(),
+            clip_grad_norm, norm_type)`` would (same arithmetic and order, so bit-identical); this costs one extra
+            streamed read of the blocks' gradients. Returns that total norm (a 0-dim tensor), else None. Fused mode
+            raises ValueError: each block steps inside backward, before the other blocks' gradients exist."""
+        self._check_open()
+        if self._block_optimizer is None and self._rest_optimizer is None:
+            raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
+        if clip_grad_norm is not None:
+            grad_norm.check_clip_args(clip_grad_norm, norm_type)
+        total, coefficient = self.training.step(clip_grad_norm, norm_type)
+        self.training.end_step()
+        self.store.wait_writes()
+        if self._rest_optimizer is not None:
+            if coefficient is not None:
+                grad_norm.scale_([p.grad for p in self.rest if p.grad is not None], coefficient)
+            self._rest_optimizer.step()
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients: those outside blocks, and the blocks' gradients on storage (grads mode)."""
+        self._check_open()
+        self.training.finish_writes()
+        if self._rest_optimizer is not None:
+            self._rest_optimizer.zero_grad(set_to_none)
+        self.training.zero_grad()
+
+    def flush(self) -> None:
+        """Wait for every write in flight and write out blocks kept in memory after a failed write; raise the
+        first failure (those blocks stay in memory)."""
+        self._check_open()
+        error = None
+        for action in (self.training.finish_writes, self.store.wait_writes):
+            try:
+                action()
+            except OSError as e:
+                error = error or e
+        error = error or self.store.flush_kept()
+        if error is not None:
+            raise error
+
+    # -- figures, checkpoints, lifetime --------------------------------------------------------------------------
+    def reset_peak(self) -> None:
+        """Start measuring ``peak_bytes`` and ``peak_grad_bytes`` afresh from what is resident now."""
+        self.store.reset_peak()
+
+    @property
+    def stats(self) -> OffloadStats:
+        state_read = state_written = 0
+        for optimizer in self.optimizers:
+            state_read += optimizer.swapper.bytes_read
+            state_written += optimizer.swapper.bytes_written
+        store = self.store
+        return OffloadStats(
+            bytes_read=self.swapper.bytes_read, bytes_written=self.swapper.bytes_written,
+            state_bytes_read=state_read, state_bytes_written=state_written,
+            io_wait_seconds=store.io_wait, optimizer_seconds=self.training.optimizer_seconds,
+            resident_bytes=store.resident_bytes(), peak_bytes=store.peak,
+            grad_bytes=store.grad_bytes, peak_grad_bytes=store.peak_grad,
+            block_bytes=max((b.nbytes + b.compute_nbytes for b in self.blocks), default=0),
+            rest_bytes=nbytes(self.rest),
+            staging_bytes=self.swapper.pool.held_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers))
+
+    @property
+    def optimizers(self) -> list[OffloadedOptimizer]:
+        """The optimizers in use (blocks, then the rest), e.g. to attach LR schedulers to each."""
+        return [o for o in (self._block_optimizer, self._rest_optimizer) if o is not None]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict()``: the blocks' parameters are read from storage one block at a time (copies,
+        master dtype); ``module.state_dict()`` itself does the same."""
+        self._check_open()
+        self.store.wait_writes()
+        return self.module.state_dict()
+
+    def close(self, restore: bool = True) -> None:
+        """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
+
+        restore: True (the default): first read every block back into memory (master dtype), so the module holds
+            its trained weights and works as before; this needs memory for the whole model. If a block cannot be
+            read, this raises and nothing is closed. False: discard them (take ``state_dict()`` first to keep them);
+            calling a block then raises."""
+        if self._closed:
+            return
+        if restore:  # a failure here (a block unreadable) leaves everything open and as it was
+            self.training.finish_writes()
+            self.store.wait_writes()
+            values = [self.store.read_copy(block) for block in self.blocks]
+        try:
+            if restore:
+                for block, tensors in zip(self.blocks, values):
+                    self.store.restore(block, tensors)
+            else:
+                self.training.finish_writes()
+                self.store.wait_writes()
+                for block in self.blocks:
+                    self.store.release(block)
+        finally:
+            self._closed = True
+            for hook in self._hooks:
+                hook.remove()
+            for module, attribute, patched in self._patched:
+                if attribute == "forward" and not restore:
+                    continue  # calls keep failing with a clear error
+                if module.__dict__.get(attribute) is patched:
+                    delattr(module, attribute)
+            self.swapper.close()
+            for optimizer in self.optimizers:
+                optimizer.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this ParameterOffload is closed")
+
+    def __enter__(self) -> "ParameterOffload":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Sequence[nn.Module] | None = None,
+                       prefetch: int = 1, mode: str = "fused", optimizer: OptimizerFactory | None = None,
+                       compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None
+                       ) -> ParameterOffload:
+    """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
+
+    path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
+        sub-folder, removed on ``close()``.
+    blocks: the submodules to stream (default: see ``find_blocks``), in the order they run.
+    prefetch: how many blocks ahead are read while one computes (0: read each block when it starts).
+    mode: "fused" (optimizer step inside backward, memory-minimal) or "grads" (gradients to storage, ``step()``
+        streams); see the package docstring.
+    optimizer: to train, a factory called with a list of parameters that returns a ``torch.optim.Optimizer``
+        (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``); called once for the blocks' master weights and once
+        for the parameters outside blocks; their state is offloaded too. None: inference only.
+    compute_dtype: blocks compute in this dtype while their stored (master) weights keep theirs.
+    config: a ``SwapConfig`` (async-IO settings, pinning, checksums); buffer sizes are chosen here.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: expected a number of blocks, 0 or more")
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise ValueError(f"compute_dtype={compute_dtype!r}: expected a floating-point torch.dtype, e.g. "
+                         f"torch.bfloat16")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError("optimizer=: expected a factory taking a list of parameters (e.g. a torch.optim class or a "
+                        f"lambda), got {type(optimizer).__name__}")
+    names = {id(m): name for name, m in module.named_modules()}
+    if blocks is None:
+        chosen = find_blocks(module)
+    else:
+        chosen = []
+        for block in blocks:
+            if id(block) not in names:
+                raise ValueError(f"blocks=: {type(block).__name__} is not a submodule of the module")
+            chosen.append((names[id(block)], block))
+    if not chosen:
+        raise ValueError("offload_parameters: no blocks with parameters found (no nn.ModuleList/nn.Sequential "
+                         "children); pass blocks=[...] explicitly")
+    if any(b.__dict__.get("forward") is not None for _, b in chosen):
+        raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
+    config = config or SwapConfig()
+    if path is not None:
+        config = config.replace(folder=path)
+    return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
+                            compute_dtype=compute_dtype, config=config)

@@ -1,0 +1,132 @@
+"""Recomputation: a block runs inside an autograd function that keeps only its inputs; backward makes the block
+resident again, recomputes it under the forward's RNG state, buffers and cache state (``side_effects``), and
+back-propagates through it.
+
+Which backward is a block's last in a pass (when its gradients are complete) is asked of the autograd engine: the
+block's other pending calls that the running backward will still execute. Calls whose graph is never back-propagated
+(a validation forward without ``torch.no_grad()``, the forward that ``torch.utils.checkpoint`` recomputes) are
+simply dropped with their graph.
+
+The function talks to the streaming side through ``Streamer``; it knows nothing of storage or optimizers."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from .residency import Block
+from .side_effects import Captured, check_caches
+
+
+class Streamer(Protocol):
+    def acquire(self, block: Block, phase: str, training: bool) -> None: ...
+    def after_forward(self, block: Block, training: bool) -> None: ...
+    def before_backward(self, call: "BlockCall", last: bool) -> None: ...
+    def after_backward(self, block: Block, last: bool) -> None: ...
+    def release(self, block: Block) -> None: ...
+
+
+class BlockCall:
+    """One call of a block: its non-tensor arguments, how to rebuild them, its outputs' structure, and what
+    recomputation needs (RNG state, state before the forward, the block's step count at the forward)."""
+
+    def __init__(self, streamer: Streamer, block: Block, forward: Callable, flat: list, spec: Any):
+        self.streamer, self.block, self.forward = streamer, block, forward
+        self.positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        self.flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
+        self.spec = spec
+        self.out_flat: list = []
+        self.out_spec: Any = None
+        self.out_positions: list[int] = []
+        self.rng: tuple | None = None
+        self.captured = Captured(block.module, check_caches(block.prefix, flat))
+        self.steps = block.steps
+        self.node: weakref.ref | None = None  # the autograd node (ctx) of this call
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> Any:
+        flat = list(self.flat)
+        for position, tensor in zip(self.positions, tensors):
+            flat[position] = tensor
+        args, kwargs = pytree.tree_unflatten(flat, self.spec)
+        return self.forward(*args, **kwargs)
+
+    def rebuild(self, outputs: Sequence[torch.Tensor]) -> Any:
+        flat = list(self.out_flat)
+        for position, tensor in zip(self.out_positions, outputs):
+            flat[position] = tensor
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+    def will_run_backward(self) -> bool:
+        """This call's backward is still to run in the backward pass under way."""
+        node = self.node() if self.node is not None else None
+        return node is not None and torch._C._will_engine_execute_node(node)
+
+
+def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _device_type(tensors: Sequence[torch.Tensor]) -> str | None:
+    """The inputs' accelerator type; None (torch then uses the current accelerator's) when all are on the CPU."""
+    return next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+
+
+class Recompute(torch.autograd.Function):
+    """Runs a block keeping only its inputs; backward re-reads its parameters and recomputes it."""
+
+    @staticmethod
+    def forward(ctx, call: BlockCall, token: torch.Tensor, *tensors: torch.Tensor):
+        # token requires grad, so the outputs do even when no input does (the parameters are not inputs here)
+        ctx.call = call
+        call.node = weakref.ref(ctx)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*tensors)
+        device_type = _device_type(tensors)
+        call.rng = (torch.get_rng_state(), *get_device_states(*tensors), device_type)
+        streamer, block = call.streamer, call.block
+        streamer.acquire(block, "forward", training=True)
+        try:
+            with torch.enable_grad():  # the same grad mode, hence the same kernels, as the in-memory model
+                flat, call.out_spec = pytree.tree_flatten(call.run(detached(tensors)))
+            call.captured.detach_new_cache_entries()
+            call.out_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+            call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
+            outputs = tuple(flat[i].detach() for i in call.out_positions)
+            del flat  # the graph (and its views of the parameters) goes before the parameters are released
+        finally:
+            streamer.after_forward(block, training=True)
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        block.calls.add(call)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        call: BlockCall = ctx.call
+        streamer, block = call.streamer, call.block
+        inputs = detached(ctx.saved_tensors)  # (this may run torch.utils.checkpoint's recomputation first)
+        block.calls.discard(call)
+        last = not any(other.will_run_backward() for other in list(block.calls))
+        streamer.before_backward(call, last)
+        streamer.acquire(block, "backward", training=True)
+        try:
+            cpu_state, devices, states, device_type = call.rng
+            with call.captured.replay():  # (until the recomputed graph is done: it saved the buffers it read)
+                with torch.random.fork_rng(devices=devices, device_type=device_type):
+                    torch.set_rng_state(cpu_state)
+                    set_device_states(devices, states, device_type=device_type)
+                    with torch.enable_grad():
+                        flat, _ = pytree.tree_flatten(call.run(inputs))
+                pairs = [(flat[i], g) for i, g in zip(call.out_positions, grads)
+                         if g is not None and flat[i].requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                del flat, pairs
+        except BaseException:
+            streamer.release(block)
+            raise
+        streamer.after_backward(block, last)
+        return (None, None, *[t.grad if t.requires_grad else None for t in inputs])

@@ -1,0 +1,148 @@
+"""Where one block's parameters are: an explicit state with checked transitions.
+
+::
+
+    ON_STORAGE --start_read--> READING --materialize--> RESIDENT --release--> ON_STORAGE
+        ^                        |  (read failed / released)   |
+        |                        +--------> ON_STORAGE          +--step failed--> KEPT
+        |                                                       |                  |
+        +--write done-- WRITING <--------start_write------------+------------------+
+                           |
+                           +--write failed--> KEPT (memory holds the only valid copy)
+
+``close(restore=True)`` ends every block in RESTORED. A move not in ``TRANSITIONS`` raises ``ResidencyError`` at
+once, so a bookkeeping bug stops the program instead of computing with a placeholder or overwriting the only valid
+copy of a block.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..pool import round_up
+from ..tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
+
+
+class Residency(enum.Enum):
+    ON_STORAGE = "on storage"  # storage holds the values; the parameters are 0-element placeholders
+    READING = "reading"  # a read into a staging buffer is in flight
+    RESIDENT = "resident"  # the parameters point into the staging buffer of a completed read (storage agrees)
+    WRITING = "writing"  # a write of the values is in flight; the write holds the memory until it completes
+    KEPT = "kept"  # resident and the only valid copy (a write or step failed): never released until written
+    RESTORED = "restored"  # offloading ended: the parameters hold their values in memory for good
+
+
+TRANSITIONS: dict[Residency, frozenset[Residency]] = {
+    Residency.ON_STORAGE: frozenset({Residency.READING, Residency.RESTORED}),
+    Residency.READING: frozenset({Residency.RESIDENT, Residency.ON_STORAGE}),
+    Residency.RESIDENT: frozenset({Residency.ON_STORAGE, Residency.WRITING, Residency.KEPT, Residency.RESTORED}),
+    Residency.WRITING: frozenset({Residency.ON_STORAGE, Residency.KEPT}),
+    Residency.KEPT: frozenset({Residency.WRITING, Residency.RESTORED}),
+    Residency.RESTORED: frozenset(),
+}
+
+
+class ResidencyError(RuntimeError):
+    """A block was asked to move between residency states in an order that would lose or misuse its values."""
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def span(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of one group's file and staging buffer region holding ``tensors`` (as ``TensorSwapper`` packs them)."""
+    return round_up(sum(round_up(t.numel() * t.element_size(), TENSOR_ALIGNMENT) for t in tensors))
+
+
+def placeholder(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype or like.dtype, device=like.device)
+
+
+class Block:
+    """One block's parameters, their residency and the IO that holds their memory (``read`` while READING or
+    RESIDENT, ``write`` while WRITING)."""
+
+    def __init__(self, index: int, prefix: str, module: nn.Module, compute_dtype: torch.dtype | None):
+        self.index, self.prefix, self.module = index, prefix, module
+        self.group, self.grad_group = f"block{index}", f"grad{index}"
+        named = list(module.named_parameters())
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        if compute_dtype is None:
+            self.masters = list(self.params)
+        else:
+            self.masters = [nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in self.params]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.compute_dtype = compute_dtype
+        self.nbytes = nbytes(self.masters)
+        self.compute_nbytes = 0 if compute_dtype is None else \
+            sum(p.numel() for p in self.params) * torch.empty(0, dtype=compute_dtype).element_size()
+        self.trainable = any(p.requires_grad for p in self.params)
+        self.state = Residency.RESIDENT  # until offload_parameters has written it (see ``written_out``)
+        self.read: SwapIn | None = None
+        self.write: SwapOut | None = None
+        self.written: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}  # master-dtype gradients kept after their write failed
+        self.partial: dict[str, torch.Tensor] = {}  # ``param.grad`` of a pass's earlier backwards, while released
+        self.calls: weakref.WeakSet = weakref.WeakSet()  # training calls whose backward has not run yet
+        self.steps = 0  # optimizer steps of this block so far
+        self.stepped = False  # fused mode: stepped since the last ``ParameterOffload.step()``
+
+    def qualified(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def move(self, to: Residency) -> None:
+        if to not in TRANSITIONS[self.state]:
+            raise ResidencyError(f"block {self.prefix}: its parameters cannot go from {self.state.value} to "
+                                 f"{to.value} (a bookkeeping bug in deepoffload; please report it)")
+        self.state = to
+
+    @property
+    def in_memory(self) -> bool:
+        """The parameters hold real values (RESIDENT or KEPT)."""
+        return self.state in (Residency.RESIDENT, Residency.KEPT)
+
+    def resident_bytes(self) -> int:
+        held = self.state is not Residency.ON_STORAGE
+        return (self.nbytes if held else 0) + (self.compute_nbytes if self.in_memory else 0)
+
+    # -- values -----------------------------------------------------------------------------------------------
+    def set_data(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Point the parameters at ``tensors`` (master values; compute copies are cast from them)."""
+        for name, param, master in zip(self.names, self.params, self.masters):
+            tensor = tensors[name]
+            if master is param:
+                param.data = tensor
+            else:
+                master.data = tensor
+                param.data = tensor.to(self.compute_dtype)
+
+    def clear_data(self) -> None:
+        for param, master in zip(self.params, self.masters):
+            param.data = placeholder(param, self.compute_dtype)
+            if master is not param:
+                master.data = placeholder(master)
+
+    def stash_grads(self) -> None:
+        """Take ``param.grad`` off the parameters before they are released (an optimizer must not see gradients
+        of a block whose values are not in memory); ``restore_grads`` puts them back for its next backward, where
+        autograd adds to them exactly as in memory."""
+        for name, param in zip(self.names, self.params):
+            if param.grad is not None:
+                self.partial[name] = param.grad
+                param.grad = None
+
+    def restore_grads(self) -> None:
+        for name, param in zip(self.names, self.params):
+            if name in self.partial:
+                param.grad = self.partial.pop(name)
+
+    def master_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: master.detach() for name, master in zip(self.names, self.masters)}

@@ -1,0 +1,225 @@
+"""``BlockStore``: every block's IO (reads into staging buffers, write-backs, failures) as moves of its
+``Residency``, with the figures ``OffloadStats`` reports."""
+
+from __future__ import annotations
+
+import errno
+import time
+from typing import Sequence
+
+import torch
+
+from ..config import SwapConfig
+from ..pool import PAGE_SIZE
+from ..tensor_swapper import SwapIn, SwapOut, TensorSwapper
+from .residency import Block, Residency, span
+
+
+class BlockStore:
+    """Owns the blocks' ``TensorSwapper``. Staging buffers: the current block, the prefetch window and one write
+    behind; anything more (gradients in grads mode) gets short-lived one-off buffers, so idle pooled memory stays
+    within (prefetch + 2) blocks."""
+
+    def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig):
+        self.blocks = list(blocks)
+        self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE)
+        self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
+        self.io_wait = 0.0
+        self.grad_bytes = 0
+        self.peak = 0
+        self.peak_grad = 0
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def offload_all(self) -> None:
+        """Write every block out (two writes in flight at most); release the parameters only once all are on
+        storage, so a failure leaves the module exactly as it was."""
+        writes: list[tuple[Block, SwapOut]] = []
+        try:
+            for block in self.blocks:
+                writes.append((block, self.swapper.swap_out({block.group: block.master_tensors()})))
+                if len(writes) > 1:
+                    self._wait_setup(*writes[-2])
+            if writes:
+                self._wait_setup(*writes[-1])
+        except BaseException:
+            try:
+                self.swapper.close()
+            except OSError:
+                pass  # the first failure is the one reported
+            raise
+        for block in self.blocks:
+            block.clear_data()
+            block.move(Residency.ON_STORAGE)
+
+    @staticmethod
+    def _wait_setup(block: Block, write: SwapOut) -> None:
+        try:
+            write.wait()
+        except OSError as e:
+            raise OSError(e.errno, f"offloading the parameters of block {block.prefix} failed ({e.strerror}); the "
+                                   f"module is unchanged", e.filename) from e
+
+    # -- reads and releases -----------------------------------------------------------------------------------
+    def start_read(self, block: Block) -> None:
+        """Start reading ``block`` unless it is being read or in memory (a write in flight is waited for)."""
+        if block.state in (Residency.READING, Residency.RESIDENT, Residency.KEPT):
+            return
+        self.wait_write(block)
+        records = self.swapper.records(block.group)
+        if len(records) != len(block.names):
+            raise RuntimeError(f"block {block.prefix}: nothing valid on storage for its parameters "
+                               f"{', '.join(block.qualified(n) for n in block.names[:3])}... (an earlier write "
+                               f"failed and the copy in memory is gone)")
+        try:
+            block.read = self.swapper.swap_in([block.group])
+        except OSError as e:
+            raise self._read_error(block, e) from e
+        block.move(Residency.READING)
+        self.note_peak()
+
+    def materialize(self, block: Block) -> None:
+        """Wait for ``block``'s read and point its parameters at the values (no-op when in memory)."""
+        if block.in_memory:
+            return
+        if block.state is not Residency.READING:
+            block.move(Residency.RESIDENT)  # raises: nothing is being read
+        start = time.perf_counter()
+        try:
+            tensors = block.read.wait()[block.group]
+        except OSError as e:
+            block.read = None
+            block.move(Residency.ON_STORAGE)
+            raise self._read_error(block, e) from e
+        finally:
+            self.io_wait += time.perf_counter() - start
+        block.set_data(tensors)
+        block.move(Residency.RESIDENT)
+        self.note_peak()
+
+    def _read_error(self, block: Block, error: OSError) -> OSError:
+        names = ", ".join(block.qualified(n) for n in block.names)
+        path = error.filename or next(iter(self.swapper.records(block.group).values())).file
+        if error.errno == errno.ENOENT:
+            return FileNotFoundError(errno.ENOENT, f"the swap file of parameter {block.qualified(block.names[0])} "
+                                                   f"(block {block.prefix}: {names}) is missing; it was deleted while "
+                                                   f"offloaded, so these parameters are lost", path)
+        return OSError(error.errno, f"reading parameters {names} (block {block.prefix}) failed: {error.strerror}",
+                       path)
+
+    def release(self, block: Block) -> None:
+        """Drop ``block``'s memory if storage holds its values (READING or RESIDENT); other states are kept."""
+        if block.state not in (Residency.READING, Residency.RESIDENT):
+            return
+        if block.state is Residency.RESIDENT:
+            block.clear_data()
+        if block.read is not None:
+            block.read.release()
+            block.read = None
+        block.move(Residency.ON_STORAGE)
+
+    def keep(self, block: Block) -> None:
+        """The values in memory changed and storage does not have them (a step failed half-way): never release
+        them until written."""
+        if block.read is not None:
+            block.read.detach()  # the values stay in memory, outside the pool
+            block.read = None
+        if block.state is Residency.RESIDENT:
+            block.move(Residency.KEPT)
+
+    def read_copy(self, block: Block) -> dict[str, torch.Tensor]:
+        """Copies of the block's master values (from memory when in memory, else read and released)."""
+        if block.in_memory:
+            return {name: t.clone() for name, t in block.master_tensors().items()}
+        self.start_read(block)
+        try:
+            self.materialize(block)
+            return {name: t.clone() for name, t in block.master_tensors().items()}
+        finally:
+            self.release(block)
+
+    def restore(self, block: Block, tensors: dict[str, torch.Tensor]) -> None:
+        """End offloading of ``block``: its parameters hold ``tensors`` (master values) from now on."""
+        self.release(block)
+        block.move(Residency.RESTORED)
+        for name, param in zip(block.names, block.params):
+            param.data = tensors[name]
+
+    # -- writes -----------------------------------------------------------------------------------------------
+    def _start_write(self, block: Block, staged: SwapIn | None) -> None:
+        tensors = block.master_tensors()
+        block.write = self.swapper.swap_out({block.group: tensors}, staged=staged)
+        block.written = tensors
+        block.clear_data()  # the write holds the bytes now; the parameters let go
+        block.move(Residency.WRITING)
+        self.note_peak()
+
+    def wait_write(self, block: Block) -> None:
+        if block.state is not Residency.WRITING:
+            return
+        start = time.perf_counter()
+        try:
+            block.write.wait()
+            block.move(Residency.ON_STORAGE)
+        except OSError as e:
+            block.set_data(block.written)  # the bytes stay in memory, where they are the only valid copy
+            block.move(Residency.KEPT)
+            raise OSError(e.errno, f"writing the parameters of block {block.prefix} failed ({e.strerror}); they "
+                                   f"stay in memory; free space and call flush()", e.filename) from e
+        finally:
+            block.write, block.written = None, {}
+            self.io_wait += time.perf_counter() - start
+            self.note_peak()
+
+    def wait_writes(self) -> None:
+        """Wait for every parameter write in flight; raise the first failure (those blocks are KEPT)."""
+        error = None
+        for block in self.blocks:
+            try:
+                self.wait_write(block)
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error
+
+    def write_back(self, block: Block) -> None:
+        """Start writing the in-memory (RESIDENT or KEPT) block's values; its memory is released when the write
+        succeeds. One block write in flight at most."""
+        self.wait_writes()
+        staged, block.read = block.read, None
+        try:
+            self._start_write(block, staged=staged)
+        except BaseException:
+            if block.state is Residency.RESIDENT:
+                block.move(Residency.KEPT)  # the values stay where they are (the staging buffer left the pool)
+            raise
+
+    def flush_kept(self) -> OSError | None:
+        """Write out every KEPT block and wait; return the first failure (those stay KEPT)."""
+        error = None
+        for block in self.blocks:
+            if block.state is Residency.KEPT:
+                try:
+                    self._start_write(block, staged=None)
+                    self.wait_write(block)
+                except OSError as e:
+                    error = error or e
+        return error
+
+    # -- figures ----------------------------------------------------------------------------------------------
+    def timed_wait(self, read: SwapIn) -> dict:
+        start = time.perf_counter()
+        try:
+            return read.wait()
+        finally:
+            self.io_wait += time.perf_counter() - start
+
+    def resident_bytes(self) -> int:
+        return sum(b.resident_bytes() for b in self.blocks)
+
+    def note_peak(self) -> None:
+        self.peak = max(self.peak, self.resident_bytes())
+        self.peak_grad = max(self.peak_grad, self.grad_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak = self.resident_bytes()
+        self.peak_grad = self.grad_bytes

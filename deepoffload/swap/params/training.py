@@ -1,0 +1,275 @@
+"""Training modes: what happens to a block's gradients once its backward is complete, and what ``step()`` does.
+
+- ``Fused``: the block's optimizer step runs inside backward; its weights are written back and gradients freed.
+- ``Grads``: the block's gradients go to storage (accumulated there); ``step()`` streams weights and gradients in
+  block by block, optionally clipping by the global norm first (two streamed passes).
+
+Both talk to the blocks only through ``BlockStore`` (residency moves) and to the optimizers through
+``OffloadedOptimizer``'s public methods."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .. import grad_norm
+from ..optimizer import OffloadedOptimizer
+from ..tensor_swapper import SwapIn, SwapOut
+from .residency import Block, nbytes
+from .store import BlockStore
+
+
+class Training:
+    """Shared by both modes: stepping a resident block and gathering its gradients."""
+
+    name = ""
+
+    def __init__(self, module: nn.Module, store: BlockStore, prefetch: int, rest: list[nn.Parameter],
+                 block_optimizer: OffloadedOptimizer | None, rest_optimizer: OffloadedOptimizer | None):
+        self.module, self.store, self.prefetch, self.rest = module, store, prefetch, rest
+        self.block_optimizer, self.rest_optimizer = block_optimizer, rest_optimizer
+        self.optimizer_seconds = 0.0
+
+    # -- the interface ParameterOffload uses ------------------------------------------------------------------
+    def before_backward(self, block: Block, last: bool) -> None:
+        """The block is about to back-propagate (``last``: for the last time in this pass)."""
+
+    def after_backward(self, block: Block) -> None:
+        """The block's gradients for this pass are complete (its last backward); it is still resident."""
+        raise NotImplementedError
+
+    def end_step(self) -> None:
+        """``ParameterOffload.step()`` finished a training step."""
+
+    def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Step the blocks as the mode requires; return the total gradient norm and the clip coefficient for the
+        other parameters' gradients (both None without clipping)."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Drop every gradient of the blocks, in memory and on storage."""
+        for block in self.store.blocks:
+            block.grads, block.partial = {}, {}
+            for param in block.params:
+                param.grad = None
+
+    def finish_writes(self) -> None:
+        """Wait for gradient writes in flight (raise the first failure)."""
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def step_block(self, block: Block, grads: dict[str, torch.Tensor]) -> None:
+        """Step the block's resident masters with ``grads`` (master dtype) and start writing them back."""
+        for name, master in zip(block.names, block.masters):
+            master.grad = grads.get(name)
+        start = time.perf_counter()
+        try:
+            self.block_optimizer.step()
+            block.steps += 1
+        except BaseException:
+            self.store.keep(block)  # the updated values stay in memory, the only valid copy
+            raise
+        finally:
+            self.optimizer_seconds += time.perf_counter() - start
+            for param, master in zip(block.params, block.masters):
+                master.grad = None
+                param.grad = None
+        self.store.write_back(block)
+
+    @staticmethod
+    def block_grads(block: Block, consume: bool = True) -> dict[str, torch.Tensor]:
+        """The block's in-memory gradients in the master dtype (``param.grad`` added to any kept after a failed
+        write; with ``consume`` the block holds none of those kept afterwards)."""
+        grads = {name: (param.grad if param is master else param.grad.to(master.dtype))
+                 for name, param, master in zip(block.names, block.params, block.masters) if param.grad is not None}
+        kept = block.grads
+        if consume:
+            block.grads = {}
+        for name, grad in kept.items():
+            grads[name] = torch.add(grad, grads[name]) if name in grads else grad
+        return grads
+
+
+class Fused(Training):
+    name = "fused"
+
+    def before_backward(self, block: Block, last: bool) -> None:
+        """Refuse a second step of the block before ``step()``; on its last backward of the pass start reading its
+        optimizer state, so the step that follows finds it in memory."""
+        if not (last and block.trainable):
+            return
+        if block.stepped:
+            raise RuntimeError(f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
+                               f"accumulation, or a second loss): each block steps inside its backward, so the "
+                               f"second pass would step it again. Call step() after each backward, or use "
+                               f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
+        self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+
+    def after_backward(self, block: Block) -> None:
+        if not block.trainable:
+            self.store.release(block)
+            return
+        block.stepped = True
+        grads = self.block_grads(block)
+        self.store.grad_bytes = nbytes(grads.values())
+        self.store.note_peak()
+        self.step_block(block, grads)
+        self.store.grad_bytes = 0
+
+    def end_step(self) -> None:
+        for block in self.store.blocks:
+            block.stepped = False
+
+    def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[None, None]:
+        if clip_grad_norm is not None:
+            raise ValueError("step(clip_grad_norm=...): clipping by the global gradient norm is impossible in "
+                             "fused mode (each block already stepped inside backward, before the other blocks' "
+                             "gradients existed); use offload_parameters(..., mode=\"grads\") to clip")
+        return None, None
+
+
+class Grads(Training):
+    name = "grads"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grad_writes: list[tuple[Block, SwapOut, dict]] = []
+
+    @property
+    def swapper(self):
+        return self.store.swapper
+
+    def after_backward(self, block: Block) -> None:
+        """Send the block's gradients to storage (added to those already there); ``param.grad`` is freed now and
+        given back if the write fails."""
+        grads = self.block_grads(block)
+        self.store.grad_bytes = nbytes(grads.values()) + sum(nbytes(g.values()) for _, _, g in self.grad_writes)
+        self.store.note_peak()
+        self.finish_writes()
+        if grads:
+            if self.swapper.records(block.grad_group):
+                read = self.swapper.swap_in([block.grad_group])
+                try:
+                    stored = self.store.timed_wait(read)[block.grad_group]
+                    grads = {name: torch.add(stored[name], grad) if name in stored else grad
+                             for name, grad in grads.items()}
+                finally:
+                    read.release()
+            write = self.swapper.swap_out({block.grad_group: grads})
+            self.grad_writes.append((block, write, grads))
+            self.store.grad_bytes = nbytes(grads.values())
+            self.store.note_peak()
+            for param in block.params:
+                param.grad = None
+        self.store.release(block)
+
+    def finish_writes(self) -> None:
+        error = None
+        while self.grad_writes:
+            block, write, grads = self.grad_writes.pop(0)
+            start = time.perf_counter()
+            try:
+                write.wait()
+            except OSError as e:
+                block.grads = grads  # the bytes on storage are unknown now: memory holds the only copy
+                error = error or OSError(e.errno, f"writing the gradients of block {block.prefix} failed "
+                                                  f"({e.strerror}); they stay in memory and step() uses them",
+                                         e.filename)
+            finally:
+                self.store.io_wait += time.perf_counter() - start
+        self.store.grad_bytes = sum(nbytes(b.grads.values()) for b in self.store.blocks)
+        if error is not None:
+            raise error
+
+    def zero_grad(self) -> None:
+        self.finish_writes()
+        for block in self.store.blocks:
+            self.swapper.discard(block.grad_group)
+        super().zero_grad()
+
+    def blocks_with_grads(self) -> list[Block]:
+        """Finish the gradient writes, release the blocks and list those holding gradients (on storage, or in
+        memory after a failed write), in order."""
+        self.finish_writes()
+        for block in self.store.blocks:
+            self.store.release(block)
+        return [b for b in self.store.blocks if self.swapper.records(b.grad_group) or b.grads
+                or any(p.grad is not None for p in b.params)]
+
+    def stream_grads(self, todo: list[Block], start_also: Callable[[Block], None] | None = None,
+                     prepare: Callable[[Block], None] | None = None, discard: bool = False
+                     ) -> Iterator[tuple[Block, dict[str, torch.Tensor]]]:
+        """Yield each block of ``todo`` with its gradients (master dtype), read from storage ``prefetch`` blocks
+        ahead (pooled staging buffers, valid until the next block is asked for) or, after a failed write dropped
+        the file, taken from memory. ``start_also(block)`` starts the block's other reads along with its
+        gradients'; ``prepare(block)`` runs before its gradients are taken (a failure there loses none of those
+        kept in memory); ``discard`` deletes each block's stored gradients once the caller is done with them."""
+        reads: dict[int, SwapIn] = {}
+
+        def start(k: int) -> None:
+            if k < len(todo):
+                block = todo[k]
+                if start_also is not None:
+                    start_also(block)
+                if self.swapper.records(block.grad_group):
+                    reads[block.index] = self.swapper.swap_in([block.grad_group])
+
+        try:
+            for k in range(self.prefetch + 1):
+                start(k)
+            for k, block in enumerate(todo):
+                read = reads.pop(block.index, None)
+                try:
+                    if prepare is not None:
+                        prepare(block)
+                    grads = self.block_grads(block, consume=discard)
+                    if read is not None:
+                        grads = self.store.timed_wait(read)[block.grad_group]
+                    yield block, grads
+                finally:
+                    if read is not None:
+                        read.release()
+                if discard:
+                    self.swapper.discard(block.grad_group)
+                start(k + 1 + self.prefetch)
+        finally:
+            for read in reads.values():
+                read.release()
+
+    def global_norm(self, todo: list[Block], norm_type: float) -> torch.Tensor:
+        """The norm of every gradient, the blocks' streamed from storage one window at a time, taken exactly as
+        ``torch.nn.utils.clip_grad_norm_(module.parameters())`` takes it (see ``grad_norm``)."""
+        norms: dict[int, torch.Tensor] = {}
+        rest = [p for p in self.rest if p.grad is not None]
+        norms.update(zip(map(id, rest), grad_norm.tensor_norms([p.grad for p in rest], norm_type)))
+        for block, grads in self.stream_grads(todo):
+            params = [p for name, p in zip(block.names, block.params) if name in grads]
+            values = grad_norm.tensor_norms([grads[name] for name in block.names if name in grads], norm_type)
+            norms.update(zip(map(id, params), values))
+        ordered = [norms[id(p)] for p in self.module.parameters() if id(p) in norms]
+        return grad_norm.total_norm(ordered, norm_type)
+
+    def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        total = coefficient = None
+        if clip_grad_norm is not None:
+            total = self.global_norm(self.blocks_with_grads(), norm_type)
+            coefficient = grad_norm.clip_coefficient(clip_grad_norm, total)
+        if self.block_optimizer is not None:
+            self._step_streamed(self.blocks_with_grads(), coefficient)
+        return total, coefficient
+
+    def _step_streamed(self, todo: list[Block], coefficient: torch.Tensor | None) -> None:
+        """Weights and gradients in, (clip), step, weights out, block by block (``prefetch`` ahead)."""
+        def start_also(block: Block) -> None:
+            self.store.start_read(block)
+            self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+
+        for block, grads in self.stream_grads(todo, start_also, prepare=self.store.materialize, discard=True):
+            if coefficient is not None:
+                grad_norm.scale_([grads[name] for name in block.names if name in grads], coefficient)
+            self.step_block(block, grads)
+
+
+MODES: dict[str, type[Training]] = {"fused": Fused, "grads": Grads}
