@@ -6,7 +6,10 @@ the chunk's parameters, and writes the (possibly new, resized or re-typed) state
 and chunk k-1 written while chunk k steps. The wrapped optimizer does all the math, parameter by parameter as it
 always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory.
 
-Optimizers that need all parameters at once inside one step (``LBFGS``) are refused.
+Optimizers that need all parameters at once inside one step, or whose ``step`` requires a closure (``LBFGS``),
+are refused at construction. The wrapped optimizer is stepped without its own step hooks (its class's ``step``
+unwrapped), so step hooks fire once per step, on this wrapper. A step that fails part way leaves each parameter
+and its state either fully stepped or untouched, and the error's note says which.
 
 Distributed training: build the optimizer after wrapping the model (``fully_shard`` for FSDP2, whose DTensor
 parameters have their local shard stored; ``DistributedDataParallel``) inside an initialised process group. Each
@@ -18,6 +21,8 @@ base folder safely, across machines each uses its local disk. A multi-node job i
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
@@ -27,6 +32,46 @@ from .config import SwapConfig
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
 
 UNSUPPORTED = (torch.optim.LBFGS,)
+_WRAPPED = "_deepoffload_wrapped"  # set on an optimizer once an OffloadedOptimizer has taken its state
+
+
+def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the optimizer's ``step`` has a first argument without a default (it needs a closure)."""
+    try:
+        signature = inspect.signature(type(optimizer).step)  # follows torch's hook wrapper to the real step
+    except (TypeError, ValueError):
+        return False
+    params = list(signature.parameters.values())[1:]  # after self
+    first = params[0] if params else None
+    return (first is not None and first.default is inspect.Parameter.empty
+            and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD))
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """The optimizer's own ``step`` without torch's hook wrapper (which would run every global step hook once per
+    chunk, with the wrapped optimizer as argument)."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return functools.partial(step.__wrapped__, optimizer)
+    return optimizer.step
+
+
+def _check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        raise TypeError("OffloadedOptimizer: the wrapped optimizer has step hooks of its own, which would not run; "
+                        "register them on the OffloadedOptimizer (opt.register_step_pre_hook / "
+                        "register_step_post_hook) instead")
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    parts: list[str] = []
+    for i in indices:
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
 @contextlib.contextmanager
@@ -41,6 +86,12 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _storable(value: Any) -> bool:
+    """A tensor with one byte buffer (strided, not quantized); others (e.g. SGD's sparse momentum for sparse
+    gradients) stay in memory."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized
 
 
 def _state_bytes(tensor: torch.Tensor) -> int:
@@ -89,10 +140,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                             f"{optimizer!r}")
         if isinstance(inner, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer: the optimizer is already offloaded")
-        if isinstance(inner, UNSUPPORTED):
-            raise TypeError(f"OffloadedOptimizer: {type(inner).__name__} evaluates the loss and keeps state across "
-                            f"all parameters inside one step, so it cannot step in chunks; use another optimizer")
+        if isinstance(inner, UNSUPPORTED) or _requires_closure(inner):
+            raise TypeError(f"OffloadedOptimizer: {type(inner).__name__}.step requires a closure (it evaluates the "
+                            f"loss inside its step, across all parameters), so it cannot step in chunks; use an "
+                            f"optimizer whose step works without a closure")
+        if getattr(inner, _WRAPPED, False):
+            raise TypeError(f"OffloadedOptimizer: this {type(inner).__name__} is already wrapped by an "
+                            f"OffloadedOptimizer, which moved its tensor state to storage; use that wrapper (or build "
+                            f"a new optimizer: wrapping it again would silently restart its state)")
+        _check_no_step_hooks(inner)
+        setattr(inner, _WRAPPED, True)
         self.optimizer = inner
+        self._inner_step = _unhooked_step(inner)
         self.config = config or SwapConfig()
         self.swapper = TensorSwapper(self.config)
         self._names: dict[torch.Tensor, str] = {}
@@ -158,7 +217,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter with a gradient; ``closure`` (if any) is evaluated once first,
-        with gradients enabled, and its result returned."""
+        with gradients enabled, and its result returned (the wrapped optimizer steps without it).
+
+        If the step fails part way (a read fails, the wrapped optimizer raises), the parameters of the chunks
+        already stepped keep their step and its state, the others are untouched with their state as before; the
+        error carries a note listing both (positions in ``param_groups`` order). A failed write does not stop the
+        step: every parameter is stepped, that state stays in memory, and the ``OSError`` is raised at the end."""
+        _check_no_step_hooks(self.optimizer)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -166,6 +231,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         with _intra_op_threads(self._compute_threads):
             self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
         return loss
+
+    def _note_stopped(self, error: BaseException, chunks: list[list[torch.Tensor]], stepped: int,
+                      failed_inside: bool) -> None:
+        """Say on ``error`` which parameters the interrupted step changed and which it did not."""
+        position = {id(p): i for i, p in enumerate(self._params())}
+        done = sorted(position[id(p)] for chunk in chunks[:stepped] for p in chunk)
+        rest = sorted(position[id(p)] for chunk in chunks[stepped:] for p in chunk)
+        note = (f"OffloadedOptimizer.step stopped: parameters {_ranges(done)} (positions in param_groups order) "
+                f"were fully stepped, their state stored or kept in memory; parameters {_ranges(rest)} were not "
+                f"stepped and their state is as before the step")
+        if failed_inside:
+            failing = sorted(position[id(p)] for p in chunks[stepped])
+            note += (f" (the wrapped optimizer raised while stepping {_ranges(failing)}: they are as it left them; "
+                     f"torch's optimizers check their inputs before changing anything)")
+        if hasattr(error, "add_note"):
+            error.add_note(note)
 
     def prefetch(self, params: Iterable[torch.Tensor]) -> None:
         """Start reading the stored state of ``params`` in the chunks a ``step()`` over exactly these parameters
@@ -194,7 +275,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         try:
             for group in groups:
                 group["params"] = [p for p in group["params"] if p in chosen]
-            self.optimizer.step()
+            self._inner_step()
         finally:
             for group, params in zip(groups, saved):
                 group["params"] = params
@@ -229,6 +310,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         current: SwapIn | None = None
         error: OSError | None = None  # a failed write: the step still completes (that state stays in memory)
         ahead = max(1, self.config.buffer_count - 2)  # chunks read ahead; one buffer steps, one writes behind
+        stepped, inside = 0, False  # chunks whose action finished; whether the action itself raised
         try:
             for k, chunk in enumerate(chunks):
                 while len(reads) <= ahead and k + len(reads) < len(chunks):
@@ -239,7 +321,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for name, tensors in current.wait().items():
                     self.optimizer.state[by_name[name]].update(tensors)
                 if action is not None:
+                    inside = True
                     action(chunk)
+                    inside = False
+                stepped = k + 1
                 writes.append(self._write(chunk, current))
                 current = None
                 pending = []
@@ -252,6 +337,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     except OSError as e:
                         error = error or e
                 writes = pending
+        except BaseException as e:
+            if action is not None:
+                self._note_stopped(e, chunks, stepped, inside)
+            raise
         finally:
             if current is not None:  # its state stays in memory, in use: the buffer leaves the pool
                 current.detach()
@@ -266,11 +355,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise error
 
     def _read(self, chunk: list[torch.Tensor]) -> SwapIn:
-        return self.swapper.swap_in([self._name(p) for p in chunk if self.swapper.records(self._name(p))])
+        return self.swapper.swap_in([self._name(p) for p in chunk if self.swapper.has(self._name(p))])
 
     def _write(self, chunk: list[torch.Tensor], staged: SwapIn) -> SwapOut:
-        written = {p: {k: v for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-                   for p in chunk}
+        written = {p: {k: v for k, v in self.optimizer.state.get(p, {}).items() if _storable(v)} for p in chunk}
         written = {p: tensors for p, tensors in written.items() if tensors}
 
         def drop() -> None:  # the bytes are safe on storage: release the memory
@@ -286,42 +374,65 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self.swapper.swap_out({self._name(p): t for p, t in written.items()}, on_done=drop, staged=staged)
 
     def _swap_out_resident(self) -> None:
-        params = [p for p in self._params()
-                  if any(isinstance(v, torch.Tensor) for v in self.optimizer.state.get(p, {}).values())]
+        params = [p for p in self._params() if any(_storable(v) for v in self.optimizer.state.get(p, {}).values())]
         self._run(self._chunks(params), None)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()`` with the tensor state read back from storage (copies the
-        caller owns; suitable for ``torch.save``)."""
+        caller owns; suitable for ``torch.save``). State-dict hooks registered on this wrapper run as torch's do."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        result = self._gather_state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            changed = hook(self, result)
+            if changed is not None:
+                result = changed
+        return result
+
+    def _gather_state_dict(self) -> dict[str, Any]:
+        self._drop_prefetched()
         self.swapper.wait_all()
         result = self.optimizer.state_dict()
-        index = {id(p): i for i, p in enumerate(self._params())}
-        state = {}
-        for key, values in result["state"].items():
-            state[key] = dict(values)
-        for param in self._params():
-            name = self._name(param)
-            if not self.swapper.records(name):
-                continue
-            read = self.swapper.swap_in([name])
-            try:
-                tensors = {k: v.clone() for k, v in read.wait()[name].items()}
-            finally:
+        state = {key: dict(values) for key, values in result["state"].items()}
+        params = self._params()
+        index = {id(p): i for i, p in enumerate(params)}
+        chunks = self._chunks([p for p in params if self.swapper.has(self._name(p))])
+        reads: list[SwapIn] = []
+        try:
+            for k, chunk in enumerate(chunks):  # chunk by chunk, the next one read meanwhile
+                while len(reads) < 2 and k + len(reads) < len(chunks):
+                    reads.append(self._read(chunks[k + len(reads)]))
+                read = reads.pop(0)
+                try:
+                    by_name = {self._name(p): p for p in chunk}
+                    for name, tensors in read.wait().items():
+                        copies = {key: value.clone() for key, value in tensors.items()}
+                        state.setdefault(index[id(by_name[name])], {}).update(copies)
+                finally:
+                    read.release()
+        finally:
+            for read in reads:
                 read.release()
-            state.setdefault(index[id(param)], {}).update(tensors)
         result["state"] = state
         return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (from ``state_dict()`` of this class or of the plain optimizer) and move its tensor
-        state to storage."""
+        state to storage. Load-state-dict hooks registered on this wrapper run as torch's do."""
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            changed = hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
         self._drop_prefetched()
         self.swapper.wait_all()
         self.optimizer.load_state_dict(state_dict)
         for param in self._params():
             self.swapper.discard(self._name(param))
         self._swap_out_resident()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # -- lifetime and figures ---------------------------------------------------------------------------------
     def stored_bytes(self) -> int:
@@ -340,6 +451,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("OffloadedOptimizer cannot be pickled, copied or deep-copied (torch.save(opt) included): "
+                        "its tensor state lives in swap files this object owns. Save opt.state_dict() (the real "
+                        "state, read from storage) and load it with load_state_dict() into a new OffloadedOptimizer")
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.optimizer!r}, folder={self.swapper.folder!r})"

@@ -11,6 +11,7 @@ completed; a failed write drops them (the file is unknown now) and the caller ke
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -67,11 +68,14 @@ def _checked(group: str, key: str, tensor: object) -> torch.Tensor:
 
 
 def _hash(region: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous CPU uint8 tensor's bytes, read in place (through ctypes, not numpy)."""
     try:
         import xxhash
     except ImportError as e:
         raise ImportError("checksum=True needs the xxhash package: pip install xxhash") from e
-    return xxhash.xxh3_64_intdigest(region.numpy()) if region.numel() else 0
+    if not region.numel():
+        return 0
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * region.numel()).from_address(region.data_ptr()))
 
 
 def _group_span(records: Iterable[SwapRecord]) -> int:
@@ -218,6 +222,8 @@ class TensorSwapper:
 
     def __init__(self, config: SwapConfig | None = None, *, rank: int | None = None):
         self.config = config or SwapConfig()
+        if self.config.checksum:
+            _hash(torch.zeros(1, dtype=torch.uint8))  # a missing xxhash fails here, not in the middle of a swap
         self.folder = create_run_folder(self.config.folder, rank)
         if self.config.keep_files:
             keep_run_folder(self.folder)
@@ -235,6 +241,10 @@ class TensorSwapper:
     def records(self, group: str) -> Mapping[str, SwapRecord]:
         """The records of a group's tensors on storage (empty if none)."""
         return dict(self._records.get(group, {}))
+
+    def has(self, group: str) -> bool:
+        """True when the group has records on storage."""
+        return bool(self._records.get(group))
 
     def groups(self) -> list[str]:
         return list(self._records)
