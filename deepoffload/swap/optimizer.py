@@ -153,8 +153,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.optimizer = inner
         self._inner_step = _unhooked_step(inner)
         self.config = config or SwapConfig()
-        self.swapper = TensorSwapper(self.config)
-        self._names: dict[torch.Tensor, str] = {}
+        self.swapper = TensorSwapper(self.config, packed=True)
+        self._names: dict[int, str] = {}  # id(param) -> its group name (params stay alive in param_groups)
         self._compute_threads: int | None = None
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
@@ -205,9 +205,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none)
 
     def _name(self, param: torch.Tensor) -> str:
-        name = self._names.get(param)
+        name = self._names.get(id(param))
         if name is None:
-            name = self._names[param] = f"param{len(self._names)}"
+            name = self._names[id(param)] = f"param{len(self._names)}"
         return name
 
     def _params(self) -> list[torch.Tensor]:
@@ -269,12 +269,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return kept
 
     def _step_chunk(self, chunk: list[torch.Tensor]) -> None:
-        chosen = set(chunk)
+        chosen = set(map(id, chunk))
         groups = self.param_groups
         saved = [group["params"] for group in groups]
         try:
             for group in groups:
-                group["params"] = [p for p in group["params"] if p in chosen]
+                group["params"] = [p for p in group["params"] if id(p) in chosen]
             self._inner_step()
         finally:
             for group, params in zip(groups, saved):
@@ -459,3 +459,4 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.optimizer!r}, folder={self.swapper.folder!r})"
+
