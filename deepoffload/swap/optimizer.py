@@ -157,6 +157,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._names: dict[int, str] = {}  # id(param) -> its group name (params stay alive in param_groups)
         self._compute_threads: int | None = None
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
+        self._backward: _BackwardSteps | None = None  # step_in_backward's plan and progress, when on
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -228,9 +229,29 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._backward is not None:
+            self._backward.finish()
+            return loss
         with _intra_op_threads(self._compute_threads):
             self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
         return loss
+
+    def step_in_backward(self, enabled: bool = True) -> None:
+        """Opt-in overlap with the backward pass: each chunk of parameters (planned in reverse order, as backward
+        produces gradients) steps as soon as all its gradients are accumulated, inside ``backward()``, while the
+        next chunks' state is read; the first chunks' state is read during the forward pass. ``step()`` then
+        steps the parameters whose chunk did not complete (e.g. some got no gradient) and waits for the writes.
+        Results are bit-identical to the plain optimizer.
+
+        Requires one ``backward()`` per ``step()`` and gradients used as backward leaves them: a second backward
+        before ``step()`` (gradient accumulation) raises in that backward; gradients changed after backward
+        (clipping, GradScaler's unscale) are detected at ``step()``, which raises. Step pre-hooks run at
+        ``step()``, after most parameters were stepped. ``enabled=False`` returns to stepping in ``step()``."""
+        if enabled and self._backward is None:
+            self._backward = _BackwardSteps(self)
+        elif not enabled and self._backward is not None:
+            self._backward.close()
+            self._backward = None
 
     def _note_stopped(self, error: BaseException, chunks: list[list[torch.Tensor]], stepped: int,
                       failed_inside: bool) -> None:
@@ -439,9 +460,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Bytes of optimizer state held on storage now."""
         return self.swapper.stored_bytes()
 
+    def _close_backward(self) -> None:
+        if self._backward is not None:
+            self._backward.close()
+            self._backward = None
+
     def close(self) -> None:
         """Finish all IO and remove the swap files (unless ``keep_files``). The optimizer is unusable after."""
         try:
+            self._close_backward()
             self._drop_prefetched()
         finally:
             self.swapper.close()
@@ -460,3 +487,120 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.optimizer!r}, folder={self.swapper.folder!r})"
 
+
+class _BackwardSteps:
+    """``step_in_backward``: the chunks (reverse parameter order), which of their gradients are ready, which chunks
+    stepped in this backward, and their writes."""
+
+    def __init__(self, optimizer: OffloadedOptimizer):
+        self.optimizer = optimizer
+        self.ready: list[set[int]] = []
+        self.stepped: dict[int, int] = {}  # id(param) -> its gradient's version when it was stepped
+        self.writes: list[SwapOut] = []
+        self.error: OSError | None = None
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                        for p in optimizer._params() if p.requires_grad]
+        self._plan()
+
+    def _plan(self) -> None:
+        """Chunks for the coming backward, and their first ones' state read now (during the forward)."""
+        opt = self.optimizer
+        self.chunks = opt._chunks([p for p in reversed(opt._params()) if p.requires_grad])
+        self.index = {id(p): k for k, chunk in enumerate(self.chunks) for p in chunk}
+        self.ready = [set() for _ in self.chunks]
+        self.next = 0  # reads are started for chunks from here on, in plan order
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        opt = self.optimizer
+        ahead = max(1, opt.config.buffer_count - 2)
+        while self.next < len(self.chunks) and len(opt._prefetched) < ahead:
+            chunk = self.chunks[self.next]
+            self.next += 1
+            if len(self.ready[self.next - 1]) < len(chunk):
+                opt._prefetched[tuple(map(id, chunk))] = opt._read(chunk)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if id(param) in self.stepped:
+            raise RuntimeError("OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
+                               "accumulation?); each parameter already stepped with the first backward's gradient. "
+                               "Call step() after every backward, or opt.step_in_backward(False)")
+        k = self.index.get(id(param))
+        if k is None:
+            return
+        self.ready[k].add(id(param))
+        if len(self.ready[k]) == len(self.chunks[k]):
+            with torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
+                self._step(k)
+
+    def _step(self, k: int) -> None:
+        opt, chunk = self.optimizer, self.chunks[k]
+        read = opt._prefetched.pop(tuple(map(id, chunk)), None) or opt._read(chunk)
+        applied = False
+        try:
+            by_name = {opt._name(p): p for p in chunk}
+            for name, tensors in read.wait().items():
+                opt.optimizer.state[by_name[name]].update(tensors)
+            applied = True
+            opt._step_chunk(chunk)
+            self.writes.append(opt._write(chunk, read))
+        except BaseException:
+            if applied:
+                read.detach()  # the state is in use (in memory): its buffer leaves the pool
+            else:
+                read.release()
+            raise
+        for p in chunk:
+            self.stepped[id(p)] = p.grad._version
+        pending = []
+        for write in self.writes:  # collect finished writes early: their memory is released sooner
+            if write.done():
+                self._collect(write)
+            else:
+                pending.append(write)
+        self.writes = pending
+        self.next = max(self.next, k + 1)
+        self._read_ahead()
+
+    def _collect(self, write: SwapOut) -> None:
+        try:
+            write.wait()
+        except OSError as e:
+            self.error = self.error or e
+
+    def finish(self) -> None:
+        """``step()``: check the gradients used were not changed since, step what is left, wait for the writes,
+        plan the next backward."""
+        opt = self.optimizer
+        changed = [p for p in opt._params() if id(p) in self.stepped and (p.grad is None or
+                                                                        p.grad._version != self.stepped[id(p)])]
+        try:
+            if changed:
+                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
+                                   f"parameter(s) changed after backward stepped them (gradient clipping, "
+                                   f"GradScaler unscaling, zero_grad before step?); those parameters took their "
+                                   f"step with the unchanged gradients. Turn step_in_backward off to clip or "
+                                   f"scale gradients")
+            rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
+            with _intra_op_threads(opt._compute_threads):
+                opt._run(opt._chunks(rest), opt._step_chunk)
+        finally:
+            for write in self.writes:
+                self._collect(write)
+            self.writes, self.stepped = [], {}
+            error, self.error = self.error, None
+            opt._drop_prefetched()
+            self._plan()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for write in self.writes:
+            self._collect(write)
+        self.writes = []
+        self.optimizer._drop_prefetched()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
