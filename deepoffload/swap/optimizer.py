@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .config import SwapConfig
-from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
+from .pool import PAGE_SIZE
+from .tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut, TensorSwapper
 
 UNSUPPORTED = (torch.optim.LBFGS,)
 _WRAPPED = "_deepoffload_wrapped"  # set on an optimizer once an OffloadedOptimizer has taken its state
@@ -302,18 +303,27 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 group["params"] = params
 
     def _estimate(self, param: torch.Tensor) -> int:
-        """Bytes of state a parameter brings into a chunk: on storage, in memory, or (before its first step) a
-        guess of two copies of the parameter."""
-        state = self.optimizer.state.get(param, {})
-        resident = sum(_state_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-        return self.swapper.stored_bytes(self._name(param)) + resident or 2 * _state_bytes(param)
+        """Bytes of staging buffer a parameter's state takes in a chunk (on storage, in memory, or before its first
+        step a guess of two copies of the parameter), with the alignment padding of each of its tensors."""
+        state = self.optimizer.state.get(param)
+        resident = [v for v in state.values() if isinstance(v, torch.Tensor)] if state else []
+        name = self._name(param)
+        count = len(resident) + len(self.swapper.records(name)) if self.swapper.has(name) else len(resident)
+        nbytes = self.swapper.stored_bytes(name) + sum(_state_bytes(v) for v in resident)
+        if not nbytes:
+            nbytes, count = 2 * _state_bytes(param), 3
+        return nbytes + TENSOR_ALIGNMENT * count
 
     def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Consecutive parameters whose state fills at most one pooled buffer (``chunk_bytes`` less a page for
+        the extent's padding), so a step's buffers come from the bounded pool; a parameter whose state alone is
+        larger gets a chunk (and a short-lived buffer) of its own."""
+        budget = max(1, self.config.chunk_bytes - PAGE_SIZE)
         chunks: list[list[torch.Tensor]] = []
         size = 0
         for param in params:
             nbytes = self._estimate(param)
-            if not chunks or size + nbytes > self.config.chunk_bytes:
+            if not chunks or size + nbytes > budget:
                 chunks.append([])
                 size = 0
             chunks[-1].append(param)
