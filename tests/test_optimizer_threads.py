@@ -36,7 +36,13 @@ def test_one_thread_matches_in_memory_step_on_all_threads(optimizer, config):
     seen: list[int] = []
     with OffloadedOptimizer(optimizer, params, config, lr=1e-2) as offloaded:
         offloaded.compute_threads = 1
-        offloaded.optimizer.register_step_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        inner_step = offloaded._inner_step  # the wrapped optimizer's step, once per chunk
+
+        def counted() -> None:
+            seen.append(torch.get_num_threads())
+            inner_step()
+
+        offloaded._inner_step = counted
         for step in range(5):
             set_grads(reference, step)
             set_grads(params, step)
@@ -53,7 +59,13 @@ def test_none_leaves_torch_setting_alone(config):
     seen: list[int] = []
     with OffloadedOptimizer(torch.optim.SGD, make_params(1), config, lr=0.1, momentum=0.9) as offloaded:
         assert offloaded.compute_threads is None
-        offloaded.optimizer.register_step_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        inner_step = offloaded._inner_step  # the wrapped optimizer's step, once per chunk
+
+        def counted() -> None:
+            seen.append(torch.get_num_threads())
+            inner_step()
+
+        offloaded._inner_step = counted
         set_grads(offloaded._params(), 0)
         offloaded.step()
     assert set(seen) == {threads}
@@ -64,10 +76,10 @@ def test_restored_when_the_step_fails(config):
     with OffloadedOptimizer(torch.optim.Adam, make_params(2), config) as offloaded:
         offloaded.compute_threads = 1
 
-        def fail(*_):
+        def fail():
             raise RuntimeError("boom")
 
-        offloaded.optimizer.register_step_pre_hook(fail)
+        offloaded._inner_step = fail  # the wrapped optimizer's step fails
         set_grads(offloaded._params(), 0)
         with pytest.raises(RuntimeError, match="boom"):
             offloaded.step()

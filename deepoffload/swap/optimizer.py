@@ -6,7 +6,10 @@ the chunk's parameters, and writes the (possibly new, resized or re-typed) state
 and chunk k-1 written while chunk k steps. The wrapped optimizer does all the math, parameter by parameter as it
 always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory.
 
-Optimizers that need all parameters at once inside one step (``LBFGS``) are refused.
+Optimizers that need all parameters at once inside one step, or whose ``step`` requires a closure (``LBFGS``),
+are refused at construction. The wrapped optimizer is stepped without its own step hooks (its class's ``step``
+unwrapped), so step hooks fire once per step, on this wrapper. A step that fails part way leaves each parameter
+and its state either fully stepped or untouched, and the error's note says which.
 
 Distributed training: build the optimizer after wrapping the model (``fully_shard`` for FSDP2, whose DTensor
 parameters have their local shard stored; ``DistributedDataParallel``) inside an initialised process group. Each
@@ -18,15 +21,58 @@ base folder safely, across machines each uses its local disk. A multi-node job i
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from .config import SwapConfig
-from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
+from .pool import PAGE_SIZE
+from .tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut, TensorSwapper
 
 UNSUPPORTED = (torch.optim.LBFGS,)
+_WRAPPED = "_deepoffload_wrapped"  # set on an optimizer once an OffloadedOptimizer has taken its state
+
+
+def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the optimizer's ``step`` has a first argument without a default (it needs a closure)."""
+    try:
+        signature = inspect.signature(type(optimizer).step)  # follows torch's hook wrapper to the real step
+    except (TypeError, ValueError):
+        return False
+    params = list(signature.parameters.values())[1:]  # after self
+    first = params[0] if params else None
+    return (first is not None and first.default is inspect.Parameter.empty
+            and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD))
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """The optimizer's own ``step`` without torch's hook wrapper (which would run every global step hook once per
+    chunk, with the wrapped optimizer as argument)."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return functools.partial(step.__wrapped__, optimizer)
+    return optimizer.step
+
+
+def _check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        raise TypeError("OffloadedOptimizer: the wrapped optimizer has step hooks of its own, which would not run; "
+                        "register them on the OffloadedOptimizer (opt.register_step_pre_hook / "
+                        "register_step_post_hook) instead")
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    parts: list[str] = []
+    for i in indices:
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
 @contextlib.contextmanager
@@ -41,6 +87,12 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _storable(value: Any) -> bool:
+    """A tensor with one byte buffer (strided, not quantized); others (e.g. SGD's sparse momentum for sparse
+    gradients) stay in memory."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized
 
 
 def _state_bytes(tensor: torch.Tensor) -> int:
@@ -89,15 +141,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                             f"{optimizer!r}")
         if isinstance(inner, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer: the optimizer is already offloaded")
-        if isinstance(inner, UNSUPPORTED):
-            raise TypeError(f"OffloadedOptimizer: {type(inner).__name__} evaluates the loss and keeps state across "
-                            f"all parameters inside one step, so it cannot step in chunks; use another optimizer")
+        if isinstance(inner, UNSUPPORTED) or _requires_closure(inner):
+            raise TypeError(f"OffloadedOptimizer: {type(inner).__name__}.step requires a closure (it evaluates the "
+                            f"loss inside its step, across all parameters), so it cannot step in chunks; use an "
+                            f"optimizer whose step works without a closure")
+        if getattr(inner, _WRAPPED, False):
+            raise TypeError(f"OffloadedOptimizer: this {type(inner).__name__} is already wrapped by an "
+                            f"OffloadedOptimizer, which moved its tensor state to storage; use that wrapper (or build "
+                            f"a new optimizer: wrapping it again would silently restart its state)")
+        _check_no_step_hooks(inner)
+        setattr(inner, _WRAPPED, True)
         self.optimizer = inner
+        self._inner_step = _unhooked_step(inner)
         self.config = config or SwapConfig()
-        self.swapper = TensorSwapper(self.config)
-        self._names: dict[torch.Tensor, str] = {}
+        self.swapper = TensorSwapper(self.config, packed=True)
+        self._names: dict[int, str] = {}  # id(param) -> its group name (params stay alive in param_groups)
         self._compute_threads: int | None = None
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
+        self._backward: _BackwardSteps | None = None  # step_in_backward's plan and progress, when on
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -146,9 +207,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none)
 
     def _name(self, param: torch.Tensor) -> str:
-        name = self._names.get(param)
+        name = self._names.get(id(param))
         if name is None:
-            name = self._names[param] = f"param{len(self._names)}"
+            name = self._names[id(param)] = f"param{len(self._names)}"
         return name
 
     def _params(self) -> list[torch.Tensor]:
@@ -158,14 +219,56 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter with a gradient; ``closure`` (if any) is evaluated once first,
-        with gradients enabled, and its result returned."""
+        with gradients enabled, and its result returned (the wrapped optimizer steps without it).
+
+        If the step fails part way (a read fails, the wrapped optimizer raises), the parameters of the chunks
+        already stepped keep their step and its state, the others are untouched with their state as before; the
+        error carries a note listing both (positions in ``param_groups`` order). A failed write does not stop the
+        step: every parameter is stepped, that state stays in memory, and the ``OSError`` is raised at the end."""
+        _check_no_step_hooks(self.optimizer)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._backward is not None:
+            self._backward.finish()
+            return loss
         with _intra_op_threads(self._compute_threads):
             self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
         return loss
+
+    def step_in_backward(self, enabled: bool = True) -> None:
+        """Opt-in overlap with the backward pass: each chunk of parameters (planned in reverse order, as backward
+        produces gradients) steps as soon as all its gradients are accumulated, inside ``backward()``, while the
+        next chunks' state is read; the first chunks' state is read during the forward pass. ``step()`` then
+        steps the parameters whose chunk did not complete (e.g. some got no gradient) and waits for the writes.
+        Results are bit-identical to the plain optimizer.
+
+        Requires one ``backward()`` per ``step()`` and gradients used as backward leaves them: a second backward
+        before ``step()`` (gradient accumulation) raises in that backward; gradients changed after backward
+        (clipping, GradScaler's unscale) are detected at ``step()``, which raises. Step pre-hooks run at
+        ``step()``, after most parameters were stepped. ``enabled=False`` returns to stepping in ``step()``."""
+        if enabled and self._backward is None:
+            self._backward = _BackwardSteps(self)
+        elif not enabled and self._backward is not None:
+            self._backward.close()
+            self._backward = None
+
+    def _note_stopped(self, error: BaseException, chunks: list[list[torch.Tensor]], stepped: int,
+                      failed_inside: bool) -> None:
+        """Say on ``error`` which parameters the interrupted step changed and which it did not."""
+        position = {id(p): i for i, p in enumerate(self._params())}
+        done = sorted(position[id(p)] for chunk in chunks[:stepped] for p in chunk)
+        rest = sorted(position[id(p)] for chunk in chunks[stepped:] for p in chunk)
+        note = (f"OffloadedOptimizer.step stopped: parameters {_ranges(done)} (positions in param_groups order) "
+                f"were fully stepped, their state stored or kept in memory; parameters {_ranges(rest)} were not "
+                f"stepped and their state is as before the step")
+        if failed_inside:
+            failing = sorted(position[id(p)] for p in chunks[stepped])
+            note += (f" (the wrapped optimizer raised while stepping {_ranges(failing)}: they are as it left them; "
+                     f"torch's optimizers check their inputs before changing anything)")
+        if hasattr(error, "add_note"):
+            error.add_note(note)
 
     def prefetch(self, params: Iterable[torch.Tensor]) -> None:
         """Start reading the stored state of ``params`` in the chunks a ``step()`` over exactly these parameters
@@ -188,30 +291,39 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return kept
 
     def _step_chunk(self, chunk: list[torch.Tensor]) -> None:
-        chosen = set(chunk)
+        chosen = set(map(id, chunk))
         groups = self.param_groups
         saved = [group["params"] for group in groups]
         try:
             for group in groups:
-                group["params"] = [p for p in group["params"] if p in chosen]
-            self.optimizer.step()
+                group["params"] = [p for p in group["params"] if id(p) in chosen]
+            self._inner_step()
         finally:
             for group, params in zip(groups, saved):
                 group["params"] = params
 
     def _estimate(self, param: torch.Tensor) -> int:
-        """Bytes of state a parameter brings into a chunk: on storage, in memory, or (before its first step) a
-        guess of two copies of the parameter."""
-        state = self.optimizer.state.get(param, {})
-        resident = sum(_state_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-        return self.swapper.stored_bytes(self._name(param)) + resident or 2 * _state_bytes(param)
+        """Bytes of staging buffer a parameter's state takes in a chunk (on storage, in memory, or before its first
+        step a guess of two copies of the parameter), with the alignment padding of each of its tensors."""
+        state = self.optimizer.state.get(param)
+        resident = [v for v in state.values() if isinstance(v, torch.Tensor)] if state else []
+        name = self._name(param)
+        count = len(resident) + len(self.swapper.records(name)) if self.swapper.has(name) else len(resident)
+        nbytes = self.swapper.stored_bytes(name) + sum(_state_bytes(v) for v in resident)
+        if not nbytes:
+            nbytes, count = 2 * _state_bytes(param), 3
+        return nbytes + TENSOR_ALIGNMENT * count
 
     def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Consecutive parameters whose state fills at most one pooled buffer (``chunk_bytes`` less a page for
+        the extent's padding), so a step's buffers come from the bounded pool; a parameter whose state alone is
+        larger gets a chunk (and a short-lived buffer) of its own."""
+        budget = max(1, self.config.chunk_bytes - PAGE_SIZE)
         chunks: list[list[torch.Tensor]] = []
         size = 0
         for param in params:
             nbytes = self._estimate(param)
-            if not chunks or size + nbytes > self.config.chunk_bytes:
+            if not chunks or size + nbytes > budget:
                 chunks.append([])
                 size = 0
             chunks[-1].append(param)
@@ -229,6 +341,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         current: SwapIn | None = None
         error: OSError | None = None  # a failed write: the step still completes (that state stays in memory)
         ahead = max(1, self.config.buffer_count - 2)  # chunks read ahead; one buffer steps, one writes behind
+        stepped, inside = 0, False  # chunks whose action finished; whether the action itself raised
         try:
             for k, chunk in enumerate(chunks):
                 while len(reads) <= ahead and k + len(reads) < len(chunks):
@@ -239,7 +352,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for name, tensors in current.wait().items():
                     self.optimizer.state[by_name[name]].update(tensors)
                 if action is not None:
+                    inside = True
                     action(chunk)
+                    inside = False
+                stepped = k + 1
                 writes.append(self._write(chunk, current))
                 current = None
                 pending = []
@@ -252,6 +368,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     except OSError as e:
                         error = error or e
                 writes = pending
+        except BaseException as e:
+            if action is not None:
+                self._note_stopped(e, chunks, stepped, inside)
+            raise
         finally:
             if current is not None:  # its state stays in memory, in use: the buffer leaves the pool
                 current.detach()
@@ -266,11 +386,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise error
 
     def _read(self, chunk: list[torch.Tensor]) -> SwapIn:
-        return self.swapper.swap_in([self._name(p) for p in chunk if self.swapper.records(self._name(p))])
+        return self.swapper.swap_in([self._name(p) for p in chunk if self.swapper.has(self._name(p))])
 
     def _write(self, chunk: list[torch.Tensor], staged: SwapIn) -> SwapOut:
-        written = {p: {k: v for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-                   for p in chunk}
+        written = {p: {k: v for k, v in self.optimizer.state.get(p, {}).items() if _storable(v)} for p in chunk}
         written = {p: tensors for p, tensors in written.items() if tensors}
 
         def drop() -> None:  # the bytes are safe on storage: release the memory
@@ -286,51 +405,80 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self.swapper.swap_out({self._name(p): t for p, t in written.items()}, on_done=drop, staged=staged)
 
     def _swap_out_resident(self) -> None:
-        params = [p for p in self._params()
-                  if any(isinstance(v, torch.Tensor) for v in self.optimizer.state.get(p, {}).values())]
+        params = [p for p in self._params() if any(_storable(v) for v in self.optimizer.state.get(p, {}).values())]
         self._run(self._chunks(params), None)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()`` with the tensor state read back from storage (copies the
-        caller owns; suitable for ``torch.save``)."""
+        caller owns; suitable for ``torch.save``). State-dict hooks registered on this wrapper run as torch's do."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        result = self._gather_state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            changed = hook(self, result)
+            if changed is not None:
+                result = changed
+        return result
+
+    def _gather_state_dict(self) -> dict[str, Any]:
+        self._drop_prefetched()
         self.swapper.wait_all()
         result = self.optimizer.state_dict()
-        index = {id(p): i for i, p in enumerate(self._params())}
-        state = {}
-        for key, values in result["state"].items():
-            state[key] = dict(values)
-        for param in self._params():
-            name = self._name(param)
-            if not self.swapper.records(name):
-                continue
-            read = self.swapper.swap_in([name])
-            try:
-                tensors = {k: v.clone() for k, v in read.wait()[name].items()}
-            finally:
+        state = {key: dict(values) for key, values in result["state"].items()}
+        params = self._params()
+        index = {id(p): i for i, p in enumerate(params)}
+        chunks = self._chunks([p for p in params if self.swapper.has(self._name(p))])
+        reads: list[SwapIn] = []
+        try:
+            for k, chunk in enumerate(chunks):  # chunk by chunk, the next one read meanwhile
+                while len(reads) < 2 and k + len(reads) < len(chunks):
+                    reads.append(self._read(chunks[k + len(reads)]))
+                read = reads.pop(0)
+                try:
+                    by_name = {self._name(p): p for p in chunk}
+                    for name, tensors in read.wait().items():
+                        copies = {key: value.clone() for key, value in tensors.items()}
+                        state.setdefault(index[id(by_name[name])], {}).update(copies)
+                finally:
+                    read.release()
+        finally:
+            for read in reads:
                 read.release()
-            state.setdefault(index[id(param)], {}).update(tensors)
         result["state"] = state
         return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (from ``state_dict()`` of this class or of the plain optimizer) and move its tensor
-        state to storage."""
+        state to storage. Load-state-dict hooks registered on this wrapper run as torch's do."""
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            changed = hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
         self._drop_prefetched()
         self.swapper.wait_all()
         self.optimizer.load_state_dict(state_dict)
         for param in self._params():
             self.swapper.discard(self._name(param))
         self._swap_out_resident()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # -- lifetime and figures ---------------------------------------------------------------------------------
     def stored_bytes(self) -> int:
         """Bytes of optimizer state held on storage now."""
         return self.swapper.stored_bytes()
 
+    def _close_backward(self) -> None:
+        if self._backward is not None:
+            self._backward.close()
+            self._backward = None
+
     def close(self) -> None:
         """Finish all IO and remove the swap files (unless ``keep_files``). The optimizer is unusable after."""
         try:
+            self._close_backward()
             self._drop_prefetched()
         finally:
             self.swapper.close()
@@ -341,5 +489,128 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("OffloadedOptimizer cannot be pickled, copied or deep-copied (torch.save(opt) included): "
+                        "its tensor state lives in swap files this object owns. Save opt.state_dict() (the real "
+                        "state, read from storage) and load it with load_state_dict() into a new OffloadedOptimizer")
+
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.optimizer!r}, folder={self.swapper.folder!r})"
+
+
+class _BackwardSteps:
+    """``step_in_backward``: the chunks (reverse parameter order), which of their gradients are ready, which chunks
+    stepped in this backward, and their writes."""
+
+    def __init__(self, optimizer: OffloadedOptimizer):
+        self.optimizer = optimizer
+        self.ready: list[set[int]] = []
+        self.stepped: dict[int, int] = {}  # id(param) -> its gradient's version when it was stepped
+        self.writes: list[SwapOut] = []
+        self.error: OSError | None = None
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                        for p in optimizer._params() if p.requires_grad]
+        self._plan()
+
+    def _plan(self) -> None:
+        """Chunks for the coming backward, and their first ones' state read now (during the forward)."""
+        opt = self.optimizer
+        self.chunks = opt._chunks([p for p in reversed(opt._params()) if p.requires_grad])
+        self.index = {id(p): k for k, chunk in enumerate(self.chunks) for p in chunk}
+        self.ready = [set() for _ in self.chunks]
+        self.next = 0  # reads are started for chunks from here on, in plan order
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        opt = self.optimizer
+        ahead = max(1, opt.config.buffer_count - 2)
+        while self.next < len(self.chunks) and len(opt._prefetched) < ahead:
+            chunk = self.chunks[self.next]
+            self.next += 1
+            if len(self.ready[self.next - 1]) < len(chunk):
+                opt._prefetched[tuple(map(id, chunk))] = opt._read(chunk)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if id(param) in self.stepped:
+            raise RuntimeError("OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
+                               "accumulation?); each parameter already stepped with the first backward's gradient. "
+                               "Call step() after every backward, or opt.step_in_backward(False)")
+        k = self.index.get(id(param))
+        if k is None:
+            return
+        self.ready[k].add(id(param))
+        if len(self.ready[k]) == len(self.chunks[k]):
+            with torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
+                self._step(k)
+
+    def _step(self, k: int) -> None:
+        opt, chunk = self.optimizer, self.chunks[k]
+        read = opt._prefetched.pop(tuple(map(id, chunk)), None) or opt._read(chunk)
+        applied = False
+        try:
+            by_name = {opt._name(p): p for p in chunk}
+            for name, tensors in read.wait().items():
+                opt.optimizer.state[by_name[name]].update(tensors)
+            applied = True
+            opt._step_chunk(chunk)
+            self.writes.append(opt._write(chunk, read))
+        except BaseException:
+            if applied:
+                read.detach()  # the state is in use (in memory): its buffer leaves the pool
+            else:
+                read.release()
+            raise
+        for p in chunk:
+            self.stepped[id(p)] = p.grad._version
+        pending = []
+        for write in self.writes:  # collect finished writes early: their memory is released sooner
+            if write.done():
+                self._collect(write)
+            else:
+                pending.append(write)
+        self.writes = pending
+        self.next = max(self.next, k + 1)
+        self._read_ahead()
+
+    def _collect(self, write: SwapOut) -> None:
+        try:
+            write.wait()
+        except OSError as e:
+            self.error = self.error or e
+
+    def finish(self) -> None:
+        """``step()``: check the gradients used were not changed since, step what is left, wait for the writes,
+        plan the next backward."""
+        opt = self.optimizer
+        changed = [p for p in opt._params() if id(p) in self.stepped and (p.grad is None or
+                                                                        p.grad._version != self.stepped[id(p)])]
+        try:
+            if changed:
+                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
+                                   f"parameter(s) changed after backward stepped them (gradient clipping, "
+                                   f"GradScaler unscaling, zero_grad before step?); those parameters took their "
+                                   f"step with the unchanged gradients. Turn step_in_backward off to clip or "
+                                   f"scale gradients")
+            rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
+            with _intra_op_threads(opt._compute_threads):
+                opt._run(opt._chunks(rest), opt._step_chunk)
+        finally:
+            for write in self.writes:
+                self._collect(write)
+            self.writes, self.stepped = [], {}
+            error, self.error = self.error, None
+            opt._drop_prefetched()
+            self._plan()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for write in self.writes:
+            self._collect(write)
+        self.writes = []
+        self.optimizer._drop_prefetched()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error

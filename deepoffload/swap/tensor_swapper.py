@@ -1,8 +1,10 @@
 """``TensorSwapper``: move named groups of tensors to files in a per-run folder and back, asynchronously, through a
 bounded pool of aligned staging buffers.
 
-Each group is one file; each tensor in it keeps a ``SwapRecord`` (key, dtype, shape, bytes, file, offset, ...)
-and is read back sized from its own record. Tensors are staged through a pooled buffer (a copy, so any strides,
+Each group is one file, or (``packed=True``) the groups of one ``swap_out`` call share one extent of a single
+pack file, written with one request, and groups read together from adjacent extents come back in one request (many
+small tensors then cost a few large transfers, not a file each). Each tensor keeps a ``SwapRecord`` (key, dtype,
+shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are staged through a pooled buffer (a copy, so any strides,
 dtype or device work; the copy is skipped when the tensor already sits in the staging buffer where it will be
 written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until its new write has
 completed; a failed write drops them (the file is unknown now) and the caller keeps its tensors.
@@ -11,7 +13,10 @@ completed; a failed write drops them (the file is unknown now) and the caller ke
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -19,8 +24,9 @@ import torch
 
 from ..io.handle import AsyncIOHandle, Request
 from .config import SwapConfig
+from .extents import Extent, PackFile
 from .folders import create_run_folder, keep_run_folder, remove_run_folder
-from .pool import BufferPool, round_up
+from .pool import PAGE_SIZE, BufferPool, round_up
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
 TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
@@ -67,11 +73,23 @@ def _checked(group: str, key: str, tensor: object) -> torch.Tensor:
 
 
 def _hash(region: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous CPU uint8 tensor's bytes, read in place (through ctypes, not numpy)."""
     try:
         import xxhash
     except ImportError as e:
         raise ImportError("checksum=True needs the xxhash package: pip install xxhash") from e
-    return xxhash.xxh3_64_intdigest(region.numpy()) if region.numel() else 0
+    if not region.numel():
+        return 0
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * region.numel()).from_address(region.data_ptr()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _group_span(records: Iterable[SwapRecord]) -> int:
@@ -85,8 +103,10 @@ class SwapOut:
     its own (nothing was freed)."""
 
     def __init__(self, swapper: "TensorSwapper", requests: list[Request], records: dict[str, dict[str, SwapRecord]],
-                 buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None):
+                 buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None,
+                 extent: Extent | None = None):
         self._swapper = swapper
+        self._extent = extent  # packed: where these groups are being written (new, or theirs rewritten in place)
         self._requests = requests
         self._records = records
         self._buffers = buffers  # the staging buffer written from, and the swap-in buffer it replaces, if any
@@ -114,6 +134,7 @@ class SwapOut:
         for group in self._records:
             if swapper._writing.get(group) is self:
                 del swapper._writing[group]
+        swapper._settle_extents(list(self._records), self._extent, error is None)
         if error is None:
             swapper._records.update(self._records)
             swapper.bytes_written += nbytes
@@ -127,7 +148,7 @@ class SwapOut:
             for buffer in self._buffers:
                 swapper.pool.forget(buffer)  # views of it may stay resident in the caller's hands
         self._result = error if error is not None else nbytes
-        self._requests, self._sources, self._buffers, self._on_done = [], (), [], None
+        self._requests, self._sources, self._buffers, self._on_done, self._extent = [], (), [], None, None
         if self in swapper._pending_out:
             swapper._pending_out.remove(self)
 
@@ -151,11 +172,21 @@ class SwapIn:
             if error is not None:
                 self.release()
                 raise error
-            tensors = {}
+            tensors, typed = {}, {}
             for group, (start, records) in self._layout.items():
-                tensors[group] = {key: self._restore(start, record) for key, record in records.items()}
+                tensors[group] = {key: self._restore(start, record, typed) for key, record in records.items()}
             self._tensors = tensors
         return self._tensors
+
+    def views_of_buffer(self, group: str, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """True when ``tensors`` are exactly the tensors ``wait()`` returned for ``group`` (the same objects, all
+        CPU views of this read's buffer), so their bytes already sit where that group's file layout puts them."""
+        mine = self._tensors.get(group) if self._tensors is not None and self._buffer is not None else None
+        if mine is None or mine.keys() != tensors.keys():
+            return False
+        records = self._layout[group][1]
+        return all(tensors[key] is value and records[key].dtensor is None and records[key].device.type == "cpu"
+                   for key, value in mine.items())
 
     def _wait_io(self) -> OSError | None:
         """Finish the reads (the files may be rewritten after this); return the first error (kept for later)."""
@@ -173,16 +204,22 @@ class SwapIn:
                 del self._swapper._reading[group]
         return error
 
-    def _restore(self, start: int, record: SwapRecord) -> torch.Tensor:
+    def _restore(self, start: int, record: SwapRecord, typed: dict) -> torch.Tensor:
+        """The record's tensor as a view of the buffer (``typed``: the buffer viewed as each dtype, reused)."""
         if record.nbytes == 0:
             local = torch.empty(record.shape, dtype=record.dtype)
         else:
-            region = self._buffer[start + record.offset:start + record.offset + record.nbytes]
-            if record.checksum is not None and _hash(region) != record.checksum:
-                self.release()
-                raise ChecksumError(5, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at offset "
-                                       f"{record.offset}): the swap file was changed or corrupted", record.file)
-            local = region.view(record.dtype).view(record.shape)
+            position = start + record.offset
+            if record.checksum is not None:
+                region = self._buffer[position:position + record.nbytes]
+                if _hash(region) != record.checksum:
+                    self.release()
+                    raise ChecksumError(5, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at offset "
+                                           f"{record.offset}): the swap file was changed or corrupted", record.file)
+            view = typed.get(record.dtype)
+            if view is None:
+                view = typed[record.dtype] = self._buffer.view(record.dtype)
+            local = view.as_strided(record.shape, _contiguous_strides(record.shape), position // record.dtype.itemsize)
         if record.device.type != "cpu":
             local = local.to(record.device)
         if record.dtensor is None:
@@ -214,10 +251,14 @@ class SwapIn:
 class TensorSwapper:
     """Swaps named groups of tensors to files in its own run folder (rank-aware; removed on ``close`` and at exit
     unless ``config.keep_files``). One group is one file ``<folder>/<group>.swp``; group names are file names
-    (letters, digits, ``-``, ``_``, ``.``)."""
+    (letters, digits, ``-``, ``_``, ``.``). ``packed``: all groups live in ``<folder>/pack.swp`` instead, one
+    page-aligned extent per ``swap_out`` call (rewritten in place when the same groups come back with the same
+    sizes; else written to free space, the old extent freed once the new write is done)."""
 
-    def __init__(self, config: SwapConfig | None = None, *, rank: int | None = None):
+    def __init__(self, config: SwapConfig | None = None, *, rank: int | None = None, packed: bool = False):
         self.config = config or SwapConfig()
+        if self.config.checksum:
+            _hash(torch.zeros(1, dtype=torch.uint8))  # a missing xxhash fails here, not in the middle of a swap
         self.folder = create_run_folder(self.config.folder, rank)
         if self.config.keep_files:
             keep_run_folder(self.folder)
@@ -227,6 +268,9 @@ class TensorSwapper:
         self._writing: dict[str, SwapOut] = {}
         self._reading: dict[str, SwapIn] = {}
         self._pending_out: collections.deque[SwapOut] = collections.deque()
+        self.pack = PackFile(os.path.join(self.folder, "pack.swp")) if packed else None
+        self._extents: dict[str, Extent] = {}  # packed: group -> the extent its current records point into
+        self._group_alignment = TENSOR_ALIGNMENT if packed else PAGE_SIZE  # where each group starts in a buffer
         self.bytes_read = 0
         self.bytes_written = 0
         self._closed = False
@@ -236,13 +280,19 @@ class TensorSwapper:
         """The records of a group's tensors on storage (empty if none)."""
         return dict(self._records.get(group, {}))
 
+    def has(self, group: str) -> bool:
+        """True when the group has records on storage."""
+        return bool(self._records.get(group))
+
     def groups(self) -> list[str]:
         return list(self._records)
 
     def stored_bytes(self, group: str | None = None) -> int:
         """Bytes of tensor data on storage, for one group or all."""
-        groups = [group] if group is not None else list(self._records)
-        return sum(r.nbytes for g in groups for r in self._records.get(g, {}).values())
+        if group is not None:
+            records = self._records.get(group)
+            return sum(r.nbytes for r in records.values()) if records else 0
+        return sum(r.nbytes for records in self._records.values() for r in records.values())
 
     # -- transfers ------------------------------------------------------------------------------------------
     def swap_out(self, groups: Groups, on_done: Callable[[], None] | None = None,
@@ -253,6 +303,10 @@ class TensorSwapper:
         tensors there. ``staged``: the ``SwapIn`` these tensors came from; its buffer is written from directly
         when they all still sit where they were read (no copy), and is released once the write is done."""
         self._check_open()
+        if staged is not None and self.pack is not None:
+            write = self._rewrite_extent(groups, staged, on_done)
+            if write is not None:
+                return write
         layout: dict[str, dict[str, tuple[torch.Tensor, Any, int]]] = {}
         total = 0
         for group, tensors in groups.items():
@@ -266,28 +320,21 @@ class TensorSwapper:
                 entries[key] = (local, spec, offset)
                 offset = round_up(offset + local.numel() * local.element_size(), TENSOR_ALIGNMENT)
             layout[group] = entries
-            total += round_up(offset)
+            total += round_up(offset, self._group_alignment)
         retired = staged._hand_over() if staged is not None else None
-        if retired is not None and self._in_place(layout, retired):
+        if self.pack is not None:
+            total = round_up(total)  # the extent: whole pages
+        if retired is not None and self._in_place(layout, retired, self._group_alignment):
             buffer, buffers = retired, [retired]
         else:
             buffer = self._acquire(total)
             buffers = [buffer] + ([retired] if retired is not None else [])
+        if self.pack is not None:
+            return self._swap_out_packed(groups, layout, buffer, buffers, on_done)
         requests, records, start = [], {}, 0
         for group, entries in layout.items():
             file = os.path.join(self.folder, f"{group}.swp")
-            group_records, end = {}, 0
-            for key, (local, spec, offset) in entries.items():
-                nbytes = local.numel() * local.element_size()
-                region = buffer[start + offset:start + offset + nbytes]
-                if nbytes and region.data_ptr() != local.data_ptr():
-                    region.view(local.dtype).view(local.shape).copy_(local)
-                checksum = _hash(region) if self.config.checksum else None
-                group_records[key] = SwapRecord(key, local.dtype, tuple(local.shape), nbytes, file, offset,
-                                                local.device, checksum, spec)
-                end = offset + nbytes
-            span = round_up(end)
-            buffer[start + end:start + span].zero_()  # no stale bytes in the file's padding
+            group_records, span = self._stage(group, entries, buffer, start, file, 0)
             records[group] = group_records
             if span:
                 requests.append(self.handle.write_async(buffer[start:start + span], file))
@@ -300,33 +347,140 @@ class TensorSwapper:
         self._pending_out.append(write)
         return write
 
+    def _stage(self, group: str, entries: dict, buffer: torch.Tensor, start: int, file: str,
+               base: int) -> tuple[dict[str, SwapRecord], int]:
+        """Copy a group's tensors into ``buffer`` from ``start`` (unless already there) and zero its padding;
+        return its records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned)."""
+        group_records, end = {}, 0
+        checksum = None
+        for key, (local, spec, offset) in entries.items():
+            nbytes = local.numel() * local.element_size()
+            region = buffer[start + offset:start + offset + nbytes]
+            if nbytes and region.data_ptr() != local.data_ptr():
+                region.view(local.dtype).view(local.shape).copy_(local)
+            if self.config.checksum:
+                checksum = _hash(region)
+            group_records[key] = SwapRecord(key, local.dtype, tuple(local.shape), nbytes, file, base + offset,
+                                            local.device, checksum, spec)
+            end = offset + nbytes
+        span = round_up(end, self._group_alignment)
+        if span > end:
+            buffer[start + end:start + span].zero_()  # no stale bytes in the file's padding
+        return group_records, span
+
+    def _swap_out_packed(self, groups: Groups, layout: dict, buffer: torch.Tensor, buffers: list[torch.Tensor],
+                         on_done: Callable[[], None] | None) -> SwapOut:
+        """All groups in one extent of the pack file (theirs, in place, when it holds exactly them), one request."""
+        members, start = {}, 0
+        for group, entries in layout.items():
+            span = round_up(max((offset + local.numel() * local.element_size()
+                                 for local, _, offset in entries.values()), default=0), TENSOR_ALIGNMENT)
+            members[group] = (start, span)
+            start += span
+        total = round_up(start)
+        if members and total > start:  # the last group's span reaches the extent's (page-aligned) end
+            last = next(reversed(members))
+            members[last] = (members[last][0], members[last][1] + total - start)
+            buffer[start:total].zero_()
+        extent = self._extents.get(next(iter(members), ""))
+        if extent is None or not extent.holds_exactly(members):
+            extent = self.pack.allocate(total, members)
+        records = {}
+        for group, entries in layout.items():
+            begin, _ = members[group]
+            records[group], _ = self._stage(group, entries, buffer, begin, self.pack.path, extent.offset + begin)
+        requests = [self.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] \
+            if total else []
+        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, extent)
+        for group in records:
+            self._writing[group] = write
+        self._pending_out.append(write)
+        return write
+
+    def _rewrite_extent(self, groups: Groups, staged: SwapIn, on_done: Callable[[], None] | None) -> SwapOut | None:
+        """Packed fast path: ``groups`` are exactly what ``staged`` read, all of one extent, as the same tensor
+        objects (changed in place only): write the read buffer back over that extent, keeping the records.
+        None when that does not hold."""
+        names = list(groups)
+        extent = self._extents.get(names[0]) if names else None
+        if extent is None or list(extent.members) != names or extent.live != set(names) \
+                or list(staged._layout) != names or not all(staged.views_of_buffer(g, groups[g]) for g in names):
+            return None
+        for group in names:
+            self._wait_writing(group)
+        staged._wait_io()
+        buffer = staged._hand_over()
+        records = {}
+        for group in names:
+            records[group] = self._records[group]
+            if self.config.checksum:
+                start = staged._layout[group][0]
+                records[group] = {key: dataclasses.replace(r, checksum=_hash(
+                    buffer[start + r.offset:start + r.offset + r.nbytes]) if r.nbytes else 0)
+                    for key, r in records[group].items()}
+        request = self.handle.write_async(buffer[:extent.nbytes], self.pack.path, extent.offset, truncate=False)
+        write = SwapOut(self, [request], records, [buffer], tuple(groups.values()), on_done, extent)
+        for group in names:
+            self._writing[group] = write
+        self._pending_out.append(write)
+        return write
+
+    def _settle_extents(self, groups: list[str], extent: Extent | None, ok: bool) -> None:
+        """After a packed write to ``extent``: ``groups`` now live there (``ok``) or nowhere (the write failed, the
+        bytes there are unknown); extents left empty are freed."""
+        if extent is None:
+            return
+        for group in groups:
+            old = self._extents.pop(group, None)
+            if ok:
+                self._extents[group] = extent
+                extent.live.add(group)
+            if old is not None and (old is not extent or not ok):
+                old.leave(group)
+        if not extent.live:
+            self.pack.free(extent)
+
     def swap_in(self, groups: Iterable[str]) -> SwapIn:
         """Start reading the named groups back (each sized from its records). Groups with nothing on storage
         come back empty."""
         self._check_open()
-        layout, total = {}, 0
+        layout, total, spans = {}, 0, []
         for group in groups:
             self._wait_writing(group)
             records = self._records.get(group, {})
-            layout[group] = (total, records)
-            total += _group_span(records.values())
-        buffer = self._acquire(total) if total else None
-        requests = []
-        for group, (start, records) in layout.items():
-            span = _group_span(records.values())
+            extent = self._extents.get(group)
+            if extent is not None:  # packed: records hold file offsets; the group starts at ``base``
+                begin, span = extent.members[group]
+                base = extent.offset + begin
+            else:
+                span, base = _group_span(records.values()), 0
+            layout[group] = (total - base, records)  # buffer position of a tensor: this + its record's offset
             if span:
                 file = next(iter(records.values())).file
-                requests.append(self.handle.read_async(buffer[start:start + span], file))
+                if spans and spans[-1][0] == file and spans[-1][1] + spans[-1][3] == base \
+                        and spans[-1][2] + spans[-1][3] == total:
+                    spans[-1][3] += span  # adjacent on storage and in the buffer: one request
+                else:
+                    spans.append([file, base, total, span])
+            total += span
+        buffer = self._acquire(total) if total else None
+        requests = [self.handle.read_async(buffer[start:start + span], file, offset)
+                    for file, offset, start, span in spans]
         read = SwapIn(self, requests, layout, buffer)
         for group in layout:
             self._reading[group] = read
         return read
 
     def discard(self, group: str) -> None:
-        """Forget a group and delete its file."""
+        """Forget a group and delete its file (packed: free its part of its extent)."""
         self._wait_writing(group)
+        if group in self._reading:  # its bytes may be reused: let the read finish first
+            self._reading[group]._wait_io()
         records = self._records.pop(group, None)
-        if records:
+        extent = self._extents.pop(group, None)
+        if extent is not None:
+            extent.leave(group)
+        elif records:
             try:
                 os.unlink(next(iter(records.values())).file)
             except FileNotFoundError:
@@ -392,7 +546,7 @@ class TensorSwapper:
                 pass  # reported to whoever waits for that write; its buffer left the pool, so look again
 
     @staticmethod
-    def _in_place(layout: dict, buffer: torch.Tensor) -> bool:
+    def _in_place(layout: dict, buffer: torch.Tensor, alignment: int) -> bool:
         """True when every tensor already sits in ``buffer`` exactly where ``layout`` puts it."""
         base, start = buffer.data_ptr(), 0
         for entries in layout.values():
@@ -403,5 +557,5 @@ class TensorSwapper:
                                or local.data_ptr() != base + start + offset):
                     return False
                 end = offset + nbytes
-            start += round_up(end)
+            start += round_up(end, alignment)
         return start <= buffer.numel()

@@ -1,0 +1,129 @@
+"""TensorSwapper(packed=True): many groups in one pack file, one request per swap_out and per adjacent swap_in,
+extents rewritten in place or freed, the file no larger than what lives in it; random sequences against a model."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from deepoffload.swap.config import SwapConfig
+from deepoffload.swap.pool import round_up
+from deepoffload.swap.tensor_swapper import TensorSwapper
+
+
+@pytest.fixture
+def swapper(scratch):
+    with TensorSwapper(SwapConfig(folder=str(scratch), chunk_bytes=1 << 20, buffer_count=3), packed=True) as s:
+        yield s
+
+
+def counted(swapper, name):
+    calls = []
+    real = getattr(swapper.handle, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args[0].numel())
+        return real(*args, **kwargs)
+
+    setattr(swapper.handle, name, wrapper)
+    return calls
+
+
+def groups_of(count: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"p{i}": {"m": torch.randn(32, generator=gen), "v": torch.rand(32, generator=gen),
+                      "step": torch.tensor(float(i))} for i in range(count)}
+
+
+def test_many_groups_one_file_one_request_each_way(swapper):
+    groups = groups_of(500)
+    writes = counted(swapper, "write_async")
+    swapper.swap_out(groups).wait()
+    assert len(writes) == 1 and os.listdir(swapper.folder) == ["pack.swp"]
+    reads = counted(swapper, "read_async")
+    read = swapper.swap_in(list(groups))
+    back = read.wait()
+    assert len(reads) == 1
+    for name, tensors in groups.items():
+        for key, tensor in tensors.items():
+            assert torch.equal(back[name][key], tensor)
+            record = swapper.records(name)[key]
+            assert record.file.endswith("pack.swp") and record.offset % 64 == 0
+    read.release()
+    size = os.path.getsize(os.path.join(swapper.folder, "pack.swp"))
+    assert swapper.stored_bytes() <= size <= round_up(sum(round_up(32 * 4 + 64, 64) * 2 for _ in groups) + 8192)
+
+
+def test_same_groups_rewrite_in_place_others_move_and_the_file_shrinks(swapper):
+    path = os.path.join(swapper.folder, "pack.swp")
+    groups = groups_of(8)
+    first = dict(list(groups.items())[:4])
+    second = dict(list(groups.items())[4:])
+    swapper.swap_out(first).wait()
+    swapper.swap_out(second).wait()
+    offsets = {name: swapper.records(name)["m"].offset for name in groups}
+    size = os.path.getsize(path)
+    read = swapper.swap_in(list(first))
+    again = read.wait()
+    for tensors in again.values():
+        tensors["m"].add_(1)
+    swapper.swap_out(again, staged=read).wait()  # the same groups, same sizes: in place
+    assert {name: swapper.records(name)["m"].offset for name in groups} == offsets
+    assert os.path.getsize(path) == size
+    assert torch.equal(swapper.swap_in(["p0"]).wait()["p0"]["m"], groups["p0"]["m"] + 1)
+    # regrouped: written elsewhere, the old extent freed once no group lives there
+    swapper.swap_out({"p0": groups["p0"], "p5": groups["p5"]}).wait()
+    assert swapper.pack.end >= size
+    for name in list(groups):
+        swapper.discard(name)
+    assert swapper.stored_bytes() == 0 and os.path.getsize(path) == 0 and swapper.pack.free_bytes() == 0
+
+
+def test_failed_write_frees_its_extent_and_drops_the_records(swapper, monkeypatch):
+    swapper.swap_out(groups_of(3)).wait()
+    real = swapper.handle.write_async
+    monkeypatch.setattr(swapper.handle, "write_async",
+                        lambda tensor, file, *a, **k: real(tensor, "/nonexistent-folder/x.swp", *a, **k))
+    with pytest.raises(OSError):
+        swapper.swap_out({"p1": {"m": torch.ones(4096)}}).wait()
+    monkeypatch.undo()
+    assert swapper.records("p1") == {} and swapper.has("p0") and swapper.has("p2")
+    assert torch.equal(swapper.swap_in(["p2"]).wait()["p2"]["v"], groups_of(3)["p2"]["v"])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sequences_match_a_model_and_extents_never_overlap(swapper, seed):
+    rng = random.Random(seed)
+    model: dict[str, dict[str, torch.Tensor]] = {}
+    names = [f"g{i}" for i in range(12)]
+    for _ in range(60):
+        op = rng.random()
+        chosen = rng.sample(names, rng.randint(1, 5))
+        if op < 0.5:
+            batch = {n: {f"t{k}": torch.randn(rng.choice([0, 1, 7, 300, 3000])) for k in range(rng.randint(0, 3))}
+                     for n in chosen}
+            write = swapper.swap_out(batch)
+            if rng.random() < 0.5:
+                write.wait()
+            model.update({n: {k: v.clone() for k, v in ts.items()} for n, ts in batch.items()})
+        elif op < 0.85:
+            stored = [n for n in chosen if swapper.has(n)]
+            read = swapper.swap_in(stored)
+            for name, tensors in read.wait().items():
+                assert tensors.keys() == {k for k, v in model[name].items()}
+                for key, value in tensors.items():
+                    assert torch.equal(value, model[name][key]), (name, key)
+            read.release()
+        else:
+            for name in chosen:
+                swapper.discard(name)
+                model.pop(name, None)
+        swapper.wait_all()
+        spans = sorted((e.offset, e.offset + e.nbytes) for e in {id(e): e for e in swapper._extents.values()}.values()
+                       if e.nbytes)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "extents overlap"
+        live = sum(end - start for start, end in spans)
+        assert swapper.pack.end == live + swapper.pack.free_bytes()
