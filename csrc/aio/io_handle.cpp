@@ -180,20 +180,32 @@ public:
     BackgroundCopy& operator=(const BackgroundCopy&) = delete;
     ~BackgroundCopy() { join(); }
 
-    void start(char* dst, const char* src, size_t len) {
+    // With check_dst, first makes sure every page of dst is writable (a copy
+    // into a read-only mapping would end the process); if not, copies nothing
+    // and faulted() turns true.
+    void start(char* dst, const char* src, size_t len, bool check_dst = false) {
         join();
-        try {
-            thread_ = std::thread([dst, src, len] { std::memcpy(dst, src, len); });
-        } catch (const std::system_error&) {
+        auto work = [this, dst, src, len, check_dst] {
+            if (check_dst && platform::probe_writable(dst, len) < 0) {
+                fault_.store(true);
+                return;
+            }
             std::memcpy(dst, src, len);
+        };
+        try {
+            thread_ = std::thread(work);
+        } catch (const std::system_error&) {
+            work();
         }
     }
     void join() {
         if (thread_.joinable()) thread_.join();
     }
+    bool faulted() const { return fault_.load(); }
 
 private:
     std::thread thread_;
+    std::atomic<bool> fault_{false};
 };
 
 }  // namespace
@@ -567,13 +579,6 @@ bool IoHandle::transfer_bounced(Worker* worker, Op& op, char* user, size_t len, 
         return false;
     }
     char* slot[2] = {worker->bounce, worker->bounce + (slots - 1) * half};
-    if (!op.write && platform::probe_writable(user, len) < 0) {  // the copy out of the bounce buffer would crash
-        op.fail(EFAULT, "read", at,
-                "read of " + std::to_string(len) + " bytes at offset " + std::to_string(at) + " of '" + op.path +
-                    "' failed: the destination memory is not writable (a read-only mapping?): " +
-                    platform::errno_text(EFAULT));
-        return false;
-    }
     const size_t waves = (len + half - 1) / half;
     auto wave_len = [&](size_t i) { return std::min(half, len - i * half); };
     BackgroundCopy copy;
@@ -586,10 +591,18 @@ bool IoHandle::transfer_bounced(Worker* worker, Op& op, char* user, size_t len, 
         make_blocks(&worker->blocks, op.io_fd, op.write, buf, n, at + static_cast<int64_t>(i * half), block);
         worker->engine->run(worker->blocks.data(), worker->blocks.size());
         copy.join();  // the other slot is free again
+        if (copy.faulted()) break;
         if (!settle_blocks(op, worker->blocks.data(), worker->blocks.size())) return false;
-        if (!op.write) copy.start(user + i * half, buf, n);
+        if (!op.write) copy.start(user + i * half, buf, n, true);  // overlaps the next wave's IO
     }
     copy.join();
+    if (copy.faulted()) {
+        op.fail(EFAULT, "read", at,
+                "read of " + std::to_string(len) + " bytes at offset " + std::to_string(at) + " of '" + op.path +
+                    "' failed: the destination memory is not writable (a read-only mapping?): " +
+                    platform::errno_text(EFAULT));
+        return false;
+    }
     return true;
 }
 

@@ -94,9 +94,7 @@ class Request:
         the parent started raises ``RuntimeError`` (it runs in the parent, not here)."""
         if self._collected:
             return True
-        if self._generation != _fork_generation:
-            raise RuntimeError(f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
-                               f"{self._pid} before it forked; only that process can see it finish")
+        self._check_process()
         return self._native.done(self._op_id)
 
     def wait(self, timeout: float | None = None) -> int:
@@ -106,9 +104,7 @@ class Request:
         same result (or raises the same error).
         """
         deadline = _deadline(timeout)
-        if self._generation != _fork_generation:
-            raise RuntimeError(f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
-                               f"{self._pid} before it forked; only that process can wait for it")
+        self._check_process()
         if not self._lock.acquire(timeout=-1 if deadline is None else min(_remaining(deadline), threading.TIMEOUT_MAX)):
             raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
         try:
@@ -119,6 +115,11 @@ class Request:
         if self._error is not None:
             raise self._error
         return self.nbytes
+
+    def _check_process(self) -> None:
+        if self._generation != _fork_generation:  # a forked child holding a copy of the parent's request
+            raise RuntimeError(f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
+                               f"{self._pid} before it forked; it runs there, and only that process can wait for it")
 
     def _collect(self, deadline: float | None) -> None:
         while True:  # in slices so Ctrl-C (or any signal handler's exception) gets through
