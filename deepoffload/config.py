@@ -23,12 +23,13 @@ class ConfigError(ValueError):
 
 
 UNITS = {"block_size": "bytes per IO request", "queue_depth": "requests in flight per thread",
-         "intra_op_parallelism": "threads sharing one transfer"}
+         "intra_op_parallelism": "threads sharing one transfer", "buffer_count": "staging buffers",
+         "chunk_bytes": "bytes of state per chunk"}
 
 
 def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key} must be a positive integer ({UNITS.get(key, 'a count')}), got {value!r}")
+        raise ConfigError(f"{key}: must be a positive integer ({UNITS.get(key, 'a count')}), got {value!r}")
     return value
 
 

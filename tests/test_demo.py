@@ -49,7 +49,7 @@ def test_demo_bad_input(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"queue_depth": 0}))
     assert main(["demo", "--config", str(bad)]) == 2
-    assert "queue_depth must be a positive integer (requests in flight per thread)" in capsys.readouterr().out
+    assert "queue_depth: must be a positive integer (requests in flight per thread), got 0" in capsys.readouterr().out
     assert main(["demo", "--steps", "0"]) == 2
 
 
@@ -71,7 +71,7 @@ def test_demo_small_model_saves_memory(aio, scratch, capsys):
 
 def test_demo_refuses_a_missing_folder_like_bench_and_tune(tmp_path, capsys):
     missing = tmp_path / "not" / "there"
-    assert main(["demo", "--steps", "1", "--model-size", "tiny", "--path", str(missing)]) == 2
+    assert main(["demo", "--steps", "1", "--model-size", "tiny", "--path", str(missing)]) == 1
     assert f"{missing} is not an existing folder" in capsys.readouterr().out
     assert not (tmp_path / "not").exists()
     assert main(["bench", "--path", str(missing), "--size", "4K"]) == 1

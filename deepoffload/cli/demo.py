@@ -74,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
         config = config.replace(chunk_bytes=min(config.chunk_bytes, max(1 << 20, state_estimate(args) // 16)))
     config = config.replace(folder=args.path or config.folder or os.getcwd(), keep_files=args.keep or config.keep_files)
     if not os.path.isdir(config.folder):  # as bench and tune: never create (and leave) a folder the user mistyped
-        print(f"deepoffload demo: {config.folder} is not an existing folder; create it or pass --path a folder on "
-              f"the storage to use")
-        return 2
+        print(f"deepoffload demo: {config.folder} is not an existing folder; choose another folder with --path "
+              f"(or create it)")
+        return 1
     try:  # before any progress bar: a first use builds the op and says so on its own line
         from ..io.native import native
 
