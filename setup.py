@@ -93,8 +93,9 @@ setup(
     package_dir={"deepoffload": "deepoffload", "deepoffload.op_builder": "op_builder", "deepoffload.csrc": "csrc"},
     package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"], "deepoffload._ops": ["build_info.json"]},
     # tqdm: progress of demo/tune; xxhash: swap checksums (xxh3, several GB/s; a corrupted swap file is an error,
-    # not a wrong result)
-    install_requires=["torch>=2.1", "ninja", "tqdm", "xxhash"],
+    # not a wrong result); numpy: torch does not require it but warns "Failed to initialize NumPy" on import without
+    # it, so a plain install would print that warning in every command
+    install_requires=["torch>=2.1", "ninja", "tqdm", "xxhash", "numpy"],
     # test: the suite, plus the projects whose own code proves the compatibility claims (pinned so CI is repeatable;
     # DeepSpeed with DS_ACCELERATOR=cpu, Hugging Face models built from configs, never downloaded)
     extras_require={

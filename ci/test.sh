@@ -2,9 +2,37 @@
 # Installs the test dependencies and runs the whole suite (slow tests included), as the README says; then the fast
 # suite again under `python -O` (library code must not rely on assert; pytest still rewrites the tests' own asserts
 # and conftest's into real checks, so they are not vacuous there), and the op-level tests under ASan/UBSan.
-set -euo pipefail
+# Every phase runs even when an earlier one fails; the result of each is printed at the end, and the exit status is
+# non-zero when any failed. Test runs keep their scratch files in one temporary folder, removed at the end.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e ".[test]"
-python -m pytest -q "$@"
-python -O -m pytest -q -p no:cacheprovider -m "not slow" "$@"
-PYTHON=python bash ci/sanitize.sh
+
+python -m pip install -q -e ".[test]" || { echo "ci/test.sh: installing the test dependencies failed" >&2; exit 1; }
+
+scratch="$(mktemp -d "${TMPDIR:-/tmp}/deepoffload-ci.XXXXXX")"
+trap 'rm -rf "$scratch"' EXIT
+# pytest's tmp_path folders, the swap and bench files and the sanitizer build all go under $scratch.
+export TMPDIR="$scratch"
+export DEEPOFFLOAD_SANITIZE_CACHE_DIR="$scratch/sanitize-cache"
+
+names=() results=() failed=0
+phase() {
+  local name="$1" start=$SECONDS status=0
+  shift
+  echo "=== ci/test.sh: $name"
+  "$@" || status=$?
+  names+=("$name")
+  results+=("$([[ $status -eq 0 ]] && echo passed || echo "FAILED (exit status $status)") in $((SECONDS - start)) s")
+  [[ $status -eq 0 ]] || failed=1
+}
+
+phase "full suite" python -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest" "$@"
+phase "fast suite under python -O" python -O -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest-O" \
+  -m "not slow" "$@"
+phase "sanitizers (ASan + UBSan)" env PYTHON=python bash ci/sanitize.sh --basetemp="$scratch/pytest-sanitize" "$@"
+
+echo "=== ci/test.sh: results"
+for i in "${!names[@]}"; do
+  printf '  %-30s %s\n' "${names[$i]}" "${results[$i]}"
+done
+exit $failed

@@ -22,9 +22,14 @@ class ConfigError(ValueError):
     """A config key or value that is not accepted; the message names the key and what is accepted."""
 
 
+UNITS = {"block_size": "bytes per IO request", "queue_depth": "requests in flight per thread",
+         "intra_op_parallelism": "threads sharing one transfer", "buffer_count": "staging buffers",
+         "chunk_bytes": "bytes of state per chunk"}
+
+
 def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key}: expected a positive integer (bytes/count), got {value!r}")
+        raise ConfigError(f"{key}: must be a positive integer ({UNITS.get(key, 'a count')}), got {value!r}")
     return value
 
 
@@ -110,13 +115,19 @@ class AioConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "AioConfig":
-        """Defaults, overridden by ``DEEPOFFLOAD_AIO_<KEY>`` variables (e.g. ``DEEPOFFLOAD_AIO_ENGINE=posix``)."""
+        """Defaults, overridden by ``DEEPOFFLOAD_AIO_<KEY>`` variables (e.g. ``DEEPOFFLOAD_AIO_ENGINE=posix``; the
+        alias ``DEEPOFFLOAD_AIO_THREAD_COUNT`` too). Any other ``DEEPOFFLOAD_AIO_*`` variable is a ``ConfigError``."""
         environ = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        names = {ENV_PREFIX + key.upper(): key for key in (*fields, *ALIASES)}
         changes: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            var = ENV_PREFIX + f.name.upper()
-            if var not in environ:
-                continue
+        for var in sorted(v for v in environ if v.startswith(ENV_PREFIX)):
+            if var not in names:  # a typo would otherwise be ignored silently
+                raise ConfigError(f"{var}: unknown environment variable; accepted: {', '.join(names)}")
+            key = names[var]
+            f = fields[ALIASES.get(key, key)]
+            if f.name in changes:
+                raise ConfigError(f"{var}: given twice (as {ENV_PREFIX + f.name.upper()} and its alias)")
             text = environ[var]
             if f.type in ("int", int):
                 try:

@@ -5,6 +5,7 @@ O_DIRECT is exercised (``DEEPOFFLOAD_TEST_DIR`` to choose one)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -35,13 +36,16 @@ def aio():
 
 
 @pytest.fixture
-def scratch(tmp_path_factory) -> Path:
-    """A fresh folder on a filesystem that accepts O_DIRECT (not tmpfs)."""
+def scratch(tmp_path_factory) -> Iterator[Path]:
+    """A fresh folder on a filesystem that accepts O_DIRECT (not tmpfs), removed after the test."""
     base = os.environ.get("DEEPOFFLOAD_TEST_DIR")
     if base:
         Path(base).mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=base, prefix="scratch-"))
-    return tmp_path_factory.mktemp("scratch")
+        folder = Path(tempfile.mkdtemp(dir=base, prefix="scratch-"))
+    else:
+        folder = tmp_path_factory.mktemp("scratch")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

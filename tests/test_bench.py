@@ -270,3 +270,21 @@ def test_too_small_filesystem(small_fs, capsys):
     line = error_line(capsys, ["bench", "--path", str(folder), "--size", "4M"])
     assert "not enough free space" in line
     assert list(folder.iterdir()) == []
+
+
+def test_virtual_filesystem_is_named_as_such_not_full(capsys):
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    line = error_line(capsys, ["bench", "--path", "/proc", "--size", "4K"])
+    assert "cannot create a test file in /proc" in line and "virtual filesystem" in line
+    assert "free space" not in line
+
+
+@pytest.mark.parametrize("option", ["--queue-depth", "--threads", "--loops"])
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_counts_must_be_positive(scratch, capsys, option, value):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--path", str(scratch), "--size", "4K", option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: must be a positive integer" in err and "bytes/count" not in err

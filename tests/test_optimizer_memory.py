@@ -4,6 +4,7 @@ pipeline's buffers (chunk_bytes x buffers), not by the total state. Measured in 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -33,15 +34,27 @@ def child(mode: str, folder: str) -> None:
     else:
         optimizer = torch.optim.Adam(params, lr=1e-3)
     baseline = rss("VmRSS:")  # params, grads, and for offloading the loaded native op: no state yet
-    for _ in range(3):
+    optimizer.step()  # creates the state
+    first_peak = rss("VmHWM:")
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+        f.write("5")
+    for _ in range(2):
         optimizer.step()
     stored = optimizer.stored_bytes() if mode == "offloaded" else 0
-    print(json.dumps({"baseline": baseline, "after": rss("VmRSS:"), "peak": rss("VmHWM:"), "stored": stored}))
+    print(json.dumps({"baseline": baseline, "after": rss("VmRSS:"), "first_peak": first_peak,
+                      "peak": rss("VmHWM:"), "stored": stored}))
+
+
+# glibc's malloc raises its mmap threshold each time a large block is freed, after which large tensors come from the
+# heap and freed ones may stay in the process; how much stays depends on which threads freed what, i.e. on timing
+# and machine load. A fixed threshold (which turns that off) makes every tensor over 128 KiB its own mapping,
+# returned to the system when freed, so RSS counts what is alive and the bounds below do not depend on load.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "2"}
 
 
 def measure(mode: str, folder) -> dict:
     out = subprocess.run([sys.executable, __file__, mode, str(folder)], capture_output=True, text=True, check=True,
-                         timeout=120)
+                         timeout=600, env={**os.environ, **MALLOC_ENV})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -51,11 +64,15 @@ def test_peak_rss_is_bounded_by_buffers_not_state(scratch):
     memory, offloaded = measure("in-memory", scratch), measure("offloaded", scratch)
     assert offloaded["stored"] >= state
     assert memory["after"] - memory["baseline"] > 0.9 * state  # the reference really holds its state
-    # offloaded: between steps the pooled buffers stay (3 x 8 MiB), plus heap the allocator keeps from the first
-    # step's state (made by torch, copied out, freed); at peak a few chunks are in flight, never the whole state
-    assert offloaded["after"] - offloaded["baseline"] < 3 * CHUNK + 0.25 * state
-    assert offloaded["peak"] - offloaded["baseline"] < 0.4 * state
-    assert offloaded["peak"] < memory["peak"] - 0.5 * state
+    # offloaded: between steps only the pooled buffers stay (3 x 8 MiB) with the allocator's and the IO threads'
+    # small change (the 16 MiB margin). Steps 2-3 (peak measured from after step 1): the chunks in flight in their
+    # pool buffers plus Adam's temporaries for one chunk: 48 MB measured, bound at a quarter of the state. Step 1
+    # creates each chunk's state with torch and holds it until it is written, so slow storage holds more chunks at
+    # once: 40-158 MB measured on a loaded machine, bound at half the state (in memory: all of it).
+    assert offloaded["after"] - offloaded["baseline"] < 3 * CHUNK + (16 << 20)
+    assert offloaded["peak"] - offloaded["baseline"] < 0.25 * state
+    assert offloaded["first_peak"] - offloaded["baseline"] < 0.5 * state
+    assert max(offloaded["peak"], offloaded["first_peak"]) < memory["first_peak"] - 0.4 * state
 
 
 if __name__ == "__main__":

@@ -87,11 +87,27 @@ def test_warm_report_compiles_nothing(aio, monkeypatch):
     assert data["ops"][0]["compatible"]
 
 
-def test_path_that_is_not_a_folder(tmp_path, capsys):
-    file = tmp_path / "file"
-    file.write_text("x")
-    assert main(["report", "--path", str(file)]) in (0, 1)
+@pytest.mark.parametrize("kind", ["file", "missing"])
+def test_path_that_is_not_a_folder_fails(tmp_path, capsys, kind):
+    path = tmp_path / kind
+    if kind == "file":
+        path.write_text("x")
+    assert main(["report", "--path", str(path)]) == 1
     assert "not an existing folder" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("folder", ["/proc", "/sys"])
+def test_path_on_a_virtual_filesystem_fails_without_a_traceback(capsys, folder):
+    if not os.path.isdir(folder):
+        pytest.skip(f"no {folder} here")
+    assert main(["report", "--path", folder]) == 1
+    out = capsys.readouterr().out
+    assert f"{folder}: not a folder deepoffload can use" in out and "cannot create a file there" in out
+
+
+def test_usable_path_passes(aio, scratch, capsys):
+    assert main(["report", "--path", str(scratch)]) == 0
+    assert "O_DIRECT" in capsys.readouterr().out
 
 
 @without_prebuilt_op

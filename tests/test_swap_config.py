@@ -42,8 +42,8 @@ def test_deepspeed_layout_and_aliases():
 @pytest.mark.parametrize("values, message", [
     ({"bogus": 1}, "unknown swap config key 'bogus'"),
     ({"aio": {"bogus": 1}}, "unknown aio config key 'bogus'"),
-    ({"buffer_count": 0}, "buffer_count: expected a positive integer"),
-    ({"chunk_bytes": "1M"}, "chunk_bytes: expected a positive integer"),
+    ({"buffer_count": 0}, "buffer_count: must be a positive integer"),
+    ({"chunk_bytes": "1M"}, "chunk_bytes: must be a positive integer"),
     ({"checksum": "yes"}, "checksum: expected true or false"),
     ({"folder": ""}, "folder: expected a path"),
     ({"queue_depth": 4, "aio": {"queue_depth": 8}}, "queue_depth: given both"),

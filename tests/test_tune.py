@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 
@@ -164,3 +165,54 @@ def test_not_a_folder(aio, scratch, tmp_path, capsys):
     assert main(["tune", "--path", str(a_file), "--budget", "5", "--size", "1M",
                  "--output", str(tmp_path / "aio.json")]) == 1
     assert "is not an existing folder" in capsys.readouterr().err
+
+
+def test_unwritable_output_fails_before_searching(aio, scratch, capsys, monkeypatch):
+    import os
+
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    from deepoffload.bench import search as search_module
+
+    monkeypatch.setattr(search_module.Search, "run", lambda self: pytest.fail("searched before checking --output"))
+    assert main(["tune", "--path", str(scratch), "--budget", "30", "--size", "1M", "--output", "/proc/x.json"]) == 1
+    assert "cannot write /proc/x.json" in capsys.readouterr().err
+    assert list(scratch.iterdir()) == []
+
+
+def test_output_check_leaves_no_file(tmp_path):
+    from deepoffload.cli.tune import check_writable
+
+    check_writable(str(tmp_path / "new.json"))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old.json").write_text("{}")
+    check_writable(str(tmp_path / "old.json"))
+    assert (tmp_path / "old.json").read_text() == "{}"
+
+
+def test_budget_shorter_than_setup_says_why(aio, scratch, tmp_path, capsys):
+    assert main(["tune", "--path", str(scratch), "--budget", "0.001", "--size", "1M", "--output",
+                 str(tmp_path / "aio.json")]) == 0
+    out = capsys.readouterr().out
+    assert "1 trial in " in out and "of a 0.001 s budget" in out
+    assert re.search(r"the budget was too short to search: setup .* took [\d.]+ s and one trial [\d.]+ s, and one "
+                     r"trial always runs .*; pass --budget \d+ or more", out)
+
+
+def test_best_marker_agrees_with_the_table():
+    """The best config is the highest median among configs measured more than once; the table shows that median
+    on every row of a config, so a starred row's single score may be low without contradicting the star."""
+    from deepoffload.bench.search import SearchResult, Trial
+    from deepoffload.cli.tune import format_trials
+
+    best, lucky, other = AioConfig(queue_depth=8), AioConfig(queue_depth=64), AioConfig(queue_depth=4)
+    trials = [Trial(best, 0.919, 0.919, 1, "search"), Trial(lucky, 1.5, 1.5, 1, "search"),
+              Trial(other, 1.2, 1.2, 1, "search"), Trial(best, 1.7, 1.7, 1, "repeat"),
+              Trial(other, 1.0, 1.0, 1, "repeat"), Trial(best, 1.6, 1.6, 1, "repeat")]
+    table = format_trials(SearchResult(best, 1.6, 1.6, 1.6, trials, 3.0, 10.0, "converged"), True)
+    rows = [line.split() for line in table.splitlines()[2:]]
+    starred = [r for r in rows if r[-1].endswith("*")]
+    assert len(starred) == 3 and {r[-2] for r in starred} == {"1.600"}  # the median column, on every best row
+    repeated = [float(r[-2]) for r in rows if int(r[-1].rstrip("*")) > 1]
+    assert max(repeated) == 1.6
+    assert "highest median among configs measured more than once" in table.splitlines()[0]

@@ -50,11 +50,17 @@ bool without_gil(F&& fn) {
     return result;
 }
 
+// Text that may hold a path: bytes that are not UTF-8 come back as Python's os.fsdecode() gives them.
+py::str path_text(const std::string& s) {
+    return py::reinterpret_steal<py::str>(
+        PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "surrogateescape"));
+}
+
 py::object wait_op(IoHandle& handle, int64_t op_id, double timeout_s) {
     OpResult r;
     const bool finished = without_gil([&] { return handle.wait(op_id, timeout_s, &r); });
     if (!finished) return py::none();
-    return py::make_tuple(r.err, r.operation, r.path, r.offset, r.detail, r.direct);
+    return py::make_tuple(r.err, r.operation, path_text(r.path), r.offset, path_text(r.detail), r.direct);
 }
 
 int64_t submit_op(IoHandle& handle, bool write, uintptr_t ptr, int64_t nbytes, const std::string& path, int fd,

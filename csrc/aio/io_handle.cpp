@@ -52,6 +52,8 @@ struct Op {
     bool own_io_fd = false;
     bool own_buffered_fd = false;
     bool direct = false;
+    bool regular = true;     // a regular file (else a device): only regular files are truncated
+    bool sync_only = false;  // a character device: plain pread/pwrite on this thread, never an engine
     size_t mem_align = 1;
     size_t off_align = 1;
     std::vector<std::pair<int64_t, int64_t>> shards;  // [begin, end) file offsets
@@ -104,6 +106,14 @@ namespace {
 std::string describe(const Op& op, const char* what, size_t len, int64_t at, int err) {
     return std::string(what) + " of " + std::to_string(len) + " bytes at offset " + std::to_string(at) + " of '" +
            op.path + "' failed: " + platform::errno_text(err);
+}
+
+// The refusal of a FIFO, pipe or socket: they have no file offsets, and an
+// engine's read of an empty pipe (or write to a full one) never completes.
+void fail_stream(Op& op) {
+    op.fail(ESPIPE, "open", op.offset,
+            "'" + op.path + "' is a FIFO, pipe or socket: " + platform::errno_text(ESPIPE) +
+                "; deepoffload reads and writes at file offsets, so use a regular file or a block device");
 }
 
 // Completes [buf, buf+len) at file offset `at` synchronously through the
@@ -170,20 +180,32 @@ public:
     BackgroundCopy& operator=(const BackgroundCopy&) = delete;
     ~BackgroundCopy() { join(); }
 
-    void start(char* dst, const char* src, size_t len) {
+    // With check_dst, first makes sure every page of dst is writable (a copy
+    // into a read-only mapping would end the process); if not, copies nothing
+    // and faulted() turns true.
+    void start(char* dst, const char* src, size_t len, bool check_dst = false) {
         join();
-        try {
-            thread_ = std::thread([dst, src, len] { std::memcpy(dst, src, len); });
-        } catch (const std::system_error&) {
+        auto work = [this, dst, src, len, check_dst] {
+            if (check_dst && platform::probe_writable(dst, len) < 0) {
+                fault_.store(true);
+                return;
+            }
             std::memcpy(dst, src, len);
+        };
+        try {
+            thread_ = std::thread(work);
+        } catch (const std::system_error&) {
+            work();
         }
     }
     void join() {
         if (thread_.joinable()) thread_.join();
     }
+    bool faulted() const { return fault_.load(); }
 
 private:
     std::thread thread_;
+    std::atomic<bool> fault_{false};
 };
 
 }  // namespace
@@ -402,6 +424,10 @@ void IoHandle::prepare(const std::shared_ptr<Op>& op_ptr) {
                 op.io_fd = fd;
                 op.own_io_fd = true;
                 op.direct = true;
+            } else if (fd == -ESPIPE) {
+                fail_stream(op);
+                complete(op);
+                return;
             } else if (fd != -EINVAL) {  // EINVAL: the file system refuses O_DIRECT; go buffered
                 op.fail(-fd, "open", op.offset,
                         "cannot open '" + op.path + "' for " + (op.write ? "writing" : "reading") + ": " +
@@ -411,6 +437,11 @@ void IoHandle::prepare(const std::shared_ptr<Op>& op_ptr) {
             }
         }
         int bfd = platform::open_file(op.path, op.write, false);
+        if (bfd == -ESPIPE) {
+            fail_stream(op);
+            complete(op);
+            return;
+        }
         if (bfd < 0) {
             op.fail(-bfd, "open", op.offset,
                     "cannot open '" + op.path + "' for " + (op.write ? "writing" : "reading") + ": " +
@@ -421,6 +452,21 @@ void IoHandle::prepare(const std::shared_ptr<Op>& op_ptr) {
         op.buffered_fd = bfd;
         op.own_buffered_fd = true;
         if (!op.direct) op.io_fd = bfd;
+    }
+    // Non-regular files never reach an engine that could block on them forever.
+    const int type = platform::file_type(op.buffered_fd);
+    if (type == platform::kStream) {
+        fail_stream(op);
+        complete(op);
+        return;
+    }
+    op.regular = type == platform::kRegularFile;
+    if (type == platform::kCharDevice) {
+        op.sync_only = true;
+        if (op.direct && op.own_io_fd) platform::close_file(op.io_fd);
+        op.own_io_fd = false;
+        op.io_fd = op.buffered_fd;
+        op.direct = false;
     }
     if (op.direct) {
         platform::DioAlignment a = platform::query_dio_alignment(op.io_fd);
@@ -488,6 +534,10 @@ void IoHandle::run_shard(Worker* worker, Op& op, int shard) {
     const int64_t mid_b = std::min(e, round_up(b, align));
     const int64_t mid_e = std::max(mid_b, round_down(e, align));
     auto mem = [&op](int64_t file_offset) { return op.buf + (file_offset - op.offset); };  // user memory of a byte
+    if (op.sync_only) {
+        transfer_buffered(op, mem(b), static_cast<size_t>(e - b), b);
+        return;
+    }
 
     // Unaligned head, synchronously through the buffered descriptor.
     if (!transfer_buffered(op, mem(b), static_cast<size_t>(mid_b - b), b)) return;
@@ -541,10 +591,18 @@ bool IoHandle::transfer_bounced(Worker* worker, Op& op, char* user, size_t len, 
         make_blocks(&worker->blocks, op.io_fd, op.write, buf, n, at + static_cast<int64_t>(i * half), block);
         worker->engine->run(worker->blocks.data(), worker->blocks.size());
         copy.join();  // the other slot is free again
+        if (copy.faulted()) break;
         if (!settle_blocks(op, worker->blocks.data(), worker->blocks.size())) return false;
-        if (!op.write) copy.start(user + i * half, buf, n);
+        if (!op.write) copy.start(user + i * half, buf, n, true);  // overlaps the next wave's IO
     }
     copy.join();
+    if (copy.faulted()) {
+        op.fail(EFAULT, "read", at,
+                "read of " + std::to_string(len) + " bytes at offset " + std::to_string(at) + " of '" + op.path +
+                    "' failed: the destination memory is not writable (a read-only mapping?): " +
+                    platform::errno_text(EFAULT));
+        return false;
+    }
     return true;
 }
 
@@ -557,7 +615,7 @@ void IoHandle::complete(Op& op) {
     const int sync_fd = op.buffered_fd >= 0 ? op.buffered_fd : op.io_fd;
     const int64_t end = op.offset + static_cast<int64_t>(op.nbytes);
     if (op.write && !op.failed.load() && sync_fd >= 0) {
-        if (op.flags & kFlagTruncate) {
+        if ((op.flags & kFlagTruncate) && op.regular) {  // a device has no length to set
             int rc = platform::truncate_fd(sync_fd, end);
             if (rc < 0) {
                 op.fail(-rc, "truncate", end,

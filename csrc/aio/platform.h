@@ -13,6 +13,7 @@ namespace platform {
 
 // Opens `path` for reading (O_RDONLY) or writing (O_WRONLY|O_CREAT, mode 0644,
 // never O_TRUNC), optionally with O_DIRECT. Returns the descriptor or -errno.
+// Never blocks on a FIFO: a FIFO or socket path returns -ESPIPE.
 int open_file(const std::string& path, bool write, bool direct);
 
 // Opens a second, buffered descriptor on the file behind `fd` (used when a
@@ -50,6 +51,21 @@ int truncate_fd(int fd, int64_t size);  // 0 or -errno
 int sync_data(int fd);                  // fdatasync; 0 or -errno
 int64_t file_size(int fd);              // size in bytes or -errno
 int is_regular_file(int fd);            // 1 regular file, 0 other (device, pipe), -errno
+
+// What kind of file a descriptor refers to (FileType) or -errno.
+enum FileType : int {
+    kRegularFile = 0,
+    kBlockDevice = 1,
+    kCharDevice = 2,  // /dev/null, /dev/zero, a console: no O_DIRECT, no size, may not support async IO
+    kDirectory = 3,
+    kStream = 4,      // FIFO, pipe or socket: no file offsets; a read or write may block forever
+};
+int file_type(int fd);
+
+// 0 when every byte of [p, p+len) can be written, -EFAULT when some page cannot (a read-only mapping), found
+// without touching the memory from user space (so no SIGSEGV). May overwrite the first byte of each page: use it
+// only on memory that is about to be overwritten. Returns 0 when it cannot tell.
+int probe_writable(void* p, size_t len);
 
 // Path helpers (also used by the native tests).
 int path_kind(const std::string& path);  // 1 = directory, 2 = other existing, -errno otherwise

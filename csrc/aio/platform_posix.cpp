@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -70,6 +71,8 @@ const char* errno_name(int err) {
     switch (err) {
         case EPERM: return "EPERM";
         case ENOENT: return "ENOENT";
+        case ENXIO: return "ENXIO";
+        case ESPIPE: return "ESPIPE";
         case EINTR: return "EINTR";
         case EIO: return "EIO";
         case EBADF: return "EBADF";
@@ -98,11 +101,32 @@ const char* errno_name(int err) {
 }  // namespace
 
 int open_file(const std::string& path, bool write, bool direct) {
+    // O_NONBLOCK so that opening a FIFO returns at once instead of waiting for its other end; cleared again for
+    // every other kind of file (io_uring would otherwise turn a busy regular-file transfer into EAGAIN).
+    int fd;
     for (;;) {
-        int fd = ::open(path.c_str(), open_flags(write, direct), 0644);
-        if (fd >= 0) return fd;
-        if (errno != EINTR) return -errno;
+        fd = ::open(path.c_str(), open_flags(write, direct) | O_NONBLOCK, 0644);
+        if (fd >= 0) break;
+        if (errno == EINTR) continue;
+        const int err = errno;
+        struct stat st;
+        if (err == ENXIO && ::stat(path.c_str(), &st) == 0 && (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode))) {
+            return -ESPIPE;  // a FIFO without a reader, or a socket: no file offsets
+        }
+        return -err;
     }
+    const int type = file_type(fd);
+    if (type == kStream) {
+        ::close(fd);
+        return -ESPIPE;
+    }
+    const int fl = ::fcntl(fd, F_GETFL);
+    if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0) {
+        const int err = errno;
+        ::close(fd);
+        return -err;
+    }
+    return fd;
 }
 
 int reopen_buffered(int fd, bool write) {
@@ -209,6 +233,46 @@ int is_regular_file(int fd) {
     struct stat st;
     if (::fstat(fd, &st) != 0) return -errno;
     return S_ISREG(st.st_mode) ? 1 : 0;
+}
+
+int file_type(int fd) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return -errno;
+    if (S_ISREG(st.st_mode)) return kRegularFile;
+    if (S_ISBLK(st.st_mode)) return kBlockDevice;
+    if (S_ISCHR(st.st_mode)) return kCharDevice;
+    if (S_ISDIR(st.st_mode)) return kDirectory;
+    return kStream;
+}
+
+int probe_writable(void* p, size_t len) {
+    // readv from /dev/zero writes one byte at the start of each page through the kernel, which reports a page it
+    // cannot write as a short count or EFAULT instead of a signal.
+    static const int zero_fd = ::open("/dev/zero", O_RDONLY | O_CLOEXEC);
+    if (zero_fd < 0 || len == 0) return 0;
+    constexpr uintptr_t kPage = 4096;
+    constexpr size_t kBatch = 1024;
+    iovec iov[kBatch];
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t end = begin + len;
+    uintptr_t next = begin;
+    while (next < end) {
+        size_t n = 0;
+        for (uintptr_t a = next; a < end && n < kBatch; a = (a / kPage + 1) * kPage) {
+            iov[n].iov_base = reinterpret_cast<void*>(a);
+            iov[n].iov_len = 1;
+            ++n;
+        }
+        ssize_t rc = ::readv(zero_fd, iov, static_cast<int>(n));
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc < 0) return errno == EFAULT ? -EFAULT : 0;
+        if (rc == 0) return -EFAULT;
+        // rc pages were written; continue from the first one that was not (it faults next time, or was cut short).
+        const size_t written = static_cast<size_t>(rc);
+        next = written < n ? reinterpret_cast<uintptr_t>(iov[written].iov_base)
+                           : (reinterpret_cast<uintptr_t>(iov[n - 1].iov_base) / kPage + 1) * kPage;
+    }
+    return 0;
 }
 
 int path_kind(const std::string& path) {

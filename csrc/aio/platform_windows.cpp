@@ -456,6 +456,31 @@ int is_regular_file(int fd) {
     return type == FILE_TYPE_DISK ? 1 : 0;
 }
 
+int file_type(int fd) {
+    HANDLE h = windows::os_handle(fd);
+    if (h == INVALID_HANDLE_VALUE) return -EBADF;
+    DWORD type = GetFileType(h);
+    if (type == FILE_TYPE_UNKNOWN && GetLastError() != NO_ERROR) return windows::from_win32(GetLastError());
+    if (type == FILE_TYPE_DISK) return kRegularFile;
+    if (type == FILE_TYPE_CHAR) return kCharDevice;  // NUL, a console
+    return kStream;                                   // a pipe or a socket
+}
+
+int probe_writable(void* p, size_t len) {
+    const char* at = static_cast<const char*>(p);
+    const char* end = at + len;
+    while (at < end) {
+        MEMORY_BASIC_INFORMATION info;
+        if (VirtualQuery(at, &info, sizeof(info)) == 0) return 0;  // cannot tell
+        const DWORD writable = PAGE_READWRITE | PAGE_WRITECOPY | PAGE_EXECUTE_READWRITE | PAGE_EXECUTE_WRITECOPY;
+        if (info.State != MEM_COMMIT || (info.Protect & writable) == 0 || (info.Protect & PAGE_GUARD) != 0) {
+            return -EFAULT;
+        }
+        at = static_cast<const char*>(info.BaseAddress) + info.RegionSize;
+    }
+    return 0;
+}
+
 int path_kind(const std::string& path) {
     std::wstring w;
     if (!widen(path, &w)) return -EINVAL;

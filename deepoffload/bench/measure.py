@@ -107,17 +107,18 @@ def scratch_file(folder: str | os.PathLike, nbytes: int, spare: int = 0) -> Iter
     folder = Path(folder)
     if not folder.is_dir():
         raise BenchError(f"{folder} is not an existing folder; pass --path a folder on the storage to measure")
-    free = shutil.disk_usage(folder).free
-    if free < nbytes + spare:
-        raise BenchError(f"not enough free space in {folder}: the test file needs {nbytes + spare} bytes, "
-                         f"{free} are free; pass a smaller --size or another --path")
     path = folder / f".deepoffload-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
-    try:
+    try:  # first: a folder that takes no files (/proc, read-only) is that, not "full"
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except OSError as e:
-        raise BenchError(f"cannot create a test file in {folder}: {e.strerror}; pass --path a folder you can "
-                         f"write to") from e
+        virtual = " (a virtual filesystem with no storage behind it)" if shutil.disk_usage(folder).total == 0 else ""
+        raise BenchError(f"cannot create a test file in {folder}{virtual}: {e.strerror}; pass --path a folder on "
+                         f"the storage you can write to") from e
     try:
+        free = shutil.disk_usage(folder).free
+        if free < nbytes + spare:
+            raise BenchError(f"not enough free space in {folder}: the test file needs {nbytes + spare} bytes, "
+                             f"{free} are free; pass a smaller --size or another --path")
         yield path
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -21,13 +21,24 @@ def size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be at least 1."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     """--config and the async-IO knobs; ones given override the config file (or the defaults)."""
     parser.add_argument("--config", metavar="FILE", help="start from this aio JSON config (e.g. from `tune`)")
     parser.add_argument("--block-size", type=size_argument, metavar="BYTES",
                         help="bytes per IO request (K/M/G suffixes)")
-    parser.add_argument("--queue-depth", type=int, metavar="N", help="requests in flight per thread")
-    parser.add_argument("--threads", type=int, metavar="N", help="threads sharing one transfer "
+    parser.add_argument("--queue-depth", type=positive_int, metavar="N", help="requests in flight per thread")
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="threads sharing one transfer "
                         "(intra_op_parallelism)")
     parser.add_argument("--engine", choices=("auto", "io_uring", "libaio", "posix"), help="async-IO engine")
 
@@ -52,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--write", dest="ops", action="store_const", const=("write",), help="writes only")
     which.add_argument("--both", dest="ops", action="store_const", const=("write", "read"),
                        help="writes and reads (default)")
-    parser.add_argument("--loops", type=int, default=3, metavar="N", help="timed transfers per kind (default 3)")
+    parser.add_argument("--loops", type=positive_int, default=3, metavar="N", help="timed transfers per kind (default 3)")
     parser.add_argument("--buffer", choices=("pinned", "unaligned"), default="pinned",
                         help="pinned: page-aligned, page-locked (zero copy); unaligned: through bounce buffers")
     parser.add_argument("--compare-fio", action="store_true", help="run fio interleaved with ours, print ours/fio")

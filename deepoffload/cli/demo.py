@@ -40,6 +40,20 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f} MB"
 
 
+def _overhead_text(result) -> str:
+    ratios = result.step_overheads
+    if not ratios:
+        return ("not compared: the only step creates the optimizer state, which in memory costs nothing to read; "
+                "run --steps 3 or more")
+    if len(ratios) == 1:
+        return (f"overhead {100 * ratios[0]:+.1f}% against in memory (one step compared, the second; a single "
+                f"step is noisy: run more --steps)")
+    low, high = result.overhead_spread
+    spread = "middle half of the steps" if len(ratios) >= 4 else "range"
+    return (f"overhead {100 * result.overhead:+.1f}% against in memory (median of {len(ratios)} per-step ratios, "
+            f"the two runs interleaved, first step excluded; {spread} {100 * low:+.1f}% to {100 * high:+.1f}%)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print("deepoffload demo: --steps must be at least 1")
@@ -59,6 +73,17 @@ def run(args: argparse.Namespace) -> int:
     if not chunk_set:  # a small model's state in ~16 chunks: the staging buffers stay a small part of it
         config = config.replace(chunk_bytes=min(config.chunk_bytes, max(1 << 20, state_estimate(args) // 16)))
     config = config.replace(folder=args.path or config.folder or os.getcwd(), keep_files=args.keep or config.keep_files)
+    if not os.path.isdir(config.folder):  # as bench and tune: never create (and leave) a folder the user mistyped
+        print(f"deepoffload demo: {config.folder} is not an existing folder; choose another folder with --path "
+              f"(or create it)")
+        return 1
+    try:  # before any progress bar: a first use builds the op and says so on its own line
+        from ..io.native import native
+
+        native()
+    except Exception as e:  # BuildError (with the compiler's lines and a hint) or a load failure
+        print(f"deepoffload demo: the async-IO op is not usable here: {e}\nrun `deepoffload report` to see why")
+        return 1
     if args.stream_layers:
         from ..demo.stream import report_stream
 
@@ -85,12 +110,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"parameters:                 {result.parameters:,}")
     print(f"optimizer state on storage: {result.state_bytes_on_storage:,} bytes ({_mb(result.state_bytes_on_storage)})"
           f"; in memory it takes {result.state_bytes_memory:,} bytes")
-    print(f"memory saved:               {_mb(saved)} (state not in RAM, minus {_mb(result.staging_bytes)} of "
-          f"staging buffers)")
+    if saved > 0:
+        print(f"memory saved:               {_mb(saved)} (state not in RAM, minus {_mb(result.staging_bytes)} of "
+              f"staging buffers)")
+    else:
+        print(f"memory saved:               none: this model's state ({_mb(result.state_bytes_on_storage)}) is "
+              f"smaller than the staging buffers ({_mb(result.staging_bytes)}); offloading pays off for states much "
+              f"larger than the buffers (try --model-size small)")
+    over = "the only step, which writes the state and reads nothing" if result.steps == 1 else \
+        "the offloaded optimizer steps after the first"
     print(f"IO:                         {_mb(result.bytes_moved)} moved at {result.io_gb_per_s:.2f} GB/s "
-          f"(1e9 bytes/s, over the offloaded optimizer steps after the first)")
-    print(f"step time:                  overhead {100 * result.overhead:+.1f}% against in memory (median step, "
-          f"first step excluded)")
+          f"(1e9 bytes/s, over {over})")
+    print(f"step time:                  {_overhead_text(result)}")
     match = result.losses_match and result.params_match
     print(f"losses matched exactly:     {'yes' if match else 'NO'} (final loss {result.losses_offloaded[-1]:.6f}; "
           f"{len(result.losses_offloaded)} steps compared bit for bit, final parameters "

@@ -2,7 +2,7 @@
 
 Warm (probes cached) it runs no compiler and does not import torch; it never builds the op. When the op is already
 built (prebuilt or in the cache) it is loaded, which takes milliseconds, and each engine's runtime self-test is run.
-Exit status: 0 when the async-IO op can be used here, 1 when not.
+Exit status: 0 when the async-IO op can be used here (and in the ``--path`` folder, when given), 1 when not.
 """
 
 from __future__ import annotations
@@ -153,7 +153,10 @@ def _direct_io_alignment(directory: Path) -> tuple[bool, int | None, str]:
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return False, None, "O_DIRECT does not exist on this platform"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".deepoffload-dio-")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".deepoffload-dio-")
+    except OSError as e:  # e.g. /proc or /sys: a folder the superuser may "write" that takes no files
+        return False, None, f"cannot create a file there: {e.strerror}"
     os.close(fd)
     try:
         try:
@@ -188,8 +191,11 @@ def path_status(path: str) -> dict:
     if row["writable"]:
         ok, alignment, reason = _direct_io_alignment(p)
         row.update(direct_io=ok, alignment=alignment, direct_io_reason=reason)
+        if reason.startswith("cannot create a file"):
+            row.update(writable=False, error=f"not a folder deepoffload can use ({fstype} filesystem): {reason}")
     else:
-        row.update(direct_io=None, alignment=None, direct_io_reason="folder is not writable")
+        row.update(direct_io=None, alignment=None, direct_io_reason="folder is not writable",
+                   error="not writable by this user: swap files cannot be created there")
     return row
 
 
@@ -308,4 +314,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         print(render(report, Style(color)))
-    return 0 if usable(report) else 1
+    path_ok = report.get("path") is None or "error" not in report["path"]
+    return 0 if usable(report) and path_ok else 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -42,12 +43,27 @@ def run(args: argparse.Namespace) -> int:
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise BenchError(PLOT_HINT)
         for name in (args.output, args.plot):
-            if name and not os.access(os.path.dirname(os.path.abspath(name)), os.W_OK):
-                raise BenchError(f"cannot write {name}: its folder is missing or not writable")
+            if name:
+                check_writable(name)
         return _run(args, started)
     except (BenchError, ConfigError, ValueError, OSError) as e:
         print(f"deepoffload tune: error: {e}", file=sys.stderr)
         return 1
+
+
+def check_writable(name: str) -> None:
+    """Raise ``BenchError`` unless ``name`` can be written, by trying (permission bits do not bind the superuser,
+    and /proc takes no new files): before the search, not after it. Leaves no new file behind."""
+    from ..bench.measure import BenchError
+
+    existed = os.path.lexists(name)
+    try:
+        with open(name, "ab"):
+            pass
+    except OSError as e:
+        raise BenchError(f"cannot write {name}: {e.strerror}; pass a file in a folder you can write to") from e
+    if not existed:
+        os.unlink(name)
 
 
 def _run(args: argparse.Namespace, started: float) -> int:
@@ -57,6 +73,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
     from tqdm import tqdm
 
     from ..bench.measure import direct_io_works, make_buffer, round_trip, scratch_file
+    from ..bench.sizes import format_size
     from ..bench.search import SCORE_DESCRIPTION, Search, default_knobs
     from ..config import AioConfig
     from ..io.native import engine_status, resolve_engine
@@ -74,6 +91,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
                 bar.n = min(round(time.monotonic() - started, 1), bar.total)
                 bar.set_postfix_str(f"{len(search.trials)} trials, last {trial.score:.2f} GB/s")
 
+            setup_s = time.monotonic() - started
             search = Search(lambda c: round_trip(c, buffer, path, direct), start, default_knobs(engines, args.size),
                             args.budget, started=started, on_trial=progress)
             result = search.run()
@@ -84,8 +102,14 @@ def _run(args: argparse.Namespace, started: float) -> int:
     print(f"best: {json.dumps(config)}")
     print(f"      write {result.best_write_gbps:.3f} GB/s, read {result.best_read_gbps:.3f} GB/s, score "
           f"{result.best_score:.3f} GB/s (medians of {sum(t.config == result.best for t in result.trials)} trials)")
-    print(f"wrote {args.output}; {len(result.trials)} trials in {result.elapsed_s:.1f} s of a {result.budget_s:.0f} s "
-          f"budget ({result.stopped})")
+    print(f"wrote {args.output}; {len(result.trials)} trial{'s' if len(result.trials) != 1 else ''} in "
+          f"{result.elapsed_s:.1f} s of a {result.budget_s:g} s budget ({result.stopped})")
+    if result.elapsed_s > result.budget_s:
+        trial_s = (result.elapsed_s - setup_s) / max(1, len(result.trials))
+        print(f"the budget was too short to search: setup (loading torch and the op, self-tests, writing the "
+              f"{format_size(args.size)} test file) took {setup_s:.1f} s and one trial {trial_s:.1f} s, and one trial "
+              f"always runs so that there is a config to write; pass --budget "
+              f"{math.ceil(setup_s + 10 * trial_s)} or more for a search")
     if args.plot:
         plot(result, args.plot)
         print(f"plotted {args.plot}")
@@ -95,15 +119,23 @@ def _run(args: argparse.Namespace, started: float) -> int:
 def format_trials(result, direct: bool) -> str:
     from ..bench.sizes import format_size
 
-    lines = [f"trials ({'O_DIRECT' if direct else 'buffered'}; GB/s = 1e9 bytes/s; * = best)",
+    import statistics
+
+    runs: dict = {}
+    for t in result.trials:
+        runs.setdefault(t.config, []).append(t.score)
+    lines = [f"trials ({'O_DIRECT' if direct else 'buffered'}; GB/s = 1e9 bytes/s; score = one trial; median = "
+             f"the config's median score over its n trials; * = best: the highest median among configs measured "
+             f"more than once, so one lucky trial does not win)",
              f"{'#':>3} {'phase':<7} {'engine':<9} {'block':>8} {'qd':>4} {'thr':>3} {'single':>6} {'overlap':>7} "
-             f"{'write':>7} {'read':>7} {'score':>7}"]
+             f"{'write':>7} {'read':>7} {'score':>7} {'median':>7} {'n':>2}"]
     for i, t in enumerate(result.trials, 1):
         c = t.config
         mark = "*" if c == result.best else " "
         lines.append(f"{i:>3} {t.phase:<7} {c.engine:<9} {format_size(c.block_size):>8} {c.queue_depth:>4} "
                      f"{c.intra_op_parallelism:>3} {str(c.single_submit):>6} {str(c.overlap_events):>7} "
-                     f"{t.write_gbps:7.3f} {t.read_gbps:7.3f} {t.score:7.3f}{mark}")
+                     f"{t.write_gbps:7.3f} {t.read_gbps:7.3f} {t.score:7.3f} {statistics.median(runs[c]):7.3f} "
+                     f"{len(runs[c]):>2}{mark}")
     return "\n".join(lines)
 
 

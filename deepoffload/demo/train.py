@@ -60,11 +60,28 @@ class DemoResult:
         return sum(self.bytes_moved_per_step[skip:]) / seconds / 1e9 if seconds else 0.0
 
     @property
-    def overhead(self) -> float:
-        """Median offloaded step time over median in-memory step time, minus 1 (first step excluded)."""
-        skip = 1 if self.steps > 1 else 0
-        memory = statistics.median(self.step_seconds_memory[skip:])
-        return statistics.median(self.step_seconds_offloaded[skip:]) / memory - 1 if memory else 0.0
+    def step_overheads(self) -> list[float]:
+        """Per step after the first (which creates the state): offloaded step time over the in-memory step's, minus
+        1. The two runs alternate which goes first each step, so each ratio compares steps taken side by side."""
+        return [off / mem - 1 for off, mem in zip(self.step_seconds_offloaded[1:], self.step_seconds_memory[1:])
+                if mem > 0]
+
+    @property
+    def overhead(self) -> float | None:
+        """Median of ``step_overheads`` (None with a single step: there is nothing to compare)."""
+        ratios = self.step_overheads
+        return statistics.median(ratios) if ratios else None
+
+    @property
+    def overhead_spread(self) -> tuple[float, float] | None:
+        """(low, high) of ``step_overheads``: the middle half (quartiles) from 4 steps on, else the full range."""
+        ratios = sorted(self.step_overheads)
+        if len(ratios) < 2:
+            return None
+        if len(ratios) < 4:
+            return ratios[0], ratios[-1]
+        q = statistics.quantiles(ratios, n=4)
+        return q[0], q[2]
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:

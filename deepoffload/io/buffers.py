@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import operator
 import mmap
 import os
 import threading
@@ -38,10 +39,16 @@ _warned_memlock = False
 
 
 def _numel(shape_or_numel: int | Sequence[int]) -> tuple[int, tuple[int, ...]]:
-    if isinstance(shape_or_numel, int):
-        shape: tuple[int, ...] = (shape_or_numel,)
+    def dim(s: object) -> int:
+        if isinstance(s, bool) or not hasattr(type(s), "__index__"):
+            raise TypeError(f"aligned_empty: expected a size (int) or a shape (sequence of ints), got "
+                            f"{shape_or_numel!r}")
+        return operator.index(s)
+
+    if isinstance(shape_or_numel, (str, bytes)) or not isinstance(shape_or_numel, Sequence):
+        shape: tuple[int, ...] = (dim(shape_or_numel),)
     else:
-        shape = tuple(int(s) for s in shape_or_numel)
+        shape = tuple(dim(s) for s in shape_or_numel)
     if any(s < 0 for s in shape):
         raise ValueError(f"aligned_empty: negative dimension in shape {shape}")
     return math.prod(shape), shape

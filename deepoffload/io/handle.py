@@ -8,9 +8,12 @@ offset), which becomes an ``OSError`` here.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
+import math
 import os
 import threading
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -23,7 +26,7 @@ from . import accelerator
 from .buffers import aligned_empty
 from .native import FSYNC, TRUNCATE, native, resolve_engine
 
-FileRef = Union[str, os.PathLike, int]
+FileRef = Union[str, bytes, os.PathLike, int]
 
 WAIT_SLICE_S = 0.2
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # what the native op's integer arguments can hold
@@ -43,9 +46,13 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 def check_tensor(tensor: object, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise ValueError(f"{what}: sparse ({tensor.layout}) and quantized tensors have no single byte buffer; use "
-                         f".dequantize() or .to_dense() first")
+    if tensor.is_quantized:
+        raise ValueError(f"{what}: quantized tensors ({tensor.dtype}) keep their scale and zero point outside "
+                         f"their bytes; pass tensor.int_repr() (and save q_scale()/q_zero_point()) or "
+                         f"tensor.dequantize() instead")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what}: sparse tensors ({tensor.layout}) have no single byte buffer; pass "
+                         f"tensor.to_dense() instead")
     if tensor.is_conj() or tensor.is_neg():  # a lazy view: its bytes in memory are not its values
         raise ValueError(f"{what}: the tensor is a lazy conjugate/negative view whose memory holds other values; "
                          f"pass tensor.resolve_conj().resolve_neg() (a copy) instead")
@@ -79,10 +86,16 @@ class Request:
         self._lock = threading.Lock()
         self._collected = False
         self._error: BaseException | None = None
+        self._generation = _fork_generation
+        self._pid = os.getpid()
 
     def done(self) -> bool:
-        """True when the transfer has finished (successfully or not); never blocks."""
-        return self._collected or self._native.done(self._op_id)
+        """True when the transfer has finished (successfully or not); never blocks. In a forked child, a transfer
+        the parent started raises ``RuntimeError`` (it runs in the parent, not here)."""
+        if self._collected:
+            return True
+        self._check_process()
+        return self._native.done(self._op_id)
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until the transfer finishes; return its bytes or raise its ``OSError``.
@@ -90,24 +103,30 @@ class Request:
         With ``timeout`` (seconds), raise ``TimeoutError`` if it has not finished by then. Waiting again returns the
         same result (or raises the same error).
         """
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+        deadline = _deadline(timeout)
+        self._check_process()
+        if not self._lock.acquire(timeout=-1 if deadline is None else min(_remaining(deadline), threading.TIMEOUT_MAX)):
             raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
         try:
             if not self._collected:
-                self._collect(timeout)
+                self._collect(deadline)
         finally:
             self._lock.release()
         if self._error is not None:
             raise self._error
         return self.nbytes
 
-    def _collect(self, timeout: float | None) -> None:
-        if timeout is None:  # wait in slices so Ctrl-C (or any signal handler's exception) gets through
-            result = None
-            while result is None:
-                result = self._native.wait(self._op_id, WAIT_SLICE_S)
-        else:
-            result = self._native.wait(self._op_id, float(timeout))
+    def _check_process(self) -> None:
+        if self._generation != _fork_generation:  # a forked child holding a copy of the parent's request
+            raise RuntimeError(f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
+                               f"{self._pid} before it forked; it runs there, and only that process can wait for it")
+
+    def _collect(self, deadline: float | None) -> None:
+        while True:  # in slices so Ctrl-C (or any signal handler's exception) gets through
+            slice_s = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, _remaining(deadline))
+            result = self._native.wait(self._op_id, slice_s)
+            if result is not None or (deadline is not None and _remaining(deadline) == 0):
+                break
         if result is None:
             raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
         self._collected = True
@@ -142,6 +161,22 @@ class Request:
                 pass
 
 
+def _deadline(timeout: float | None) -> float | None:
+    """The ``time.monotonic()`` by which a wait of ``timeout`` seconds ends; None to wait forever."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}")
+    timeout = float(timeout)
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds (or None to wait until done), got {timeout!r}")
+    return None if math.isinf(timeout) else time.monotonic() + timeout
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
 def _warn_buffered(path: str) -> None:
     folder = str(Path(path).parent)
     if folder not in _warned_buffered:
@@ -170,13 +205,27 @@ class AsyncIOHandle:
             if getattr(c, key) > limit:  # the native op would refuse it with an unreadable TypeError
                 raise ValueError(f"{key}={getattr(c, key)} is out of range; use a value like the default "
                                  f"({getattr(AioConfig, key)})")
-        self._native = native().Handle(self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events,
-                                       c.intra_op_parallelism)
+        self._native = self._new_native()
         self._pending: dict[int, Request] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
         self._stager = None
         _live_handles.add(self)
+
+    def _new_native(self):
+        c = self.config
+        return native().Handle(self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events,
+                               c.intra_op_parallelism)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the native handle's threads stayed in the parent (and its locks may be held), so it is
+        never touched here, not even destroyed (its destructor would wait for them); the handle gets a fresh one on
+        first use. The parent's transfers are the parent's: waiting for one here raises ``RuntimeError``."""
+        if self._native is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
+            self._native = None
+        self._pending = {}
+        self._pending_lock = threading.Lock()
 
     # -- transfers --------------------------------------------------------------------------------------------
     def read_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> Request:
@@ -248,7 +297,9 @@ class AsyncIOHandle:
         if offset > INT64_MAX - nbytes:
             raise ValueError(f"file offset {offset} + {nbytes} bytes is past the largest file offset (2**63 - 1)")
         with self._pending_lock:
-            op_id = self._native.submit(write, buffer.data_ptr(), nbytes, path, fd, offset, flags)
+            if self._native is None:  # first use in a forked child
+                self._native = self._new_native()
+            op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
             request = Request(self, op_id, nbytes, path, keep_alive, finish)
             self._pending[op_id] = request
         return request
@@ -283,7 +334,8 @@ class AsyncIOHandle:
         are still raised by their ``Request.wait()``."""
         if not self._closed:
             self._closed = True
-            self._native.close()
+            if self._native is not None:
+                self._native.close()
 
     def __enter__(self) -> "AsyncIOHandle":
         return self
@@ -328,11 +380,13 @@ def _file_ref(file: FileRef) -> tuple[int, str]:
         if not 0 <= file <= INT32_MAX:
             raise ValueError(f"file descriptor must be an open descriptor (0 to {INT32_MAX}), got {file}")
         return file, f"<fd {file}>"
-    if isinstance(file, (str, os.PathLike)):
-        path = os.fspath(file)
-        if not isinstance(path, str) or not path:
+    if isinstance(file, (str, bytes, os.PathLike)):
+        path = os.fspath(file)  # str or bytes, as open() takes them
+        if not path:
             raise ValueError(f"file: expected a non-empty path, got {file!r}")
-        return -1, path
+        if ("\0" if isinstance(path, str) else b"\0") in path:  # the OS would see a different (shorter) name
+            raise ValueError(f"file: embedded null byte in path {path!r}")
+        return -1, os.fsdecode(path)
     raise TypeError(f"file: expected a path or a file descriptor, got {type(file).__name__}")
 
 
@@ -351,6 +405,20 @@ def _validate(tensor: torch.Tensor, file: FileRef, offset: int) -> None:
     if len(data) != nbytes or (nbytes and not torch.equal(expected, torch.frombuffer(bytearray(data), dtype=torch.uint8))):
         raise ValidationError(errno.EIO, f"validation failed: the {nbytes} bytes at offset {offset} differ from "
                                          f"the tensor's", path)
+
+
+_fork_generation = 0  # incremented in each forked child: a Request from an earlier generation is the parent's
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+    for handle in list(_live_handles):
+        handle._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

@@ -143,7 +143,8 @@ BAD_CALLS = {
     "missing folder": (lambda h, d: h.read(torch.empty(4), d / "no" / "x"), FileNotFoundError, "open"),
     "a folder as file": (lambda h, d: h.write(torch.empty(4), d), IsADirectoryError, "open"),
     "past the end": (lambda h, d: h.read(torch.empty(1 << 20), d / "x"), OSError, "read"),
-    "bytes path": (lambda h, d: h.write(torch.empty(4), os.fsencode(d / "x")), TypeError, "path"),
+    "NUL in path": (lambda h, d: h.write(torch.empty(4), str(d / "x\0y")), ValueError, "null byte"),
+    "NUL in bytes path": (lambda h, d: h.read(torch.empty(4), os.fsencode(d / "x") + b"\0"), ValueError, "null byte"),
 }
 
 
