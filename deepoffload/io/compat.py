@@ -66,9 +66,9 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     def pwrite(self, buffer: torch.Tensor, filename: FileRef, validate: bool, async_op: bool,
                file_offset: int = 0) -> int:
         if async_op:
-            self._handle.write_async(buffer, filename, file_offset)
+            self._handle.write_async(buffer, filename, file_offset, truncate=False)
             return 0
-        self._handle.write(buffer, filename, file_offset, validate=validate)
+        self._handle.write(buffer, filename, file_offset, validate=validate, truncate=False)
         return 1
 
     def sync_pread(self, buffer: torch.Tensor, filename: FileRef, file_offset: int = 0) -> int:
