@@ -89,9 +89,7 @@ def check_layout(folder, case) -> None:
     settings_ = dict(block_size=case["block_size"], queue_depth=case["queue_depth"],
                      intra_op_parallelism=case["threads"])
     if surface.startswith("deepspeed"):
-        h = aio_handle(**{**settings_, "block_size": max(4096, case["block_size"])})
-        h._handle.close()
-        h._handle = AsyncIOHandle(engine=engine, **{**settings_, "block_size": max(4096, case["block_size"])})
+        h = aio_handle(**settings_, engine=engine)
         fd = os.open(path, os.O_WRONLY) if surface == "deepspeed-fd" else None
         try:
             for (a, _), buf in zip(order, buffers):
