@@ -4,7 +4,6 @@ fd, every error as an OSError with errno/operation/path/offset, and the DeepSpee
 from __future__ import annotations
 
 import errno
-import inspect
 import itertools
 import os
 import subprocess
@@ -236,43 +235,7 @@ print('exiting with an operation in flight')
     assert "terminate" not in proc.stderr
 
 
-def test_deepspeed_compatible_surface(aio, scratch):
-    from deepoffload.op_builder import AsyncIOBuilder
-
-    module = AsyncIOBuilder().load()
-    h = module.aio_handle(block_size=1048576, queue_depth=8, single_submit=False, overlap_events=True,
-                          intra_op_parallelism=3)
-    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
-            h.get_intra_op_parallelism()) == (1048576, 8, False, True, 3)
-    assert h.get_alignment() >= 512
-    names = ["read", "write", "pread", "pwrite", "sync_pread", "sync_pwrite", "async_pread", "async_pwrite"]
-    params = {n: list(inspect.signature(getattr(h, n)).parameters) for n in names}
-    assert params["read"] == params["write"] == ["buffer", "filename", "validate", "file_offset"]
-    assert params["pread"] == ["buffer", "filename", "validate", "async_op", "file_offset"]
-    assert params["sync_pread"] == params["async_pwrite"] == ["buffer", "filename", "file_offset"]
-    buf = h.new_cpu_locked_tensor(1_000_001, torch.empty(0, dtype=torch.float16))
-    assert buf.dtype == torch.float16 and buf.numel() == 1_000_001 and h.is_pinned(buf)
-    buf.copy_(torch.randn(1_000_001))
-    path = str(scratch / "ds")
-    assert h.sync_pwrite(buf, path) == 1
-    assert h.write(buf, path, True) == 1
-    out = torch.empty_like(buf)
-    assert h.async_pread(out, path) == 0
-    assert h.wait() == 1 and torch.equal(out, buf)
-    assert h.pread(out, path, False, True, 0) == 0 and h.pwrite(buf, path + '2', False, True, 2) == 0
-    assert h.wait() == 2
-    assert h.wait() == 0
-    assert h.read(out, path, False) == 1
-    assert h.free_cpu_locked_tensor(buf) is True
-
-
 def test_config_defaults_are_defined_once(monkeypatch):
-    from deepoffload.io.compat import aio_handle
-
-    defaults = AioConfig()
-    sig = inspect.signature(aio_handle.__init__).parameters
-    assert sig["block_size"].default == defaults.block_size
-    assert sig["queue_depth"].default == defaults.queue_depth
     monkeypatch.setenv("DEEPOFFLOAD_AIO_ENGINE", "posix")
     monkeypatch.setenv("DEEPOFFLOAD_AIO_QUEUE_DEPTH", "4")
     env = AioConfig.from_env()

@@ -21,6 +21,9 @@ constexpr int kMaxQueueDepth = 32768;
 constexpr int kMaxThreads = 256;
 constexpr size_t kMaxBounceBytes = size_t(32) << 20;  // per worker thread
 constexpr size_t kShardUnit = 4096;                   // shards are cut at multiples of this (or of the alignment)
+// Direct IO covers whole pages only, even where the kernel accepts 512-byte offsets: a buffered write into a page
+// that a concurrent direct write also covers can write the page's stale bytes back over the direct write.
+constexpr size_t kPageSize = 4096;
 
 int64_t round_down(int64_t v, int64_t a) { return v - (v % a); }
 int64_t round_up(int64_t v, int64_t a) { return round_down(v + a - 1, a); }
@@ -62,7 +65,12 @@ struct Op {
     std::atomic<bool> failed{false};
     std::mutex result_mutex;
     OpResult result;
-    bool done = false;  // guarded by IoHandle::mutex_
+    bool done = false;     // guarded by IoHandle::mutex_
+    int64_t keep_end = 0;  // kFlagTruncate: furthest end of writes to the same file that ran alongside this one
+                           // (guarded by IoHandle::mutex_)
+
+    int64_t end() const { return offset + static_cast<int64_t>(nbytes); }
+    bool truncating() const { return write && (flags & kFlagTruncate) != 0; }
 
     void fail(int err, const char* operation, int64_t at, const std::string& detail) {
         std::lock_guard<std::mutex> lock(result_mutex);
@@ -301,6 +309,7 @@ int64_t IoHandle::submit(bool write, char* buffer, size_t nbytes, const std::str
         ops_[id] = op;
         queue_.push_back(Task{op, -1});
         ++running_;
+        if (op->truncating()) ++truncating_;
     }
     work_cv_.notify_one();
     return id;
@@ -477,21 +486,25 @@ void IoHandle::prepare(const std::shared_ptr<Op>& op_ptr) {
             op.direct = false;
         } else {
             op.mem_align = a.memory;
-            op.off_align = a.offset;
+            op.off_align = std::max(a.offset, kPageSize);
         }
     }
     op.result.direct = op.direct;
 
     // Extending direct writes are serialized by some file systems (ext4 waits for
-    // each one): set the final size first so the blocks land inside the file.
-    // The size the write leaves is the same either way: max(old size, end).
+    // each one): allocate the range first so the blocks land inside the file.
+    // fallocate never shortens the file, so writes to other parts of it running
+    // meanwhile keep their bytes (a size check followed by ftruncate could cut
+    // them). Where it is unsupported the writes extend the file themselves.
     if (op.write && op.direct && op.nbytes > 0 && platform::is_regular_file(op.buffered_fd) == 1) {
-        const int64_t end = op.offset + static_cast<int64_t>(op.nbytes);
+        const int64_t end = op.end();
         const int64_t size = platform::file_size(op.buffered_fd);
-        int rc = size < 0 ? static_cast<int>(size) : (size < end ? platform::truncate_fd(op.buffered_fd, end) : 0);
-        if (rc < 0) {
-            op.fail(-rc, "truncate", end,
-                    "cannot extend '" + op.path + "' to " + std::to_string(end) + " bytes: " + platform::errno_text(-rc));
+        int rc = size < 0 ? static_cast<int>(size)
+                          : (size < end ? platform::grow_file(op.buffered_fd, op.offset, end - op.offset) : 0);
+        if (rc < 0 && rc != -EOPNOTSUPP) {
+            op.fail(-rc, "write", op.offset,
+                    "cannot allocate bytes " + std::to_string(op.offset) + " to " + std::to_string(end) + " of '" +
+                        op.path + "' (fallocate): " + platform::errno_text(-rc));
             complete(op);
             return;
         }
@@ -610,16 +623,32 @@ void IoHandle::finish_shard(Op& op) {
     if (op.shards_left.fetch_sub(1) == 1) complete(op);
 }
 
+// The size a truncating write leaves: its own end, or the furthest end of the
+// other writes to the same file (named by the same path or descriptor) through
+// this handle that ran alongside it (submitted before it completed and not
+// complete before it was submitted), so their bytes are never cut. Writes that
+// completed before it was submitted are replaced: it is a whole-file write.
+int64_t IoHandle::truncate_size(const Op& op) {
+    int64_t keep = std::max(op.end(), op.keep_end);
+    for (const auto& kv : ops_) {
+        const Op& other = *kv.second;
+        if (&other != &op && other.write && !other.done && other.path == op.path) keep = std::max(keep, other.end());
+    }
+    return keep;
+}
+
 // Runs once per op after its last shard: truncate/fsync, close, publish.
 void IoHandle::complete(Op& op) {
     const int sync_fd = op.buffered_fd >= 0 ? op.buffered_fd : op.io_fd;
-    const int64_t end = op.offset + static_cast<int64_t>(op.nbytes);
     if (op.write && !op.failed.load() && sync_fd >= 0) {
         if ((op.flags & kFlagTruncate) && op.regular) {  // a device has no length to set
-            int rc = platform::truncate_fd(sync_fd, end);
+            // Under the handle's lock, so no write through it can start or finish between measuring and cutting.
+            std::lock_guard<std::mutex> lock(mutex_);
+            const int64_t size = truncate_size(op);
+            int rc = platform::truncate_fd(sync_fd, size);
             if (rc < 0) {
-                op.fail(-rc, "truncate", end,
-                        "cannot truncate '" + op.path + "' to " + std::to_string(end) +
+                op.fail(-rc, "truncate", size,
+                        "cannot truncate '" + op.path + "' to " + std::to_string(size) +
                             " bytes: " + platform::errno_text(-rc));
             }
         }
@@ -641,6 +670,15 @@ void IoHandle::complete(Op& op) {
         std::lock_guard<std::mutex> lock(mutex_);
         op.done = true;
         --running_;
+        if (op.truncating()) --truncating_;
+        if (op.write && truncating_ > 0) {  // truncating writes still running must keep this write's bytes
+            for (auto& kv : ops_) {
+                Op& other = *kv.second;
+                if (other.truncating() && !other.done && other.path == op.path) {
+                    other.keep_end = std::max(other.keep_end, op.end());
+                }
+            }
+        }
     }
     done_cv_.notify_all();
 }

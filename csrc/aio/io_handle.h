@@ -19,7 +19,8 @@
 namespace deepoffload {
 
 enum OpFlags : unsigned {
-    kFlagTruncate = 1u,  // after a successful write, truncate the file to offset + nbytes
+    kFlagTruncate = 1u,  // after a successful write, the file ends at offset + nbytes, or at the furthest end of
+                         // writes to the same file through this handle that ran alongside it (never cuts those)
     kFlagBuffered = 2u,  // do not use O_DIRECT
     kFlagFsync = 4u,     // fdatasync after a successful write
 };
@@ -85,6 +86,7 @@ private:
     bool transfer_bounced(Worker* worker, Op& op, char* user, size_t len, int64_t at, size_t block);
     void finish_shard(Op& op);
     void complete(Op& op);
+    int64_t truncate_size(const Op& op);  // caller holds mutex_
     std::shared_ptr<Op> find(int64_t op_id);
 
     HandleConfig config_;
@@ -94,7 +96,8 @@ private:
     std::deque<Task> queue_;
     std::map<int64_t, std::shared_ptr<Op>> ops_;
     int64_t next_id_ = 1;
-    size_t running_ = 0;  // ops submitted and not yet complete
+    size_t running_ = 0;     // ops submitted and not yet complete
+    size_t truncating_ = 0;  // of those, writes with kFlagTruncate
     bool stopping_ = false;
     bool closed_ = false;
     std::vector<std::unique_ptr<Worker>> workers_;

@@ -48,6 +48,10 @@ DioAlignment query_dio_alignment(int fd);
 int fd_is_direct(int fd);
 
 int truncate_fd(int fd, int64_t size);  // 0 or -errno
+// Makes the file at least offset + len bytes long by allocating [offset, offset + len) in one atomic call that
+// never shortens it (Linux fallocate mode 0), so concurrent writes to the file cannot lose bytes to a stale size.
+// Returns 0, -EOPNOTSUPP where the file system (or platform) cannot, or another -errno (ENOSPC).
+int grow_file(int fd, int64_t offset, int64_t len);
 int sync_data(int fd);                  // fdatasync; 0 or -errno
 int64_t file_size(int fd);              // size in bytes or -errno
 int is_regular_file(int fd);            // 1 regular file, 0 other (device, pipe), -errno

@@ -216,6 +216,14 @@ int truncate_fd(int fd, int64_t size) {
     }
 }
 
+int grow_file(int fd, int64_t offset, int64_t len) {
+    for (;;) {
+        if (::fallocate(fd, 0, static_cast<off_t>(offset), static_cast<off_t>(len)) == 0) return 0;
+        if (errno == EINTR) continue;
+        return (errno == ENOSYS || errno == EOPNOTSUPP) ? -EOPNOTSUPP : -errno;
+    }
+}
+
 int sync_data(int fd) {
     for (;;) {
         if (::fdatasync(fd) == 0) return 0;

@@ -433,6 +433,9 @@ int truncate_fd(int fd, int64_t size) {
     return 0;
 }
 
+// Windows has no atomic grow-only call: writes extend the file themselves.
+int grow_file(int, int64_t, int64_t) { return -EOPNOTSUPP; }
+
 int sync_data(int fd) {
     HANDLE h = windows::os_handle(fd);
     if (h == INVALID_HANDLE_VALUE) return -EBADF;

@@ -130,6 +130,15 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
+def release_lock(address: int, nbytes: int) -> None:
+    """Unlock the pages of [address, address + nbytes) of an ``aligned_empty`` buffer early: the memory stays valid
+    while the tensor lives, but ``is_pinned`` no longer reports it."""
+    with _locked_lock:
+        length = _locked.pop(address - address % PAGE_SIZE, None)
+    if length is not None:
+        _unlock_pages(address - address % PAGE_SIZE, length)
+
+
 def is_aligned(tensor: torch.Tensor, alignment: int = 0) -> bool:
     """True when the tensor's data starts on an ``alignment``-byte boundary (0 = the page size)."""
     return tensor.data_ptr() % (alignment or PAGE_SIZE) == 0

@@ -1,35 +1,83 @@
-"""The DeepSpeed-shaped surface: ``AsyncIOBuilder().load().aio_handle(...)`` with DeepSpeed's methods, argument
-orders and return values, so code written for ``deepspeed.ops.op_builder.AsyncIOBuilder`` runs after changing only
-its import. Where DeepSpeed returns -1 or aborts, these raise.
+"""The DeepSpeed-shaped surface: ``AsyncIOBuilder().load().aio_handle(...)`` with DeepSpeed 0.19.8's methods,
+argument names, defaults and return values, so code written for ``deepspeed.ops.op_builder.AsyncIOBuilder`` runs
+after changing only its import. Where DeepSpeed returns -1 or aborts, these raise (the README lists every deliberate
+difference). Writes never shorten a file: DeepSpeed opens for writing without ``O_TRUNC`` and writes files in pieces.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from types import ModuleType
 
 import torch
 
 from ..config import AioConfig
-from .buffers import PAGE_SIZE, aligned_empty, is_pinned
-from .handle import AsyncIOHandle, FileRef
+from .buffers import aligned_empty, release_lock
+from .handle import AsyncIOHandle, FileRef, check_tensor
 
-_D = AioConfig  # the one set of defaults
+# DeepSpeed's aio_handle constructor defaults (py_ds_aio.cpp).
+DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_SINGLE_SUBMIT, DS_OVERLAP_EVENTS, DS_INTRA_OP_PARALLELISM = 1 << 20, 128, False, False, 1
+O_DIRECT_ALIGNMENT = 512  # DeepSpeed's get_alignment() is this times intra_op_parallelism
+MIN_IO_BLOCK = 4096       # smaller block sizes are accepted and reported, IO uses this
+
+_MISSING = object()
+
+# Buffers from new_cpu_locked_tensor, like DeepSpeed's process-wide pinned-tensor manager: start address -> bytes.
+_managed_lock = threading.Lock()
+_managed: dict[int, int] = {}
+
+
+def _required(value, name: str, method: str):
+    if value is _MISSING:
+        raise TypeError(f"aio_handle.{method}() missing required argument '{name}'")
+    return value
+
+
+def _file(filename, fd, method: str) -> FileRef:
+    """DeepSpeed's overloads: a path as ``filename``, or an open descriptor as ``fd`` (or positionally)."""
+    if fd is not None:
+        if filename is not _MISSING:
+            raise TypeError(f"aio_handle.{method}(): pass either filename or fd, not both")
+        if isinstance(fd, bool) or not isinstance(fd, int):
+            raise TypeError(f"aio_handle.{method}(): fd must be an int (an open descriptor), got {type(fd).__name__}")
+        return fd
+    return _required(filename, "filename", method)
+
+
+def _async_flag(async_op, kwargs: dict, method: str) -> bool:
+    """DeepSpeed names this argument ``async`` (a Python keyword: pass it as ``**{"async": True}``)."""
+    if "async" in kwargs:
+        if async_op is not _MISSING:
+            raise TypeError(f"aio_handle.{method}(): got 'async' twice")
+        async_op = kwargs.pop("async")
+    if kwargs:
+        raise TypeError(f"aio_handle.{method}() got unexpected keyword arguments {sorted(kwargs)}")
+    return bool(_required(async_op, "async", method))
 
 
 class aio_handle:  # noqa: N801  (DeepSpeed's name)
     """DeepSpeed's ``aio_handle``: synchronous calls return 1, asynchronous ones 0, ``wait()`` the number of
-    asynchronous operations that completed (0 when none were pending)."""
+    asynchronous operations that completed (0 when none were pending). ``engine`` (not in DeepSpeed) picks one of
+    deepoffload's engines; by default ``DEEPOFFLOAD_AIO_ENGINE`` or ``auto``."""
 
-    def __init__(self, block_size: int = _D.block_size, queue_depth: int = _D.queue_depth,
-                 single_submit: bool = _D.single_submit, overlap_events: bool = _D.overlap_events,
-                 intra_op_parallelism: int = _D.intra_op_parallelism):
-        self._handle = AsyncIOHandle(AioConfig.from_dict(dict(
-            block_size=block_size, queue_depth=queue_depth, single_submit=single_submit,
-            overlap_events=overlap_events, intra_op_parallelism=intra_op_parallelism)))
+    def __init__(self, block_size: int = DS_BLOCK_SIZE, queue_depth: int = DS_QUEUE_DEPTH,
+                 single_submit: bool = DS_SINGLE_SUBMIT, overlap_events: bool = DS_OVERLAP_EVENTS,
+                 intra_op_parallelism: int = DS_INTRA_OP_PARALLELISM, *, engine: str | None = None):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive number of bytes, got {block_size!r}")
+        self._block_size = block_size
+        settings = dict(block_size=max(block_size, MIN_IO_BLOCK), queue_depth=queue_depth,
+                        single_submit=single_submit, overlap_events=overlap_events,
+                        intra_op_parallelism=intra_op_parallelism)
+        if engine is not None:
+            settings["engine"] = engine
+        self._handle = AsyncIOHandle(AioConfig.from_dict(settings, base=AioConfig.from_env()))
 
     # getters
     def get_block_size(self) -> int:
-        return self._handle.config.block_size
+        """The block size given (IO underneath uses at least 4096-byte blocks, so it stays aligned)."""
+        return self._block_size
 
     def get_queue_depth(self) -> int:
         return self._handle.config.queue_depth
@@ -43,66 +91,163 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     def get_intra_op_parallelism(self) -> int:
         return self._handle.config.intra_op_parallelism
 
-    get_thread_count = get_intra_op_parallelism
-
     def get_alignment(self) -> int:
-        return PAGE_SIZE
+        """DeepSpeed's value, 512 bytes times intra_op_parallelism (its checkpoint writer sizes buffers with it).
+        deepoffload itself takes any size and offset."""
+        return O_DIRECT_ALIGNMENT * self._handle.config.intra_op_parallelism
 
     # transfers
-    def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, validate, False, file_offset)
+    def read(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *,
+             fd: int | None = None) -> int:
+        return self._transfer(False, buffer, _file(filename, fd, "read"), _required(validate, "validate", "read"),
+                              False, file_offset)
 
-    def write(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
-        return self.pwrite(buffer, filename, validate, False, file_offset)
+    def write(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *,
+              fd: int | None = None) -> int:
+        return self._transfer(True, buffer, _file(filename, fd, "write"), _required(validate, "validate", "write"),
+                              False, file_offset)
 
-    def pread(self, buffer: torch.Tensor, filename: FileRef, validate: bool, async_op: bool,
-              file_offset: int = 0) -> int:
+    def pread(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, async_op=_MISSING,
+              file_offset: int = 0, *, fd: int | None = None, **kwargs) -> int:
+        return self._transfer(False, buffer, _file(filename, fd, "pread"), _required(validate, "validate", "pread"),
+                              _async_flag(async_op, kwargs, "pread"), file_offset)
+
+    def pwrite(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, async_op=_MISSING,
+               file_offset: int = 0, *, fd: int | None = None, **kwargs) -> int:
+        return self._transfer(True, buffer, _file(filename, fd, "pwrite"), _required(validate, "validate", "pwrite"),
+                              _async_flag(async_op, kwargs, "pwrite"), file_offset)
+
+    def sync_pread(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
+                   fd: int | None = None) -> int:
+        return self._transfer(False, buffer, _file(filename, fd, "sync_pread"), False, False, file_offset)
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
+                    fd: int | None = None) -> int:
+        return self._transfer(True, buffer, _file(filename, fd, "sync_pwrite"), False, False, file_offset)
+
+    def async_pread(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
+                    fd: int | None = None) -> int:
+        return self._transfer(False, buffer, _file(filename, fd, "async_pread"), False, True, file_offset)
+
+    def async_pwrite(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
+                     fd: int | None = None) -> int:
+        return self._transfer(True, buffer, _file(filename, fd, "async_pwrite"), False, True, file_offset)
+
+    def _transfer(self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool,
+                  file_offset: int) -> int:
         if async_op:
-            self._handle.read_async(buffer, filename, file_offset)
+            if write:
+                self._handle.write_async(buffer, file, file_offset, truncate=False)
+            else:
+                self._handle.read_async(buffer, file, file_offset)
             return 0
-        self._handle.read(buffer, filename, file_offset, validate=validate)
+        if write:
+            self._handle.write(buffer, file, file_offset, validate=bool(validate), truncate=False)
+        else:
+            self._handle.read(buffer, file, file_offset, validate=bool(validate))
         return 1
-
-    def pwrite(self, buffer: torch.Tensor, filename: FileRef, validate: bool, async_op: bool,
-               file_offset: int = 0) -> int:
-        if async_op:
-            self._handle.write_async(buffer, filename, file_offset)
-            return 0
-        self._handle.write(buffer, filename, file_offset, validate=validate)
-        return 1
-
-    def sync_pread(self, buffer: torch.Tensor, filename: FileRef, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, False, file_offset)
-
-    def sync_pwrite(self, buffer: torch.Tensor, filename: FileRef, file_offset: int = 0) -> int:
-        return self.pwrite(buffer, filename, False, False, file_offset)
-
-    def async_pread(self, buffer: torch.Tensor, filename: FileRef, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, True, file_offset)
-
-    def async_pwrite(self, buffer: torch.Tensor, filename: FileRef, file_offset: int = 0) -> int:
-        return self.pwrite(buffer, filename, False, True, file_offset)
 
     def wait(self) -> int:
         return self._handle.wait_all()
 
     # buffers
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        return aligned_empty(int(num_elem), example_tensor.dtype)
+    def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = _MISSING,
+                              **kwargs) -> torch.Tensor:
+        """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype. DeepSpeed spells
+        the argument ``example_tenosr``; ``example_tensor`` is accepted too."""
+        if "example_tensor" in kwargs and example_tenosr is _MISSING:
+            example_tenosr = kwargs.pop("example_tensor")
+        if kwargs:
+            raise TypeError(f"aio_handle.new_cpu_locked_tensor() got unexpected keyword arguments {sorted(kwargs)}")
+        example = _required(example_tenosr, "example_tenosr", "new_cpu_locked_tensor")
+        if not isinstance(example, torch.Tensor):
+            raise TypeError(f"example_tenosr: expected a torch.Tensor, got {type(example).__name__}")
+        if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
+            raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
+        tensor = aligned_empty(num_elem, example.dtype)
+        if tensor.numel():
+            address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+            with _managed_lock:
+                _managed[address] = nbytes
+            weakref.finalize(tensor, _forget_managed, address)
+        return tensor
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """The memory is unlocked and returned when the last reference to it goes; this drops the handle's
-        interest (it keeps none) and reports whether it was a locked tensor."""
-        return is_pinned(tensor)
+        """True for a tensor from ``new_cpu_locked_tensor`` not freed yet (its pages are unlocked now and
+        ``is_pinned`` turns False), else False. Unlike DeepSpeed, the memory itself is returned only when the last
+        reference to it goes, so a tensor used after this call still holds its bytes."""
+        check_tensor(tensor, "free_cpu_locked_tensor")
+        with _managed_lock:
+            nbytes = _managed.pop(tensor.data_ptr(), None)
+        if nbytes is None:
+            return False
+        release_lock(tensor.data_ptr(), nbytes)
+        return True
 
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return is_pinned(tensor)
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """DeepSpeed's rule: torch-pinned, or inside a live ``new_cpu_locked_tensor`` buffer."""
+        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+            return False
+        try:
+            if buffer.is_pinned():
+                return True
+        except RuntimeError:
+            pass
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        with _managed_lock:
+            return any(a <= start and end <= a + n for a, n in _managed.items())
+
+
+def _forget_managed(address: int) -> None:
+    with _managed_lock:
+        _managed.pop(address, None)
+
+
+def aio_read(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
+             overlap_events: bool, validate: bool) -> int:
+    """DeepSpeed's module-level read of a whole file into ``buffer``; returns 0. The file must be exactly
+    ``buffer``'s size (DeepSpeed asserts this; here it is a ``ValueError``)."""
+    import os
+
+    check_tensor(buffer, "aio_read")
+    size = os.stat(filename).st_size
+    nbytes = buffer.numel() * buffer.element_size()
+    if size != nbytes:
+        raise ValueError(f"aio_read: '{filename}' has {size} bytes but the buffer has {nbytes}; pass a buffer of "
+                         f"the file's size")
+    aio_handle(block_size, queue_depth, single_submit, overlap_events, 1).read(buffer, filename, validate)
+    return 0
+
+
+def aio_write(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
+              overlap_events: bool, validate: bool) -> int:
+    """DeepSpeed's module-level write of ``buffer`` at offset 0 of ``filename`` (no truncation); returns 0."""
+    aio_handle(block_size, queue_depth, single_submit, overlap_events, 1).write(buffer, filename, validate)
+    return 0
+
+
+def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
+    """DeepSpeed's copy of ``src`` into ``dest``; returns 0. Any dtype; sizes must match (DeepSpeed copies
+    ``dest.size(0)`` floats whatever they are, and into a temporary copy when ``dest`` is not contiguous)."""
+    for name, t in (("dest", dest), ("src", src)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"deepspeed_memcpy: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if dest.numel() != src.numel():
+        raise ValueError(f"deepspeed_memcpy: dest has {dest.numel()} elements, src {src.numel()}; they must match")
+    with torch.no_grad():
+        dest.copy_(src.reshape(dest.shape))
+    return 0
 
 
 class CompatModule:
-    """What ``AsyncIOBuilder().load()`` returns: ``aio_handle`` plus the native module's functions."""
+    """What ``AsyncIOBuilder().load()`` returns: DeepSpeed's ``aio_handle``, ``aio_read``, ``aio_write`` and
+    ``deepspeed_memcpy``, plus the native module's functions."""
 
     aio_handle = aio_handle
+    aio_read = staticmethod(aio_read)
+    aio_write = staticmethod(aio_write)
+    deepspeed_memcpy = staticmethod(deepspeed_memcpy)
 
     def __init__(self, native_module: ModuleType):
         self._native = native_module

@@ -1,0 +1,170 @@
+"""Run DeepSpeed's own NVMe code on deepoffload's async-IO op.
+
+``enable()``, after ``import deepspeed``, replaces DeepSpeed's ``AsyncIOBuilder`` everywhere DeepSpeed binds it (its
+op-builder package, ``deepspeed.ops.aio``, the ZeRO-Infinity swappers in ``deepspeed.runtime.swap_tensor``, the
+fast checkpoint writer factory, the ``deepspeed.nvme`` benchmarks, and the accelerator's ``get_op_builder`` /
+``create_op_builder``) with one whose ``load()`` returns deepoffload's DeepSpeed-compatible module, so DeepSpeed
+never builds its own async_io op. The fast checkpoint writer's one use of DeepSpeed's compiled ``utils`` op (a
+byte view of each tensor) is given in Python, so it too runs without compiling anything. GPUDirect Storage is not covered: ``GDSBuilder().load()`` raises. ``disable()``
+puts DeepSpeed's classes back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import types
+from types import ModuleType
+from typing import Any
+
+import torch
+
+# Modules that bind AsyncIOBuilder / GDSBuilder at import time; imported by enable() so they are patched.
+DEEPSPEED_MODULES = (
+    "deepspeed.ops.op_builder",
+    "deepspeed.ops.aio",
+    "deepspeed.ops.gds",
+    "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
+    "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
+    "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
+    "deepspeed.runtime.model_checkpointing.writer_factory",
+    "deepspeed.io.fast_file_writer",
+    "deepspeed.nvme",
+)
+BUILDER_NAMES = ("AsyncIOBuilder", "GDSBuilder")
+
+_lock = threading.Lock()
+_saved: list[tuple[Any, str, Any, bool]] = []  # (object, attribute, previous value, had it as own attribute)
+
+
+class AsyncIOBuilder:
+    """DeepSpeed's ``AsyncIOBuilder`` interface over deepoffload's op: ``load()`` and ``jit_load()`` return the
+    DeepSpeed-compatible module (built in seconds on first use, cached after)."""
+
+    BUILD_VAR = "DS_BUILD_AIO"
+    NAME = "async_io"
+    deepoffload = True
+
+    def __init__(self, name: str | None = None):
+        self.name = name or self.NAME
+
+    def absolute_name(self) -> str:
+        return f"deepspeed.ops.aio.{self.NAME}_op"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True
+
+    def load(self, verbose: bool = True):
+        from ..op_builder import AsyncIOBuilder as Builder
+
+        return Builder().load()
+
+    def jit_load(self, verbose: bool = True):
+        return self.load(verbose)
+
+
+class GDSBuilder(AsyncIOBuilder):
+    """GPUDirect Storage is not provided by deepoffload: every use raises, naming what to do."""
+
+    BUILD_VAR = "DS_BUILD_GDS"
+    NAME = "gds"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return False
+
+    def load(self, verbose: bool = True):
+        raise RuntimeError("deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
+                           "\"use_gds\": false in the aio config, or call "
+                           "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op")
+
+
+def cast_to_byte_tensor(tensors):
+    """DeepSpeed's ``utils`` op function used by its fast checkpoint writer: each tensor's bytes as a flat uint8
+    view (a tensor of at most one byte is returned as it is, like DeepSpeed's)."""
+    if isinstance(tensors, (list, tuple)):
+        return [cast_to_byte_tensor(t) for t in tensors]
+    if tensors.numel() * tensors.element_size() <= 1:
+        return tensors
+    return tensors.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class _FastWriterUtils:
+    """What DeepSpeed's fast checkpoint writer takes from its compiled ``utils`` op, in Python (nothing to build)."""
+
+    NAME = "utils"
+    deepoffload = True
+
+    def load(self, verbose: bool = True):
+        return types.SimpleNamespace(cast_to_byte_tensor=cast_to_byte_tensor)
+
+
+def enabled() -> bool:
+    return bool(_saved)
+
+
+def _patch(obj: Any, attribute: str, value: Any) -> None:
+    own = attribute in getattr(obj, "__dict__", {})
+    _saved.append((obj, attribute, getattr(obj, attribute, None), own))
+    setattr(obj, attribute, value)
+
+
+def _deepspeed_modules() -> list[ModuleType]:
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "deepspeed" or name.startswith("deepspeed."))]
+
+
+def enable() -> None:
+    """Route every DeepSpeed use of ``AsyncIOBuilder`` to deepoffload's op (idempotent). Raises ``ImportError``
+    when DeepSpeed is not installed."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        raise ImportError("deepoffload.integrations.deepspeed needs DeepSpeed: pip install deepoffload[deepspeed]") \
+            from e
+    with _lock:
+        if _saved:
+            return
+        for name in DEEPSPEED_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # an optional part of DeepSpeed that cannot import here has nothing to patch
+                pass
+        replacements = {"AsyncIOBuilder": AsyncIOBuilder, "GDSBuilder": GDSBuilder}
+        for module in _deepspeed_modules():
+            for attribute, ours in replacements.items():
+                current = module.__dict__.get(attribute)
+                if getattr(current, "__module__", "").startswith("deepspeed."):  # DeepSpeed's class, not ours
+                    _patch(module, attribute, ours)
+        _patch_accelerator(replacements)
+        writer = sys.modules.get("deepspeed.io.fast_file_writer")
+        if writer is not None and hasattr(writer, "UtilsBuilder"):  # else it would compile DeepSpeed's utils op
+            _patch(writer, "UtilsBuilder", _FastWriterUtils)
+
+
+def _patch_accelerator(replacements: dict[str, type]) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    get_op_builder = accelerator.get_op_builder
+
+    def get_op_builder_patched(class_name):
+        return replacements.get(class_name) or get_op_builder(class_name)
+
+    def create_op_builder_patched(op_name):
+        builder = get_op_builder_patched(op_name)
+        return builder() if builder is not None else None
+
+    _patch(accelerator, "get_op_builder", get_op_builder_patched)
+    _patch(accelerator, "create_op_builder", create_op_builder_patched)
+
+
+def disable() -> None:
+    """Put DeepSpeed's own builders back everywhere ``enable()`` replaced them (idempotent)."""
+    with _lock:
+        while _saved:
+            obj, attribute, previous, own = _saved.pop()
+            if own:
+                setattr(obj, attribute, previous)
+            else:
+                delattr(obj, attribute)
