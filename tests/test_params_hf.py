@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from deepoffload.swap.params import offload_parameters  # noqa: E402
+from stepping import offload_step, reference_step  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -73,20 +74,6 @@ def train(model, step, ids, steps: int = 3) -> list[float]:
         step()
         losses.append(loss.item())
     return losses
-
-
-def reference_step(optimizer):
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-    return step
-
-
-def offload_step(offload):
-    def step():
-        offload.step()
-        offload.zero_grad()
-    return step
 
 
 @pytest.mark.parametrize("name, attention, mode", [("llama", "sdpa", "fused"), ("llama", "eager", "fused"),

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deepoffload.swap.params import offload_parameters
+from stepping import offload_step, reference_step
 
 
 def sgd(params):
@@ -74,20 +75,6 @@ def train(model: nn.Module, step, x: torch.Tensor) -> float:
     loss.backward()
     step()
     return loss.item()
-
-
-def reference_step(optimizer):
-    def step():
-        optimizer.step()
-        optimizer.zero_grad()
-    return step
-
-
-def offload_step(offload):
-    def step():
-        offload.step()
-        offload.zero_grad()
-    return step
 
 
 @pytest.mark.parametrize("mode", ["fused", "grads"])
