@@ -341,13 +341,17 @@ def test_a_symlinked_checkpoint_is_written_through_the_link(scratch):
     assert sorted(os.listdir(scratch / "real")) == ["c.pt"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_cuda_tensors_save_async_and_load_to_the_device(scratch):
-    state = {"w": torch.randn(1000, device="cuda"), "cpu": torch.arange(5)}
+ACCELERATOR = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
+@pytest.mark.skipif(ACCELERATOR is None, reason="no accelerator on this machine")
+def test_accelerator_tensors_save_async_and_load_to_the_device(scratch):
+    device = ACCELERATOR.type
+    state = {"w": torch.randn(1000, device=device), "cpu": torch.arange(5)}
     expected = {"w": state["w"].cpu(), "cpu": state["cpu"].clone()}
-    future = deepoffload.save_async(state, scratch / "cuda.pt")
+    future = deepoffload.save_async(state, scratch / "device.pt")
     state["w"].add_(1)
     future.result(timeout=120)
-    loaded = deepoffload.load(scratch / "cuda.pt")
-    assert loaded["w"].device.type == "cuda" and torch.equal(loaded["w"].cpu(), expected["w"])
-    assert torch.equal(deepoffload.load(scratch / "cuda.pt", map_location="cpu")["w"], expected["w"])
+    loaded = deepoffload.load(scratch / "device.pt")
+    assert loaded["w"].device.type == device and torch.equal(loaded["w"].cpu(), expected["w"])
+    assert torch.equal(deepoffload.load(scratch / "device.pt", map_location="cpu")["w"], expected["w"])
