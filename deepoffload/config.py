@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .errors import ConfigError
+
 ENGINES = ("auto", "io_uring", "libaio", "posix", "windows")
 ALIASES = {"thread_count": "intra_op_parallelism"}
 ENV_PREFIX = "DEEPOFFLOAD_AIO_"
-
-
-class ConfigError(ValueError):
-    """A config key or value that is not accepted; the message names the key and what is accepted."""
 
 
 UNITS = {"block_size": "bytes per IO request", "queue_depth": "requests in flight per thread",

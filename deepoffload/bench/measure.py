@@ -20,15 +20,12 @@ from typing import Iterator
 import torch
 
 from ..config import AioConfig
+from ..errors import BenchError
 from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle
 
 BUFFER_KINDS = ("pinned", "unaligned")
 OPS = ("write", "read")
-
-
-class BenchError(Exception):
-    """A problem the user can fix (folder, space, missing tool); its message is one line saying what to do."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Callable, Union
 import torch
 
 from ..config import AioConfig
+from ..errors import ClosedError, ValidationError
 from . import accelerator
 from .buffers import aligned_empty
 from .native import FSYNC, TRUNCATE, native, resolve_engine
@@ -32,10 +33,6 @@ WAIT_SLICE_S = 0.2
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # what the native op's integer arguments can hold
 _live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
 _warned_buffered: set[str] = set()
-
-
-class ValidationError(OSError):
-    """``validate=True`` found the file's bytes differ from the tensor's."""
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -289,7 +286,7 @@ class AsyncIOHandle:
     def _submit(self, write: bool, buffer: torch.Tensor, file: FileRef, offset: int, flags: int, keep_alive: tuple,
                 finish: Callable[[], None] | None) -> Request:
         if self._closed:
-            raise ValueError("this AsyncIOHandle is closed")
+            raise ClosedError("this AsyncIOHandle is closed")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"file offset must be a non-negative integer (bytes), got {offset!r}")
         fd, path = _file_ref(file)

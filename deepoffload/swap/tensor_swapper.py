@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import functools
 import os
 import dataclasses
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from ..errors import ChecksumError, ClosedError
 from ..io.handle import AsyncIOHandle, Request
 from .config import SwapConfig
 from .extents import Extent, PackFile
@@ -30,10 +32,6 @@ from .pool import PAGE_SIZE, BufferPool, round_up
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
 TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
-
-
-class ChecksumError(OSError):
-    """A swapped tensor's bytes changed on storage (its checksum no longer matches)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +212,7 @@ class SwapIn:
                 region = self._buffer[position:position + record.nbytes]
                 if _hash(region) != record.checksum:
                     self.release()
-                    raise ChecksumError(5, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at offset "
+                    raise ChecksumError(errno.EIO, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at offset "
                                            f"{record.offset}): the swap file was changed or corrupted", record.file)
             view = typed.get(record.dtype)
             if view is None:
@@ -518,7 +516,7 @@ class TensorSwapper:
     # -- internals ------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this TensorSwapper is closed")
+            raise ClosedError("this TensorSwapper is closed")
 
     @staticmethod
     def _check_group(group: str) -> None:
