@@ -18,7 +18,11 @@ from setuptools import Extension, find_packages, setup
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from deepoffload.version import __version__  # noqa: E402  (no torch, no native code)
+# op_builder is the lowest layer (stdlib only, imports nothing from deepoffload): setup.py uses it for the version and
+# the prebuild, without importing deepoffload
+from op_builder.builder import package_version  # noqa: E402
+
+__version__ = package_version()
 
 
 def requested_ops() -> list:

@@ -29,7 +29,8 @@ LINUX_PROBES = (LIBAIO_PROBE, PGETEVENTS_PROBE, URING_PROBE)
 
 
 class AsyncIOBuilder(OpBuilder):
-    """Builds and loads the async-IO op; ``load().aio_handle(...)`` gives a DeepSpeed-compatible handle."""
+    """Builds and loads the async-IO op (with deepoffload imported, ``load().aio_handle(...)`` gives a
+    DeepSpeed-compatible handle)."""
 
     NAME = "async_io"
     MODULE = "deepoffload_aio"
@@ -77,12 +78,3 @@ class AsyncIOBuilder(OpBuilder):
         if results["libaio"].ok:
             found.append("libaio")
         return [*found, "posix"]
-
-    def load(self, verbose: bool = False):
-        from ..io.compat import CompatModule  # the DeepSpeed-shaped facade over the native module
-
-        return CompatModule(super().load(verbose=verbose))
-
-    def load_native(self, verbose: bool = False):
-        """The raw native module (pybind11), without the DeepSpeed-shaped facade."""
-        return super().load(verbose=verbose)
