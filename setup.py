@@ -9,7 +9,6 @@ package. It needs torch installed, so use ``pip install --no-build-isolation .``
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,16 +19,18 @@ sys.path.insert(0, str(ROOT))
 
 # op_builder is the lowest layer (stdlib only, imports nothing from deepoffload): setup.py uses it for the version and
 # the prebuild, without importing deepoffload
+from op_builder import env  # noqa: E402
 from op_builder.builder import package_version  # noqa: E402
 
 __version__ = package_version()
 
 
 def requested_ops() -> list:
-    def on(var):
-        return os.environ.get(var, "0").strip().lower() in ("1", "true", "yes", "on")
-
-    return ["async_io"] if on("DEEPOFFLOAD_BUILD_OPS") or on("DEEPOFFLOAD_BUILD_AIO") else []
+    try:
+        requested = env.get("DEEPOFFLOAD_BUILD_OPS") or env.get("DEEPOFFLOAD_BUILD_AIO")
+    except env.EnvError as e:
+        sys.exit(f"deepoffload: {e}")
+    return ["async_io"] if requested else []
 
 
 def prebuild_config():

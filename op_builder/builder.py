@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from . import env
 from .cache import atomic_write_text, cache_root, exclusive_lock
 from .hints import install_hint
 from .probes import Probe, ProbeResult, function_probe, run_probes
@@ -134,7 +135,7 @@ class OpBuilder:
         if self.toolchain.is_windows:
             return ["/O2", "/std:c++17", "/EHsc"]
         flags = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
-        sanitize = os.environ.get(SANITIZE_ENV, "").strip()
+        sanitize = env.get(SANITIZE_ENV)
         if sanitize:
             flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]
         return flags
@@ -149,7 +150,7 @@ class OpBuilder:
             # libtorch_cpu re-export a few libstdc++ symbols. Naming libstdc++ first and linking --as-needed drops
             # them, so the op loads without `import torch` (the report stays fast) and without torch's rpath.
             ldflags = ["-Wl,--as-needed", *ldflags, "-lstdc++"]
-        sanitize = os.environ.get(SANITIZE_ENV, "").strip()
+        sanitize = env.get(SANITIZE_ENV)
         if sanitize and not self.toolchain.is_windows:
             ldflags.append(f"-fsanitize={sanitize}")
         return cflags, ldflags
@@ -190,7 +191,7 @@ class OpBuilder:
             module = _loaded.get(self.NAME)
             if module is None:
                 # a sanitizer build is always built here: the prebuilt op has no sanitizers
-                prebuilt = None if os.environ.get(SANITIZE_ENV, "").strip() else self._load_prebuilt()
+                prebuilt = None if env.get(SANITIZE_ENV) else self._load_prebuilt()
                 module = prebuilt or self.jit_load(verbose=verbose)
                 _loaded[self.NAME] = module
             return module

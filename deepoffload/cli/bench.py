@@ -40,7 +40,9 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-depth", type=positive_int, metavar="N", help="requests in flight per thread")
     parser.add_argument("--threads", type=positive_int, metavar="N", help="threads sharing one transfer "
                         "(intra_op_parallelism)")
-    parser.add_argument("--engine", choices=("auto", "io_uring", "libaio", "posix"), help="async-IO engine")
+    from ..config import ENGINES
+
+    parser.add_argument("--engine", choices=ENGINES, help="async-IO engine")
 
 
 def config_from_args(args: argparse.Namespace):

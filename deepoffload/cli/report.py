@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..op_builder import env
 from ..version import __version__
 
 
@@ -312,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        color = sys.stdout.isatty() and not env.get("NO_COLOR")
         print(render(report, Style(color)))
     path_ok = report.get("path") is None or "error" not in report["path"]
     return 0 if usable(report) and path_ok else 1

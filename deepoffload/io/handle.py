@@ -25,7 +25,7 @@ from ..config import AioConfig
 from ..errors import ClosedError, ValidationError
 from . import accelerator
 from .buffers import aligned_empty
-from .native import FSYNC, TRUNCATE, native, resolve_engine
+from .native import native, resolve_engine
 
 FileRef = Union[str, bytes, os.PathLike, int]
 
@@ -248,7 +248,8 @@ class AsyncIOHandle:
         if acc.is_device_tensor(tensor):  # the whole tensor copied to one page-locked buffer first
             source = aligned_empty(tensor.numel(), tensor.dtype)
             acc.synchronize(acc.copy(source.view(-1), tensor.view(-1), None))
-        flags = (TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (FSYNC if fsync else 0)
+        op = native()  # the flag values are the binding's own (TRUNCATE, FSYNC)
+        flags = (op.TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (op.FSYNC if fsync else 0)
         return self._submit(True, source, file, offset, flags, (tensor, source), None)
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False) -> int:
