@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from deepoffload.bench.measure import OPS, direct_io_works, make_buffer, scratch_file, time_transfer
+from deepoffload.bench.measure import OPS, make_buffer, scratch_file, time_transfer
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.io.handle import AsyncIOHandle
 

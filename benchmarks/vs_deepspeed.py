@@ -37,7 +37,8 @@ def measure(args: argparse.Namespace) -> int:
     import torch
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from deepoffload.bench.measure import OPS, evict, scratch_file, time_transfer, direct_io_works
+    from deepoffload.bench.measure import OPS, evict, scratch_file, time_transfer
+    from deepoffload.diagnostics import direct_io_works
     from deepoffload.bench.sizes import format_size
     from deepoffload.io.handle import AsyncIOHandle
 

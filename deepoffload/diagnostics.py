@@ -8,15 +8,19 @@ filesystem and mount point, whether O_DIRECT works there and the smallest alignm
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .version import __version__
+
+CANNOT_CREATE = "cannot create a file there"
 
 # -- gathering ----------------------------------------------------------------------------------------------------
 def _first_line(cmd: list[str], any_status: bool = False) -> str | None:
@@ -121,8 +125,8 @@ def op_status(builder, results: dict) -> dict:
     return row
 
 
-def _filesystem(path: Path) -> tuple[str, str]:
-    """(filesystem type, mount point) of ``path``, from /proc/mounts."""
+def filesystem(path: Path) -> tuple[str, str]:
+    """(filesystem type, mount point) of ``path``, from /proc/mounts (``("unknown", "/")`` where there is none)."""
     best = ("unknown", "/")
     try:
         real = str(path.resolve())
@@ -138,53 +142,70 @@ def _filesystem(path: Path) -> tuple[str, str]:
     return best
 
 
-def _direct_io_alignment(directory: Path) -> tuple[bool, int | None, str]:
-    """(O_DIRECT works, smallest working alignment in bytes, reason) found by writing a temp file."""
-    import mmap
+@dataclass(frozen=True)
+class DirectIO:
+    """Whether O_DIRECT writes work in a folder: ``alignment`` is the smallest length and offset (bytes) accepted
+    from page-aligned memory; ``reason`` says why not when they do not work."""
 
+    works: bool
+    alignment: int | None = None
+    reason: str = ""
+
+
+def direct_io(folder: Path) -> DirectIO:
+    """O_DIRECT support in ``folder``, found by writing a small temporary file there (removed after)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
-        return False, None, "O_DIRECT does not exist on this platform"
+        return DirectIO(False, reason="O_DIRECT does not exist on this platform")
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".deepoffload-dio-")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".deepoffload-dio-")
     except OSError as e:  # e.g. /proc or /sys: a folder the superuser may "write" that takes no files
-        return False, None, f"cannot create a file there: {e.strerror}"
+        return DirectIO(False, reason=f"{CANNOT_CREATE}: {e.strerror}")
     os.close(fd)
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | flag)
         except OSError as e:
-            return False, None, f"open with O_DIRECT refused: {e.strerror}"
+            return DirectIO(False, reason=f"open with O_DIRECT refused: {e.strerror}")
         try:
-            buf = mmap.mmap(-1, 8192)  # page-aligned memory
-            for alignment in (512, 1024, 2048, 4096):
-                try:
-                    os.pwrite(fd, memoryview(buf)[:alignment], alignment)
-                    return True, alignment, ""
-                except OSError as e:
-                    reason = e.strerror
-            return False, None, f"aligned writes refused: {reason}"
+            with mmap.mmap(-1, 8192) as buf:  # page-aligned memory
+                reason = ""
+                for alignment in (512, 1024, 2048, 4096):
+                    try:
+                        os.pwrite(fd, memoryview(buf)[:alignment], alignment)
+                        return DirectIO(True, alignment)
+                    except OSError as e:
+                        reason = e.strerror
+                return DirectIO(False, reason=f"aligned writes refused: {reason}")
         finally:
             os.close(fd)
     finally:
         os.unlink(tmp)
 
 
+def direct_io_works(path: str | os.PathLike) -> bool:
+    """True when O_DIRECT writes work where ``path`` (a file or a folder) lives."""
+    path = Path(path)
+    return direct_io(path if path.is_dir() else path.parent).works
+
+
 def path_status(path: str) -> dict:
+    """Facts about the folder ``path``: free and total bytes, filesystem, mount point, writable, O_DIRECT and its
+    alignment; ``error`` when deepoffload cannot use it."""
     p = Path(path)
     row: dict = {"path": str(p)}
     if not p.is_dir():
         row["error"] = "not an existing folder"
         return row
     usage = shutil.disk_usage(p)
-    fstype, mount = _filesystem(p)
+    fstype, mount = filesystem(p)
     row.update(free_bytes=usage.free, total_bytes=usage.total, filesystem=fstype, mount=mount,
                writable=os.access(p, os.W_OK))
     if row["writable"]:
-        ok, alignment, reason = _direct_io_alignment(p)
-        row.update(direct_io=ok, alignment=alignment, direct_io_reason=reason)
-        if reason.startswith("cannot create a file"):
-            row.update(writable=False, error=f"not a folder deepoffload can use ({fstype} filesystem): {reason}")
+        direct = direct_io(p)
+        row.update(direct_io=direct.works, alignment=direct.alignment, direct_io_reason=direct.reason)
+        if direct.reason.startswith(CANNOT_CREATE):
+            row.update(writable=False, error=f"not a folder deepoffload can use ({fstype} filesystem): {direct.reason}")
     else:
         row.update(direct_io=None, alignment=None, direct_io_reason="folder is not writable",
                    error="not writable by this user: swap files cannot be created there")

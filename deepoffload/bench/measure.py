@@ -73,19 +73,6 @@ def make_buffer(nbytes: int, kind: str) -> torch.Tensor:
     return buffer
 
 
-def direct_io_works(path: Path) -> bool:
-    """True when ``path`` (an existing file) can be opened with O_DIRECT."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | flag)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
-
-
 def evict(path: Path) -> None:
     """Write back and drop ``path``'s pages from the page cache, so the next buffered read comes from storage."""
     fd = os.open(path, os.O_RDONLY)
