@@ -105,7 +105,7 @@ setup(
     # DeepSpeed with DS_ACCELERATOR=cpu, Hugging Face models built from configs, never downloaded)
     extras_require={
         "test": ["pytest", "hypothesis", "numpy", "deepspeed==0.19.8", "transformers==5.24.0", "safetensors==0.8.0",
-                 "accelerate==1.15.0"],
+                 "accelerate==1.15.0", "ruff==0.17.5"],
         "deepspeed": ["deepspeed>=0.16"],
         "hf": ["transformers>=4.40", "safetensors"],
         "plot": ["matplotlib"],

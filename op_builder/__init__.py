@@ -19,7 +19,8 @@ _LAZY = {
     "Probe": ".probes", "ProbeResult": ".probes",
     "Toolchain": ".toolchain",
 }
-__all__ = ["ALL_OPS", "register_module_wrapper", "module_wrapper", *_LAZY]
+__all__ = ["ALL_OPS", "register_module_wrapper", "module_wrapper", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe",
+           "ProbeResult", "Toolchain"]
 
 _module_wrappers: dict[str, Callable[[Any], Any]] = {}
 

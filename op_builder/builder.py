@@ -365,8 +365,8 @@ _ERROR_LINE = re.compile(r"(error|undefined reference|cannot find|no such file|f
 
 def compiler_error_lines(output: str, limit: int = 12) -> list[str]:
     """The lines of a compiler's output that say what went wrong (or its last lines)."""
-    lines = [l.rstrip() for l in output.splitlines() if l.strip()]
-    errors = [l for l in lines if _ERROR_LINE.search(l) and not l.startswith("FAILED:")]
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith("FAILED:")]
     return (errors or lines)[-limit:]
 
 

@@ -33,6 +33,13 @@ def test_op_builder_imports_nothing_from_deepoffload():
                 assert not any(a.name.startswith("deepoffload") for a in node.names), f"{path.name}:{node.lineno}"
 
 
+def test_op_builder_exports_resolve():
+    out = child(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                "import op_builder\n"
+                "print([n for n in op_builder.__all__ if getattr(op_builder, n, None) is None])\n")
+    assert out.strip() == "[]"
+
+
 def test_top_level_op_builder_of_a_checkout_loads_the_native_module():
     out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
                 "import op_builder\n"

@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--write", dest="ops", action="store_const", const=("write",), help="writes only")
     which.add_argument("--both", dest="ops", action="store_const", const=("write", "read"),
                        help="writes and reads (default)")
-    parser.add_argument("--loops", type=positive_int, default=3, metavar="N", help="timed transfers per kind (default 3)")
+    parser.add_argument("--loops", type=positive_int, default=3, metavar="N",
+                        help="timed transfers per kind (default 3)")
     parser.add_argument("--buffer", choices=("pinned", "unaligned"), default="pinned",
                         help="pinned: page-aligned, page-locked (zero copy); unaligned: through bounce buffers")
     parser.add_argument("--compare-fio", action="store_true", help="run fio interleaved with ours, print ours/fio")

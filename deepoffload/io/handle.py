@@ -400,7 +400,8 @@ def _validate(tensor: torch.Tensor, file: FileRef, offset: int) -> None:
         with open(path, "rb") as f:
             f.seek(offset)
             data = f.read(nbytes)
-    if len(data) != nbytes or (nbytes and not torch.equal(expected, torch.frombuffer(bytearray(data), dtype=torch.uint8))):
+    if len(data) != nbytes or (nbytes and not torch.equal(expected,
+                                                          torch.frombuffer(bytearray(data), dtype=torch.uint8))):
         raise ValidationError(errno.EIO, f"validation failed: the {nbytes} bytes at offset {offset} differ from "
                                          f"the tensor's", path)
 
