@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from deepoffload import diagnostics
 from deepoffload.cli import report
 from deepoffload.op_builder import AsyncIOBuilder, Toolchain
 from deepoffload.op_builder.builder import SANITIZE_ENV, build_hint
@@ -93,10 +94,10 @@ def test_windows_install_hints():
 
 
 def test_report_on_simulated_windows(win_builder, win_results):
-    versions = report.versions(win_builder)
+    versions = diagnostics.versions(win_builder)
     assert "libaio" not in versions and "liburing" not in versions
     assert versions["compiler"] == "cl (not found)"
-    row = report.op_status(win_builder, win_results)
+    row = diagnostics.op_status(win_builder, win_results)
     assert row["engines_buildable"] == ["windows"]
     assert not row["compatible"]  # no compiler and no prebuilt op
     for name in LIBRARY_PROBES:
@@ -113,10 +114,10 @@ def test_report_on_simulated_windows(win_builder, win_results):
 
 
 def test_report_on_simulated_windows_with_a_compiler(win_builder, win_results):
-    row = report.op_status(win_builder, {**win_results, "cxx": ProbeResult("cxx", True)})
+    row = diagnostics.op_status(win_builder, {**win_results, "cxx": ProbeResult("cxx", True)})
     assert row["compatible"] and row["probes"]["cxx"]["status"] == "ok"
     assert row["engines"] == {} and row["auto_engine"] is None  # never loads a foreign platform's op
-    text = report.render({"versions": report.versions(win_builder), "ops": [row]}, report.Style(False))
+    text = report.render({"versions": diagnostics.versions(win_builder), "ops": [row]}, report.Style(False))
     assert "the op builds on first use" in text and "Visual Studio" not in text
 
 
