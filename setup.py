@@ -9,7 +9,6 @@ package. It needs torch installed, so use ``pip install --no-build-isolation .``
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,14 +17,20 @@ from setuptools import Extension, find_packages, setup
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from deepoffload.version import __version__  # noqa: E402  (no torch, no native code)
+# op_builder is the lowest layer (stdlib only, imports nothing from deepoffload): setup.py uses it for the version and
+# the prebuild, without importing deepoffload
+from op_builder import env  # noqa: E402
+from op_builder.builder import package_version  # noqa: E402
+
+__version__ = package_version()
 
 
 def requested_ops() -> list:
-    def on(var):
-        return os.environ.get(var, "0").strip().lower() in ("1", "true", "yes", "on")
-
-    return ["async_io"] if on("DEEPOFFLOAD_BUILD_OPS") or on("DEEPOFFLOAD_BUILD_AIO") else []
+    try:
+        requested = env.get("DEEPOFFLOAD_BUILD_OPS") or env.get("DEEPOFFLOAD_BUILD_AIO")
+    except env.EnvError as e:
+        sys.exit(f"deepoffload: {e}")
+    return ["async_io"] if requested else []
 
 
 def prebuild_config():
@@ -100,7 +105,7 @@ setup(
     # DeepSpeed with DS_ACCELERATOR=cpu, Hugging Face models built from configs, never downloaded)
     extras_require={
         "test": ["pytest", "hypothesis", "numpy", "deepspeed==0.19.8", "transformers==5.24.0", "safetensors==0.8.0",
-                 "accelerate==1.15.0"],
+                 "accelerate==1.15.0", "ruff==0.17.5"],
         "deepspeed": ["deepspeed>=0.16"],
         "hf": ["transformers>=4.40", "safetensors"],
         "plot": ["matplotlib"],

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from deepoffload.bench.measure import BenchError, direct_io_works, evict, scratch_file, time_transfer
+from deepoffload.bench.measure import BenchError, evict, scratch_file, time_transfer
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.formats import load_file, save_sharded
 from deepoffload.io.buffers import aligned_empty

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from deepoffload.bench.measure import BenchError, direct_io_works, evict, make_buffer, scratch_file
+from deepoffload.bench.measure import BenchError, evict, make_buffer, scratch_file
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.io.handle import AsyncIOHandle
 from deepoffload.io.staging import DEFAULT_CHUNK_BYTES, DeviceStager

@@ -13,7 +13,8 @@ import tempfile
 from collections import defaultdict
 
 from deepoffload.bench.fio import fio_executable, run_fio
-from deepoffload.bench.measure import OPS, BenchError, direct_io_works, make_buffer, scratch_file, time_transfer
+from deepoffload.bench.measure import OPS, BenchError, make_buffer, scratch_file, time_transfer
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.io.handle import AsyncIOHandle
 from deepoffload.io.native import engine_status

@@ -1,8 +1,9 @@
 """Optimizer step with about 1 GB of Adam state: in memory, offloaded (OffloadedOptimizer, with torch's thread
 setting and with ``compute_threads`` leaving one core to the IO threads), and the pure IO of the same bytes through
 the async-IO handle (write then read back the state, the same chunk sizes); interleaved A B C D A B C D on the
-shared disk, medians (and best-of, less sensitive to other users of the machine) and ratios printed. Then peak RSS of short offloaded and in-memory training runs
-for two model sizes, each in a fresh process (VmHWM; ru_maxrss where /proc is missing).
+shared disk, medians (and best-of, less sensitive to other users of the machine) and ratios printed. Then peak RSS
+of short offloaded and in-memory training runs for two model sizes, each in a fresh process (VmHWM; ru_maxrss where
+/proc is missing).
 
     python benchmarks/optimizer_offload.py [--state-gb 1.0] [--rounds 3] [--folder DIR]
 
@@ -118,7 +119,8 @@ def step_times(state_gb: float, rounds: int, folder: str) -> None:
     bound = max(med["in-memory step"], med["IO only"])
     best_bound = max(best["in-memory step"], best["IO only"])
     for name in offloaded:
-        print(f"  {name}: / in-memory {med[name] / med['in-memory step']:.2f}, / IO only {med[name] / med['IO only']:.2f}"
+        print(f"  {name}: / in-memory {med[name] / med['in-memory step']:.2f}, "
+              f"/ IO only {med[name] / med['IO only']:.2f}"
               f", / max(in-memory, IO) {med[name] / bound:.2f} (target <= 1.15; best-of {best[name] / best_bound:.2f})"
               f"; parameters identical to in-memory after {rounds + 1} steps: {same[name]}")
 
@@ -161,7 +163,8 @@ def peak_rss(sizes: list[float], folder: str) -> None:
                                  capture_output=True, text=True, check=True)
             figures[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         extra = {m: (f["peak"] - f["baseline"]) / 1e6 for m, f in figures.items()}
-        print(f"  state {state_gb:.2f} GB: in-memory +{extra['in-memory']:.0f} MB, offloaded +{extra['offloaded']:.0f} MB"
+        print(f"  state {state_gb:.2f} GB: in-memory +{extra['in-memory']:.0f} MB, "
+              f"offloaded +{extra['offloaded']:.0f} MB"
               f" (peak {figures['offloaded']['peak'] / 1e6:.0f} MB vs {figures['in-memory']['peak'] / 1e6:.0f} MB)")
 
 

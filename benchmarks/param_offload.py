@@ -91,7 +91,8 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
     streamed()
     after = offload.stats
     moved["read"] = after.bytes_read - before.bytes_read + after.state_bytes_read - before.state_bytes_read
-    moved["written"] = after.bytes_written - before.bytes_written + after.state_bytes_written - before.state_bytes_written
+    moved["written"] = (after.bytes_written - before.bytes_written
+                        + after.state_bytes_written - before.state_bytes_written)
     pure_io()
     times = {"in memory": [], "streamed": [], "pure IO": []}
     for step in range(steps):
@@ -155,7 +156,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=None, help="where swap files go (default: a temp folder on /tmp)")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rss-child", nargs=3, type=int, metavar=("WIDTH", "DEPTH", "STREAMED"), help=argparse.SUPPRESS)
+    parser.add_argument("--rss-child", nargs=3, type=int, metavar=("WIDTH", "DEPTH", "STREAMED"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="param-offload-bench-", dir="/tmp")
     if args.rss_child:

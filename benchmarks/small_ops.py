@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from deepoffload.bench.measure import OPS, BenchError, direct_io_works, evict, make_buffer, scratch_file
+from deepoffload.bench.measure import OPS, BenchError, evict, make_buffer, scratch_file
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.config import AioConfig
 from deepoffload.io.handle import AsyncIOHandle

@@ -15,7 +15,6 @@ importing deepoffload from this checkout. The reference venv is set up apart fro
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -27,15 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _import_checkout() -> None:
-    """Make ``deepoffload`` (and ``deepoffload.op_builder``, which lives in ``op_builder/``) importable from this
-    checkout without installing anything into the reference venv."""
+    """Make ``deepoffload`` importable from this checkout without installing anything into the reference venv
+    (``import deepoffload`` then provides ``deepoffload.op_builder`` from ``op_builder/`` itself)."""
     sys.path.insert(0, str(ROOT))
-    if importlib.util.find_spec("deepoffload.op_builder") is None:
-        spec = importlib.util.spec_from_file_location("deepoffload.op_builder", ROOT / "op_builder" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "op_builder")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["deepoffload.op_builder"] = module
-        spec.loader.exec_module(module)
 
 
 def measure(args: argparse.Namespace) -> int:
@@ -44,7 +37,8 @@ def measure(args: argparse.Namespace) -> int:
     import torch
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from deepoffload.bench.measure import OPS, evict, scratch_file, time_transfer, direct_io_works
+    from deepoffload.bench.measure import OPS, evict, scratch_file, time_transfer
+    from deepoffload.diagnostics import direct_io_works
     from deepoffload.bench.sizes import format_size
     from deepoffload.io.handle import AsyncIOHandle
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs the test dependencies and runs the whole suite (slow tests included), as the README says; then the fast
-# suite again under `python -O` (library code must not rely on assert; pytest still rewrites the tests' own asserts
-# and conftest's into real checks, so they are not vacuous there), and the op-level tests under ASan/UBSan.
+# Installs the test dependencies, lints (ruff, configured in pyproject.toml) and runs the whole suite (slow tests
+# included), as the README says; then the fast suite again under `python -O` (library code must not rely on assert;
+# pytest still rewrites the tests' own asserts and conftest's into real checks, so they are not vacuous there), and
+# the op-level tests under ASan/UBSan.
 # Every phase runs even when an earlier one fails; the result of each is printed at the end, and the exit status is
 # non-zero when any failed. Test runs keep their scratch files in one temporary folder, removed at the end.
 set -uo pipefail
@@ -26,6 +27,7 @@ phase() {
   [[ $status -eq 0 ]] || failed=1
 }
 
+phase "lint (ruff)" python -m ruff check .
 phase "full suite" python -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest" "$@"
 phase "fast suite under python -O" python -O -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest-O" \
   -m "not slow" "$@"

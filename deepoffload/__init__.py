@@ -7,43 +7,37 @@ imported on first access.
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
 
+from ._lazy import lazy_exports
+from ._link import link as _link
 from .version import __version__
 
-_LAZY = {
-    "AsyncIOHandle": "deepoffload.io.handle",
-    "Request": "deepoffload.io.handle",
-    "ValidationError": "deepoffload.io.handle",
-    "aligned_empty": "deepoffload.io.buffers",
-    "is_aligned": "deepoffload.io.buffers",
-    "is_pinned": "deepoffload.io.buffers",
-    "AioConfig": "deepoffload.config",
-    "ConfigError": "deepoffload.config",
-    "SwapConfig": "deepoffload.swap.config",
-    "TensorSwapper": "deepoffload.swap.tensor_swapper",
-    "ChecksumError": "deepoffload.swap.tensor_swapper",
-    "OffloadedOptimizer": "deepoffload.swap.optimizer",
-    "offload_parameters": "deepoffload.swap.params",
-    "ParameterOffload": "deepoffload.swap.params",
-    "OffloadStats": "deepoffload.swap.params",
-    "find_blocks": "deepoffload.swap.params",
-    "save": "deepoffload.checkpoint.api",
-    "save_async": "deepoffload.checkpoint.api",
-    "load": "deepoffload.checkpoint.api",
-}
+_link()  # deepoffload.op_builder (also in a bare source checkout) and its DeepSpeed-shaped async_io module
 
-__all__ = ["__version__", *_LAZY]
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".errors": ["DeepOffloadError", "ConfigError", "ClosedError", "ChecksumError", "ValidationError",
+                "CheckpointError", "ResidencyError"],
+    ".io.handle": ["AsyncIOHandle", "Request"],
+    ".io.buffers": ["aligned_empty", "is_aligned", "is_pinned"],
+    ".config": ["AioConfig"],
+    ".swap.config": ["SwapConfig"],
+    ".swap.tensor_swapper": ["TensorSwapper", "SwapIn", "SwapOut"],
+    ".swap.optimizer": ["OffloadedOptimizer"],
+    ".swap.params": ["offload_parameters", "ParameterOffload", "OffloadStats", "find_blocks"],
+    ".checkpoint.api": ["save", "save_async", "load"],
+    ".op_builder": ["BuildError"],
+}, eager=["__version__"])
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'deepoffload' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+if TYPE_CHECKING:
+    from .checkpoint.api import load, save, save_async
+    from .config import AioConfig
+    from .errors import (CheckpointError, ChecksumError, ClosedError, ConfigError, DeepOffloadError, ResidencyError,
+                         ValidationError)
+    from .io.buffers import aligned_empty, is_aligned, is_pinned
+    from .io.handle import AsyncIOHandle, Request
+    from .op_builder import BuildError
+    from .swap.config import SwapConfig
+    from .swap.optimizer import OffloadedOptimizer
+    from .swap.params import OffloadStats, ParameterOffload, find_blocks, offload_parameters
+    from .swap.tensor_swapper import SwapIn, SwapOut, TensorSwapper

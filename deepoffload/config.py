@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-ENGINES = ("auto", "io_uring", "libaio", "posix", "windows")
+from .errors import ConfigError
+from .op_builder import env
+from .op_builder.async_io import ENGINE_NAMES
+
+ENGINES = ("auto", *ENGINE_NAMES)
 ALIASES = {"thread_count": "intra_op_parallelism"}
-ENV_PREFIX = "DEEPOFFLOAD_AIO_"
-
-
-class ConfigError(ValueError):
-    """A config key or value that is not accepted; the message names the key and what is accepted."""
+ENV_PREFIX = env.AIO_PREFIX
 
 
 UNITS = {"block_size": "bytes per IO request", "queue_depth": "requests in flight per thread",
@@ -37,15 +37,6 @@ def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     return value
-
-
-def parse_bool_env(key: str, text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{key}: expected 1/0/true/false, got {text!r}")
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -67,7 +58,7 @@ class AioConfig:
     intra_op_parallelism: threads that share one transfer (each gets a contiguous part).
     single_submit: submit one request per system call instead of batches.
     overlap_events: refill the queue as completions arrive instead of waiting for a whole batch.
-    engine: "auto" (the best engine whose self-test passes), "io_uring", "libaio", "posix" or "windows".
+    engine: "auto" (the best engine whose self-test passes) or one of ``ENGINES`` (io_uring, libaio, posix, windows).
     """
 
     block_size: int = 1 << 20
@@ -117,27 +108,21 @@ class AioConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "AioConfig":
         """Defaults, overridden by ``DEEPOFFLOAD_AIO_<KEY>`` variables (e.g. ``DEEPOFFLOAD_AIO_ENGINE=posix``; the
         alias ``DEEPOFFLOAD_AIO_THREAD_COUNT`` too). Any other ``DEEPOFFLOAD_AIO_*`` variable is a ``ConfigError``."""
-        environ = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
         names = {ENV_PREFIX + key.upper(): key for key in (*fields, *ALIASES)}
         changes: dict[str, Any] = {}
-        for var in sorted(v for v in environ if v.startswith(ENV_PREFIX)):
+        for var, text in env.prefixed(ENV_PREFIX, environ).items():
             if var not in names:  # a typo would otherwise be ignored silently
                 raise ConfigError(f"{var}: unknown environment variable; accepted: {', '.join(names)}")
             key = names[var]
             f = fields[ALIASES.get(key, key)]
             if f.name in changes:
                 raise ConfigError(f"{var}: given twice (as {ENV_PREFIX + f.name.upper()} and its alias)")
-            text = environ[var]
-            if f.type in ("int", int):
-                try:
-                    changes[f.name] = int(text, 0)
-                except ValueError as e:
-                    raise ConfigError(f"{var}: expected an integer, got {text!r}") from e
-            elif f.type in ("bool", bool):
-                changes[f.name] = parse_bool_env(var, text)
-            else:
-                changes[f.name] = text
+            kind = {"int": "int", "bool": "flag"}.get(f.type if isinstance(f.type, str) else f.type.__name__, "text")
+            try:
+                changes[f.name] = env.parse(var, kind, text)
+            except env.EnvError as e:
+                raise ConfigError(str(e)) from None
         return cls(**changes)
 
     def to_dict(self) -> dict[str, Any]:

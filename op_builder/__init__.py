@@ -1,20 +1,57 @@
 """Op builders: probe the machine, then build the native ops just in time or load prebuilt ones.
 
-Installed, this package is ``deepoffload.op_builder``; ``setup.py`` also imports it from the source tree to prebuild.
+The lowest Python layer: it imports nothing from ``deepoffload``, so it works both as the top-level ``op_builder``
+of a source checkout (as ``setup.py`` imports it) and installed as ``deepoffload.op_builder``. A package built on it
+may register a wrapper for an op's loaded module (deepoffload registers the DeepSpeed-shaped module for
+``async_io``); ``load()`` applies it, ``load_native()`` never does.
+
+Names are imported on first access, so importing this package runs no probe and costs next to nothing.
 """
 
-from .async_io import AsyncIOBuilder
-from .builder import BuildError, OpBuilder
-from .probes import Probe, ProbeResult
-from .toolchain import Toolchain
+from __future__ import annotations
 
-ALL_OPS = {AsyncIOBuilder.NAME: AsyncIOBuilder}
+import importlib
+from typing import TYPE_CHECKING, Any, Callable
+
+_LAZY = {
+    "AsyncIOBuilder": ".async_io",
+    "BuildError": ".builder", "OpBuilder": ".builder",
+    "Probe": ".probes", "ProbeResult": ".probes",
+    "Toolchain": ".toolchain",
+}
+__all__ = ["ALL_OPS", "register_module_wrapper", "module_wrapper", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe",
+           "ProbeResult", "Toolchain"]
+
+_module_wrappers: dict[str, Callable[[Any], Any]] = {}
 
 
-def _version_of_package() -> str:
-    from deepoffload.version import __version__
+def register_module_wrapper(op: str, wrapper: Callable[[Any], Any]) -> None:
+    """Make ``load()`` of op ``op`` return ``wrapper(native_module)`` (the last registration wins)."""
+    _module_wrappers[op] = wrapper
 
-    return __version__
+
+def module_wrapper(op: str) -> Callable[[Any], Any] | None:
+    """The wrapper registered for ``op``, or None."""
+    return _module_wrappers.get(op)
 
 
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe", "ProbeResult", "Toolchain"]
+def __getattr__(name: str) -> Any:
+    if name == "ALL_OPS":
+        from .async_io import AsyncIOBuilder
+
+        value: Any = {AsyncIOBuilder.NAME: AsyncIOBuilder}
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .async_io import AsyncIOBuilder
+    from .builder import BuildError, OpBuilder
+    from .probes import Probe, ProbeResult
+    from .toolchain import Toolchain
+
+    ALL_OPS: dict[str, type[OpBuilder]]

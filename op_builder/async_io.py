@@ -8,6 +8,7 @@ On Windows the library probes do not apply and the Windows engine is used.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from .builder import CXX_PROBE, OpBuilder
@@ -25,11 +26,42 @@ URING_PROBE = function_probe(
     "liburing", "liburing.h",
     "struct io_uring ring; (void)io_uring_queue_init(8, &ring, 0);",
     ("uring",), "liburing (liburing.h, io_uring_queue_init)")
-LINUX_PROBES = (LIBAIO_PROBE, PGETEVENTS_PROBE, URING_PROBE)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One row of the engine table: an engine (or, with ``requires``, an optional feature of one) compiled in when
+    its ``probe`` passes (always, when None), with ``define`` set and ``library`` linked; ``windows``: the row
+    applies on Windows only, else everywhere else only."""
+
+    name: str
+    probe: Probe | None = None
+    define: str | None = None
+    library: str | None = None
+    windows: bool = False
+    requires: str | None = None  # a feature of this engine, not an engine: not listed among the engines
+
+    @property
+    def is_engine(self) -> bool:
+        return self.requires is None
+
+
+# The one list of engines, best first: the compile flags, the report, deepoffload's config and command line all
+# derive from it (csrc/aio declares the same names in its engine registry).
+ENGINES = (
+    Engine("io_uring", URING_PROBE, "DEEPOFFLOAD_HAVE_URING", "uring"),
+    Engine("libaio", LIBAIO_PROBE, "DEEPOFFLOAD_HAVE_LIBAIO", "aio"),
+    Engine("io_pgetevents", PGETEVENTS_PROBE, "DEEPOFFLOAD_HAVE_PGETEVENTS", requires="libaio"),
+    Engine("posix"),
+    Engine("windows", windows=True),
+)
+ENGINE_NAMES = tuple(e.name for e in ENGINES if e.is_engine)
+LINUX_PROBES = tuple(e.probe for e in ENGINES if e.probe is not None and not e.windows)
 
 
 class AsyncIOBuilder(OpBuilder):
-    """Builds and loads the async-IO op; ``load().aio_handle(...)`` gives a DeepSpeed-compatible handle."""
+    """Builds and loads the async-IO op (with deepoffload imported, ``load().aio_handle(...)`` gives a
+    DeepSpeed-compatible handle)."""
 
     NAME = "async_io"
     MODULE = "deepoffload_aio"
@@ -52,37 +84,29 @@ class AsyncIOBuilder(OpBuilder):
                 results[probe.name] = ProbeResult(probe.name, False, "not applicable on Windows", applicable=False)
         return results
 
+    def compiled_rows(self, results: dict[str, ProbeResult]) -> list[Engine]:
+        """The rows of ``ENGINES`` a build here would contain (engines and features), in table order."""
+        rows: list[Engine] = []
+        for row in ENGINES:
+            if row.windows != self.toolchain.is_windows:
+                continue
+            if row.probe is not None and not results[row.probe.name].ok:
+                continue
+            if row.requires is not None and row.requires not in {r.name for r in rows}:
+                continue
+            rows.append(row)
+        return rows
+
     def feature_flags(self, results: dict[str, ProbeResult]) -> tuple[list[str], list[str]]:
         cflags: list[str] = []
         ldflags: list[str] = []
-        if self.toolchain.is_windows:
-            return cflags, ldflags
-        if results["libaio"].ok:
-            cflags.append("-DDEEPOFFLOAD_HAVE_LIBAIO=1")
-            if results["io_pgetevents"].ok:
-                cflags.append("-DDEEPOFFLOAD_HAVE_PGETEVENTS=1")
-            ldflags += ["-laio", *self.toolchain.rpath_flags("aio")]
-        if results["liburing"].ok:
-            cflags.append("-DDEEPOFFLOAD_HAVE_URING=1")
-            ldflags += ["-luring", *self.toolchain.rpath_flags("uring")]
+        for row in self.compiled_rows(results):
+            if row.define:
+                cflags.append(f"-D{row.define}=1")
+            if row.library:
+                ldflags += [f"-l{row.library}", *self.toolchain.rpath_flags(row.library)]
         return cflags, ldflags
 
     def engines(self, results: dict[str, ProbeResult]) -> list[str]:
         """Engines a build here would contain, best first."""
-        if self.toolchain.is_windows:
-            return ["windows"]
-        found = []
-        if results["liburing"].ok:
-            found.append("io_uring")
-        if results["libaio"].ok:
-            found.append("libaio")
-        return [*found, "posix"]
-
-    def load(self, verbose: bool = False):
-        from ..io.compat import CompatModule  # the DeepSpeed-shaped facade over the native module
-
-        return CompatModule(super().load(verbose=verbose))
-
-    def load_native(self, verbose: bool = False):
-        """The raw native module (pybind11), without the DeepSpeed-shaped facade."""
-        return super().load(verbose=verbose)
+        return [row.name for row in self.compiled_rows(results) if row.is_engine]

@@ -9,7 +9,6 @@ dies with its holder.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import json
 import os
@@ -22,13 +21,19 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+from . import env
 from .cache import atomic_write_text, cache_root, exclusive_lock
 from .hints import install_hint
 from .probes import Probe, ProbeResult, function_probe, run_probes
 from .toolchain import Toolchain
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+HERE = Path(__file__).resolve().parent
+CSRC = HERE.parent / "csrc"
+# deepoffload's own folder, found by path (never imported from here): the parent of this folder when installed as
+# deepoffload/op_builder, its sibling in a source checkout (op_builder/ next to deepoffload/)
+PACKAGE_DIRS = (HERE.parent, HERE.parent / "deepoffload")
 PREBUILT_PACKAGE = "deepoffload._ops"
 BUILD_INFO = "build_info.json"
 SANITIZE_ENV = "DEEPOFFLOAD_SANITIZE"
@@ -53,9 +58,17 @@ class BuildError(RuntimeError):
 
 
 def package_version() -> str:
-    from . import _version_of_package
-
-    return _version_of_package()
+    """deepoffload's version, read from ``deepoffload/version.py`` (the file the package itself imports) without
+    importing deepoffload: beside this folder when installed (``deepoffload/op_builder``), one level down in a
+    source checkout (``op_builder/`` next to ``deepoffload/``)."""
+    for directory in PACKAGE_DIRS:
+        try:
+            match = _VERSION.search((directory / "version.py").read_text())
+        except OSError:
+            continue
+        if match:
+            return match.group(1)
+    raise RuntimeError(f"deepoffload's version.py was not found beside {HERE}; reinstall deepoffload")
 
 
 def warn_once(key: str, message: str) -> None:
@@ -122,7 +135,7 @@ class OpBuilder:
         if self.toolchain.is_windows:
             return ["/O2", "/std:c++17", "/EHsc"]
         flags = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
-        sanitize = os.environ.get(SANITIZE_ENV, "").strip()
+        sanitize = env.get(SANITIZE_ENV)
         if sanitize:
             flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]
         return flags
@@ -137,7 +150,7 @@ class OpBuilder:
             # libtorch_cpu re-export a few libstdc++ symbols. Naming libstdc++ first and linking --as-needed drops
             # them, so the op loads without `import torch` (the report stays fast) and without torch's rpath.
             ldflags = ["-Wl,--as-needed", *ldflags, "-lstdc++"]
-        sanitize = os.environ.get(SANITIZE_ENV, "").strip()
+        sanitize = env.get(SANITIZE_ENV)
         if sanitize and not self.toolchain.is_windows:
             ldflags.append(f"-fsanitize={sanitize}")
         return cflags, ldflags
@@ -163,13 +176,22 @@ class OpBuilder:
         return cache_root() / "build" / f"{self.NAME}-{key}"
 
     # -- loading ----------------------------------------------------------------------------------------------
-    def load(self, verbose: bool = False) -> ModuleType:
+    def load(self, verbose: bool = False) -> Any:
+        """The op's module as the package using it registered it (``register_module_wrapper``; deepoffload's
+        DeepSpeed-shaped module for ``async_io``), else the native module itself."""
+        from . import module_wrapper
+
+        native = self.load_native(verbose=verbose)
+        wrapper = module_wrapper(self.NAME)
+        return native if wrapper is None else wrapper(native)
+
+    def load_native(self, verbose: bool = False) -> ModuleType:
         """The native module: prebuilt if it matches this torch, else built (once) in the cache."""
         with _load_lock:
             module = _loaded.get(self.NAME)
             if module is None:
                 # a sanitizer build is always built here: the prebuilt op has no sanitizers
-                prebuilt = None if os.environ.get(SANITIZE_ENV, "").strip() else self._load_prebuilt()
+                prebuilt = None if env.get(SANITIZE_ENV) else self._load_prebuilt()
                 module = prebuilt or self.jit_load(verbose=verbose)
                 _loaded[self.NAME] = module
             return module
@@ -179,18 +201,15 @@ class OpBuilder:
         platform: what is installed here was built for this one)."""
         if self.platform != sys.platform:
             return None
-        spec = importlib.util.find_spec(PREBUILT_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        for location in spec.submodule_search_locations:
-            info_path = Path(location) / BUILD_INFO
+        for directory in PACKAGE_DIRS:
+            info_path = directory / "_ops" / BUILD_INFO
             try:
                 info = json.loads(info_path.read_text())
             except (OSError, ValueError):
                 continue
             op = info.get("ops", {}).get(self.NAME)
             if op:
-                return {**op, "torch": info.get("torch"), "python": info.get("python")}
+                return {**op, "torch": info.get("torch"), "python": info.get("python"), "folder": str(info_path.parent)}
         return None
 
     def prebuilt_matches(self, info: dict | None = None) -> bool:
@@ -209,7 +228,8 @@ class OpBuilder:
                       f"building it just in time instead")
             return None
         try:
-            return importlib.import_module(f"{PREBUILT_PACKAGE}.{self.MODULE}")
+            library = Path(info["folder"]) / f"{self.MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
+            return _import_extension(f"{PREBUILT_PACKAGE}.{self.MODULE}", library)
         except ImportError as e:
             warn_once(f"prebuilt-{self.NAME}",
                       f"deepoffload: the prebuilt {self.NAME} op does not load ({e}); building it just in time")
@@ -311,6 +331,8 @@ def _sha256(path: Path) -> str:
 
 
 def _import_extension(name: str, library: Path) -> ModuleType:
+    if not library.exists():
+        raise ImportError(f"{library} does not exist")
     spec = importlib.util.spec_from_file_location(name, library)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {library}")
@@ -337,13 +359,14 @@ def _record_build_seconds(seconds: float) -> None:
         pass
 
 
+_VERSION = re.compile(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", re.MULTILINE)
 _ERROR_LINE = re.compile(r"(error|undefined reference|cannot find|no such file|fatal)", re.IGNORECASE)
 
 
 def compiler_error_lines(output: str, limit: int = 12) -> list[str]:
     """The lines of a compiler's output that say what went wrong (or its last lines)."""
-    lines = [l.rstrip() for l in output.splitlines() if l.strip()]
-    errors = [l for l in lines if _ERROR_LINE.search(l) and not l.startswith("FAILED:")]
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith("FAILED:")]
     return (errors or lines)[-limit:]
 
 

@@ -15,17 +15,17 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from . import env
+
 CACHE_ENV = "DEEPOFFLOAD_CACHE_DIR"
 
 
 def cache_root() -> Path:
     """``$DEEPOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/deepoffload``, else ``~/.cache/deepoffload``."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "deepoffload"
+    explicit = env.get(CACHE_ENV)
+    if explicit is not None:
+        return explicit
+    return (env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepoffload"
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
+
+from . import env
 
 # what provides each capability, per package manager
 PACKAGES = {
@@ -38,8 +39,7 @@ FLAGS_HINT = ("if it is installed outside the system paths, set CFLAGS=-I<prefix
 
 def package_manager(os_release: Path = Path("/etc/os-release"), environ: dict | None = None) -> str:
     """The package manager to suggest: conda inside an active conda env, else from /etc/os-release."""
-    environ = os.environ if environ is None else environ
-    if environ.get("CONDA_PREFIX"):
+    if env.get("CONDA_PREFIX", environ) is not None:
         return "conda"
     try:
         fields = dict(

@@ -89,7 +89,7 @@ def run_probe(probe: Probe, toolchain: Toolchain) -> ProbeResult:
             return ProbeResult(probe.name, False, f"could not run {toolchain.compiler}: {e}")
     if proc.returncode == 0:
         return ProbeResult(probe.name, True)
-    lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()]
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
     return ProbeResult(probe.name, False, _reason(lines), tuple(lines[-TAIL_LINES:]))
 
 

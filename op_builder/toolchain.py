@@ -15,7 +15,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENV_VARS = ("CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "CPATH", "LIBRARY_PATH", "CONDA_PREFIX")
+from . import env
+
+ENV_VARS = env.TOOLCHAIN
 SYSTEM_LIB_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
 
 
@@ -33,7 +35,7 @@ class Toolchain:
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None, platform: str = sys.platform) -> "Toolchain":
-        environ = dict(os.environ if environ is None else environ)
+        environ = env.raw(ENV_VARS, environ)
         compiler = environ.get("CXX") or ("cl" if platform == "win32" else "c++")
         cflags: list[str] = []
         for var in ("CPPFLAGS", "CFLAGS", "CXXFLAGS"):
@@ -46,14 +48,13 @@ class Toolchain:
             cflags.append(f"-I{Path(conda) / 'include'}")
             ldflags.append(f"-L{Path(conda) / 'lib'}")
             lib_dirs.append(str(Path(conda) / "lib"))
-        env = {k: environ[k] for k in ENV_VARS if k in environ}
         return cls(
             compiler=compiler,
             compiler_path=shutil.which(compiler.split()[0]) if compiler else None,
             cflags=tuple(cflags),
             ldflags=tuple(ldflags),
             lib_dirs=tuple(dict.fromkeys(lib_dirs)),
-            env=env,
+            env=environ,
             platform=platform,
         )
 

@@ -202,7 +202,7 @@ def test_missing_folder_names_the_checkpoint(scratch):
 def test_serialization_error_leaves_the_previous_checkpoint(scratch):
     deepoffload.save({"v": 1}, scratch / "p.pt")
     before = (scratch / "p.pt").read_bytes()
-    with pytest.raises(Exception):
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         deepoffload.save({"f": lambda: 0}, scratch / "p.pt")  # lambdas do not pickle
     assert (scratch / "p.pt").read_bytes() == before
     assert sorted(os.listdir(scratch)) == ["p.pt"]

@@ -60,7 +60,17 @@ def test_all_phases_pass(tmp_path):
         pytest.skip("no libasan here: the sanitizer phase cannot pass")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum("pytest" in c for c in calls) == 3
+    assert calls[1] == "-m ruff check .", calls  # after the install: the lint phase
+    assert "lint (ruff)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results"):]
     assert list(tmp.iterdir()) == []
+
+
+def test_the_tree_passes_the_lint_ci_runs():
+    """The same check as CI's lint phase (skipped where ruff, a test dependency, is not installed)."""
+    pytest.importorskip("ruff")
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_a_passing_test_run_leaves_no_scratch_files(tmp_path):

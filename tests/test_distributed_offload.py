@@ -72,7 +72,8 @@ def worker(rank: int, wrap: str, folder: str, store: str, results: str) -> None:
         record = optimizer.swapper.records(optimizer._name(weight))["exp_avg"]
         local_shape = tuple(weight.to_local().shape) if hasattr(weight, "to_local") else tuple(weight.shape)
         same_params = all(torch.equal(full(a), full(b)) for a, b in zip(plain_model.parameters(), model.parameters()))
-        result = {"losses_match": losses == plain_losses, "params_match": same_params, "folder": optimizer.swapper.folder,
+        result = {"losses_match": losses == plain_losses, "params_match": same_params,
+                  "folder": optimizer.swapper.folder,
                   "stored_shape": list(record.shape), "local_shape": list(local_shape),
                   "dtensor": record.dtensor is not None, "stored_bytes": optimizer.stored_bytes(),
                   "losses": losses}

@@ -25,7 +25,8 @@ BUILDING = "deepoffload: building the async_io op"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (REPO / "setup.py").exists(), reason="builds wheels from the source tree, which is not here"),
+    pytest.mark.skipif(not (REPO / "setup.py").exists(),
+                       reason="builds wheels from the source tree, which is not here"),
 ]
 
 

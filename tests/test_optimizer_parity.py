@@ -104,7 +104,7 @@ def test_muon_on_matrices(config):
     copies = [torch.nn.Parameter(w.detach().clone()) for w in weights]
     plain = torch.optim.Muon(weights, lr=0.02)
     offloaded = OffloadedOptimizer(torch.optim.Muon, copies, config, lr=0.02)
-    for step in range(STEPS):
+    for _ in range(STEPS):
         for params, opt in ((weights, plain), (copies, offloaded)):
             opt.zero_grad()
             (params[0] @ params[1]).sin().sum().backward()

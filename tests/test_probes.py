@@ -118,7 +118,8 @@ def test_cache_is_reused_and_invalidated_by_flags(cache, monkeypatch):
     builder = AsyncIOBuilder(toolchain=toolchain())
     first = run_probes(builder.probes(), builder.toolchain)
     calls = []
-    monkeypatch.setattr(probes_mod, "run_probe", lambda p, t: calls.append(p.name) or probes_mod.ProbeResult(p.name, True))
+    monkeypatch.setattr(probes_mod, "run_probe",
+                        lambda p, t: calls.append(p.name) or probes_mod.ProbeResult(p.name, True))
     again = run_probes(builder.probes(), builder.toolchain)
     assert calls == [] and again == first, "a warm probe run must not compile anything"
     flagged = toolchain(CFLAGS="-DDEEPOFFLOAD_SOMETHING=1")

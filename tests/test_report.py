@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from deepoffload import diagnostics
 from deepoffload.cli import report
 from deepoffload.cli.main import main
 
@@ -80,10 +81,10 @@ def test_exit_status_is_nonzero_when_the_op_cannot_be_used(tmp_path):
 def test_warm_report_compiles_nothing(aio, monkeypatch):
     from deepoffload.op_builder import probes
 
-    report.gather()  # warm the probe cache
+    diagnostics.gather()  # warm the probe cache
     monkeypatch.setattr(probes, "run_probe", lambda *a, **k: pytest.fail("the warm report ran a probe"))
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda *a, **k: pytest.fail("the report built the op"))
-    data = report.gather()
+    data = diagnostics.gather()
     assert data["ops"][0]["compatible"]
 
 
@@ -114,7 +115,7 @@ def test_usable_path_passes(aio, scratch, capsys):
 @pytest.mark.parametrize("built", [False, True])
 def test_report_does_not_import_torch(aio, tmp_path, built):
     """torch takes over a second to import; the report loads the built op without it and never builds."""
-    code = ("import sys; from deepoffload.cli import report; d = report.gather(); "
+    code = ("import sys; from deepoffload import diagnostics; d = diagnostics.gather(); "
             "print('torch' in sys.modules, bool(d['ops'][0]['engines']))")
     cache = os.environ["DEEPOFFLOAD_CACHE_DIR"] if built else str(tmp_path / "cache")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 
@@ -111,7 +112,7 @@ def test_corrupted_file_is_detected_by_checksum(swapper):
         f.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(ChecksumError, match="checksum mismatch for 't'") as info:
         swapper.swap_in(["g"]).wait()
-    assert info.value.filename == record.file
+    assert info.value.filename == record.file and info.value.errno == errno.EIO
 
 
 def test_short_file_is_an_error_naming_the_file(swapper):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from deepoffload import diagnostics
 from deepoffload.cli import report
 from deepoffload.op_builder import AsyncIOBuilder, Toolchain
 from deepoffload.op_builder.builder import SANITIZE_ENV, build_hint
@@ -93,10 +94,10 @@ def test_windows_install_hints():
 
 
 def test_report_on_simulated_windows(win_builder, win_results):
-    versions = report.versions(win_builder)
+    versions = diagnostics.versions(win_builder)
     assert "libaio" not in versions and "liburing" not in versions
     assert versions["compiler"] == "cl (not found)"
-    row = report.op_status(win_builder, win_results)
+    row = diagnostics.op_status(win_builder, win_results)
     assert row["engines_buildable"] == ["windows"]
     assert not row["compatible"]  # no compiler and no prebuilt op
     for name in LIBRARY_PROBES:
@@ -105,7 +106,7 @@ def test_report_on_simulated_windows(win_builder, win_results):
     assert "Visual Studio Build Tools" in row["probes"]["cxx"]["hint"]
     text = report.render({"versions": versions, "ops": [row]}, report.Style(False))
     for name in LIBRARY_PROBES:
-        line = next(l for l in text.splitlines() if l.startswith(name + " "))
+        line = next(line for line in text.splitlines() if line.startswith(name + " "))
         assert "n/a" in line and "not applicable on Windows" in line and "missing" not in line
     assert "cxx: install Visual Studio Build Tools" in text
     assert "windows (when built)" in text
@@ -113,10 +114,10 @@ def test_report_on_simulated_windows(win_builder, win_results):
 
 
 def test_report_on_simulated_windows_with_a_compiler(win_builder, win_results):
-    row = report.op_status(win_builder, {**win_results, "cxx": ProbeResult("cxx", True)})
+    row = diagnostics.op_status(win_builder, {**win_results, "cxx": ProbeResult("cxx", True)})
     assert row["compatible"] and row["probes"]["cxx"]["status"] == "ok"
     assert row["engines"] == {} and row["auto_engine"] is None  # never loads a foreign platform's op
-    text = report.render({"versions": report.versions(win_builder), "ops": [row]}, report.Style(False))
+    text = report.render({"versions": diagnostics.versions(win_builder), "ops": [row]}, report.Style(False))
     assert "the op builds on first use" in text and "Visual Studio" not in text
 
 
@@ -176,7 +177,7 @@ def _unix_to_wine(path: Path) -> str:
 @pytest.mark.slow
 def test_core_under_wine(windows_programs, wine_env, tmp_path):
     passed, failed, output = _run_under_wine(wine_env, windows_programs / "test_core.exe", _unix_to_wine(tmp_path))
-    fails = [l for l in output.splitlines() if l.startswith("FAIL")]
+    fails = [line for line in output.splitlines() if line.startswith("FAIL")]
     assert failed == 0, "\n".join(fails)
     assert "engine windows: self test ok" in output
     assert passed > 100  # round trips at odd sizes and offsets, concurrency, errors, lifecycle
@@ -185,7 +186,7 @@ def test_core_under_wine(windows_programs, wine_env, tmp_path):
 @pytest.mark.slow
 def test_windows_specifics_under_wine(windows_programs, wine_env, tmp_path):
     passed, failed, output = _run_under_wine(wine_env, windows_programs / "test_windows.exe", _unix_to_wine(tmp_path))
-    assert failed == 0, "\n".join(l for l in output.splitlines() if l.startswith("FAIL"))
+    assert failed == 0, "\n".join(line for line in output.splitlines() if line.startswith("FAIL"))
     assert "skip: Z:/dev/full" not in output  # under Wine the full device is reachable as Z:/dev/full
     assert passed > 20
 
@@ -197,5 +198,5 @@ def test_disk_full_under_wine(windows_programs, wine_env, tmp_path, small_fs):
     volume = small_fs(1 << 20, "tmpfs")
     passed, failed, output = _run_under_wine(wine_env, windows_programs / "test_windows.exe",
                                              _unix_to_wine(tmp_path), _unix_to_wine(volume))
-    assert failed == 0, "\n".join(l for l in output.splitlines() if l.startswith("FAIL"))
+    assert failed == 0, "\n".join(line for line in output.splitlines() if line.startswith("FAIL"))
     assert "skip: no small volume" not in output and passed > 20

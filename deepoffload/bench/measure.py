@@ -20,15 +20,12 @@ from typing import Iterator
 import torch
 
 from ..config import AioConfig
+from ..errors import BenchError
 from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle
 
 BUFFER_KINDS = ("pinned", "unaligned")
 OPS = ("write", "read")
-
-
-class BenchError(Exception):
-    """A problem the user can fix (folder, space, missing tool); its message is one line saying what to do."""
 
 
 @dataclass(frozen=True)
@@ -74,19 +71,6 @@ def make_buffer(nbytes: int, kind: str) -> torch.Tensor:
         chunk = buffer[offset:offset + pattern.numel()]
         chunk.copy_(pattern[:chunk.numel()])
     return buffer
-
-
-def direct_io_works(path: Path) -> bool:
-    """True when ``path`` (an existing file) can be opened with O_DIRECT."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | flag)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
 
 
 def evict(path: Path) -> None:

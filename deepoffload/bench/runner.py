@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import AioConfig
+from ..diagnostics import direct_io_works
 from ..io.handle import AsyncIOHandle
 from . import baselines
 from .fio import fio_executable, run_fio
-from .measure import (BUFFER_KINDS, OPS, BenchError, Sample, direct_io_works, make_buffer, scratch_file,
-                      time_transfer)
+from .measure import BUFFER_KINDS, OPS, BenchError, Sample, make_buffer, scratch_file, time_transfer
 
 BASELINES: dict[str, tuple[Callable[..., Sample], ...]] = {
     "write": (baselines.mmap_write, baselines.torch_save),

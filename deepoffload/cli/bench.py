@@ -40,7 +40,9 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-depth", type=positive_int, metavar="N", help="requests in flight per thread")
     parser.add_argument("--threads", type=positive_int, metavar="N", help="threads sharing one transfer "
                         "(intra_op_parallelism)")
-    parser.add_argument("--engine", choices=("auto", "io_uring", "libaio", "posix"), help="async-IO engine")
+    from ..config import ENGINES
+
+    parser.add_argument("--engine", choices=ENGINES, help="async-IO engine")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -63,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--write", dest="ops", action="store_const", const=("write",), help="writes only")
     which.add_argument("--both", dest="ops", action="store_const", const=("write", "read"),
                        help="writes and reads (default)")
-    parser.add_argument("--loops", type=positive_int, default=3, metavar="N", help="timed transfers per kind (default 3)")
+    parser.add_argument("--loops", type=positive_int, default=3, metavar="N",
+                        help="timed transfers per kind (default 3)")
     parser.add_argument("--buffer", choices=("pinned", "unaligned"), default="pinned",
                         help="pinned: page-aligned, page-locked (zero copy); unaligned: through bounce buffers")
     parser.add_argument("--compare-fio", action="store_true", help="run fio interleaved with ours, print ours/fio")

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
         return report_stream(args.steps, config)
     print(f"deepoffload demo: {args.model_size} model, {args.optimizer}, {args.steps} steps, optimizer state on "
-          f"storage under {config.folder} (engine {config.aio.engine}, chunks of {_mb(config.chunk_bytes)}); the same model trains in memory alongside "
+          f"storage under {config.folder} (engine {config.aio.engine}, chunks of {_mb(config.chunk_bytes)}); "
+          f"the same model trains in memory alongside "
           f"for comparison")
     bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
 

@@ -1,4 +1,5 @@
 """``deepoffload report``: which ops work here, which engines, and for each missing piece why and how to get it.
+The facts come from ``deepoffload.diagnostics``; this module renders them as text or JSON.
 
 Warm (probes cached) it runs no compiler and does not import torch; it never builds the op. When the op is already
 built (prebuilt or in the cache) it is loaded, which takes milliseconds, and each engine's runtime self-test is run.
@@ -9,15 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from ..version import __version__
+from ..diagnostics import gather
+from ..op_builder import env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,196 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-probe-cache", action="store_true", help="run the probes again instead of using the cache")
 
 
-# -- gathering ----------------------------------------------------------------------------------------------------
-def _first_line(cmd: list[str], any_status: bool = False) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = (out.stdout or out.stderr).strip().splitlines()
-    return lines[0].strip() if (out.returncode == 0 or any_status) and lines else None
-
-
-def compiler_version(toolchain) -> str | None:
-    """The compiler's own first line: ``c++ --version``, or MSVC's banner (``cl`` alone prints it)."""
-    if not toolchain.compiler_path:
-        return None
-    if toolchain.is_windows:
-        return _first_line(toolchain.compiler.split(), any_status=True)
-    return _first_line([*toolchain.compiler.split(), "--version"])
-
-
-def library_version(deb: str, rpm: str, soname: str) -> str | None:
-    """The installed version of a system library, from the package manager or its file name."""
-    if shutil.which("dpkg-query"):
-        for name in (deb, f"{deb}t64"):
-            v = _first_line(["dpkg-query", "-W", "-f=${Version}", name])
-            if v:
-                return v
-    if shutil.which("rpm"):
-        v = _first_line(["rpm", "-q", "--qf", "%{VERSION}", rpm])
-        if v and "not installed" not in v:
-            return v
-    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64"):
-        found = sorted(Path(d).glob(f"{soname}.so.*"))
-        if found:
-            return f"{found[-1].resolve().name} (file)"
-    return None
-
-
-def versions(builder) -> dict:
-    from ..op_builder.builder import torch_version
-    from ..op_builder.cache import cache_root
-
-    compiler = compiler_version(builder.toolchain)
-    info = {
-        "deepoffload": __version__,
-        "torch": torch_version(),
-        "python": platform.python_version(),
-        "compiler": compiler or f"{builder.toolchain.compiler} (not found)",
-        "kernel": f"{platform.system()} {platform.release()}",
-        "cache_dir": str(cache_root()),
-    }
-    if not builder.toolchain.is_windows:
-        info["libaio"] = library_version("libaio1", "libaio", "libaio")
-        info["liburing"] = library_version("liburing2", "liburing", "liburing")
-    return info
-
-
-def op_status(builder, results: dict) -> dict:
-    """One row of the ops table, loading the op (never building it) to self-test its engines."""
-    from ..op_builder.hints import install_hint
-
-    prebuilt = builder.prebuilt_info()
-    row = {
-        "name": builder.NAME,
-        "installed": prebuilt is not None,
-        "compatible": builder.is_compatible(results),
-        "engines_buildable": builder.engines(results),
-        "built": None,
-        "engines": {},
-        "auto_engine": None,
-        "probes": {},
-    }
-    for name, r in results.items():
-        row["probes"][name] = {
-            "status": "ok" if r.ok else ("n/a" if not r.applicable else "missing"),
-            "reason": r.reason,
-            "output_tail": list(r.output_tail),
-            "hint": "" if r.ok else install_hint(name, builder.platform),
-        }
-    directory = None
-    if results["cxx"].ok:
-        try:
-            directory = builder.finished_build(results)
-        except OSError:
-            directory = None
-    if prebuilt is not None and not builder.prebuilt_matches(prebuilt):
-        row["prebuilt_mismatch"] = (f"the prebuilt op was built for torch {prebuilt.get('torch')} "
-                                    f"({prebuilt.get('python')}); it will be built just in time instead")
-    if builder.prebuilt_matches(prebuilt):
-        row["built"] = "prebuilt"
-    elif directory is not None:
-        row["built"] = str(directory)
-    if row["built"] and builder.platform == sys.platform:
-        try:
-            from ..io import native
-
-            for engine, (ok, reason) in native.engine_status().items():
-                row["engines"][engine] = {"ok": ok, "reason": reason}
-            row["auto_engine"] = next((e for e, s in row["engines"].items() if s["ok"]), None)
-        except Exception as e:  # the report must describe a broken op, not die of it
-            row["load_error"] = f"{type(e).__name__}: {e}"
-    return row
-
-
-def _filesystem(path: Path) -> tuple[str, str]:
-    """(filesystem type, mount point) of ``path``, from /proc/mounts."""
-    best = ("unknown", "/")
-    try:
-        real = str(path.resolve())
-        for line in Path("/proc/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) < 3:
-                continue
-            mount = parts[1].replace("\\040", " ")
-            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[1]):
-                best = (parts[2], mount)
-    except OSError:
-        pass
-    return best
-
-
-def _direct_io_alignment(directory: Path) -> tuple[bool, int | None, str]:
-    """(O_DIRECT works, smallest working alignment in bytes, reason) found by writing a temp file."""
-    import mmap
-
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False, None, "O_DIRECT does not exist on this platform"
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".deepoffload-dio-")
-    except OSError as e:  # e.g. /proc or /sys: a folder the superuser may "write" that takes no files
-        return False, None, f"cannot create a file there: {e.strerror}"
-    os.close(fd)
-    try:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | flag)
-        except OSError as e:
-            return False, None, f"open with O_DIRECT refused: {e.strerror}"
-        try:
-            buf = mmap.mmap(-1, 8192)  # page-aligned memory
-            for alignment in (512, 1024, 2048, 4096):
-                try:
-                    os.pwrite(fd, memoryview(buf)[:alignment], alignment)
-                    return True, alignment, ""
-                except OSError as e:
-                    reason = e.strerror
-            return False, None, f"aligned writes refused: {reason}"
-        finally:
-            os.close(fd)
-    finally:
-        os.unlink(tmp)
-
-
-def path_status(path: str) -> dict:
-    p = Path(path)
-    row: dict = {"path": str(p)}
-    if not p.is_dir():
-        row["error"] = "not an existing folder"
-        return row
-    usage = shutil.disk_usage(p)
-    fstype, mount = _filesystem(p)
-    row.update(free_bytes=usage.free, total_bytes=usage.total, filesystem=fstype, mount=mount,
-               writable=os.access(p, os.W_OK))
-    if row["writable"]:
-        ok, alignment, reason = _direct_io_alignment(p)
-        row.update(direct_io=ok, alignment=alignment, direct_io_reason=reason)
-        if reason.startswith("cannot create a file"):
-            row.update(writable=False, error=f"not a folder deepoffload can use ({fstype} filesystem): {reason}")
-    else:
-        row.update(direct_io=None, alignment=None, direct_io_reason="folder is not writable",
-                   error="not writable by this user: swap files cannot be created there")
-    return row
-
-
-def gather(path: str | None = None, use_cache: bool = True) -> dict:
-    from ..op_builder import ALL_OPS
-
-    ops = []
-    version_info = None
-    for builder_class in ALL_OPS.values():
-        builder = builder_class()
-        results = builder.probe_results(use_cache=use_cache)
-        ops.append(op_status(builder, results))
-        version_info = version_info or versions(builder)
-    report = {"versions": version_info, "ops": ops}
-    if path:
-        report["path"] = path_status(path)
-    return report
-
-
-# -- printing -----------------------------------------------------------------------------------------------------
+# -- rendering ----------------------------------------------------------------------------------------------------
 class Style:
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -312,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        color = sys.stdout.isatty() and not env.get("NO_COLOR")
         print(render(report, Style(color)))
     path_ok = report.get("path") is None or "error" not in report["path"]
     return 0 if usable(report) and path_ok else 1

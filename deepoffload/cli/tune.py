@@ -72,7 +72,8 @@ def _run(args: argparse.Namespace, started: float) -> int:
 
     from tqdm import tqdm
 
-    from ..bench.measure import direct_io_works, make_buffer, round_trip, scratch_file
+    from ..bench.measure import make_buffer, round_trip, scratch_file
+    from ..diagnostics import direct_io_works
     from ..bench.sizes import format_size
     from ..bench.search import SCORE_DESCRIPTION, Search, default_knobs
     from ..config import AioConfig

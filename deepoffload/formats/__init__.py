@@ -4,19 +4,19 @@ folders) and torch.save state dicts (read only).
 Names are imported on first access, so ``import deepoffload.formats`` stays cheap.
 """
 
-import importlib
+from __future__ import annotations
 
-_LAZY = {
-    "CheckpointError": "header", "DTYPES": "header",
-    "CheckpointReader": "reader", "KeyReport": "reader", "load_file": "reader",
-    "save_sharded": "writer", "save_file": "writer",
-}
-__all__ = list(_LAZY)
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'deepoffload.formats' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".header": ["CheckpointError", "DTYPES"],
+    ".reader": ["CheckpointReader", "KeyReport", "load_file"],
+    ".writer": ["save_sharded", "save_file"],
+})
+
+if TYPE_CHECKING:
+    from .header import DTYPES, CheckpointError
+    from .reader import CheckpointReader, KeyReport, load_file
+    from .writer import save_file, save_sharded

@@ -19,6 +19,8 @@ from typing import Mapping
 
 import torch
 
+from ..errors import CheckpointError
+
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 METADATA_KEY = "__metadata__"
 
@@ -34,11 +36,6 @@ DTYPES: dict[str, torch.dtype] = {name: dtype for name, dtype in (
     ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
 ) if dtype is not None}
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file or index is malformed, missing or does not match what the caller expects. The message
-    names the file."""
 
 
 def check_little_endian() -> None:

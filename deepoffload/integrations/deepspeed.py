@@ -5,8 +5,8 @@ op-builder package, ``deepspeed.ops.aio``, the ZeRO-Infinity swappers in ``deeps
 fast checkpoint writer factory, the ``deepspeed.nvme`` benchmarks, and the accelerator's ``get_op_builder`` /
 ``create_op_builder``) with one whose ``load()`` returns deepoffload's DeepSpeed-compatible module, so DeepSpeed
 never builds its own async_io op. The fast checkpoint writer's one use of DeepSpeed's compiled ``utils`` op (a
-byte view of each tensor) is given in Python, so it too runs without compiling anything. GPUDirect Storage is not covered: ``GDSBuilder().load()`` raises. ``disable()``
-puts DeepSpeed's classes back.
+byte view of each tensor) is given in Python, so it too runs without compiling anything. GPUDirect Storage is not
+covered: ``GDSBuilder().load()`` raises. ``disable()`` puts DeepSpeed's classes back.
 """
 
 from __future__ import annotations

@@ -3,18 +3,17 @@
 Names are imported on first access, so ``deepoffload.io.native`` can be used (by the report) without importing torch.
 """
 
-import importlib
+from __future__ import annotations
 
-_LAZY = {
-    "AsyncIOHandle": "handle", "Request": "handle", "ValidationError": "handle",
-    "aligned_empty": "buffers", "is_aligned": "buffers", "is_pinned": "buffers",
-}
-__all__ = list(_LAZY)
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'deepoffload.io' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".handle": ["AsyncIOHandle", "Request", "ValidationError"],
+    ".buffers": ["aligned_empty", "is_aligned", "is_pinned"],
+})
+
+if TYPE_CHECKING:
+    from .buffers import aligned_empty, is_aligned, is_pinned
+    from .handle import AsyncIOHandle, Request, ValidationError

@@ -17,7 +17,8 @@ from .buffers import aligned_empty, release_lock
 from .handle import AsyncIOHandle, FileRef, check_tensor
 
 # DeepSpeed's aio_handle constructor defaults (py_ds_aio.cpp).
-DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_SINGLE_SUBMIT, DS_OVERLAP_EVENTS, DS_INTRA_OP_PARALLELISM = 1 << 20, 128, False, False, 1
+DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_INTRA_OP_PARALLELISM = 1 << 20, 128, 1
+DS_SINGLE_SUBMIT, DS_OVERLAP_EVENTS = False, False
 O_DIRECT_ALIGNMENT = 512  # DeepSpeed's get_alignment() is this times intra_op_parallelism
 MIN_IO_BLOCK = 4096       # smaller block sizes are accepted and reported, IO uses this
 

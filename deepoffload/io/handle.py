@@ -22,9 +22,10 @@ from typing import Callable, Union
 import torch
 
 from ..config import AioConfig
+from ..errors import ClosedError, ValidationError
 from . import accelerator
 from .buffers import aligned_empty
-from .native import FSYNC, TRUNCATE, native, resolve_engine
+from .native import native, resolve_engine
 
 FileRef = Union[str, bytes, os.PathLike, int]
 
@@ -32,10 +33,6 @@ WAIT_SLICE_S = 0.2
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # what the native op's integer arguments can hold
 _live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
 _warned_buffered: set[str] = set()
-
-
-class ValidationError(OSError):
-    """``validate=True`` found the file's bytes differ from the tensor's."""
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -251,7 +248,8 @@ class AsyncIOHandle:
         if acc.is_device_tensor(tensor):  # the whole tensor copied to one page-locked buffer first
             source = aligned_empty(tensor.numel(), tensor.dtype)
             acc.synchronize(acc.copy(source.view(-1), tensor.view(-1), None))
-        flags = (TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (FSYNC if fsync else 0)
+        op = native()  # the flag values are the binding's own (TRUNCATE, FSYNC)
+        flags = (op.TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (op.FSYNC if fsync else 0)
         return self._submit(True, source, file, offset, flags, (tensor, source), None)
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False) -> int:
@@ -289,7 +287,7 @@ class AsyncIOHandle:
     def _submit(self, write: bool, buffer: torch.Tensor, file: FileRef, offset: int, flags: int, keep_alive: tuple,
                 finish: Callable[[], None] | None) -> Request:
         if self._closed:
-            raise ValueError("this AsyncIOHandle is closed")
+            raise ClosedError("this AsyncIOHandle is closed")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"file offset must be a non-negative integer (bytes), got {offset!r}")
         fd, path = _file_ref(file)
@@ -402,7 +400,8 @@ def _validate(tensor: torch.Tensor, file: FileRef, offset: int) -> None:
         with open(path, "rb") as f:
             f.seek(offset)
             data = f.read(nbytes)
-    if len(data) != nbytes or (nbytes and not torch.equal(expected, torch.frombuffer(bytearray(data), dtype=torch.uint8))):
+    if len(data) != nbytes or (nbytes and not torch.equal(expected,
+                                                          torch.frombuffer(bytearray(data), dtype=torch.uint8))):
         raise ValidationError(errno.EIO, f"validation failed: the {nbytes} bytes at offset {offset} differ from "
                                          f"the tensor's", path)
 

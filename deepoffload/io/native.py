@@ -7,8 +7,6 @@ import tempfile
 import threading
 from types import ModuleType
 
-TRUNCATE, BUFFERED, FSYNC = 1, 2, 4
-
 _self_tests: dict[str, tuple[bool, str]] = {}
 _self_test_lock = threading.Lock()
 

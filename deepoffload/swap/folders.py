@@ -12,6 +12,8 @@ import shutil
 import tempfile
 import threading
 
+from ..op_builder import env
+
 _owned_lock = threading.Lock()
 _owned: set[str] = set()
 
@@ -23,11 +25,7 @@ def current_rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    text = os.environ.get("RANK", "0")
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"RANK={text!r} is not an integer; unset it or set it to this process's rank") from None
+    return env.get("RANK")
 
 
 def create_run_folder(base: str | None, rank: int | None = None) -> str:

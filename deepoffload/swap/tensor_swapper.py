@@ -4,16 +4,17 @@ bounded pool of aligned staging buffers.
 Each group is one file, or (``packed=True``) the groups of one ``swap_out`` call share one extent of a single
 pack file, written with one request, and groups read together from adjacent extents come back in one request (many
 small tensors then cost a few large transfers, not a file each). Each tensor keeps a ``SwapRecord`` (key, dtype,
-shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are staged through a pooled buffer (a copy, so any strides,
-dtype or device work; the copy is skipped when the tensor already sits in the staging buffer where it will be
-written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until its new write has
-completed; a failed write drops them (the file is unknown now) and the caller keeps its tensors.
+shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are staged through a pooled
+buffer (a copy, so any strides, dtype or device work; the copy is skipped when the tensor already sits in the staging
+buffer where it will be written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until
+its new write has completed; a failed write drops them (the file is unknown now) and the caller keeps its tensors.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import functools
 import os
 import dataclasses
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from ..errors import ChecksumError, ClosedError
 from ..io.handle import AsyncIOHandle, Request
 from .config import SwapConfig
 from .extents import Extent, PackFile
@@ -30,10 +32,6 @@ from .pool import PAGE_SIZE, BufferPool, round_up
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
 TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
-
-
-class ChecksumError(OSError):
-    """A swapped tensor's bytes changed on storage (its checksum no longer matches)."""
 
 
 @dataclass(frozen=True)
@@ -214,8 +212,9 @@ class SwapIn:
                 region = self._buffer[position:position + record.nbytes]
                 if _hash(region) != record.checksum:
                     self.release()
-                    raise ChecksumError(5, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at offset "
-                                           f"{record.offset}): the swap file was changed or corrupted", record.file)
+                    raise ChecksumError(errno.EIO, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at "
+                                                   f"offset {record.offset}): the swap file was changed or corrupted",
+                                        record.file)
             view = typed.get(record.dtype)
             if view is None:
                 view = typed[record.dtype] = self._buffer.view(record.dtype)
@@ -518,7 +517,7 @@ class TensorSwapper:
     # -- internals ------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this TensorSwapper is closed")
+            raise ClosedError("this TensorSwapper is closed")
 
     @staticmethod
     def _check_group(group: str) -> None:

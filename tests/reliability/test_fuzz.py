@@ -20,7 +20,8 @@ from deepoffload.config import ALIASES, ConfigError
 DTYPES = [torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.int32,
           torch.float64, torch.int64, torch.complex64, torch.complex128]
 MAX_BYTES = 3 << 20
-QUICK = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+QUICK = settings(max_examples=25, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 THOROUGH = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 # Sizes and offsets near the boundaries that matter (page, block, shard cuts) as well as anywhere.

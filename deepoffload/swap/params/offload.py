@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ...errors import ClosedError
 from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
@@ -184,7 +185,7 @@ class ParameterOffload:
     # -- running blocks (the ``Streamer`` that ``Recompute`` talks to) ---------------------------------------
     def _run(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
         if self._closed:
-            raise RuntimeError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
+            raise ClosedError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
                                f"without restore=True, so they are gone; close(restore=True) keeps them")
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -358,7 +359,7 @@ class ParameterOffload:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this ParameterOffload is closed")
+            raise ClosedError("this ParameterOffload is closed")
 
     def __enter__(self) -> "ParameterOffload":
         return self

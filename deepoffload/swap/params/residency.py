@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ...errors import ResidencyError
 from ..pool import round_up
 from ..tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
 
@@ -45,10 +46,6 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
     Residency.KEPT: frozenset({Residency.WRITING, Residency.RESTORED}),
     Residency.RESTORED: frozenset(),
 }
-
-
-class ResidencyError(RuntimeError):
-    """A block was asked to move between residency states in an order that would lose or misuse its values."""
 
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -1,0 +1,50 @@
+"""The exceptions deepoffload raises, under one base: ``except deepoffload.DeepOffloadError`` catches all of them.
+
+Each also derives from the built-in type that code caught before this base existed, so no ``except`` clause changes
+meaning: errors that carry an errno are ``OSError`` (``except OSError`` keeps working), bad arguments and use after
+close are ``ValueError``. Torch-free, imported by every layer above ``op_builder`` (which cannot import it: its
+``BuildError`` is a ``RuntimeError`` of its own, exported as ``deepoffload.BuildError``).
+"""
+
+from __future__ import annotations
+
+class DeepOffloadError(Exception):
+    """Base of every exception defined by deepoffload."""
+
+
+class ConfigError(DeepOffloadError, ValueError):
+    """A config key or value that is not accepted; the message names the key and what is accepted."""
+
+
+class ClosedError(DeepOffloadError, ValueError, RuntimeError):
+    """An object (handle, swapper, offload) was used after ``close()``.
+
+    A ``ValueError``, as Python's own files raise after close; also a ``RuntimeError``, which some of these paths
+    raised before this type existed, so existing ``except`` clauses still catch it.
+    """
+
+
+class ChecksumError(DeepOffloadError, OSError):
+    """Bytes read back from storage do not match the checksum recorded when they were written (errno ``EIO`` when
+    raised with one)."""
+
+
+class ValidationError(DeepOffloadError, OSError):
+    """``validate=True`` found the file's bytes differ from the tensor's."""
+
+
+class CheckpointError(DeepOffloadError, ValueError):
+    """A checkpoint file or index is malformed, missing or does not match what the caller expects. The message
+    names the file."""
+
+
+class ResidencyError(DeepOffloadError, RuntimeError):
+    """A block was asked to move between residency states in an order that would lose or misuse its values."""
+
+
+class BenchError(DeepOffloadError):
+    """A problem the user can fix (folder, space, missing tool); its message is one line saying what to do."""
+
+
+__all__ = ["BenchError", "CheckpointError", "ChecksumError", "ClosedError", "ConfigError", "DeepOffloadError",
+           "ResidencyError", "ValidationError"]

@@ -1,0 +1,78 @@
+"""Layers only look down: ``op_builder`` imports nothing from ``deepoffload``, so the top-level ``op_builder`` of a
+source checkout (as ``setup.py`` imports it), the installed ``deepoffload.op_builder`` and a checkout used without
+installing all import and load the op (each in a child process, sharing the session's build cache)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Drops the editable install's import hook, so only sys.path (the checkout) provides deepoffload.
+NO_EDITABLE = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+
+
+def child(code: str, *, cwd: Path = ROOT) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_op_builder_imports_nothing_from_deepoffload():
+    for path in sorted((ROOT / "op_builder").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, f"{path.name}:{node.lineno} imports above op_builder"
+                assert not (node.module or "").startswith("deepoffload"), f"{path.name}:{node.lineno}"
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("deepoffload") for a in node.names), f"{path.name}:{node.lineno}"
+
+
+def test_op_builder_exports_resolve():
+    out = child(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                "import op_builder\n"
+                "print([n for n in op_builder.__all__ if getattr(op_builder, n, None) is None])\n")
+    assert out.strip() == "[]"
+
+
+def test_top_level_op_builder_of_a_checkout_loads_the_native_module():
+    out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
+                "import op_builder\n"
+                "m = op_builder.AsyncIOBuilder().load()\n"
+                "print(op_builder.__file__, type(m).__name__, 'posix' in m.engines(),\n"
+                "      any(k == 'deepoffload' or k.startswith('deepoffload.') for k in sys.modules))\n")
+    path, kind, has_posix, imported_deepoffload = out.split()
+    assert path == str(ROOT / "op_builder" / "__init__.py")
+    assert (kind, has_posix, imported_deepoffload) == ("module", "True", "False")
+
+
+def test_installed_op_builder_loads_the_deepspeed_shaped_module(tmp_path):
+    out = child("from deepoffload.op_builder import AsyncIOBuilder\n"
+                "m = AsyncIOBuilder().load()\n"
+                "print(type(m).__name__, type(m.aio_handle()).__name__, type(AsyncIOBuilder().load_native()).__name__)",
+                cwd=tmp_path)
+    assert out.split() == ["CompatModule", "aio_handle", "module"]
+
+
+def test_checkout_without_install_has_deepoffload_op_builder():
+    out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
+                "import deepoffload, deepoffload.op_builder as ob\n"
+                "print(deepoffload.__file__, ob.__file__, type(ob.AsyncIOBuilder().load()).__name__)\n")
+    package, builder, kind = out.split()
+    assert package == str(ROOT / "deepoffload" / "__init__.py")
+    assert builder == str(ROOT / "op_builder" / "__init__.py")
+    assert kind == "CompatModule"
+
+
+@pytest.mark.parametrize("name", ["op_builder", "deepoffload.op_builder"])
+def test_version_read_by_op_builder_is_the_package_version(name):
+    out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
+                f"import importlib; b = importlib.import_module({name + '.builder'!r})\n"
+                "from deepoffload.version import __version__\n"
+                "print(b.package_version() == __version__)\n")
+    assert out.strip() == "True"
