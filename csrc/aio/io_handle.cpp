@@ -235,11 +235,7 @@ IoHandle::IoHandle(const HandleConfig& config) : config_(config) {
         throw std::invalid_argument("threads must be between 1 and " + std::to_string(kMaxThreads) + ", got " +
                                     std::to_string(config.threads));
     }
-    EngineConfig ec;
-    ec.block_size = config.block_size;
-    ec.queue_depth = config.queue_depth;
-    ec.single_submit = config.single_submit;
-    ec.overlap_events = config.overlap_events;
+    const EngineConfig& ec = config;
     for (int i = 0; i < config.threads; ++i) {
         std::unique_ptr<Worker> w(new Worker());
         EngineError error;

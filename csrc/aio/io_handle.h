@@ -36,12 +36,9 @@ struct OpResult {
     bool direct = false;    // O_DIRECT was used for the aligned part of the op
 };
 
-struct HandleConfig {
+// The engine settings (and their defaults, from EngineConfig) plus what only the handle uses.
+struct HandleConfig : EngineConfig {
     std::string engine = compiled_engines().back();  // the portable engine: "posix" ("windows" on Windows)
-    size_t block_size = 1 << 20;  // bytes
-    int queue_depth = 32;
-    bool single_submit = false;
-    bool overlap_events = true;
     int threads = 1;  // intra-op parallelism: worker threads, each with its own engine
 };
 

@@ -56,7 +56,12 @@ def main() -> int:
         engines = m.engines()
         check(engines[-1] == "posix", f"engines() = {engines}")
         feats = m.build_features()
-        check(set(feats) == {"libaio", "io_pgetevents", "io_uring", "reap"}, f"build_features() = {feats}")
+        check(set(feats) == {"engines", "reap"} and feats["engines"] == engines, f"build_features() = {feats}")
+        check(m.DEFAULTS == {"engine": "posix", "block_size": 1 << 20, "queue_depth": 32, "single_submit": False,
+                             "overlap_events": True, "threads": 1}, f"DEFAULTS = {m.DEFAULTS}")
+        h = m.Handle()
+        check({k: getattr(h, k) for k in m.DEFAULTS} == m.DEFAULTS, "Handle() takes DEFAULTS")
+        h.close()
         check((m.TRUNCATE, m.BUFFERED, m.FSYNC) == (1, 2, 4), "flag constants")
         mem, off, direct = m.dio_alignment(work)
         check(mem > 0 and off > 0 and isinstance(direct, bool), f"dio_alignment(dir) = {(mem, off, direct)}")
