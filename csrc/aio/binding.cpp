@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "engine.h"
+#include "diagnostics.h"
 #include "io_handle.h"
 
 namespace py = pybind11;

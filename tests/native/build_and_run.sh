@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the native core with its test program and runs it on a real disk.
+# Builds the native core with its test programs and runs them: the planning unit tests, then the core on a real disk.
 # Usage: tests/native/build_and_run.sh [test-directory]
 #   SANITIZE=1   build with -fsanitize=address,undefined
 #   CXX=...      compiler (default g++)
@@ -53,5 +53,8 @@ for f in "$repo"/csrc/aio/*.cpp; do
 done
 
 echo "features: ${defs[*]:-(posix only)}"
+# The planning unit tests first: pure functions, no IO.
+"$CXX" "${flags[@]}" "$repo/csrc/aio/plan.cpp" "$here/test_plan.cpp" -o "$work/test_plan"
+"$work/test_plan"
 "$CXX" "${flags[@]}" "${defs[@]}" "${sources[@]}" "$here/test_core.cpp" -o "$work/test_core" "${libs[@]}"
 "$work/test_core" "$work"

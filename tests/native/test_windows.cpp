@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../../csrc/aio/diagnostics.h"
 #include "../../csrc/aio/engine.h"
 #include "../../csrc/aio/io_handle.h"
 #include "../../csrc/aio/platform.h"
