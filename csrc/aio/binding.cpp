@@ -22,7 +22,7 @@ using deepoffload::OpResult;
 namespace {
 
 std::unique_ptr<IoHandle> make_handle(const std::string& engine, int64_t block_size, int queue_depth,
-                                      bool single_submit, bool overlap_events, int threads) {
+                                      bool single_submit, bool overlap_events, int intra_op_parallelism) {
     if (block_size <= 0) throw std::invalid_argument("block_size must be > 0 bytes, got " + std::to_string(block_size));
     HandleConfig config;
     config.engine = engine;
@@ -30,7 +30,7 @@ std::unique_ptr<IoHandle> make_handle(const std::string& engine, int64_t block_s
     config.queue_depth = queue_depth;
     config.single_submit = single_submit;
     config.overlap_events = overlap_events;
-    config.threads = threads;
+    config.intra_op_parallelism = intra_op_parallelism;
     return std::unique_ptr<IoHandle>(new IoHandle(config));
 }
 
@@ -113,7 +113,7 @@ py::dict handle_defaults() {
     d["queue_depth"] = c.queue_depth;
     d["single_submit"] = c.single_submit;
     d["overlap_events"] = c.overlap_events;
-    d["threads"] = c.threads;
+    d["intra_op_parallelism"] = c.intra_op_parallelism;
     return d;
 }
 
@@ -147,7 +147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(py::init(&make_handle), py::arg("engine") = defaults.engine,
              py::arg("block_size") = static_cast<int64_t>(defaults.block_size),
              py::arg("queue_depth") = defaults.queue_depth, py::arg("single_submit") = defaults.single_submit,
-             py::arg("overlap_events") = defaults.overlap_events, py::arg("threads") = defaults.threads)
+             py::arg("overlap_events") = defaults.overlap_events,
+             py::arg("intra_op_parallelism") = defaults.intra_op_parallelism)
         .def("submit", &submit_op, py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"),
              py::arg("fd"), py::arg("offset"), py::arg("flags"),
              "Queue a read or write of nbytes at ptr; returns the op id. Never blocks on IO.")
@@ -161,5 +162,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_property_readonly("queue_depth", [](IoHandle& h) { return h.config().queue_depth; })
         .def_property_readonly("single_submit", [](IoHandle& h) { return h.config().single_submit; })
         .def_property_readonly("overlap_events", [](IoHandle& h) { return h.config().overlap_events; })
-        .def_property_readonly("threads", [](IoHandle& h) { return h.config().threads; });
+        .def_property_readonly("intra_op_parallelism", [](IoHandle& h) { return h.config().intra_op_parallelism; });
 }

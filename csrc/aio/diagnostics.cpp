@@ -59,7 +59,7 @@ bool engine_self_test(const std::string& engine, const std::string& directory, s
             config.engine = engine;
             config.block_size = 64 * 1024;
             config.queue_depth = 4;
-            config.threads = 1;
+            config.intra_op_parallelism = 1;
             IoHandle handle(config);
             OpResult w, r;
             handle.wait(handle.submit(true, out, nbytes, path, -1, 0, kFlagTruncate), -1, &w);

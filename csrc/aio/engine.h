@@ -13,13 +13,13 @@ namespace deepoffload {
 
 // The defaults of every setting, written once: IoHandle and the binding (which exports them as DEFAULTS) use these.
 struct EngineConfig {
-    size_t block_size = 1 << 20;  // bytes per block
-    int queue_depth = 32;         // blocks in flight per engine instance
-    bool single_submit = false;   // one block per submission call
+    size_t block_size = 1 << 20;  // bytes per request (the name is DeepSpeed's config key)
+    int queue_depth = 32;         // requests in flight per engine instance
+    bool single_submit = false;   // one request per submission call
     bool overlap_events = true;   // refill the queue as completions arrive
 };
 
-struct Block {
+struct Request {
     int fd = -1;
     bool write = false;
     char* buf = nullptr;
@@ -35,8 +35,8 @@ class Engine {
 public:
     virtual ~Engine() = default;
     virtual const char* name() const = 0;
-    // Performs all n blocks and sets each block's result. Never throws.
-    virtual void run(Block* blocks, size_t n) = 0;
+    // Performs all n requests and sets each request's result. Never throws.
+    virtual void run(Request* requests, size_t n) = 0;
 };
 
 struct EngineError {

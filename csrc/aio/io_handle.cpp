@@ -45,10 +45,11 @@ IoHandle::IoHandle(const HandleConfig& config) : config_(config) {
     DEEPOFFLOAD_EXPECT(config.queue_depth >= 1 && config.queue_depth <= kMaxQueueDepth,
                        std::invalid_argument("queue_depth must be between 1 and " + std::to_string(kMaxQueueDepth) +
                                              ", got " + std::to_string(config.queue_depth)));
-    DEEPOFFLOAD_EXPECT(config.threads >= 1 && config.threads <= kMaxThreads,
-                       std::invalid_argument("threads must be between 1 and " + std::to_string(kMaxThreads) +
-                                             ", got " + std::to_string(config.threads)));
-    for (int i = 0; i < config.threads; ++i) {
+    DEEPOFFLOAD_EXPECT(config.intra_op_parallelism >= 1 && config.intra_op_parallelism <= kMaxThreads,
+                       std::invalid_argument("intra_op_parallelism must be between 1 and " +
+                                             std::to_string(kMaxThreads) + ", got " +
+                                             std::to_string(config.intra_op_parallelism)));
+    for (int i = 0; i < config.intra_op_parallelism; ++i) {
         std::unique_ptr<Worker> w(new Worker());
         EngineError error;
         w->engine = make_engine(config.engine, config, &error);
@@ -207,7 +208,7 @@ void IoHandle::worker_loop(Worker* worker) {
 void IoHandle::prepare(const std::shared_ptr<Op>& op_ptr) {
     Op& op = *op_ptr;
     open_files(op);
-    op.shards = plan_shards(op.offset, op.nbytes, op.off_align, op.mem_align, config_.threads);
+    op.shards = plan_shards(op.offset, op.nbytes, op.off_align, op.mem_align, config_.intra_op_parallelism);
     if (op.shards.empty()) {
         complete(op);
         return;

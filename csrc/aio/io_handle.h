@@ -39,7 +39,7 @@ struct OpResult {
 // The engine settings (and their defaults, from EngineConfig) plus what only the handle uses.
 struct HandleConfig : EngineConfig {
     std::string engine = compiled_engines().back();  // the portable engine: "posix" ("windows" on Windows)
-    int threads = 1;  // intra-op parallelism: worker threads, each with its own engine
+    int intra_op_parallelism = 1;  // worker threads, each with its own engine (DeepSpeed's name)
 };
 
 struct Op;

@@ -68,7 +68,7 @@ struct Worker {
     char* bounce = nullptr;
     size_t bounce_size = 0;
     size_t bounce_align = 0;
-    std::vector<Block> blocks;
+    std::vector<Request> requests;
 
     Worker() = default;
     Worker(const Worker&) = delete;

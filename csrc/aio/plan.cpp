@@ -56,11 +56,11 @@ BouncePlan plan_bounce(size_t nbytes, size_t request_bytes, int queue_depth, siz
     return p;
 }
 
-void split_into_requests(std::vector<Block>* out, int fd, bool write, char* buf, size_t len, int64_t at,
+void split_into_requests(std::vector<Request>* out, int fd, bool write, char* buf, size_t len, int64_t at,
                          size_t request_bytes) {
     out->clear();
     for (size_t done = 0; done < len; done += request_bytes) {
-        Block b;
+        Request b;
         b.fd = fd;
         b.write = write;
         b.buf = buf + done;

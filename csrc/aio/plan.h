@@ -41,7 +41,7 @@ std::vector<Span> plan_shards(int64_t offset, size_t nbytes, size_t offset_align
 // before and after it are the unaligned head and tail, done with buffered IO.
 Span aligned_middle(Span shard, size_t offset_align);
 
-// Bytes per engine request: the configured block size, rounded down (never below one unit) to a multiple of both
+// Bytes per engine request: the configured request size, rounded down (never below one unit) to a multiple of both
 // alignments when the transfer is direct, so every request's memory and file offset stay aligned.
 size_t request_size(size_t block_size, bool direct, size_t offset_align, size_t memory_align);
 
@@ -59,7 +59,7 @@ struct BouncePlan {
 BouncePlan plan_bounce(size_t nbytes, size_t request_bytes, int queue_depth, size_t memory_align);
 
 // Fills `out` with requests of at most `request_bytes` covering [buf, buf + len) at file offset `at`.
-void split_into_requests(std::vector<Block>* out, int fd, bool write, char* buf, size_t len, int64_t at,
+void split_into_requests(std::vector<Request>* out, int fd, bool write, char* buf, size_t len, int64_t at,
                          size_t request_bytes);
 
 }  // namespace deepoffload

@@ -143,10 +143,10 @@ bool transfer_buffered(Op& op, char* buf, size_t len, int64_t at) {
 }
 
 // Checks the engine's results; finishes short transfers synchronously.
-bool settle_blocks(Op& op, Block* blocks, size_t n) {
+bool settle_requests(Op& op, Request* requests, size_t n) {
     bool ok = true;
     for (size_t i = 0; i < n && ok; ++i) {
-        Block& b = blocks[i];
+        Request& b = requests[i];
         if (b.result < 0) {
             int err = static_cast<int>(-b.result);
             const char* operation = b.submit_failed ? "submit" : (op.write ? "write" : "read");
@@ -202,8 +202,9 @@ private:
 // worker's aligned bounce buffer, split in two slots used in turn. While the
 // engine transfers one slot, a helper thread copies the next wave into the
 // other (writes) or the previous wave out of it (reads).
-bool transfer_bounced(Worker& worker, Op& op, char* user, size_t len, int64_t at, size_t block, int queue_depth) {
-    const BouncePlan plan = plan_bounce(len, block, queue_depth, op.mem_align);
+bool transfer_bounced(Worker& worker, Op& op, char* user, size_t len, int64_t at, size_t request_bytes,
+                      int queue_depth) {
+    const BouncePlan plan = plan_bounce(len, request_bytes, queue_depth, op.mem_align);
     const size_t half = plan.slot_bytes;
     if (!worker.ensure_bounce(plan.total(), plan.alignment)) {
         op.fail(ENOMEM, op.write ? "write" : "read", at,
@@ -220,11 +221,12 @@ bool transfer_bounced(Worker& worker, Op& op, char* user, size_t len, int64_t at
         char* buf = slot[i % 2];
         const size_t n = wave_len(i);
         if (op.write && i + 1 < waves) copy.start(slot[(i + 1) % 2], user + (i + 1) * half, wave_len(i + 1));
-        split_into_requests(&worker.blocks, op.io_fd, op.write, buf, n, at + static_cast<int64_t>(i * half), block);
-        worker.engine->run(worker.blocks.data(), worker.blocks.size());
+        split_into_requests(&worker.requests, op.io_fd, op.write, buf, n, at + static_cast<int64_t>(i * half),
+                            request_bytes);
+        worker.engine->run(worker.requests.data(), worker.requests.size());
         copy.join();  // the other slot is free again
         if (copy.faulted()) break;
-        if (!settle_blocks(op, worker.blocks.data(), worker.blocks.size())) return false;
+        if (!settle_requests(op, worker.requests.data(), worker.requests.size())) return false;
         if (!op.write) copy.start(user + i * half, buf, n, true);  // overlaps the next wave's IO
     }
     copy.join();
@@ -283,15 +285,15 @@ void run_shard(Worker& worker, Op& op, const Span& shard, const EngineConfig& co
     if (!transfer_buffered(op, mem(b), static_cast<size_t>(mid.begin - b), b)) return;
 
     if (mid.size() > 0) {
-        const size_t block = request_size(config.block_size, op.direct, op.off_align, op.mem_align);
+        const size_t request_bytes = request_size(config.block_size, op.direct, op.off_align, op.mem_align);
         char* user = mem(mid.begin);
         const size_t len = static_cast<size_t>(mid.size());
         if (!needs_bounce(op.direct, user, op.mem_align)) {
             // Fast path: the engine works on the caller's memory.
-            split_into_requests(&worker.blocks, op.io_fd, op.write, user, len, mid.begin, block);
-            worker.engine->run(worker.blocks.data(), worker.blocks.size());
-            if (!settle_blocks(op, worker.blocks.data(), worker.blocks.size())) return;
-        } else if (!transfer_bounced(worker, op, user, len, mid.begin, block, config.queue_depth)) {
+            split_into_requests(&worker.requests, op.io_fd, op.write, user, len, mid.begin, request_bytes);
+            worker.engine->run(worker.requests.data(), worker.requests.size());
+            if (!settle_requests(op, worker.requests.data(), worker.requests.size())) return;
+        } else if (!transfer_bounced(worker, op, user, len, mid.begin, request_bytes, config.queue_depth)) {
             return;
         }
     }

@@ -58,7 +58,7 @@ def main() -> int:
         feats = m.build_features()
         check(set(feats) == {"engines", "reap"} and feats["engines"] == engines, f"build_features() = {feats}")
         check(m.DEFAULTS == {"engine": "posix", "block_size": 1 << 20, "queue_depth": 32, "single_submit": False,
-                             "overlap_events": True, "threads": 1}, f"DEFAULTS = {m.DEFAULTS}")
+                             "overlap_events": True, "intra_op_parallelism": 1}, f"DEFAULTS = {m.DEFAULTS}")
         h = m.Handle()
         check({k: getattr(h, k) for k in m.DEFAULTS} == m.DEFAULTS, "Handle() takes DEFAULTS")
         h.close()
@@ -70,9 +70,9 @@ def main() -> int:
             check(False, "dio_alignment(missing) raises")
         except FileNotFoundError:
             check(True, "dio_alignment(missing) raises FileNotFoundError")
-        for bad in (dict(engine="nope"), dict(block_size=0), dict(queue_depth=0), dict(threads=0)):
+        for bad in (dict(engine="nope"), dict(block_size=0), dict(queue_depth=0), dict(intra_op_parallelism=0)):
             args = dict(engine="posix", block_size=1 << 20, queue_depth=8, single_submit=False,
-                        overlap_events=True, threads=1)
+                        overlap_events=True, intra_op_parallelism=1)
             args.update(bad)
             try:
                 m.Handle(**args)
@@ -92,7 +92,7 @@ def main() -> int:
                 ok, reason = m.self_test(engine, work)
                 check(ok, f"self_test({engine}) = {(ok, reason)}")
                 h = m.Handle(engine, 1 << 16, 8, False, True, 2)
-                check((h.engine, h.block_size, h.queue_depth, h.single_submit, h.overlap_events, h.threads)
+                check((h.engine, h.block_size, h.queue_depth, h.single_submit, h.overlap_events, h.intra_op_parallelism)
                       == (engine, 1 << 16, 8, False, True, 2), f"{engine} properties")
                 for rnd in range(20):
                     dst = bytearray(n)

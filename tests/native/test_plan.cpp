@@ -124,13 +124,13 @@ void test_bounce() {
 }
 
 void test_split() {
-    std::vector<Block> requests;
+    std::vector<Request> requests;
     static char buf[10000];
     split_into_requests(&requests, 7, true, buf, 10000, 4096, 4096);
     bool ok = requests.size() == 3;
     size_t covered = 0;
     for (size_t i = 0; ok && i < requests.size(); ++i) {
-        const Block& b = requests[i];
+        const Request& b = requests[i];
         ok = b.fd == 7 && b.write && b.buf == buf + covered && b.offset == 4096 + static_cast<int64_t>(covered) &&
              b.result == 0 && !b.submit_failed;
         covered += b.len;
