@@ -12,27 +12,24 @@ import sysconfig
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(HERE, "..", "..", "csrc", "aio")
+REPO = os.path.join(HERE, "..", "..")
+SRC = os.path.join(REPO, "csrc", "aio")
 NAME = "deepoffload_aio_smoke"
 
 
 def build(out_dir: str) -> None:
     import torch.utils.cpp_extension as ext  # only for the pybind11 include path
 
-    flags, libs = [], []
-    for header, macro, lib in (("libaio.h", "DEEPOFFLOAD_HAVE_LIBAIO", "-laio"),
-                               ("liburing.h", "DEEPOFFLOAD_HAVE_URING", "-luring")):
-        if os.path.exists("/usr/include/" + header):
-            flags.append("-D" + macro)
-            libs.append(lib)
-    if "-laio" in libs and "io_pgetevents" in open("/usr/include/libaio.h").read():
-        flags.append("-DDEEPOFFLOAD_HAVE_PGETEVENTS")
+    sys.path.insert(0, REPO)
+    from op_builder.async_io import AsyncIOBuilder  # the JIT build's probes and flags
+
+    cflags, ldflags = AsyncIOBuilder().build_flags()
     sources = [os.path.join(SRC, f) for f in sorted(os.listdir(SRC))
                if f.endswith(".cpp") and not f.endswith("_windows.cpp")]
     includes = ["-I" + p for p in ext.include_paths()[:1]] + ["-I" + sysconfig.get_paths()["include"]]
-    cmd = (["g++", "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-pthread",
-            "-DTORCH_EXTENSION_NAME=" + NAME] + flags + includes + sources
-           + ["-o", os.path.join(out_dir, NAME + sysconfig.get_config_var("EXT_SUFFIX"))] + libs)
+    cmd = (["g++", *cflags, "-Werror", "-shared", "-fPIC", "-pthread", "-DTORCH_EXTENSION_NAME=" + NAME]
+           + includes + sources + ["-o", os.path.join(out_dir, NAME + sysconfig.get_config_var("EXT_SUFFIX"))]
+           + ldflags)
     subprocess.run(cmd, check=True)
 
 
