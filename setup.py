@@ -96,7 +96,8 @@ setup(
         "deepoffload.csrc",
     ],
     package_dir={"deepoffload": "deepoffload", "deepoffload.op_builder": "op_builder", "deepoffload.csrc": "csrc"},
-    package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"], "deepoffload._ops": ["build_info.json"]},
+    package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"],
+                  "deepoffload._ops": ["build_info.json", "deepoffload_aio.pyi"]},
     # tqdm: progress of demo/tune; xxhash: swap checksums (xxh3, several GB/s; a corrupted swap file is an error,
     # not a wrong result); numpy: torch does not require it but warns "Failed to initialize NumPy" on import without
     # it, so a plain install would print that warning in every command

@@ -39,6 +39,9 @@ BUILD_INFO = "build_info.json"
 SANITIZE_ENV = "DEEPOFFLOAD_SANITIZE"
 DEFAULT_BUILD_SECONDS = 20
 
+# The warnings of every build of the core (the JIT build, the prebuilt op, tests/native): it is clean under them.
+WARNING_FLAGS = ("-Wall", "-Wextra")
+
 CXX_PROBE = function_probe("cxx", "cstdio", "std::puts(\"\");", description="a working C++ compiler")
 
 _loaded: dict[str, ModuleType] = {}
@@ -134,7 +137,7 @@ class OpBuilder:
     def base_cflags(self) -> list[str]:
         if self.toolchain.is_windows:
             return ["/O2", "/std:c++17", "/EHsc"]
-        flags = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+        flags = ["-O2", "-std=c++17", *WARNING_FLAGS]
         sanitize = env.get(SANITIZE_ENV)
         if sanitize:
             flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]

@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "engine.h"
+#include "diagnostics.h"
 #include "io_handle.h"
 
 namespace py = pybind11;
@@ -21,7 +22,7 @@ using deepoffload::OpResult;
 namespace {
 
 std::unique_ptr<IoHandle> make_handle(const std::string& engine, int64_t block_size, int queue_depth,
-                                      bool single_submit, bool overlap_events, int threads) {
+                                      bool single_submit, bool overlap_events, int intra_op_parallelism) {
     if (block_size <= 0) throw std::invalid_argument("block_size must be > 0 bytes, got " + std::to_string(block_size));
     HandleConfig config;
     config.engine = engine;
@@ -29,7 +30,7 @@ std::unique_ptr<IoHandle> make_handle(const std::string& engine, int64_t block_s
     config.queue_depth = queue_depth;
     config.single_submit = single_submit;
     config.overlap_events = overlap_events;
-    config.threads = threads;
+    config.intra_op_parallelism = intra_op_parallelism;
     return std::unique_ptr<IoHandle>(new IoHandle(config));
 }
 
@@ -89,27 +90,30 @@ py::tuple self_test(const std::string& engine, const std::string& directory) {
     return py::make_tuple(ok, reason);
 }
 
+// What this build contains: the engines (from the registry, best first) and how libaio reaps completions.
 py::dict build_features() {
     py::dict d;
-#ifdef DEEPOFFLOAD_HAVE_LIBAIO
-    d["libaio"] = true;
-#ifdef DEEPOFFLOAD_HAVE_PGETEVENTS
-    d["io_pgetevents"] = true;
+    d["engines"] = deepoffload::compiled_engines();
+#if defined(DEEPOFFLOAD_HAVE_LIBAIO) && defined(DEEPOFFLOAD_HAVE_PGETEVENTS)
     d["reap"] = "io_pgetevents";
-#else
-    d["io_pgetevents"] = false;
+#elif defined(DEEPOFFLOAD_HAVE_LIBAIO)
     d["reap"] = "io_getevents";
-#endif
 #else
-    d["libaio"] = false;
-    d["io_pgetevents"] = false;
     d["reap"] = "none";
 #endif
-#ifdef DEEPOFFLOAD_HAVE_URING
-    d["io_uring"] = true;
-#else
-    d["io_uring"] = false;
-#endif
+    return d;
+}
+
+// The handle's defaults as C++ defines them (HandleConfig, EngineConfig), keyed by the Handle's argument names.
+py::dict handle_defaults() {
+    const HandleConfig c;
+    py::dict d;
+    d["engine"] = c.engine;
+    d["block_size"] = c.block_size;
+    d["queue_depth"] = c.queue_depth;
+    d["single_submit"] = c.single_submit;
+    d["overlap_events"] = c.overlap_events;
+    d["intra_op_parallelism"] = c.intra_op_parallelism;
     return d;
 }
 
@@ -129,17 +133,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("TRUNCATE") = static_cast<int>(deepoffload::kFlagTruncate);
     m.attr("BUFFERED") = static_cast<int>(deepoffload::kFlagBuffered);
     m.attr("FSYNC") = static_cast<int>(deepoffload::kFlagFsync);
+    m.attr("DEFAULTS") = handle_defaults();
 
     m.def("engines", &deepoffload::compiled_engines, "Compiled-in engines, best first.");
-    m.def("build_features", &build_features, "Features compiled into this build.");
+    m.def("build_features", &build_features, "{'engines': compiled-in engines best first, 'reap': how libaio reaps completions}.");
     m.def("self_test", &self_test, py::arg("engine"), py::arg("directory"),
           "O_DIRECT write+read round trip of a temporary file in directory: (ok, reason).");
     m.def("dio_alignment", &dio_alignment, py::arg("path"),
           "(memory_alignment, offset_alignment, direct_supported) in bytes for an existing file or directory.");
 
+    const HandleConfig defaults;
     py::class_<IoHandle>(m, "Handle")
-        .def(py::init(&make_handle), py::arg("engine"), py::arg("block_size"), py::arg("queue_depth"),
-             py::arg("single_submit"), py::arg("overlap_events"), py::arg("threads"))
+        .def(py::init(&make_handle), py::arg("engine") = defaults.engine,
+             py::arg("block_size") = static_cast<int64_t>(defaults.block_size),
+             py::arg("queue_depth") = defaults.queue_depth, py::arg("single_submit") = defaults.single_submit,
+             py::arg("overlap_events") = defaults.overlap_events,
+             py::arg("intra_op_parallelism") = defaults.intra_op_parallelism)
         .def("submit", &submit_op, py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"),
              py::arg("fd"), py::arg("offset"), py::arg("flags"),
              "Queue a read or write of nbytes at ptr; returns the op id. Never blocks on IO.")
@@ -153,5 +162,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_property_readonly("queue_depth", [](IoHandle& h) { return h.config().queue_depth; })
         .def_property_readonly("single_submit", [](IoHandle& h) { return h.config().single_submit; })
         .def_property_readonly("overlap_events", [](IoHandle& h) { return h.config().overlap_events; })
-        .def_property_readonly("threads", [](IoHandle& h) { return h.config().threads; });
+        .def_property_readonly("intra_op_parallelism", [](IoHandle& h) { return h.config().intra_op_parallelism; });
 }

@@ -1,38 +1,50 @@
-// Engine registry: which engines are compiled in, and the factory.
+// Engine registry: the engines compiled into this build, best first, and their factories.
 #include "engine.h"
 
 #include <cerrno>
 
 namespace deepoffload {
 
-std::vector<std::string> compiled_engines() {
-    std::vector<std::string> names;
+// Each factory is defined in engine_<name>.cpp, compiled only where its library was found.
 #ifdef _WIN32
-    names.push_back("windows");
+std::unique_ptr<Engine> make_windows_engine(const EngineConfig& config, EngineError* error);
 #else
 #ifdef DEEPOFFLOAD_HAVE_URING
-    names.push_back("io_uring");
+std::unique_ptr<Engine> make_uring_engine(const EngineConfig& config, EngineError* error);
 #endif
 #ifdef DEEPOFFLOAD_HAVE_LIBAIO
-    names.push_back("libaio");
+std::unique_ptr<Engine> make_libaio_engine(const EngineConfig& config, EngineError* error);
 #endif
-    names.push_back("posix");
+std::unique_ptr<Engine> make_posix_engine(const EngineConfig& config, EngineError* error);
 #endif
+
+const std::vector<EngineEntry>& engine_registry() {
+    static const std::vector<EngineEntry> registry = {
+#ifdef _WIN32
+        {"windows", make_windows_engine},
+#else
+#ifdef DEEPOFFLOAD_HAVE_URING
+        {"io_uring", make_uring_engine},
+#endif
+#ifdef DEEPOFFLOAD_HAVE_LIBAIO
+        {"libaio", make_libaio_engine},
+#endif
+        {"posix", make_posix_engine},
+#endif
+    };
+    return registry;
+}
+
+std::vector<std::string> compiled_engines() {
+    std::vector<std::string> names;
+    for (const EngineEntry& entry : engine_registry()) names.push_back(entry.name);
     return names;
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& name, const EngineConfig& config, EngineError* error) {
-#ifdef _WIN32
-    if (name == "windows") return make_windows_engine(config, error);
-#else
-#ifdef DEEPOFFLOAD_HAVE_URING
-    if (name == "io_uring") return make_uring_engine(config, error);
-#endif
-#ifdef DEEPOFFLOAD_HAVE_LIBAIO
-    if (name == "libaio") return make_libaio_engine(config, error);
-#endif
-    if (name == "posix") return make_posix_engine(config, error);
-#endif
+    for (const EngineEntry& entry : engine_registry()) {
+        if (name == entry.name) return entry.make(config, error);
+    }
     error->err = EINVAL;
     error->message = "engine '" + name + "' is not compiled into this build";
     return nullptr;

@@ -11,14 +11,15 @@
 
 namespace deepoffload {
 
+// The defaults of every setting, written once: IoHandle and the binding (which exports them as DEFAULTS) use these.
 struct EngineConfig {
-    size_t block_size = 1 << 20;  // bytes per block
-    int queue_depth = 32;         // blocks in flight per engine instance
-    bool single_submit = false;   // one block per submission call
+    size_t block_size = 1 << 20;  // bytes per request (the name is DeepSpeed's config key)
+    int queue_depth = 32;         // requests in flight per engine instance
+    bool single_submit = false;   // one request per submission call
     bool overlap_events = true;   // refill the queue as completions arrive
 };
 
-struct Block {
+struct Request {
     int fd = -1;
     bool write = false;
     char* buf = nullptr;
@@ -34,8 +35,8 @@ class Engine {
 public:
     virtual ~Engine() = default;
     virtual const char* name() const = 0;
-    // Performs all n blocks and sets each block's result. Never throws.
-    virtual void run(Block* blocks, size_t n) = 0;
+    // Performs all n requests and sets each request's result. Never throws.
+    virtual void run(Request* requests, size_t n) = 0;
 };
 
 struct EngineError {
@@ -43,23 +44,22 @@ struct EngineError {
     std::string message;  // what failed, with errno text
 };
 
-// Engines compiled into this build, best first (e.g. io_uring, libaio, posix).
+// Creates an engine instance; returns nullptr and fills *error on failure.
+using EngineFactory = std::unique_ptr<Engine> (*)(const EngineConfig& config, EngineError* error);
+
+struct EngineEntry {
+    const char* name;
+    EngineFactory make;
+};
+
+// The engines compiled into this build, best first: the one table (engine.cpp) that every list of engines derives
+// from. Adding an engine is one engine_<name>.cpp plus one row there.
+const std::vector<EngineEntry>& engine_registry();
+
+// The registry's names, best first (e.g. io_uring, libaio, posix); the last is the portable engine.
 std::vector<std::string> compiled_engines();
 
-// Creates an engine instance; returns nullptr and fills *error on failure.
+// The registry's factory for `name`; returns nullptr and fills *error when `name` is not compiled in or fails.
 std::unique_ptr<Engine> make_engine(const std::string& name, const EngineConfig& config, EngineError* error);
-
-// Per-engine constructors (defined in engine_<name>.cpp when compiled in).
-#ifdef _WIN32
-std::unique_ptr<Engine> make_windows_engine(const EngineConfig& config, EngineError* error);
-#else
-std::unique_ptr<Engine> make_posix_engine(const EngineConfig& config, EngineError* error);
-#endif
-#ifdef DEEPOFFLOAD_HAVE_LIBAIO
-std::unique_ptr<Engine> make_libaio_engine(const EngineConfig& config, EngineError* error);
-#endif
-#ifdef DEEPOFFLOAD_HAVE_URING
-std::unique_ptr<Engine> make_uring_engine(const EngineConfig& config, EngineError* error);
-#endif
 
 }  // namespace deepoffload

@@ -39,18 +39,18 @@ public:
 
     const char* name() const override { return "libaio"; }
 
-    void run(Block* blocks, size_t n) override {
+    void run(Request* requests, size_t n) override {
         if (ctx_ == nullptr) {  // a previous failure destroyed the context
             int rc = init();
             if (rc < 0) {
                 for (size_t i = 0; i < n; ++i) {
-                    blocks[i].result = rc;
-                    blocks[i].submit_failed = true;
+                    requests[i].result = rc;
+                    requests[i].submit_failed = true;
                 }
                 return;
             }
         }
-        size_t next = 0;      // first block not yet submitted
+        size_t next = 0;      // first request not yet submitted
         size_t in_flight = 0;
         int busy_retries = 0;
         free_slots_.clear();
@@ -63,7 +63,7 @@ public:
                 size_t room = qd - in_flight;
                 size_t count = config_.single_submit ? 1 : std::min(room, n - next);
                 for (size_t i = 0; i < count; ++i) {
-                    Block& b = blocks[next + i];
+                    Request& b = requests[next + i];
                     b.submit_failed = false;
                     b.result = 0;
                     iocb* cb = &iocbs_[free_slots_[free_slots_.size() - 1 - i]];
@@ -84,9 +84,9 @@ public:
                         continue;
                     }
                 }
-                if (rc < 0) {  // the kernel rejected the first iocb: fail that block, go on
-                    blocks[next].result = rc;
-                    blocks[next].submit_failed = true;
+                if (rc < 0) {  // the kernel rejected the first iocb: fail that request, go on
+                    requests[next].result = rc;
+                    requests[next].submit_failed = true;
                     ++next;
                     continue;
                 }
@@ -102,13 +102,13 @@ public:
             int got = reap(min_nr, static_cast<long>(in_flight));
             if (got == -EINTR) continue;
             if (got < 0) {
-                fail_in_flight(blocks, next, got);
+                fail_in_flight(requests, next, got);
                 in_flight = 0;
                 continue;
             }
             for (int i = 0; i < got; ++i) {
                 const io_event& ev = events_[static_cast<size_t>(i)];
-                Block* b = static_cast<Block*>(ev.data);
+                Request* b = static_cast<Request*>(ev.data);
                 long res = static_cast<long>(ev.res);
                 long res2 = static_cast<long>(ev.res2);
                 if (res < 0) {
@@ -138,11 +138,11 @@ private:
 
     // Reaping failed for a reason other than EINTR (should not happen). Destroying
     // the context waits for the kernel to finish with our buffers; then start afresh.
-    void fail_in_flight(Block* blocks, size_t submitted, int err) {
+    void fail_in_flight(Request* requests, size_t submitted, int err) {
         io_destroy(ctx_);
         ctx_ = nullptr;
         for (size_t i = 0; i < submitted; ++i) {
-            if (blocks[i].result == 0 && blocks[i].len > 0) blocks[i].result = err;
+            if (requests[i].result == 0 && requests[i].len > 0) requests[i].result = err;
         }
         free_slots_.clear();
         for (size_t i = 0; i < iocbs_.size(); ++i) free_slots_.push_back(i);
@@ -169,7 +169,7 @@ std::unique_ptr<Engine> make_libaio_engine(const EngineConfig& config, EngineErr
         error->err = -rc;
         error->message = "libaio: io_setup(" + std::to_string(config.queue_depth) + ") failed: " +
                          platform::errno_text(-rc) +
-                         (rc == -EAGAIN ? " (raise /proc/sys/fs/aio-max-nr or lower queue_depth/threads)" : "");
+                         (rc == -EAGAIN ? " (raise /proc/sys/fs/aio-max-nr or lower queue_depth/intra_op_parallelism)" : "");
         return nullptr;
     }
     return engine;

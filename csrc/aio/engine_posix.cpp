@@ -1,4 +1,4 @@
-// Portable engine: synchronous pread/pwrite, one block after another.
+// Portable engine: synchronous pread/pwrite, one request after another.
 // (platform_posix.cpp supplies the EINTR and short-transfer loops.)
 #include "engine.h"
 #include "platform.h"
@@ -11,9 +11,9 @@ class PosixEngine final : public Engine {
 public:
     const char* name() const override { return "posix"; }
 
-    void run(Block* blocks, size_t n) override {
+    void run(Request* requests, size_t n) override {
         for (size_t i = 0; i < n; ++i) {
-            Block& b = blocks[i];
+            Request& b = requests[i];
             b.submit_failed = false;
             b.result = b.write ? platform::pwrite_full(b.fd, b.buf, b.len, b.offset)
                                : platform::pread_full(b.fd, b.buf, b.len, b.offset);

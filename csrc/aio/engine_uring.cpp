@@ -75,17 +75,17 @@ public:
 
     const char* name() const override { return "io_uring"; }
 
-    void run(Block* blocks, size_t n) override {
+    void run(Request* requests, size_t n) override {
         if (!ready_) {
             std::string what;
             int rc = init(&what);
             if (rc < 0) {
-                fail_all(blocks, 0, n, rc);
+                fail_all(requests, 0, n, rc);
                 return;
             }
         }
         const size_t qd = static_cast<size_t>(config_.queue_depth);
-        size_t next = 0;       // first block not yet placed in the ring
+        size_t next = 0;       // first request not yet placed in the ring
         size_t prepared = 0;   // placed in the ring, not yet accepted by the kernel
         size_t in_flight = 0;  // accepted by the kernel, not yet completed
         size_t first_prepared = 0;
@@ -96,7 +96,7 @@ public:
                 while (next < n && in_flight + prepared < qd) {
                     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
                     if (sqe == nullptr) break;
-                    Block& b = blocks[next];
+                    Request& b = requests[next];
                     b.result = 0;
                     b.submit_failed = false;
                     if (b.write) {
@@ -129,11 +129,11 @@ public:
                     // then start a fresh ring so the stuck entries are never submitted.
                     drain(in_flight);
                     in_flight = 0;
-                    fail_all(blocks, first_prepared, first_prepared + prepared, rc);
+                    fail_all(requests, first_prepared, first_prepared + prepared, rc);
                     prepared = 0;
                     reset_ring();
                     if (!ready_) {
-                        fail_all(blocks, next, n, rc);
+                        fail_all(requests, next, n, rc);
                         return;
                     }
                     continue;
@@ -165,7 +165,7 @@ private:
         return rc;
     }
 
-    // Collects available completions; with wait, blocks for at least one.
+    // Collects available completions; with wait, requests for at least one.
     // Returns the number collected, or (size_t)-1 if waiting failed.
     size_t harvest(bool wait) {
         if (wait) {
@@ -180,7 +180,7 @@ private:
         unsigned head;
         io_uring_cqe* cqe;
         io_uring_for_each_cqe(&ring_, head, cqe) {
-            Block* b = static_cast<Block*>(io_uring_cqe_get_data(cqe));
+            Request* b = static_cast<Request*>(io_uring_cqe_get_data(cqe));
             int res = cqe->res;
             // A transient refusal is reported as "nothing transferred": the layer
             // above completes the remainder synchronously.
@@ -216,10 +216,10 @@ private:
         }
     }
 
-    static void fail_all(Block* blocks, size_t from, size_t to, int err) {
+    static void fail_all(Request* requests, size_t from, size_t to, int err) {
         for (size_t i = from; i < to; ++i) {
-            blocks[i].result = err;
-            blocks[i].submit_failed = true;
+            requests[i].result = err;
+            requests[i].submit_failed = true;
         }
     }
 

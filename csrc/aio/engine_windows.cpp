@@ -39,7 +39,7 @@ struct Slot {
     explicit Slot(WindowsEngine* o) : owner(o) {}
     OVERLAPPED ov;
     WindowsEngine* owner;     // nullptr once a stale slot's engine is gone
-    Block* block = nullptr;
+    Request* request = nullptr;
     DWORD bytes = 0;          // set by the dispatcher
     DWORD code = 0;           // Win32 error of the transfer, 0 on success; set by the dispatcher
     SlotState state = SlotState::kIdle;
@@ -68,7 +68,7 @@ public:
 
     const char* name() const override { return "windows"; }
 
-    void run(Block* blocks, size_t n) override {
+    void run(Request* requests, size_t n) override {
         size_t next = 0;
         size_t in_flight = 0;
         std::vector<Slot*> ready;
@@ -76,7 +76,7 @@ public:
             // Without overlap_events a new wave starts only when the previous one is reaped.
             if (overlap_events_ || in_flight == 0) {
                 while (next < n && !free_.empty()) {
-                    if (start(blocks[next++])) ++in_flight;
+                    if (start(requests[next++])) ++in_flight;
                 }
             }
             if (in_flight == 0) continue;
@@ -114,8 +114,8 @@ public:
 
 private:
     // Starts one transfer. Returns true when a completion packet will follow;
-    // otherwise the block's result is already set.
-    bool start(Block& b) {
+    // otherwise the request's result is already set.
+    bool start(Request& b) {
         b.submit_failed = false;
         if (!platform::windows::bound_to_port(b.fd)) {
             b.result = b.write ? platform::pwrite_full(b.fd, b.buf, b.len, b.offset)
@@ -133,12 +133,12 @@ private:
         const uint64_t at = static_cast<uint64_t>(b.offset);
         s->ov.Offset = static_cast<DWORD>(at & 0xffffffffu);
         s->ov.OffsetHigh = static_cast<DWORD>(at >> 32);
-        s->block = &b;
+        s->request = &b;
         {
             std::lock_guard<std::mutex> lock(g_route_mutex);
             s->state = SlotState::kInFlight;
         }
-        // Blocks are at most 1 GiB (IoHandle's limit), so the length fits a DWORD.
+        // Requests are at most 1 GiB (IoHandle's limit), so the length fits a DWORD.
         const DWORD len = static_cast<DWORD>(b.len);
         BOOL ok = b.write ? WriteFile(h, b.buf, len, nullptr, &s->ov) : ReadFile(h, b.buf, len, nullptr, &s->ov);
         if (ok) return true;  // done at once: a packet is queued all the same
@@ -163,7 +163,7 @@ private:
     }
 
     static void settle(Slot* s) {
-        Block& b = *s->block;
+        Request& b = *s->request;
         if (s->code == 0 || s->code == ERROR_HANDLE_EOF) {
             b.result = static_cast<int64_t>(s->bytes);  // short at end of file; IoHandle finishes or reports it
         } else {

@@ -1,6 +1,6 @@
 // The IO handle: worker threads that split each read/write operation into
-// shards and blocks, handle alignment, bounce buffers, short transfers and
-// errors once for every engine. No Python here.
+// shards and requests, handle alignment, bounce buffers, short transfers and
+// errors once for every engine (io_handle.cpp, transfer.cpp, plan.cpp). No Python here.
 #pragma once
 
 #include <condition_variable>
@@ -36,13 +36,10 @@ struct OpResult {
     bool direct = false;    // O_DIRECT was used for the aligned part of the op
 };
 
-struct HandleConfig {
+// The engine settings (and their defaults, from EngineConfig) plus what only the handle uses.
+struct HandleConfig : EngineConfig {
     std::string engine = compiled_engines().back();  // the portable engine: "posix" ("windows" on Windows)
-    size_t block_size = 1 << 20;  // bytes
-    int queue_depth = 32;
-    bool single_submit = false;
-    bool overlap_events = true;
-    int threads = 1;  // intra-op parallelism: worker threads, each with its own engine
+    int intra_op_parallelism = 1;  // worker threads, each with its own engine (DeepSpeed's name)
 };
 
 struct Op;
@@ -82,8 +79,6 @@ private:
 
     void worker_loop(Worker* worker);
     void prepare(const std::shared_ptr<Op>& op);
-    void run_shard(Worker* worker, Op& op, int shard);
-    bool transfer_bounced(Worker* worker, Op& op, char* user, size_t len, int64_t at, size_t block);
     void finish_shard(Op& op);
     void complete(Op& op);
     int64_t truncate_size(const Op& op);  // caller holds mutex_
@@ -103,15 +98,5 @@ private:
     std::vector<std::unique_ptr<Worker>> workers_;
     std::vector<std::thread> threads_;
 };
-
-// Direct-IO alignment of an existing file or directory (a directory is probed
-// with a temporary file). Returns 0 or -errno (only when the path is missing or
-// unusable); unknown alignment is reported as 4096/4096.
-int probe_dio_alignment(const std::string& path, size_t* memory_alignment, size_t* offset_alignment,
-                        bool* direct_supported);
-
-// Small O_DIRECT write + read round trip through `engine` in `directory`.
-// Returns true, or false with a reason (including errno text). Never throws.
-bool engine_self_test(const std::string& engine, const std::string& directory, std::string* reason);
 
 }  // namespace deepoffload

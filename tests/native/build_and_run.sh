@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds the native core with its test program and runs it on a real disk.
+# Builds the native core with its test programs and runs them: the planning unit tests, then the core on a real disk.
 # Usage: tests/native/build_and_run.sh [test-directory]
 #   SANITIZE=1   build with -fsanitize=address,undefined
 #   CXX=...      compiler (default g++)
-#   ENGINES="posix"  restrict features (any of: libaio io_uring); default: probe
+#   ENGINES="posix"  restrict features (any of: libaio io_uring); default: what the builder's probes find
+#   PYTHON=...   interpreter that runs `python -m op_builder flags` (default python3)
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -18,32 +19,22 @@ fi
 work="$(mktemp -d "$base/deepoffload-native.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
-probe() {  # probe <name> <source> <libs>: compiles and links a tiny program
-  printf '%s\n' "$2" > "$work/probe_$1.cpp"
-  "$CXX" -std=c++17 "$work/probe_$1.cpp" -o "$work/probe_$1" $3 >/dev/null 2>&1
-}
-
-defs=()
-libs=()
+# The flags and features of the JIT build, from the builder's own probes (cached on disk).
+without=()
 want="${ENGINES:-libaio io_uring}"
-if [[ " $want " == *" libaio "* ]] && probe aio '#include <libaio.h>
-int main() { io_context_t c = 0; return io_setup(1, &c) < 0 ? 0 : io_destroy(c); }' -laio; then
-  defs+=(-DDEEPOFFLOAD_HAVE_LIBAIO)
-  libs+=(-laio)
-  if probe pgetevents '#include <libaio.h>
-int main() { io_context_t c = 0; return io_pgetevents(c, 0, 0, 0, 0, 0); }' -laio; then
-    defs+=(-DDEEPOFFLOAD_HAVE_PGETEVENTS)
-  fi
-fi
-if [[ " $want " == *" io_uring "* ]] && probe uring '#include <liburing.h>
-int main() { struct io_uring r; return io_uring_queue_init(1, &r, 0) < 0 ? 0 : (io_uring_queue_exit(&r), 0); }' -luring; then
-  defs+=(-DDEEPOFFLOAD_HAVE_URING)
-  libs+=(-luring)
-fi
+[[ " $want " == *" libaio "* ]] || without+=(--without libaio)
+[[ " $want " == *" io_uring "* ]] || without+=(--without liburing)
+sanitize=()
+[[ "${SANITIZE:-0}" == "1" ]] && sanitize=(DEEPOFFLOAD_SANITIZE=address,undefined)
+op_flags() { (cd "$repo" && env "${sanitize[@]}" CXX="$CXX" "${PYTHON:-python3}" -m op_builder flags "$@" "${without[@]}"); }
+cflags_line="$(op_flags --cflags)"
+ldflags_line="$(op_flags --ldflags)"
+eval "cflags=($cflags_line)"  # shell-quoted by the builder
+eval "libs=($ldflags_line)"
 
-flags=(-O2 -std=c++17 -Wall -Wextra -Werror -pthread)
+flags=("${cflags[@]}" -Werror -pthread)
 if [[ "${SANITIZE:-0}" == "1" ]]; then
-  flags+=(-g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+  flags+=(-fno-sanitize-recover=undefined)
 fi
 
 sources=()
@@ -52,6 +43,9 @@ for f in "$repo"/csrc/aio/*.cpp; do
   sources+=("$f")
 done
 
-echo "features: ${defs[*]:-(posix only)}"
-"$CXX" "${flags[@]}" "${defs[@]}" "${sources[@]}" "$here/test_core.cpp" -o "$work/test_core" "${libs[@]}"
+echo "engines: $(op_flags --engines)"
+# The planning unit tests first: pure functions, no IO.
+"$CXX" "${flags[@]}" "$repo/csrc/aio/plan.cpp" "$here/test_plan.cpp" -o "$work/test_plan"
+"$work/test_plan"
+"$CXX" "${flags[@]}" "${sources[@]}" "$here/test_core.cpp" -o "$work/test_core" "${libs[@]}"
 "$work/test_core" "$work"

@@ -6,6 +6,7 @@
 # under Wine.
 # Usage: tests/native/build_windows.sh [output-directory]   (default: a temporary folder)
 #   RUN=0        build only
+#   PYTHON=...   interpreter that runs `python -m op_builder flags --warnings` (default python3)
 #   CXX=...      compiler (default x86_64-w64-mingw32-g++-posix: std::thread needs
 #                the posix thread model in GCC 12's MinGW; the win32 one lacks it)
 #   TEST_DIR=... Unix directory the tests write in (default: a temporary folder under /tmp)
@@ -28,7 +29,9 @@ for f in "$repo"/csrc/aio/*.cpp; do
   sources+=("$f")
 done
 
-flags=(-O2 -std=c++17 -Wall -Wextra -Werror -D_WIN32_WINNT=0x0602)
+# The warnings of every build of the core, from the builder (its probes test the host compiler, not this one).
+eval "warnings=($(cd "$repo" && "${PYTHON:-python3}" -m op_builder flags --warnings))"
+flags=(-O2 -std=c++17 "${warnings[@]}" -Werror -D_WIN32_WINNT=0x0602)
 echo "compiling with $CXX: ${sources[*]##*/}"
 objects=()
 for f in "${sources[@]}" "$here/test_core.cpp" "$here/test_windows.cpp"; do

@@ -12,27 +12,24 @@ import sysconfig
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(HERE, "..", "..", "csrc", "aio")
+REPO = os.path.join(HERE, "..", "..")
+SRC = os.path.join(REPO, "csrc", "aio")
 NAME = "deepoffload_aio_smoke"
 
 
 def build(out_dir: str) -> None:
     import torch.utils.cpp_extension as ext  # only for the pybind11 include path
 
-    flags, libs = [], []
-    for header, macro, lib in (("libaio.h", "DEEPOFFLOAD_HAVE_LIBAIO", "-laio"),
-                               ("liburing.h", "DEEPOFFLOAD_HAVE_URING", "-luring")):
-        if os.path.exists("/usr/include/" + header):
-            flags.append("-D" + macro)
-            libs.append(lib)
-    if "-laio" in libs and "io_pgetevents" in open("/usr/include/libaio.h").read():
-        flags.append("-DDEEPOFFLOAD_HAVE_PGETEVENTS")
+    sys.path.insert(0, REPO)
+    from op_builder.async_io import AsyncIOBuilder  # the JIT build's probes and flags
+
+    cflags, ldflags = AsyncIOBuilder().build_flags()
     sources = [os.path.join(SRC, f) for f in sorted(os.listdir(SRC))
                if f.endswith(".cpp") and not f.endswith("_windows.cpp")]
     includes = ["-I" + p for p in ext.include_paths()[:1]] + ["-I" + sysconfig.get_paths()["include"]]
-    cmd = (["g++", "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-pthread",
-            "-DTORCH_EXTENSION_NAME=" + NAME] + flags + includes + sources
-           + ["-o", os.path.join(out_dir, NAME + sysconfig.get_config_var("EXT_SUFFIX"))] + libs)
+    cmd = (["g++", *cflags, "-Werror", "-shared", "-fPIC", "-pthread", "-DTORCH_EXTENSION_NAME=" + NAME]
+           + includes + sources + ["-o", os.path.join(out_dir, NAME + sysconfig.get_config_var("EXT_SUFFIX"))]
+           + ldflags)
     subprocess.run(cmd, check=True)
 
 
@@ -56,7 +53,12 @@ def main() -> int:
         engines = m.engines()
         check(engines[-1] == "posix", f"engines() = {engines}")
         feats = m.build_features()
-        check(set(feats) == {"libaio", "io_pgetevents", "io_uring", "reap"}, f"build_features() = {feats}")
+        check(set(feats) == {"engines", "reap"} and feats["engines"] == engines, f"build_features() = {feats}")
+        check(m.DEFAULTS == {"engine": "posix", "block_size": 1 << 20, "queue_depth": 32, "single_submit": False,
+                             "overlap_events": True, "intra_op_parallelism": 1}, f"DEFAULTS = {m.DEFAULTS}")
+        h = m.Handle()
+        check({k: getattr(h, k) for k in m.DEFAULTS} == m.DEFAULTS, "Handle() takes DEFAULTS")
+        h.close()
         check((m.TRUNCATE, m.BUFFERED, m.FSYNC) == (1, 2, 4), "flag constants")
         mem, off, direct = m.dio_alignment(work)
         check(mem > 0 and off > 0 and isinstance(direct, bool), f"dio_alignment(dir) = {(mem, off, direct)}")
@@ -65,9 +67,9 @@ def main() -> int:
             check(False, "dio_alignment(missing) raises")
         except FileNotFoundError:
             check(True, "dio_alignment(missing) raises FileNotFoundError")
-        for bad in (dict(engine="nope"), dict(block_size=0), dict(queue_depth=0), dict(threads=0)):
+        for bad in (dict(engine="nope"), dict(block_size=0), dict(queue_depth=0), dict(intra_op_parallelism=0)):
             args = dict(engine="posix", block_size=1 << 20, queue_depth=8, single_submit=False,
-                        overlap_events=True, threads=1)
+                        overlap_events=True, intra_op_parallelism=1)
             args.update(bad)
             try:
                 m.Handle(**args)
@@ -87,7 +89,7 @@ def main() -> int:
                 ok, reason = m.self_test(engine, work)
                 check(ok, f"self_test({engine}) = {(ok, reason)}")
                 h = m.Handle(engine, 1 << 16, 8, False, True, 2)
-                check((h.engine, h.block_size, h.queue_depth, h.single_submit, h.overlap_events, h.threads)
+                check((h.engine, h.block_size, h.queue_depth, h.single_submit, h.overlap_events, h.intra_op_parallelism)
                       == (engine, 1 << 16, 8, False, True, 2), f"{engine} properties")
                 for rnd in range(20):
                     dst = bytearray(n)

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../../csrc/aio/diagnostics.h"
 #include "../../csrc/aio/engine.h"
 #include "../../csrc/aio/io_handle.h"
 #include "../../csrc/aio/platform.h"
@@ -62,7 +63,7 @@ OpResult run_op(IoHandle& h, bool write, char* p, size_t n, const std::string& p
 }
 
 std::string label(const HandleConfig& c, size_t n, int64_t off, size_t mis) {
-    return c.engine + " threads=" + std::to_string(c.threads) + " qd=" + std::to_string(c.queue_depth) +
+    return c.engine + " threads=" + std::to_string(c.intra_op_parallelism) + " qd=" + std::to_string(c.queue_depth) +
            " bs=" + std::to_string(c.block_size) + (c.single_submit ? " single" : "") +
            (c.overlap_events ? " overlap" : "") + " n=" + std::to_string(n) + " off=" + std::to_string(off) +
            " misalign=" + std::to_string(mis);
@@ -99,7 +100,7 @@ void test_round_trips(const std::string& engine) {
         c.engine = engine;
         c.block_size = 65536;
         c.queue_depth = 4;
-        c.threads = threads;
+        c.intra_op_parallelism = threads;
         IoHandle h(c);
         const std::string path = temp_path("rt-" + engine + "-" + std::to_string(threads));
         for (size_t n : sizes)
@@ -116,7 +117,7 @@ void test_round_trips(const std::string& engine) {
         c.queue_depth = 8;
         c.single_submit = (mode & 1) != 0;
         c.overlap_events = (mode & 2) != 0;
-        c.threads = 2;
+        c.intra_op_parallelism = 2;
         IoHandle h(c);
         const std::string path = temp_path("mode-" + engine + "-" + std::to_string(mode));
         round_trip(h, 300000, 0, 0, 0, path);
@@ -129,7 +130,7 @@ void test_many_in_flight(const std::string& engine) {
     c.engine = engine;
     c.block_size = 65536;
     c.queue_depth = 8;
-    c.threads = 2;
+    c.intra_op_parallelism = 2;
     IoHandle h(c);
     const int k = 8;
     const size_t n = 500000;
@@ -172,7 +173,7 @@ void test_errors(const std::string& engine) {
     HandleConfig c;
     c.engine = engine;
     c.block_size = 65536;
-    c.threads = 2;
+    c.intra_op_parallelism = 2;
     IoHandle h(c);
     Buffer buf(200000);
     fill(buf.data, 200000, 7);
@@ -244,13 +245,13 @@ void test_errors(const std::string& engine) {
 }
 
 void test_config_and_lifecycle() {
-    const char* bad[] = {"engine", "block_size", "queue_depth", "threads"};
+    const char* bad[] = {"engine", "block_size", "queue_depth", "intra_op_parallelism"};
     for (int i = 0; i < 4; ++i) {
         HandleConfig c;
         if (i == 0) c.engine = "nope";
         if (i == 1) c.block_size = 100;
         if (i == 2) c.queue_depth = 0;
-        if (i == 3) c.threads = 0;
+        if (i == 3) c.intra_op_parallelism = 0;
         std::string msg;
         try {
             IoHandle h(c);
@@ -261,7 +262,7 @@ void test_config_and_lifecycle() {
     }
     {
         HandleConfig c;
-        c.threads = 1;
+        c.intra_op_parallelism = 1;
         IoHandle h(c);
         Buffer buf(1 << 20);
         const std::string path = temp_path("lifecycle");
@@ -281,7 +282,7 @@ void test_config_and_lifecycle() {
     {
         Buffer buf(1 << 20);  // declared first: it must outlive the handle
         HandleConfig c;
-        c.threads = 3;
+        c.intra_op_parallelism = 3;
         IoHandle h(c);
         h.submit(true, buf.data, 1 << 20, temp_path("dtor"), -1, 0, 0);
     }  // destructor with an op in flight
@@ -329,18 +330,18 @@ void test_engine_under_signals(const std::string& engine) {
     bool ok = e != nullptr && fd >= 0 && rfd >= 0;
     for (int round = 0; ok && round < 30; ++round) {
         for (bool write : {true, false}) {
-            std::vector<Block> blocks;
+            std::vector<Request> requests;
             for (size_t i = 0; i < count; ++i) {
-                Block b;
+                Request b;
                 b.fd = write ? fd : rfd;
                 b.write = write;
                 b.buf = (write ? out.data : in.data) + i * block;
                 b.len = block;
                 b.offset = static_cast<int64_t>(i * block);
-                blocks.push_back(b);
+                requests.push_back(b);
             }
-            e->run(blocks.data(), blocks.size());
-            for (const Block& b : blocks) ok = ok && b.result == static_cast<int64_t>(block);
+            e->run(requests.data(), requests.size());
+            for (const Request& b : requests) ok = ok && b.result == static_cast<int64_t>(block);
         }
         ok = ok && std::memcmp(out.data, in.data, block * count) == 0;
     }

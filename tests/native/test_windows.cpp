@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../../csrc/aio/diagnostics.h"
 #include "../../csrc/aio/engine.h"
 #include "../../csrc/aio/io_handle.h"
 #include "../../csrc/aio/platform.h"
@@ -71,7 +72,7 @@ void test_open_modes(const std::string& dir) {
     platform::remove_path(path);
 }
 
-// The engine directly: 64 blocks with 16 in flight, results per block, a short
+// The engine directly: 64 requests with 16 in flight, results per block, a short
 // block at the end of the file, and a block wholly past it.
 void test_engine_direct(const std::string& dir) {
     const size_t block = 65536, count = 64, n = block * count;
@@ -88,22 +89,22 @@ void test_engine_direct(const std::string& dir) {
     check(e != nullptr && wfd >= 0 && rfd >= 0, "engine and descriptors: " + error.message);
     if (!e || wfd < 0 || rfd < 0) return;
     for (bool write : {true, false}) {
-        std::vector<Block> blocks(count);
+        std::vector<Request> requests(count);
         for (size_t i = 0; i < count; ++i) {
-            blocks[i].fd = write ? wfd : rfd;
-            blocks[i].write = write;
-            blocks[i].buf = (write ? out.p : in.p) + i * block;
-            blocks[i].len = block;
-            blocks[i].offset = static_cast<int64_t>(i * block);
+            requests[i].fd = write ? wfd : rfd;
+            requests[i].write = write;
+            requests[i].buf = (write ? out.p : in.p) + i * block;
+            requests[i].len = block;
+            requests[i].offset = static_cast<int64_t>(i * block);
         }
-        e->run(blocks.data(), blocks.size());
+        e->run(requests.data(), requests.size());
         bool all = true;
-        for (const Block& b : blocks) all = all && b.result == static_cast<int64_t>(block) && !b.submit_failed;
-        check(all, std::string("engine ") + (write ? "writes" : "reads") + " 64 blocks, 16 in flight");
+        for (const Request& b : requests) all = all && b.result == static_cast<int64_t>(block) && !b.submit_failed;
+        check(all, std::string("engine ") + (write ? "writes" : "reads") + " 64 requests, 16 in flight");
     }
     check(std::memcmp(out.p, in.p, n) == 0, "engine round trip data");
     check(platform::truncate_fd(wfd, static_cast<int64_t>(n - block / 2)) == 0, "shorten the file");
-    Block tail[2];
+    Request tail[2];
     for (int i = 0; i < 2; ++i) {
         tail[i].fd = rfd;
         tail[i].buf = in.p + static_cast<size_t>(i) * block;
@@ -122,7 +123,7 @@ void test_engine_direct(const std::string& dir) {
 // A write that runs out of space fails with ENOSPC and the Windows code, and the process lives.
 void expect_disk_full(const std::string& path, size_t nbytes, const std::string& what) {
     HandleConfig c;
-    c.threads = 2;
+    c.intra_op_parallelism = 2;
     IoHandle h(c);
     Aligned buf(nbytes);
     std::memset(buf.p, 0x5a, nbytes);
