@@ -133,7 +133,6 @@ def test_we_read_torch_saves_files_including_the_legacy_format(scratch):
 
 def test_large_tensors_span_several_staging_buffers(scratch, monkeypatch):
     monkeypatch.setattr(streams, "STAGING_BYTES", 1 * MiB)
-    monkeypatch.setattr(streams, "_pool", [])
     monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
     g = torch.Generator().manual_seed(3)
     obj = {"big": torch.randn(3 * MiB // 4 + 17, generator=g), "small": torch.randn(10, generator=g),
