@@ -62,10 +62,23 @@ def address_of(view: memoryview) -> int:
         return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
 
 
+def _preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` for a file about to be written front to back, so its writes do not each allocate blocks
+    and extend the file; return whether that was done (not every filesystem can)."""
+    if nbytes <= 0 or not hasattr(os, "posix_fallocate"):
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        return False
+    return True
+
+
 class DirectWriter(io.RawIOBase):
     """A write-only stream into ``path`` (created or truncated) through the async-IO op.
 
-    Writes are sequential. Each full staging buffer is written asynchronously at its file offset; ``close()`` writes
+    Writes are sequential. ``size_hint`` (bytes, an upper bound of what will be written) preallocates the file;
+    ``close()`` cuts it to what was written. Each full staging buffer is written asynchronously at its file offset; ``close()`` writes
     the tail, waits for everything, and with ``sync`` fsyncs the file. ``flush()`` does nothing (bytes reach the file
     at the latest on ``close()``); ``fileno()`` first writes out everything buffered, so an ``os.fsync(fileno())``
     before ``close()`` (what DCP's writer does) covers every byte written so far.
@@ -74,11 +87,13 @@ class DirectWriter(io.RawIOBase):
     raises and it is then finalized), and ``close()`` raises the first error; ``error`` holds it meanwhile.
     """
 
-    def __init__(self, path: str | os.PathLike, *, config: AioConfig | None = None, sync: bool = True):
+    def __init__(self, path: str | os.PathLike, *, config: AioConfig | None = None, sync: bool = True,
+                 size_hint: int = 0):
         super().__init__()
         self.path = os.fspath(path)
         self.sync = sync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self._allocated = _preallocate(self._fd, size_hint)
         self._staged = StagedWriter(shared_handle(config), self.path, 0, pool=staging_pool(), count=STAGING_BUFFERS)
         self._position = 0  # bytes accepted so far
 
@@ -111,6 +126,18 @@ class DirectWriter(io.RawIOBase):
             pass  # recorded in self.error; raised by close()
         return nbytes
 
+    def write_digest(self, data, digest: Callable[[int, int], None]) -> int:
+        """``write``, calling ``digest(address, nbytes)`` on each piece as it is staged (see ``StagedWriter``)."""
+        source = memoryview(data).cast("B")
+        nbytes = source.nbytes
+        self._position += nbytes
+        if self.error is None:
+            try:
+                self._staged.write(address_of(source), nbytes, digest)
+            except OSError:
+                pass  # recorded in self.error; raised by close()
+        return nbytes
+
     def flush(self) -> None:
         pass
 
@@ -127,6 +154,11 @@ class DirectWriter(io.RawIOBase):
             return
         try:
             self.drain()
+            if self.error is None and self._allocated:
+                try:
+                    os.ftruncate(self._fd, self._position)  # the preallocated tail goes
+                except OSError as e:
+                    self._fail(OSError(e.errno, f"{e.strerror} during truncate to {self._position} bytes", self.path))
             if self.error is None and self.sync:
                 try:
                     os.fsync(self._fd)

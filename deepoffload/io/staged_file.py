@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Callable
 
 import torch
 
 from .buffers import PAGE_SIZE, aligned_empty
 from .handle import AsyncIOHandle, FileRef, Request
+
+DIGEST_SLICE = 4 << 20  # bytes copied per digest call: small enough to stay in the CPU's cache
 
 
 class StagingPool:
@@ -70,13 +73,18 @@ class StagedWriter:
         """Bytes accepted but not yet submitted."""
         return self._fill if self._filling else 0
 
-    def write(self, address: int, nbytes: int) -> None:
-        """Copy ``nbytes`` bytes from memory at ``address``; every buffer filled is submitted."""
+    def write(self, address: int, nbytes: int, digest: Callable[[int, int], None] | None = None) -> None:
+        """Copy ``nbytes`` bytes from memory at ``address``; every buffer filled is submitted. ``digest(address,
+        nbytes)``, when given, is called on each piece (of at most ``DIGEST_SLICE`` bytes) right after it was copied
+        into its buffer, while it is in the CPU's cache: one pass over the source serves the copy and the digest."""
         done = 0
+        limit = DIGEST_SLICE if digest is not None else nbytes
         while done < nbytes:
             buffer = self.reserve()
-            take = min(nbytes - done, buffer.numel())
+            take = min(nbytes - done, buffer.numel(), limit)
             ctypes.memmove(buffer.data_ptr(), address + done, take)
+            if digest is not None:
+                digest(buffer.data_ptr(), take)
             done += take
             self.commit(take)
             if self._fill == self.pool.buffer_bytes:
