@@ -23,8 +23,8 @@ from ..config import AioConfig
 from ..io.handle import AsyncIOHandle
 from ..io.staged_file import StagedReader, StagedWriter, StagingPool
 
-STAGING_BYTES = 32 << 20  # per staging buffer; a multiple of every O_DIRECT alignment
-STAGING_BUFFERS = 2  # double buffering: one fills while the other is written
+STAGING_BYTES = 16 << 20  # per staging buffer; a multiple of every O_DIRECT alignment
+STAGING_BUFFERS = 8  # one fills while the others are written: IO stays queued while the disk is uneven
 DIRECT_READ_MIN = 256 << 10  # reads this large go through the op; smaller ones are plain preads
 READ_AHEAD = 4  # read-ahead chunks in flight
 
