@@ -24,7 +24,6 @@ from ..io.buffers import aligned_empty
 from ..io.crc import crc32
 from ..swap.tensor_swapper import ChecksumError
 from .streams import DirectWriter
-from .whole_file import huge_page_empty
 
 Data = Union[bytes, str, torch.UntypedStorage]
 Record = tuple[str, Data, int]  # (name inside the archive, bytes or storage, bytes)
@@ -55,12 +54,10 @@ def record(obj: object, pickle_module=pickle, pickle_protocol: int = torch.seria
 
 def snapshot(records: list[Record]) -> list[Record]:
     """The same records with every storage copied into one page-aligned arena (page-locked when a storage is on an
-    accelerator, for the device-to-host copy; otherwise advised for huge pages, so filling it faults less), so the
-    originals may change afterwards."""
+    accelerator, for the device-to-host copy), so the originals may change afterwards."""
     storages = [data for _, data, _ in records if isinstance(data, torch.UntypedStorage)]
     total = sum(-(-s.nbytes() // RECORD_ALIGNMENT) * RECORD_ALIGNMENT for s in storages)
-    pin = any(s.device.type != "cpu" for s in storages)
-    arena = aligned_empty(max(total, 1), pin=True) if pin else huge_page_empty(max(total, 1))
+    arena = aligned_empty(max(total, 1), pin=any(s.device.type != "cpu" for s in storages))
     base = arena.untyped_storage()
     start = arena.storage_offset()
     copied: list[Record] = []
