@@ -99,9 +99,9 @@ def deepspeed_fast_writer(config: dict) -> tuple[Callable[[Path], object] | None
     so = Path(_get_build_directory("async_io", False)) / "async_io.so"
     pin = Path(_get_build_directory("pin_memory", False)) / "pin_memory.so"  # async_io links against its symbols
     if not so.is_file() or not pin.is_file():
-        return None, (f"DeepSpeed's async_io op is not built ({so} or {pin} missing; build it once with python -c 'from "
-                      f"deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()', which takes "
-                      f"minutes)")
+        return None, (f"DeepSpeed's async_io op is not built ({so} or {pin} missing; build it once with "
+                      f"python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()', "
+                      f"which takes minutes)")
     ctypes.CDLL(str(pin), mode=ctypes.RTLD_GLOBAL)
     loader = importlib.machinery.ExtensionFileLoader("async_io", str(so))
     spec = importlib.util.spec_from_file_location("async_io", str(so), loader=loader)

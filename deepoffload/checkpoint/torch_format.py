@@ -115,11 +115,11 @@ class CrcFiller(io.RawIOBase):
 
     torch writes each record as a local header (30 bytes, then the name and extra field whose lengths it gives;
     sizes and CRC are left 0 and a data descriptor follows), the data in one write, and a data descriptor (CRC and
-    sizes), or for an empty record only the local header; then the central directory (one entry per record, each with the CRC) and the end records. The CRC is
-    computed on the data while it is staged (``write_digest``), written into the descriptor, whose sizes must equal
-    the bytes counted, and into the record's central directory entry, which is held until complete. The last record,
-    the serialization id, combines the CRCs (see ``_serialization_id``). Anything else
-    raises ``ZipLayoutError``: a file with wrong CRCs is never produced.
+    sizes), or for an empty record only the local header; then the central directory (one entry per record, each
+    with the CRC) and the end records. The CRC is computed on the data while it is staged (``write_digest``),
+    written into the descriptor, whose sizes must equal the bytes counted, and into the record's central directory
+    entry, which is held until complete. The last record, the serialization id, combines the CRCs (see
+    ``_serialization_id``). Anything else raises ``ZipLayoutError``: a file with wrong CRCs is never produced.
     """
 
     def __init__(self, sink: DirectWriter) -> None:
