@@ -504,3 +504,21 @@ def test_preallocated_file_is_cut_to_exactly_torch_saves_bytes(scratch, alignmen
     finally:
         config.save.storage_alignment = old
     assert (scratch / "p.pt").read_bytes() == expected.getvalue()
+
+
+@pytest.mark.parametrize("force", ["TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
+@pytest.mark.parametrize("weights_only", [None, True, False])
+def test_weights_only_environment_variables_decide_as_in_torch_load(scratch, monkeypatch, force, weights_only):
+    """The whole-file path resolves weights_only itself: it must refuse exactly when torch.load refuses."""
+    deepoffload.save({"f": threading.Lock, "w": torch.ones(2)}, scratch / "u.pt")
+    monkeypatch.setenv(force, "1")
+
+    def outcome(load):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return load(scratch / "u.pt", weights_only=weights_only)["f"]
+        except pickle.UnpicklingError:
+            return "refused"
+
+    assert outcome(deepoffload.load) == outcome(torch.load)
