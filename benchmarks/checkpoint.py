@@ -5,11 +5,15 @@ sequential IO through the op (what `deepoffload bench` measures) as the ceiling.
 Every method runs once per round, in an order rotated round by round (interleaved); every file's pages are evicted
 from the page cache before it is read (cold cache) and every save includes its fsync. Prints the median GB/s of
 each method (state-dict bytes / seconds; GB = 1e9 bytes) and the median of per-round ratios against deepoffload.
-Also times `save_async`: how long the call blocks, against copying the state once.
+Also times `save_async`: how long the call blocks, against its snapshot copy alone and against cloning every tensor.
 
-    python benchmarks/checkpoint.py [--path DIR] [--size 1G] [--rounds 3]
+    python benchmarks/checkpoint.py [--path DIR] [--size 1G] [--rounds 3] [--core]
 
-DeepSpeed's FastFileWriter is not included: it needs DeepSpeed's own async-IO op, whose build takes minutes.
+DeepSpeed's FastFileWriter (torch.save into it, its own close() fsyncs) runs through DeepSpeed's own async_io op
+when that op has been built (its JIT build takes minutes, so this benchmark never starts it); otherwise it is
+skipped with a message. ``--core`` times only deepoffload, torch and DeepSpeed (no safetensors, no DCP).
+Bound lines compare with raw sequential IO through the op on the same folder (what ``deepoffload bench`` measures):
+torch.save+fsync / raw write is the most any writer could gain over torch.save on this disk.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 import deepoffload
 from deepoffload.bench.measure import BenchError, evict, scratch_file, time_transfer
+from deepoffload.checkpoint.torch_format import record, snapshot
 from deepoffload.bench.sizes import format_size, parse_size
 
 from common import run_main
@@ -77,11 +82,65 @@ def evict_tree(path: Path) -> None:
         evict(p)
 
 
+def deepspeed_fast_writer(config: dict) -> tuple[Callable[[Path], object] | None, str]:
+    """A save through DeepSpeed's FastFileWriter with DeepSpeed's own async_io op, set up as DeepSpeed's checkpoint
+    writer factory does (64 MiB pinned double buffer, DeepSpeed's aio defaults unless ``config`` overrides) or
+    ``(None, why not)``. The op is loaded from where DeepSpeed's JIT build left it, never built here."""
+    try:
+        import ctypes
+        import importlib.machinery
+        import importlib.util
+
+        from torch.utils.cpp_extension import _get_build_directory
+
+        import deepspeed.io.fast_file_writer as ffw
+    except Exception as e:  # noqa: BLE001 - any import failure means: not available here
+        return None, f"DeepSpeed is not importable ({e})"
+    so = Path(_get_build_directory("async_io", False)) / "async_io.so"
+    pin = Path(_get_build_directory("pin_memory", False)) / "pin_memory.so"  # async_io links against its symbols
+    if not so.is_file() or not pin.is_file():
+        return None, (f"DeepSpeed's async_io op is not built ({so} or {pin} missing; build it once with "
+                      f"python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()', "
+                      f"which takes minutes)")
+    ctypes.CDLL(str(pin), mode=ctypes.RTLD_GLOBAL)
+    loader = importlib.machinery.ExtensionFileLoader("async_io", str(so))
+    spec = importlib.util.spec_from_file_location("async_io", str(so), loader=loader)
+    op = importlib.util.module_from_spec(spec)
+    loader.exec_module(op)
+    handle = op.aio_handle(config.get("block_size", 1 << 20), config.get("queue_depth", 8), False, True,
+                           config.get("intra_op_parallelism", 1))
+    buffer = torch.zeros(64 << 20, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() else \
+        deepoffload.aligned_empty(64 << 20)
+
+    class _NoUtilsOp:  # FastFileWriter loads DeepSpeed's utils op only for save_torch_storage_object_list
+        def load(self):
+            return self
+
+        def cast_to_byte_tensor(self, *args):
+            raise RuntimeError("DeepSpeed's utils op is not built; torch.save through FastFileWriter.write "
+                               "does not use it")
+
+    ffw.UtilsBuilder = _NoUtilsOp
+
+    def save(p: Path):
+        if p.exists():
+            p.unlink()  # as DeepSpeed's own benchmark does: never overwrite in place
+        writer = ffw.FastFileWriter(str(p), ffw.FastFileWriterConfig(dnvme_handle=handle, pinned_tensor=buffer))
+        torch.save(state_for_deepspeed[0], writer)
+        writer.close()  # drains and fsyncs
+
+    return save, f"DeepSpeed FastFileWriter through its own op ({so})"
+
+
+state_for_deepspeed: list = [None]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", default=tempfile.gettempdir(), help="folder on the disk to measure")
     parser.add_argument("--size", type=parse_size, default="1G", help="state-dict bytes (default 1G)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--core", action="store_true", help="only deepoffload, torch and DeepSpeed")
     args = parser.parse_args()
     import safetensors.torch as st
     import torch.distributed.checkpoint as dcp
@@ -89,6 +148,9 @@ def main() -> int:
     import deepoffload.dcp as odcp
 
     state = training_state(args.size)
+    state_for_deepspeed[0] = state
+    ds_save, ds_note = deepspeed_fast_writer({})
+    print(f"DeepSpeed: {ds_note}" if ds_save else f"DeepSpeed FastFileWriter skipped: {ds_note}")
     flat = {name: t for name, t in tensors_of(state)}
     nbytes = sum(t.nbytes for t in flat.values())
     base = Path(args.path)
@@ -132,8 +194,14 @@ def main() -> int:
         "DCP FileSystemReader": (lambda p: dcp.load(dcp_target(), storage_reader=dcp.FileSystemReader(p),
                                                     no_dist=True), "dcp-theirs"),
     }
+    if ds_save is not None:
+        saves["DeepSpeed FastFileWriter"] = (ds_save, "ds.pt")
+    if args.core:
+        for table in (saves, loads):
+            for name in [n for n in table if "safetensors" in n or "DCP" in n or "dcp" in n]:
+                del table[name]
     seconds: dict[str, list[float]] = {name: [] for name in [*saves, *loads, "raw op write", "raw op read"]}
-    blocked, copy = [], []
+    blocked, copy, snap = [], [], []
     warnings.filterwarnings("ignore", "torch.distributed is disabled")
     warnings.filterwarnings("ignore", "Detected an existing checkpoint")
     try:
@@ -166,6 +234,10 @@ def main() -> int:
                 copies = [t.clone() for t in flat.values()]
                 copy.append(time.perf_counter() - start)
                 del copies
+                start = time.perf_counter()
+                arena = snapshot(record(state))  # the copy save_async makes, alone
+                snap.append(time.perf_counter() - start)
+                del arena
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -179,15 +251,25 @@ def main() -> int:
             ratios = [b / a for a, b in zip(seconds[ours], seconds[name])]
             print(f"{name:<34}{nbytes / statistics.median(seconds[name]) / 1e9:8.3f}{statistics.median(ratios):11.2f}"
                   f"   " + " ".join(f"{x:.2f}" for x in ratios))
-        if ours == "deepoffload.save":
-            for a, b in (("deepoffload.dcp writer", "DCP FileSystemWriter"),):
+        pairs = ([("deepoffload.dcp writer", "DCP FileSystemWriter")] if ours == "deepoffload.save" else
+                 [("deepoffload.dcp reader", "DCP FileSystemReader")])
+        for a, b in pairs:
+            if a in seconds and seconds[a]:
                 ratios = [y / x for x, y in zip(seconds[a], seconds[b])]
                 print(f"  {a} / {b}: {statistics.median(ratios):.2f}")
-        else:
-            ratios = [y / x for x, y in zip(seconds["deepoffload.dcp reader"], seconds["DCP FileSystemReader"])]
-            print(f"  deepoffload.dcp reader / DCP FileSystemReader: {statistics.median(ratios):.2f}")
-    print(f"save_async blocked {statistics.median(blocked):.3f} s (median); copying the state once takes "
-          f"{statistics.median(copy):.3f} s; ratio {statistics.median([b / c for b, c in zip(blocked, copy)]):.2f}")
+        raw, baseline = ("raw op write", "torch.save + fsync") if ours == "deepoffload.save" else \
+            ("raw op read", "torch.load")
+        bound = [b / r for r, b in zip(seconds[raw], seconds[baseline])]
+        ours_vs_raw = [r / o for r, o in zip(seconds[raw], seconds[ours])]
+        print(f"  bound: {baseline} / {raw} = {statistics.median(bound):.2f} (the most any method can gain over "
+              f"{baseline} here; per round " + " ".join(f"{x:.2f}" for x in bound) + ")")
+        print(f"  {ours} speed / {raw} speed = {statistics.median(ours_vs_raw):.2f} (per round "
+              + " ".join(f"{x:.2f}" for x in ours_vs_raw) + ")")
+    print(f"save_async blocked {statistics.median(blocked):.3f} s (median; per round "
+          + " ".join(f"{b:.3f}" for b in blocked) + f"); its snapshot copy alone {statistics.median(snap):.3f} s, "
+          f"ratio blocked/snapshot {statistics.median([b / c for b, c in zip(blocked, snap)]):.2f}; cloning every "
+          f"tensor {statistics.median(copy):.3f} s, ratio blocked/clone "
+          f"{statistics.median([b / c for b, c in zip(blocked, copy)]):.2f}")
     return 0
 
 

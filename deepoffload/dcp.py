@@ -2,7 +2,7 @@
 
 ``FileSystemWriter`` and ``FileSystemReader`` are DCP's own classes with their filesystem swapped for one that opens
 ``DirectWriter``/``DirectReader`` streams, so planning, metadata, file names and file contents are exactly DCP's
-(either side reads what the other wrote); only the IO differs: each rank's file is written through double-buffered
+(either side reads what the other wrote); only the IO differs: each rank's file is written through multi-buffered
 aligned O_DIRECT writes and read with aligned read-ahead. Use them wherever DCP's are used::
 
     import torch.distributed.checkpoint as dcp

@@ -133,7 +133,6 @@ def test_we_read_torch_saves_files_including_the_legacy_format(scratch):
 
 def test_large_tensors_span_several_staging_buffers(scratch, monkeypatch):
     monkeypatch.setattr(streams, "STAGING_BYTES", 1 * MiB)
-    monkeypatch.setattr(streams, "_pool", [])
     monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
     g = torch.Generator().manual_seed(3)
     obj = {"big": torch.randn(3 * MiB // 4 + 17, generator=g), "small": torch.randn(10, generator=g),
@@ -355,3 +354,171 @@ def test_accelerator_tensors_save_async_and_load_to_the_device(scratch):
     loaded = deepoffload.load(scratch / "device.pt")
     assert loaded["w"].device.type == device and torch.equal(loaded["w"].cpu(), expected["w"])
     assert torch.equal(deepoffload.load(scratch / "device.pt", map_location="cpu")["w"], expected["w"])
+
+
+def test_records_that_look_like_zip_descriptors_are_saved_exactly(scratch):
+    """The CRCs are filled in by parsing torch's zip stream: data that looks like a data descriptor (signature,
+    zero CRC, sizes equal to the bytes so far) must still be taken for data."""
+    fake16 = torch.frombuffer(bytearray(b"PK\x07\x08" + bytes(12)), dtype=torch.uint8)
+    fake24 = torch.frombuffer(bytearray(b"PK\x07\x08" + bytes(20)), dtype=torch.uint8)
+    obj = {"d16": fake16, "d24": fake24, "empty": torch.empty(0), "after": torch.arange(5)}
+    deepoffload.save(obj, scratch / "d.pt")
+    expected = io.BytesIO()
+    torch.save(obj, expected)
+    assert (scratch / "d.pt").read_bytes() == expected.getvalue()
+    assert_same(deepoffload.load(scratch / "d.pt", checksum=True), obj)
+
+
+class _Sink:
+    """Stands in for DirectWriter under CrcFiller: keeps the bytes."""
+    path = "sink"
+    error = None
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def tell(self):
+        return len(self.data)
+
+    def write(self, data):
+        self.data += memoryview(data).cast("B")
+
+    def write_digest(self, data, digest):
+        view = memoryview(data).cast("B")
+        copy = torch.frombuffer(bytearray(view), dtype=torch.uint8) if view.nbytes else torch.empty(0)
+        if view.nbytes:
+            digest(copy.data_ptr(), view.nbytes)
+        self.write(view)
+
+
+def zip_stream(obj) -> bytes:
+    """What torch's zip writer passes to its sink for ``obj`` with its CRC off (the stream CrcFiller parses)."""
+    from deepoffload.checkpoint.torch_format import record
+
+    sink = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())
+    for name, data, nbytes in record(obj):
+        writer.write_record(name, data, nbytes)
+    writer.write_end_of_file()
+    return sink.getvalue()
+
+
+@pytest.mark.parametrize("damage", ["signature", "compressed", "descriptor_size", "central_name", "truncated"])
+def test_a_zip_stream_it_does_not_know_is_refused(damage):
+    from deepoffload.checkpoint.torch_format import CrcFiller, ZipLayoutError
+
+    stream = bytearray(zip_stream({"w": torch.arange(100)}))
+    if damage == "signature":
+        stream[:4] = b"PK\x09\x09"
+    elif damage == "compressed":
+        stream[8] = 8  # deflate
+    elif damage == "descriptor_size":
+        at = stream.index(b"PK\x07\x08")
+        stream[at + 8] ^= 1
+    elif damage == "central_name":
+        at = stream.index(b"PK\x01\x02")
+        stream[at + 46] ^= 0x20  # the first entry's name no longer matches its record
+    else:
+        del stream[stream.index(b"PK\x01\x02"):]
+    filler = CrcFiller(_Sink())
+    with pytest.raises(ZipLayoutError, match="checksum=False"):
+        filler.write(stream)
+        filler.finish()
+
+
+def test_crc_filler_reproduces_torchs_crcs_and_serialization_id():
+    from deepoffload.checkpoint.torch_format import CrcFiller
+
+    obj = training_state()
+    sink = _Sink()
+    filler = CrcFiller(sink)
+    for piece in _writes(zip_stream(obj)):
+        filler.write(piece)
+    filler.finish()
+    expected = io.BytesIO()
+    torch.save(obj, expected)
+    assert bytes(sink.data) == expected.getvalue()
+
+
+def _writes(stream: bytes):
+    """``stream`` cut where torch's writer cut it (replayed through a recording sink)."""
+    pieces = []
+
+    class Recording(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            pieces.append(bytes(memoryview(b).cast("B")))
+            return len(pieces[-1])
+
+    from deepoffload.checkpoint.torch_format import record
+
+    writer = torch._C.PyTorchFileWriter(Recording(), False, torch.serialization._get_storage_alignment())
+    for name, data, nbytes in record(training_state()):
+        writer.write_record(name, data, nbytes)
+    writer.write_end_of_file()
+    assert b"".join(pieces) == stream
+    return pieces
+
+
+def test_whole_file_load_shares_one_buffer_that_outlives_the_other_tensors(scratch):
+    import gc
+
+    state = training_state()
+    deepoffload.save(state, scratch / "w.pt")
+    loaded = deepoffload.load(scratch / "w.pt")
+    weight = loaded["model"]["0.weight"]
+    expected = state["model"]["0.weight"].clone()
+    del loaded
+    gc.collect()
+    junk = [torch.full((1 << 16,), 7.0) for _ in range(64)]  # reuse of freed memory would show below
+    assert torch.equal(weight, expected) and len(junk) == 64
+    assert_same(deepoffload.load(scratch / "w.pt", map_location="cpu"), state)
+    assert_same(deepoffload.load(scratch / "w.pt", map_location=torch.device("cpu"), weights_only=True), state)
+
+
+def test_checksums_of_a_truncated_file_are_refused_not_read_past_its_end(scratch):
+    deepoffload.save({"w": torch.randn(100_000)}, scratch / "t.pt")
+    data = (scratch / "t.pt").read_bytes()
+    from deepoffload.checkpoint.torch_format import ZipChecksums
+
+    checker = ZipChecksums(str(scratch / "t.pt"))
+    with pytest.raises(ChecksumError, match="truncated"):
+        checker.verify_memory(torch.frombuffer(bytearray(data[:1000]), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("alignment", [64, 4096])
+def test_preallocated_file_is_cut_to_exactly_torch_saves_bytes(scratch, alignment):
+    """The temporary file is preallocated from an estimate of its size and cut at close to what was written: with
+    long names, many small records and a larger storage alignment no preallocated tail may remain."""
+    from torch.utils.serialization import config
+
+    obj = {("n" * 200) + str(i): torch.arange(i) for i in range(50)}
+    old = config.save.storage_alignment
+    config.save.storage_alignment = alignment
+    try:
+        deepoffload.save(obj, scratch / "p.pt")
+        expected = io.BytesIO()
+        torch.save(obj, expected)
+    finally:
+        config.save.storage_alignment = old
+    assert (scratch / "p.pt").read_bytes() == expected.getvalue()
+
+
+@pytest.mark.parametrize("force", ["TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
+@pytest.mark.parametrize("weights_only", [None, True, False])
+def test_weights_only_environment_variables_decide_as_in_torch_load(scratch, monkeypatch, force, weights_only):
+    """The whole-file path resolves weights_only itself: it must refuse exactly when torch.load refuses."""
+    deepoffload.save({"f": threading.Lock, "w": torch.ones(2)}, scratch / "u.pt")
+    monkeypatch.setenv(force, "1")
+
+    def outcome(load):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return load(scratch / "u.pt", weights_only=weights_only)["f"]
+        except pickle.UnpicklingError:
+            return "refused"
+
+    assert outcome(deepoffload.load) == outcome(torch.load)

@@ -13,7 +13,7 @@ import torch
 
 from deepoffload.io import accelerator
 from deepoffload.io.buffers import aligned_empty, is_aligned
-from deepoffload.io.staging import DeviceStager, _Slot
+from deepoffload.io.staging import DeviceStager
 from fake_accelerator import FakeAccelerator, RecordingHandle, check_log
 
 CHUNK = 8192
@@ -274,13 +274,6 @@ def test_host_tensors_are_not_staged(fake, handle, scratch):
 def test_chunk_bytes_must_be_a_positive_integer(handle, bad):
     with pytest.raises(ValueError, match="chunk_bytes must be a positive integer"):
         DeviceStager(handle, chunk_bytes=bad)
-
-
-def test_a_slot_refuses_a_second_transfer_while_one_is_in_flight():
-    slot = _Slot(torch.empty(16, dtype=torch.uint8))
-    slot.start_io(object())
-    with pytest.raises(RuntimeError, match="reused for device copy while its file IO is in flight"):
-        slot.start_copy(FakeAccelerator(), torch.empty(1), torch.empty(1), None)
 
 
 def test_failed_host_registration_warns_once_and_leaves_ordinary_memory(monkeypatch):

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from ..config import AioConfig
-from .streams import DirectReader, DirectWriter
+from .streams import DirectReader, DirectWriter, shared_handle
 from .torch_format import Record, ZipChecksums, record, remove_quietly, snapshot, write_records
+from .whole_file import load_from_memory, read_whole, weights_only_default
 
 _executor: ThreadPoolExecutor | None = None
 _async_lock = threading.Lock()
@@ -27,10 +28,10 @@ def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: b
     """Write ``obj`` to ``path`` exactly as ``torch.save(obj, f)`` would write it to a file object, so
     ``torch.load`` reads it.
 
-    The file is written to a temporary name in the same folder through the async-IO op (large aligned writes,
-    double-buffered), fsynced, renamed over ``path`` and the folder fsynced (``sync=False`` skips both fsyncs: the
-    rename is still atomic, but a power loss may lose the file). ``checksum`` stores each record's CRC-32 (as
-    ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing folder, no
+    The file is written to a temporary name in the same folder through the async-IO op (large aligned writes from
+    several staging buffers), fsynced, renamed over ``path`` and the folder fsynced (``sync=False`` skips both
+    fsyncs: the rename is still atomic, but a power loss may lose the file). ``checksum`` stores each record's
+    CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing folder, no
     permission) raises ``OSError`` naming ``path``, and a previous file under ``path`` is left as it was.
     """
     _write_file(record(obj), os.fspath(path), checksum, sync, config)
@@ -64,11 +65,26 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
     """Read a ``torch.save`` file (any, not only ours) and return what ``torch.load(path, map_location,
     weights_only=weights_only)`` returns; tensor bytes are read through the async-IO op.
 
+    A zip-format file loaded to host memory is read whole, in large requests, into one buffer, and every storage is
+    a slice of it (as with ``torch.load(mmap=True)``): the buffer's memory is returned once all its tensors are gone,
+    and storages cannot be resized. Other files and ``map_location`` to a device are read through read-ahead.
+
     ``checksum=True`` verifies the CRC-32 stored with every record and raises ``ChecksumError`` on a mismatch (or
     when the file recorded none).
     """
     path = os.fspath(path)
     verifier = ZipChecksums(path) if checksum else None
+    pickle_module = pickle_load_args.get("pickle_module")
+    resolved = weights_only_default(weights_only, pickle_module)
+    if _on_cpu(map_location) and not (resolved and pickle_module is not None):
+        data = read_whole(path, shared_handle(config))
+        if verifier is not None:
+            verifier.verify_memory(data)
+        args = {k: v for k, v in pickle_load_args.items() if k != "pickle_module"}
+        done, result = load_from_memory(data, map_location, resolved, pickle_module, args)
+        if done:
+            return result
+        del data
     with DirectReader(path, config=config, on_read=verifier.on_read if verifier else None) as reader:
         try:
             result = torch.load(reader, map_location=map_location, weights_only=weights_only, **pickle_load_args)
@@ -81,12 +97,22 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
     return result
 
 
+def _on_cpu(map_location: Any) -> bool:
+    """Whether every storage stays in host memory (then the whole file is read into one buffer they share)."""
+    if map_location is None:
+        return True
+    try:
+        return torch.device(map_location).type == "cpu"
+    except (TypeError, RuntimeError):
+        return False  # a dict or a function: torch.load's own path
+
+
 def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, config: AioConfig | None) -> str:
     target = os.path.realpath(path) if os.path.islink(path) else path  # like torch.save: write through a link
     folder = os.path.dirname(os.path.abspath(target))
     temporary = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        sink = DirectWriter(temporary, config=config, sync=sync)
+        sink = DirectWriter(temporary, config=config, sync=sync, size_hint=_size_bound(records))
     except OSError as e:
         raise _naming(e, path) from e
     try:
@@ -106,6 +132,15 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
     if sync:
         _fsync_folder(folder, path)
     return path
+
+
+def _size_bound(records: list[Record]) -> int:
+    """An upper bound of the file's bytes: the records, plus per record its local header, data descriptor and
+    central directory entry (together under 512 bytes plus twice the name) and alignment padding, plus the
+    serialization id record and the end records."""
+    names = sum(len(name.encode()) for name, _, _ in records)
+    per_record = 512 + torch.serialization._get_storage_alignment()
+    return sum(nbytes for _, _, nbytes in records) + per_record * (len(records) + 2) + 2 * names + 4096
 
 
 def _keep_mode(path: str, temporary: str) -> None:

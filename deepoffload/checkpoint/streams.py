@@ -3,9 +3,8 @@ filesystem storage) write to and read from.
 
 ``DirectWriter`` copies whatever it is given into page-aligned, page-locked staging buffers and writes each full
 buffer with one large aligned (O_DIRECT where the filesystem allows) write while the next buffer fills: serialization
-and IO overlap. ``DirectReader`` reads each large request straight into the caller's memory through the op (the
-op's aligned bounce buffers handle any unaligned head and tail) and serves small ones (zip headers, pickles) with
-ordinary reads.
+and IO overlap. ``DirectReader`` reads ahead in large aligned chunks and serves reads from them. Both stage through
+``deepoffload.io.staged_file``.
 """
 
 from __future__ import annotations
@@ -21,19 +20,27 @@ from typing import Callable
 import torch
 
 from ..config import AioConfig
-from ..io.buffers import aligned_empty
-from ..io.handle import AsyncIOHandle, Request
+from ..io.handle import AsyncIOHandle
+from ..io.staged_file import StagedReader, StagedWriter, StagingPool
 
-STAGING_BYTES = 32 << 20  # per staging buffer; a multiple of every O_DIRECT alignment
-STAGING_BUFFERS = 2  # double buffering: one fills while the other is written
+STAGING_BYTES = 16 << 20  # per staging buffer; a multiple of every O_DIRECT alignment
+STAGING_BUFFERS = 8  # one fills while the others are written: IO stays queued while the disk is uneven
 DIRECT_READ_MIN = 256 << 10  # reads this large go through the op; smaller ones are plain preads
 READ_AHEAD = 4  # read-ahead chunks in flight
 
 _handles: dict[AioConfig, AsyncIOHandle] = {}
 _handles_lock = threading.Lock()
-_pool: list[torch.Tensor] = []  # idle staging buffers, reused across writers
-_pool_lock = threading.Lock()
-POOL_MAX = STAGING_BUFFERS + 4  # enough for one writer and one reader at a time
+_pools: dict[int, StagingPool] = {}  # by buffer bytes
+_pools_lock = threading.Lock()
+
+
+def staging_pool() -> StagingPool:
+    """The process-wide pool of ``STAGING_BYTES`` buffers (idle ones kept: enough for one writer and one reader)."""
+    with _pools_lock:
+        pool = _pools.get(STAGING_BYTES)
+        if pool is None:
+            pool = _pools[STAGING_BYTES] = StagingPool(STAGING_BYTES, keep=STAGING_BUFFERS + READ_AHEAD)
+        return pool
 
 
 def shared_handle(config: AioConfig | None = None) -> AsyncIOHandle:
@@ -46,22 +53,6 @@ def shared_handle(config: AioConfig | None = None) -> AsyncIOHandle:
         return handle
 
 
-def _take_staging() -> torch.Tensor:
-    """A staging buffer of ``STAGING_BYTES`` (read-ahead chunks use the same size)."""
-    with _pool_lock:
-        while _pool:
-            buffer = _pool.pop()
-            if buffer.nbytes == STAGING_BYTES:
-                return buffer
-    return aligned_empty(STAGING_BYTES)
-
-
-def _give_staging(buffer: torch.Tensor) -> None:
-    with _pool_lock:
-        if len(_pool) < POOL_MAX:
-            _pool.append(buffer)
-
-
 def address_of(view: memoryview) -> int:
     """The address of a contiguous memoryview's first byte (read-only views too)."""
     if view.nbytes == 0:
@@ -71,11 +62,24 @@ def address_of(view: memoryview) -> int:
         return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
 
 
+def _preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` for a file about to be written front to back, so its writes do not each allocate blocks
+    and extend the file; return whether that was done (not every filesystem can)."""
+    if nbytes <= 0 or not hasattr(os, "posix_fallocate"):
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        return False
+    return True
+
+
 class DirectWriter(io.RawIOBase):
     """A write-only stream into ``path`` (created or truncated) through the async-IO op.
 
-    Writes are sequential. Each full staging buffer is written asynchronously at its file offset; ``close()`` writes
-    the tail, waits for everything, and with ``sync`` fsyncs the file. ``flush()`` does nothing (bytes reach the file
+    Writes are sequential. ``size_hint`` (bytes, about what will be written) preallocates the file; ``close()``
+    cuts it to what was written. Each full staging buffer is written asynchronously at its file offset; ``close()``
+    writes the tail, waits for everything, and with ``sync`` fsyncs the file. ``flush()`` does nothing (bytes reach the file
     at the latest on ``close()``); ``fileno()`` first writes out everything buffered, so an ``os.fsync(fileno())``
     before ``close()`` (what DCP's writer does) covers every byte written so far.
 
@@ -83,21 +87,20 @@ class DirectWriter(io.RawIOBase):
     raises and it is then finalized), and ``close()`` raises the first error; ``error`` holds it meanwhile.
     """
 
-    def __init__(self, path: str | os.PathLike, *, config: AioConfig | None = None, sync: bool = True):
+    def __init__(self, path: str | os.PathLike, *, config: AioConfig | None = None, sync: bool = True,
+                 size_hint: int = 0):
         super().__init__()
         self.path = os.fspath(path)
         self.sync = sync
-        self.error: OSError | None = None
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
-        self._handle = shared_handle(config)
-        self._staging: list[torch.Tensor] = []
-        self._requests: list[Request | None] = []
-        self._current = -1  # index of the buffer being filled; -1 before the first write
-        self._capacity = STAGING_BYTES  # bytes per staging buffer
-        self._filling = False  # whether the current buffer takes bytes (not yet submitted)
-        self._fill = 0  # bytes in the current buffer
-        self._written = 0  # file offset where the current buffer goes
+        self._allocated = _preallocate(self._fd, size_hint)
+        self._staged = StagedWriter(shared_handle(config), self.path, 0, pool=staging_pool(), count=STAGING_BUFFERS)
         self._position = 0  # bytes accepted so far
+
+    @property
+    def error(self) -> OSError | None:
+        """The first write error (None while all is well)."""
+        return self._staged.error
 
     # -- io.RawIOBase ------------------------------------------------------------------------------------------
     def writable(self) -> bool:
@@ -112,25 +115,27 @@ class DirectWriter(io.RawIOBase):
     def write(self, data) -> int:
         source = memoryview(data).cast("B")
         nbytes = source.nbytes
-        address = address_of(source)
         self._position += nbytes
         if self.error is not None:
             return nbytes
         if self.closed:
             raise ValueError(f"write to closed DirectWriter of {self.path}")
-        done = 0
         try:
-            while done < nbytes:
-                if not self._filling:
-                    self._next_buffer()
-                take = min(nbytes - done, self._capacity - self._fill)
-                ctypes.memmove(self._staging[self._current].data_ptr() + self._fill, address + done, take)
-                self._fill += take
-                done += take
-                if self._fill == self._capacity:
-                    self._submit()
-        except OSError as e:
-            self._fail(e)
+            self._staged.write(address_of(source), nbytes)
+        except OSError:
+            pass  # recorded in self.error; raised by close()
+        return nbytes
+
+    def write_digest(self, data, digest: Callable[[int, int], None]) -> int:
+        """``write``, calling ``digest(address, nbytes)`` on each piece as it is staged (see ``StagedWriter``)."""
+        source = memoryview(data).cast("B")
+        nbytes = source.nbytes
+        self._position += nbytes
+        if self.error is None:
+            try:
+                self._staged.write(address_of(source), nbytes, digest)
+            except OSError:
+                pass  # recorded in self.error; raised by close()
         return nbytes
 
     def flush(self) -> None:
@@ -149,6 +154,11 @@ class DirectWriter(io.RawIOBase):
             return
         try:
             self.drain()
+            if self.error is None and self._allocated:
+                try:
+                    os.ftruncate(self._fd, self._position)  # the preallocated tail goes
+                except OSError as e:
+                    self._fail(OSError(e.errno, f"{e.strerror} during truncate to {self._position} bytes", self.path))
             if self.error is None and self.sync:
                 try:
                     os.fsync(self._fd)
@@ -156,69 +166,30 @@ class DirectWriter(io.RawIOBase):
                     self._fail(OSError(e.errno, f"{e.strerror} during fsync", self.path))
         finally:
             os.close(self._fd)
-            for buffer, request in zip(self._staging, self._requests):
-                if request is None:  # a write still in flight (interrupted wait) keeps its buffer to itself
-                    _give_staging(buffer)
-            self._staging, self._requests = [], []
+            self._staged.close()
             super().close()
         if self.error is not None:
             raise self.error
 
     def abort(self) -> None:
         """Stop writing: wait for writes in flight (their memory must outlive them), drop the rest, close."""
-        if self.error is None:
-            self.error = OSError(f"writing {self.path} was aborted")
-        self._wait_all()
+        self._fail(OSError(f"writing {self.path} was aborted"))
+        self._staged.wait_all()
         try:
             self.close()
         except OSError:
             pass
 
-    # -- internals ---------------------------------------------------------------------------------------------
     def drain(self) -> None:
-        """Submit the partly filled buffer and wait for every write in flight."""
-        if self.error is None and self._filling and self._fill:
-            self._submit()
-        self._wait_all()
-
-    def _next_buffer(self) -> None:
-        if len(self._staging) < STAGING_BUFFERS:
-            buffer = _take_staging()
-            self._staging.append(buffer)
-            self._requests.append(None)
-            self._current = len(self._staging) - 1
-        else:
-            self._current = (self._current + 1) % STAGING_BUFFERS
-            self._wait(self._current)
-            if self.error is not None:
-                raise self.error
-        self._fill = 0
-        self._filling = True
-
-    def _submit(self) -> None:
-        buffer = self._staging[self._current][:self._fill]
-        self._requests[self._current] = self._handle.write_async(buffer, self.path, self._written, truncate=False)
-        self._written += self._fill
-        self._fill = 0
-        self._filling = False
-
-    def _wait(self, index: int) -> None:
-        request = self._requests[index]
-        if request is None:
-            return
-        self._requests[index] = None
+        """Submit the partly filled buffer and wait for every write in flight (errors go to ``error``)."""
         try:
-            request.wait()
-        except OSError as e:
-            self._fail(e)
-
-    def _wait_all(self) -> None:
-        for index in range(len(self._requests)):
-            self._wait(index)
+            self._staged.drain()
+        except OSError:
+            pass
 
     def _fail(self, error: OSError) -> None:
-        if self.error is None:
-            self.error = error
+        if self._staged.error is None:
+            self._staged.error = error
 
 
 class DirectReader(io.RawIOBase):
@@ -245,8 +216,7 @@ class DirectReader(io.RawIOBase):
         self._handle = shared_handle(config)
         self._on_read = on_read
         self.error: BaseException | None = None  # the first exception a read raised
-        self._chunks: dict[int, list] = {}  # chunk index -> [buffer, request or None, bytes]
-        self._free: list[torch.Tensor] = []
+        self._staged = StagedReader(self._handle, self.path, 0, self.size, pool=staging_pool(), depth=READ_AHEAD)
         self._chunk = STAGING_BYTES  # bytes per read-ahead chunk
 
     def readable(self) -> bool:
@@ -281,8 +251,9 @@ class DirectReader(io.RawIOBase):
         view = target[:nbytes]
         position = self._position
         first = position // self._chunk
-        behind = bool(self._chunks) and first < min(self._chunks)
-        if not behind and (nbytes >= DIRECT_READ_MIN or first in self._chunks):
+        lowest = self._staged.lowest()
+        behind = lowest is not None and first < lowest
+        if not behind and (nbytes >= DIRECT_READ_MIN or self._staged.holds(first)):
             self._copy_ahead(view, position)
         elif nbytes >= DIRECT_READ_MIN:
             self._handle.read(torch.frombuffer(view, dtype=torch.uint8), self.path, position)
@@ -304,47 +275,14 @@ class DirectReader(io.RawIOBase):
     def _copy_ahead(self, view: memoryview, position: int) -> None:
         done, end, address = 0, position + view.nbytes, address_of(view)
         for index in range(position // self._chunk, (end - 1) // self._chunk + 1):
-            self._advance(index)
-            chunk = self._chunks[index]
-            if chunk[1] is not None:
-                try:
-                    chunk[1].wait()
-                except BaseException:
-                    del self._chunks[index]  # never serve a chunk whose read failed (or is still running)
-                    raise
-                chunk[1] = None
+            chunk = self._staged.get(index)
             start = max(position, index * self._chunk) - index * self._chunk
-            take = min(end, index * self._chunk + chunk[2]) - index * self._chunk - start
-            ctypes.memmove(address + done, chunk[0].data_ptr() + start, take)
+            take = min(end, index * self._chunk + chunk.numel()) - index * self._chunk - start
+            ctypes.memmove(address + done, chunk.data_ptr() + start, take)
             done += take
-
-    def _advance(self, first: int) -> None:
-        """Make the window start at chunk ``first``: recycle the chunks before it, start reading the ones after."""
-        for index in [i for i in self._chunks if i < first]:
-            self._release(index)
-        last = min(first + READ_AHEAD, -(-self.size // self._chunk))
-        for index in range(first, last):
-            if index not in self._chunks:
-                buffer = self._free.pop() if self._free else _take_staging()
-                length = min(self._chunk, self.size - index * self._chunk)
-                request = self._handle.read_async(buffer[:length], self.path, index * self._chunk)
-                self._chunks[index] = [buffer, request, length]
-
-    def _release(self, index: int) -> None:
-        buffer, request, _ = self._chunks.pop(index)
-        if request is not None:
-            try:
-                request.wait()  # its memory must outlive the read; nobody needs its bytes or its error
-            except OSError:
-                pass
-        self._free.append(buffer)
 
     def close(self) -> None:
         if not self.closed:
-            for index in list(self._chunks):
-                self._release(index)
-            for buffer in self._free:
-                _give_staging(buffer)
-            self._free = []
+            self._staged.close()
             os.close(self._fd)
         super().close()

@@ -9,17 +9,19 @@ so the caller may change its tensors while the records are written (asynchronous
 
 from __future__ import annotations
 
+import ctypes
+import io
 import os
 import pickle
 import struct
 import zipfile
-import zlib
 from typing import Union
 
 import torch
 import torch.serialization
 
 from ..io.buffers import aligned_empty
+from ..io.crc import crc32
 from ..swap.tensor_swapper import ChecksumError
 from .streams import DirectWriter
 
@@ -72,17 +74,201 @@ def snapshot(records: list[Record]) -> list[Record]:
 
 def write_records(records: list[Record], sink: DirectWriter, checksum: bool) -> None:
     """Replay ``records`` through torch's zip writer into ``sink``. With ``checksum`` the CRC-32 of every record is
-    computed and stored (as ``torch.save`` does by default); without, the CRC fields hold 0 (as with
+    stored (as ``torch.save`` does by default): torch's writer runs with its own CRC off and ``CrcFiller``
+    computes each CRC while the bytes are staged; without, the CRC fields hold 0 (as with
     ``torch.serialization.set_crc32_options(False)``). Stops early once the sink has failed; the caller closes the
     sink, which raises the error."""
-    writer = torch._C.PyTorchFileWriter(sink, checksum, torch.serialization._get_storage_alignment())
+    filler = CrcFiller(sink) if checksum else None
+    writer = torch._C.PyTorchFileWriter(filler or sink, False, torch.serialization._get_storage_alignment())
     try:
         for name, data, nbytes in records:
             if sink.error is not None:
                 break
+            if filler is not None:
+                filler.expect(name, nbytes)
             writer.write_record(name, data, nbytes)
     finally:
         writer.write_end_of_file()  # always finalize here: torch's destructor would do it and abort on an error
+    if filler is not None and sink.error is None:
+        filler.finish()
+
+
+SERIALIZATION_ID = ".data/serialization_id"  # the record torch's writer adds last
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """``c10::hash_combine`` on 64-bit ``size_t``."""
+    return (seed ^ (value + 0x9E3779B9 + (seed << 6) + (seed >> 2))) & 0xFFFFFFFFFFFFFFFF
+
+
+class ZipLayoutError(RuntimeError):
+    """torch's zip writer produced a layout ``CrcFiller`` does not know, so it cannot fill in the CRCs exactly."""
+
+
+_LOCAL, _CENTRAL, _DESCRIPTOR = b"PK\x03\x04", b"PK\x01\x02", b"PK\x07\x08"
+_END = (b"PK\x06\x06", b"PK\x05\x06")  # zip64 end record, end record: after the central directory
+
+
+class CrcFiller(io.RawIOBase):
+    """The sink for torch's zip writer (run with its CRC off) that passes every byte on to a ``DirectWriter`` and
+    fills in the CRC-32 fields ``torch.save`` would have written.
+
+    torch writes each record as a local header (30 bytes, then the name and extra field whose lengths it gives;
+    sizes and CRC are left 0 and a data descriptor follows), the data in one write, and a data descriptor (CRC and
+    sizes), or for an empty record only the local header; then the central directory (one entry per record, each
+    with the CRC) and the end records. The CRC is computed on the data while it is staged (``write_digest``),
+    written into the descriptor, whose sizes must equal the bytes counted, and into the record's central directory
+    entry, which is held until complete. The last record, the serialization id, combines the CRCs (see
+    ``_serialization_id``). Anything else raises ``ZipLayoutError``: a file with wrong CRCs is never produced.
+    """
+
+    def __init__(self, sink: DirectWriter) -> None:
+        super().__init__()
+        self.sink = sink
+        self.crcs: dict[str, int] = {}  # record name -> CRC-32
+        self._patched: set[str] = set()
+        self._state = "signature"  # signature | local | data | central | end
+        self._held = bytearray()  # header bytes collected so far
+        self._need = 4  # bytes the header part being collected needs
+        self._name = ""
+        self._count = 0  # data bytes of the current record so far
+        self._crc = 0
+        self._combined = self._combined_without = 0  # torch's combined CRCs: real ones, and the zeros it saw
+        self._expected: tuple[str, int] = ("", 0)  # the record write_record is writing, and its bytes
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.sink.tell()
+
+    def expect(self, name: str, nbytes: int) -> None:
+        """The next record is ``name`` (without the archive prefix) with ``nbytes`` of data: no write before that
+        many bytes is taken for its descriptor, whatever its bytes."""
+        self._expected = (name, nbytes)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self._state == "end":
+            self.sink.write(view)
+        elif self._state == "data":
+            if not self._data(view) and view.nbytes >= 8 and bytes(view[:4]) == _DESCRIPTOR:
+                value = struct.unpack_from("<I", view, 4)[0]  # torch combines whatever looks like a descriptor
+                self._combine(value, value)
+        else:
+            done = 0
+            while done < view.nbytes:
+                if self._state == "end":
+                    self.sink.write(view[done:])
+                    break
+                if self._state == "data":
+                    raise ZipLayoutError(self._describe("a header and data in one write"))
+                take = min(self._need - len(self._held), view.nbytes - done)
+                piece = view[done:done + take]
+                self._held += piece
+                done += take
+                if self._state == "local":
+                    self.sink.write(piece)
+                if len(self._held) == self._need:
+                    self._header_part_complete()
+        return view.nbytes
+
+    def finish(self) -> None:
+        """Check that the whole stream was understood and every record's CRC reached the central directory."""
+        if self._state != "end" or self._patched != set(self.crcs):
+            raise ZipLayoutError(self._describe(f"a stream ending in state {self._state!r}, with central directory "
+                                                f"entries for {len(self._patched)} of {len(self.crcs)} records"))
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _data(self, view: memoryview) -> bool:
+        """One write in a record's data: its bytes, or the descriptor that ends them (then return True)."""
+        name, nbytes = self._expected
+        known = self._name.partition("/")[2] == name
+        if (not known or self._count == nbytes) and view.nbytes in (16, 24) and bytes(view[:4]) == _DESCRIPTOR:
+            descriptor = bytearray(view)
+            crc, *sizes = struct.unpack_from("<IQQ" if view.nbytes == 24 else "<III", descriptor, 4)
+            if crc == 0 and sizes == [self._count, self._count]:
+                struct.pack_into("<I", descriptor, 4, self._crc)
+                self.sink.write(descriptor)
+                self.crcs[self._name] = self._crc
+                self._combine(0, self._crc)
+                self._state, self._need = "signature", 4
+                return True
+        if self._name.endswith("/" + SERIALIZATION_ID):
+            view = memoryview(self._serialization_id(bytes(view)))
+        self.sink.write_digest(view, self._digest)
+        self._count += view.nbytes
+        return False
+
+    def _combine(self, given: int, written: int) -> None:
+        """Mirror torch's writer, which combines the CRC field of every write that starts like a data descriptor:
+        ``given`` is what it saw (its CRC off), ``written`` what torch.save would have seen."""
+        self._combined_without = _hash_combine(self._combined_without, given)
+        self._combined = _hash_combine(self._combined, written)
+
+    def _serialization_id(self, data: bytes) -> bytes:
+        """torch's serialization id: 20 digits from the record names, then 20 from the records' CRCs combined as
+        torch combines them (``c10::hash_combine``, see ``_combine``); ours has the real CRCs."""
+        expected = f"{self._combined_without:020d}".encode()
+        if len(data) != 40 or data[20:] != expected:
+            raise ZipLayoutError(self._describe(f"a serialization id {data!r} not ending in {expected!r}"))
+        return data[:20] + f"{self._combined:020d}".encode()
+
+    def _digest(self, address: int, nbytes: int) -> None:
+        self._crc = crc32((ctypes.c_char * nbytes).from_address(address), self._crc)
+
+    def _header_part_complete(self) -> None:
+        held = self._held
+        if self._state == "signature":
+            signature = bytes(held)
+            if signature == _CENTRAL:
+                self._state, self._need = "central", 46  # held until complete
+                return
+            if signature not in (_LOCAL, *_END):
+                raise ZipLayoutError(self._describe(f"a part starting with {signature!r}"))
+            self.sink.write(signature)
+            self._held = bytearray()
+            self._state, self._need = ("local", 30) if signature == _LOCAL else ("end", 0)
+            if signature == _LOCAL:
+                self._held += signature
+            return
+        if self._state == "local":
+            if len(held) == 30:
+                flags, method, crc, size, name_len, extra_len = struct.unpack_from("<HHxxxxII4xHH", held, 6)
+                if method != 0 or crc != 0 or not (flags & 0x8 or size == 0):  # bit 3: a descriptor follows
+                    raise ZipLayoutError(self._describe(f"a local header with flags {flags:#x}, method {method}, "
+                                                        f"CRC {crc:#x}, size {size}"))
+                self._need = 30 + name_len + extra_len
+                if self._need > 30:
+                    return
+            name_len = struct.unpack_from("<H", held, 26)[0]
+            self._name = bytes(held[30:30 + name_len]).decode("utf-8")
+            if self._name in self.crcs:
+                raise ZipLayoutError(self._describe(f"the record name {self._name!r} twice"))
+            if struct.unpack_from("<H", held, 6)[0] & 0x8:
+                self._held, self._state, self._count, self._crc = bytearray(), "data", 0, 0
+            else:  # an empty record, without a descriptor: its CRC is 0
+                self.crcs[self._name] = 0
+                self._held, self._state, self._need = bytearray(), "signature", 4
+            return
+        if len(held) == 46:  # a central directory entry
+            name_len, extra_len, comment_len = struct.unpack_from("<HHH", held, 28)
+            self._need = 46 + name_len + extra_len + comment_len
+            if self._need > 46:
+                return
+        name_len = struct.unpack_from("<H", held, 28)[0]
+        name = bytes(held[46:46 + name_len]).decode("utf-8")
+        if name not in self.crcs or name in self._patched or struct.unpack_from("<I", held, 16)[0] != 0:
+            raise ZipLayoutError(self._describe(f"a central directory entry for {name!r} that matches no record"))
+        struct.pack_into("<I", held, 16, self.crcs[name])
+        self._patched.add(name)
+        self.sink.write(held)
+        self._held, self._state, self._need = bytearray(), "signature", 4
+
+    def _describe(self, what: str) -> str:
+        return (f"deepoffload.save cannot fill in the CRC-32 fields of {self.sink.path}: torch "
+                f"{torch.__version__}'s zip writer produced {what}, which it does not know. Save with "
+                f"checksum=False, or use torch.save")
 
 
 class ZipChecksums:
@@ -116,7 +302,20 @@ class ZipChecksums:
     def on_read(self, offset: int, view: memoryview) -> None:
         info = self._records.get(offset)
         if info is not None and view.nbytes == info.file_size:
-            self._check(info, zlib.crc32(view))
+            self._check(info, crc32(view))
+            self._verified.add(offset)
+
+    def verify_memory(self, data: torch.Tensor) -> None:
+        """Check every record against ``data``, the whole file's bytes."""
+        for offset, info in self._records.items():
+            if offset + info.file_size > data.numel():
+                raise ChecksumError(f"{self.path}: record {info.filename} ends at byte {offset + info.file_size}, "
+                                    f"past the end of the file ({data.numel()} bytes): the checkpoint is truncated")
+            if info.file_size:
+                piece = (ctypes.c_char * info.file_size).from_address(data.data_ptr() + offset)
+                self._check(info, crc32(piece))
+            else:
+                self._check(info, 0)
             self._verified.add(offset)
 
     def finish(self) -> None:
@@ -124,7 +323,7 @@ class ZipChecksums:
             for offset, info in self._records.items():
                 if offset not in self._verified:
                     f.seek(offset)
-                    self._check(info, zlib.crc32(f.read(info.file_size)))
+                    self._check(info, crc32(f.read(info.file_size)))
 
     def _check(self, info: zipfile.ZipInfo, crc: int) -> None:
         if crc != info.CRC:

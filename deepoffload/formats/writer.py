@@ -23,7 +23,8 @@ from typing import Iterable, Iterator, Mapping
 import torch
 
 from ..io.buffers import aligned_empty
-from ..io.handle import AsyncIOHandle, Request, byte_view
+from ..io.handle import AsyncIOHandle, byte_view
+from ..io.staged_file import StagedWriter, StagingPool
 from .header import DTYPE_NAMES, METADATA_KEY, check_little_endian, encode_header
 
 DEFAULT_METADATA = {"format": "pt"}  # transformers refuses shards without it
@@ -40,16 +41,15 @@ class _ShardFile:
     """One shard being written to a temporary file: its header reservation, its entries and its staging."""
 
     def __init__(self, path: Path, header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle,
-                 staging: list[torch.Tensor]):
-        self.path, self.header_bytes, self.handle, self.staging = path, header_bytes, handle, staging
+                 staging: StagingPool):
+        self.path, self.header_bytes, self.handle = path, header_bytes, handle
         self.metadata = dict(metadata)
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         self.data_bytes = 0
         meta = json.dumps({METADATA_KEY: self.metadata}, separators=(",", ":"), ensure_ascii=False).encode()
         self.json_bytes = len(meta) if self.metadata else 2  # '{...}' so far
-        self.requests: list[Request | None] = [None, None]
-        self.current, self.fill, self.file_pos = 0, 0, header_bytes
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        self.writer = StagedWriter(handle, path, header_bytes, pool=staging)
 
     def fits_header(self, name: str, tensor: torch.Tensor) -> bool:
         end = self.data_bytes + tensor.numel() * tensor.element_size()
@@ -62,34 +62,15 @@ class _ShardFile:
         self.json_bytes += _entry_bytes(name, tensor.dtype, tuple(tensor.shape), begin, end)
         self.entries[name] = (tensor.dtype, tuple(tensor.shape), begin, end)
         self.data_bytes = end
-        source = byte_view(tensor)
-        done = 0
-        while done < nbytes:
-            buffer = self.staging[self.current]
-            n = min(nbytes - done, buffer.numel() - self.fill)
-            buffer[self.fill:self.fill + n].copy_(source[done:done + n])
-            self.fill += n
-            done += n
-            if self.fill == buffer.numel():
-                self._flush()
-
-    def _flush(self) -> None:
-        """Start writing the current staging buffer and switch to the other one (once its write has finished)."""
-        if self.fill:
-            buffer = self.staging[self.current][:self.fill]
-            self.requests[self.current] = self.handle.write_async(buffer, self.path, self.file_pos, truncate=False)
-            self.file_pos += self.fill
-            self.fill = 0
-        self.current ^= 1
-        previous = self.requests[self.current]
-        if previous is not None:
-            self.requests[self.current] = None
-            previous.wait()
+        if nbytes:
+            self.writer.write(byte_view(tensor).data_ptr(), nbytes)
 
     def finish(self) -> None:
         """Write the rest of the data, then the header, and sync the file."""
-        self._flush()
-        self._flush()
+        try:
+            self.writer.drain()
+        finally:
+            self.writer.close()
         header = encode_header(self.entries, self.metadata, reserve=self.header_bytes)
         block = aligned_empty(len(header), pin=False)
         block.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -100,10 +81,7 @@ class _ShardFile:
                           f"found {size}")
 
     def abandon(self) -> None:
-        for request in self.requests:
-            if request is not None:
-                with contextlib.suppress(OSError):
-                    request.wait()
+        self.writer.close()  # waits for the writes in flight; their errors no longer matter
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -144,7 +122,7 @@ def _sync_folder(folder: Path) -> None:
 def _write_shards(items: Iterator[tuple[str, torch.Tensor]], folder: Path, tag: str, max_shard_bytes: float,
                   header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle,
                   staging_bytes: int) -> list[_ShardFile]:
-    staging = [aligned_empty(staging_bytes, pin=False), aligned_empty(staging_bytes, pin=False)]
+    staging = StagingPool(staging_bytes, keep=2, pin=False)  # two buffers, passed from shard to shard
     shards: list[_ShardFile] = []
     current: _ShardFile | None = None
     try:

@@ -1,0 +1,116 @@
+"""Loading a zip-format ``torch.save`` file by reading it whole, through the async-IO op, straight into one buffer:
+no staging copy, the file's bytes land where the tensors will live. torch's own ``_load`` then builds the objects
+with every storage a slice of that buffer (what ``torch.load(mmap=True)`` does with a mapped file).
+
+The buffer is anonymous memory advised for transparent huge pages where the system offers them, so filling it
+takes far fewer page faults. Tensors share the buffer: its memory is returned once the last of them is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import mmap
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.serialization as ts
+
+from ..io.handle import AsyncIOHandle
+
+HUGE_PAGE = 2 << 20  # bytes; buffers are aligned to it so transparent huge pages can back them
+
+
+class MemoryFile(io.RawIOBase):
+    """A seekable read-only file over a tensor's bytes (torch's zip reader takes its headers and pickles from it)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__()
+        self._data, self._size, self._position = data, data.numel(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        target = memoryview(buffer).cast("B")
+        nbytes = max(0, min(target.nbytes, self._size - self._position))
+        if nbytes:
+            address = torch.frombuffer(target, dtype=torch.uint8).data_ptr()
+            ctypes.memmove(address, self._data.data_ptr() + self._position, nbytes)
+        self._position += nbytes
+        return nbytes
+
+
+def huge_page_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 CPU tensor of ``nbytes`` bytes starting on a ``HUGE_PAGE`` boundary, advised for
+    transparent huge pages (where the system has them; ordinary pages otherwise). Freed with its last view."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # no transparent huge pages here: ordinary pages
+    skip = (-torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()) % HUGE_PAGE
+    return torch.frombuffer(region, dtype=torch.uint8, offset=skip, count=nbytes)  # its storage starts there
+
+
+def read_whole(path: str, handle: AsyncIOHandle) -> torch.Tensor:
+    """The bytes of the file ``path``, read through the op in large requests (``OSError`` naming path and offset
+    on failure)."""
+    size = os.path.getsize(path)
+    data = huge_page_empty(size) if size else torch.empty(0, dtype=torch.uint8)
+    if size:
+        handle.read(data, path, 0)
+    return data
+
+
+def weights_only_default(weights_only: bool | None, pickle_module: Any) -> bool:
+    """``weights_only`` as ``torch.load`` resolves it (its default and its environment variables)."""
+    explicit = weights_only is not None
+    if not explicit:
+        weights_only = ts._default_to_weights_only(pickle_module)
+    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+    force_not = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+    if force and not force_not:
+        return True
+    if force_not and not force and not explicit:
+        return False
+    return bool(weights_only)
+
+
+def load_from_memory(data: torch.Tensor, map_location: Any, weights_only: bool, pickle_module: Any,
+                     pickle_load_args: dict) -> tuple[bool, Any]:
+    """``(True, objects)`` from the zip-format ``torch.save`` bytes in ``data`` with storages sliced from it, or
+    ``(False, None)`` when ``torch.load`` itself must handle the file (legacy format, TorchScript archive, or a
+    weights-only refusal, whose message ``torch.load`` words)."""
+    source = MemoryFile(data)
+    if not ts._is_zipfile(source):
+        return False, None
+    source.seek(0)
+    args = dict(pickle_load_args)
+    args.setdefault("encoding", "utf-8")
+    with ts._open_zipfile_reader(source) as archive:
+        if ts._is_torchscript_zip(archive):
+            return False, None
+        unpickler = ts._weights_only_unpickler if weights_only else (pickle_module or pickle)
+        try:
+            return True, ts._load(archive, map_location, unpickler, overall_storage=data.untyped_storage(), **args)
+        except pickle.UnpicklingError:
+            if weights_only:
+                return False, None
+            raise
