@@ -123,13 +123,19 @@ from deepspeed.accelerator import get_accelerator
 import deepspeed.runtime.swap_tensor.partitioned_param_swapper as pps
 import deepspeed.runtime.model_checkpointing.writer_factory as wf
 from deepoffload.integrations import deepspeed as integration
+import sys
 original = pps.AsyncIOBuilder
+original_gds = __import__("deepspeed.ops.op_builder", fromlist=["x"]).GDSBuilder
 integration.enable(); integration.enable()
 out = {"swapper": pps.AsyncIOBuilder is integration.AsyncIOBuilder,
        "writer": wf.AsyncIOBuilder is integration.AsyncIOBuilder,
        "ops_aio": __import__("deepspeed.ops.aio", fromlist=["x"]).AsyncIOBuilder is integration.AsyncIOBuilder,
        "accelerator": isinstance(get_accelerator().create_op_builder("AsyncIOBuilder"), integration.AsyncIOBuilder),
        "handle": type(pps.AsyncIOBuilder().load().aio_handle()).__module__}
+modules = {n: m for n, m in list(sys.modules.items()) if n.startswith("deepspeed") and m is not None}
+out["still_theirs"] = sorted(n for n, m in modules.items()
+                             if vars(m).get("AsyncIOBuilder") is original or vars(m).get("GDSBuilder") is original_gds)
+out["patched"] = sorted(n for n, m in modules.items() if vars(m).get("AsyncIOBuilder") is integration.AsyncIOBuilder)
 try:
     wf.GDSBuilder().load()
 except RuntimeError as e:
@@ -144,6 +150,9 @@ print(json.dumps(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["swapper"] and out["writer"] and out["ops_aio"] and out["accelerator"]
+    assert out["still_theirs"] == []  # every module that bound DeepSpeed's builders now binds ours
+    assert {"deepspeed.nvme.ds_aio_handle", "deepspeed.nvme.perf_run_sweep", "deepspeed.ops.op_builder",
+            "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper"} <= set(out["patched"]), out["patched"]
     assert out["handle"] == "deepoffload.io.compat"
     assert "GPUDirect Storage" in out["gds"] and "use_gds" in out["gds"]
     assert out["restored"] and out["accelerator_restored"]
