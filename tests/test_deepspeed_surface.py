@@ -8,9 +8,9 @@ from __future__ import annotations
 import errno
 import importlib.util
 import inspect
-import sys
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
