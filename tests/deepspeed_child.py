@@ -1,8 +1,8 @@
 """Child process for tests/test_deepspeed_integration.py: DeepSpeed ZeRO-3 on deepoffload's op, one process, gloo.
 
 Usage: python deepspeed_child.py MODE FOLDER [STEPS]; MODE is optimizer (offload_optimizer to NVMe), param (and
-offload_param too), resume_save (a checkpoint saved with the optimizer state on NVMe, then resumed into a second
-engine in the same process), resume_load (that checkpoint resumed in a fresh process) or fast_checkpoint (saved by
+offload_param too), resume_save (as optimizer, then a checkpoint saved and resumed into a second engine in the
+same process), resume_load (that checkpoint resumed in a fresh process) or fast_checkpoint (saved by
 DeepSpeed's fast checkpoint writer and resumed; then torch.save through its FastFileWriter). Each trains against
 ZeRO-3 in memory where it compares. Prints one JSON line with the results. DeepSpeed's own op builders refuse to
 build or load, unless DEEPOFFLOAD_CHILD_OP=deepspeed: then DeepSpeed's own async_io op runs (already built).
@@ -106,12 +106,17 @@ def main() -> None:
     mode, folder = sys.argv[1], sys.argv[2]
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     out: dict = {"mode": mode}
-    if mode in ("optimizer", "param"):
-        engine = engine_for(folder, mode == "param")
+    if mode in ("optimizer", "param", "resume_save"):
+        # Trained on NVMe against ZeRO-3 in memory. resume_save (optimizer state on NVMe) then saves a checkpoint:
+        # DeepSpeed copies the swap files into it, and the fp32 partition there must be exactly the engine's
+        # parameters; then 3 more steps; then a second engine built in this same process resumes (resume_load
+        # resumes in a fresh one).
+        swap_folder = folder + "/first" if mode == "resume_save" else folder
+        engine = engine_for(swap_folder, mode == "param")
         initial = full_params(engine)
         out["losses"] = train(engine, steps)
         out["handle_types"] = sorted({type(h).__module__ for h in _handles(engine)})
-        swapped = [p for p in Path(folder).rglob("*.swp") if p.stat().st_size > 0]  # removed when the engine goes
+        swapped = [p for p in Path(swap_folder).rglob("*.swp") if p.stat().st_size > 0]  # removed with the engine
         out["optimizer_swap_files"] = sum("optimizer" in str(p) for p in swapped)
         out["param_swap_files"] = sum(p.name.endswith("_param.tensor.swp") for p in swapped)
         reference = engine_for(None, False)
@@ -120,26 +125,8 @@ def main() -> None:
         out["params_match_reference"] = all(torch.equal(a, b) for a, b in zip(ours, theirs))
         out["params_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
         out["params_moved"] = max(float((a - b).abs().max()) for a, b in zip(ours, initial))
-    elif mode == "resume_save":
-        # Optimizer state on NVMe (written and read through the op): DeepSpeed's checkpoint copies the swap files
-        # into it, and the fp32 partition there must be exactly the engine's parameters. Then 3 more steps; then a
-        # second engine built in this same process resumes (resume_load resumes in a fresh one).
-        engine = engine_for(folder + "/first", False)
-        train(engine, steps)
-        saved = full_params(engine)
-        torch.save(saved, folder + "/saved.pt")
-        engine.save_checkpoint(folder + "/ckpt", tag="t")
-        swapped = [p for p in Path(folder, "ckpt", "t", "offloaded_tensors").rglob("*.tensor.swp")
-                   if "gradient" not in p.name and "-" not in p.name]
-        out["fp32_files"] = len(swapped)
-        flat = torch.cat([p.reshape(-1) for p in saved])
-        data = torch.frombuffer(bytearray(swapped[0].read_bytes()), dtype=torch.float32) if swapped else None
-        out["fp32_in_checkpoint_equal"] = data is not None and torch.equal(data[:flat.numel()], flat)
-        out["state_files"] = sum(1 for p in Path(folder, "ckpt").rglob("exp_avg*.tensor.swp") if p.stat().st_size)
-        out["losses_after_save"] = train(engine, 3, seed=7)
-        torch.save(full_params(engine), folder + "/after.pt")
-        out["handle_types"] = sorted({type(h).__module__ for h in _handles(engine)})
-        out.update(_resume(folder, "same_process"))
+        if mode == "resume_save":
+            out.update(_save_and_resume(engine, ours, folder))
     elif mode == "resume_load":
         # A fresh process (as a real resume is) builds the engine again, loads the checkpoint, goes on 3 steps.
         out.update(_resume(folder, "fresh_process"))
@@ -165,6 +152,23 @@ def main() -> None:
         out["params_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(engine), full_params(resumed)))
         out.update(fast_writer(folder))
     print(json.dumps(out))
+
+
+def _save_and_resume(engine, saved: list[torch.Tensor], folder: str) -> dict:
+    out = {}
+    torch.save(saved, folder + "/saved.pt")
+    engine.save_checkpoint(folder + "/ckpt", tag="t")
+    swapped = [p for p in Path(folder, "ckpt", "t", "offloaded_tensors").rglob("*.tensor.swp")
+               if "gradient" not in p.name and "-" not in p.name]
+    out["fp32_files"] = len(swapped)
+    flat = torch.cat([p.reshape(-1) for p in saved])
+    data = torch.frombuffer(bytearray(swapped[0].read_bytes()), dtype=torch.float32) if swapped else None
+    out["fp32_in_checkpoint_equal"] = data is not None and torch.equal(data[:flat.numel()], flat)
+    out["state_files"] = sum(1 for p in Path(folder, "ckpt").rglob("exp_avg*.tensor.swp") if p.stat().st_size)
+    out["losses_after_save"] = train(engine, 3, seed=7)
+    torch.save(full_params(engine), folder + "/after.pt")
+    out.update(_resume(folder, "same_process"))
+    return out
 
 
 def _resume(folder: str, name: str) -> dict:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,10 +55,20 @@ def check_against_memory(r: dict) -> None:
     assert r["params_match_reference"] or r["params_max_abs_diff"] < 1e-3 * r["params_moved"], r
 
 
-def test_zero3_optimizer_state_on_nvme(scratch):
-    r = run_child("optimizer", scratch)
-    check_against_memory(r)
-    assert r["optimizer_swap_files"] > 0 and r["param_swap_files"] == 0
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict:
+    """resume(): ZeRO-3 with the optimizer state on NVMe trained against ZeRO-3 in memory, saved, resumed."""
+    base = os.environ.get("DEEPOFFLOAD_TEST_DIR")
+    folder = Path(tempfile.mkdtemp(dir=base, prefix="resume-")) if base else tmp_path_factory.mktemp("resume")
+    try:
+        return resume(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_zero3_optimizer_state_on_nvme(resumed):
+    check_against_memory(resumed)
+    assert resumed["optimizer_swap_files"] > 0 and resumed["param_swap_files"] == 0
 
 
 def test_zero3_parameters_and_optimizer_state_on_nvme(scratch):
@@ -72,12 +84,12 @@ def resume(folder: Path, op: str = "deepoffload") -> dict:
     return {**saved, **run_child("resume_load", folder, op=op)}
 
 
-def test_checkpoint_with_optimizer_state_on_nvme_resumes_as_deepspeed_does(scratch):
+def test_checkpoint_with_optimizer_state_on_nvme_resumes_as_deepspeed_does(resumed):
     """DeepSpeed 0.19.8 (its own op behaves the same: test_resume_equals_deepspeeds_own_op) resumes such a
     checkpoint by copying the swap files back, and nothing else of the optimizer: in a fresh process the parameters
     come back bit-identical but Adam restarts (no moments, step 0); a second engine in the same process gets new
     parameter ids, reads its own swap files under those names, and keeps its initial parameters."""
-    r = resume(scratch)
+    r = resumed
     assert r["handle_types"] == ["deepoffload.io.compat"]
     assert r["fp32_files"] == 1 and r["fp32_in_checkpoint_equal"] and r["state_files"] > 0
     assert r["fresh_process_ids"] == ["0_9"] and r["fresh_process_params_restored"]
