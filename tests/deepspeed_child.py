@@ -155,7 +155,7 @@ def main() -> None:
 
 
 def _save_and_resume(engine, saved: list[torch.Tensor], folder: str) -> dict:
-    out = {}
+    out = {"ids": sorted(str(g.ds_id) for g in engine.optimizer.fp32_partitioned_groups_flat)}
     torch.save(saved, folder + "/saved.pt")
     engine.save_checkpoint(folder + "/ckpt", tag="t")
     swapped = [p for p in Path(folder, "ckpt", "t", "offloaded_tensors").rglob("*.tensor.swp")

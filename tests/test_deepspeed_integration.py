@@ -92,7 +92,7 @@ def test_checkpoint_with_optimizer_state_on_nvme_resumes_as_deepspeed_does(resum
     r = resumed
     assert r["handle_types"] == ["deepoffload.io.compat"]
     assert r["fp32_files"] == 1 and r["fp32_in_checkpoint_equal"] and r["state_files"] > 0
-    assert r["fresh_process_ids"] == ["0_9"] and r["fresh_process_params_restored"]
+    assert r["fresh_process_ids"] == r["ids"] and r["fresh_process_params_restored"]
     assert r["fresh_process_optimizer_state_entries"] == 0
     assert r["fresh_process_losses"][0] == r["losses_after_save"][0]  # same parameters, same first loss
     assert r["fresh_process_losses"] == r["fresh_process_losses_fresh_adam"]
@@ -109,16 +109,15 @@ def deepspeeds_op_is_built() -> bool:
     return any(folder.glob("async_io*.so"))
 
 
-def test_resume_equals_deepspeeds_own_op(scratch):
+def test_resume_equals_deepspeeds_own_op(resumed, scratch):
+    """The same training, save and resumes on DeepSpeed's own async_io op: every figure equal, losses included."""
     if not deepspeeds_op_is_built():
         pytest.skip("DeepSpeed's async_io op is not built here (it takes minutes: build it with "
                     "python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()')")
-    ours = resume(scratch / "ours")
-    theirs = resume(scratch / "deepspeed", op="deepspeed")
-    assert theirs["handle_types"] != ours["handle_types"]  # DeepSpeed's op really ran
-    for key in ("handle_types", "mode"):
-        ours.pop(key), theirs.pop(key)
-    assert ours == theirs
+    theirs = resume(scratch, op="deepspeed")
+    assert theirs["handle_types"] != resumed["handle_types"]  # DeepSpeed's op really ran
+    ignore = ("handle_types", "mode")
+    assert {k: v for k, v in resumed.items() if k not in ignore} == {k: v for k, v in theirs.items() if k not in ignore}
 
 
 def test_fast_checkpoint_writer_saves_and_resumes(scratch):
