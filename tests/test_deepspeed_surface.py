@@ -5,10 +5,12 @@ aborting)."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import inspect
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,22 @@ def test_descriptor_overloads(scratch):
     assert torch.equal(out, data)
     with pytest.raises(TypeError, match="either filename or fd"):
         h.async_pwrite(data, str(path), fd=3)
+    # Every other read/write call takes a descriptor too (DeepSpeed: only async_pwrite), by keyword or position.
+    writes = [lambda b, fd: h.sync_pwrite(b, fd=fd), lambda b, fd: h.write(b, fd=fd, validate=False),
+              lambda b, fd: h.pwrite(b, fd=fd, validate=False, async_op=False),
+              lambda b, fd: h.sync_pwrite(b, fd, 0)]
+    reads = [lambda b, fd: h.sync_pread(b, fd=fd), lambda b, fd: h.read(b, fd=fd, validate=False),
+             lambda b, fd: h.pread(b, fd=fd, validate=False, async_op=False),
+             lambda b, fd: h.async_pread(b, fd, 0) + h.wait()]
+    for i, (write, read) in enumerate(zip(writes, reads)):
+        data = torch.full((5000,), i, dtype=torch.int32)
+        fd = os.open(scratch / f"fd{i}", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            assert write(data, fd) == 1
+            out = torch.empty_like(data)
+            assert read(out, fd) == 1 and torch.equal(out, data)
+        finally:
+            os.close(fd)
 
 
 def test_example_tenosr_keyword_and_free_semantics():
@@ -180,15 +198,20 @@ def test_pieces_never_truncate(scratch):
     assert os.path.getsize(path) == 2 * n
 
 
-def test_module_level_functions(scratch):
+def test_module_level_functions(scratch, capfd):
     from deepoffload.op_builder import AsyncIOBuilder
 
     module = AsyncIOBuilder().load()
     data = torch.randn(100_003)
     path = str(scratch / "module")
+    capfd.readouterr()
     assert module.aio_write(data, path, 1 << 20, 8, False, True, True) == 0
     out = torch.empty_like(data)
     assert module.aio_read(out, path, 1 << 20, 8, False, True, True) == 0 and torch.equal(out, data)
+    assert capfd.readouterr() == ("", "")  # DeepSpeed's print their timings
+    shorts = torch.arange(-50, 50, dtype=torch.int16)
+    copied = torch.empty_like(shorts)
+    assert module.deepspeed_memcpy(copied, shorts) == 0 and torch.equal(copied, shorts)
     with pytest.raises(ValueError, match="buffer of the file's size"):
         module.aio_read(torch.empty(10), path, 1 << 20, 8, False, True, False)
     dest = torch.empty(100_003)
@@ -204,8 +227,28 @@ def test_errors_raise_where_deepspeed_returns_minus_one(scratch):
     (scratch / "short").write_bytes(b"x" * 10)
     with pytest.raises(OSError) as info:
         h.sync_pread(torch.empty(100, dtype=torch.uint8), str(scratch / "short"))
-    assert "short" in str(info.value) and "offset" in str(info.value)
+    assert info.value.errno == errno.ENODATA  # reading past the end: DeepSpeed aborts the process
+    assert "read" in str(info.value) and "short" in str(info.value) and "offset" in str(info.value)
     h.async_pread(torch.empty(100, dtype=torch.uint8), str(scratch / "short"))
     with pytest.raises(OSError):
         h.wait()
     assert h.wait() == 0
+
+
+def test_tensors_it_cannot_transfer_exactly_are_refused(scratch):
+    h = aio_handle()
+    path = str(scratch / "refused")
+    cases = [(torch.ones(4, 4).t(), "contiguous"), (torch.eye(3).to_sparse(), "sparse"),
+             (torch.ones(4, dtype=torch.complex64).conj(), "resolve_conj")]
+    for tensor, fix in cases:
+        with pytest.raises(ValueError, match=fix):
+            h.sync_pwrite(tensor, path)
+
+
+def test_enable_without_deepspeed_says_how_to_install(monkeypatch):
+    from deepoffload.integrations import deepspeed as integration
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install deepoffload\[deepspeed\]"):
+        integration.enable()
+    assert not integration.enabled()
