@@ -58,7 +58,8 @@ class Materializer:
         self._todo: set[int] = set()  # ids of tensors made here that need a value
         self._placeholders: set[int] = set()  # ids of parameters that hold a shape-only placeholder
         if checkpoint is not None:
-            self.reader = CheckpointReader(checkpoint)
+            # read_into keeps at most inflight + one span of buffers: 48 MiB, whatever the model's size
+            self.reader = CheckpointReader(checkpoint, span_bytes=16 << 20, inflight_bytes=32 << 20)
             try:
                 self.report = self._check(strict)
             except BaseException:
