@@ -225,3 +225,46 @@ def test_save_without_residency_loads_in_safetensors_and_transformers(scratch):
     assert equal_states(loaded, reference.state_dict())
     again = transformers.LlamaForCausalLM.from_pretrained(scratch / "saved")
     assert equal_states(again.state_dict(), reference.state_dict())
+
+
+def test_resident_budget_keeps_blocks_and_reads_nothing_more(scratch):
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(llama_config(layers=4)).eval()
+    block_bytes = sum(p.numel() * 4 for p in reference.model.layers[0].parameters())
+    ids = tokens()
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=4, do_sample=False)
+    reads = {}
+    for budget in (None, 2 * block_bytes + 100, 4 * block_bytes):
+        model = transformers.LlamaForCausalLM(llama_config(layers=4)).eval()
+        model.load_state_dict(reference.state_dict())
+        with offload_parameters(model, str(scratch), max_resident_bytes=budget) as off, torch.no_grad():
+            assert off.pinned == frozenset(range({None: 0, 4 * block_bytes: 4}.get(budget, 2)))
+            setup = off.stats.bytes_read
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+            reads[budget] = off.stats.bytes_read - setup
+            assert off.stats.resident_bytes >= len(off.pinned) * block_bytes
+    assert reads[4 * block_bytes] == 0  # every block in memory: none is read again
+    assert 0 < reads[2 * block_bytes + 100] < reads[None]
+    with pytest.raises(ValueError, match="max_resident_bytes"):
+        offload_parameters(Net(), str(scratch), max_resident_bytes=-1)
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_resident_budget_trains_like_in_memory(scratch, mode):
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(llama_config(layers=4))
+    model = transformers.LlamaForCausalLM(llama_config(layers=4))
+    model.load_state_dict(reference.state_dict())
+    block_bytes = sum(p.numel() * 4 for p in reference.model.layers[0].parameters())
+    off = offload_parameters(model, str(scratch), mode=mode, max_resident_bytes=2 * block_bytes,
+                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    assert off.pinned == frozenset({0, 1})
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for i in range(3):
+        ids = tokens(20 + i)
+        for m, finish in ((model, offload_step(off)), (reference, reference_step(optimizer))):
+            m(ids, labels=ids).loss.backward()
+            finish()
+    assert equal_states(off.state_dict(), reference.state_dict())
+    off.close()

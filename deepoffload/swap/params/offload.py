@@ -84,7 +84,7 @@ class ParameterOffload:
 
     def __init__(self, module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, prefetch: int, mode: str,
                  optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig,
-                 materializer: Materializer | None = None):
+                 materializer: Materializer | None = None, max_resident_bytes: int | None = None):
         self.module = module
         self.prefetch = prefetch
         self.mode = mode
@@ -115,6 +115,7 @@ class ParameterOffload:
             self.store.offload_all()
         else:
             materializer.offload(self.store, self.blocks)
+        self.pinned = self._pin(max_resident_bytes)
         self._patched: list[tuple[nn.Module, str, Callable]] = []
         self._hooks = []
         for block in self.blocks:
@@ -122,6 +123,24 @@ class ParameterOffload:
         self._guard_moves()
 
     # -- setup ---------------------------------------------------------------------------------------------
+    def _pin(self, budget: int | None) -> frozenset[int]:
+        """Read the blocks that fit in ``budget`` bytes (taken in block order: every block is read once per sweep
+        anyway, and the first ones' reads are the least hidden behind compute) and keep them in memory, outside
+        the staging pool; the prefetch schedule never releases them."""
+        if not budget:
+            return frozenset()
+        chosen = []
+        for block in self.blocks:
+            need = block.nbytes + block.compute_nbytes
+            if need <= budget:
+                chosen.append(block)
+                budget -= need
+        for block in chosen:
+            self.store.start_read(block)
+            self.store.materialize(block)
+            block.read.detach()  # a pinned block's memory is its own, not a staging buffer the stream needs
+        return frozenset(block.index for block in chosen)
+
     def _check_sharing(self) -> None:
         """Refuse a parameter shared between two blocks, or between a block and the rest of the module."""
         owner: dict[int, str] = {}
@@ -216,7 +235,7 @@ class ParameterOffload:
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
         for other in self.blocks:
-            if other.index not in keep:
+            if other.index not in keep and other.index not in self.pinned:
                 self.store.release(other)
         self.store.start_read(block)
         for j in window:
@@ -226,7 +245,7 @@ class ParameterOffload:
             block.restore_grads()
 
     def after_forward(self, block: Block, training: bool) -> None:
-        if block.index not in self._upcoming(block.index, "forward", training):
+        if block.index not in self._upcoming(block.index, "forward", training) and block.index not in self.pinned:
             self.store.release(block)
 
     def before_backward(self, call: BlockCall, last: bool) -> None:
@@ -431,7 +450,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                        prefetch: int = 1, mode: str = "fused", optimizer: OptimizerFactory | None = None,
                        compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
                        checkpoint: str | os.PathLike | None = None, init: Init | None = None,
-                       dtype: torch.dtype | None = None, strict: bool = True) -> ParameterOffload:
+                       dtype: torch.dtype | None = None, strict: bool = True,
+                       max_resident_bytes: int | None = None) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
     path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
@@ -455,6 +475,9 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         the module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
     dtype: floating-point tensors made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``).
     strict: see checkpoint.
+    max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
+        and are never re-read by the schedule, the first blocks first; the rest stream. With the model's size,
+        inference reads nothing after setup. Training still writes every stepped block and reads it back.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
@@ -483,6 +506,9 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     if any(b.__dict__.get("forward") is not None for _, b in chosen):
         raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
     check_arguments(checkpoint, init, dtype, strict)
+    if max_resident_bytes is not None and (not isinstance(max_resident_bytes, int) or
+                                           isinstance(max_resident_bytes, bool) or max_resident_bytes < 0):
+        raise ValueError(f"max_resident_bytes={max_resident_bytes!r}: expected a number of bytes, 0 or more")
     config = config or SwapConfig()
     if path is not None:
         config = config.replace(folder=path)
@@ -495,7 +521,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                          "initialize or convert it before offload_parameters()")
     try:
         return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
-                                compute_dtype=compute_dtype, config=config, materializer=materializer)
+                                compute_dtype=compute_dtype, config=config, materializer=materializer,
+                                max_resident_bytes=max_resident_bytes)
     except BaseException:
         if materializer is not None:
             materializer.undo()
