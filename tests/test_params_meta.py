@@ -268,3 +268,15 @@ def test_resident_budget_trains_like_in_memory(scratch, mode):
             finish()
     assert equal_states(off.state_dict(), reference.state_dict())
     off.close()
+
+
+def test_meta_build_with_compute_dtype_matches_the_offloaded_in_memory_model(scratch):
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(llama_config())
+    path = write_checkpoint("safetensors", reference.state_dict(), scratch)
+    model = meta_llama()
+    with offload_parameters(reference, str(scratch / "a"), compute_dtype=torch.bfloat16), \
+            offload_parameters(model, str(scratch / "b"), checkpoint=path, init=model._init_weights,
+                               compute_dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(model(tokens()).logits, reference(tokens()).logits)
+        assert equal_states(model.state_dict(), reference.state_dict())
