@@ -19,12 +19,23 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 
+class Attention(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)  # resets its child out_proj's bias
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, h):
+        return self.norm(h + self.attn(h, h, h, need_weights=False)[0])
+
+
 class Net(nn.Module):
     def __init__(self, layers: int = 3, width: int = 16):
         super().__init__()
         self.emb = nn.Embedding(10, width)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(Attention(width) if i % 2 else nn.Sequential(nn.Linear(width, width),
+                                                                                  nn.LayerNorm(width))
+                                    for i in range(layers))
         self.head = nn.Linear(width, 10)
 
     def forward(self, x):
@@ -194,8 +205,7 @@ def test_at_most_a_few_blocks_are_in_memory_while_made(scratch):
         with_memory = sum(any(p.numel() and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
                               for p in layer.parameters()) for layer in model.layers)
         made.append(with_memory)
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+        (getattr(module, "reset_parameters", None) or module._reset_parameters)()
 
     with offload_parameters(model, str(scratch), init=counting_init) as off:
         assert off.stats.bytes_written >= sum(p.numel() * 4 for p in Net(layers=12).layers.parameters())

@@ -1,12 +1,16 @@
 """Give a model built on the ``meta`` device its values block by block, writing each block to storage before the
 next is made, so the whole model never exists in memory.
 
-``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module in
-``named_modules()`` order; the tensors of a module outside the blocks are made in memory (they stay there), a
+``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module children first
+(post-order, the order in which constructors initialize: a module's children exist before its own
+``reset_parameters`` runs, and the order of transformers' ``initialize_weights``); the tensors of a module outside the blocks are made in memory (they stay there), a
 block's parameters are made, filled, written out and released (two block writes in flight at most). Values come
 from a checkpoint (``CheckpointReader.read_into``: safetensors through the async-IO op, torch.save by mmap) or, for
-tensors it lacks or without one, from an initializer called per module in that walk order: ``init(module)`` (e.g. a
-Hugging Face model's ``_init_weights``) or else the module's own ``reset_parameters()``.
+tensors it lacks or without one, from an initializer called per module owning such tensors, in that walk order:
+``init(module)`` (e.g. a Hugging Face model's ``_init_weights``) or else the module's own ``reset_parameters()``
+(``_reset_parameters()`` where that is torch's name, as in ``nn.MultiheadAttention``). A module that owns no
+tensor itself is not called: re-initializations a parent makes of its children's tensors (``nn.Transformer``'s
+``_reset_parameters``) are not repeated, so such a model gets other (equally distributed) values than in memory.
 
 Nothing is left unset silently: floating-point tensors made here are filled with NaN before initialization and any
 NaN left afterwards is an error naming the tensor; integer tensors that are on meta and not in the checkpoint are
@@ -173,8 +177,10 @@ class Materializer:
             for module, _ in needy:
                 if self.init is not None:
                     self.init(module)
-                elif callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
+                else:
+                    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+                    if callable(reset):
+                        reset()
             for _, tensors in needy:
                 for n, t in tensors.items():
                     if n in kept:
@@ -188,6 +194,7 @@ class Materializer:
                              f"checkpoint= holding them")
 
     def _walk(self, blocks: dict[str, Block]) -> Iterator[tuple[str, nn.Module, Block | None]]:
+        """(name, module, its Block or None), children before parents; a block is one item."""
         seen: set[int] = set()
 
         def visit(module: nn.Module, prefix: str):
@@ -198,11 +205,19 @@ class Materializer:
             if name in blocks:
                 yield name, module, blocks[name]
                 return
-            yield name, module, None
             for child_name, child in module.named_children():
                 yield from visit(child, f"{prefix}{child_name}.")
+            yield name, module, None
 
         yield from visit(self.module, "")
+
+    @staticmethod
+    def _post_order(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+        found = []
+        for name, child in module.named_children():
+            found.extend(Materializer._post_order(child, f"{prefix}{name}."))
+        found.append((prefix, module))
+        return found
 
     # -- the pass -----------------------------------------------------------------------------------------------
     def offload(self, store, blocks: list[Block]) -> None:
@@ -214,8 +229,7 @@ class Materializer:
                 if block is None:
                     self._fill([(module, self._make(module, prefix + "." if prefix else ""))])
                     continue
-                owners = [(m, self._make(m, f"{prefix}.{n}." if n else f"{prefix}."))
-                          for n, m in module.named_modules()]
+                owners = [(m, self._make(m, qualified)) for qualified, m in self._post_order(module, prefix + ".")]
                 for master, param in zip(block.masters, block.params):
                     if master is not param:
                         master.data = param.data  # the walk filled the parameters; the masters are what is stored

@@ -471,8 +471,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones, reported in
         ``load_report``). Needed for no model: a module built on the ``meta`` device works without it too.
     init: for a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
-        owning such tensors, in ``named_modules()`` order (e.g. a Hugging Face model's ``_init_weights``); default:
-        the module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
+        owning such tensors, children before parents (e.g. a Hugging Face model's ``_init_weights``); default: the
+        module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
     dtype: floating-point tensors made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``).
     strict: see checkpoint.
     max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
