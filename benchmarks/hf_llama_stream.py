@@ -8,9 +8,12 @@ same model in memory and against accelerate's disk offload, interleaved A B A B:
    troubleshooting);
 2. forward and ``generate(20)`` (greedy, KV cache) time, deepoffload vs accelerate ``dispatch_model`` with every
    decoder layer on "disk" (embeddings, final norm and head in memory for both), in one process; the outputs of both
-   are checked equal to the in-memory model's.
+   are checked equal to the in-memory model's;
+3. ``--part budget``: ``generate(20)`` at equal resident memory: deepoffload with ``max_resident_bytes`` of K
+   decoder layers against accelerate with the first K layers on "cpu" and the rest on "disk", K = 0, 4, 8 (of 8);
+   outputs checked equal to the in-memory model's.
 
-    python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] [--part training|inference|both]
+    python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] [--part training|inference|both|budget]
 
 The 2 cores and the disk are shared: read the ratios, not the absolutes.
 """
@@ -144,11 +147,46 @@ def inference(folder: str, rounds: int) -> None:
     offload.close(restore=False)
 
 
+def budget(folder: str, rounds: int) -> None:
+    from accelerate import dispatch_model
+
+    from deepoffload.swap.params import offload_parameters
+
+    reference = build()
+    layer_bytes = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
+    ids = torch.randint(0, 8192, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
+    for resident in (0, 4, 8):
+        ours = build()
+        offload = offload_parameters(ours, f"{folder}/ours-{resident}", max_resident_bytes=resident * layer_bytes)
+        device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                      **{f"model.layers.{i}": "cpu" if i < resident else "disk" for i in range(8)}}
+        theirs = dispatch_model(build(), device_map=device_map, main_device="cpu",
+                                offload_dir=f"{folder}/accelerate-{resident}")
+        models = {"deepoffload": ours, "accelerate": theirs}
+        timings: dict[str, list[float]] = {"deepoffload": [], "accelerate": []}
+        with torch.no_grad():
+            for r in range(rounds):
+                for name in ("deepoffload", "accelerate") if r % 2 == 0 else ("accelerate", "deepoffload"):
+                    start = time.perf_counter()
+                    tokens = models[name].generate(ids, max_new_tokens=20, do_sample=False)
+                    timings[name].append(time.perf_counter() - start)
+                    if not torch.equal(tokens, expected):
+                        print(f"{name}: outputs differ from the in-memory model", file=sys.stderr)
+        a, b = timings["deepoffload"], timings["accelerate"]
+        ratios = [x / y for x, y in zip(a, b)]
+        print(f"generate(20), {resident} of 8 layers resident ({resident * layer_bytes / 1e6:.0f} MB): deepoffload "
+              f"{statistics.median(a):.3f} s, accelerate {statistics.median(b):.3f} s, deepoffload/accelerate "
+              f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+        offload.close(restore=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default=None, help="where swap files go (default: a temp folder)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--part", choices=["training", "inference", "both"], default="both")
+    parser.add_argument("--part", choices=["training", "inference", "both", "budget"], default="both")
     parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
@@ -159,6 +197,8 @@ def main() -> None:
         training(folder, args.rounds)
     if args.part in ("inference", "both"):
         inference(folder, args.rounds)
+    if args.part == "budget":
+        budget(folder, args.rounds)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,21 @@ def megabytes(pattern: str, text: str) -> float:
     return float(match.group(1))
 
 
-def test_stream_demo_summary(tiny_model, scratch, capsys):
+def test_stream_demo_summary(tiny_model, scratch, capsys, monkeypatch):
+    on_meta = []
+    original = stream.offload_parameters
+
+    def spy(model, *args, **kwargs):  # the streamed model reaches offload_parameters with no values in memory
+        on_meta.append(all(p.is_meta for p in model.parameters()) and kwargs.get("checkpoint") is not None)
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(stream, "offload_parameters", spy)
     code = main(["demo", "--stream-layers", "--steps", "3", "--path", str(scratch)])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "6-block transformer, Adam, 3 steps" in out
+    assert on_meta == [True]
+    assert "6-block transformer built on the meta device and loaded block by block from a safetensors checkpoint, " \
+           "Adam, 3 steps" in out
     assert re.search(r"losses matched exactly:\s+yes \(3 steps compared bit for bit, .*final parameters identical\)",
                      out), out
     in_memory = megabytes(r"in memory:\s+([\d.]+) MB of weights, gradients and Adam state", out)

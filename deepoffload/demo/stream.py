@@ -1,18 +1,25 @@
 """``deepoffload demo --stream-layers``: train a language model whose parameters, gradients and Adam state are many
 times the memory it keeps resident, streaming its transformer blocks from storage (``offload_parameters``, fused
-mode), next to the same model trained in memory, and compare losses and resident bytes."""
+mode), next to the same model trained in memory, and compare losses and resident bytes. The streamed model is built
+on the ``meta`` device and loaded block by block straight to storage from a safetensors checkpoint of the in-memory
+model's starting weights (written first, removed afterwards), so it never exists whole in memory."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from ..formats import save_sharded
 from ..swap.config import SwapConfig
 from ..swap.params import offload_parameters
-from .model import ModelSize, SyntheticText, build_model
+from .model import ModelSize, SyntheticText, TinyLM, build_model
 
 # Blocks dominate (a small vocabulary keeps the embedding and head, which stay in memory, small): 16 blocks of 0.8M
 # parameters; the in-memory run's model state is 16 bytes per parameter (weights, gradients, Adam's two moments).
@@ -46,6 +53,12 @@ class StreamResult:
         return self.memory_state_bytes / self.streamed_resident_bytes if self.streamed_resident_bytes else 0.0
 
 
+def _causal_mask(module: torch.nn.Module) -> None:
+    """The one value no checkpoint holds (a non-persistent buffer): the causal mask, as ``TinyLM`` builds it."""
+    if isinstance(module, TinyLM):
+        module.mask.copy_(torch.nn.Transformer.generate_square_subsequent_mask(module.size.context))
+
+
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -54,11 +67,19 @@ def run_stream_demo(steps: int, config: SwapConfig, prefetch: int = 1,
                     progress: Callable[[int, StreamResult], None] | None = None) -> StreamResult:
     """Train ``STREAM_SIZE`` for ``steps`` Adam steps in memory and streamed (alternating which goes first)."""
     make = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
-    reference, model = build_model(STREAM_SIZE), build_model(STREAM_SIZE)
+    reference = build_model(STREAM_SIZE)
     data = SyntheticText(STREAM_SIZE)
     optimizer = make(reference.parameters())
     result = StreamResult(parameters=sum(p.numel() for p in reference.parameters()))
-    offload = offload_parameters(model, prefetch=prefetch, optimizer=make, config=config)
+    checkpoint = os.path.join(config.folder or tempfile.gettempdir(), f"demo-checkpoint-{uuid.uuid4().hex[:8]}")
+    try:
+        save_sharded(reference.state_dict(), checkpoint, max_shard_bytes=16 << 20)
+        with torch.device("meta"):
+            model = TinyLM(STREAM_SIZE)
+        offload = offload_parameters(model, prefetch=prefetch, optimizer=make, config=config,
+                                     checkpoint=checkpoint, init=_causal_mask)
+    finally:
+        shutil.rmtree(checkpoint, ignore_errors=True)
     try:
         for step in range(steps):
             batch = data.batch()
@@ -109,7 +130,8 @@ def report_stream(steps: int, config: SwapConfig) -> int:
     """Run the demo with a progress bar and print its figures; exit code 0 when losses and parameters match."""
     from tqdm import tqdm
 
-    print(f"deepoffload demo --stream-layers: {STREAM_SIZE.layers}-block transformer, Adam, {steps} steps; block "
+    print(f"deepoffload demo --stream-layers: {STREAM_SIZE.layers}-block transformer built on the meta device and "
+          f"loaded block by block from a safetensors checkpoint, Adam, {steps} steps; block "
           f"weights and all optimizer state on storage under {config.folder}, streamed one block ahead (fused "
           f"optimizer step in backward); the same model trains in memory alongside for comparison")
     bar = tqdm(total=steps, unit="step", dynamic_ncols=True)

@@ -66,7 +66,8 @@ Layout: ``residency`` (each block's state: on storage, reading, resident, writin
 transitions), ``store`` (the blocks' IO as residency moves), ``schedule`` (prefetch order), ``recompute`` (the
 autograd function), ``side_effects`` (what recomputation must not repeat), ``training`` (fused and grads modes,
 clipping), ``offload`` (``ParameterOffload``, the public entry point), ``blocks`` (the default block rule),
-``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``).
+``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize``
+(a model built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage).
 """
 
 from .blocks import find_blocks

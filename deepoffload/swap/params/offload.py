@@ -4,18 +4,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...errors import ClosedError
+from ...formats.writer import save_sharded
 from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from .blocks import find_blocks
+from .materialize import Init, Materializer, check_arguments, has_meta
 from .recompute import BlockCall, Recompute
 from .residency import Block, nbytes
 from .schedule import upcoming
@@ -80,7 +84,8 @@ class ParameterOffload:
     ends offloading (by default reading the parameters back into memory first)."""
 
     def __init__(self, module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, prefetch: int, mode: str,
-                 optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig):
+                 optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig,
+                 materializer: Materializer | None = None, max_resident_bytes: int | None = None):
         self.module = module
         self.prefetch = prefetch
         self.mode = mode
@@ -105,7 +110,13 @@ class ParameterOffload:
                                              rest_optimizer)
         self._token = torch.empty(0, requires_grad=True)
         self._closed = False
-        self.store.offload_all()
+        # what the checkpoint lacked / had beyond the model (strict=False), when loaded from one
+        self.load_report = materializer.report if materializer is not None else None
+        if materializer is None:
+            self.store.offload_all()
+        else:
+            materializer.offload(self.store, self.blocks)
+        self.pinned = self._pin(max_resident_bytes)
         self._patched: list[tuple[nn.Module, str, Callable]] = []
         self._hooks = []
         for block in self.blocks:
@@ -113,6 +124,24 @@ class ParameterOffload:
         self._guard_moves()
 
     # -- setup ---------------------------------------------------------------------------------------------
+    def _pin(self, budget: int | None) -> frozenset[int]:
+        """Read the blocks that fit in ``budget`` bytes (taken in block order: every block is read once per sweep
+        anyway, and the first ones' reads are the least hidden behind compute) and keep them in memory, outside
+        the staging pool; the prefetch schedule never releases them."""
+        if not budget:
+            return frozenset()
+        chosen = []
+        for block in self.blocks:
+            need = block.nbytes + block.compute_nbytes
+            if need <= budget:
+                chosen.append(block)
+                budget -= need
+        for block in chosen:
+            self.store.start_read(block)
+            self.store.materialize(block)
+            block.read.detach()  # a pinned block's memory is its own, not a staging buffer the stream needs
+        return frozenset(block.index for block in chosen)
+
     def _check_sharing(self) -> None:
         """Refuse a parameter shared between two blocks, or between a block and the rest of the module."""
         owner: dict[int, str] = {}
@@ -207,7 +236,7 @@ class ParameterOffload:
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
         for other in self.blocks:
-            if other.index not in keep:
+            if other.index not in keep and other.index not in self.pinned:
                 self.store.release(other)
         self.store.start_read(block)
         for j in window:
@@ -217,7 +246,7 @@ class ParameterOffload:
             block.restore_grads()
 
     def after_forward(self, block: Block, training: bool) -> None:
-        if block.index not in self._upcoming(block.index, "forward", training):
+        if block.index not in self._upcoming(block.index, "forward", training) and block.index not in self.pinned:
             self.store.release(block)
 
     def before_backward(self, call: BlockCall, last: bool) -> None:
@@ -322,6 +351,56 @@ class ParameterOffload:
         self.store.wait_writes()
         return self.module.state_dict()
 
+    def save(self, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
+        """Write the module's state as safetensors shards with an index (Hugging Face layout, through the async-IO
+        op) into the folder ``path``, reading the blocks from storage one at a time (master values), so the model is
+        never resident. Holds what ``state_dict()`` holds (parameters, persistent buffers) except that a tensor
+        shared under several names is written once, under its first name (safetensors cannot store shared tensors;
+        ``from_pretrained`` ties them again). A module with a Hugging Face ``config`` also gets its
+        ``config.json``, so ``from_pretrained(path)`` loads the result. Returns the shard paths."""
+        self._check_open()
+        self.training.finish_writes()
+        self.store.wait_writes()
+        shards = save_sharded(self._state_items(), path, max_shard_bytes=max_shard_bytes)
+        config = getattr(self.module, "config", None)
+        if callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(path)
+        return shards
+
+    def _state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the module's persistent state in ``state_dict()`` order, each block read when reached."""
+        blocks = {b.prefix: b for b in self.blocks}
+        seen: set[int] = set()
+
+        def own(module: nn.Module, prefix: str, skip_params: bool) -> Iterator[tuple[str, torch.Tensor]]:
+            if not skip_params:
+                for name, param in module._parameters.items():
+                    if param is not None and id(param) not in seen:
+                        seen.add(id(param))
+                        yield prefix + name, param.detach()
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set and id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    yield prefix + name, buffer
+
+        def visit(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+            block = blocks.get(prefix[:-1])
+            if block is not None and block.module is module:
+                values = self.store.read_copy(block)
+                for name, param in zip(block.names, block.params):
+                    if id(param) not in seen:
+                        seen.add(id(param))
+                        yield block.qualified(name), values[name]
+                del values
+                for name, sub in module.named_modules(prefix=prefix[:-1]):
+                    yield from own(sub, name + ".", skip_params=True)
+                return
+            yield from own(module, prefix, skip_params=False)
+            for name, child in module.named_children():
+                yield from visit(child, f"{prefix}{name}.")
+
+        yield from visit(self.module, "")
+
     def close(self, restore: bool = True) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
 
@@ -370,8 +449,10 @@ class ParameterOffload:
 
 def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Sequence[nn.Module] | None = None,
                        prefetch: int = 1, mode: str = "fused", optimizer: OptimizerFactory | None = None,
-                       compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None
-                       ) -> ParameterOffload:
+                       compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
+                       checkpoint: str | os.PathLike | None = None, init: Init | None = None,
+                       dtype: torch.dtype | None = None, strict: bool = True,
+                       max_resident_bytes: int | None = None) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
     path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
@@ -385,6 +466,19 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         for the parameters outside blocks; their state is offloaded too. None: inference only.
     compute_dtype: blocks compute in this dtype while their stored (master) weights keep theirs.
     config: a ``SwapConfig`` (async-IO settings, pinning, checksums); buffer sizes are chosen here.
+    checkpoint: load the module's values from this checkpoint (a ``.safetensors`` file, a Hugging Face sharded
+        folder with its index, or a ``torch.save`` state dict) block by block while offloading, converting floating
+        point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing every
+        missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones, reported in
+        ``load_report``). Needed for no model: a module built on the ``meta`` device works without it too.
+    init: for a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
+        owning such tensors, children before parents (e.g. a Hugging Face model's ``_init_weights``); default: the
+        module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
+    dtype: floating-point tensors made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``).
+    strict: see checkpoint.
+    max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
+        and are never re-read by the schedule, the first blocks first; the rest stream. With the model's size,
+        inference reads nothing after setup. Training still writes every stepped block and reads it back.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
@@ -412,8 +506,25 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                          "children); pass blocks=[...] explicitly")
     if any(b.__dict__.get("forward") is not None for _, b in chosen):
         raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
+    check_arguments(checkpoint, init, dtype, strict)
+    if max_resident_bytes is not None and (not isinstance(max_resident_bytes, int) or
+                                           isinstance(max_resident_bytes, bool) or max_resident_bytes < 0):
+        raise ValueError(f"max_resident_bytes={max_resident_bytes!r}: expected a number of bytes, 0 or more")
     config = config or SwapConfig()
     if path is not None:
         config = config.replace(folder=path)
-    return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
-                            compute_dtype=compute_dtype, config=config)
+    materializer = None
+    if checkpoint is not None or has_meta(module):
+        materializer = Materializer(module, [name for name, _ in chosen], checkpoint=checkpoint, init=init,
+                                    dtype=dtype, strict=strict)
+    elif init is not None or dtype is not None:
+        raise ValueError("init= and dtype= apply to tensors on the meta device, and this module has none: "
+                         "initialize or convert it before offload_parameters()")
+    try:
+        return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
+                                compute_dtype=compute_dtype, config=config, materializer=materializer,
+                                max_resident_bytes=max_resident_bytes)
+    except BaseException:
+        if materializer is not None:
+            materializer.undo()
+        raise

@@ -1,0 +1,283 @@
+"""Give a model built on the ``meta`` device its values block by block, writing each block to storage before the
+next is made, so the whole model never exists in memory.
+
+``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module children first
+(post-order, the order in which constructors initialize: a module's children exist before its own
+``reset_parameters`` runs, and the order of transformers' ``initialize_weights``); the tensors of a module outside the blocks are made in memory (they stay there), a
+block's parameters are made, filled, written out and released (two block writes in flight at most). Values come
+from a checkpoint (``CheckpointReader.read_into``: safetensors through the async-IO op, torch.save by mmap) or, for
+tensors it lacks or without one, from an initializer called per module owning such tensors, in that walk order:
+``init(module)`` (e.g. a Hugging Face model's ``_init_weights``) or else the module's own ``reset_parameters()``
+(``_reset_parameters()`` where that is torch's name, as in ``nn.MultiheadAttention``). A module that owns no
+tensor itself is not called: re-initializations a parent makes of its children's tensors (``nn.Transformer``'s
+``_reset_parameters``) are not repeated, so such a model gets other (equally distributed) values than in memory.
+
+Nothing is left unset silently: floating-point tensors made here are filled with NaN before initialization and any
+NaN left afterwards is an error naming the tensor; integer tensors that are on meta and not in the checkpoint are
+refused (no initializer can be checked for them). Meta parameters are replaced by new ``nn.Parameter`` objects (a
+meta tensor cannot take CPU data in place); on any failure the original meta parameters and buffers are put back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ...formats.header import CheckpointError
+from ...formats.reader import CheckpointReader, KeyReport
+from .residency import Block, Residency
+
+Init = Callable[[nn.Module], None]
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` holding one element (stride 0): it carries the shape without memory."""
+    return torch.empty(1, dtype=dtype).expand(shape) if len(shape) else torch.empty((), dtype=dtype)
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+class Materializer:
+    """Prepared by ``offload_parameters`` before the blocks are set up (it swaps meta parameters for shape-only
+    placeholders and checks the checkpoint's names and shapes, reading no data); ``offload`` then fills and writes.
+
+    checkpoint: a path ``CheckpointReader`` opens, or None. init: called with each module owning tensors the
+    checkpoint does not give (None: ``reset_parameters()``). dtype: the dtype of floating-point tensors made from
+    meta (None: as built). strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are)."""
+
+    def __init__(self, module: nn.Module, block_prefixes: list[str], *, checkpoint: str | os.PathLike | None,
+                 init: Init | None, dtype: torch.dtype | None, strict: bool):
+        self.module = module
+        self.init = init
+        self.dtype = dtype
+        self.block_prefixes = block_prefixes
+        self.reader: CheckpointReader | None = None
+        self.report = KeyReport([], [])
+        self._swapped: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, original) to put back
+        self._todo: set[int] = set()  # ids of tensors made here that need a value
+        self._placeholders: set[int] = set()  # ids of parameters that hold a shape-only placeholder
+        if checkpoint is not None:
+            # read_into keeps at most inflight + one span of buffers: 48 MiB, whatever the model's size
+            self.reader = CheckpointReader(checkpoint, span_bytes=16 << 20, inflight_bytes=32 << 20)
+            try:
+                self.report = self._check(strict)
+            except BaseException:
+                self.reader.close()
+                raise
+        self._replace_meta_parameters()
+
+    # -- preparing ----------------------------------------------------------------------------------------------
+    def _target_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_meta and t.is_floating_point() else t.dtype
+
+    def _check(self, strict: bool) -> KeyReport:
+        """Compare the checkpoint with the module's state (names, shapes, convertible dtypes); a tensor shared by
+        several names (tied weights) needs only one of them in the checkpoint."""
+        state = self.module.state_dict(keep_vars=True)
+        aliases: dict[int, list[str]] = {}
+        for name, t in state.items():
+            aliases.setdefault(id(t), []).append(name)
+        expected = {}
+        for names in aliases.values():
+            present = [n for n in names if n in self.reader]
+            for name in (present or names):
+                t = state[name]
+                expected[name] = (tuple(t.shape), self._target_dtype(t))
+        return self.reader.check(expected, strict=strict)
+
+    def _replace_meta_parameters(self) -> None:
+        replaced: dict[int, nn.Parameter] = {}
+        for module in self.module.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or not param.is_meta:
+                    continue
+                if id(param) not in replaced:
+                    new = nn.Parameter(_placeholder(param.shape, self._target_dtype(param)),
+                                       requires_grad=param.requires_grad)
+                    replaced[id(param)] = new
+                    self._todo.add(id(new))
+                    self._placeholders.add(id(new))
+                self._swapped.append((module, name, param))
+                module._parameters[name] = replaced[id(param)]
+
+    def undo(self) -> None:
+        """Put back the original meta parameters and buffers (after a failure)."""
+        for module, name, original in reversed(self._swapped):
+            if name in module._parameters:
+                module._parameters[name] = original
+            else:
+                module._buffers[name] = original
+        self._swapped = []
+        self.close()
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+    # -- making values ------------------------------------------------------------------------------------------
+    def _make(self, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+        """Give the module's own (not its children's) placeholder parameters and meta buffers memory; return its
+        tensors by qualified name."""
+        tensors = {}
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in self._placeholders:
+                self._placeholders.discard(id(param))
+                param.data = torch.empty(param.shape, dtype=param.dtype)
+            tensors[prefix + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is None:
+                continue
+            if buffer.is_meta:
+                made = torch.empty(buffer.shape, dtype=self._target_dtype(buffer))
+                self._swapped.append((module, name, buffer))
+                module._buffers[name] = made
+                self._todo.add(id(made))
+                buffer = made
+            tensors[prefix + name] = buffer
+        return tensors
+
+    def _fill(self, owners: list[tuple[nn.Module, dict[str, torch.Tensor]]]) -> None:
+        """Values for the tensors of ``owners`` (modules with their own tensors, in walk order): initialize the
+        modules owning a tensor that needs one and the checkpoint lacks, then read what the checkpoint has."""
+        reader = self.reader
+        loaded = {n: t for _, tensors in owners for n, t in tensors.items() if reader is not None and n in reader}
+        needy = [(m, tensors) for m, tensors in owners
+                 if any(id(t) in self._todo and n not in loaded for n, t in tensors.items())]
+        if needy:
+            self._initialize(needy, loaded)
+        if loaded:
+            reader.read_into({n: t.detach() for n, t in loaded.items()})
+        for _, tensors in owners:
+            for t in tensors.values():
+                self._todo.discard(id(t))
+
+    def _initialize(self, needy: list[tuple[nn.Module, dict[str, torch.Tensor]]], loaded: dict) -> None:
+        unset = {n: t for _, tensors in needy for n, t in tensors.items() if id(t) in self._todo and n not in loaded}
+        integers = [n for n, t in unset.items() if not t.is_floating_point()]
+        if integers:
+            raise ValueError(f"{integers[:10]}: integer tensors on the meta device that "
+                             f"{'the checkpoint lacks' if self.reader else 'have no checkpoint'}; no initializer "
+                             f"can be checked for them: build the model with its buffers in memory (accelerate's "
+                             f"init_empty_weights() keeps them) or load a checkpoint holding them")
+        kept = {}  # tensors that already had values in a module being initialized: keep them
+        for _, tensors in needy:
+            for n, t in tensors.items():
+                if n not in unset and n not in loaded:
+                    kept[n] = t.detach().clone()
+        with torch.no_grad():
+            for t in unset.values():
+                t.fill_(float("nan"))
+            for module, _ in needy:
+                if self.init is not None:
+                    self.init(module)
+                else:
+                    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+                    if callable(reset):
+                        reset()
+            for _, tensors in needy:
+                for n, t in tensors.items():
+                    if n in kept:
+                        t.copy_(kept[n])
+        left = [n for n, t in unset.items() if torch.isnan(t).any()]
+        if left:
+            how = "init= left them unset" if self.init is not None else "their modules have no reset_parameters()"
+            raise ValueError(f"{left[:10]}: on the meta device and without a value ({how}"
+                             f"{'; the checkpoint lacks them' if self.reader else ''}); pass init= a function "
+                             f"that initializes each module (e.g. a Hugging Face model's _init_weights), or a "
+                             f"checkpoint= holding them")
+
+    def _walk(self, blocks: dict[str, Block]) -> Iterator[tuple[str, nn.Module, Block | None]]:
+        """(name, module, its Block or None), children before parents; a block is one item."""
+        seen: set[int] = set()
+
+        def visit(module: nn.Module, prefix: str):
+            if id(module) in seen:
+                return
+            seen.add(id(module))
+            name = prefix[:-1]
+            if name in blocks:
+                yield name, module, blocks[name]
+                return
+            for child_name, child in module.named_children():
+                yield from visit(child, f"{prefix}{child_name}.")
+            yield name, module, None
+
+        yield from visit(self.module, "")
+
+    @staticmethod
+    def _post_order(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+        found = []
+        for name, child in module.named_children():
+            found.extend(Materializer._post_order(child, f"{prefix}{name}."))
+        found.append((prefix, module))
+        return found
+
+    # -- the pass -----------------------------------------------------------------------------------------------
+    def offload(self, store, blocks: list[Block]) -> None:
+        """Make, fill and write every block in walk order (releasing each once written) and make the rest in
+        memory. On failure: the swap files are removed, the module gets its meta tensors back, and this raises."""
+        writes: list[Block] = []
+        try:
+            for prefix, module, block in self._walk({b.prefix: b for b in blocks}):
+                if block is None:
+                    self._fill([(module, self._make(module, prefix + "." if prefix else ""))])
+                    continue
+                owners = [(m, self._make(m, qualified)) for qualified, m in self._post_order(module, prefix + ".")]
+                for master, param in zip(block.masters, block.params):
+                    if master is not param:
+                        master.data = param.data  # the walk filled the parameters; the masters are what is stored
+                self._fill(owners)
+                block.write = store.swapper.swap_out({block.group: block.master_tensors()})
+                writes.append(block)
+                if len(writes) > 1:
+                    self._finish(store, writes.pop(0))
+            while writes:
+                self._finish(store, writes.pop(0))
+        except BaseException:
+            for block in writes:
+                try:
+                    block.write.wait()
+                except OSError:
+                    pass  # the first failure is the one reported
+                block.write = None
+            try:
+                store.swapper.close()
+            except OSError:
+                pass
+            self.undo()
+            raise
+        self.close()
+        self._swapped = []
+
+    @staticmethod
+    def _finish(store, block: Block) -> None:
+        write, block.write = block.write, None
+        try:
+            write.wait()
+        except OSError as e:
+            raise OSError(e.errno, f"writing the parameters of block {block.prefix} to storage failed "
+                                   f"({e.strerror}); nothing was offloaded", e.filename) from e
+        block.clear_data()
+        block.move(Residency.ON_STORAGE)
+
+
+def check_arguments(checkpoint, init, dtype, strict) -> None:
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint=: expected a path (a .safetensors file, a sharded folder with its index, or a "
+                        f"torch.save file), got {type(checkpoint).__name__}")
+    if init is not None and not callable(init):
+        raise TypeError(f"init=: expected a function called with each module, got {type(init).__name__}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r}: expected a floating-point torch.dtype")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict=: expected True or False, got {strict!r}")
+
+
+__all__ = ["CheckpointError", "Materializer", "check_arguments", "has_meta"]
