@@ -37,7 +37,8 @@ def _flags(args: argparse.Namespace) -> int:
         print(f"no working C++ compiler: {results[CXX_PROBE.name].reason}", file=sys.stderr)
         return 1
     cflags, ldflags = builder.build_flags(results)
-    parts = {"cflags": shlex.join(cflags), "ldflags": shlex.join(ldflags), "engines": " ".join(builder.engines(results))}
+    parts = {"cflags": shlex.join(cflags), "ldflags": shlex.join(ldflags),
+             "engines": " ".join(builder.engines(results))}
     chosen = [key for key in parts if getattr(args, key)]
     if len(chosen) == 1:
         print(parts[chosen[0]])

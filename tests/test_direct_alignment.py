@@ -44,7 +44,8 @@ CALL = re.compile(r"(pread64|pwrite64)\(0x[0-9a-f]+, (0x[0-9a-f]+), (0x[0-9a-f]+
 
 @pytest.fixture(scope="module")
 def traced(aio, tmp_path_factory) -> tuple[int, dict, dict[str, list[tuple[int, int]]]]:
-    """Runs CHILD (1 MiB blocks from buffers shifted 1 KiB and 4 bytes from a page, then 1 KiB blocks) under strace on a disk that takes O_DIRECT. Returns the
+    """Runs CHILD (1 MiB blocks from buffers shifted 1 KiB and 4 bytes from a page, then 1 KiB blocks) under strace
+    on a disk that takes O_DIRECT. Returns the
     file system's direct-IO memory alignment, the child's buffers, and the (address, length) of every
     pread64/pwrite64 the process made."""
     base = os.environ.get("DEEPOFFLOAD_TEST_DIR")
@@ -56,7 +57,8 @@ def traced(aio, tmp_path_factory) -> tuple[int, dict, dict[str, list[tuple[int, 
     try:
         proc = subprocess.run(["strace", "-f", "-qq", "--seccomp-bpf", "-o", str(trace), "-e",
                                "trace=pread64,pwrite64", "-e", "raw=pread64,pwrite64", sys.executable, "-c", CHILD,
-                               str(folder), "1024:1048576", "4:1048576", "0:1024"], capture_output=True, text=True, timeout=300)
+                               str(folder), "1024:1048576", "4:1048576", "0:1024"],
+                              capture_output=True, text=True, timeout=300)
         text = trace.read_text() if trace.exists() else ""
     finally:
         shutil.rmtree(folder, ignore_errors=True)

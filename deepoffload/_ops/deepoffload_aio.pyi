@@ -1,8 +1,8 @@
 """Type stub of the native async-IO module (csrc/aio/binding.cpp), built as ``deepoffload_aio``.
 
 Raw pointers and sizes in, errno tuples out: ``deepoffload.io`` validates tensors and keeps their memory alive
-until ``Handle.wait`` has returned their result. tests/native/test_binding_surface.py checks that these names are exactly
-the built module's.
+until ``Handle.wait`` has returned their result. tests/native/test_binding_surface.py checks that these names are
+exactly the built module's.
 """
 
 from typing import Optional, TypedDict

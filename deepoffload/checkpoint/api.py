@@ -31,8 +31,8 @@ def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: b
     The file is written to a temporary name in the same folder through the async-IO op (large aligned writes from
     several staging buffers), fsynced, renamed over ``path`` and the folder fsynced (``sync=False`` skips both
     fsyncs: the rename is still atomic, but a power loss may lose the file). ``checksum`` stores each record's
-    CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing folder, no
-    permission) raises ``OSError`` naming ``path``, and a previous file under ``path`` is left as it was.
+    CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing
+    folder, no permission) raises ``OSError`` naming ``path``, and a previous file under ``path`` is left as it was.
     """
     _write_file(record(obj), os.fspath(path), checksum, sync, config)
 

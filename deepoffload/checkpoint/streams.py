@@ -77,11 +77,11 @@ def _preallocate(fd: int, nbytes: int) -> bool:
 class DirectWriter(io.RawIOBase):
     """A write-only stream into ``path`` (created or truncated) through the async-IO op.
 
-    Writes are sequential. ``size_hint`` (bytes, about what will be written) preallocates the file; ``close()``
-    cuts it to what was written. Each full staging buffer is written asynchronously at its file offset; ``close()``
-    writes the tail, waits for everything, and with ``sync`` fsyncs the file. ``flush()`` does nothing (bytes reach the file
-    at the latest on ``close()``); ``fileno()`` first writes out everything buffered, so an ``os.fsync(fileno())``
-    before ``close()`` (what DCP's writer does) covers every byte written so far.
+    Writes are sequential. ``size_hint`` (bytes, about what will be written) preallocates the file; ``close()`` cuts it
+    to what was written. Each full staging buffer is written asynchronously at its file offset; ``close()`` writes the
+    tail, waits for everything, and with ``sync`` fsyncs the file. ``flush()`` does nothing (bytes reach the file at the
+    latest on ``close()``); ``fileno()`` first writes out everything buffered, so an ``os.fsync(fileno())`` before
+    ``close()`` (what DCP's writer does) covers every byte written so far.
 
     After a write fails, later writes are accepted and dropped (torch's zip writer aborts the process if its sink
     raises and it is then finalized), and ``close()`` raises the first error; ``error`` holds it meanwhile.

@@ -1,16 +1,17 @@
 """Give a model built on the ``meta`` device its values block by block, writing each block to storage before the
 next is made, so the whole model never exists in memory.
 
-``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module children first
-(post-order, the order in which constructors initialize: a module's children exist before its own
-``reset_parameters`` runs, and the order of transformers' ``initialize_weights``); the tensors of a module outside the blocks are made in memory (they stay there), a
-block's parameters are made, filled, written out and released (two block writes in flight at most). Values come
-from a checkpoint (``CheckpointReader.read_into``: safetensors through the async-IO op, torch.save by mmap) or, for
-tensors it lacks or without one, from an initializer called per module owning such tensors, in that walk order:
-``init(module)`` (e.g. a Hugging Face model's ``_init_weights``) or else the module's own ``reset_parameters()``
-(``_reset_parameters()`` where that is torch's name, as in ``nn.MultiheadAttention``). A module that owns no
-tensor itself is not called: re-initializations a parent makes of its children's tensors (``nn.Transformer``'s
-``_reset_parameters``) are not repeated, so such a model gets other (equally distributed) values than in memory.
+``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module children
+first (post-order, the order in which constructors initialize: a module's children exist before its own
+``reset_parameters`` runs, and the order of transformers' ``initialize_weights``); the tensors of a module outside the
+blocks are made in memory (they stay there), a block's parameters are made, filled, written out and released (two block
+writes in flight at most). Values come from a checkpoint (``CheckpointReader.read_into``: safetensors through the
+async-IO op, torch.save by mmap) or, for tensors it lacks or without one, from an initializer called per module owning
+such tensors, in that walk order: ``init(module)`` (e.g. a Hugging Face model's ``_init_weights``) or else the module's
+own ``reset_parameters()`` (``_reset_parameters()`` where that is torch's name, as in ``nn.MultiheadAttention``). A
+module that owns no tensor itself is not called: re-initializations a parent makes of its children's tensors
+(``nn.Transformer``'s ``_reset_parameters``) are not repeated, so such a model gets other (equally distributed) values
+than in memory.
 
 Nothing is left unset silently: floating-point tensors made here are filled with NaN before initialization and any
 NaN left afterwards is an error naming the tensor; integer tensors that are on meta and not in the checkpoint are
