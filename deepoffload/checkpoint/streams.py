@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import AioConfig
+from ..errors import ClosedError
 from ..io.handle import AsyncIOHandle
 from ..io.staged_file import StagedReader, StagedWriter, StagingPool
 
@@ -119,7 +120,7 @@ class DirectWriter(io.RawIOBase):
         if self.error is not None:
             return nbytes
         if self.closed:
-            raise ValueError(f"write to closed DirectWriter of {self.path}")
+            raise ClosedError(f"write to closed DirectWriter of {self.path}")
         try:
             self._staged.write(address_of(source), nbytes)
         except OSError:

@@ -10,6 +10,7 @@ so the caller may change its tensors while the records are written (asynchronous
 from __future__ import annotations
 
 import ctypes
+import errno
 import io
 import os
 import pickle
@@ -22,7 +23,7 @@ import torch.serialization
 
 from ..io.buffers import aligned_empty
 from ..io.crc import crc32
-from ..swap.tensor_swapper import ChecksumError
+from ..errors import ChecksumError
 from .streams import DirectWriter
 
 Data = Union[bytes, str, torch.UntypedStorage]
@@ -294,7 +295,8 @@ class ZipChecksums:
                 self._records[info.header_offset + 30 + name_bytes + extra_bytes] = info
         unrecorded = [i.filename for i in self._records.values() if i.CRC == 0 and i.file_size > 0]
         if unrecorded:
-            raise ChecksumError(f"{path}: no checksums were recorded (saved with checksum=False or with torch's "
+            raise ChecksumError(errno.EIO,
+                                f"{path}: no checksums were recorded (saved with checksum=False or with torch's "
                                 f"crc32 option off; first record without one: {unrecorded[0]}); load it with "
                                 f"checksum=False")
         self._verified: set[int] = set()
@@ -309,7 +311,8 @@ class ZipChecksums:
         """Check every record against ``data``, the whole file's bytes."""
         for offset, info in self._records.items():
             if offset + info.file_size > data.numel():
-                raise ChecksumError(f"{self.path}: record {info.filename} ends at byte {offset + info.file_size}, "
+                raise ChecksumError(errno.EIO,
+                                    f"{self.path}: record {info.filename} ends at byte {offset + info.file_size}, "
                                     f"past the end of the file ({data.numel()} bytes): the checkpoint is truncated")
             if info.file_size:
                 piece = (ctypes.c_char * info.file_size).from_address(data.data_ptr() + offset)
@@ -327,7 +330,8 @@ class ZipChecksums:
 
     def _check(self, info: zipfile.ZipInfo, crc: int) -> None:
         if crc != info.CRC:
-            raise ChecksumError(f"{self.path}: record {info.filename} ({info.file_size} bytes) has CRC-32 "
+            raise ChecksumError(errno.EIO,
+                                f"{self.path}: record {info.filename} ({info.file_size} bytes) has CRC-32 "
                                 f"{crc:#010x}, the file recorded {info.CRC:#010x}: the checkpoint is corrupted")
 
 
