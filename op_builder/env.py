@@ -52,6 +52,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("CPATH", "text", "", "extra include folders (read by the compiler itself)"),
     Variable("LIBRARY_PATH", "text", "", "extra library folders (read by the compiler; also used for rpaths)"),
     Variable("CONDA_PREFIX", "path", None, "an active conda environment: its include/ and lib/ are used"),
+    # torch's own, read as torch.load reads them so deepoffload.load resolves weights_only as torch.load does
+    Variable("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "text", "0", "torch.load's: weights_only=True forced (1, y, yes, true)"),
+    Variable("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "text", "0",
+             "torch.load's: weights_only=False unless asked for (1, y, yes, true)"),
 )}
 TOOLCHAIN = ("CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "CPATH", "LIBRARY_PATH", "CONDA_PREFIX")
 

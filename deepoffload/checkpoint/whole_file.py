@@ -19,6 +19,9 @@ import torch
 import torch.serialization as ts
 
 from ..io.handle import AsyncIOHandle
+from ..op_builder import env
+
+TORCH_TRUE = ("1", "y", "yes", "true")  # the values torch.load takes as set for its TORCH_FORCE_* variables
 
 HUGE_PAGE = 2 << 20  # bytes; buffers are aligned to it so transparent huge pages can back them
 
@@ -84,8 +87,8 @@ def weights_only_default(weights_only: bool | None, pickle_module: Any) -> bool:
     explicit = weights_only is not None
     if not explicit:
         weights_only = ts._default_to_weights_only(pickle_module)
-    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
-    force_not = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+    force = str(env.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")).lower() in TORCH_TRUE
+    force_not = str(env.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")).lower() in TORCH_TRUE
     if force and not force_not:
         return True
     if force_not and not force and not explicit:
