@@ -64,6 +64,19 @@ def placeholder(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return torch.empty(0, dtype=dtype or like.dtype, device=like.device)
 
 
+def own_dtype_parameters(module: nn.Module, compute_dtype: torch.dtype | None) -> set[int]:
+    """ids of the parameters that keep their own dtype under ``compute_dtype``: those of submodules holding
+    floating-point buffers of another dtype (BatchNorm running statistics), which compute in mixed precision (inputs
+    in ``compute_dtype``, statistics and affine parameters in theirs), as ``torch.autocast`` runs them."""
+    if compute_dtype is None:
+        return set()
+    own = set()
+    for sub in module.modules():
+        if any(b.is_floating_point() and b.dtype != compute_dtype for b in sub.buffers(recurse=False)):
+            own.update(id(p) for p in sub.parameters(recurse=False))
+    return own
+
+
 class Block:
     """One block's parameters, their residency and the IO that holds their memory (``read`` while READING or
     RESIDENT, ``write`` while WRITING)."""
@@ -74,15 +87,15 @@ class Block:
         named = list(module.named_parameters())
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        if compute_dtype is None:
-            self.masters = list(self.params)
-        else:
-            self.masters = [nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in self.params]
+        own = own_dtype_parameters(module, compute_dtype)
+        # a parameter computing in another dtype than its master's gets a compute copy; the others are their master
+        self.masters = [p if compute_dtype is None or id(p) in own else
+                        nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.compute_dtype = compute_dtype
         self.nbytes = nbytes(self.masters)
-        self.compute_nbytes = 0 if compute_dtype is None else \
-            sum(p.numel() for p in self.params) * torch.empty(0, dtype=compute_dtype).element_size()
+        self.compute_nbytes = sum(p.numel() * torch.empty(0, dtype=compute_dtype).element_size()
+                                  for p, m in zip(self.params, self.masters) if m is not p)
         self.trainable = any(p.requires_grad for p in self.params)
         self.state = Residency.RESIDENT  # until offload_parameters has written it (see ``written_out``)
         self.read: SwapIn | None = None
@@ -126,7 +139,7 @@ class Block:
 
     def clear_data(self) -> None:
         for param, master in zip(self.params, self.masters):
-            param.data = placeholder(param, self.compute_dtype)
+            param.data = placeholder(param, None if master is param else self.compute_dtype)
             if master is not param:
                 master.data = placeholder(master)
 
