@@ -79,11 +79,14 @@ def train(model: nn.Module, step, x: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("mode", ["fused", "grads"])
 @pytest.mark.parametrize("kwargs", [dict(dropout=0.2), dict(order=(0, 1, 0, 2)), dict(wrap="non-reentrant"),
-                                    dict(wrap="reentrant")], ids=["bn-dropout", "order-0-1-0", "checkpoint",
-                                                                   "checkpoint-reentrant"])
+                                    dict(wrap="reentrant"), dict(order=(0, 1, 0, 2), wrap="non-reentrant"),
+                                    dict(order=(0, 1, 0, 2), wrap="reentrant")],
+                         ids=["bn-dropout", "order-0-1-0", "checkpoint", "checkpoint-reentrant",
+                              "checkpoint-0-1-0", "checkpoint-reentrant-0-1-0"])
 def test_training_bit_identical_with_side_effects(scratch, mode, kwargs):
     """BatchNorm statistics and num_batches_tracked advance once per forward; dropout masks match; blocks called
-    out of order or inside torch.utils.checkpoint step once per step."""
+    out of order or inside torch.utils.checkpoint step once per step (a block called twice inside a reentrant
+    checkpoint is back-propagated in two nested passes: in fused mode it steps in step())."""
     reference, model = pair(**kwargs)
     optimizer = adam(reference.parameters())
     with offload_parameters(model, str(scratch), mode=mode, optimizer=adam) as offload:

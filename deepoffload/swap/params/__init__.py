@@ -28,9 +28,12 @@ entries the forward added are detached from the block's graph); caches updated i
 refused in a forward with gradients enabled. A block's gradients are complete when no other of its calls will be
 back-propagated in the backward under way (asked of the autograd engine), so blocks called out of order (0, 1, 0),
 inside ``torch.utils.checkpoint`` (either kind), or forwards that are never back-propagated (validation without
-``torch.no_grad()``) step exactly once. Backward through a forward made before the block's last optimizer step is
-refused (RuntimeError), as is a block's backward without ``optimizer=`` when its parameters need gradients; the
-forward itself works (an eval call without ``torch.no_grad()``).
+``torch.no_grad()``) step exactly once. A reentrant checkpoint back-propagates each call of a block in a nested
+pass of its own, which cannot tell whether another call of the block is still to come: in fused mode such blocks
+keep their gradients in memory and step in ``step()`` (``use_reentrant=False`` keeps fused mode memory-minimal).
+Backward through a forward made before the block's last optimizer step is refused (RuntimeError), as is a block's
+backward without ``optimizer=`` when its parameters need gradients; the forward itself works (an eval call without
+``torch.no_grad()``).
 
 Gradients never pile up. Once a block's gradients are complete (after its last backward in the pass):
 - ``mode="fused"`` (memory-minimal): the block's optimizer step runs right away inside backward, its optimizer state

@@ -219,7 +219,8 @@ class ParameterOffload:
         if block.index not in self._upcoming(block.index, "forward", training):
             self.store.release(block)
 
-    def before_backward(self, call: BlockCall, last: bool) -> None:
+    def before_backward(self, call: BlockCall, last: bool) -> bool:
+        """Check the backward may run; return whether the block's gradients are complete after it."""
         block = call.block
         if call.steps != block.steps:
             raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
@@ -229,7 +230,10 @@ class ParameterOffload:
             raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
                                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
                                f"parameters (requires_grad_(False))")
+        if last and call.nested and self.training.defers_nested:
+            last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
+        return last
 
     def after_backward(self, block: Block, last: bool) -> None:
         if last:

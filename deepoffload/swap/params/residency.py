@@ -106,6 +106,7 @@ class Block:
         self.calls: weakref.WeakSet = weakref.WeakSet()  # training calls whose backward has not run yet
         self.steps = 0  # optimizer steps of this block so far
         self.stepped = False  # fused mode: stepped since the last ``ParameterOffload.step()``
+        self.deferred = False  # fused mode: its gradients (``partial``) wait for ``ParameterOffload.step()``
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
