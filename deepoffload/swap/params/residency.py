@@ -26,6 +26,7 @@ from torch import nn
 
 from ..pool import round_up
 from ..tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
+from .placeholders import plain, streamed
 
 
 class Residency(enum.Enum):
@@ -107,6 +108,10 @@ class Block:
         self.steps = 0  # optimizer steps of this block so far
         self.stepped = False  # fused mode: stepped since the last ``ParameterOffload.step()``
         self.deferred = False  # fused mode: its gradients (``partial``) wait for ``ParameterOffload.step()``
+        self.grads_stored = False  # grads mode: its gradients are on storage, waiting for ``step()``
+        self.exporting = 0  # inside ``module.state_dict()`` of the block (its hooks put the real weights in)
+        self.discarded = False  # ``close(restore=False)`` dropped its values
+        self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
@@ -123,6 +128,15 @@ class Block:
         """The parameters hold real values (RESIDENT or KEPT)."""
         return self.state in (Residency.RESIDENT, Residency.KEPT)
 
+    def grads_away(self) -> str | None:
+        """Where the block's gradients are when not on its parameters' ``.grad`` until ``step()``; None when
+        ``.grad`` tells the truth."""
+        if self.stepped:
+            return "already applied by the block's optimizer step inside backward (fused mode)"
+        if self.grads_stored or self.grads or self.partial:
+            return "kept by deepoffload (on storage or in its own memory) for the step"
+        return None
+
     def resident_bytes(self) -> int:
         held = self.state is not Residency.ON_STORAGE
         return (self.nbytes if held else 0) + (self.compute_nbytes if self.in_memory else 0)
@@ -132,6 +146,7 @@ class Block:
         """Point the parameters at ``tensors`` (master values; compute copies are cast from them)."""
         for name, param, master in zip(self.names, self.params, self.masters):
             tensor = tensors[name]
+            plain(param)
             if master is param:
                 param.data = tensor
             else:
@@ -139,10 +154,12 @@ class Block:
                 param.data = tensor.to(self.compute_dtype)
 
     def clear_data(self) -> None:
-        for param, master in zip(self.params, self.masters):
+        """Point the parameters at placeholders; they are ``StreamedParameter`` until ``set_data``."""
+        for name, param, master in zip(self.names, self.params, self.masters):
             param.data = placeholder(param, None if master is param else self.compute_dtype)
             if master is not param:
                 master.data = placeholder(master)
+            streamed(param, self, name)
 
     def stash_grads(self) -> None:
         """Take ``param.grad`` off the parameters before they are released (an optimizer must not see gradients

@@ -53,7 +53,7 @@ class Training:
     def zero_grad(self) -> None:
         """Drop every gradient of the blocks, in memory and on storage."""
         for block in self.store.blocks:
-            block.grads, block.partial, block.deferred = {}, {}, False
+            block.grads, block.partial, block.deferred, block.grads_stored = {}, {}, False, False
             for param in block.params:
                 param.grad = None
 
@@ -180,6 +180,7 @@ class Grads(Training):
                 finally:
                     read.release()
             write = self.swapper.swap_out({block.grad_group: grads})
+            block.grads_stored = True
             self.grad_writes.append((block, write, grads))
             self.store.grad_bytes = nbytes(grads.values())
             self.store.note_peak()
@@ -255,6 +256,7 @@ class Grads(Training):
                         read.release()
                 if discard:
                     self.swapper.discard(block.grad_group)
+                    block.grads_stored = False
                 start(k + 1 + self.prefetch)
         finally:
             for read in reads.values():
