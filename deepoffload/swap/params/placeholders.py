@@ -16,7 +16,8 @@ one by one would silently see no weights in the placeholders, so a ``StreamedPar
   ``is_leaf``), which would never see its gradients: pass ``optimizer=`` to ``offload_parameters`` instead;
 - refuses ``p.grad`` while the block's gradients are elsewhere until ``step()`` (applied inside backward in fused
   mode, on storage in grads mode), where ``clip_grad_norm_(model.parameters())`` or gradient logging would read
-  None; outside that window ``p.grad`` is what it says (None).
+  None (``trainer_arguments``' callback lets it read None during a ``Trainer`` run, whose logged norm then covers
+  the parameters in memory only); outside that window ``p.grad`` is what it says (None).
 
 deepoffload's own code runs inside ``internal()``, where nothing is checked."""
 
