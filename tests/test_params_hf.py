@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from deepoffload.swap.params import offload_parameters  # noqa: E402
+from deepoffload.swap.params import StreamedParameter, offload_parameters  # noqa: E402
 from stepping import offload_step, reference_step  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -124,8 +124,9 @@ def test_save_pretrained_holds_the_trained_weights(scratch, tmp_path, name):
     with offload_parameters(model, str(scratch), optimizer=adam) as offload:
         train(model, offload_step(offload), ids, steps=2), train(reference, reference_step(optimizer), ids, steps=2)
         model.save_pretrained(tmp_path / "saved")
-        assert all(p.numel() == 0 for p in model.base_model.get_submodule("layers" if name == "llama" else "h")
-                   .parameters())  # still streamed: the checkpoint was read from storage
+        assert all(isinstance(p, StreamedParameter) for p in model.base_model.get_submodule(
+            "layers" if name == "llama" else "h").parameters())  # still streamed: the checkpoint was read from storage
+        assert offload.stats.resident_bytes == 0
     loaded = type(reference).from_pretrained(tmp_path / "saved")
     assert states_equal(loaded.state_dict(), reference.state_dict())
 

@@ -79,16 +79,20 @@ def train(model: nn.Module, step, x: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("mode", ["fused", "grads"])
 @pytest.mark.parametrize("kwargs", [dict(dropout=0.2), dict(order=(0, 1, 0, 2)), dict(wrap="non-reentrant"),
-                                    dict(wrap="reentrant")], ids=["bn-dropout", "order-0-1-0", "checkpoint",
-                                                                   "checkpoint-reentrant"])
+                                    dict(wrap="reentrant"), dict(order=(0, 1, 0, 2), wrap="non-reentrant"),
+                                    dict(order=(0, 1, 0, 2), wrap="reentrant")],
+                         ids=["bn-dropout", "order-0-1-0", "checkpoint", "checkpoint-reentrant",
+                              "checkpoint-0-1-0", "checkpoint-reentrant-0-1-0"])
 def test_training_bit_identical_with_side_effects(scratch, mode, kwargs):
     """BatchNorm statistics and num_batches_tracked advance once per forward; dropout masks match; blocks called
-    out of order or inside torch.utils.checkpoint step once per step."""
+    out of order or inside torch.utils.checkpoint step once per step (a block called twice inside a reentrant
+    checkpoint is back-propagated in two nested passes: in fused mode it steps in step())."""
     reference, model = pair(**kwargs)
     optimizer = adam(reference.parameters())
     with offload_parameters(model, str(scratch), mode=mode, optimizer=adam) as offload:
         for x in batches(3):
             assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
+            assert not any(b.calls for b in offload.blocks)  # no call left pending from one step to the next
         assert states_equal(model.state_dict(), reference.state_dict())
         model.eval(), reference.eval()
         with torch.no_grad():
@@ -175,7 +179,7 @@ def test_module_state_dict_holds_the_weights(scratch):
     state = model.state_dict()
     assert states_equal(state, reference.state_dict())
     assert offload.stats.resident_bytes == 0  # read block by block, released again
-    assert all(p.numel() == 0 for p in model.blocks.parameters())
+    assert [p.shape for p in model.parameters()] == [p.shape for p in reference.parameters()]  # (as stored)
     offload.close()  # the default restores: the trained weights stay in the model
     assert states_equal(model.state_dict(), reference.state_dict())
     assert torch.equal(model(x), reference(x))
@@ -231,3 +235,41 @@ def test_torch_compile_runs_blocks_eagerly(scratch):
     with offload_parameters(model, str(scratch)), torch.no_grad():
         model.eval(), reference.eval()
         assert torch.equal(torch.compile(model)(x), reference(x))
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_compute_dtype_with_batchnorm_in_a_block(scratch, mode):
+    """compute_dtype=bf16 with a BatchNorm inside each block: the BatchNorm keeps its fp32 weights and running
+    statistics and runs in mixed precision (bf16 input), the linear layers compute with bf16 copies of their fp32
+    masters; training equals an in-memory model doing the same casts, statistics advance once per forward."""
+
+    class CastLinear(nn.Linear):
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight.to(torch.bfloat16), self.bias.to(torch.bfloat16))
+
+    class Cast(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x.to(torch.bfloat16)).to(x.dtype)
+
+    reference, model = pair()
+    for unit in reference.blocks:
+        linear = unit.linear
+        unit.linear = CastLinear(linear.in_features, linear.out_features)
+        unit.linear.load_state_dict(linear.state_dict())
+    reference.blocks = nn.ModuleList([Cast(b) for b in reference.blocks])
+    optimizer = adam(reference.parameters())
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, compute_dtype=torch.bfloat16) as offload:
+        assert model.blocks[0].norm.weight.dtype == torch.float32
+        assert model.blocks[0].linear.weight.dtype == torch.bfloat16  # (its compute copy's dtype)
+        for x in batches(3):
+            assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
+        expected = {k.replace(".inner.", "."): v for k, v in reference.state_dict().items()}
+        assert states_equal(model.state_dict(), expected)
+        assert model.blocks[0].norm.num_batches_tracked.item() == 3
+        model.eval(), reference.eval()
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))

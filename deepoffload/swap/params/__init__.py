@@ -28,9 +28,12 @@ entries the forward added are detached from the block's graph); caches updated i
 refused in a forward with gradients enabled. A block's gradients are complete when no other of its calls will be
 back-propagated in the backward under way (asked of the autograd engine), so blocks called out of order (0, 1, 0),
 inside ``torch.utils.checkpoint`` (either kind), or forwards that are never back-propagated (validation without
-``torch.no_grad()``) step exactly once. Backward through a forward made before the block's last optimizer step is
-refused (RuntimeError), as is a block's backward without ``optimizer=`` when its parameters need gradients; the
-forward itself works (an eval call without ``torch.no_grad()``).
+``torch.no_grad()``) step exactly once. A reentrant checkpoint back-propagates each call of a block in a nested
+pass of its own, which cannot tell whether another call of the block is still to come: in fused mode such blocks
+keep their gradients in memory and step in ``step()`` (``use_reentrant=False`` keeps fused mode memory-minimal).
+Backward through a forward made before the block's last optimizer step is refused (RuntimeError), as is a block's
+backward without ``optimizer=`` when its parameters need gradients; the forward itself works (an eval call without
+``torch.no_grad()``).
 
 Gradients never pile up. Once a block's gradients are complete (after its last backward in the pass):
 - ``mode="fused"`` (memory-minimal): the block's optimizer step runs right away inside backward, its optimizer state
@@ -53,17 +56,21 @@ Mixed precision (``compute_dtype``): the stored parameters are the master weight
 compute with a copy cast to ``compute_dtype`` (e.g. bf16) whose gradients are cast back to the master dtype for the
 step. Parameters report ``compute_dtype`` while offloaded; a block casts its floating-point inputs to
 ``compute_dtype`` and its ``compute_dtype`` outputs back to the dtype of its first floating-point input, so an fp32
-model streams bf16 blocks. Buffers keep their dtype.
+model streams bf16 blocks. Buffers keep their dtype; submodules holding floating-point buffers of another dtype
+(BatchNorm's running statistics) keep their parameters in the master dtype and run in mixed precision, as
+``torch.autocast`` runs them.
 
 Checkpoints and the model's lifetime: ``module.state_dict()`` (hence ``save_pretrained``) holds the blocks' real
-weights, read from storage one block at a time (copies, master dtype); ``named_parameters()`` still shows the
-placeholders. ``close()`` reads every block back into memory by default (``close(restore=False)`` discards them).
+weights, read from storage one block at a time (copies, master dtype). While a block is not in memory its
+parameters are ``StreamedParameter`` (``placeholders``): shapes and counts are the stored ones, and code that would
+see the placeholders (copies or saves parameter by parameter, writes, optimizers over ``model.parameters()``,
+``p.grad`` between backward and ``step()``) raises at once saying what to use instead. ``close() reads every block back into memory by default (``close(restore=False)`` discards them).
 Moves that would change a streamed parameter (``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` on the
 module or any module holding a block) raise ValueError before anything is converted. ``torch.compile`` runs the
 streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see ``trainer``.
 
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked
-transitions), ``store`` (the blocks' IO as residency moves), ``schedule`` (prefetch order), ``recompute`` (the
+transitions), ``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves), ``schedule`` (prefetch order), ``recompute`` (the
 autograd function), ``side_effects`` (what recomputation must not repeat), ``training`` (fused and grads modes,
 clipping), ``offload`` (``ParameterOffload``, the public entry point), ``blocks`` (the default block rule),
 ``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize``
@@ -72,8 +79,9 @@ clipping), ``offload`` (``ParameterOffload``, the public entry point), ``blocks`
 
 from .blocks import find_blocks
 from .offload import MODES, OffloadStats, OptimizerFactory, ParameterOffload, offload_parameters
+from .placeholders import StreamedParameter
 from .residency import Residency, ResidencyError
 from .trainer import StreamedOptimizer, trainer_arguments
 
 __all__ = ["MODES", "OffloadStats", "OptimizerFactory", "ParameterOffload", "Residency", "ResidencyError",
-           "StreamedOptimizer", "find_blocks", "offload_parameters", "trainer_arguments"]
+           "StreamedOptimizer", "StreamedParameter", "find_blocks", "offload_parameters", "trainer_arguments"]

@@ -20,6 +20,7 @@ from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from .blocks import find_blocks
 from .materialize import Init, Materializer, check_arguments, has_meta
+from .placeholders import internal, internal_call
 from .recompute import BlockCall, Recompute
 from .residency import Block, nbytes
 from .schedule import upcoming
@@ -171,13 +172,23 @@ class ParameterOffload:
 
         block.module.forward = streamed_forward
         self._patched.append((block.module, "forward", streamed_forward))
+        self._hooks.append(block.module.register_state_dict_pre_hook(self._block_state_dict_start(block)))
         self._hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
+
+    @staticmethod
+    def _block_state_dict_start(block: Block) -> Callable:
+        def hook(module, prefix, keep_vars) -> None:
+            block.exporting += 1  # its parameters' detach() is allowed until the post hook replaces the results
+        return hook
 
     def _block_state_dict(self, block: Block) -> Callable:
         def hook(module, state_dict, prefix, local_metadata) -> None:
             # the block's parameters as stored (master values), read block by block when on storage
-            self.store.wait_write(block)
-            for name, tensor in self.store.read_copy(block).items():
+            block.exporting = max(block.exporting - 1, 0)
+            with internal():
+                self.store.wait_write(block)
+                copies = self.store.read_copy(block)
+            for name, tensor in copies.items():
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = tensor
         return hook
@@ -195,8 +206,9 @@ class ParameterOffload:
                 original = sub._apply
 
                 def guarded(fn, recurse=True, _original=original):
-                    self._check_move(fn)
-                    return _original(fn, recurse)
+                    with internal():
+                        self._check_move(fn)
+                        return _original(fn, recurse)
 
                 sub._apply = guarded
                 self._patched.append((sub, "_apply", guarded))
@@ -231,6 +243,7 @@ class ParameterOffload:
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)
 
+    @internal_call
     def acquire(self, block: Block, phase: str, training: bool) -> None:
         """Make ``block`` resident, start reading its window and release blocks outside it."""
         window = self._upcoming(block.index, phase, training)
@@ -245,11 +258,14 @@ class ParameterOffload:
         if phase == "backward":
             block.restore_grads()
 
+    @internal_call
     def after_forward(self, block: Block, training: bool) -> None:
         if block.index not in self._upcoming(block.index, "forward", training) and block.index not in self.pinned:
             self.store.release(block)
 
-    def before_backward(self, call: BlockCall, last: bool) -> None:
+    @internal_call
+    def before_backward(self, call: BlockCall, last: bool) -> bool:
+        """Check the backward may run; return whether the block's gradients are complete after it."""
         block = call.block
         if call.steps != block.steps:
             raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
@@ -259,8 +275,12 @@ class ParameterOffload:
             raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
                                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
                                f"parameters (requires_grad_(False))")
+        if last and call.nested and self.training.defers_nested:
+            last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
+        return last
 
+    @internal_call
     def after_backward(self, block: Block, last: bool) -> None:
         if last:
             self.training.after_backward(block)
@@ -268,10 +288,12 @@ class ParameterOffload:
             block.stash_grads()
             self.store.release(block)
 
+    @internal_call
     def release(self, block: Block) -> None:
         self.store.release(block)
 
     # -- steps -------------------------------------------------------------------------------------------------
+    @internal_call
     def step(self, clip_grad_norm: float | None = None, norm_type: float = 2.0) -> torch.Tensor | None:
         """Finish a training step after ``backward()``: in grads mode, stream every block through its optimizer
         step; in fused mode, wait for the blocks' write-backs. Then step the parameters outside blocks.
@@ -295,6 +317,7 @@ class ParameterOffload:
             self._rest_optimizer.step()
         return total
 
+    @internal_call
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: those outside blocks, and the blocks' gradients on storage (grads mode)."""
         self._check_open()
@@ -303,6 +326,7 @@ class ParameterOffload:
             self._rest_optimizer.zero_grad(set_to_none)
         self.training.zero_grad()
 
+    @internal_call
     def flush(self) -> None:
         """Wait for every write in flight and write out blocks kept in memory after a failed write; raise the
         first failure (those blocks stay in memory)."""
@@ -344,6 +368,7 @@ class ParameterOffload:
         """The optimizers in use (blocks, then the rest), e.g. to attach LR schedulers to each."""
         return [o for o in (self._block_optimizer, self._rest_optimizer) if o is not None]
 
+    @internal_call
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The module's ``state_dict()``: the blocks' parameters are read from storage one block at a time (copies,
         master dtype); ``module.state_dict()`` itself does the same."""
@@ -351,6 +376,7 @@ class ParameterOffload:
         self.store.wait_writes()
         return self.module.state_dict()
 
+    @internal_call
     def save(self, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
         """Write the module's state as safetensors shards with an index (Hugging Face layout, through the async-IO
         op) into the folder ``path``, reading the blocks from storage one at a time (master values), so the model is
@@ -401,6 +427,7 @@ class ParameterOffload:
 
         yield from visit(self.module, "")
 
+    @internal_call
     def close(self, restore: bool = True) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
 
@@ -423,6 +450,7 @@ class ParameterOffload:
                 self.store.wait_writes()
                 for block in self.blocks:
                     self.store.release(block)
+                    block.discarded = True
         finally:
             self._closed = True
             for hook in self._hooks:

@@ -25,7 +25,7 @@ from .side_effects import Captured, check_caches
 class Streamer(Protocol):
     def acquire(self, block: Block, phase: str, training: bool) -> None: ...
     def after_forward(self, block: Block, training: bool) -> None: ...
-    def before_backward(self, call: "BlockCall", last: bool) -> None: ...
+    def before_backward(self, call: "BlockCall", last: bool) -> bool: ...
     def after_backward(self, block: Block, last: bool) -> None: ...
     def release(self, block: Block) -> None: ...
 
@@ -46,6 +46,9 @@ class BlockCall:
         self.captured = Captured(block.module, check_caches(block.prefix, flat))
         self.steps = block.steps
         self.node: weakref.ref | None = None  # the autograd node (ctx) of this call
+        # made inside a backward pass (a reentrant torch.utils.checkpoint recomputing its segment): such a call is
+        # back-propagated in a nested pass of its own, which cannot see the block's other calls still to come
+        self.nested = torch._C._current_graph_task_id() != -1
 
     def run(self, tensors: Sequence[torch.Tensor]) -> Any:
         flat = list(self.flat)
@@ -110,7 +113,7 @@ class Recompute(torch.autograd.Function):
         inputs = detached(ctx.saved_tensors)  # (this may run torch.utils.checkpoint's recomputation first)
         block.calls.discard(call)
         last = not any(other.will_run_backward() for other in list(block.calls))
-        streamer.before_backward(call, last)
+        last = streamer.before_backward(call, last)
         streamer.acquire(block, "backward", training=True)
         try:
             cpu_state, devices, states, device_type = call.rng

@@ -27,6 +27,7 @@ from torch import nn
 from ...errors import ResidencyError
 from ..pool import round_up
 from ..tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
+from .placeholders import plain, streamed
 
 
 class Residency(enum.Enum):
@@ -61,6 +62,19 @@ def placeholder(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return torch.empty(0, dtype=dtype or like.dtype, device=like.device)
 
 
+def own_dtype_parameters(module: nn.Module, compute_dtype: torch.dtype | None) -> set[int]:
+    """ids of the parameters that keep their own dtype under ``compute_dtype``: those of submodules holding
+    floating-point buffers of another dtype (BatchNorm running statistics), which compute in mixed precision (inputs
+    in ``compute_dtype``, statistics and affine parameters in theirs), as ``torch.autocast`` runs them."""
+    if compute_dtype is None:
+        return set()
+    own = set()
+    for sub in module.modules():
+        if any(b.is_floating_point() and b.dtype != compute_dtype for b in sub.buffers(recurse=False)):
+            own.update(id(p) for p in sub.parameters(recurse=False))
+    return own
+
+
 class Block:
     """One block's parameters, their residency and the IO that holds their memory (``read`` while READING or
     RESIDENT, ``write`` while WRITING)."""
@@ -71,15 +85,15 @@ class Block:
         named = list(module.named_parameters())
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        if compute_dtype is None:
-            self.masters = list(self.params)
-        else:
-            self.masters = [nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in self.params]
+        own = own_dtype_parameters(module, compute_dtype)
+        # a parameter computing in another dtype than its master's gets a compute copy; the others are their master
+        self.masters = [p if compute_dtype is None or id(p) in own else
+                        nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.compute_dtype = compute_dtype
         self.nbytes = nbytes(self.masters)
-        self.compute_nbytes = 0 if compute_dtype is None else \
-            sum(p.numel() for p in self.params) * torch.empty(0, dtype=compute_dtype).element_size()
+        self.compute_nbytes = sum(p.numel() * torch.empty(0, dtype=compute_dtype).element_size()
+                                  for p, m in zip(self.params, self.masters) if m is not p)
         self.trainable = any(p.requires_grad for p in self.params)
         self.state = Residency.RESIDENT  # until offload_parameters has written it (see ``written_out``)
         self.read: SwapIn | None = None
@@ -90,6 +104,11 @@ class Block:
         self.calls: weakref.WeakSet = weakref.WeakSet()  # training calls whose backward has not run yet
         self.steps = 0  # optimizer steps of this block so far
         self.stepped = False  # fused mode: stepped since the last ``ParameterOffload.step()``
+        self.deferred = False  # fused mode: its gradients (``partial``) wait for ``ParameterOffload.step()``
+        self.grads_stored = False  # grads mode: its gradients are on storage, waiting for ``step()``
+        self.exporting = 0  # inside ``module.state_dict()`` of the block (its hooks put the real weights in)
+        self.discarded = False  # ``close(restore=False)`` dropped its values
+        self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
@@ -106,6 +125,15 @@ class Block:
         """The parameters hold real values (RESIDENT or KEPT)."""
         return self.state in (Residency.RESIDENT, Residency.KEPT)
 
+    def grads_away(self) -> str | None:
+        """Where the block's gradients are when not on its parameters' ``.grad`` until ``step()``; None when
+        ``.grad`` tells the truth."""
+        if self.stepped:
+            return "already applied by the block's optimizer step inside backward (fused mode)"
+        if self.grads_stored or self.grads or self.partial:
+            return "kept by deepoffload (on storage or in its own memory) for the step"
+        return None
+
     def resident_bytes(self) -> int:
         held = self.state is not Residency.ON_STORAGE
         return (self.nbytes if held else 0) + (self.compute_nbytes if self.in_memory else 0)
@@ -115,6 +143,7 @@ class Block:
         """Point the parameters at ``tensors`` (master values; compute copies are cast from them)."""
         for name, param, master in zip(self.names, self.params, self.masters):
             tensor = tensors[name]
+            plain(param)
             if master is param:
                 param.data = tensor
             else:
@@ -122,10 +151,12 @@ class Block:
                 param.data = tensor.to(self.compute_dtype)
 
     def clear_data(self) -> None:
-        for param, master in zip(self.params, self.masters):
-            param.data = placeholder(param, self.compute_dtype)
+        """Point the parameters at placeholders; they are ``StreamedParameter`` until ``set_data``."""
+        for name, param, master in zip(self.names, self.params, self.masters):
+            param.data = placeholder(param, None if master is param else self.compute_dtype)
             if master is not param:
                 master.data = placeholder(master)
+            streamed(param, self, name)
 
     def stash_grads(self) -> None:
         """Take ``param.grad`` off the parameters before they are released (an optimizer must not see gradients

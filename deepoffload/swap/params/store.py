@@ -12,6 +12,7 @@ import torch
 from ..config import SwapConfig
 from ..pool import PAGE_SIZE
 from ..tensor_swapper import SwapIn, SwapOut, TensorSwapper
+from .placeholders import plain
 from .residency import Block, Residency, span
 
 
@@ -142,6 +143,7 @@ class BlockStore:
         self.release(block)
         block.move(Residency.RESTORED)
         for name, param in zip(block.names, block.params):
+            plain(param)
             param.data = tensors[name]
 
     # -- writes -----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 optimizers, so learning-rate schedulers drive the streamed blocks too. ``trainer_arguments(offload)`` gives the
 ``optimizers=`` and ``callbacks=`` to pass to ``Trainer``; the callback refuses ``max_grad_norm > 0``, since the
 Trainer would clip only the parameters in memory (clip with ``StreamedOptimizer(offload, clip_grad_norm=...)`` in
-grads mode instead). transformers is imported only by ``trainer_arguments``."""
+grads mode instead), and lets the streamed parameters' ``.grad`` read None during training (outside a Trainer that
+read is refused until ``step()``), so the gradient norm the Trainer logs covers the parameters in memory only. transformers is imported only by ``trainer_arguments``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .offload import ParameterOffload
+from .placeholders import internal_call
 
 
 class StreamedOptimizer(torch.optim.Optimizer):
@@ -63,9 +65,11 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.offload.zero_grad(set_to_none)
 
+    @internal_call
     def state_dict(self) -> dict[str, Any]:
         return {"optimizers": [optimizer.state_dict() for optimizer in self.offload.optimizers]}
 
+    @internal_call
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         states = state_dict.get("optimizers")
         if not isinstance(states, list) or len(states) != len(self.offload.optimizers):
@@ -94,5 +98,13 @@ def trainer_arguments(offload: ParameterOffload, clip_grad_norm: float | None = 
             if args.gradient_accumulation_steps > 1 and offload.mode == "fused":
                 raise ValueError("Trainer gradient_accumulation_steps > 1 needs offload_parameters(..., "
                                  "mode=\"grads\"): in fused mode each block steps inside its backward")
+            # the Trainer logs a gradient norm over model.parameters() before each step: the streamed blocks'
+            # gradients read None there (that logged norm covers the parameters in memory only)
+            for block in offload.blocks:
+                block.grads_read_as_none = True
+
+        def on_train_end(self, args, state, control, **kwargs):
+            for block in offload.blocks:
+                block.grads_read_as_none = False
 
     return {"optimizers": (StreamedOptimizer(offload, clip_grad_norm), None), "callbacks": [StreamingCallback()]}

@@ -26,6 +26,7 @@ class Training:
     """Shared by both modes: stepping a resident block and gathering its gradients."""
 
     name = ""
+    defers_nested = False  # calls back-propagated in nested passes (reentrant checkpoint) step in step()
 
     def __init__(self, module: nn.Module, store: BlockStore, prefetch: int, rest: list[nn.Parameter],
                  block_optimizer: OffloadedOptimizer | None, rest_optimizer: OffloadedOptimizer | None):
@@ -52,7 +53,7 @@ class Training:
     def zero_grad(self) -> None:
         """Drop every gradient of the blocks, in memory and on storage."""
         for block in self.store.blocks:
-            block.grads, block.partial = {}, {}
+            block.grads, block.partial, block.deferred, block.grads_stored = {}, {}, False, False
             for param in block.params:
                 param.grad = None
 
@@ -93,7 +94,12 @@ class Training:
 
 
 class Fused(Training):
+    """Steps each block inside its last backward of the pass. A block called inside a reentrant
+    ``torch.utils.checkpoint`` is back-propagated once per call, each in a nested pass that cannot tell whether
+    another call of the block is still to come: its gradients stay in memory and it steps in ``step()``."""
+
     name = "fused"
+    defers_nested = True
 
     def before_backward(self, block: Block, last: bool) -> None:
         """Refuse a second step of the block before ``step()``; on its last backward of the pass start reading its
@@ -111,6 +117,9 @@ class Fused(Training):
         if not block.trainable:
             self.store.release(block)
             return
+        self._step(block)
+
+    def _step(self, block: Block) -> None:
         block.stepped = True
         grads = self.block_grads(block)
         self.store.grad_bytes = nbytes(grads.values())
@@ -127,6 +136,19 @@ class Fused(Training):
             raise ValueError("step(clip_grad_norm=...): clipping by the global gradient norm is impossible in "
                              "fused mode (each block already stepped inside backward, before the other blocks' "
                              "gradients existed); use offload_parameters(..., mode=\"grads\") to clip")
+        deferred = [b for b in self.store.blocks if b.deferred]
+        for k, block in enumerate(deferred):
+            block.deferred = False
+            if not block.trainable:
+                block.partial = {}
+                continue
+            self.store.start_read(block)
+            self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+            if k + 1 < len(deferred):
+                self.store.start_read(deferred[k + 1])
+            self.store.materialize(block)
+            block.restore_grads()
+            self._step(block)
         return None, None
 
 
@@ -158,6 +180,7 @@ class Grads(Training):
                 finally:
                     read.release()
             write = self.swapper.swap_out({block.grad_group: grads})
+            block.grads_stored = True
             self.grad_writes.append((block, write, grads))
             self.store.grad_bytes = nbytes(grads.values())
             self.store.note_peak()
@@ -233,6 +256,7 @@ class Grads(Training):
                         read.release()
                 if discard:
                     self.swapper.discard(block.grad_group)
+                    block.grads_stored = False
                 start(k + 1 + self.prefetch)
         finally:
             for read in reads.values():

@@ -1,0 +1,214 @@
+"""What a block's parameter is while it is streamed: a ``StreamedParameter``.
+
+While a block's values are not in memory (on storage, being read or written) each of its parameters holds a
+0-element placeholder and its class is ``StreamedParameter`` (an ``nn.Parameter`` subclass: identity, name,
+``requires_grad`` and hooks are kept); while the block is in memory it is a plain ``nn.Parameter`` again, so the
+block computes exactly as in memory (no ``__torch_function__`` in its kernels' way). Code that handles parameters
+one by one would silently see no weights in the placeholders, so a ``StreamedParameter``:
+
+- answers metadata truthfully: ``dtype``, ``device``, ``requires_grad``, and ``shape``, ``size()``, ``numel()``,
+  ``dim()`` as stored (so ``sum(p.numel() for p in model.parameters())`` counts the real parameters);
+- refuses at once, naming the pattern and what to use instead: reads of its values (``{n: p.detach().clone() for
+  n, p in model.named_parameters()}``, ``torch.save`` of parameters, EMA copies, ``parameters_to_vector``, ...):
+  ``model.state_dict()`` holds the real weights, read one block at a time; writes (``p.data``, in-place ops such
+  as ``copy_`` in ``load_state_dict``, ``nn.init``), which would never reach storage; ``copy.deepcopy`` (the copy
+  would still stream through this model's offload); an optimizer built over it (``torch.optim`` checks
+  ``is_leaf``), which would never see its gradients: pass ``optimizer=`` to ``offload_parameters`` instead;
+- refuses ``p.grad`` while the block's gradients are elsewhere until ``step()`` (applied inside backward in fused
+  mode, on storage in grads mode), where ``clip_grad_norm_(model.parameters())`` or gradient logging would read
+  None (``trainer_arguments``' callback lets it read None during a ``Trainer`` run, whose logged norm then covers
+  the parameters in memory only); outside that window ``p.grad`` is what it says (None).
+
+deepoffload's own code runs inside ``internal()``, where nothing is checked."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .residency import Block
+
+_local = threading.local()
+
+# attributes and methods that tell nothing about the values and change none of them
+_METADATA = frozenset({
+    "dtype", "device", "layout", "requires_grad", "requires_grad_", "grad_fn", "retains_grad", "is_cuda", "is_cpu",
+    "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps", "is_floating_point",
+    "is_complex", "is_signed", "element_size", "itemsize", "get_device", "names", "name", "register_hook",
+    "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks", "_is_view",
+})
+_SHAPE = frozenset({"shape", "size", "numel", "nelement", "dim", "ndim", "ndimension"})
+
+
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """deepoffload's own handling of streamed parameters: nothing is checked inside."""
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    try:
+        yield
+    finally:
+        _local.depth = depth
+
+
+def internal_call(method: Callable) -> Callable:
+    """``method`` run inside ``internal()``."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with internal():
+            return method(*args, **kwargs)
+    return run
+
+
+def _checking() -> bool:
+    return getattr(_local, "depth", 0) == 0
+
+
+class StreamedParameter(nn.Parameter):
+    """A block parameter while ``offload_parameters`` streams it (see the module docstring). ``_streamed`` is its
+    (block, name within the block)."""
+
+    _streamed: tuple[Block, str]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _checking():
+            answered, value = _check(func, args, kwargs)
+            if answered:
+                return value
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        if _checking():
+            raise RuntimeError(_message(self, "copy.deepcopy", "copy"))
+        with internal():
+            return nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+
+    def __reduce_ex__(self, proto):
+        if _checking():
+            raise RuntimeError(_message(self, "pickling it (torch.save)", "read"))
+        with internal():  # a plain Parameter of its values, as nn.Parameter pickles
+            return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
+
+    def __repr__(self) -> str:
+        block, name = self._streamed
+        return (f"StreamedParameter(shape={tuple(block.shapes[block.names.index(name)])}, dtype={self.dtype}, "
+                f"{block.qualified(name)} {block.state.value})")
+
+
+def streamed(param: nn.Parameter, block: Block, name: str) -> None:
+    """Make ``param`` (of ``block``, called ``name`` there), now holding a placeholder, a ``StreamedParameter``."""
+    param.__class__ = StreamedParameter
+    param._streamed = (block, name)
+
+
+def plain(param: nn.Parameter) -> None:
+    """Make a ``StreamedParameter`` an ``nn.Parameter`` again (its block is in memory, or offloading ended)."""
+    if type(param) is StreamedParameter:
+        param.__class__ = nn.Parameter
+        del param._streamed
+
+
+def _attribute(func: Callable) -> str:
+    """The attribute or method ``func`` is (``Tensor.grad.__get__`` -> "grad", ``Tensor.detach`` -> "detach")."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _streamed_in(values: Any) -> list[StreamedParameter]:
+    found = []
+    for value in values:
+        if isinstance(value, StreamedParameter):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, StreamedParameter))
+    return found
+
+
+def _shape_answer(param: StreamedParameter, attribute: str, args: tuple, kwargs: dict) -> Any:
+    block, name = param._streamed
+    shape = torch.Size(block.shapes[block.names.index(name)])
+    if attribute == "shape":
+        return shape
+    if attribute == "size":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return shape if dim is None else shape[dim]
+    if attribute in ("numel", "nelement"):
+        return math.prod(shape)
+    return len(shape)  # dim, ndim, ndimension
+
+
+def _check(func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """(True, value) to answer ``func`` without running it; (False, None) to run it; raises to refuse it."""
+    attribute = _attribute(func)
+    if attribute in _METADATA:
+        return False, None
+    target = args[0] if args else None
+    if attribute in _SHAPE:
+        if isinstance(target, StreamedParameter):
+            return True, _shape_answer(target, attribute, args, kwargs)
+        return False, None
+    if attribute == "grad":
+        if isinstance(target, StreamedParameter):
+            block = target._streamed[0]
+            where = block.grads_away()
+            if where is not None and not block.grads_read_as_none:
+                raise RuntimeError(_grad_message(target, where))
+        return False, None
+    if attribute == "is_leaf" and isinstance(target, StreamedParameter):
+        raise RuntimeError(_message(target, "an optimizer over it", "optimizer"))
+    written = _streamed_in([target]) if attribute == "data" or (attribute.endswith("_") and
+                                                              not attribute.startswith("__")) else []
+    if written:
+        raise RuntimeError(_message(written[0], f"{attribute} on it", "write"))
+    if attribute == "detach" and isinstance(target, StreamedParameter) and target._streamed[0].exporting:
+        return False, None  # module.state_dict(): the block's hook puts the real weights in its place
+    for param in _streamed_in(args) + _streamed_in(kwargs.values()):
+        raise RuntimeError(_message(param, f"{attribute or func}", "read"))
+    return False, None
+
+
+def _message(param: StreamedParameter, what: str, kind: str) -> str:
+    block, name = param._streamed
+    where = f"parameter {block.qualified(name)} is streamed by offload_parameters()"
+    if block.discarded:
+        return (f"{where} and its values were discarded by close(restore=False), so {what} would see no weights; "
+                f"close(restore=True) (the default) keeps them")
+    if kind == "read":
+        return (f"{where} and its values are on storage now (the parameter holds a 0-element placeholder), so "
+                f"{what} would see no weights. Copying or saving parameters one by one ({{n: p.detach().clone() for "
+                f"n, p in model.named_parameters()}}, torch.save of parameters, EMA copies, parameters_to_vector) "
+                f"cannot work on a streamed model: use model.state_dict() (the real weights, read one block at a "
+                f"time; save_pretrained uses it too), or off.close() to have them in memory again")
+    if kind == "write":
+        return (f"{where}: {what} would change values that live on storage and are read again before each use, so "
+                f"the change would be lost. Change or load weights (load_state_dict, nn.init, p.data = ...) before "
+                f"offload_parameters() or after off.close()")
+    if kind == "copy":
+        return (f"{where}: {what} of a streamed model or parameter would keep streaming through this model's "
+                f"offload. Copy the weights with model.state_dict() (e.g. into a fresh model with "
+                f"load_state_dict) or copy the model before offload_parameters()")
+    return (f"{where}: {what} (a torch.optim optimizer built over model.parameters() after offloading) would never "
+            f"see the streamed blocks' gradients, which offload_parameters steps itself. Pass optimizer=<factory> "
+            f"to offload_parameters(...) and call off.step(); an optimizer for other parameters must leave out "
+            f"StreamedParameter instances")
+
+
+def _grad_message(param: StreamedParameter, where: str) -> str:
+    block, name = param._streamed
+    return (f"parameter {block.qualified(name)} is streamed by offload_parameters(): its gradient is {where} until "
+            f"off.step(), so p.grad would say None. This is what torch.nn.utils.clip_grad_norm_(model.parameters()), "
+            f"gradient logging, model.zero_grad() or an optimizer over model.parameters() read: clip with "
+            f"off.step(clip_grad_norm=...) in mode=\"grads\", and zero with off.zero_grad()")
