@@ -28,11 +28,15 @@ class BufferPool:
         self._free: list[torch.Tensor] = []
         self._pooled: set[int] = set()  # data_ptr of every pooled buffer, free or in use
 
-    def try_acquire(self, nbytes: int) -> torch.Tensor | None:
-        """A buffer of at least ``nbytes`` bytes, or None when all pooled buffers are in use. Larger requests
-        than ``buffer_bytes`` always succeed with a one-off buffer."""
+    def try_acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A buffer of at least ``nbytes`` bytes (``prefer`` when it is a free pooled buffer), or None when all
+        pooled buffers are in use. Larger requests than ``buffer_bytes`` always succeed with a one-off buffer."""
         if nbytes > self.buffer_bytes:
             return self.one_off(nbytes)
+        if prefer is not None:
+            for i, buffer in enumerate(self._free):
+                if buffer is prefer:
+                    return self._free.pop(i)
         if self._free:
             return self._free.pop()
         if len(self._pooled) < self.count:
@@ -53,6 +57,10 @@ class BufferPool:
     def forget(self, buffer: torch.Tensor) -> None:
         """Stop pooling ``buffer`` (its views live on and free it when they die); a new one replaces it."""
         self._pooled.discard(buffer.data_ptr())
+
+    def pooled(self, buffer: torch.Tensor | None) -> bool:
+        """True when ``buffer`` is one of the pool's buffers (not a one-off, not forgotten)."""
+        return buffer is not None and buffer.data_ptr() in self._pooled
 
     def held_bytes(self) -> int:
         """Bytes of pooled buffers made so far (free or in use)."""
