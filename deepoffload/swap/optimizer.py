@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .config import SwapConfig
-from .pool import PAGE_SIZE
+from .pool import PAGE_SIZE, trim_heap
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
 
 UNSUPPORTED = (torch.optim.LBFGS,)
@@ -172,6 +172,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._backward: _BackwardSteps | None = None  # step_in_backward's plan and progress, when on
         self._plans: dict[tuple, list[_Chunk]] = {}  # chunk plans made at ``_plans_version`` of the swapper
         self._plans_version = -1
+        self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -247,7 +248,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._backward.finish()
             return loss
         with _intra_op_threads(self._compute_threads):
-            self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
+            read_before = self.swapper.bytes_read
+            try:
+                self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
+            finally:
+                self._trim(read_before)
         return loss
 
     def step_in_backward(self, enabled: bool = True) -> None:
@@ -412,6 +417,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
 
+    def _trim(self, read_before: int) -> None:
+        """Return freed heap pages to the system (see ``trim_heap``; it costs milliseconds) after state that lived
+        in ordinary memory was stored and freed, or after a step that read at least ``chunk_bytes`` of state
+        (``read_before``: ``swapper.bytes_read`` when it began), whose temporaries the heap would otherwise keep."""
+        if self._copied or self.swapper.bytes_read - read_before >= self.config.chunk_bytes:
+            self._copied = False
+            trim_heap()
+
     def _read(self, chunk: _Chunk) -> SwapIn:
         has = self.swapper.has
         return self.swapper.swap_in([name for name in chunk.names if has(name)])
@@ -427,6 +440,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if write is not None:
             return write
         state = self.optimizer.state
+        self._copied = True
         written = {}
         for p in chunk:
             values = state.get(p)
@@ -446,7 +460,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if param not in written:                 # nothing behind on storage
                     self.swapper.discard(name)
         names = self._names
-        return self.swapper.swap_out({names[id(p)]: t for p, t in written.items()}, on_done=drop, staged=staged)
+        write = self.swapper.swap_out({names[id(p)]: t for p, t in written.items()}, on_done=drop, staged=staged)
+        # The staging buffer now holds the bytes: the state's own tensors (e.g. made in ordinary memory by the
+        # first step) are freed now, not when the write is done; the state holds views of the buffer meanwhile.
+        for name, views in write.staged().items():
+            param = chunk.by_name[name]
+            values, tensors = state[param], written[param]
+            for key, view in views.items():
+                if values.get(key) is tensors[key]:
+                    values[key] = tensors[key] = view
+        return write
 
     def _write_back(self, chunk: _Chunk, staged: SwapIn) -> SwapOut | None:
         """The common case, cheaply: every parameter's state holds exactly the tensors read (stepped in place,
@@ -474,7 +497,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _swap_out_resident(self) -> None:
         params = [p for p in self._params() if any(_storable(v) for v in self.optimizer.state.get(p, {}).values())]
-        self._run(self._chunks(params), None)
+        try:
+            self._run(self._chunks(params), None)
+        finally:
+            self._trim(self.swapper.bytes_read)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -587,6 +613,7 @@ class _BackwardSteps:
         self.index = {id(p): k for k, chunk in enumerate(self.chunks) for p in chunk}
         self.ready = [set() for _ in self.chunks]
         self.next = 0  # reads are started for chunks from here on, in plan order
+        self.read_before = opt.swapper.bytes_read  # what this step reads is counted from here
         self._read_ahead()
 
     def _read_ahead(self) -> None:
@@ -663,6 +690,7 @@ class _BackwardSteps:
         finally:
             for write in self.writes:
                 self._collect(write)
+            opt._trim(self.read_before)
             self.writes, self.stepped = [], {}
             error, self.error = self.error, None
             opt._drop_prefetched()

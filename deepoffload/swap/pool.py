@@ -8,9 +8,34 @@ outlive their use, e.g. tensors left resident after a failed write).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+
 import torch
 
 from ..io.buffers import PAGE_SIZE, aligned_empty
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim`` from this process, or None (another C library, or not POSIX)."""
+    if os.name != "posix":
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Give the pages of freed heap memory back to the system (glibc's ``malloc_trim(0)``; elsewhere nothing).
+
+    glibc raises its mmap threshold each time a large block is freed, so large tensors freed later (e.g. state the
+    optimizer created in memory, then stored) stay in the heap as free memory the process keeps; this returns it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def round_up(nbytes: int, alignment: int = PAGE_SIZE) -> int:

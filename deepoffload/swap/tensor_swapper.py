@@ -3,7 +3,9 @@ bounded pool of aligned staging buffers.
 
 Each group is one file, or (``packed=True``) the groups of one ``swap_out`` call share one extent of a single
 pack file, written with one request, and groups read together from adjacent extents come back in one request (many
-small tensors then cost a few large transfers, not a file each). Each tensor keeps a ``SwapRecord`` (key, dtype,
+small tensors then cost a few large transfers, not a file each; packed tensors are 16-byte aligned, and a read of one
+whole extent into the buffer it was last read into hands back the same view objects, which cost microseconds each
+to make). Each tensor keeps a ``SwapRecord`` (key, dtype,
 shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are staged through a pooled buffer (a copy, so any strides,
 dtype or device work; the copy is skipped when the tensor already sits in the staging buffer where it will be
 written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until its new write has
@@ -107,8 +109,9 @@ class SwapOut:
 
     def __init__(self, swapper: "TensorSwapper", requests: list[Request], records: dict[str, dict[str, SwapRecord]],
                  buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None,
-                 extent: Extent | None = None, rewrite: bool = False):
+                 extent: Extent | None = None, rewrite: bool = False, shifts: dict[str, int] | None = None):
         self._swapper = swapper
+        self._shifts = shifts or {}  # group -> its tensors' position in the staging buffer less their file offset
         self._rewrite = rewrite  # the groups' records stay as they are (same sizes, same place)
         self._extent = extent  # packed: where these groups are being written (new, or theirs rewritten in place)
         self._requests = requests
@@ -120,6 +123,28 @@ class SwapOut:
 
     def done(self) -> bool:
         return self._result is not None or all(r.done() for r in self._requests)
+
+    def staged(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The tensors being written, as views of the staging buffer the write reads from (CPU tensors that are not
+        DTensors; others are left out), for a caller that frees its own tensors now rather than when the write is
+        done: from here on this write no longer keeps the caller's tensors alive. The views hold the same bytes;
+        they stay valid until ``on_done`` runs, and for good if the write fails (the buffer leaves the pool)."""
+        if self._result is not None or not self._buffers or not self._shifts:
+            return {}
+        buffer, typed, views = self._buffers[0], {}, {}
+        for group, records in self._records.items():
+            shift = self._shifts[group]
+            views[group] = {}
+            for key, r in records.items():
+                if r.device.type != "cpu" or r.dtensor is not None or not r.nbytes:
+                    continue
+                view = typed.get(r.dtype)
+                if view is None:
+                    view = typed[r.dtype] = buffer.view(r.dtype)
+                views[group][key] = view.as_strided(r.shape, _contiguous_strides(r.shape),
+                                                    (r.offset + shift) // r.dtype.itemsize)
+        self._sources = ()
+        return views
 
     def wait(self) -> int:
         if self._result is None:
@@ -364,17 +389,17 @@ class TensorSwapper:
             buffers = [buffer] + ([retired] if retired is not None else [])
         if self.pack is not None:
             return self._swap_out_packed(groups, layout, buffer, buffers, on_done)
-        requests, records, start = [], {}, 0
+        requests, records, start, shifts = [], {}, 0, {}
         for group, entries in layout.items():
             file = os.path.join(self.folder, f"{group}.swp")
             group_records, span = self._stage(group, entries, buffer, start, file, 0)
-            records[group] = group_records
+            records[group], shifts[group] = group_records, start
             if span:
                 requests.append(self.handle.write_async(buffer[start:start + span], file))
             else:
                 open(file, "wb").close()
             start += span
-        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done)
+        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, shifts=shifts)
         for group in records:
             self._writing[group] = write
         self._pending_out.append(write)
@@ -424,7 +449,8 @@ class TensorSwapper:
             records[group], _ = self._stage(group, entries, buffer, begin, self.pack.path, extent.offset + begin)
         requests = [self.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] \
             if total else []
-        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, extent)
+        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, extent,
+                        shifts=dict.fromkeys(records, -extent.offset))
         for group in records:
             self._writing[group] = write
         self._pending_out.append(write)
