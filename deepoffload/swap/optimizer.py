@@ -173,6 +173,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._plans: dict[tuple, list[_Chunk]] = {}  # chunk plans made at ``_plans_version`` of the swapper
         self._plans_version = -1
         self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
+        self._trimmed_at = 0  # swapper.bytes_read at the last trim
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -248,11 +249,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._backward.finish()
             return loss
         with _intra_op_threads(self._compute_threads):
-            read_before = self.swapper.bytes_read
             try:
                 self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
             finally:
-                self._trim(read_before)
+                self._trim()
         return loss
 
     def step_in_backward(self, enabled: bool = True) -> None:
@@ -390,6 +390,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 stepped = k + 1
                 writes.append(self._write(chunk, current))
                 current = None
+                self._trim()
                 pending = []
                 for write in writes:  # collect finished writes early: their memory is released sooner
                     if not write.done():
@@ -417,12 +418,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
 
-    def _trim(self, read_before: int) -> None:
-        """Return freed heap pages to the system (see ``trim_heap``; it costs milliseconds) after state that lived
-        in ordinary memory was stored and freed, or after a step that read at least ``chunk_bytes`` of state
-        (``read_before``: ``swapper.bytes_read`` when it began), whose temporaries the heap would otherwise keep."""
-        if self._copied or self.swapper.bytes_read - read_before >= self.config.chunk_bytes:
-            self._copied = False
+    def _trim(self) -> None:
+        """Return freed heap pages to the system (``trim_heap``, which costs milliseconds) once state that lived in
+        ordinary memory was stored and freed, or half of ``chunk_bytes`` of state was read since the last time.
+        Freeing such state raises glibc's mmap threshold, after which the step's temporaries come from the heap;
+        without this the heap keeps growing through the step (measured: 1 GB of Adam state, 30-40 MB more peak)."""
+        read = self.swapper.bytes_read
+        if self._copied or read - self._trimmed_at >= self.config.chunk_bytes // 2:
+            self._copied, self._trimmed_at = False, read
             trim_heap()
 
     def _read(self, chunk: _Chunk) -> SwapIn:
@@ -500,7 +503,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         try:
             self._run(self._chunks(params), None)
         finally:
-            self._trim(self.swapper.bytes_read)
+            self._trim()
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -613,7 +616,6 @@ class _BackwardSteps:
         self.index = {id(p): k for k, chunk in enumerate(self.chunks) for p in chunk}
         self.ready = [set() for _ in self.chunks]
         self.next = 0  # reads are started for chunks from here on, in plan order
-        self.read_before = opt.swapper.bytes_read  # what this step reads is counted from here
         self._read_ahead()
 
     def _read_ahead(self) -> None:
@@ -653,6 +655,7 @@ class _BackwardSteps:
             else:
                 read.release()
             raise
+        opt._trim()
         for p in chunk:
             self.stepped[id(p)] = p.grad._version
         pending = []
@@ -690,7 +693,7 @@ class _BackwardSteps:
         finally:
             for write in self.writes:
                 self._collect(write)
-            opt._trim(self.read_before)
+            opt._trim()
             self.writes, self.stepped = [], {}
             error, self.error = self.error, None
             opt._drop_prefetched()
