@@ -191,3 +191,19 @@ def test_views_are_not_reused_when_checksums_must_be_verified(scratch):
         with pytest.raises(OSError, match="checksum"):
             again.wait()
         assert first.numel() == 32
+
+
+def test_staged_views_hold_the_bytes_so_the_callers_tensors_can_go(swapper):
+    import weakref
+
+    groups = groups_of(3)
+    expected = {name: {key: value.clone() for key, value in tensors.items()} for name, tensors in groups.items()}
+    gone = weakref.ref(groups["p1"]["m"])
+    write = swapper.swap_out(groups)
+    views = write.staged()
+    assert all(torch.equal(views[n][k], expected[n][k]) for n in expected for k in expected[n])
+    del groups  # the write no longer keeps the caller's tensors alive: the staging buffer holds their bytes
+    assert gone() is None
+    write.wait()
+    back = swapper.swap_in(list(expected)).wait()
+    assert all(torch.equal(back[n][k], expected[n][k]) for n in expected for k in expected[n])
