@@ -5,7 +5,8 @@ shared disk, medians (and best-of, less sensitive to other users of the machine)
 of short offloaded and in-memory training runs for two model sizes, each in a fresh process (VmHWM; ru_maxrss where
 /proc is missing).
 
-    python benchmarks/optimizer_offload.py [--state-gb 1.0] [--rounds 3] [--folder DIR]
+    python benchmarks/optimizer_offload.py [--state-gb 1.0] [--rounds 3] [--folder DIR] [--rss-sizes 0.25,1,4]
+        [--rss-only]
 
 Target: offloaded <= 1.15 x max(in-memory step, IO time); offloaded peak RSS must not grow with the model.
 """
@@ -155,6 +156,8 @@ def peak_rss_bytes() -> int:
 
 
 def peak_rss(sizes: list[float], folder: str) -> None:
+    from deepoffload.swap.config import SwapConfig
+
     print("peak RSS over 3 steps, above params + grads (fresh process each):")
     for state_gb in sizes:
         figures = {}
@@ -163,9 +166,15 @@ def peak_rss(sizes: list[float], folder: str) -> None:
                                  capture_output=True, text=True, check=True)
             figures[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         extra = {m: (f["peak"] - f["baseline"]) / 1e6 for m, f in figures.items()}
+        state = max(1, round(state_gb * 1e9 / (8 * TENSOR_NUMEL))) * 8 * TENSOR_NUMEL / 1e6  # as make_params
+        config = SwapConfig()
+        pool = config.buffer_count * config.chunk_bytes / 1e6
+        bound = extra["in-memory"] - state + 1.1 * pool
         print(f"  state {state_gb:.2f} GB: in-memory +{extra['in-memory']:.0f} MB, "
               f"offloaded +{extra['offloaded']:.0f} MB"
-              f" (peak {figures['offloaded']['peak'] / 1e6:.0f} MB vs {figures['in-memory']['peak'] / 1e6:.0f} MB)")
+              f" (peak {figures['offloaded']['peak'] / 1e6:.0f} MB vs {figures['in-memory']['peak'] / 1e6:.0f} MB);"
+              f" target: in-memory - state + 1.1 x pool = {extra['in-memory']:.0f} - {state:.0f} + 1.1 x {pool:.0f}"
+              f" = {bound:.0f} MB, offloaded / target {extra['offloaded'] / bound:.2f}")
 
 
 def main() -> None:
@@ -174,6 +183,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rss-sizes", default="0.25,1.0", help="state sizes (GB) for the peak RSS runs")
     parser.add_argument("--folder", default=tempfile.gettempdir(), help="where swap files go (a real disk)")
+    parser.add_argument("--rss-only", action="store_true", help="only the peak RSS runs, not the step times")
     parser.add_argument("--rss-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
@@ -182,7 +192,8 @@ def main() -> None:
         return
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared: figures are noisy)")
     peak_rss([float(s) for s in args.rss_sizes.split(",")], args.folder)  # first, while this process is small
-    step_times(args.state_gb, args.rounds, args.folder)
+    if not args.rss_only:
+        step_times(args.state_gb, args.rounds, args.folder)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ class Extent:
     """``nbytes`` bytes at byte ``offset`` of ``pack.path`` holding ``members`` (group -> (start, span) in bytes,
     relative to ``offset``), in write order. ``live``: the members whose current records point here."""
 
-    __slots__ = ("pack", "offset", "nbytes", "members", "live")
+    __slots__ = ("pack", "offset", "nbytes", "members", "names", "live", "views")
 
     def __init__(self, pack: "PackFile", offset: int, nbytes: int, members: dict[str, tuple[int, int]]):
         self.pack, self.offset, self.nbytes, self.members = pack, offset, nbytes, members
+        self.names = list(members)
         self.live: set[str] = set()
+        self.views: tuple | None = None  # the swapper's last views of this extent in a staging buffer, for reuse
 
     def holds_exactly(self, members: dict[str, tuple[int, int]]) -> bool:
         """True when ``members`` (same groups, order, starts and spans) all live here: a rewrite fits in place."""
@@ -59,6 +61,7 @@ class PackFile:
             return
         offset, nbytes = extent.offset, extent.nbytes
         extent.nbytes = 0  # freed once only
+        extent.views = None
         i = bisect.bisect_left(self._free, (offset, 0))
         if i < len(self._free) and offset + nbytes == self._free[i][0]:
             nbytes += self._free.pop(i)[1]

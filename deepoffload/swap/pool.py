@@ -8,9 +8,34 @@ outlive their use, e.g. tensors left resident after a failed write).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+
 import torch
 
 from ..io.buffers import PAGE_SIZE, aligned_empty
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim`` from this process, or None (another C library, or not POSIX)."""
+    if os.name != "posix":
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Give the pages of freed heap memory back to the system (glibc's ``malloc_trim(0)``; elsewhere nothing).
+
+    glibc raises its mmap threshold each time a large block is freed, so large tensors freed later (e.g. state the
+    optimizer created in memory, then stored) stay in the heap as free memory the process keeps; this returns it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def round_up(nbytes: int, alignment: int = PAGE_SIZE) -> int:
@@ -28,11 +53,15 @@ class BufferPool:
         self._free: list[torch.Tensor] = []
         self._pooled: set[int] = set()  # data_ptr of every pooled buffer, free or in use
 
-    def try_acquire(self, nbytes: int) -> torch.Tensor | None:
-        """A buffer of at least ``nbytes`` bytes, or None when all pooled buffers are in use. Larger requests
-        than ``buffer_bytes`` always succeed with a one-off buffer."""
+    def try_acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A buffer of at least ``nbytes`` bytes (``prefer`` when it is a free pooled buffer), or None when all
+        pooled buffers are in use. Larger requests than ``buffer_bytes`` always succeed with a one-off buffer."""
         if nbytes > self.buffer_bytes:
             return self.one_off(nbytes)
+        if prefer is not None:
+            for i, buffer in enumerate(self._free):
+                if buffer is prefer:
+                    return self._free.pop(i)
         if self._free:
             return self._free.pop()
         if len(self._pooled) < self.count:
@@ -53,6 +82,10 @@ class BufferPool:
     def forget(self, buffer: torch.Tensor) -> None:
         """Stop pooling ``buffer`` (its views live on and free it when they die); a new one replaces it."""
         self._pooled.discard(buffer.data_ptr())
+
+    def pooled(self, buffer: torch.Tensor | None) -> bool:
+        """True when ``buffer`` is one of the pool's buffers (not a one-off, not forgotten)."""
+        return buffer is not None and buffer.data_ptr() in self._pooled
 
     def held_bytes(self) -> int:
         """Bytes of pooled buffers made so far (free or in use)."""

@@ -3,11 +3,13 @@ bounded pool of aligned staging buffers.
 
 Each group is one file, or (``packed=True``) the groups of one ``swap_out`` call share one extent of a single
 pack file, written with one request, and groups read together from adjacent extents come back in one request (many
-small tensors then cost a few large transfers, not a file each). Each tensor keeps a ``SwapRecord`` (key, dtype,
-shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are staged through a pooled
-buffer (a copy, so any strides, dtype or device work; the copy is skipped when the tensor already sits in the staging
-buffer where it will be written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until
-its new write has completed; a failed write drops them (the file is unknown now) and the caller keeps its tensors.
+small tensors then cost a few large transfers, not a file each; packed tensors are 16-byte aligned, and a read of one
+whole extent into the buffer it was last read into hands back the same view objects, which cost microseconds each to
+make). Each tensor keeps a ``SwapRecord`` (key, dtype, shape, bytes, file, offset, ...) and is read back sized from its
+own record. Tensors are staged through a pooled buffer (a copy, so any strides, dtype or device work; the copy is
+skipped when the tensor already sits in the staging buffer where it will be written, as tensors returned by ``swap_in``
+do). A group's previous records stay valid until its new write has completed; a failed write drops them (the file is
+unknown now) and the caller keeps its tensors.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ from .pool import PAGE_SIZE, BufferPool, round_up
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
 TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
+PACKED_ALIGNMENT = 16  # packed: bytes between tensors and between groups (any dtype's item size divides it), so
+# many small tensors (e.g. Adam's 4-byte ``step``) do not each cost a cache line on storage
 
 
 @dataclass(frozen=True)
 class SwapRecord:
     """Where one swapped tensor lives and what it is.
 
-    nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (64-byte aligned).
+    nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (a multiple of
+    ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file).
     device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
     global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
     """
@@ -102,8 +107,10 @@ class SwapOut:
 
     def __init__(self, swapper: "TensorSwapper", requests: list[Request], records: dict[str, dict[str, SwapRecord]],
                  buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None,
-                 extent: Extent | None = None):
+                 extent: Extent | None = None, rewrite: bool = False, shifts: dict[str, int] | None = None):
         self._swapper = swapper
+        self._shifts = shifts or {}  # group -> its tensors' position in the staging buffer less their file offset
+        self._rewrite = rewrite  # the groups' records stay as they are (same sizes, same place)
         self._extent = extent  # packed: where these groups are being written (new, or theirs rewritten in place)
         self._requests = requests
         self._records = records
@@ -114,6 +121,28 @@ class SwapOut:
 
     def done(self) -> bool:
         return self._result is not None or all(r.done() for r in self._requests)
+
+    def staged(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The tensors being written, as views of the staging buffer the write reads from (CPU tensors that are not
+        DTensors; others are left out), for a caller that frees its own tensors now rather than when the write is
+        done: from here on this write no longer keeps the caller's tensors alive. The views hold the same bytes;
+        they stay valid until ``on_done`` runs, and for good if the write fails (the buffer leaves the pool)."""
+        if self._result is not None or not self._buffers or not self._shifts:
+            return {}
+        buffer, typed, views = self._buffers[0], {}, {}
+        for group, records in self._records.items():
+            shift = self._shifts[group]
+            views[group] = {}
+            for key, r in records.items():
+                if r.device.type != "cpu" or r.dtensor is not None or not r.nbytes:
+                    continue
+                view = typed.get(r.dtype)
+                if view is None:
+                    view = typed[r.dtype] = buffer.view(r.dtype)
+                views[group][key] = view.as_strided(r.shape, _contiguous_strides(r.shape),
+                                                    (r.offset + shift) // r.dtype.itemsize)
+        self._sources = ()
+        return views
 
     def wait(self) -> int:
         if self._result is None:
@@ -132,7 +161,10 @@ class SwapOut:
         for group in self._records:
             if swapper._writing.get(group) is self:
                 del swapper._writing[group]
-        swapper._settle_extents(list(self._records), self._extent, error is None)
+        if error is not None or not self._rewrite:  # (a rewrite in place that worked moves nothing)
+            swapper._settle_extents(list(self._records), self._extent, error is None)
+        if error is not None or not self._rewrite:
+            swapper.version += 1
         if error is None:
             swapper._records.update(self._records)
             swapper.bytes_written += nbytes
@@ -144,7 +176,7 @@ class SwapOut:
             for group in self._records:
                 swapper._records.pop(group, None)
             for buffer in self._buffers:
-                swapper.pool.forget(buffer)  # views of it may stay resident in the caller's hands
+                swapper._forget(buffer)  # views of it may stay resident in the caller's hands
         self._result = error if error is not None else nbytes
         self._requests, self._sources, self._buffers, self._on_done, self._extent = [], (), [], None, None
         if self in swapper._pending_out:
@@ -156,8 +188,9 @@ class SwapIn:
     (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is called."""
 
     def __init__(self, swapper: "TensorSwapper", requests: list[Request], layout: dict[str, tuple[int, dict]],
-                 buffer: torch.Tensor | None):
+                 buffer: torch.Tensor | None, extent: Extent | None = None):
         self._swapper = swapper
+        self._extent = extent  # packed: the one extent read whole (its views may be reused), else None
         self._requests = requests
         self._layout = layout  # group -> (start in buffer, records)
         self._buffer = buffer
@@ -170,11 +203,34 @@ class SwapIn:
             if error is not None:
                 self.release()
                 raise error
-            tensors, typed = {}, {}
-            for group, (start, records) in self._layout.items():
-                tensors[group] = {key: self._restore(start, record, typed) for key, record in records.items()}
+            tensors = self._cached_views()
+            if tensors is None:
+                typed: dict = {}
+                tensors = {group: {key: self._restore(start, record, typed) for key, record in records.items()}
+                           for group, (start, records) in self._layout.items()}
+                self._cache_views(tensors)
             self._tensors = tensors
         return self._tensors
+
+    def _cached_views(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The views made the last time this extent was read into this same buffer, when its records are still
+        the same objects (the layout is unchanged): making a tensor costs microseconds, many small ones add up."""
+        cached = self._extent.views if self._extent is not None else None
+        if cached is None or cached[0] is not self._buffer or len(cached[1]) != len(self._layout):
+            return None
+        if not all(a is b[1] for a, b in zip(cached[1], self._layout.values())):
+            return None
+        return dict(cached[2])
+
+    def _cache_views(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Keep ``tensors`` for the next read of this extent into this buffer, when they are plain CPU views of a
+        pooled buffer and carry no checksum to verify."""
+        swapper = self._swapper
+        if self._extent is None or swapper.config.checksum or not swapper.pool.pooled(self._buffer):
+            return
+        records = [records for _, records in self._layout.values()]
+        if all(r.device.type == "cpu" and r.dtensor is None and r.nbytes for rs in records for r in rs.values()):
+            self._extent.views = (self._buffer, records, dict(tensors))
 
     def views_of_buffer(self, group: str, tensors: Mapping[str, torch.Tensor]) -> bool:
         """True when ``tensors`` are exactly the tensors ``wait()`` returned for ``group`` (the same objects, all
@@ -239,7 +295,7 @@ class SwapIn:
         """The tensors from ``wait()`` stay in use indefinitely: the buffer leaves the pool (freed with them)."""
         buffer = self._hand_over()
         if buffer is not None:
-            self._swapper.pool.forget(buffer)
+            self._swapper._forget(buffer)
 
     def _hand_over(self) -> torch.Tensor | None:
         """Give up the staging buffer to a ``SwapOut`` that takes charge of it."""
@@ -269,7 +325,9 @@ class TensorSwapper:
         self._pending_out: collections.deque[SwapOut] = collections.deque()
         self.pack = PackFile(os.path.join(self.folder, "pack.swp")) if packed else None
         self._extents: dict[str, Extent] = {}  # packed: group -> the extent its current records point into
-        self._group_alignment = TENSOR_ALIGNMENT if packed else PAGE_SIZE  # where each group starts in a buffer
+        self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
+        self._group_alignment = PACKED_ALIGNMENT if packed else PAGE_SIZE  # where each group starts in a buffer
+        self.version = 0  # changes whenever a group's records change in size or place (not on in-place rewrites)
         self.bytes_read = 0
         self.bytes_written = 0
         self._closed = False
@@ -317,7 +375,7 @@ class TensorSwapper:
             for key, tensor in tensors.items():
                 local, spec = _local(_checked(group, key, tensor))
                 entries[key] = (local, spec, offset)
-                offset = round_up(offset + local.numel() * local.element_size(), TENSOR_ALIGNMENT)
+                offset = round_up(offset + local.numel() * local.element_size(), self.tensor_alignment)
             layout[group] = entries
             total += round_up(offset, self._group_alignment)
         retired = staged._hand_over() if staged is not None else None
@@ -330,17 +388,17 @@ class TensorSwapper:
             buffers = [buffer] + ([retired] if retired is not None else [])
         if self.pack is not None:
             return self._swap_out_packed(groups, layout, buffer, buffers, on_done)
-        requests, records, start = [], {}, 0
+        requests, records, start, shifts = [], {}, 0, {}
         for group, entries in layout.items():
             file = os.path.join(self.folder, f"{group}.swp")
             group_records, span = self._stage(group, entries, buffer, start, file, 0)
-            records[group] = group_records
+            records[group], shifts[group] = group_records, start
             if span:
                 requests.append(self.handle.write_async(buffer[start:start + span], file))
             else:
                 open(file, "wb").close()
             start += span
-        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done)
+        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, shifts=shifts)
         for group in records:
             self._writing[group] = write
         self._pending_out.append(write)
@@ -373,7 +431,7 @@ class TensorSwapper:
         members, start = {}, 0
         for group, entries in layout.items():
             span = round_up(max((offset + local.numel() * local.element_size()
-                                 for local, _, offset in entries.values()), default=0), TENSOR_ALIGNMENT)
+                                 for local, _, offset in entries.values()), default=0), PACKED_ALIGNMENT)
             members[group] = (start, span)
             start += span
         total = round_up(start)
@@ -390,7 +448,8 @@ class TensorSwapper:
             records[group], _ = self._stage(group, entries, buffer, begin, self.pack.path, extent.offset + begin)
         requests = [self.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] \
             if total else []
-        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, extent)
+        write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, extent,
+                        shifts=dict.fromkeys(records, -extent.offset))
         for group in records:
             self._writing[group] = write
         self._pending_out.append(write)
@@ -402,25 +461,43 @@ class TensorSwapper:
         None when that does not hold."""
         names = list(groups)
         extent = self._extents.get(names[0]) if names else None
-        if extent is None or list(extent.members) != names or extent.live != set(names) \
+        if extent is None or extent.names != names or len(extent.live) != len(names) \
                 or list(staged._layout) != names or not all(staged.views_of_buffer(g, groups[g]) for g in names):
             return None
-        for group in names:
-            self._wait_writing(group)
+        return self._write_back(extent, staged, on_done, tuple(groups.values()))
+
+    def write_back(self, staged: SwapIn, on_done: Callable[[], None] | None = None) -> SwapOut | None:
+        """Write the buffer of a read of one whole extent back over that extent, keeping the records: for a caller
+        that checked the tensors ``staged.wait()`` returned are still exactly the groups' tensors (changed in place
+        only). None (nothing done) when ``staged`` did not read a whole extent, or its groups live elsewhere now.
+        ``on_done`` as for ``swap_out``."""
+        self._check_open()
+        extent = staged._extent
+        if extent is None or staged._buffer is None or self._extents.get(extent.names[0]) is not extent \
+                or len(extent.live) != len(extent.names) or list(staged._layout) != extent.names:
+            return None
+        return self._write_back(extent, staged, on_done, tuple(staged.wait().values()))
+
+    def _write_back(self, extent: Extent, staged: SwapIn, on_done: Callable[[], None] | None,
+                    sources: tuple) -> SwapOut:
+        names = extent.names
+        if self._writing:
+            for group in names:
+                self._wait_writing(group)
         staged._wait_io()
         buffer = staged._hand_over()
-        records = {}
-        for group in names:
-            records[group] = self._records[group]
-            if self.config.checksum:
+        records = {group: self._records[group] for group in names}
+        if self.config.checksum:
+            for group in names:
                 start = staged._layout[group][0]
                 records[group] = {key: dataclasses.replace(r, checksum=_hash(
                     buffer[start + r.offset:start + r.offset + r.nbytes]) if r.nbytes else 0)
                     for key, r in records[group].items()}
         request = self.handle.write_async(buffer[:extent.nbytes], self.pack.path, extent.offset, truncate=False)
-        write = SwapOut(self, [request], records, [buffer], tuple(groups.values()), on_done, extent)
+        write = SwapOut(self, [request], records, [buffer], sources, on_done, extent, rewrite=True)
+        writing = self._writing
         for group in names:
-            self._writing[group] = write
+            writing[group] = write
         self._pending_out.append(write)
         return write
 
@@ -443,6 +520,13 @@ class TensorSwapper:
         """Start reading the named groups back (each sized from its records). Groups with nothing on storage
         come back empty."""
         self._check_open()
+        groups = list(groups)
+        if self._writing:
+            for group in groups:
+                self._wait_writing(group)
+        extent = self._whole_extent(groups)
+        if extent is not None:
+            return self._swap_in_extent(groups, extent)
         layout, total, spans = {}, 0, []
         for group in groups:
             self._wait_writing(group)
@@ -470,12 +554,34 @@ class TensorSwapper:
             self._reading[group] = read
         return read
 
+    def _whole_extent(self, groups: list[str]) -> Extent | None:
+        """Packed: the extent whose members are exactly ``groups``, in order, all living there; else None."""
+        extent = self._extents.get(groups[0]) if groups and self._extents else None
+        if extent is None or len(extent.live) != len(groups) or extent.names != groups:
+            return None  # live is a subset of the members: equal sizes and names mean all of them live there
+        return extent
+
+    def _swap_in_extent(self, groups: list[str], extent: Extent) -> SwapIn:
+        """Read one whole extent with one request, into the buffer it was last read into when that is free."""
+        records = self._records
+        layout = {group: (-extent.offset, records[group]) for group in groups}
+        cached = extent.views
+        buffer = self._acquire(extent.nbytes, prefer=cached[0] if cached is not None else None)
+        request = self.handle.read_async(buffer[:extent.nbytes], self.pack.path, extent.offset)
+        read = SwapIn(self, [request], layout, buffer, extent)
+        reading = self._reading
+        for group in groups:
+            reading[group] = read
+        return read
+
     def discard(self, group: str) -> None:
         """Forget a group and delete its file (packed: free its part of its extent)."""
         self._wait_writing(group)
         if group in self._reading:  # its bytes may be reused: let the read finish first
             self._reading[group]._wait_io()
         records = self._records.pop(group, None)
+        if records is not None:
+            self.version += 1
         extent = self._extents.pop(group, None)
         if extent is not None:
             extent.leave(group)
@@ -530,11 +636,19 @@ class TensorSwapper:
         if write is not None:
             write.wait()
 
-    def _acquire(self, nbytes: int) -> torch.Tensor:
-        """A staging buffer of ``nbytes``: a pooled one, waiting for the oldest write to free one if needed, or a
-        one-off buffer when nothing in flight can free one (the pool's bound is then exceeded only briefly)."""
+    def _forget(self, buffer: torch.Tensor) -> None:
+        """``buffer`` leaves the pool (views of it stay in use); no extent keeps views of it for reuse."""
+        self.pool.forget(buffer)
+        for extent in set(self._extents.values()):
+            if extent.views is not None and extent.views[0] is buffer:
+                extent.views = None
+
+    def _acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor:
+        """A staging buffer of ``nbytes`` (``prefer`` when it is free): a pooled one, waiting for the oldest write
+        to free one if needed, or a one-off buffer when nothing in flight can free one (the pool's bound is then
+        exceeded only briefly)."""
         while True:
-            buffer = self.pool.try_acquire(nbytes)
+            buffer = self.pool.try_acquire(nbytes, prefer)
             if buffer is not None:
                 return buffer
             if not self._pending_out:
