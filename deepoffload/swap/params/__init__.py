@@ -61,21 +61,22 @@ model streams bf16 blocks. Buffers keep their dtype; submodules holding floating
 ``torch.autocast`` runs them.
 
 Checkpoints and the model's lifetime: ``module.state_dict()`` (hence ``save_pretrained``) holds the blocks' real
-weights, read from storage one block at a time (copies, master dtype). While a block is not in memory its
-parameters are ``StreamedParameter`` (``placeholders``): shapes and counts are the stored ones, and code that would
-see the placeholders (copies or saves parameter by parameter, writes, optimizers over ``model.parameters()``,
-``p.grad`` between backward and ``step()``) raises at once saying what to use instead. ``close() reads every block back into memory by default (``close(restore=False)`` discards them).
-Moves that would change a streamed parameter (``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` on the
-module or any module holding a block) raise ValueError before anything is converted. ``torch.compile`` runs the
-streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see ``trainer``.
+weights, read from storage one block at a time (copies, master dtype). While a block is not in memory its parameters are
+``StreamedParameter`` (``placeholders``): shapes and counts are the stored ones, and code that would see the
+placeholders (copies or saves parameter by parameter, writes, optimizers over ``model.parameters()``, ``p.grad`` between
+backward and ``step()``) raises at once saying what to use instead. ``close()`` reads every block back into memory by
+default (``close(restore=False)`` discards them). Moves that would change a streamed parameter (``model.to(dtype)``,
+``.half()``, ``.double()``, ``.cuda()`` on the module or any module holding a block) raise ValueError before anything is
+converted. ``torch.compile`` runs the streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see
+``trainer``.
 
-Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked
-transitions), ``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves), ``schedule`` (prefetch order), ``recompute`` (the
-autograd function), ``side_effects`` (what recomputation must not repeat), ``training`` (fused and grads modes,
-clipping), ``offload`` (``ParameterOffload``, the public entry point), ``blocks`` (the default block rule),
-``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize``
-(a model built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage).
-"""
+Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
+``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves),
+``schedule`` (prefetch order), ``recompute`` (the autograd function), ``side_effects`` (what recomputation must not
+repeat), ``training`` (fused and grads modes, clipping), ``offload`` (``ParameterOffload``, the public entry point),
+``blocks`` (the default block rule), ``trainer`` (an optimizer-shaped view for training loops such as
+``transformers.Trainer``), ``materialize`` (a model built on the ``meta`` device made block by block from a checkpoint
+or an initializer, straight to storage). """
 
 from .blocks import find_blocks
 from .offload import MODES, OffloadStats, OptimizerFactory, ParameterOffload, offload_parameters

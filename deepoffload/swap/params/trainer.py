@@ -1,12 +1,13 @@
 """Training loops that own the optimizer calls, Hugging Face ``transformers.Trainer`` first among them.
 
-``StreamedOptimizer(offload)`` is an optimizer-shaped view of a ``ParameterOffload``: ``step()`` is
-``offload.step()``, ``zero_grad()`` is ``offload.zero_grad()``, and ``param_groups`` are the live groups of its
-optimizers, so learning-rate schedulers drive the streamed blocks too. ``trainer_arguments(offload)`` gives the
-``optimizers=`` and ``callbacks=`` to pass to ``Trainer``; the callback refuses ``max_grad_norm > 0``, since the
-Trainer would clip only the parameters in memory (clip with ``StreamedOptimizer(offload, clip_grad_norm=...)`` in
-grads mode instead), and lets the streamed parameters' ``.grad`` read None during training (outside a Trainer that
-read is refused until ``step()``), so the gradient norm the Trainer logs covers the parameters in memory only. transformers is imported only by ``trainer_arguments``."""
+``StreamedOptimizer(offload)`` is an optimizer-shaped view of a ``ParameterOffload``: ``step()`` is ``offload.step()``,
+``zero_grad()`` is ``offload.zero_grad()``, and ``param_groups`` are the live groups of its optimizers, so learning-rate
+schedulers drive the streamed blocks too. ``trainer_arguments(offload)`` gives the ``optimizers=`` and ``callbacks=`` to
+pass to ``Trainer``; the callback refuses ``max_grad_norm > 0``, since the Trainer would clip only the parameters in
+memory (clip with ``StreamedOptimizer(offload, clip_grad_norm=...)`` in grads mode instead), and lets the streamed
+parameters' ``.grad`` read None during training (outside a Trainer that read is refused until ``step()``), so the
+gradient norm the Trainer logs covers the parameters in memory only. transformers is imported only by
+``trainer_arguments``."""
 
 from __future__ import annotations
 
