@@ -193,7 +193,34 @@ class DirectWriter(io.RawIOBase):
             self._staged.error = error
 
 
-class DirectReader(io.RawIOBase):
+class SeekableReader(io.RawIOBase):
+    """A read-only, seekable raw stream of ``size`` bytes (torch's zip reader seeks around in it); a subclass sets
+    ``size`` and implements ``readinto`` from ``_position``."""
+
+    size: int
+    _position: int = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise self._negative_seek(base + offset)
+        self._position = base + offset
+        return self._position
+
+    def _negative_seek(self, position: int) -> Exception:
+        return ValueError(f"negative seek position {position}")
+
+
+class DirectReader(SeekableReader):
     """A seekable read-only stream over ``path`` that reads ahead through the op.
 
     A read of ``DIRECT_READ_MIN`` bytes or more starts (or moves) a read-ahead window: the ``READ_AHEAD`` chunks of
@@ -220,21 +247,8 @@ class DirectReader(io.RawIOBase):
         self._staged = StagedReader(self._handle, self.path, 0, self.size, pool=staging_pool(), depth=READ_AHEAD)
         self._chunk = STAGING_BYTES  # bytes per read-ahead chunk
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise OSError(errno.EINVAL, f"negative seek position {base + offset}", self.path)
-        self._position = base + offset
-        return self._position
+    def _negative_seek(self, position: int) -> Exception:
+        return OSError(errno.EINVAL, f"negative seek position {position}", self.path)
 
     def readinto(self, buffer) -> int:
         try:

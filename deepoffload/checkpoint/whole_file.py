@@ -9,7 +9,6 @@ takes far fewer page faults. Tensors share the buffer: its memory is returned on
 from __future__ import annotations
 
 import ctypes
-import io
 import mmap
 import os
 import pickle
@@ -20,38 +19,23 @@ import torch.serialization as ts
 
 from ..io.handle import AsyncIOHandle
 from ..op_builder import env
+from .streams import SeekableReader
 
 TORCH_TRUE = ("1", "y", "yes", "true")  # the values torch.load takes as set for its TORCH_FORCE_* variables
 
 HUGE_PAGE = 2 << 20  # bytes; buffers are aligned to it so transparent huge pages can back them
 
 
-class MemoryFile(io.RawIOBase):
+class MemoryFile(SeekableReader):
     """A seekable read-only file over a tensor's bytes (torch's zip reader takes its headers and pickles from it)."""
 
     def __init__(self, data: torch.Tensor) -> None:
         super().__init__()
-        self._data, self._size, self._position = data, data.numel(), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._position = base + offset
-        return self._position
+        self._data, self.size, self._position = data, data.numel(), 0
 
     def readinto(self, buffer) -> int:
         target = memoryview(buffer).cast("B")
-        nbytes = max(0, min(target.nbytes, self._size - self._position))
+        nbytes = max(0, min(target.nbytes, self.size - self._position))
         if nbytes:
             address = torch.frombuffer(target, dtype=torch.uint8).data_ptr()
             ctypes.memmove(address, self._data.data_ptr() + self._position, nbytes)
