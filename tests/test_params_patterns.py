@@ -207,17 +207,20 @@ def test_dtype_moves_of_streamed_blocks_are_refused(scratch, convert):
             assert torch.equal(model(x), reference(x))
 
 
+class Cast(nn.Module):
+    """The reference's view of a block run with compute_dtype=bf16: floating input cast to bf16, output back."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.to(torch.bfloat16)).to(x.dtype)
+
+
 def test_compute_dtype_on_a_float32_model(scratch):
     """fp32 embedding and head, bf16 blocks: the block casts its floating inputs to bf16 and its outputs back,
     exactly as a reference doing the same casts."""
-
-    class Cast(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x.to(torch.bfloat16)).to(x.dtype)
 
     reference, model = pair(norm=nn.LayerNorm)
     reference.blocks = nn.ModuleList([Cast(b.to(torch.bfloat16)) for b in reference.blocks])
@@ -246,14 +249,6 @@ def test_compute_dtype_with_batchnorm_in_a_block(scratch, mode):
     class CastLinear(nn.Linear):
         def forward(self, x):
             return nn.functional.linear(x, self.weight.to(torch.bfloat16), self.bias.to(torch.bfloat16))
-
-    class Cast(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x.to(torch.bfloat16)).to(x.dtype)
 
     reference, model = pair()
     for unit in reference.blocks:
