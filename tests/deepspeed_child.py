@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -174,16 +175,21 @@ def _save_and_resume(engine, saved: list[torch.Tensor], folder: str) -> dict:
 def _resume(folder: str, name: str) -> dict:
     """Builds an engine with its optimizer state on NVMe (own swap folder), loads the checkpoint ``resume_save``
     wrote, and compares its parameters and 3 further steps with those of the engine that saved it, and with ZeRO-3
-    in memory started from the saved parameters with a fresh Adam (no moments, step 0)."""
+    in memory started from the saved parameters with a fresh Adam (no moments, step 0); records the UserWarnings
+``load_checkpoint`` emitted."""
     engine = engine_for(f"{folder}/{name}", False)
     ids = sorted(str(g.ds_id) for g in engine.optimizer.fp32_partitioned_groups_flat)
-    engine.load_checkpoint(folder + "/ckpt", tag="t")
+    with warnings.catch_warnings(record=True) as caught:  # enable()'s warning that Adam restarts
+        warnings.simplefilter("always")
+        engine.load_checkpoint(folder + "/ckpt", tag="t")
+    load_warnings = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     saved, after = torch.load(folder + "/saved.pt"), torch.load(folder + "/after.pt")
     restored = all(torch.equal(a, b) for a, b in zip(saved, full_params(engine)))
     state_entries = len(engine.optimizer.optimizer.state)  # Adam's moments and step count, as loaded
     losses = train(engine, 3, seed=7)
     params = full_params(engine)
-    out = {"ids": ids, "params_restored": restored, "optimizer_state_entries": state_entries, "losses": losses,
+    out = {"ids": ids, "load_warnings": load_warnings, "params_restored": restored,
+           "optimizer_state_entries": state_entries, "losses": losses,
            "params_equal_continued": all(torch.equal(a, b) for a, b in zip(after, params))}
     if restored:
         fresh = engine_for(None, False, initial=saved)

@@ -99,6 +99,10 @@ def test_checkpoint_with_optimizer_state_on_nvme_resumes_as_deepspeed_does(resum
     # within last-bit rounding of DeepSpeed's NVMe update path; Adam's moments kept would move them by ~1e-4
     assert r["fresh_process_params_max_abs_diff_fresh_adam"] < 1e-6
     assert r["same_process_ids"] != r["fresh_process_ids"] and not r["same_process_params_restored"]
+    # enable() adds one warning to each of these resumes, naming the restart (DeepSpeed says nothing)
+    for name in ("fresh_process", "same_process"):
+        ours = [m for m in r[f"{name}_load_warnings"] if m.startswith("DeepSpeed resumed")]
+        assert len(ours) == 1 and "Adam restarts from zero" in ours[0] and "keep it off NVMe" in ours[0], ours
 
 
 def deepspeeds_op_is_built() -> bool:
@@ -110,14 +114,20 @@ def deepspeeds_op_is_built() -> bool:
 
 
 def test_resume_equals_deepspeeds_own_op(resumed, scratch):
-    """The same training, save and resumes on DeepSpeed's own async_io op: every figure equal, losses included."""
+    """The same training, save and resumes on DeepSpeed's own async_io op: every figure equal, losses included;
+    only enable()'s resume warning is ours alone."""
     if not deepspeeds_op_is_built():
         pytest.skip("DeepSpeed's async_io op is not built here (it takes minutes: build it with "
                     "python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()')")
     theirs = resume(scratch, op="deepspeed")
     assert theirs["handle_types"] != resumed["handle_types"]  # DeepSpeed's op really ran
-    ignore = ("handle_types", "mode")
+    ignore = ("handle_types", "mode", "fresh_process_load_warnings", "same_process_load_warnings")
     assert {k: v for k, v in resumed.items() if k not in ignore} == {k: v for k, v in theirs.items() if k not in ignore}
+    # the only difference: enable()'s warning, which DeepSpeed's own op run (no enable()) does not get
+    for name in ("fresh_process", "same_process"):
+        assert not any(m.startswith("DeepSpeed resumed") for m in theirs[f"{name}_load_warnings"])
+        assert [m for m in resumed[f"{name}_load_warnings"] if not m.startswith("DeepSpeed resumed")] == \
+            theirs[f"{name}_load_warnings"]
 
 
 def test_fast_checkpoint_writer_saves_and_resumes(scratch):

@@ -6,15 +6,20 @@ fast checkpoint writer factory, the ``deepspeed.nvme`` benchmarks, and the accel
 ``create_op_builder``) with one whose ``load()`` returns deepoffload's DeepSpeed-compatible module, so DeepSpeed
 never builds its own async_io op. The fast checkpoint writer's one use of DeepSpeed's compiled ``utils`` op (a
 byte view of each tensor) is given in Python, so it too runs without compiling anything. GPUDirect Storage is not
-covered: ``GDSBuilder().load()`` raises. ``disable()`` puts DeepSpeed's classes back.
+covered: ``GDSBuilder().load()`` raises. ``DeepSpeedEngine.load_checkpoint`` is wrapped to warn where DeepSpeed
+resumes without the optimizer state (see ``warn_on_nvme_optimizer_resume``). ``disable()`` puts DeepSpeed's classes
+and methods back.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import sys
 import threading
 import types
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -99,6 +104,38 @@ class _FastWriterUtils:
         return types.SimpleNamespace(cast_to_byte_tensor=cast_to_byte_tensor)
 
 
+NVME_RESUME_WARNING = (
+    "DeepSpeed resumed {load_path!r} with offload_optimizer on NVMe: DeepSpeed 0.19.8 then skips its optimizer-state "
+    "load and only copies the checkpoint's swap files back, so the parameters are restored (where this engine's "
+    "parameter ids are the saving engine's, as in a fresh process building the same model; otherwise it keeps its "
+    "initial parameters) but the optimizer's moments and step count are not: Adam restarts from zero. Where the "
+    "optimizer state must survive a resume, keep it off NVMe (offload_optimizer device \"cpu\" or none); otherwise "
+    "accept the restart.")
+
+
+def warn_on_nvme_optimizer_resume(load_checkpoint):
+    """``load_checkpoint`` (DeepSpeed's ``DeepSpeedEngine.load_checkpoint``) called as it is, with its result returned
+    unchanged; afterwards one ``UserWarning`` when a checkpoint was loaded, optimizer states were asked for (not
+    ``load_module_only``) and the engine swaps its optimizer state to NVMe, since DeepSpeed then restores no optimizer
+    state."""
+    signature = inspect.signature(load_checkpoint)
+
+    @functools.wraps(load_checkpoint)
+    def load_checkpoint_warning(self, *args, **kwargs):
+        result = load_checkpoint(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs)
+        arguments.apply_defaults()
+        asked = arguments.arguments.get("load_optimizer_states", True) \
+            and not arguments.arguments.get("load_module_only", False)
+        load_path = result[0] if isinstance(result, tuple) and result else None
+        if load_path is not None and asked and self.zero_nvme_offload_optimizer():
+            warnings.warn(NVME_RESUME_WARNING.format(load_path=load_path), UserWarning, stacklevel=2)
+        return result
+
+    load_checkpoint_warning.deepoffload = True
+    return load_checkpoint_warning
+
+
 def enabled() -> bool:
     return bool(_saved)
 
@@ -115,8 +152,8 @@ def _deepspeed_modules() -> list[ModuleType]:
 
 
 def enable() -> None:
-    """Route every DeepSpeed use of ``AsyncIOBuilder`` to deepoffload's op (idempotent). Raises ``ImportError``
-    when DeepSpeed is not installed."""
+    """Route every DeepSpeed use of ``AsyncIOBuilder`` to deepoffload's op and wrap ``DeepSpeedEngine.load_checkpoint``
+    with ``warn_on_nvme_optimizer_resume`` (idempotent). Raises ``ImportError`` when DeepSpeed is not installed."""
     try:
         import deepspeed  # noqa: F401
     except ImportError as e:
@@ -140,6 +177,9 @@ def enable() -> None:
         writer = sys.modules.get("deepspeed.io.fast_file_writer")
         if writer is not None and hasattr(writer, "UtilsBuilder"):  # else it would compile DeepSpeed's utils op
             _patch(writer, "UtilsBuilder", _FastWriterUtils)
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        _patch(DeepSpeedEngine, "load_checkpoint", warn_on_nvme_optimizer_resume(DeepSpeedEngine.load_checkpoint))
 
 
 def _patch_accelerator(replacements: dict[str, type]) -> None:
@@ -160,7 +200,8 @@ def _patch_accelerator(replacements: dict[str, type]) -> None:
 
 
 def disable() -> None:
-    """Put DeepSpeed's own builders back everywhere ``enable()`` replaced them (idempotent)."""
+    """Put DeepSpeed's own builders and ``load_checkpoint`` back everywhere ``enable()`` replaced them
+    (idempotent)."""
     with _lock:
         while _saved:
             obj, attribute, previous, own = _saved.pop()
