@@ -145,3 +145,68 @@ def test_parameters_after_close_without_restore_say_so(scratch):
     offload.close(restore=False)
     with pytest.raises(RuntimeError, match=r"discarded by close\(restore=False\)"):
         model.blocks[0].linear.weight.detach()
+
+
+
+def _resident(model: nn.Module) -> list[str]:
+    """Names of the block parameters in memory now (plain parameters)."""
+    return [n for n, p in model.named_parameters() if n.startswith("blocks.") and type(p) is nn.Parameter]
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_writes_to_a_resident_block_are_written_back(scratch, mode):
+    """With prefetch covering every block, blocks stay in memory after a no_grad forward as plain parameters:
+    in-place writes to them (torch.no_grad() ops, nn.init, load_state_dict, p.data = ...) reach storage when the
+    block is released (after its backward in grads mode; its step writes it in fused mode), so training,
+    state_dict() and close() see them as in memory."""
+    reference, model = pair()
+    optimizer = adam(reference.parameters())
+    x = batches(2)
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, prefetch=len(model.blocks)) as offload:
+        with torch.no_grad():
+            model(x[0]), reference(x[0])
+        resident = _resident(model)
+        assert len(resident) > 3  # the test needs resident blocks
+        for m in (model, reference):
+            params = dict(m.named_parameters())
+            with torch.no_grad():
+                params[resident[0]].mul_(0.5)
+            nn.init.zeros_(params[resident[-1]])
+            params[resident[1]].data = torch.ones_like(params[resident[1]])
+        partial = {n: torch.full_like(t, 0.25) for n, t in reference.state_dict().items() if n == resident[2]}
+        model.load_state_dict(partial, strict=False), reference.load_state_dict(partial, strict=False)
+        assert states_equal(model.state_dict(), reference.state_dict())
+        for batch in x:
+            assert train(model, offload_step(offload), batch) == train(reference, reference_step(optimizer), batch)
+        assert states_equal(model.state_dict(), reference.state_dict())
+    assert states_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
+
+
+def test_a_write_to_a_compute_dtype_copy_is_refused_not_dropped(scratch):
+    """With compute_dtype a resident parameter is a bfloat16 copy of float32 masters: a write to it cannot be
+    stored exactly, so releasing the block raises naming it (the stored values stay), and so does close()."""
+    reference, model = pair()
+    x = batches(1)[0]
+    offload = offload_parameters(model, str(scratch), mode="grads", optimizer=adam, compute_dtype=torch.bfloat16,
+                                 prefetch=len(model.blocks))
+    with torch.no_grad():
+        model(x)
+    params = dict(model.named_parameters())
+    name = next(n for n in _resident(model) if params[n].dtype == torch.bfloat16)
+    with torch.no_grad():
+        params[name].mul_(0.5)
+    with pytest.raises(RuntimeError, match=rf"parameter {name} was changed in place.*compute copy"):
+        model(x).float().square().mean().backward()  # grads mode releases each block after its backward
+    stored = {n: t for n, t in model.state_dict().items() if "running" not in n and "batches" not in n}
+    assert states_equal(stored, dict(reference.named_parameters()))
+    offload.close()
+
+    _, model = pair()
+    offload = offload_parameters(model, str(scratch / "2"), compute_dtype=torch.bfloat16, prefetch=len(model.blocks))
+    with torch.no_grad():
+        model(x)
+    nn.init.zeros_(dict(model.named_parameters())[name])
+    with pytest.raises(RuntimeError, match=rf"parameter {name} was changed in place.*compute copy"):
+        offload.close()
+    offload.close()
+    assert states_equal(dict(model.named_parameters()), dict(reference.named_parameters()))

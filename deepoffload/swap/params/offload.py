@@ -22,7 +22,7 @@ from .blocks import find_blocks
 from .materialize import Init, Materializer, check_arguments, has_meta
 from .placeholders import internal, internal_call
 from .recompute import BlockCall, Recompute
-from .residency import Block, nbytes
+from .residency import Block, Residency, nbytes
 from .schedule import upcoming
 from .store import BlockStore
 from .training import MODES as TRAINING_MODES
@@ -438,6 +438,9 @@ class ParameterOffload:
         if self._closed:
             return
         if restore:  # a failure here (a block unreadable) leaves everything open and as it was
+            for block in self.blocks:
+                if block.state is Residency.RESIDENT and block.unwritable(block.changed()):
+                    self.store.release(block)  # raises: a change that cannot be kept must not pass silently
             self.training.finish_writes()
             self.store.wait_writes()
             values = [self.store.read_copy(block) for block in self.blocks]
@@ -449,7 +452,7 @@ class ParameterOffload:
                 self.training.finish_writes()
                 self.store.wait_writes()
                 for block in self.blocks:
-                    self.store.release(block)
+                    self.store.release(block, keep_changes=False)
                     block.discarded = True
         finally:
             self._closed = True

@@ -10,9 +10,10 @@
                            |
                            +--write failed--> KEPT (memory holds the only valid copy)
 
-``close(restore=True)`` ends every block in RESTORED. A move not in ``TRANSITIONS`` raises ``ResidencyError`` at
-once, so a bookkeeping bug stops the program instead of computing with a placeholder or overwriting the only valid
-copy of a block.
+``close(restore=True)`` ends every block in RESTORED. Releasing a RESIDENT block that user code changed in place
+(``Block.changed``) starts its write instead of dropping the change. A move not in ``TRANSITIONS`` raises
+``ResidencyError`` at once, so a bookkeeping bug stops the program instead of computing with a placeholder or
+overwriting the only valid copy of a block.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class Block:
         self.exporting = 0  # inside ``module.state_dict()`` of the block (its hooks put the real weights in)
         self.discarded = False  # ``close(restore=False)`` dropped its values
         self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
+        self.seen: list[tuple] = []  # per parameter: version counter, data pointer, dtype, device when in memory
+        self.record_versions()
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
@@ -149,6 +152,32 @@ class Block:
             else:
                 master.data = tensor
                 param.data = tensor.to(self.compute_dtype)
+        self.record_versions()
+
+    def record_versions(self) -> None:
+        """Note each parameter's version counter and storage, so ``changed`` finds what user code changed since:
+        in-place ops on the parameter (``p.mul_()``, ``nn.init``, ``load_state_dict``) and ``p.data = ...``. Writes
+        through ``p.data`` (``p.data.copy_()``) bump another version counter and are not seen."""
+        self.seen = [(p._version, p.data_ptr(), p.dtype, p.device) for p in self.params]
+
+    def changed(self) -> list[str]:
+        """Names of the parameters changed since ``record_versions``."""
+        return [name for name, p, seen in zip(self.names, self.params, self.seen)
+                if (p._version, p.data_ptr(), p.dtype, p.device) != seen]
+
+    def unwritable(self, names: list[str]) -> dict[str, str]:
+        """Of the changed ``names``, those whose values cannot be written to storage exactly, with the reason."""
+        reasons = {}
+        for name in names:
+            k = self.names.index(name)
+            param, master, (_, _, dtype, device) = self.params[k], self.masters[k], self.seen[k]
+            if master is not param:
+                reasons[name] = (f"it is a {self.compute_dtype} compute copy of {master.dtype} master values "
+                                 f"(compute_dtype=), and the masters are what is stored")
+            elif tuple(param.shape) != self.shapes[k] or param.dtype != dtype or param.device != device:
+                reasons[name] = (f"it is now {tuple(param.shape)} {param.dtype} on {param.device}, but stored as "
+                                 f"{self.shapes[k]} {dtype} on {device}")
+        return reasons
 
     def clear_data(self) -> None:
         """Point the parameters at placeholders; they are ``StreamedParameter`` until ``set_data``."""

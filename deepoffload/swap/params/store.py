@@ -107,9 +107,18 @@ class BlockStore:
         return OSError(error.errno, f"reading parameters {names} (block {block.prefix}) failed: {error.strerror}",
                        path)
 
-    def release(self, block: Block) -> None:
-        """Drop ``block``'s memory if storage holds its values (READING or RESIDENT); other states are kept."""
+    def release(self, block: Block, keep_changes: bool = True) -> None:
+        """Drop ``block``'s memory if storage holds its values (READING or RESIDENT); other states are kept.
+
+        ``keep_changes``: a RESIDENT block whose parameters user code changed in place since it was read (see
+        ``Block.changed``) is written back instead (``write_back``), so the change is kept; when a change cannot be
+        stored exactly (a ``compute_dtype`` copy, a new shape) the block is released and this raises, naming it."""
         if block.state not in (Residency.READING, Residency.RESIDENT):
+            return
+        changed = block.changed() if keep_changes and block.state is Residency.RESIDENT else []
+        lost = block.unwritable(changed)
+        if changed and not lost:
+            self.write_back(block)
             return
         if block.state is Residency.RESIDENT:
             block.clear_data()
@@ -117,6 +126,13 @@ class BlockStore:
             block.read.release()
             block.read = None
         block.move(Residency.ON_STORAGE)
+        if lost:
+            name, reason = next(iter(lost.items()))
+            raise RuntimeError(f"parameter {block.qualified(name)} was changed in place while its block was in memory "
+                               f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
+                               f"forward), but {reason}, so the change cannot be written to storage: it was dropped "
+                               f"and the parameter holds its stored values again. Change or load weights before "
+                               f"offload_parameters() or after off.close()")
 
     def keep(self, block: Block) -> None:
         """The values in memory changed and storage does not have them (a step failed half-way): never release
@@ -140,7 +156,7 @@ class BlockStore:
 
     def restore(self, block: Block, tensors: dict[str, torch.Tensor]) -> None:
         """End offloading of ``block``: its parameters hold ``tensors`` (master values) from now on."""
-        self.release(block)
+        self.release(block, keep_changes=False)
         block.move(Residency.RESTORED)
         for name, param in zip(block.names, block.params):
             plain(param)
