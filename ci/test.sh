@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs the test dependencies, lints (ruff, configured in pyproject.toml) and runs the whole suite (slow tests
-# included), as the README says; then the fast suite again under `python -O` (library code must not rely on assert;
-# pytest still rewrites the tests' own asserts and conftest's into real checks, so they are not vacuous there), and
-# the op-level tests under ASan/UBSan.
+# included), as the README says; then the core tests again under `python -O` (library code must not rely on assert,
+# which tests/test_no_assert.py checks statically; pytest still rewrites the tests' own asserts and conftest's into
+# real checks, so they are not vacuous there), and the op-level tests under ASan/UBSan.
 # Every phase runs even when an earlier one fails; the result of each is printed at the end, and the exit status is
 # non-zero when any failed. Test runs keep their scratch files in one temporary folder, removed at the end.
 set -uo pipefail
@@ -28,9 +28,13 @@ phase() {
 }
 
 phase "lint (ruff)" python -m ruff check .
-phase "full suite" python -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest" "$@"
-phase "fast suite under python -O" python -O -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest-O" \
-  -m "not slow" "$@"
+phase "full suite" python -m pytest -q -p no:cacheprovider --durations=25 --basetemp="$scratch/pytest" "$@"
+# Under -O: the static check (tests/test_no_assert.py, also in the whole suite) proves no library code uses assert or
+# __debug__; this phase runs the core paths (handle, swapping, optimizer, streaming, checkpoints) with them stripped.
+phase "core tests under python -O" python -O -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest-O" \
+  -m "not slow" tests/test_no_assert.py tests/test_api.py tests/test_handle.py tests/test_handle_inputs.py \
+  tests/test_swap_tensor.py tests/test_optimizer_contract.py tests/test_params_patterns.py tests/test_checkpoint.py \
+  tests/test_formats.py "$@"
 phase "sanitizers (ASan + UBSan)" env PYTHON=python bash ci/sanitize.sh --basetemp="$scratch/pytest-sanitize" "$@"
 
 echo "=== ci/test.sh: results"

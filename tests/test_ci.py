@@ -48,7 +48,7 @@ def test_every_phase_runs_when_one_fails(tmp_path):
     out = proc.stdout
     assert "=== ci/test.sh: results" in out
     results = out[out.index("=== ci/test.sh: results"):]
-    assert "full suite" in results and "fast suite under python -O     FAILED (exit status 1)" in results
+    assert "full suite" in results and "core tests under python -O     FAILED (exit status 1)" in results
     sanitize = next(line for line in results.splitlines() if "sanitizers" in line)
     assert "FAILED" not in sanitize or "libasan" in proc.stderr
     assert list(tmp.iterdir()) == []  # the script's scratch folder (pytest temp, sanitizer cache) is gone
