@@ -116,6 +116,8 @@ def deepspeeds_op_is_built() -> bool:
 def test_resume_equals_deepspeeds_own_op(resumed, scratch):
     """The same training, save and resumes on DeepSpeed's own async_io op: every figure equal, losses included;
     only enable()'s resume warning is ours alone."""
+    if os.environ.get("DEEPOFFLOAD_TEST_DEEPSPEED_OP") != "1":  # a build cached for another venv is rebuilt: minutes
+        pytest.skip("set DEEPOFFLOAD_TEST_DEEPSPEED_OP=1 to compare with DeepSpeed's own async_io op")
     if not deepspeeds_op_is_built():
         pytest.skip("DeepSpeed's async_io op is not built here (it takes minutes: build it with "
                     "python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()')")
