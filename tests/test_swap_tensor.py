@@ -54,6 +54,35 @@ def test_round_trip_every_dtype_and_shape(swapper, dtype):
     read.release()
 
 
+def test_buffers_that_start_inside_their_storage(scratch, monkeypatch):
+    """Buffers need not start at their storage's first byte (huge-page alignment, slices of torch's pinned memory):
+    every view of one must be placed from where the buffer starts."""
+    import deepoffload.swap.pool as pool
+
+    made, original = [], pool.aligned_empty
+
+    def offset_buffer(nbytes, dtype=torch.uint8, alignment=0, pin=True):
+        whole = original(nbytes + 3 * 4096, dtype, alignment, pin)
+        made.append(whole[3 * 4096:])
+        return made[-1]
+
+    monkeypatch.setattr(pool, "aligned_empty", offset_buffer)
+    tensors = {f"t{i}": sample(torch.float32, shape, i) for i, shape in enumerate(SHAPES)}
+    with TensorSwapper(SwapConfig(folder=str(scratch), chunk_bytes=1 << 20, buffer_count=2)) as s:
+        write = s.swap_out({"g": tensors})
+        staged = write.staged()["g"]
+        for key, t in tensors.items():
+            if t.numel():
+                assert_identical(staged[key], t)
+        write.wait()
+        read = s.swap_in(["g"])
+        back = read.wait()["g"]
+        for key, t in tensors.items():
+            assert_identical(back[key], t)
+        read.release()
+    assert made and all(b.storage_offset() >= 3 * 4096 for b in made)
+
+
 def test_groups_share_one_buffer_and_read_sized_from_own_records(swapper):
     a = {"x": torch.arange(10, dtype=torch.float32), "y": torch.tensor(3.5, dtype=torch.float64)}
     b = {"x": torch.arange(3000, dtype=torch.int16).reshape(3, 1000)}  # same key, another size and dtype

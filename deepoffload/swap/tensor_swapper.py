@@ -140,7 +140,7 @@ class SwapOut:
                 if view is None:
                     view = typed[r.dtype] = buffer.view(r.dtype)
                 views[group][key] = view.as_strided(r.shape, _contiguous_strides(r.shape),
-                                                    (r.offset + shift) // r.dtype.itemsize)
+                                                    view.storage_offset() + (r.offset + shift) // r.dtype.itemsize)
         self._sources = ()
         return views
 
@@ -274,7 +274,8 @@ class SwapIn:
             view = typed.get(record.dtype)
             if view is None:
                 view = typed[record.dtype] = self._buffer.view(record.dtype)
-            local = view.as_strided(record.shape, _contiguous_strides(record.shape), position // record.dtype.itemsize)
+            local = view.as_strided(record.shape, _contiguous_strides(record.shape),
+                                    view.storage_offset() + position // record.dtype.itemsize)
         if record.device.type != "cpu":
             local = local.to(record.device)
         if record.dtensor is None:
