@@ -254,6 +254,30 @@ def test_aligned_empty(aio):
     assert not deepoffload.is_pinned(torch.empty(10))
 
 
+def _resident_pages(t: torch.Tensor) -> int:
+    """Pages of ``t``'s memory backed by RAM now (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = t.numel() * t.element_size() // 4096
+    status = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(pages * 4096), status) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in status)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and huge pages: Linux")
+def test_large_buffers_start_on_huge_page_boundaries_and_prefault_on_request():
+    pages = (8 << 20) // 4096
+    lazy = aligned_empty(8 << 20, pin=False)
+    assert lazy.data_ptr() % (2 << 20) == 0 and _resident_pages(lazy) == 0
+    ready = aligned_empty(8 << 20, pin=False, prefault=True)
+    assert ready.data_ptr() % (2 << 20) == 0 and _resident_pages(ready) == pages
+    assert _resident_pages(aligned_empty(8 << 20)) == pages  # locked memory is backed too
+    small = aligned_empty(12288, pin=False, prefault=True)
+    assert small.data_ptr() % 4096 == 0 and _resident_pages(small) == 3
+
+
 def test_the_gil_is_released_while_waiting(aio, scratch):
     """Another Python thread keeps running while the main thread waits on a large transfer."""
     import threading

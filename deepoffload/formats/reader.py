@@ -3,7 +3,8 @@
 ``CheckpointReader`` opens a ``.safetensors`` file, a Hugging Face sharded folder (``model.safetensors.index.json``
 beside its shards) or a ``torch.save`` state dict, validates every header at open, and yields tensors lazily by
 name, so a caller can load one block of a model at a time. Safetensors bytes are read with O_DIRECT (no page
-cache) into page-aligned buffers: neighbouring tensors are read together in spans of up to ``span_bytes`` and
+cache) into page-aligned buffers (huge pages where the system has them, faulted in before each read is submitted,
+while earlier reads are in flight): neighbouring tensors are read together in spans of up to ``span_bytes`` and
 sliced, and up to ``inflight_bytes`` of spans are read ahead while the caller works on earlier ones.
 """
 
@@ -316,10 +317,10 @@ class CheckpointReader:
             return start, None, None, None
         pooled = None
         if pool is not None and end - start <= self._pool_buffer_bytes:
-            pooled = pool.pop() if pool else aligned_empty(self._pool_buffer_bytes, pin=False)
+            pooled = pool.pop() if pool else aligned_empty(self._pool_buffer_bytes, pin=False, prefault=True)
             buffer = pooled[:end - start]
-        else:
-            buffer = aligned_empty(end - start, pin=False)
+        else:  # faulted in here, while earlier spans are read, rather than page by page inside the read
+            buffer = aligned_empty(end - start, pin=False, prefault=True)
         return start, buffer, self.handle.read_async(buffer, span.path, start), pooled
 
     @property

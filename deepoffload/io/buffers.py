@@ -3,7 +3,8 @@
 ``aligned_empty`` maps anonymous memory (page-aligned by construction), locks it with ``mlock`` where
 ``RLIMIT_MEMLOCK`` allows (warning once and carrying on unlocked where it does not), registers it with the
 accelerator when it can register memory it did not allocate, and wraps it in a tensor. The mapping, its lock and its
-registration live exactly as long as the tensor (and any view of it). An accelerator that cannot register such memory
+registration live exactly as long as the tensor (and any view of it). Buffers of 2 MiB or more start on a 2 MiB
+boundary and ask for transparent huge pages. An accelerator that cannot register such memory
 (see ``accelerator``) gets a slice of torch's pinned host memory for it instead; one that cannot page-lock at all gets
 the mapping unregistered (warned once).
 """
@@ -26,6 +27,7 @@ import torch
 from . import accelerator
 
 PAGE_SIZE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in for writing
 HUGE_PAGE = 2 << 20  # buffers at least this large start on this boundary and ask for transparent huge pages
 
 if os.name == "posix":
@@ -101,13 +103,25 @@ def _advise_huge_pages(region: mmap.mmap) -> None:
         pass  # transparent huge pages disabled or unsupported: ordinary pages
 
 
+def _prefault(start: int, nbytes: int) -> None:
+    """Back [start, start + nbytes) with memory now, from this thread (``MADV_POPULATE_WRITE``, Linux 5.14+; else
+    by writing a byte of every page)."""
+    if _libc is not None and _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0:
+        return
+    pages = (ctypes.c_char * nbytes).from_address(start)
+    for offset in range(0, nbytes, PAGE_SIZE):
+        pages[offset] = b"\0"
+
+
 def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torch.uint8, alignment: int = 0,
-                  pin: bool = True) -> torch.Tensor:
+                  pin: bool = True, prefault: bool = False) -> torch.Tensor:
     """An uninitialised CPU tensor whose data starts on an ``alignment``-byte boundary (0 = the page size).
 
     With ``pin`` the pages are locked in memory where the memlock limit allows, and page-locked for the current
-    accelerator when there is one. The memory is returned to the system (or, for memory from torch's pinned
-    allocator, to torch's host cache) when the tensor and all its views are gone.
+    accelerator when there is one. With ``prefault`` (implied by a successful lock) every page is backed by memory
+    before this returns, so a direct read into the buffer takes no page faults. The memory is returned to the system
+    (or, for memory from torch's pinned allocator, to torch's host cache) when the tensor and all its views are
+    gone.
     """
     numel, shape = _numel(shape_or_numel)
     alignment = alignment or PAGE_SIZE
@@ -138,6 +152,8 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
     skip = (-raw.data_ptr()) % alignment
     start, used = raw.data_ptr() + skip, (nbytes + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE  # what is locked
     locked = pin and _lock_pages(start, used)
+    if prefault and not locked:
+        _prefault(start, used)
     registered = pin and acc.can_register_host() and acc.register_host(start, used)
     with _locked_lock:
         if locked or registered:
