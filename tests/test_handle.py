@@ -278,6 +278,36 @@ def test_large_buffers_start_on_huge_page_boundaries_and_prefault_on_request():
     assert small.data_ptr() % 4096 == 0 and _resident_pages(small) == 3
 
 
+def _vmstat(name: str) -> int:
+    with open("/proc/vmstat") as f:
+        return next(int(line.split()[1]) for line in f if line.split()[0] == name)
+
+
+def _huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+                    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+                    reason="no transparent huge pages on this system")
+def test_large_buffers_ask_for_huge_pages():
+    """The kernel either backs the buffer with huge pages or records that it tried and fell back."""
+    fallbacks = _vmstat("thp_fault_fallback")
+    ready = aligned_empty(16 << 20, pin=False, prefault=True)
+    assert _huge_kib(ready.data_ptr()) > 0 or _vmstat("thp_fault_fallback") > fallbacks
+    assert _huge_kib(aligned_empty(1 << 20, pin=False, prefault=True).data_ptr()) == 0  # small: ordinary pages
+
+
 def test_the_gil_is_released_while_waiting(aio, scratch):
     """Another Python thread keeps running while the main thread waits on a large transfer."""
     import threading
