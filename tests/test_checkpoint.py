@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import deepoffload
-from deepoffload.checkpoint import streams
+from deepoffload.checkpoint import api, streams
 from deepoffload.swap.tensor_swapper import ChecksumError
 
 MiB = 1 << 20
@@ -277,6 +277,28 @@ def test_async_saves_run_in_order_and_report_errors(scratch):
     assert torch.equal(deepoffload.load(scratch / "o.pt")["i"], torch.full((1000,), 2))
     with pytest.raises(FileNotFoundError, match="missing"):
         bad.result(timeout=120)
+
+
+def test_async_saves_reuse_the_snapshot_memory_only_after_the_previous_write(scratch):
+    """Back-to-back saves share one kept arena: the second call must wait for the first file to be written before
+    copying into it (else the first file would hold the second state), and a larger state gets a larger arena."""
+    g = torch.Generator().manual_seed(3)
+    states = [{"w": torch.randn(8 * MiB, generator=g), "i": i} for i in range(2)]  # 32 MiB each: writes take time
+    states.append({"w": torch.randn(9 * MiB, generator=g), "b": torch.arange(7)})
+    expected = []
+    for state in states:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        expected.append(buffer.getvalue())
+    futures = [deepoffload.save_async(state, scratch / f"{i}.pt") for i, state in enumerate(states[:2])]
+    arena = api._arena.data_ptr()
+    for i, future in enumerate(futures):
+        future.result(timeout=120)
+        assert (scratch / f"{i}.pt").read_bytes() == expected[i]
+    assert api._arena.data_ptr() == arena  # the same memory, not a new allocation
+    deepoffload.save_async(states[2], scratch / "2.pt").result(timeout=120)
+    assert api._arena.numel() >= 36 * MiB
+    assert (scratch / "2.pt").read_bytes() == expected[2]
 
 
 def test_async_save_refuses_unpicklable_objects_at_the_call(scratch):
