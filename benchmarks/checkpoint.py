@@ -11,7 +11,8 @@ Also times `save_async`: how long the call blocks, against its snapshot copy alo
 
 DeepSpeed's FastFileWriter (torch.save into it, its own close() fsyncs) runs through DeepSpeed's own async_io op
 when that op has been built (its JIT build takes minutes, so this benchmark never starts it); otherwise it is
-skipped with a message. ``--core`` times only deepoffload, torch and DeepSpeed (no safetensors, no DCP).
+skipped with a message. ``--core`` times only deepoffload, torch and DeepSpeed (no checksum=False, no safetensors,
+no DCP).
 Bound lines compare with raw sequential IO through the op on the same folder (what ``deepoffload bench`` measures:
 an O_DIRECT overwrite of an existing file, not synced; a read into memory already touched), and with the least any
 checkpoint writer or loader must do: the raw bytes written to a new file, fsynced, renamed over the previous one and
