@@ -324,6 +324,35 @@ def test_reader_returns_the_files_bytes_for_any_read_order(scratch, monkeypatch)
             assert bytes(out[:got]) == data[start:start + got].numpy().tobytes()
 
 
+def test_reader_reads_each_byte_once_when_headers_are_read_before_data(scratch, monkeypatch):
+    """DCP's files hold one torch.save archive per tensor, and torch's zip reader reads an archive's end before its
+    data: that small read must not move the read-ahead window past the data (which was then read a second time,
+    synchronously, as a read behind the window)."""
+    chunk = 64 << 10
+    monkeypatch.setattr(streams, "STAGING_BYTES", chunk)
+    monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
+    item = 3 * chunk
+    data = torch.randint(0, 256, (8 * item,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    (scratch / "f.bin").write_bytes(data.numpy().tobytes())
+    requested = []
+    handle_class = type(streams.shared_handle())
+    for name in ("read", "read_async"):
+        real = getattr(handle_class, name)
+
+        def counting(self, tensor, *args, _real=real, **kwargs):
+            requested.append(tensor.numel())
+            return _real(self, tensor, *args, **kwargs)
+        monkeypatch.setattr(handle_class, name, counting)
+    with streams.DirectReader(scratch / "f.bin") as reader:
+        for start in range(0, data.numel(), item):
+            for offset, length in ((start + item - 100, 100), (start, 30), (start + 64, item - 164)):
+                out = bytearray(length)
+                reader.seek(offset)
+                assert reader.readinto(out) == length
+                assert out == data[offset:offset + length].numpy().tobytes()
+    assert sum(requested) == data.numel(), requested
+
+
 def test_pending_async_save_completes_before_the_interpreter_exits(scratch):
     import subprocess
     import sys
