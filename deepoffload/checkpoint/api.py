@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..config import AioConfig
-from .streams import DirectReader, DirectWriter, shared_handle
 from ..io.buffers import aligned_empty
+from .streams import DirectReader, DirectWriter, shared_handle
 from .torch_format import Record, ZipChecksums, record, remove_quietly, snapshot, snapshot_bytes, write_records
 from .whole_file import huge_page_empty, load_from_memory, read_whole, weights_only_default
 
