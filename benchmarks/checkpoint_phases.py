@@ -1,7 +1,8 @@
 """Where deepoffload.save and deepoffload.load spend their time, with A/B switches for this round's changes.
 
-save: per save, the wall time of the write phase (torch's zip writer into the staging sink) against the CPU time
-of the calling thread in it (the rest is waiting for a CPU or for writes), and the file's fsync, with the temporary
+save: per save, a timeline of where its wall time goes: the write phase (torch's zip writer into the staging sink,
+copies and CRCs; its CPU time on the calling thread), the CRCs alone, waiting for staging buffers' writes, then
+close (last writes, truncate of the preallocated tail, fsync), the rename and the folder's fsync; with the temporary
 file preallocated (as shipped) and without (A/B, interleaved).
 load: the whole-file read into one huge-page-advised buffer (as shipped), the same into ordinary pages, the
 read-ahead stream path, and torch.load; interleaved, cold cache (pages evicted before each load), rotated order.
@@ -28,7 +29,8 @@ from checkpoint import training_state
 from common import run_main
 from deepoffload.bench.measure import evict
 from deepoffload.bench.sizes import format_size, parse_size
-from deepoffload.checkpoint import api, streams
+from deepoffload.checkpoint import api, streams, torch_format
+from deepoffload.io import staged_file
 
 
 def main() -> int:
@@ -39,38 +41,61 @@ def main() -> int:
     args = parser.parse_args()
     state = training_state(args.size)
     folder = Path(tempfile.mkdtemp(prefix=".deepoffload-phases-", dir=args.path))
-    phases: dict[str, list[tuple[float, float, float]]] = {"preallocated": [], "not preallocated": []}
-    real_write_records, real_fsync, real_preallocate = api.write_records, os.fsync, streams._preallocate
+    phases: dict[str, list[dict[str, float]]] = {"preallocated": [], "not preallocated": []}
     current: dict[str, float] = {}
+    patched: list[tuple[object, str, object]] = []
 
-    def write_records(*a):
-        start, cpu = time.perf_counter(), time.thread_time()
-        real_write_records(*a)
-        current["write"], current["cpu"] = time.perf_counter() - start, time.thread_time() - cpu
+    def timed(owner: object, name: str, key: str, *, first_only: bool = False, cpu: bool = False) -> None:
+        real = getattr(owner, name)
 
-    def fsync(fd):
-        start = time.perf_counter()
-        real_fsync(fd)
-        current.setdefault("fsync", time.perf_counter() - start)  # the file's, not the folder's
+        def run(*a, **k):
+            start, thread = time.perf_counter(), time.thread_time()
+            try:
+                return real(*a, **k)
+            finally:
+                if not (first_only and key in current):
+                    current[key] = current.get(key, 0.0) + time.perf_counter() - start
+                    if cpu:
+                        current[key + " cpu"] = current.get(key + " cpu", 0.0) + time.thread_time() - thread
+        patched.append((owner, name, real))
+        setattr(owner, name, run)
 
+    real_preallocate = streams._preallocate
+    timed(api, "write_records", "write", cpu=True)  # torch's zip writer, staging copies, CRCs, waits for buffers
+    timed(torch_format.CrcFiller, "_digest", "crc")
+    timed(staged_file.StagedWriter, "_wait", "wait")  # for a buffer's write (in the write phase and in close)
+    timed(streams.DirectWriter, "close", "close")  # last writes, truncate, fsync
+    timed(os, "ftruncate", "truncate")
+    timed(os, "fsync", "fsync", first_only=True)  # the file's
+    timed(os, "replace", "rename")
+    timed(api, "_fsync_folder", "folder fsync")
+    totals: dict[str, list[float]] = {mode: [] for mode in phases}
     try:
-        api.write_records, os.fsync = write_records, fsync
         for r in range(args.rounds):
             for mode in (["preallocated", "not preallocated"] if r % 2 == 0 else
                          ["not preallocated", "preallocated"]):
                 streams._preallocate = real_preallocate if mode == "preallocated" else (lambda fd, n: False)
                 current.clear()
+                start = time.perf_counter()
                 api.save(state, folder / "s.pt")
-                phases[mode].append((current["write"], current["cpu"], current["fsync"]))
+                totals[mode].append(time.perf_counter() - start)
+                phases[mode].append(dict(current))
                 evict(folder / "s.pt")
     finally:
-        api.write_records, os.fsync, streams._preallocate = real_write_records, real_fsync, real_preallocate
+        streams._preallocate = real_preallocate
+        for owner, name, real in reversed(patched):
+            setattr(owner, name, real)
     nbytes = (folder / "s.pt").stat().st_size
-    print(f"save: {format_size(nbytes)} file, {args.rounds} rounds; per save: write phase s / calling thread CPU s "
-          f"/ file fsync s")
+    print(f"save: {format_size(nbytes)} file, {args.rounds} rounds; seconds per save (wait: for staging buffers' "
+          f"writes, in the write phase and in close)")
+    keys = ["write", "write cpu", "crc", "wait", "close", "truncate", "fsync", "rename", "folder fsync"]
     for mode, rows in phases.items():
-        print(f"  {mode:<18}" + "   ".join(f"{w:.2f}/{c:.2f}/{f:.3f}" for w, c, f in rows)
-              + f"   median fsync {statistics.median(f for _, _, f in rows):.3f} s")
+        print(f"  {mode}")
+        print("    " + f"{'total':>7}" + "".join(f"{k:>13}" for k in keys))
+        for total, row in zip(totals[mode], rows):
+            print("    " + f"{total:7.2f}" + "".join(f"{row.get(k, 0.0):13.3f}" for k in keys))
+        print(f"    median total {statistics.median(totals[mode]):.2f} s = "
+              f"{nbytes / statistics.median(totals[mode]) / 1e9:.3f} GB/s")
 
     path = folder / "s.pt"
     huge = mmap.MADV_HUGEPAGE if hasattr(mmap, "MADV_HUGEPAGE") else None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import deepoffload
-from deepoffload.checkpoint import streams
+from deepoffload.checkpoint import api, streams
 from deepoffload.swap.tensor_swapper import ChecksumError
 
 MiB = 1 << 20
@@ -279,6 +279,28 @@ def test_async_saves_run_in_order_and_report_errors(scratch):
         bad.result(timeout=120)
 
 
+def test_async_saves_reuse_the_snapshot_memory_only_after_the_previous_write(scratch):
+    """Back-to-back saves share one kept arena: the second call must wait for the first file to be written before
+    copying into it (else the first file would hold the second state), and a larger state gets a larger arena."""
+    g = torch.Generator().manual_seed(3)
+    states = [{"w": torch.randn(8 * MiB, generator=g), "i": i} for i in range(2)]  # 32 MiB each: writes take time
+    states.append({"w": torch.randn(9 * MiB, generator=g), "b": torch.arange(7)})
+    expected = []
+    for state in states:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        expected.append(buffer.getvalue())
+    futures = [deepoffload.save_async(state, scratch / f"{i}.pt") for i, state in enumerate(states[:2])]
+    arena = api._arena.data_ptr()
+    for i, future in enumerate(futures):
+        future.result(timeout=120)
+        assert (scratch / f"{i}.pt").read_bytes() == expected[i]
+    assert api._arena.data_ptr() == arena  # the same memory, not a new allocation
+    deepoffload.save_async(states[2], scratch / "2.pt").result(timeout=120)
+    assert api._arena.numel() >= 36 * MiB
+    assert (scratch / "2.pt").read_bytes() == expected[2]
+
+
 def test_async_save_refuses_unpicklable_objects_at_the_call(scratch):
     with pytest.raises(Exception, match="lambda|pickle"):
         deepoffload.save_async({"f": lambda: 0}, scratch / "x.pt")
@@ -300,6 +322,35 @@ def test_reader_returns_the_files_bytes_for_any_read_order(scratch, monkeypatch)
             got = reader.readinto(out)
             assert got == max(0, min(length, 1_000_003 - start))
             assert bytes(out[:got]) == data[start:start + got].numpy().tobytes()
+
+
+def test_reader_reads_each_byte_once_when_headers_are_read_before_data(scratch, monkeypatch):
+    """DCP's files hold one torch.save archive per tensor, and torch's zip reader reads an archive's end before its
+    data: that small read must not move the read-ahead window past the data (which was then read a second time,
+    synchronously, as a read behind the window)."""
+    chunk = 64 << 10
+    monkeypatch.setattr(streams, "STAGING_BYTES", chunk)
+    monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
+    item = 3 * chunk
+    data = torch.randint(0, 256, (8 * item,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    (scratch / "f.bin").write_bytes(data.numpy().tobytes())
+    requested = []
+    handle_class = type(streams.shared_handle())
+    for name in ("read", "read_async"):
+        real = getattr(handle_class, name)
+
+        def counting(self, tensor, *args, _real=real, **kwargs):
+            requested.append(tensor.numel())
+            return _real(self, tensor, *args, **kwargs)
+        monkeypatch.setattr(handle_class, name, counting)
+    with streams.DirectReader(scratch / "f.bin") as reader:
+        for start in range(0, data.numel(), item):
+            for offset, length in ((start + item - 100, 100), (start, 30), (start + 64, item - 164)):
+                out = bytearray(length)
+                reader.seek(offset)
+                assert reader.readinto(out) == length
+                assert out == data[offset:offset + length].numpy().tobytes()
+    assert sum(requested) == data.numel(), requested
 
 
 def test_pending_async_save_completes_before_the_interpreter_exits(scratch):

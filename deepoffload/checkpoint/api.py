@@ -14,13 +14,16 @@ from typing import Any
 import torch
 
 from ..config import AioConfig
+from ..io.buffers import aligned_empty
 from .streams import DirectReader, DirectWriter, shared_handle
-from .torch_format import Record, ZipChecksums, record, remove_quietly, snapshot, write_records
-from .whole_file import load_from_memory, read_whole, weights_only_default
+from .torch_format import Record, ZipChecksums, record, remove_quietly, snapshot, snapshot_bytes, write_records
+from .whole_file import huge_page_empty, load_from_memory, read_whole, weights_only_default
 
 _executor: ThreadPoolExecutor | None = None
 _async_lock = threading.Lock()
 _last_async: Future | None = None
+_arena: torch.Tensor | None = None  # save_async's snapshot memory, kept for the next call (under _async_lock)
+_arena_pinned = False
 
 
 def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
@@ -45,14 +48,18 @@ def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, s
 
     ``obj`` (its tensors included) may be changed as soon as this returns: the file holds its state at the call.
     One save is written at a time, in order; a call made while the previous save is still being written waits for
-    it first, so staging memory holds at most one checkpoint. Pending saves complete before the interpreter exits.
+    it first, so staging memory holds at most one checkpoint. That memory (huge pages where the system has them;
+    page-locked when a tensor is on an accelerator) is kept and reused by the next call, so a training loop's saves
+    after the first block only for the copy, not for the kernel's first touch of new memory; it grows to the largest
+    checkpoint saved this way. Pending saves complete before the interpreter exits.
     """
     global _executor, _last_async
     with _async_lock:
         previous = _last_async
         if previous is not None:
-            wait_futures([previous])
-        records = snapshot(record(obj))
+            wait_futures([previous])  # after it, nothing uses the arena
+        records = record(obj)
+        records = snapshot(records, _snapshot_arena(*snapshot_bytes(records)))
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepoffload-save")
         future = _executor.submit(_write_file, records, os.fspath(path), checksum, sync, config)
@@ -95,6 +102,18 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
     if verifier is not None:
         verifier.finish()
     return result
+
+
+def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
+    """At least ``nbytes`` bytes of save_async's snapshot memory: the kept arena when it is large enough (and
+    page-locked when ``pin``), else a new one that is kept instead. Call under ``_async_lock`` once the previous
+    save has completed."""
+    global _arena, _arena_pinned
+    if _arena is None or _arena.numel() < nbytes or (pin and not _arena_pinned):
+        _arena = None  # the old one's memory goes back first
+        _arena = aligned_empty(max(nbytes, 1), pin=True) if pin else huge_page_empty(max(nbytes, 1))
+        _arena_pinned = pin
+    return _arena
 
 
 def _on_cpu(map_location: Any) -> bool:

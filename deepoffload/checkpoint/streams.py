@@ -225,10 +225,11 @@ class DirectReader(SeekableReader):
 
     A read of ``DIRECT_READ_MIN`` bytes or more starts (or moves) a read-ahead window: the ``READ_AHEAD`` chunks of
     ``STAGING_BYTES`` bytes from the one holding the read's first byte are read asynchronously into aligned, page-locked
-    buffers (large aligned O_DIRECT requests), and reads are copied out of them. As reads move forward, chunks behind
-    them are reused for the chunks ahead, so a file read front to back (as ``torch.load`` reads a ``torch.save``
-    file) is read at the op's full queue depth. Small reads outside the window (zip headers) and large reads behind
-    it are plain ``pread``s or direct op reads.
+    buffers (large aligned O_DIRECT requests), and reads are copied out of them. As large reads move forward, chunks
+    behind them are reused for the chunks ahead, so a file read front to back (as ``torch.load`` reads a
+    ``torch.save`` file) is read at the op's full queue depth. Small reads (zip headers) are copied from the window
+    without moving it (torch's zip reader reads an archive's end before its data: DCP's files hold one archive per
+    tensor); outside it they are plain ``pread``s. Large reads behind the window are direct op reads.
 
     ``on_read(offset, view)`` is called after each read with the file offset and the bytes read (used to verify
     checksums); an exception it raises fails the read. ``error`` keeps the first exception a read raised.
@@ -265,10 +266,12 @@ class DirectReader(SeekableReader):
             return 0
         view = target[:nbytes]
         position = self._position
-        first = position // self._chunk
+        first, last = position // self._chunk, (position + nbytes - 1) // self._chunk
         lowest = self._staged.lowest()
         behind = lowest is not None and first < lowest
-        if not behind and (nbytes >= DIRECT_READ_MIN or self._staged.holds(first)):
+        if nbytes < DIRECT_READ_MIN and all(self._staged.holds(i) for i in range(first, last + 1)):
+            self._copy_ahead(view, position, advance=False)  # a header: the window stays for the data after it
+        elif not behind and nbytes >= DIRECT_READ_MIN:
             self._copy_ahead(view, position)
         elif nbytes >= DIRECT_READ_MIN:
             self._handle.read(torch.frombuffer(view, dtype=torch.uint8), self.path, position)
@@ -287,10 +290,10 @@ class DirectReader(SeekableReader):
                 raise OSError(errno.ENODATA, f"file ended at offset {position + done} while reading", self.path)
             done += got
 
-    def _copy_ahead(self, view: memoryview, position: int) -> None:
+    def _copy_ahead(self, view: memoryview, position: int, advance: bool = True) -> None:
         done, end, address = 0, position + view.nbytes, address_of(view)
         for index in range(position // self._chunk, (end - 1) // self._chunk + 1):
-            chunk = self._staged.get(index)
+            chunk = self._staged.get(index, advance=advance)
             start = max(position, index * self._chunk) - index * self._chunk
             take = min(end, index * self._chunk + chunk.numel()) - index * self._chunk - start
             ctypes.memmove(address + done, chunk.data_ptr() + start, take)

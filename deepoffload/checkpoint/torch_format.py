@@ -53,18 +53,29 @@ def record(obj: object, pickle_module=pickle, pickle_protocol: int = torch.seria
     return recorder.records
 
 
-def snapshot(records: list[Record]) -> list[Record]:
-    """The same records with every storage copied into one page-aligned arena (page-locked when a storage is on an
-    accelerator, for the device-to-host copy), so the originals may change afterwards."""
+def snapshot_bytes(records: list[Record]) -> tuple[int, bool]:
+    """(bytes of the arena ``snapshot`` needs for ``records``, whether it must be page-locked: a storage is on an
+    accelerator, for the device-to-host copy)."""
     storages = [data for _, data, _ in records if isinstance(data, torch.UntypedStorage)]
     total = sum(-(-s.nbytes() // RECORD_ALIGNMENT) * RECORD_ALIGNMENT for s in storages)
-    arena = aligned_empty(max(total, 1), pin=any(s.device.type != "cpu" for s in storages))
+    return total, any(s.device.type != "cpu" for s in storages)
+
+
+def snapshot(records: list[Record], arena: torch.Tensor | None = None) -> list[Record]:
+    """The same records with every storage copied into ``arena`` (a uint8 CPU tensor of at least
+    ``snapshot_bytes(records)[0]`` bytes; a new page-aligned one when None), so the originals may change afterwards.
+    The records returned use ``arena``'s memory: it must not be reused while they are."""
+    if arena is None:
+        total, pin = snapshot_bytes(records)
+        arena = aligned_empty(max(total, 1), pin=pin)
     base = arena.untyped_storage()
     start = arena.storage_offset()
     copied: list[Record] = []
     offset = 0
     for name, data, nbytes in records:
         if isinstance(data, torch.UntypedStorage):
+            if offset + nbytes > arena.numel():
+                raise ValueError(f"snapshot: the arena of {arena.numel()} bytes is too small for the records")
             source = torch.empty(0, dtype=torch.uint8, device=data.device).set_(data, 0, (data.nbytes(),), (1,))
             arena[offset:offset + data.nbytes()].copy_(source)
             data = base[start + offset:start + offset + data.nbytes()]

@@ -194,8 +194,11 @@ class StagedReader:
     def holds(self, index: int) -> bool:
         return index in self._chunks
 
-    def get(self, index: int) -> torch.Tensor:
-        self._advance(index)
+    def get(self, index: int, *, advance: bool = True) -> torch.Tensor:
+        """Chunk ``index``'s bytes; ``advance=False`` serves a chunk the window holds without moving the window
+        (``KeyError`` when it does not hold it)."""
+        if advance:
+            self._advance(index)
         chunk = self._chunks[index]
         if chunk[1] is not None:
             try:
