@@ -117,7 +117,7 @@ class ParameterOffload:
             self.store.offload_all()
         else:
             materializer.offload(self.store, self.blocks)
-        self.pinned = self._pin(max_resident_bytes)
+        self.set_max_resident_bytes(max_resident_bytes)
         self._patched: list[tuple[nn.Module, str, Callable]] = []
         self._hooks = []
         for block in self.blocks:
@@ -125,23 +125,37 @@ class ParameterOffload:
         self._guard_moves()
 
     # -- setup ---------------------------------------------------------------------------------------------
-    def _pin(self, budget: int | None) -> frozenset[int]:
-        """Read the blocks that fit in ``budget`` bytes (taken in block order: every block is read once per sweep
-        anyway, and the first ones' reads are the least hidden behind compute) and keep them in memory, outside
-        the staging pool; the prefetch schedule never releases them."""
-        if not budget:
-            return frozenset()
+    @property
+    def pinned(self) -> frozenset[int]:
+        """Indices of the blocks held in memory by ``max_resident_bytes``."""
+        return frozenset(b.index for b in self.blocks if b.state is Residency.PINNED)
+
+    @internal_call
+    def set_max_resident_bytes(self, budget: int | None) -> None:
+        """Keep in memory the blocks that fit in ``budget`` bytes (stored plus compute copy), taken in block order
+        (every block is read once per sweep anyway, and the first ones' reads are the least hidden behind compute);
+        the rest stream. Pinned blocks are read once, outside the staging pool, never released by the schedule, and
+        step in memory (no write, no read back per step). A block leaving the budget is written first (its values
+        in memory are the valid copy); a failed write raises and keeps it in memory. 0 or None: stream every block.
+        Call between steps."""
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"max_resident_bytes={budget!r}: expected a number of bytes, 0 or more")
+        self._check_open()
+        budget = budget or 0
+        self.training.finish_writes()
+        self.store.wait_writes()
         chosen = []
         for block in self.blocks:
             need = block.nbytes + block.compute_nbytes
             if need <= budget:
                 chosen.append(block)
                 budget -= need
+        keep = {b.index for b in chosen}
+        for block in self.blocks:
+            if block.index not in keep:
+                self.store.unpin(block)
         for block in chosen:
-            self.store.start_read(block)
-            self.store.materialize(block)
-            block.read.detach()  # a pinned block's memory is its own, not a staging buffer the stream needs
-        return frozenset(block.index for block in chosen)
+            self.store.pin(block)
 
     def _check_sharing(self) -> None:
         """Refuse a parameter shared between two blocks, or between a block and the rest of the module."""
@@ -249,8 +263,8 @@ class ParameterOffload:
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
         for other in self.blocks:
-            if other.index not in keep and other.index not in self.pinned:
-                self.store.release(other)
+            if other.index not in keep:
+                self.store.release(other)  # (not a PINNED block)
         self.store.start_read(block)
         for j in window:
             self.store.start_read(self.blocks[j])
@@ -260,7 +274,7 @@ class ParameterOffload:
 
     @internal_call
     def after_forward(self, block: Block, training: bool) -> None:
-        if block.index not in self._upcoming(block.index, "forward", training) and block.index not in self.pinned:
+        if block.index not in self._upcoming(block.index, "forward", training):
             self.store.release(block)
 
     @internal_call
@@ -432,18 +446,21 @@ class ParameterOffload:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
 
         restore: True (the default): first read every block back into memory (master dtype), so the module holds
-            its trained weights and works as before; this needs memory for the whole model. If a block cannot be
-            read, this raises and nothing is closed. False: discard them (take ``state_dict()`` first to keep them);
-            calling a block then raises."""
+            its trained weights and works as before; this needs memory for the whole model (pinned blocks keep
+            theirs, uncopied). If a block cannot be read, this raises and nothing is closed. False: discard them
+            (take ``state_dict()`` first to keep them); calling a block then raises; blocks held in memory (pinned,
+            or kept after a failed write) free theirs with the module."""
         if self._closed:
             return
         if restore:  # a failure here (a block unreadable) leaves everything open and as it was
             for block in self.blocks:
-                if block.state is Residency.RESIDENT and block.unwritable(block.changed()):
-                    self.store.release(block)  # raises: a change that cannot be kept must not pass silently
+                if block.in_memory and block.unwritable(block.changed()):
+                    self.store.drop_unwritable(block)  # raises: a change that cannot be kept must not pass silently
             self.training.finish_writes()
             self.store.wait_writes()
-            values = [self.store.read_copy(block) for block in self.blocks]
+            # a pinned block's memory is its own: it becomes the parameters' (no copy)
+            values = [block.master_tensors() if block.state is Residency.PINNED else self.store.read_copy(block)
+                      for block in self.blocks]
         try:
             if restore:
                 for block, tensors in zip(self.blocks, values):
@@ -508,8 +525,9 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     dtype: floating-point tensors made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``).
     strict: see checkpoint.
     max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
-        and are never re-read by the schedule, the first blocks first; the rest stream. With the model's size,
-        inference reads nothing after setup. Training still writes every stepped block and reads it back.
+        and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks also step in
+        memory, never written or read back. With the model's size, inference and training read and write no
+        parameter bytes after setup. See ``ParameterOffload.set_max_resident_bytes``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")

@@ -5,11 +5,14 @@
     ON_STORAGE --start_read--> READING --materialize--> RESIDENT --release--> ON_STORAGE
         ^                        |  (read failed / released)   |
         |                        +--------> ON_STORAGE          +--step failed--> KEPT
-        |                                                       |                  |
-        +--write done-- WRITING <--------start_write------------+------------------+
-                           |
+        |                                                       +--pin--> PINNED   |
+        |                                                       |           |      |
+        +--write done-- WRITING <--------start_write------------+-----------+------+
+                           |                                          (unpin)
                            +--write failed--> KEPT (memory holds the only valid copy)
 
+A PINNED block (within ``max_resident_bytes``) stays in memory, outside the staging pool, and steps there: from its
+first step on, storage holds stale values, so it leaves memory only through a write (unpinning) or into RESTORED.
 ``close(restore=True)`` ends every block in RESTORED. Releasing a RESIDENT block that user code changed in place
 (``Block.changed``) starts its write instead of dropping the change. A move not in ``TRANSITIONS`` raises
 ``ResidencyError`` at once, so a bookkeeping bug stops the program instead of computing with a placeholder or
@@ -37,15 +40,18 @@ class Residency(enum.Enum):
     RESIDENT = "resident"  # the parameters point into the staging buffer of a completed read (storage agrees)
     WRITING = "writing"  # a write of the values is in flight; the write holds the memory until it completes
     KEPT = "kept"  # resident and the only valid copy (a write or step failed): never released until written
+    PINNED = "pinned"  # kept resident by the budget, its own memory; the valid copy (storage is stale once stepped)
     RESTORED = "restored"  # offloading ended: the parameters hold their values in memory for good
 
 
 TRANSITIONS: dict[Residency, frozenset[Residency]] = {
     Residency.ON_STORAGE: frozenset({Residency.READING, Residency.RESTORED}),
     Residency.READING: frozenset({Residency.RESIDENT, Residency.ON_STORAGE}),
-    Residency.RESIDENT: frozenset({Residency.ON_STORAGE, Residency.WRITING, Residency.KEPT, Residency.RESTORED}),
+    Residency.RESIDENT: frozenset({Residency.ON_STORAGE, Residency.WRITING, Residency.KEPT, Residency.RESTORED,
+                                   Residency.PINNED}),
     Residency.WRITING: frozenset({Residency.ON_STORAGE, Residency.KEPT}),
     Residency.KEPT: frozenset({Residency.WRITING, Residency.RESTORED}),
+    Residency.PINNED: frozenset({Residency.WRITING, Residency.RESTORED}),
     Residency.RESTORED: frozenset(),
 }
 
@@ -125,8 +131,8 @@ class Block:
 
     @property
     def in_memory(self) -> bool:
-        """The parameters hold real values (RESIDENT or KEPT)."""
-        return self.state in (Residency.RESIDENT, Residency.KEPT)
+        """The parameters hold real values (RESIDENT, KEPT or PINNED)."""
+        return self.state in (Residency.RESIDENT, Residency.KEPT, Residency.PINNED)
 
     def grads_away(self) -> str | None:
         """Where the block's gradients are when not on its parameters' ``.grad`` until ``step()``; None when
@@ -152,6 +158,14 @@ class Block:
             else:
                 master.data = tensor
                 param.data = tensor.to(self.compute_dtype)
+        self.record_versions()
+
+    def refresh_compute(self) -> None:
+        """Cast the compute copies again from the masters (after the masters stepped in memory), as ``set_data``
+        casts them after a read."""
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                param.data = master.detach().to(self.compute_dtype)
         self.record_versions()
 
     def record_versions(self) -> None:
