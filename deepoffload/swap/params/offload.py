@@ -285,6 +285,11 @@ class ParameterOffload:
             raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
                                f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
                                f"Run validation under torch.no_grad(), and backward each forward before step()")
+        if block.trainable and block.served:
+            raise RuntimeError(f"block {block.prefix}: backward would train parameters that are served read-only "
+                               f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
+                               f"written: offload without serve_from_checkpoint= to train, or freeze them "
+                               f"(requires_grad_(False))")
         if block.trainable and self._block_optimizer is None:
             raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
                                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
@@ -500,7 +505,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                        compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
                        checkpoint: str | os.PathLike | None = None, init: Init | None = None,
                        dtype: torch.dtype | None = None, strict: bool = True,
-                       max_resident_bytes: int | None = None) -> ParameterOffload:
+                       max_resident_bytes: int | None = None,
+                       serve_from_checkpoint: bool = False) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
     path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
@@ -528,6 +534,10 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks also step in
         memory, never written or read back. With the model's size, inference and training read and write no
         parameter bytes after setup. See ``ParameterOffload.set_max_resident_bytes``.
+    serve_from_checkpoint: for inference: blocks whose parameters lie in the (safetensors) ``checkpoint`` in the
+        model's dtype, back to back in one file, are read from there and never copied to ``path``; the others are
+        copied as usual. The checkpoint is never written: a backward that would train a served block raises, and
+        so does releasing one whose parameters user code changed (the change is dropped).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
@@ -556,6 +566,11 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     if any(b.__dict__.get("forward") is not None for _, b in chosen):
         raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
     check_arguments(checkpoint, init, dtype, strict)
+    if not isinstance(serve_from_checkpoint, bool):
+        raise TypeError(f"serve_from_checkpoint=: expected True or False, got {serve_from_checkpoint!r}")
+    if serve_from_checkpoint and checkpoint is None:
+        raise ValueError("serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
+                         "the blocks' parameters from")
     if max_resident_bytes is not None and (not isinstance(max_resident_bytes, int) or
                                            isinstance(max_resident_bytes, bool) or max_resident_bytes < 0):
         raise ValueError(f"max_resident_bytes={max_resident_bytes!r}: expected a number of bytes, 0 or more")
@@ -565,7 +580,7 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     materializer = None
     if checkpoint is not None or has_meta(module):
         materializer = Materializer(module, [name for name, _ in chosen], checkpoint=checkpoint, init=init,
-                                    dtype=dtype, strict=strict)
+                                    dtype=dtype, strict=strict, serve=serve_from_checkpoint)
     elif init is not None or dtype is not None:
         raise ValueError("init= and dtype= apply to tensors on the meta device, and this module has none: "
                          "initialize or convert it before offload_parameters()")

@@ -12,7 +12,8 @@
                            +--write failed--> KEPT (memory holds the only valid copy)
 
 A PINNED block (within ``max_resident_bytes``) stays in memory, outside the staging pool, and steps there: from its
-first step on, storage holds stale values, so it leaves memory only through a write (unpinning) or into RESTORED.
+first step on, storage holds stale values, so it leaves memory only through a write (unpinning) or into RESTORED;
+straight to ON_STORAGE only when served read-only from a checkpoint (``Block.served``: never stepped or changed).
 ``close(restore=True)`` ends every block in RESTORED. Releasing a RESIDENT block that user code changed in place
 (``Block.changed``) starts its write instead of dropping the change. A move not in ``TRANSITIONS`` raises
 ``ResidencyError`` at once, so a bookkeeping bug stops the program instead of computing with a placeholder or
@@ -51,7 +52,7 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
                                    Residency.PINNED}),
     Residency.WRITING: frozenset({Residency.ON_STORAGE, Residency.KEPT}),
     Residency.KEPT: frozenset({Residency.WRITING, Residency.RESTORED}),
-    Residency.PINNED: frozenset({Residency.WRITING, Residency.RESTORED}),
+    Residency.PINNED: frozenset({Residency.WRITING, Residency.RESTORED, Residency.ON_STORAGE}),
     Residency.RESTORED: frozenset(),
 }
 
@@ -115,6 +116,7 @@ class Block:
         self.grads_stored = False  # grads mode: its gradients are on storage, waiting for ``step()``
         self.exporting = 0  # inside ``module.state_dict()`` of the block (its hooks put the real weights in)
         self.discarded = False  # ``close(restore=False)`` dropped its values
+        self.served: str | None = None  # the checkpoint file its parameters are read from, read-only (never written)
         self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
         self.seen: list[tuple] = []  # per parameter: version counter, data pointer, dtype, device when in memory
         self.record_versions()
@@ -181,6 +183,9 @@ class Block:
 
     def unwritable(self, names: list[str]) -> dict[str, str]:
         """Of the changed ``names``, those whose values cannot be written to storage exactly, with the reason."""
+        if self.served:
+            return {name: f"its block is served read-only from the checkpoint {self.served} "
+                          f"(serve_from_checkpoint=True)" for name in names}
         reasons = {}
         for name in names:
             k = self.names.index(name)

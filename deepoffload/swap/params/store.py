@@ -139,6 +139,10 @@ class BlockStore:
             return
         if block.state is Residency.RESIDENT:
             self.release(block)  # raises
+        if block.served and block.state is Residency.PINNED:  # the checkpoint holds its values
+            block.clear_data()
+            block.move(Residency.ON_STORAGE)
+            raise self._lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
         if all(block.masters[block.names.index(name)] is not block.params[block.names.index(name)] for name in lost):
             block.refresh_compute()
             raise self._lost_change(block, lost, "it was dropped and the parameter holds the cast of its master "
@@ -172,6 +176,10 @@ class BlockStore:
         if block.state is not Residency.PINNED:
             return
         self.drop_unwritable(block)
+        if block.served:  # unchanged (drop_unwritable raised otherwise): the checkpoint holds its values
+            block.clear_data()
+            block.move(Residency.ON_STORAGE)
+            return
         self.write_back(block)
         self.wait_write(block)
 
@@ -251,6 +259,10 @@ class BlockStore:
     def write_back(self, block: Block) -> None:
         """Start writing the in-memory (RESIDENT, KEPT or PINNED) block's values; its memory is released when the
         write succeeds. One block write in flight at most."""
+        if block.served:
+            raise RuntimeError(f"block {block.prefix}: its parameters are served read-only from the checkpoint "
+                               f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
+                               f"serve_from_checkpoint= to change or train them")
         self.wait_writes()
         staged, block.read = block.read, None
         try:
