@@ -160,3 +160,31 @@ def test_blocks_converted_to_another_dtype_are_copied(scratch, reference, checkp
             torch.no_grad():
         assert all(b.served is None for b in off.blocks) and off.stats.bytes_written > 0
         assert torch.equal(model(ids).logits, copied(ids).logits)
+
+
+def test_map_group_reads_tensors_where_they_lie_and_never_writes_there(scratch):
+    from deepoffload.swap.config import SwapConfig
+    from deepoffload.swap.tensor_swapper import SwapRecord, TensorSwapper
+
+    a, b = torch.arange(1000, dtype=torch.float32), torch.arange(300, dtype=torch.int16)
+    data = b"x" * 4108 + a.numpy().tobytes() + b.numpy().tobytes() + b"tail"  # starts 12 bytes past a page
+    path = scratch / "foreign.bin"
+    path.write_bytes(data)
+    cpu = torch.device("cpu")
+    records = {"a": SwapRecord("a", a.dtype, (1000,), 4000, str(path), 4108, cpu),
+               "b": SwapRecord("b", b.dtype, (300,), 600, str(path), 8108, cpu)}
+    with TensorSwapper(SwapConfig(folder=str(scratch / "swap"))) as swapper:
+        swapper.map_group("g", records)
+        assert swapper.mapped("g")
+        read = swapper.swap_in(["g"])
+        got = read.wait()["g"]
+        assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+        read.release()
+        with pytest.raises(PermissionError, match="read-only"):
+            swapper.swap_out({"g": {"a": a}})
+        swapper.discard("g")
+        assert not swapper.has("g")
+        gap = dict(records, b=SwapRecord("b", b.dtype, (300,), 600, str(path), 8200, cpu))
+        with pytest.raises(ValueError, match="back to back"):
+            swapper.map_group("h", gap)
+    assert path.read_bytes() == data

@@ -43,7 +43,7 @@ class SwapRecord:
     """Where one swapped tensor lives and what it is.
 
     nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (a multiple of
-    ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file).
+    ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file; any offset in a file served by ``map_group``).
     device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
     global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
     """
