@@ -264,7 +264,7 @@ class ParameterOffload:
         keep = {block.index, *window}
         for other in self.blocks:
             if other.index not in keep:
-                self.store.release(other)  # (not a PINNED block)
+                self.store.release(other)  # (a no-op for a PINNED block)
         self.store.start_read(block)
         for j in window:
             self.store.start_read(self.blocks[j])

@@ -171,8 +171,9 @@ class BlockStore:
         block.move(Residency.PINNED)
 
     def unpin(self, block: Block) -> None:
-        """Write a PINNED block's values (storage is stale once it stepped) and release its memory once written;
-        a failed write raises and leaves it KEPT."""
+        """Write a PINNED block's values (storage is stale once it stepped) and release its memory once written
+        (a block served from a checkpoint is released without a write). A write that cannot start raises and leaves
+        it PINNED; one that fails raises and leaves it KEPT."""
         if block.state is not Residency.PINNED:
             return
         self.drop_unwritable(block)
