@@ -15,10 +15,13 @@ same model in memory and against accelerate's disk offload, interleaved A B A B:
 4. ``--part train-budget``: training step time (fused, Adam, optimizer state offloaded in all three) with
    ``max_resident_bytes`` of 0, 4 and 8 decoder layers, in one process, one step of each per round in rotating order;
    prints each budget's step time over budget 0's, its parameter bytes read and written per step and the time the
-   step waited on them, and the optimizer state bytes; losses checked equal across the three.
+   step waited on them, and the optimizer state bytes; losses checked equal across the three;
+5. ``--part serve``: a model built on meta and loaded from a safetensors checkpoint, ``serve_from_checkpoint=True``
+   against the copy into the swap folder, alternating: setup seconds (offload_parameters) and bytes written, then
+   ``generate(20)`` time; outputs checked equal to the in-memory model's.
 
     python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] \
-        [--part training|inference|both|budget|train-budget]
+        [--part training|inference|both|budget|train-budget|serve]
 
 The 2 cores and the disk are shared: read the ratios, not the absolutes.
 """
@@ -232,11 +235,50 @@ def train_budget(folder: str, rounds: int) -> None:
         offload.close(restore=False)
 
 
+def serve(folder: str, rounds: int) -> None:
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from deepoffload.swap.params import offload_parameters
+
+    reference = build()
+    checkpoint = f"{folder}/model.safetensors"
+    save_file(reference.state_dict(), checkpoint)
+    ids = torch.randint(0, 8192, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
+    timings: dict[str, dict[str, list[float]]] = {v: {"setup": [], "generate": []} for v in ("served", "copied")}
+    written: dict[str, int] = {}
+    for r in range(rounds):
+        for variant in ("served", "copied") if r % 2 == 0 else ("copied", "served"):
+            with torch.device("meta"):
+                model = LlamaForCausalLM(reference.config).eval()
+            start = time.perf_counter()
+            offload = offload_parameters(model, f"{folder}/{variant}", checkpoint=checkpoint,
+                                         init=model._init_weights, serve_from_checkpoint=variant == "served")
+            timings[variant]["setup"].append(time.perf_counter() - start)
+            written[variant] = offload.stats.bytes_written
+            with torch.no_grad():
+                start = time.perf_counter()
+                tokens = model.generate(ids, max_new_tokens=20, do_sample=False)
+                timings[variant]["generate"].append(time.perf_counter() - start)
+            if not torch.equal(tokens, expected):
+                print(f"{variant}: outputs differ from the in-memory model", file=sys.stderr)
+            offload.close(restore=False)
+    for what in ("setup", "generate"):
+        a, b = timings["served"][what], timings["copied"][what]
+        ratios = [x / y for x, y in zip(a, b)]
+        print(f"{what:8s}: served {statistics.median(a):.3f} s, copied {statistics.median(b):.3f} s, served/copied "
+              f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"bytes written to the swap folder at setup: served {written['served']}, copied {written['copied']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default=None, help="where swap files go (default: a temp folder)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--part", choices=["training", "inference", "both", "budget", "train-budget"], default="both")
+    parser.add_argument("--part", choices=["training", "inference", "both", "budget", "train-budget", "serve"],
+                        default="both")
     parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
@@ -251,6 +293,8 @@ def main() -> None:
         budget(folder, args.rounds)
     if args.part == "train-budget":
         train_budget(folder, args.rounds)
+    if args.part == "serve":
+        serve(folder, args.rounds)
 
 
 if __name__ == "__main__":

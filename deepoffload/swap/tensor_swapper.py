@@ -355,9 +355,10 @@ class TensorSwapper:
 
     def map_group(self, group: str, records: Mapping[str, SwapRecord]) -> None:
         """Serve ``group`` read-only from tensors that already lie in another file (a checkpoint): ``records`` say
-        where (one file, absolute byte offsets at any alignment: the handle bounces unaligned ends), laid out
-        back to back (``swap_in`` reads the range from the first to the last byte with one request, so a gap would
-        be read too) with each tensor's offset from the first a multiple of its element size (the views need it).
+        where (one file, absolute byte offsets, each a multiple of its element size), laid out back to back
+        (``swap_in`` reads the range from the page holding the first byte to the last byte with one request, so a
+        gap would be read too; only the unaligned tail is bounced). The staging buffer needs up to a page more than
+        the tensors' bytes.
         ``swap_out`` of the group raises; ``discard`` forgets it and leaves the file alone."""
         self._check_open()
         self._check_group(group)
@@ -368,10 +369,10 @@ class TensorSwapper:
         base = min((r.offset for r in records.values()), default=0)
         end = max((r.offset + r.nbytes for r in records.values()), default=0)
         if len(files) != 1 or end - base != sum(r.nbytes for r in records.values()) \
-                or any((r.offset - base) % r.dtype.itemsize or r.checksum is not None or r.dtensor is not None
+                or any(r.offset % r.dtype.itemsize or r.checksum is not None or r.dtensor is not None
                        for r in records.values()):
-            raise ValueError(f"group {group!r}: map_group needs tensors back to back in one file, each at a multiple "
-                             f"of its element size from the first, without checksums or DTensor shards")
+            raise ValueError(f"group {group!r}: map_group needs tensors back to back in one file, each at an offset "
+                             f"that is a multiple of its element size, without checksums or DTensor shards")
         self._records[group] = records
         self._mapped.add(group)
         self.version += 1
@@ -569,8 +570,9 @@ class TensorSwapper:
                 begin, span = extent.members[group]
                 base = extent.offset + begin
                 length = span
-            elif group in self._mapped and records:  # another file's range, from its first tensor to its last
-                base = min(r.offset for r in records.values())
+            elif group in self._mapped and records:  # another file's range, from its first tensor to its last,
+                # from the page holding its first byte: file and buffer then share their alignment (direct reads)
+                base = min(r.offset for r in records.values()) // PAGE_SIZE * PAGE_SIZE
                 length = max(r.offset + r.nbytes for r in records.values()) - base  # exactly: not past its end
                 span = round_up(length)
             else:

@@ -243,7 +243,7 @@ class Materializer:
         base = min((r.offset for r in records.values()), default=0)
         end = max((r.offset + r.nbytes for r in records.values()), default=0)
         if len({r.file for r in records.values()}) != 1 or end - base != sum(r.nbytes for r in records.values()) \
-                or any((r.offset - base) % r.dtype.itemsize for r in records.values()):
+                or any(r.offset % r.dtype.itemsize for r in records.values()):
             return None
         return records
 

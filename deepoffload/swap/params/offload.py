@@ -18,6 +18,7 @@ from ...formats.writer import save_sharded
 from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
+from ..pool import PAGE_SIZE
 from .blocks import find_blocks
 from .materialize import Init, Materializer, check_arguments, has_meta
 from .placeholders import internal, internal_call
@@ -93,7 +94,8 @@ class ParameterOffload:
         self.compute_dtype = compute_dtype
         self.blocks = [Block(i, prefix, block, compute_dtype) for i, (prefix, block) in enumerate(blocks)]
         self._check_sharing()
-        self.store = BlockStore(self.blocks, prefetch, config)
+        serving = materializer is not None and materializer.serve
+        self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
         self.swapper = self.store.swapper
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]

@@ -21,9 +21,11 @@ class BlockStore:
     behind; anything more (gradients in grads mode) gets short-lived one-off buffers, so idle pooled memory stays
     within (prefetch + 2) blocks."""
 
-    def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig):
+    def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig, slack: int = 0):
+        """``slack``: bytes more per staging buffer (a block served from a checkpoint is read from the page holding
+        its first byte: up to a page more)."""
         self.blocks = list(blocks)
-        self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE)
+        self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE) + slack
         self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
         self.io_wait = 0.0
         self.grad_bytes = 0
