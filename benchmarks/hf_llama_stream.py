@@ -11,9 +11,17 @@ same model in memory and against accelerate's disk offload, interleaved A B A B:
    are checked equal to the in-memory model's;
 3. ``--part budget``: ``generate(20)`` at equal resident memory: deepoffload with ``max_resident_bytes`` of K
    decoder layers against accelerate with the first K layers on "cpu" and the rest on "disk", K = 0, 4, 8 (of 8);
-   outputs checked equal to the in-memory model's.
+   outputs checked equal to the in-memory model's;
+4. ``--part train-budget``: training step time (fused, Adam, optimizer state offloaded in all three) with
+   ``max_resident_bytes`` of 0, 4 and 8 decoder layers, in one process, one step of each per round in rotating order;
+   prints each budget's step time over budget 0's, its parameter bytes read and written per step and the time the
+   step waited on them, and the optimizer state bytes; losses checked equal across the three;
+5. ``--part serve``: a model built on meta and loaded from a safetensors checkpoint, ``serve_from_checkpoint=True``
+   against the copy into the swap folder, alternating: setup seconds (offload_parameters) and bytes written, then
+   ``generate(20)`` time; outputs checked equal to the in-memory model's.
 
-    python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] [--part training|inference|both|budget]
+    python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] \
+        [--part training|inference|both|budget|train-budget|serve]
 
 The 2 cores and the disk are shared: read the ratios, not the absolutes.
 """
@@ -182,11 +190,95 @@ def budget(folder: str, rounds: int) -> None:
         offload.close(restore=False)
 
 
+def train_budget(folder: str, rounds: int) -> None:
+    from deepoffload.swap.params import offload_parameters
+
+    ids = torch.randint(0, 8192, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for resident in (0, 4, 8):
+        model = build().train()
+        layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+        offload = offload_parameters(model, f"{folder}/train-{resident}", optimizer=adam,
+                                     max_resident_bytes=resident * layer_bytes)
+        runs[resident] = (model, offload)
+    times: dict[int, list[float]] = {k: [] for k in runs}
+    losses: dict[int, list[float]] = {k: [] for k in runs}
+    moved: dict[int, list[float]] = {k: [0, 0, 0, 0, 0.0] for k in runs}
+    order = list(runs)
+    for r in range(rounds + 1):  # round 0 warms up (first step allocates the optimizer state) and is not timed
+        for resident in order[r % 3:] + order[:r % 3]:
+            model, offload = runs[resident]
+            before = offload.stats
+            start = time.perf_counter()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            offload.step()
+            offload.zero_grad()
+            elapsed = time.perf_counter() - start
+            losses[resident].append(loss.item())
+            if r:
+                times[resident].append(elapsed)
+                after = offload.stats
+                for k, field in enumerate(("bytes_read", "bytes_written", "state_bytes_read", "state_bytes_written",
+                                           "io_wait_seconds")):
+                    moved[resident][k] += getattr(after, field) - getattr(before, field)
+    if not losses[0] == losses[4] == losses[8]:
+        print("losses differ between budgets", losses, file=sys.stderr)
+    for resident in runs:
+        ratios = [x / y for x, y in zip(times[resident], times[0])]
+        read, written, state_read, state_written = (m / rounds / 1e6 for m in moved[resident][:4])
+        print(f"training step, {resident} of 8 layers resident: {statistics.median(times[resident]):.3f} s, /budget 0 "
+              f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}); per step: parameters read "
+              f"{read:.0f} MB, written {written:.0f} MB, waited on {moved[resident][4] / rounds:.3f} s; optimizer "
+              f"state read {state_read:.0f} MB, written {state_written:.0f} MB")
+    for _, offload in runs.values():
+        offload.close(restore=False)
+
+
+def serve(folder: str, rounds: int) -> None:
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from deepoffload.swap.params import offload_parameters
+
+    reference = build()
+    checkpoint = f"{folder}/model.safetensors"
+    save_file(reference.state_dict(), checkpoint)
+    ids = torch.randint(0, 8192, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
+    timings: dict[str, dict[str, list[float]]] = {v: {"setup": [], "generate": []} for v in ("served", "copied")}
+    written: dict[str, int] = {}
+    for r in range(rounds):
+        for variant in ("served", "copied") if r % 2 == 0 else ("copied", "served"):
+            with torch.device("meta"):
+                model = LlamaForCausalLM(reference.config).eval()
+            start = time.perf_counter()
+            offload = offload_parameters(model, f"{folder}/{variant}", checkpoint=checkpoint,
+                                         init=model._init_weights, serve_from_checkpoint=variant == "served")
+            timings[variant]["setup"].append(time.perf_counter() - start)
+            written[variant] = offload.stats.bytes_written
+            with torch.no_grad():
+                start = time.perf_counter()
+                tokens = model.generate(ids, max_new_tokens=20, do_sample=False)
+                timings[variant]["generate"].append(time.perf_counter() - start)
+            if not torch.equal(tokens, expected):
+                print(f"{variant}: outputs differ from the in-memory model", file=sys.stderr)
+            offload.close(restore=False)
+    for what in ("setup", "generate"):
+        a, b = timings["served"][what], timings["copied"][what]
+        ratios = [x / y for x, y in zip(a, b)]
+        print(f"{what:8s}: served {statistics.median(a):.3f} s, copied {statistics.median(b):.3f} s, served/copied "
+              f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"bytes written to the swap folder at setup: served {written['served']}, copied {written['copied']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default=None, help="where swap files go (default: a temp folder)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--part", choices=["training", "inference", "both", "budget"], default="both")
+    parser.add_argument("--part", choices=["training", "inference", "both", "budget", "train-budget", "serve"],
+                        default="both")
     parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
@@ -199,6 +291,10 @@ def main() -> None:
         inference(folder, args.rounds)
     if args.part == "budget":
         budget(folder, args.rounds)
+    if args.part == "train-budget":
+        train_budget(folder, args.rounds)
+    if args.part == "serve":
+        serve(folder, args.rounds)
 
 
 if __name__ == "__main__":

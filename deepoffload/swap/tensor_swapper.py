@@ -43,7 +43,7 @@ class SwapRecord:
     """Where one swapped tensor lives and what it is.
 
     nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (a multiple of
-    ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file).
+    ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file; any offset in a file served by ``map_group``).
     device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
     global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
     """
@@ -326,6 +326,7 @@ class TensorSwapper:
         self._pending_out: collections.deque[SwapOut] = collections.deque()
         self.pack = PackFile(os.path.join(self.folder, "pack.swp")) if packed else None
         self._extents: dict[str, Extent] = {}  # packed: group -> the extent its current records point into
+        self._mapped: set[str] = set()  # groups served read-only from other files (``map_group``)
         self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
         self._group_alignment = PACKED_ALIGNMENT if packed else PAGE_SIZE  # where each group starts in a buffer
         self.version = 0  # changes whenever a group's records change in size or place (not on in-place rewrites)
@@ -352,6 +353,34 @@ class TensorSwapper:
             return sum(r.nbytes for r in records.values()) if records else 0
         return sum(r.nbytes for records in self._records.values() for r in records.values())
 
+    def map_group(self, group: str, records: Mapping[str, SwapRecord]) -> None:
+        """Serve ``group`` read-only from tensors that already lie in another file (a checkpoint): ``records`` say
+        where (one file, absolute byte offsets, each a multiple of its element size), laid out back to back
+        (``swap_in`` reads the range from the page holding the first byte to the last byte with one request, so a
+        gap would be read too; only the unaligned tail is bounced). The staging buffer needs up to a page more than
+        the tensors' bytes.
+        ``swap_out`` of the group raises; ``discard`` forgets it and leaves the file alone."""
+        self._check_open()
+        self._check_group(group)
+        records = dict(records)
+        if group in self._records:
+            raise ValueError(f"group {group!r} is already on storage")
+        files = {r.file for r in records.values()}
+        base = min((r.offset for r in records.values()), default=0)
+        end = max((r.offset + r.nbytes for r in records.values()), default=0)
+        if len(files) != 1 or end - base != sum(r.nbytes for r in records.values()) \
+                or any(r.offset % r.dtype.itemsize or r.checksum is not None or r.dtensor is not None
+                       for r in records.values()):
+            raise ValueError(f"group {group!r}: map_group needs tensors back to back in one file, each at an offset "
+                             f"that is a multiple of its element size, without checksums or DTensor shards")
+        self._records[group] = records
+        self._mapped.add(group)
+        self.version += 1
+
+    def mapped(self, group: str) -> bool:
+        """True when ``group`` is served read-only from another file (``map_group``)."""
+        return group in self._mapped
+
     # -- transfers ------------------------------------------------------------------------------------------
     def swap_out(self, groups: Groups, on_done: Callable[[], None] | None = None,
                  staged: SwapIn | None = None) -> SwapOut:
@@ -369,6 +398,10 @@ class TensorSwapper:
         total = 0
         for group, tensors in groups.items():
             self._check_group(group)
+            if group in self._mapped:
+                file = next(iter(self._records[group].values())).file
+                raise PermissionError(errno.EACCES, f"group {group!r} is served read-only from {file} "
+                                                    f"(map_group): it cannot be written", file)
             self._wait_writing(group)
             if group in self._reading:  # its file is about to be rewritten: let the read finish first
                 self._reading[group]._wait_io()
@@ -536,16 +569,23 @@ class TensorSwapper:
             if extent is not None:  # packed: records hold file offsets; the group starts at ``base``
                 begin, span = extent.members[group]
                 base = extent.offset + begin
+                length = span
+            elif group in self._mapped and records:  # another file's range, from its first tensor to its last,
+                # from the page holding its first byte: file and buffer then share their alignment (direct reads)
+                base = min(r.offset for r in records.values()) // PAGE_SIZE * PAGE_SIZE
+                length = max(r.offset + r.nbytes for r in records.values()) - base  # exactly: not past its end
+                span = round_up(length)
             else:
                 span, base = _group_span(records.values()), 0
+                length = span
             layout[group] = (total - base, records)  # buffer position of a tensor: this + its record's offset
             if span:
                 file = next(iter(records.values())).file
                 if spans and spans[-1][0] == file and spans[-1][1] + spans[-1][3] == base \
                         and spans[-1][2] + spans[-1][3] == total:
-                    spans[-1][3] += span  # adjacent on storage and in the buffer: one request
+                    spans[-1][3] += length  # adjacent on storage and in the buffer: one request
                 else:
-                    spans.append([file, base, total, span])
+                    spans.append([file, base, total, length])
             total += span
         buffer = self._acquire(total) if total else None
         requests = [self.handle.read_async(buffer[start:start + span], file, offset)
@@ -586,6 +626,8 @@ class TensorSwapper:
         extent = self._extents.pop(group, None)
         if extent is not None:
             extent.leave(group)
+        elif group in self._mapped:
+            self._mapped.discard(group)  # the file is someone else's
         elif records:
             try:
                 os.unlink(next(iter(records.values())).file)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ...formats.header import CheckpointError
 from ...formats.reader import CheckpointReader, KeyReport
+from ..tensor_swapper import SwapRecord
 from .residency import Block, Residency
 
 Init = Callable[[nn.Module], None]
@@ -49,11 +50,14 @@ class Materializer:
 
     checkpoint: a path ``CheckpointReader`` opens, or None. init: called with each module owning tensors the
     checkpoint does not give (None: ``reset_parameters()``). dtype: the dtype of floating-point tensors made from
-    meta (None: as built). strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are)."""
+    meta (None: as built). strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
+    serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
+    file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only)."""
 
     def __init__(self, module: nn.Module, block_prefixes: list[str], *, checkpoint: str | os.PathLike | None,
-                 init: Init | None, dtype: torch.dtype | None, strict: bool):
+                 init: Init | None, dtype: torch.dtype | None, strict: bool, serve: bool = False):
         self.module = module
+        self.serve = serve
         self.init = init
         self.dtype = dtype
         self.block_prefixes = block_prefixes
@@ -66,6 +70,9 @@ class Materializer:
             # read_into keeps at most inflight + one span of buffers: 48 MiB, whatever the model's size
             self.reader = CheckpointReader(checkpoint, span_bytes=16 << 20, inflight_bytes=32 << 20)
             try:
+                if serve and not self.reader.format.startswith("safetensors"):
+                    raise ValueError(f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
+                                     f"read where they lie); {checkpoint} is a {self.reader.format} file")
                 self.report = self._check(strict)
             except BaseException:
                 self.reader.close()
@@ -220,6 +227,26 @@ class Materializer:
         found.append((prefix, module))
         return found
 
+    def _served_records(self, block: Block) -> dict[str, SwapRecord] | None:
+        """Where the block's parameters lie in the checkpoint, when it can be served from there (see ``serve``);
+        else None (it is copied)."""
+        entries = getattr(self.reader, "_entries", None) if self.serve else None
+        if not entries or any(b.is_meta for b in block.module.buffers()):
+            return None
+        records = {}
+        for name, master in zip(block.names, block.masters):
+            entry = entries.get(block.qualified(name))
+            if entry is None or entry.dtype != master.dtype or tuple(entry.shape) != tuple(master.shape):
+                return None
+            records[name] = SwapRecord(name, entry.dtype, tuple(entry.shape), entry.nbytes, str(entry.path),
+                                       entry.start, torch.device("cpu"))
+        base = min((r.offset for r in records.values()), default=0)
+        end = max((r.offset + r.nbytes for r in records.values()), default=0)
+        if len({r.file for r in records.values()}) != 1 or end - base != sum(r.nbytes for r in records.values()) \
+                or any(r.offset % r.dtype.itemsize for r in records.values()):
+            return None
+        return records
+
     # -- the pass -----------------------------------------------------------------------------------------------
     def offload(self, store, blocks: list[Block]) -> None:
         """Make, fill and write every block in walk order (releasing each once written) and make the rest in
@@ -229,6 +256,13 @@ class Materializer:
             for prefix, module, block in self._walk({b.prefix: b for b in blocks}):
                 if block is None:
                     self._fill([(module, self._make(module, prefix + "." if prefix else ""))])
+                    continue
+                served = self._served_records(block)
+                if served is not None:
+                    store.swapper.map_group(block.group, served)
+                    block.served = next(iter(served.values())).file
+                    block.clear_data()
+                    block.move(Residency.ON_STORAGE)
                     continue
                 owners = [(m, self._make(m, qualified)) for qualified, m in self._post_order(module, prefix + ".")]
                 for master, param in zip(block.masters, block.params):

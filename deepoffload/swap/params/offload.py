@@ -18,6 +18,7 @@ from ...formats.writer import save_sharded
 from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
+from ..pool import PAGE_SIZE
 from .blocks import find_blocks
 from .materialize import Init, Materializer, check_arguments, has_meta
 from .placeholders import internal, internal_call
@@ -93,7 +94,8 @@ class ParameterOffload:
         self.compute_dtype = compute_dtype
         self.blocks = [Block(i, prefix, block, compute_dtype) for i, (prefix, block) in enumerate(blocks)]
         self._check_sharing()
-        self.store = BlockStore(self.blocks, prefetch, config)
+        serving = materializer is not None and materializer.serve
+        self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
         self.swapper = self.store.swapper
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
@@ -117,7 +119,7 @@ class ParameterOffload:
             self.store.offload_all()
         else:
             materializer.offload(self.store, self.blocks)
-        self.pinned = self._pin(max_resident_bytes)
+        self.set_max_resident_bytes(max_resident_bytes)
         self._patched: list[tuple[nn.Module, str, Callable]] = []
         self._hooks = []
         for block in self.blocks:
@@ -125,23 +127,37 @@ class ParameterOffload:
         self._guard_moves()
 
     # -- setup ---------------------------------------------------------------------------------------------
-    def _pin(self, budget: int | None) -> frozenset[int]:
-        """Read the blocks that fit in ``budget`` bytes (taken in block order: every block is read once per sweep
-        anyway, and the first ones' reads are the least hidden behind compute) and keep them in memory, outside
-        the staging pool; the prefetch schedule never releases them."""
-        if not budget:
-            return frozenset()
+    @property
+    def pinned(self) -> frozenset[int]:
+        """Indices of the blocks held in memory by ``max_resident_bytes``."""
+        return frozenset(b.index for b in self.blocks if b.state is Residency.PINNED)
+
+    @internal_call
+    def set_max_resident_bytes(self, budget: int | None) -> None:
+        """Keep in memory the blocks that fit in ``budget`` bytes (stored plus compute copy), taken in block order
+        (every block is read once per sweep anyway, and the first ones' reads are the least hidden behind compute);
+        the rest stream. Pinned blocks are read once, outside the staging pool, never released by the schedule, and
+        step in memory (no write, no read back per step). A block leaving the budget is written first (its values
+        in memory are the valid copy); a failed write raises and keeps it in memory. 0 or None: stream every block.
+        Call between steps."""
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"max_resident_bytes={budget!r}: expected a number of bytes, 0 or more")
+        self._check_open()
+        budget = budget or 0
+        self.training.finish_writes()
+        self.store.wait_writes()
         chosen = []
         for block in self.blocks:
             need = block.nbytes + block.compute_nbytes
             if need <= budget:
                 chosen.append(block)
                 budget -= need
+        keep = {b.index for b in chosen}
+        for block in self.blocks:
+            if block.index not in keep:
+                self.store.unpin(block)
         for block in chosen:
-            self.store.start_read(block)
-            self.store.materialize(block)
-            block.read.detach()  # a pinned block's memory is its own, not a staging buffer the stream needs
-        return frozenset(block.index for block in chosen)
+            self.store.pin(block)
 
     def _check_sharing(self) -> None:
         """Refuse a parameter shared between two blocks, or between a block and the rest of the module."""
@@ -249,8 +265,8 @@ class ParameterOffload:
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
         for other in self.blocks:
-            if other.index not in keep and other.index not in self.pinned:
-                self.store.release(other)
+            if other.index not in keep:
+                self.store.release(other)  # (a no-op for a PINNED block)
         self.store.start_read(block)
         for j in window:
             self.store.start_read(self.blocks[j])
@@ -260,7 +276,7 @@ class ParameterOffload:
 
     @internal_call
     def after_forward(self, block: Block, training: bool) -> None:
-        if block.index not in self._upcoming(block.index, "forward", training) and block.index not in self.pinned:
+        if block.index not in self._upcoming(block.index, "forward", training):
             self.store.release(block)
 
     @internal_call
@@ -271,6 +287,11 @@ class ParameterOffload:
             raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
                                f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
                                f"Run validation under torch.no_grad(), and backward each forward before step()")
+        if block.trainable and block.served:
+            raise RuntimeError(f"block {block.prefix}: backward would train parameters that are served read-only "
+                               f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
+                               f"written: offload without serve_from_checkpoint= to train, or freeze them "
+                               f"(requires_grad_(False))")
         if block.trainable and self._block_optimizer is None:
             raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
                                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
@@ -432,18 +453,21 @@ class ParameterOffload:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
 
         restore: True (the default): first read every block back into memory (master dtype), so the module holds
-            its trained weights and works as before; this needs memory for the whole model. If a block cannot be
-            read, this raises and nothing is closed. False: discard them (take ``state_dict()`` first to keep them);
-            calling a block then raises."""
+            its trained weights and works as before; this needs memory for the whole model (pinned blocks keep
+            theirs, uncopied). If a block cannot be read, this raises and nothing is closed. False: discard them
+            (take ``state_dict()`` first to keep them); calling a block then raises; blocks held in memory (pinned,
+            or kept after a failed write) free theirs with the module."""
         if self._closed:
             return
         if restore:  # a failure here (a block unreadable) leaves everything open and as it was
             for block in self.blocks:
-                if block.state is Residency.RESIDENT and block.unwritable(block.changed()):
-                    self.store.release(block)  # raises: a change that cannot be kept must not pass silently
+                if block.in_memory and block.unwritable(block.changed()):
+                    self.store.drop_unwritable(block)  # raises: a change that cannot be kept must not pass silently
             self.training.finish_writes()
             self.store.wait_writes()
-            values = [self.store.read_copy(block) for block in self.blocks]
+            # a pinned block's memory is its own: it becomes the parameters' (no copy)
+            values = [block.master_tensors() if block.state is Residency.PINNED else self.store.read_copy(block)
+                      for block in self.blocks]
         try:
             if restore:
                 for block, tensors in zip(self.blocks, values):
@@ -483,7 +507,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                        compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
                        checkpoint: str | os.PathLike | None = None, init: Init | None = None,
                        dtype: torch.dtype | None = None, strict: bool = True,
-                       max_resident_bytes: int | None = None) -> ParameterOffload:
+                       max_resident_bytes: int | None = None,
+                       serve_from_checkpoint: bool = False) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
     path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
@@ -508,8 +533,13 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     dtype: floating-point tensors made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``).
     strict: see checkpoint.
     max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
-        and are never re-read by the schedule, the first blocks first; the rest stream. With the model's size,
-        inference reads nothing after setup. Training still writes every stepped block and reads it back.
+        and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks also step in
+        memory, never written or read back. With the model's size, inference and training read and write no
+        parameter bytes after setup. See ``ParameterOffload.set_max_resident_bytes``.
+    serve_from_checkpoint: for inference: blocks whose parameters lie in the (safetensors) ``checkpoint`` in the
+        model's dtype, back to back in one file, are read from there and never copied to ``path``; the others are
+        copied as usual. The checkpoint is never written: a backward that would train a served block raises, and
+        so does releasing one whose parameters user code changed (the change is dropped).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
@@ -538,6 +568,11 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     if any(b.__dict__.get("forward") is not None for _, b in chosen):
         raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
     check_arguments(checkpoint, init, dtype, strict)
+    if not isinstance(serve_from_checkpoint, bool):
+        raise TypeError(f"serve_from_checkpoint=: expected True or False, got {serve_from_checkpoint!r}")
+    if serve_from_checkpoint and checkpoint is None:
+        raise ValueError("serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
+                         "the blocks' parameters from")
     if max_resident_bytes is not None and (not isinstance(max_resident_bytes, int) or
                                            isinstance(max_resident_bytes, bool) or max_resident_bytes < 0):
         raise ValueError(f"max_resident_bytes={max_resident_bytes!r}: expected a number of bytes, 0 or more")
@@ -547,7 +582,7 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     materializer = None
     if checkpoint is not None or has_meta(module):
         materializer = Materializer(module, [name for name, _ in chosen], checkpoint=checkpoint, init=init,
-                                    dtype=dtype, strict=strict)
+                                    dtype=dtype, strict=strict, serve=serve_from_checkpoint)
     elif init is not None or dtype is not None:
         raise ValueError("init= and dtype= apply to tensors on the meta device, and this module has none: "
                          "initialize or convert it before offload_parameters()")

@@ -5,11 +5,15 @@
     ON_STORAGE --start_read--> READING --materialize--> RESIDENT --release--> ON_STORAGE
         ^                        |  (read failed / released)   |
         |                        +--------> ON_STORAGE          +--step failed--> KEPT
-        |                                                       |                  |
-        +--write done-- WRITING <--------start_write------------+------------------+
-                           |
+        |                                                       +--pin--> PINNED   |
+        |                                                       |           |      |
+        +--write done-- WRITING <--------start_write------------+-----------+------+
+                           |                                          (unpin)
                            +--write failed--> KEPT (memory holds the only valid copy)
 
+A PINNED block (within ``max_resident_bytes``) stays in memory, outside the staging pool, and steps there: from its
+first step on, storage holds stale values, so it leaves memory only through a write (unpinning) or into RESTORED;
+straight to ON_STORAGE only when served read-only from a checkpoint (``Block.served``: never stepped or changed).
 ``close(restore=True)`` ends every block in RESTORED. Releasing a RESIDENT block that user code changed in place
 (``Block.changed``) starts its write instead of dropping the change. A move not in ``TRANSITIONS`` raises
 ``ResidencyError`` at once, so a bookkeeping bug stops the program instead of computing with a placeholder or
@@ -37,15 +41,18 @@ class Residency(enum.Enum):
     RESIDENT = "resident"  # the parameters point into the staging buffer of a completed read (storage agrees)
     WRITING = "writing"  # a write of the values is in flight; the write holds the memory until it completes
     KEPT = "kept"  # resident and the only valid copy (a write or step failed): never released until written
+    PINNED = "pinned"  # kept resident by the budget, its own memory; the valid copy (storage is stale once stepped)
     RESTORED = "restored"  # offloading ended: the parameters hold their values in memory for good
 
 
 TRANSITIONS: dict[Residency, frozenset[Residency]] = {
     Residency.ON_STORAGE: frozenset({Residency.READING, Residency.RESTORED}),
     Residency.READING: frozenset({Residency.RESIDENT, Residency.ON_STORAGE}),
-    Residency.RESIDENT: frozenset({Residency.ON_STORAGE, Residency.WRITING, Residency.KEPT, Residency.RESTORED}),
+    Residency.RESIDENT: frozenset({Residency.ON_STORAGE, Residency.WRITING, Residency.KEPT, Residency.RESTORED,
+                                   Residency.PINNED}),
     Residency.WRITING: frozenset({Residency.ON_STORAGE, Residency.KEPT}),
     Residency.KEPT: frozenset({Residency.WRITING, Residency.RESTORED}),
+    Residency.PINNED: frozenset({Residency.WRITING, Residency.RESTORED, Residency.ON_STORAGE}),
     Residency.RESTORED: frozenset(),
 }
 
@@ -109,6 +116,7 @@ class Block:
         self.grads_stored = False  # grads mode: its gradients are on storage, waiting for ``step()``
         self.exporting = 0  # inside ``module.state_dict()`` of the block (its hooks put the real weights in)
         self.discarded = False  # ``close(restore=False)`` dropped its values
+        self.served: str | None = None  # the checkpoint file its parameters are read from, read-only (never written)
         self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
         self.seen: list[tuple] = []  # per parameter: version counter, data pointer, dtype, device when in memory
         self.record_versions()
@@ -125,8 +133,8 @@ class Block:
 
     @property
     def in_memory(self) -> bool:
-        """The parameters hold real values (RESIDENT or KEPT)."""
-        return self.state in (Residency.RESIDENT, Residency.KEPT)
+        """The parameters hold real values (RESIDENT, KEPT or PINNED)."""
+        return self.state in (Residency.RESIDENT, Residency.KEPT, Residency.PINNED)
 
     def grads_away(self) -> str | None:
         """Where the block's gradients are when not on its parameters' ``.grad`` until ``step()``; None when
@@ -154,6 +162,14 @@ class Block:
                 param.data = tensor.to(self.compute_dtype)
         self.record_versions()
 
+    def refresh_compute(self) -> None:
+        """Cast the compute copies again from the masters (after the masters stepped in memory), as ``set_data``
+        casts them after a read."""
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                param.data = master.detach().to(self.compute_dtype)
+        self.record_versions()
+
     def record_versions(self) -> None:
         """Note each parameter's version counter and storage, so ``changed`` finds what user code changed since:
         in-place ops on the parameter (``p.mul_()``, ``nn.init``, ``load_state_dict``) and ``p.data = ...``. Writes
@@ -167,6 +183,9 @@ class Block:
 
     def unwritable(self, names: list[str]) -> dict[str, str]:
         """Of the changed ``names``, those whose values cannot be written to storage exactly, with the reason."""
+        if self.served:
+            return {name: f"its block is served read-only from the checkpoint {self.served} "
+                          f"(serve_from_checkpoint=True)" for name in names}
         reasons = {}
         for name in names:
             k = self.names.index(name)

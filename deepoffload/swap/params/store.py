@@ -21,9 +21,11 @@ class BlockStore:
     behind; anything more (gradients in grads mode) gets short-lived one-off buffers, so idle pooled memory stays
     within (prefetch + 2) blocks."""
 
-    def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig):
+    def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig, slack: int = 0):
+        """``slack``: bytes more per staging buffer (a block served from a checkpoint is read from the page holding
+        its first byte: up to a page more)."""
         self.blocks = list(blocks)
-        self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE)
+        self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE) + slack
         self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
         self.io_wait = 0.0
         self.grad_bytes = 0
@@ -63,7 +65,7 @@ class BlockStore:
     # -- reads and releases -----------------------------------------------------------------------------------
     def start_read(self, block: Block) -> None:
         """Start reading ``block`` unless it is being read or in memory (a write in flight is waited for)."""
-        if block.state in (Residency.READING, Residency.RESIDENT, Residency.KEPT):
+        if block.state is Residency.READING or block.in_memory:
             return
         self.wait_write(block)
         records = self.swapper.records(block.group)
@@ -127,12 +129,70 @@ class BlockStore:
             block.read = None
         block.move(Residency.ON_STORAGE)
         if lost:
-            name, reason = next(iter(lost.items()))
-            raise RuntimeError(f"parameter {block.qualified(name)} was changed in place while its block was in memory "
-                               f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
-                               f"forward), but {reason}, so the change cannot be written to storage: it was dropped "
-                               f"and the parameter holds its stored values again. Change or load weights before "
-                               f"offload_parameters() or after off.close()")
+            raise self._lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
+
+    def drop_unwritable(self, block: Block) -> None:
+        """Raise if user code changed ``block``'s parameters in a way that cannot be kept (see ``release``), after
+        dropping the change: a RESIDENT block is released; an in-memory one's compute copies are cast again from its
+        masters. A master of another shape, dtype or device in a block held in memory is left for the caller to
+        put back (its values may exist nowhere else)."""
+        lost = block.unwritable(block.changed()) if block.in_memory else {}
+        if not lost:
+            return
+        if block.state is Residency.RESIDENT:
+            self.release(block)  # raises
+        if block.served and block.state is Residency.PINNED:  # the checkpoint holds its values
+            block.clear_data()
+            block.move(Residency.ON_STORAGE)
+            raise self._lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
+        if all(block.masters[block.names.index(name)] is not block.params[block.names.index(name)] for name in lost):
+            block.refresh_compute()
+            raise self._lost_change(block, lost, "it was dropped and the parameter holds the cast of its master "
+                                                 "values again")
+        raise self._lost_change(block, lost, "it is left in place: give the parameter back a tensor of its stored "
+                                             "shape, dtype and device")
+
+    @staticmethod
+    def _lost_change(block: Block, lost: dict[str, str], outcome: str) -> RuntimeError:
+        name, reason = next(iter(lost.items()))
+        return RuntimeError(f"parameter {block.qualified(name)} was changed in place while its block was in memory "
+                            f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
+                            f"forward), but {reason}, so the change cannot be written to storage: {outcome}. Change "
+                            f"or load weights before offload_parameters() or after off.close()")
+
+    def pin(self, block: Block) -> None:
+        """Make ``block`` resident for good (until ``unpin``): its memory leaves the staging pool, no release drops
+        it, and it steps in memory (``stepped``)."""
+        self.start_read(block)
+        self.materialize(block)
+        if block.state is not Residency.RESIDENT:
+            return  # already PINNED, or KEPT (in memory for good already)
+        if block.read is not None:
+            block.read.detach()
+            block.read = None
+        block.move(Residency.PINNED)
+
+    def unpin(self, block: Block) -> None:
+        """Write a PINNED block's values (storage is stale once it stepped) and release its memory once written
+        (a block served from a checkpoint is released without a write). A write that cannot start raises and leaves
+        it PINNED; one that fails raises and leaves it KEPT."""
+        if block.state is not Residency.PINNED:
+            return
+        self.drop_unwritable(block)
+        if block.served:  # unchanged (drop_unwritable raised otherwise): the checkpoint holds its values
+            block.clear_data()
+            block.move(Residency.ON_STORAGE)
+            return
+        self.write_back(block)
+        self.wait_write(block)
+
+    def stepped(self, block: Block) -> None:
+        """After ``block``'s optimizer step: a PINNED block keeps its new values in memory (its compute copies are
+        cast again); any other starts writing them back (released once written)."""
+        if block.state is Residency.PINNED:
+            block.refresh_compute()
+        else:
+            self.write_back(block)
 
     def keep(self, block: Block) -> None:
         """The values in memory changed and storage does not have them (a step failed half-way): never release
@@ -200,8 +260,12 @@ class BlockStore:
             raise error
 
     def write_back(self, block: Block) -> None:
-        """Start writing the in-memory (RESIDENT or KEPT) block's values; its memory is released when the write
-        succeeds. One block write in flight at most."""
+        """Start writing the in-memory (RESIDENT, KEPT or PINNED) block's values; its memory is released when the
+        write succeeds. One block write in flight at most."""
+        if block.served:
+            raise RuntimeError(f"block {block.prefix}: its parameters are served read-only from the checkpoint "
+                               f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
+                               f"serve_from_checkpoint= to change or train them")
         self.wait_writes()
         staged, block.read = block.read, None
         try:

@@ -1,6 +1,7 @@
 """Training modes: what happens to a block's gradients once its backward is complete, and what ``step()`` does.
 
-- ``Fused``: the block's optimizer step runs inside backward; its weights are written back and gradients freed.
+- ``Fused``: the block's optimizer step runs inside backward; its weights are written back (kept in memory when
+  pinned) and gradients freed.
 - ``Grads``: the block's gradients go to storage (accumulated there); ``step()`` streams weights and gradients in
   block by block, optionally clipping by the global norm first (two streamed passes).
 
@@ -62,7 +63,8 @@ class Training:
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def step_block(self, block: Block, grads: dict[str, torch.Tensor]) -> None:
-        """Step the block's resident masters with ``grads`` (master dtype) and start writing them back."""
+        """Step the block's resident masters with ``grads`` (master dtype), then start writing them back (a
+        pinned block keeps them in memory instead: ``BlockStore.stepped``)."""
         for name, master in zip(block.names, block.masters):
             master.grad = grads.get(name)
         start = time.perf_counter()
@@ -77,7 +79,7 @@ class Training:
             for param, master in zip(block.params, block.masters):
                 master.grad = None
                 param.grad = None
-        self.store.write_back(block)
+        self.store.stepped(block)
 
     @staticmethod
     def block_grads(block: Block, consume: bool = True) -> dict[str, torch.Tensor]:

@@ -1,0 +1,220 @@
+"""Resident budget in training: pinned blocks step in memory, so with the whole model in budget training reads and
+writes no parameter bytes after setup, and with part of it the pinned blocks' bytes never move; losses, parameters,
+state_dict(), off.save() and close() equal in-memory training in every mode (fused, grads, grads with clipping,
+compute_dtype); lowering the budget writes the current values first, and a failed write keeps them in memory."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from deepoffload.demo.model import ModelSize, SyntheticText, build_model
+from deepoffload.swap.params import offload_parameters
+from deepoffload.swap.params.residency import Residency
+
+SIZE = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
+STEPS = 3
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def block_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.blocks.layers[0].parameters())
+
+
+class ParameterTraffic:
+    """Which blocks' parameter groups the offload reads and writes (gradients in grads mode are not counted)."""
+
+    def __init__(self, off):
+        self.reads: list[str] = []
+        self.written: list[str] = []
+        self.bytes_read = self.bytes_written = 0
+        swapper = off.swapper
+        swap_in, swap_out = swapper.swap_in, swapper.swap_out
+
+        def counted_in(groups, *args, **kwargs):
+            groups = list(groups)
+            for group in groups:
+                if group.startswith("block"):
+                    self.reads.append(group)
+                    self.bytes_read += swapper.stored_bytes(group)
+            return swap_in(groups, *args, **kwargs)
+
+        def counted_out(groups, *args, **kwargs):
+            for group, tensors in groups.items():
+                if group.startswith("block"):
+                    self.written.append(group)
+                    self.bytes_written += sum(t.numel() * t.element_size() for t in tensors.values())
+            return swap_out(groups, *args, **kwargs)
+
+        swapper.swap_in, swapper.swap_out = counted_in, counted_out
+
+
+def train_in_memory(steps: int = STEPS, clip: float | None = None) -> tuple[list[float], nn.Module]:
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    optimizer = adam(model.parameters())
+    losses = []
+    for _ in range(steps):
+        loss = model.loss(data.batch())
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def train_streamed(off, model, data, steps: int, clip: float | None = None) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = model.loss(data.batch())
+        loss.backward()
+        off.step(clip_grad_norm=clip)
+        off.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def states_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("mode, clip, compute_dtype", [("fused", None, None), ("grads", None, None),
+                                                       ("grads", 0.05, None), ("fused", None, torch.bfloat16),
+                                                       ("grads", None, torch.bfloat16)])
+@pytest.mark.parametrize("share", ["whole", "half"])
+def test_budget_training_equals_in_memory_and_pinned_blocks_never_move(scratch, mode, clip, compute_dtype, share):
+    # the reference: in memory for fp32; for compute_dtype the streamed model without budget (whose equality to an
+    # in-memory model doing the same casts is test_params_training's)
+    if compute_dtype is None:
+        expected_losses, reference = train_in_memory(clip=clip)
+        expected_state = reference.state_dict()
+    else:
+        model = build_model(SIZE)
+        with offload_parameters(model, str(scratch / "ref"), mode=mode, optimizer=adam,
+                                compute_dtype=compute_dtype) as off:
+            expected_losses = train_streamed(off, model, SyntheticText(SIZE), STEPS, clip)
+            expected_state = off.state_dict()
+    model = build_model(SIZE)
+    per_block = block_bytes(model) + (block_bytes(model) // 2 if compute_dtype is not None else 0)
+    budget = SIZE.layers * per_block if share == "whole" else SIZE.layers // 2 * per_block
+    off = offload_parameters(model, str(scratch / "run"), mode=mode, optimizer=adam, compute_dtype=compute_dtype,
+                             max_resident_bytes=budget)
+    try:
+        pinned = set(range(SIZE.layers if share == "whole" else SIZE.layers // 2))
+        assert off.pinned == pinned
+        setup_read, setup_written = off.stats.bytes_read, off.stats.bytes_written
+        traffic = ParameterTraffic(off)
+        losses = train_streamed(off, model, SyntheticText(SIZE), STEPS, clip)
+        assert losses == expected_losses
+        assert off.pinned == pinned
+        moved = set(traffic.reads) | set(traffic.written)
+        assert not moved & {f"block{i}" for i in pinned}, moved
+        if share == "whole":
+            assert traffic.bytes_read == traffic.bytes_written == 0
+            if mode == "fused":  # no gradient IO either: nothing at all
+                assert (off.stats.bytes_read, off.stats.bytes_written) == (setup_read, setup_written)
+        else:
+            streamed = {f"block{i}" for i in range(SIZE.layers)} - {f"block{i}" for i in pinned}
+            assert set(traffic.reads) == set(traffic.written) == streamed
+        assert states_equal(off.state_dict(), expected_state)
+        assert states_equal(model.state_dict(), expected_state)
+        shards = off.save(scratch / "saved")
+        saved = {k: v for shard in shards for k, v in load_file(shard).items()}
+        assert states_equal(saved, {k: v for k, v in expected_state.items() if k in saved})
+        assert len(saved) >= len(expected_state) - 1  # at most a tied weight written once
+        assert traffic.bytes_written == 0 or share == "half"
+        off.close(restore=True)
+    finally:
+        off.close()
+    assert states_equal(model.state_dict(), expected_state)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_block_called_twice_with_budget_steps_once_like_in_memory(scratch):
+    torch.manual_seed(0)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](self.blocks[0](x)))
+
+    reference, model = Twice(), Twice()
+    model.load_state_dict(reference.state_dict())
+    optimizer = adam(reference.parameters())
+    x = torch.randn(4, 8)
+    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=1 << 20) as off:
+        traffic = ParameterTraffic(off)
+        for _ in range(3):
+            reference(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            off.step()
+            off.zero_grad()
+        assert traffic.bytes_read == traffic.bytes_written == 0
+        assert states_equal(off.state_dict(), reference.state_dict())
+
+
+def test_lowering_the_budget_writes_the_stepped_values_first(scratch):
+    expected_losses, reference = train_in_memory(steps=4)
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    whole = SIZE.layers * block_bytes(model)
+    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=whole) as off:
+        traffic = ParameterTraffic(off)
+        losses = train_streamed(off, model, data, 2)
+        assert traffic.bytes_written == 0
+        off.set_max_resident_bytes(whole // 2)  # the last two blocks leave memory: written with their new values
+        assert off.pinned == {0, 1} and sorted(traffic.written) == ["block2", "block3"]
+        assert [b.state for b in off.blocks[2:]] == [Residency.ON_STORAGE] * 2
+        losses += train_streamed(off, model, data, 1)  # blocks 2 and 3 are read back from storage
+        assert {"block2", "block3"} <= set(traffic.reads) and not {"block0", "block1"} & set(traffic.reads)
+        off.set_max_resident_bytes(whole)  # and pinned again
+        assert off.pinned == {0, 1, 2, 3}
+        losses += train_streamed(off, model, data, 1)
+        assert losses == expected_losses
+        assert states_equal(off.state_dict(), reference.state_dict())
+        with pytest.raises(ValueError, match="max_resident_bytes"):
+            off.set_max_resident_bytes(-1)
+
+
+def test_failed_write_when_unpinning_keeps_the_values_in_memory(scratch):
+    expected_losses, reference = train_in_memory(steps=3)
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    whole = SIZE.layers * block_bytes(model)
+    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=whole) as off:
+        losses = train_streamed(off, model, data, 2)
+        swap_out = off.swapper.swap_out
+
+        def no_space(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device", str(scratch))
+
+        off.swapper.swap_out = no_space
+        with pytest.raises(OSError, match="No space"):
+            off.set_max_resident_bytes(0)
+        assert off.blocks[0].state is Residency.PINNED  # its stepped values exist only in memory: still there
+        off.swapper.swap_out = swap_out
+        off.set_max_resident_bytes(0)
+        assert off.pinned == frozenset()
+        losses += train_streamed(off, model, data, 1)
+        assert losses == expected_losses
+        assert states_equal(off.state_dict(), reference.state_dict())
+
+
+def test_close_without_restore_after_pinned_steps(scratch):
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    off = offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=SIZE.layers * block_bytes(model))
+    train_streamed(off, model, data, 1)
+    off.close(restore=False)
+    with pytest.raises(RuntimeError, match="closed"):
+        model.loss(data.batch())
