@@ -38,7 +38,7 @@ import deepoffload
 from deepoffload.bench.measure import BenchError, evict, scratch_file, time_transfer
 from deepoffload.checkpoint import api as checkpoint_api
 from deepoffload.checkpoint.torch_format import record, snapshot
-from deepoffload.checkpoint.whole_file import huge_page_empty
+from deepoffload.io.buffers import aligned_empty
 from deepoffload.bench.sizes import format_size, parse_size
 
 from common import run_main
@@ -218,7 +218,7 @@ def main() -> int:
         fsync_path(p.parent)
 
     def raw_read_fresh(p: Path):
-        data = huge_page_empty(nbytes)  # what the loader's whole-file read uses
+        data = aligned_empty(nbytes, pin=False)  # what the loader's whole-file read uses
         raw_io["handle"].read(data, raw_io["path"])
         return data
 

@@ -103,7 +103,7 @@ def main() -> int:
     def whole(advise: bool):
         def run():
             if not advise and huge is not None:
-                del mmap.MADV_HUGEPAGE  # huge_page_empty then leaves ordinary pages
+                del mmap.MADV_HUGEPAGE  # aligned_empty then leaves ordinary pages
             try:
                 return api.load(path)
             finally:

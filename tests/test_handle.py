@@ -271,6 +271,8 @@ def test_large_buffers_start_on_huge_page_boundaries_and_prefault_on_request():
     pages = (8 << 20) // 4096
     lazy = aligned_empty(8 << 20, pin=False)
     assert lazy.data_ptr() % (2 << 20) == 0 and _resident_pages(lazy) == 0
+    # its storage starts at its first byte (torch's loader slices storages from there)
+    assert lazy.storage_offset() == 0 and lazy.untyped_storage().data_ptr() == lazy.data_ptr()
     ready = aligned_empty(8 << 20, pin=False, prefault=True)
     assert ready.data_ptr() % (2 << 20) == 0 and _resident_pages(ready) == pages
     assert _resident_pages(aligned_empty(8 << 20)) == pages  # locked memory is backed too

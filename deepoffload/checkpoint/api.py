@@ -17,7 +17,7 @@ from ..config import AioConfig
 from ..io.buffers import aligned_empty
 from .streams import DirectReader, DirectWriter, shared_handle
 from .torch_format import Record, ZipChecksums, record, remove_quietly, snapshot, snapshot_bytes, write_records
-from .whole_file import huge_page_empty, load_from_memory, read_whole, weights_only_default
+from .whole_file import load_from_memory, read_whole, weights_only_default
 
 _executor: ThreadPoolExecutor | None = None
 _async_lock = threading.Lock()
@@ -111,7 +111,7 @@ def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
     global _arena, _arena_pinned
     if _arena is None or _arena.numel() < nbytes or (pin and not _arena_pinned):
         _arena = None  # the old one's memory goes back first
-        _arena = aligned_empty(max(nbytes, 1), pin=True) if pin else huge_page_empty(max(nbytes, 1))
+        _arena = aligned_empty(max(nbytes, 1), pin=pin)
         _arena_pinned = pin
     return _arena
 

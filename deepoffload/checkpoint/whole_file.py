@@ -9,7 +9,6 @@ takes far fewer page faults. Tensors share the buffer: its memory is returned on
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import pickle
 from typing import Any
@@ -17,13 +16,12 @@ from typing import Any
 import torch
 import torch.serialization as ts
 
+from ..io.buffers import aligned_empty, prefault
 from ..io.handle import AsyncIOHandle
 from ..op_builder import env
 from .streams import SeekableReader
 
 TORCH_TRUE = ("1", "y", "yes", "true")  # the values torch.load takes as set for its TORCH_FORCE_* variables
-
-HUGE_PAGE = 2 << 20  # bytes; buffers are aligned to it so transparent huge pages can back them
 
 
 class MemoryFile(SeekableReader):
@@ -43,26 +41,30 @@ class MemoryFile(SeekableReader):
         return nbytes
 
 
-def huge_page_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of ``nbytes`` bytes starting on a ``HUGE_PAGE`` boundary, advised for
-    transparent huge pages (where the system has them; ordinary pages otherwise). Freed with its last view."""
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # no transparent huge pages here: ordinary pages
-    skip = (-torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()) % HUGE_PAGE
-    return torch.frombuffer(region, dtype=torch.uint8, offset=skip, count=nbytes)  # its storage starts there
+WHOLE_READ_CHUNK = 64 << 20  # bytes faulted in and submitted at a time
 
 
 def read_whole(path: str, handle: AsyncIOHandle) -> torch.Tensor:
     """The bytes of the file ``path``, read through the op in large requests (``OSError`` naming path and offset
-    on failure)."""
+    on failure). Each chunk's memory is faulted in before its read is submitted, while the chunks before it are
+    read."""
     size = os.path.getsize(path)
-    data = huge_page_empty(size) if size else torch.empty(0, dtype=torch.uint8)
-    if size:
-        handle.read(data, path, 0)
+    data = aligned_empty(size, pin=False) if size else torch.empty(0, dtype=torch.uint8)
+    requests = []
+    try:
+        for start in range(0, size, WHOLE_READ_CHUNK):
+            chunk = data[start:start + WHOLE_READ_CHUNK]
+            prefault(chunk)
+            requests.append(handle.read_async(chunk, path, start))
+    finally:  # every read submitted finishes before its memory can go; the first failure is raised
+        error = None
+        for request in requests:
+            try:
+                request.wait()
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error
     return data
 
 

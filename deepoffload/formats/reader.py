@@ -218,6 +218,11 @@ class CheckpointReader:
         entry = self._entries[name]
         return entry.shape, entry.dtype
 
+    def location(self, name: str) -> TensorEntry | None:
+        """Where ``name``'s bytes lie in a safetensors checkpoint (file, absolute byte range, dtype, shape); None
+        for a torch.save checkpoint or a name it does not hold."""
+        return None if self._state_dict is not None else self._entries.get(name)
+
     @property
     def nbytes(self) -> int:
         """Bytes of all tensors as stored."""

@@ -230,12 +230,11 @@ class Materializer:
     def _served_records(self, block: Block) -> dict[str, SwapRecord] | None:
         """Where the block's parameters lie in the checkpoint, when it can be served from there (see ``serve``);
         else None (it is copied)."""
-        entries = getattr(self.reader, "_entries", None) if self.serve else None
-        if not entries or any(b.is_meta for b in block.module.buffers()):
+        if not self.serve or self.reader is None or any(b.is_meta for b in block.module.buffers()):
             return None
         records = {}
         for name, master in zip(block.names, block.masters):
-            entry = entries.get(block.qualified(name))
+            entry = self.reader.location(block.qualified(name))
             if entry is None or entry.dtype != master.dtype or tuple(entry.shape) != tuple(master.shape):
                 return None
             records[name] = SwapRecord(name, entry.dtype, tuple(entry.shape), entry.nbytes, str(entry.path),
