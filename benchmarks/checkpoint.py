@@ -7,7 +7,7 @@ from the page cache before it is read (cold cache) and every save includes its f
 each method (state-dict bytes / seconds; GB = 1e9 bytes) and the median of per-round ratios against deepoffload.
 Also times `save_async`: how long the call blocks, against its snapshot copy alone and against cloning every tensor.
 
-    python benchmarks/checkpoint.py [--path DIR] [--size 1G] [--rounds 3] [--core]
+    python benchmarks/checkpoint.py [--path DIR] [--size 1G] [--rounds 3] [--core] [--memory recycled|reported]
 
 DeepSpeed's FastFileWriter (torch.save into it, its own close() fsyncs) runs through DeepSpeed's own async_io op
 when that op has been built (its JIT build takes minutes, so this benchmark never starts it); otherwise it is
@@ -41,7 +41,7 @@ from deepoffload.checkpoint.torch_format import record, snapshot
 from deepoffload.io.buffers import aligned_empty
 from deepoffload.bench.sizes import format_size, parse_size
 
-from common import run_main
+from common import MEMORY_STATES, run_main, settle_memory
 
 
 def training_state(nbytes: int) -> dict:
@@ -149,6 +149,8 @@ def main() -> int:
     parser.add_argument("--size", type=parse_size, default="1G", help="state-dict bytes (default 1G)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--core", action="store_true", help="only deepoffload, torch and DeepSpeed")
+    parser.add_argument("--memory", choices=MEMORY_STATES, default="recycled",
+                        help="free memory's state before each load (see benchmarks/common.py settle_memory)")
     args = parser.parse_args()
     import safetensors.torch as st
     import torch.distributed.checkpoint as dcp
@@ -261,6 +263,7 @@ def main() -> int:
                 for name in order:
                     run, file = loads[name]
                     evict_tree(folder / file)
+                    settle_memory(args.memory, nbytes)
                     start = time.perf_counter()
                     run(folder / file)
                     seconds[name].append(time.perf_counter() - start)
@@ -289,7 +292,8 @@ def main() -> int:
         shutil.rmtree(folder, ignore_errors=True)
 
     print(f"checkpoint: {format_size(nbytes)} state dict ({len(flat)} tensors, model + AdamW), {args.rounds} rounds "
-          f"interleaved, cold cache, saves include fsync; GB/s = 1e9 bytes/s; ratio = median of per-round "
+          f"interleaved, cold cache, free memory {args.memory} before each load, saves include fsync; "
+          f"GB/s = 1e9 bytes/s; ratio = median of per-round "
           f"ratios deepoffload/method (time of method / time of ours)")
     for group, ours in ((list(saves) + ["raw op write"], "deepoffload.save"),
                         (list(loads) + ["raw op read"], "deepoffload.load")):
