@@ -72,6 +72,10 @@ class BufferPool:
             return buffer
         return None
 
+    def available(self) -> bool:
+        """True when ``try_acquire`` of at most ``buffer_bytes`` would return a buffer now."""
+        return bool(self._free) or len(self._pooled) < self.count
+
     def one_off(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes outside the pool, freed when released."""
         return aligned_empty(round_up(nbytes), pin=self.pin)
