@@ -337,8 +337,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _chunks(self, params: list[torch.Tensor]) -> list[_Chunk]:
         """Consecutive parameters whose state fills at most one pooled buffer (``chunk_bytes`` less a page for
         the extent's padding), so a step's buffers come from the bounded pool; when one parameter's state is
-        larger, the pool's buffers grow to it plus a sixteenth. The plan is reused while the same parameters (in the
-        same param groups) are stepped and no stored state changed size or place."""
+        larger, chunks hold up to it plus a sixteenth and the pool's buffers grow to the fullest chunk. The plan is
+        reused while the same parameters (in the same param groups) are stepped and no stored state changed size or
+        place."""
         version = self.swapper.version
         if version != self._plans_version:
             self._plans, self._plans_version = {}, version
@@ -347,10 +348,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if plan is not None:
             return plan
         estimates = [self._estimate(param) for param in params]
-        # A parameter whose state exceeds chunk_bytes would need a fresh buffer each step, whose pages fault in
-        # during the read (0.4-1.0 GB/s here against 2+ into reused memory) and on the step's thread: the pool's
-        # buffers grow to hold it instead (with a sixteenth to spare, so the small parameters beside it, e.g. its
-        # bias, travel in its chunk rather than taking a buffer of their own), and chunks fill them.
+        # A parameter whose state exceeds chunk_bytes would need a fresh buffer each step, made on the step's thread
+        # and faulted in during the read (O_DIRECT reads into fresh 4 KiB pages: 0.4-1.0 GB/s here, into faulted-in
+        # ones 2.3 GB/s): the pool's buffers grow to hold it instead (with a sixteenth to spare, so the small
+        # parameters beside it, e.g. its bias, travel in its chunk rather than taking a buffer of their own), and
+        # chunks fill them.
         largest = max(estimates, default=0)
         budget = max(1, self.config.chunk_bytes - PAGE_SIZE, self.swapper.pool.buffer_bytes - PAGE_SIZE,
                      largest + largest // 16 if largest > self.config.chunk_bytes - PAGE_SIZE else 0)
