@@ -294,3 +294,50 @@ def test_many_small_parameters_reuse_plans_and_stay_identical(config):
         assert torch.equal(a, b)
     # each chunk's extent is page-aligned; inside it the small tensors pack at 16 bytes, not 64
     assert size <= 1.1 * stored + chunks * 4096
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "step_in_backward"])
+def test_parameters_larger_than_a_chunk_reuse_pooled_buffers(config, in_backward):
+    """A parameter whose state exceeds chunk_bytes steps from a pooled buffer grown to its size, the same buffers
+    in every later step (a fresh buffer per step faults its pages in during the read), with the plain results."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Tanh(), torch.nn.Linear(60, 30))
+
+    def run(net, optimizer, steps=5, settled=None):
+        for step in range(steps):
+            x = torch.randn(8, 40, generator=torch.Generator().manual_seed(step))
+            net(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1 and settled is not None:  # the first step creates the state, the second reads it
+                settled()
+
+    reference = model()
+    run(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+    mine = model()
+    largest = max(8 * p.numel() for p in mine.parameters())
+    assert largest > config.chunk_bytes  # the weights' state does not fit a chunk
+    one_offs, buffers = [], set()
+    with OffloadedOptimizer(torch.optim.AdamW, mine.parameters(), config, lr=0.01) as optimizer:
+        if in_backward:
+            optimizer.step_in_backward()
+        pool = optimizer.swapper.pool
+        one_off = pool.one_off
+
+        def counted(nbytes):
+            one_offs.append(nbytes)
+            return one_off(nbytes)
+
+        def watch():
+            one_offs.clear()
+            pool.one_off = counted
+            buffers.update(pool._pooled)
+
+        run(mine, optimizer, settled=watch)
+        assert one_offs == []
+        assert pool.buffer_bytes >= largest
+        assert set(pool._pooled) <= buffers  # no buffer made in the later steps
+        assert pool.held_bytes() <= config.buffer_count * pool.buffer_bytes
+    for a, b in zip(reference.parameters(), mine.parameters()):
+        assert torch.equal(a, b)

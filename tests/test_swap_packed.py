@@ -207,3 +207,21 @@ def test_staged_views_hold_the_bytes_so_the_callers_tensors_can_go(swapper):
     write.wait()
     back = swapper.swap_in(list(expected)).wait()
     assert all(torch.equal(back[n][k], expected[n][k]) for n in expected for k in expected[n])
+
+
+def test_pool_fit_grows_buffers_and_frees_smaller_ones():
+    from deepoffload.swap.pool import BufferPool
+
+    pool = BufferPool(3, 4096, pin=False)
+    held, free = pool.try_acquire(100), pool.try_acquire(100)
+    pool.release(free)
+    pool.fit(5000)
+    assert pool.buffer_bytes == 8192 and pool.held_bytes() == 4096  # the free small one is gone, the held one stays
+    pool.release(held)  # smaller than the pool's size now: freed, not pooled again
+    assert pool.held_bytes() == 0
+    big = pool.try_acquire(8000)
+    assert big.numel() == 8192 and pool.pooled(big)
+    pool.release(big)
+    assert pool.try_acquire(6000) is big  # reused
+    pool.fit(100)  # never shrinks
+    assert pool.buffer_bytes == 8192

@@ -25,8 +25,9 @@ class SwapConfig:
     folder: the base folder for swap files (None: the system temp folder). Each run gets its own sub-folder there.
     buffer_count: aligned staging buffers in the pool (the pipeline uses 3: read ahead, step, write behind).
     chunk_bytes: bytes of optimizer state per pipelined chunk, and the size of each pooled buffer (page-aligned).
-        Peak memory of an offloaded step is about ``buffer_count * chunk_bytes`` plus the largest single
-        parameter's state, whatever the model size.
+        Peak memory of an offloaded step is about ``buffer_count * chunk_bytes``, whatever the model size; an
+        ``OffloadedOptimizer`` whose largest parameter's state exceeds ``chunk_bytes`` grows its buffers to its
+        largest chunk (that state, plus at most a sixteenth), so they are reused rather than made afresh each step.
     pin: page-lock the buffers (faster IO; needs RLIMIT_MEMLOCK, warns and carries on unlocked without it).
     checksum: hash every tensor at swap-out (xxh3-64) and check it at swap-in; a changed byte is an error.
     keep_files: leave the swap files when closing (for inspection); by default they are removed on close and at
