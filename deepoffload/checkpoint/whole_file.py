@@ -17,7 +17,7 @@ import torch
 import torch.serialization as ts
 
 from ..io.buffers import aligned_empty, prefault
-from ..io.handle import AsyncIOHandle
+from ..io.handle import AsyncIOHandle, wait_each
 from ..op_builder import env
 from .streams import SeekableReader
 
@@ -56,15 +56,10 @@ def read_whole(path: str, handle: AsyncIOHandle) -> torch.Tensor:
             chunk = data[start:start + WHOLE_READ_CHUNK]
             prefault(chunk)
             requests.append(handle.read_async(chunk, path, start))
-    finally:  # every read submitted finishes before its memory can go; the first failure is raised
-        error = None
-        for request in requests:
-            try:
-                request.wait()
-            except OSError as e:
-                error = error or e
-        if error is not None:
-            raise error
+    finally:  # every read submitted finishes before its memory can go
+        error = wait_each(requests)
+    if error is not None:
+        raise error
     return data
 
 

@@ -17,7 +17,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Iterable, Union
 
 import torch
 
@@ -311,12 +311,7 @@ class AsyncIOHandle:
         after all have finished (no transfer is left running behind an exception)."""
         with self._pending_lock:
             requests = list(self._pending.values())
-        first_error = None
-        for request in requests:
-            try:
-                request.wait()
-            except OSError as e:
-                first_error = first_error or e
+        first_error = wait_each(requests)
         if first_error is not None:
             raise first_error
         return len(requests)
@@ -369,6 +364,18 @@ class AsyncIOHandle:
         return (f"AsyncIOHandle(engine={self.engine!r}, block_size={c.block_size}, queue_depth={c.queue_depth}, "
                 f"intra_op_parallelism={c.intra_op_parallelism}, single_submit={c.single_submit}, "
                 f"overlap_events={c.overlap_events})")
+
+
+def wait_each(transfers: Iterable) -> OSError | None:
+    """Wait for every transfer (anything with ``wait()``: requests, swaps) even when some fail; return the first
+    ``OSError`` raised, or None. For callers that must not leave a transfer running behind an exception."""
+    first_error = None
+    for transfer in transfers:
+        try:
+            transfer.wait()
+        except OSError as e:
+            first_error = first_error or e
+    return first_error
 
 
 def _file_ref(file: FileRef) -> tuple[int, str]:

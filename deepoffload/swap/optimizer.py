@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from ..io.handle import wait_each
 from .config import SwapConfig
 from .pool import PAGE_SIZE, trim_heap
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
@@ -420,11 +421,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 current.detach()
             for read in reads + list(prefetched.values()):
                 read.release()
-            for write in writes:
-                try:
-                    write.wait()
-                except OSError as e:
-                    error = error or e
+            failed = wait_each(writes)
+            error = error or failed
         if error is not None:
             raise error
 
