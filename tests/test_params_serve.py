@@ -116,6 +116,35 @@ def test_budget_pins_served_blocks_and_unpins_them_without_a_write(scratch, refe
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
+@pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
+def test_a_checkpoint_changed_under_a_served_model_is_refused(scratch, reference, checkpoint, how):
+    """Saving other weights to the served checkpoint's path (a new file renamed over it, or the same file rewritten)
+    must not make the model compute with them silently."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from deepoffload.errors import ChecksumError
+
+    ids = tokens()
+    model = meta_llama().eval()
+    with offload(model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True) as off:
+        with torch.no_grad():
+            first = model(ids).logits
+        other = {k: v + 1 if v.is_floating_point() else v for k, v in reference.state_dict().items()}
+        if how == "replaced":
+            save_file(other, str(scratch / "new.safetensors"))
+            os.replace(scratch / "new.safetensors", checkpoint)
+        else:
+            save_file(other, str(scratch / "new.safetensors"))
+            checkpoint.write_bytes((scratch / "new.safetensors").read_bytes())
+        with pytest.raises(OSError, match="replaced, rewritten or removed") as raised, torch.no_grad():
+            model(ids)
+        assert isinstance(raised.value, ChecksumError) or isinstance(raised.value.__cause__, ChecksumError)
+        off.close(restore=False)
+    assert first.isfinite().all()
+
+
 def test_training_a_served_block_is_refused_and_the_checkpoint_is_unchanged(scratch, checkpoint):
     before = digest(checkpoint)
     ids = tokens()
@@ -163,6 +192,7 @@ def test_blocks_converted_to_another_dtype_are_copied(scratch, reference, checkp
 
 
 def test_map_group_reads_tensors_where_they_lie_and_never_writes_there(scratch):
+    from deepoffload.errors import ChecksumError
     from deepoffload.swap.config import SwapConfig
     from deepoffload.swap.tensor_swapper import SwapRecord, TensorSwapper
 
@@ -182,9 +212,12 @@ def test_map_group_reads_tensors_where_they_lie_and_never_writes_there(scratch):
         read.release()
         with pytest.raises(PermissionError, match="read-only"):
             swapper.swap_out({"g": {"a": a}})
+        path.write_bytes(data[:-4] + b"TAIL")  # rewritten after it was mapped
+        with pytest.raises(ChecksumError, match="rewritten"):
+            swapper.swap_in(["g"])
         swapper.discard("g")
         assert not swapper.has("g")
         gap = dict(records, b=SwapRecord("b", b.dtype, (300,), 600, str(path), 8200, cpu))
         with pytest.raises(ValueError, match="back to back"):
             swapper.map_group("h", gap)
-    assert path.read_bytes() == data
+    assert path.read_bytes() == data[:-4] + b"TAIL"

@@ -38,6 +38,12 @@ PACKED_ALIGNMENT = 16  # packed: bytes between tensors and between groups (any d
 # many small tensors (e.g. Adam's 4-byte ``step``) do not each cost a cache line on storage
 
 
+def _identity(path: str) -> tuple[int, int, int, int]:
+    """What tells a file apart from a replacement or a rewrite: device, inode, size, modification time (ns)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass(frozen=True)
 class SwapRecord:
     """Where one swapped tensor lives and what it is.
@@ -326,7 +332,7 @@ class TensorSwapper:
         self._pending_out: collections.deque[SwapOut] = collections.deque()
         self.pack = PackFile(os.path.join(self.folder, "pack.swp")) if packed else None
         self._extents: dict[str, Extent] = {}  # packed: group -> the extent its current records point into
-        self._mapped: set[str] = set()  # groups served read-only from other files (``map_group``)
+        self._mapped: dict[str, tuple] = {}  # groups served read-only from other files -> the file's identity
         self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
         self._group_alignment = PACKED_ALIGNMENT if packed else PAGE_SIZE  # where each group starts in a buffer
         self.version = 0  # changes whenever a group's records change in size or place (not on in-place rewrites)
@@ -359,7 +365,9 @@ class TensorSwapper:
         (``swap_in`` reads the range from the page holding the first byte to the last byte with one request, so a
         gap would be read too; only the unaligned tail is bounced). The staging buffer needs up to a page more than
         the tensors' bytes.
-        ``swap_out`` of the group raises; ``discard`` forgets it and leaves the file alone."""
+        ``swap_out`` of the group raises; ``discard`` forgets it and leaves the file alone. Each ``swap_in`` checks
+        that the file is still the one mapped (same inode, size and modification time): a checkpoint replaced or
+        rewritten since raises ``ChecksumError`` instead of serving other values."""
         self._check_open()
         self._check_group(group)
         records = dict(records)
@@ -373,13 +381,25 @@ class TensorSwapper:
                        for r in records.values()):
             raise ValueError(f"group {group!r}: map_group needs tensors back to back in one file, each at an offset "
                              f"that is a multiple of its element size, without checksums or DTensor shards")
+        identity = _identity(next(iter(files))) if files else ()
         self._records[group] = records
-        self._mapped.add(group)
+        self._mapped[group] = identity
         self.version += 1
 
     def mapped(self, group: str) -> bool:
         """True when ``group`` is served read-only from another file (``map_group``)."""
         return group in self._mapped
+
+    def _check_mapped(self, group: str, records: Mapping[str, SwapRecord]) -> None:
+        file = next(iter(records.values())).file
+        try:
+            same = _identity(file) == self._mapped[group]
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise ChecksumError(errno.EIO, f"group {group!r} is served from {file}, which was replaced, rewritten or "
+                                           f"removed since it was mapped: its values may differ from those checked "
+                                           f"then; map it (offload_parameters) again", file)
 
     # -- transfers ------------------------------------------------------------------------------------------
     def swap_out(self, groups: Groups, on_done: Callable[[], None] | None = None,
@@ -571,6 +591,7 @@ class TensorSwapper:
                 base = extent.offset + begin
                 length = span
             elif group in self._mapped and records:  # another file's range, from its first tensor to its last,
+                self._check_mapped(group, records)
                 # from the page holding its first byte: file and buffer then share their alignment (direct reads)
                 base = min(r.offset for r in records.values()) // PAGE_SIZE * PAGE_SIZE
                 length = max(r.offset + r.nbytes for r in records.values()) - base  # exactly: not past its end
@@ -627,7 +648,7 @@ class TensorSwapper:
         if extent is not None:
             extent.leave(group)
         elif group in self._mapped:
-            self._mapped.discard(group)  # the file is someone else's
+            del self._mapped[group]  # the file is someone else's
         elif records:
             try:
                 os.unlink(next(iter(records.values())).file)
