@@ -140,8 +140,7 @@ class ParameterOffload:
         step in memory (no write, no read back per step). A block leaving the budget is written first (its values
         in memory are the valid copy); a failed write raises and keeps it in memory. 0 or None: stream every block.
         Call between steps."""
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
-            raise ValueError(f"max_resident_bytes={budget!r}: expected a number of bytes, 0 or more")
+        _check_budget(budget)
         self._check_open()
         budget = budget or 0
         self.training.finish_writes()
@@ -502,6 +501,11 @@ class ParameterOffload:
         self.close()
 
 
+def _check_budget(budget: object) -> None:
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        raise ValueError(f"max_resident_bytes={budget!r}: expected a number of bytes, 0 or more")
+
+
 def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Sequence[nn.Module] | None = None,
                        prefetch: int = 1, mode: str = "fused", optimizer: OptimizerFactory | None = None,
                        compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
@@ -573,9 +577,7 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     if serve_from_checkpoint and checkpoint is None:
         raise ValueError("serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
                          "the blocks' parameters from")
-    if max_resident_bytes is not None and (not isinstance(max_resident_bytes, int) or
-                                           isinstance(max_resident_bytes, bool) or max_resident_bytes < 0):
-        raise ValueError(f"max_resident_bytes={max_resident_bytes!r}: expected a number of bytes, 0 or more")
+    _check_budget(max_resident_bytes)  # before any block is made or read
     config = config or SwapConfig()
     if path is not None:
         config = config.replace(folder=path)
