@@ -92,6 +92,37 @@ def test_training_with_defaults_is_bit_identical(scratch, name, attention, mode)
         assert states_equal(model.state_dict(), reference.state_dict())
 
 
+@pytest.mark.parametrize("name, mode", [("llama", "fused"), ("gpt2", "fused"), ("llama", "grads")])
+def test_training_with_a_resident_budget_and_validation_is_bit_identical(scratch, tmp_path, name, mode):
+    """max_resident_bytes holding some blocks (they step in memory, never written back), the model's defaults, an
+    eval pass under no_grad between steps, then save_pretrained: all equal to the model trained in memory."""
+    reference, model = pair(name)
+    reference.train(), model.train()
+    optimizer = adam(reference.parameters())
+    ids, held_out = tokens(), tokens(seed=2)
+    layers = model.base_model.get_submodule("layers" if name == "llama" else "h")
+    budget = sum(p.numel() * p.element_size() for p in layers[0].parameters())  # about one block of three
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, max_resident_bytes=budget) as off:
+        assert len(off.pinned) == 1
+        for k in range(3):
+            torch.manual_seed(100 + k)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            offload_step(off)()
+            torch.manual_seed(100 + k)
+            expected = reference(ids, labels=ids).loss
+            expected.backward()
+            reference_step(optimizer)()
+            assert loss.item() == expected.item()
+            model.eval(), reference.eval()
+            with torch.no_grad():
+                assert torch.equal(model(held_out).logits, reference(held_out).logits)
+            model.train(), reference.train()
+        model.save_pretrained(tmp_path / "saved")
+    loaded = type(reference).from_pretrained(tmp_path / "saved")
+    assert states_equal(loaded.state_dict(), reference.state_dict())
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_gradient_checkpointing_is_bit_identical(scratch, name):
     reference, model = pair(name)
