@@ -11,6 +11,7 @@ CPU time (user + sys, all threads), the machine's steal time and the CPU time of
 disturbs the figures), all per step, from /proc/stat and ``os.times``.
 
     python benchmarks/optimizer_overlap.py [--rounds 3] [--folder DIR] [--mlp-width 1536] [--mlp-layers 8]
+        [--compute-threads 1]
 
 Target: step_in_backward <= 1.15 x max(in-memory step, IO alone). The fair bound on a given machine is the in-memory
 step with the IO alongside: the IO's own cost in CPU is part of any step that does it.
@@ -120,7 +121,7 @@ def machine_seconds() -> tuple[float, float]:
     return (sum(ticks[:8]) - idle - steal) / hz, steal / hz
 
 
-def compare(name: str, build, rounds: int, folder: str) -> None:
+def compare(name: str, build, rounds: int, folder: str, threads: int | None = None) -> None:
     import torch
 
     from deepoffload.io.handle import AsyncIOHandle
@@ -140,7 +141,10 @@ def compare(name: str, build, rounds: int, folder: str) -> None:
                 adamw[variant] = adamw.get(variant, 0.0) + time.perf_counter() - start
         return timed
 
-    for variant in ("in memory", "offloaded", "step_in_backward", ALONGSIDE):
+    offloaded_variants = ["offloaded", "step_in_backward"]
+    if threads is not None:
+        offloaded_variants += [f"offloaded, {threads} thr", f"step_in_backward, {threads} thr"]
+    for variant in ("in memory", *offloaded_variants, ALONGSIDE):
         model, loss_of = build()
         if variant in ("in memory", ALONGSIDE):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -148,8 +152,10 @@ def compare(name: str, build, rounds: int, folder: str) -> None:
             continue
         opt = OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=1e-4)
         opt._inner_step = timing(variant, opt._inner_step)  # the wrapped AdamW's own step, chunk by chunk
-        if variant == "step_in_backward":
+        if variant.startswith("step_in_backward"):
             opt.step_in_backward()
+        if variant.endswith(" thr"):
+            opt.compute_threads = threads
         runs[variant] = (model, loss_of, opt, opt.step)
 
     def train_step(variant: str) -> float:
@@ -167,7 +173,7 @@ def compare(name: str, build, rounds: int, folder: str) -> None:
     offloaded = runs["offloaded"][2]
     ahead = max(1, config.buffer_count - 2)
     buffers = io_buffers(offloaded, ahead)
-    order = ("in memory", "offloaded", "step_in_backward", "IO alone", ALONGSIDE)
+    order = ("in memory", *offloaded_variants, "IO alone", ALONGSIDE)
     samples: dict[str, list[dict[str, float]]] = {v: [] for v in order}
     with AsyncIOHandle(config.aio) as handle:
         for _ in range(rounds):
@@ -190,21 +196,21 @@ def compare(name: str, build, rounds: int, folder: str) -> None:
                                          "others": max(0.0, busy - cpu)})
     same = all(torch.equal(a, b) for a, b in zip(runs["in memory"][0].parameters(),
                                                    runs["step_in_backward"][0].parameters()))
-    for variant in ("offloaded", "step_in_backward"):
+    for variant in offloaded_variants:
         runs[variant][2].close()
     m = {v: {k: statistics.median(s[k] for s in rows) for k in rows[0]} for v, rows in samples.items()}
     wall = {v: [s["wall"] for s in rows] for v, rows in samples.items()}
     params = sum(p.numel() for p in runs["in memory"][0].parameters())
     print(f"{name}: {params / 1e6:.1f}M parameters, {state / 1e6:.0f} MB of AdamW state, {rounds} rounds; "
           f"medians per step, seconds")
-    print(f"  {'':19s}{'wall':>7s}{'AdamW':>7s}{'CPU':>7s}{'steal':>7s}{'others':>7s}   (CPU: this process, user + "
+    print(f"  {'':24s}{'wall':>7s}{'AdamW':>7s}{'CPU':>7s}{'steal':>7s}{'others':>7s}   (CPU: this process, user + "
           f"sys; steal: the machine's; others: other processes' CPU)")
     for variant, f in m.items():
-        print(f"  {variant:19s}" + "".join(f"{f[k]:7.2f}" for k in ("wall", "adamw", "cpu", "steal", "others")))
+        print(f"  {variant:24s}" + "".join(f"{f[k]:7.2f}" for k in ("wall", "adamw", "cpu", "steal", "others")))
     bound = [max(a, b) for a, b in zip(wall["in memory"], wall["IO alone"])]
     print(f"  the IO alongside costs the in-memory step {m[ALONGSIDE]['wall'] / m['in memory']['wall']:.2f}x "
           f"(per round {' '.join(f'{a / b:.2f}' for a, b in zip(wall[ALONGSIDE], wall['in memory']))})")
-    for variant in ("offloaded", "step_in_backward"):
+    for variant in offloaded_variants:
         ratio = statistics.median(wall[variant]) / statistics.median(bound)
         print(f"  {variant}: / max(in memory, IO alone) {ratio:.2f}x"
               f" (target 1.15x), / in memory with the IO alongside "
@@ -222,12 +228,14 @@ def main() -> None:
     parser.add_argument("--llama-vocab", type=int, default=8000)
     parser.add_argument("--mlp-width", type=int, default=1536)
     parser.add_argument("--mlp-layers", type=int, default=8)
+    parser.add_argument("--compute-threads", type=int, default=None,
+                        help="also both offloaded modes with this compute_threads (torch's intra-op threads)")
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="overlap-", dir=args.folder or os.getcwd())
     try:
         compare("tiny Llama", lambda: llama(args.llama_hidden, args.llama_layers, args.llama_vocab), args.rounds,
-                folder)
-        compare("MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder)
+                folder, args.compute_threads)
+        compare("MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder, args.compute_threads)
     finally:
         import shutil
 
