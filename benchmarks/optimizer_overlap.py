@@ -7,8 +7,8 @@ this machine (on a VM the host's IO work shows as steal time taken from the gues
 for a tiny Hugging Face Llama built from a config and for an MLP (``--mlp-width 4096``: 1.07 GB of AdamW state).
 
 Per variant: median wall time, the AdamW compute inside it (the wrapped optimizer's own ``step`` calls), the process's
-CPU time (user + sys, all threads), the machine's steal time and the CPU time of other processes (load that
-disturbs the figures), all per step, from /proc/stat and ``os.times``.
+CPU time (user + sys, all threads), the machine's steal time and the rest of the machine's busy CPU time (other
+processes, interrupts: load that disturbs the figures), all per step, from /proc/stat and ``os.times``.
 
     python benchmarks/optimizer_overlap.py [--rounds 3] [--folder DIR] [--mlp-width 1536] [--mlp-layers 8]
         [--compute-threads 1]
@@ -204,7 +204,7 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
     print(f"{name}: {params / 1e6:.1f}M parameters, {state / 1e6:.0f} MB of AdamW state, {rounds} rounds; "
           f"medians per step, seconds")
     print(f"  {'':24s}{'wall':>7s}{'AdamW':>7s}{'CPU':>7s}{'steal':>7s}{'others':>7s}   (CPU: this process, user + "
-          f"sys; steal: the machine's; others: other processes' CPU)")
+          f"sys; steal: the machine's; others: the machine's other busy CPU)")
     for variant, f in m.items():
         print(f"  {variant:24s}" + "".join(f"{f[k]:7.2f}" for k in ("wall", "adamw", "cpu", "steal", "others")))
     bound = [max(a, b) for a, b in zip(wall["in memory"], wall["IO alone"])]
