@@ -3,10 +3,12 @@ setting and with ``compute_threads`` leaving one core to the IO threads), and th
 the async-IO handle (write then read back the state, the same chunk sizes); interleaved A B C D A B C D on the
 shared disk, medians (and best-of, less sensitive to other users of the machine) and ratios printed. Then peak RSS
 of short offloaded and in-memory training runs for two model sizes, each in a fresh process (VmHWM; ru_maxrss where
-/proc is missing).
+/proc is missing), against the target "in memory minus the state plus 1.1 x the staging pool", the pool as the
+offloaded run grew it (``--rss-numel 16777216``: parameters whose state exceeds ``chunk_bytes``, so the pool's
+buffers grow to hold one).
 
     python benchmarks/optimizer_offload.py [--state-gb 1.0] [--rounds 3] [--folder DIR] [--rss-sizes 0.25,1,4]
-        [--rss-only]
+        [--rss-numel N] [--rss-only]
 
 Target: offloaded <= 1.15 x max(in-memory step, IO time); offloaded peak RSS must not grow with the model.
 """
@@ -26,14 +28,17 @@ import time
 TENSOR_NUMEL = 1 << 20  # 4 MiB fp32 parameters
 
 
-def make_params(state_bytes: int):
+def param_count(state_bytes: int, numel: int) -> int:
+    return max(1, round(state_bytes / (8 * numel)))  # Adam: exp_avg + exp_avg_sq, 8 bytes per element
+
+
+def make_params(state_bytes: int, numel: int = TENSOR_NUMEL):
     import torch
 
-    count = max(1, round(state_bytes / (8 * TENSOR_NUMEL)))  # Adam: exp_avg + exp_avg_sq, 8 bytes per element
     params = []
-    for i in range(count):
-        p = torch.nn.Parameter(torch.randn(TENSOR_NUMEL, generator=torch.Generator().manual_seed(i)))
-        p.grad = torch.randn(TENSOR_NUMEL, generator=torch.Generator().manual_seed(10_000 + i))
+    for i in range(param_count(state_bytes, numel)):
+        p = torch.nn.Parameter(torch.randn(numel, generator=torch.Generator().manual_seed(i)))
+        p.grad = torch.randn(numel, generator=torch.Generator().manual_seed(10_000 + i))
         params.append(p)
     return params
 
@@ -126,14 +131,15 @@ def step_times(state_gb: float, rounds: int, folder: str) -> None:
               f"; parameters identical to in-memory after {rounds + 1} steps: {same[name]}")
 
 
-def rss_child(mode: str, state_gb: float, folder: str) -> None:
-    """In a fresh process: RSS after making params and grads, then peak RSS over 3 optimizer steps (bytes)."""
+def rss_child(mode: str, state_gb: float, folder: str, numel: int) -> None:
+    """In a fresh process: RSS after making params and grads, then peak RSS over 3 optimizer steps and the staging
+    pool's bytes (offloaded; 0 in memory)."""
     import torch
 
     from deepoffload.swap.config import SwapConfig
     from deepoffload.swap.optimizer import OffloadedOptimizer
 
-    params = make_params(int(state_gb * 1e9))
+    params = make_params(int(state_gb * 1e9), numel)
     with open("/proc/self/statm") as f:
         baseline = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     if mode == "offloaded":
@@ -142,7 +148,8 @@ def rss_child(mode: str, state_gb: float, folder: str) -> None:
         optimizer = torch.optim.Adam(params, lr=1e-3)
     for _ in range(3):
         optimizer.step()
-    print(json.dumps({"baseline": baseline, "peak": peak_rss_bytes()}))
+    pool = optimizer.swapper.pool.held_bytes() if mode == "offloaded" else 0
+    print(json.dumps({"baseline": baseline, "peak": peak_rss_bytes(), "pool": pool}))
 
 
 def peak_rss_bytes() -> int:
@@ -155,20 +162,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peak_rss(sizes: list[float], folder: str) -> None:
-    from deepoffload.swap.config import SwapConfig
-
-    print("peak RSS over 3 steps, above params + grads (fresh process each):")
+def peak_rss(sizes: list[float], folder: str, numel: int) -> None:
+    print(f"peak RSS over 3 Adam steps, above params + grads (fresh process each), parameters of {numel:,} fp32:")
     for state_gb in sizes:
         figures = {}
         for mode in ("in-memory", "offloaded"):
-            out = subprocess.run([sys.executable, __file__, "--rss-child", mode, str(state_gb), folder],
+            out = subprocess.run([sys.executable, __file__, "--rss-child", mode, str(state_gb), folder, str(numel)],
                                  capture_output=True, text=True, check=True)
             figures[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         extra = {m: (f["peak"] - f["baseline"]) / 1e6 for m, f in figures.items()}
-        state = max(1, round(state_gb * 1e9 / (8 * TENSOR_NUMEL))) * 8 * TENSOR_NUMEL / 1e6  # as make_params
-        config = SwapConfig()
-        pool = config.buffer_count * config.chunk_bytes / 1e6
+        state = param_count(int(state_gb * 1e9), numel) * 8 * numel / 1e6  # as make_params
+        pool = figures["offloaded"]["pool"] / 1e6
         bound = extra["in-memory"] - state + 1.1 * pool
         print(f"  state {state_gb:.2f} GB: in-memory +{extra['in-memory']:.0f} MB, "
               f"offloaded +{extra['offloaded']:.0f} MB"
@@ -183,15 +187,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rss-sizes", default="0.25,1.0", help="state sizes (GB) for the peak RSS runs")
     parser.add_argument("--folder", default=tempfile.gettempdir(), help="where swap files go (a real disk)")
+    parser.add_argument("--rss-numel", type=int, default=TENSOR_NUMEL,
+                        help="elements per parameter in the peak RSS runs (16777216: state over chunk_bytes)")
     parser.add_argument("--rss-only", action="store_true", help="only the peak RSS runs, not the step times")
-    parser.add_argument("--rss-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--rss-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
-        mode, state_gb, folder = args.rss_child
-        rss_child(mode, float(state_gb), folder)
+        mode, state_gb, folder, numel = args.rss_child
+        rss_child(mode, float(state_gb), folder, int(numel))
         return
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared: figures are noisy)")
-    peak_rss([float(s) for s in args.rss_sizes.split(",")], args.folder)  # first, while this process is small
+    sizes = [float(s) for s in args.rss_sizes.split(",")]
+    peak_rss(sizes, args.folder, args.rss_numel)  # first, while this process is small
     if not args.rss_only:
         step_times(args.state_gb, args.rounds, args.folder)
 
