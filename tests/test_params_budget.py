@@ -292,3 +292,32 @@ def test_gradient_accumulation_with_budget_equals_in_memory(scratch, share, repi
             assert traffic.grads_written.count("grad0") == 2 + 1 + 1
             # reads: step 1 in its second pass and in step(); step 2 once into memory; step 3 in step()
             assert traffic.grad_reads.count("grad0") == 2 + 1 + 1
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_pinned_blocks_refuse_grad_reads_until_step(scratch, mode):
+    """With every block pinned, a block parameter's p.grad between backward and step() raises, as a streamed one's
+    does (it would read None, and clip_grad_norm_(model.parameters()) would clip by the other parameters' norm
+    alone); the blocks still compute (an eval pass, a second backward in grads mode), and after step() p.grad reads
+    None again and the parameters are plain."""
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, max_resident_bytes=1 << 30) as off:
+        assert off.pinned == set(range(SIZE.layers))
+        param = next(model.blocks.parameters())
+        model.loss(data.batch()).backward()
+        with pytest.raises(RuntimeError, match="until off.step"):
+            _ = param.grad
+        with pytest.raises(RuntimeError, match="until off.step"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with torch.no_grad():
+            model.loss(data.batch())
+        with pytest.raises(RuntimeError, match="until off.step"):
+            _ = param.grad
+        if mode == "grads":
+            model.loss(data.batch()).backward()
+        off.step()
+        assert param.grad is None and type(param) is nn.Parameter
+        off.zero_grad()
+        model.zero_grad()
+        model.loss(data.batch()).backward()
+    assert param.grad is None and type(param) is nn.Parameter  # closed: nothing refused
