@@ -176,7 +176,7 @@ class Grads(Training):
         self.finish_writes()
         if grads:
             stored_before = bool(self.swapper.records(block.grad_group))
-            if stored_before:  # (a block pinned since they were written: read once, then kept in memory)
+            if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
                 read = self.swapper.swap_in([block.grad_group])
                 try:
                     stored = self.store.timed_wait(read)[block.grad_group]
