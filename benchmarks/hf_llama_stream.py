@@ -12,16 +12,17 @@ same model in memory and against accelerate's disk offload, interleaved A B A B:
 3. ``--part budget``: ``generate(20)`` at equal resident memory: deepoffload with ``max_resident_bytes`` of K
    decoder layers against accelerate with the first K layers on "cpu" and the rest on "disk", K = 0, 4, 8 (of 8);
    outputs checked equal to the in-memory model's;
-4. ``--part train-budget``: training step time (fused, Adam, optimizer state offloaded in all three) with
-   ``max_resident_bytes`` of 0, 4 and 8 decoder layers, in one process, one step of each per round in rotating order;
-   prints each budget's step time over budget 0's, its parameter bytes read and written per step and the time the
-   step waited on them, and the optimizer state bytes; losses checked equal across the three;
+4. ``--part train-budget``: training step time (``--mode`` fused or grads, Adam, optimizer state offloaded in all
+   three) with ``max_resident_bytes`` of 0, 4 and 8 decoder layers, in one process, one step of each per round in
+   rotating order; prints each budget's step time over budget 0's, its parameter and gradient bytes read and written
+   per step and the time the step waited on them, and the optimizer state bytes; losses checked equal across the
+   three;
 5. ``--part serve``: a model built on meta and loaded from a safetensors checkpoint, ``serve_from_checkpoint=True``
    against the copy into the swap folder, alternating: setup seconds (offload_parameters) and bytes written, then
    ``generate(20)`` time; outputs checked equal to the in-memory model's.
 
     python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] \
-        [--part training|inference|both|budget|train-budget|serve]
+        [--part training|inference|both|budget|train-budget|serve] [--mode fused|grads]
 
 The 2 cores and the disk are shared: read the ratios, not the absolutes.
 """
@@ -190,7 +191,7 @@ def budget(folder: str, rounds: int) -> None:
         offload.close(restore=False)
 
 
-def train_budget(folder: str, rounds: int) -> None:
+def train_budget(folder: str, rounds: int, mode: str) -> None:
     from deepoffload.swap.params import offload_parameters
 
     ids = torch.randint(0, 8192, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -198,7 +199,7 @@ def train_budget(folder: str, rounds: int) -> None:
     for resident in (0, 4, 8):
         model = build().train()
         layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-        offload = offload_parameters(model, f"{folder}/train-{resident}", optimizer=adam,
+        offload = offload_parameters(model, f"{folder}/train-{resident}", optimizer=adam, mode=mode,
                                      max_resident_bytes=resident * layer_bytes)
         runs[resident] = (model, offload)
     times: dict[int, list[float]] = {k: [] for k in runs}
@@ -227,10 +228,11 @@ def train_budget(folder: str, rounds: int) -> None:
     for resident in runs:
         ratios = [x / y for x, y in zip(times[resident], times[0])]
         read, written, state_read, state_written = (m / rounds / 1e6 for m in moved[resident][:4])
-        print(f"training step, {resident} of 8 layers resident: {statistics.median(times[resident]):.3f} s, /budget 0 "
-              f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}); per step: parameters read "
-              f"{read:.0f} MB, written {written:.0f} MB, waited on {moved[resident][4] / rounds:.3f} s; optimizer "
-              f"state read {state_read:.0f} MB, written {state_written:.0f} MB")
+        print(f"training step ({mode}), {resident} of 8 layers resident: {statistics.median(times[resident]):.3f} s, "
+              f"/budget 0 {statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}); per step: "
+              f"parameters and gradients read {read:.0f} MB, written {written:.0f} MB, waited on "
+              f"{moved[resident][4] / rounds:.3f} s; optimizer state read {state_read:.0f} MB, written "
+              f"{state_written:.0f} MB")
     for _, offload in runs.values():
         offload.close(restore=False)
 
@@ -279,6 +281,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--part", choices=["training", "inference", "both", "budget", "train-budget", "serve"],
                         default="both")
+    parser.add_argument("--mode", choices=["fused", "grads"], default="fused", help="train-budget's training mode")
     parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
@@ -292,7 +295,7 @@ def main() -> None:
     if args.part == "budget":
         budget(folder, args.rounds)
     if args.part == "train-budget":
-        train_budget(folder, args.rounds)
+        train_budget(folder, args.rounds, args.mode)
     if args.part == "serve":
         serve(folder, args.rounds)
 

@@ -29,12 +29,15 @@ def block_bytes(model: nn.Module) -> int:
 
 
 class ParameterTraffic:
-    """Which blocks' parameter groups the offload reads and writes (gradients in grads mode are not counted)."""
+    """Which blocks' parameter groups the offload reads and writes, and apart from those which blocks' gradient
+    groups (grads mode)."""
 
     def __init__(self, off):
         self.reads: list[str] = []
         self.written: list[str] = []
-        self.bytes_read = self.bytes_written = 0
+        self.grad_reads: list[str] = []
+        self.grads_written: list[str] = []
+        self.bytes_read = self.bytes_written = self.grad_bytes_read = self.grad_bytes_written = 0
         swapper = off.swapper
         swap_in, swap_out = swapper.swap_in, swapper.swap_out
 
@@ -44,13 +47,20 @@ class ParameterTraffic:
                 if group.startswith("block"):
                     self.reads.append(group)
                     self.bytes_read += swapper.stored_bytes(group)
+                elif group.startswith("grad"):
+                    self.grad_reads.append(group)
+                    self.grad_bytes_read += swapper.stored_bytes(group)
             return swap_in(groups, *args, **kwargs)
 
         def counted_out(groups, *args, **kwargs):
             for group, tensors in groups.items():
+                written = sum(t.numel() * t.element_size() for t in tensors.values())
                 if group.startswith("block"):
                     self.written.append(group)
-                    self.bytes_written += sum(t.numel() * t.element_size() for t in tensors.values())
+                    self.bytes_written += written
+                elif group.startswith("grad"):
+                    self.grads_written.append(group)
+                    self.grad_bytes_written += written
             return swap_out(groups, *args, **kwargs)
 
         swapper.swap_in, swapper.swap_out = counted_in, counted_out
@@ -117,13 +127,15 @@ def test_budget_training_equals_in_memory_and_pinned_blocks_never_move(scratch, 
         assert off.pinned == pinned
         moved = set(traffic.reads) | set(traffic.written)
         assert not moved & {f"block{i}" for i in pinned}, moved
-        if share == "whole":
-            assert traffic.bytes_read == traffic.bytes_written == 0
-            if mode == "fused":  # no gradient IO either: nothing at all
-                assert (off.stats.bytes_read, off.stats.bytes_written) == (setup_read, setup_written)
+        grads_moved = set(traffic.grad_reads) | set(traffic.grads_written)  # pinned blocks' gradients stay in memory
+        assert not grads_moved & {f"grad{i}" for i in pinned}, grads_moved
+        if share == "whole":  # no parameter or gradient IO at all
+            assert traffic.bytes_read == traffic.bytes_written == traffic.grad_bytes_written == 0
+            assert (off.stats.bytes_read, off.stats.bytes_written) == (setup_read, setup_written)
         else:
-            streamed = {f"block{i}" for i in range(SIZE.layers)} - {f"block{i}" for i in pinned}
-            assert set(traffic.reads) == set(traffic.written) == streamed
+            streamed = set(range(SIZE.layers)) - pinned
+            assert set(traffic.reads) == set(traffic.written) == {f"block{i}" for i in streamed}
+            assert set(traffic.grads_written) == ({f"grad{i}" for i in streamed} if mode == "grads" else set())
         assert states_equal(off.state_dict(), expected_state)
         assert states_equal(model.state_dict(), expected_state)
         shards = off.save(scratch / "saved")
@@ -218,3 +230,94 @@ def test_close_without_restore_after_pinned_steps(scratch):
     off.close(restore=False)
     with pytest.raises(RuntimeError, match="closed"):
         model.loss(data.batch())
+
+
+class Pair(nn.Module):
+    """Two linear layers, the second run only when asked: its parameters get gradients in some backward passes of a
+    step and not in others."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x, both: bool):
+        x = torch.tanh(self.a(x))
+        return torch.tanh(self.b(x)) if both else x
+
+
+class TwoPaths(nn.Module):
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Pair() for _ in range(blocks))
+
+    def forward(self, x, both: bool):
+        for block in self.blocks:
+            x = block(x, both)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("share, repin", [("none", False), ("half", False), ("whole", False), ("none", True)])
+def test_gradient_accumulation_with_budget_equals_in_memory(scratch, share, repin):
+    """grads mode, two backward passes per step, the second without the ``b`` layers: the gradients of pinned
+    blocks are added in memory, the others' on storage (a gradient without a new one in the second pass is kept),
+    and a block pinned between the two passes takes its stored gradients into memory (``repin``)."""
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+    reference = TwoPaths()
+    optimizer = adam(reference.parameters())
+    for k in range(0, len(xs), 2):
+        reference(xs[k], both=True).backward()
+        reference(xs[k + 1], both=False).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model = TwoPaths()
+    per_block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    budget = {"none": 0, "half": 2 * per_block, "whole": 4 * per_block}[share]
+    with offload_parameters(model, str(scratch), mode="grads", optimizer=adam, max_resident_bytes=budget) as off:
+        traffic = ParameterTraffic(off)
+        pinned = {f"grad{b.index}" for b in off.blocks if b.state is Residency.PINNED}
+        for k in range(0, len(xs), 2):
+            model(xs[k], both=True).backward()
+            if repin:
+                off.set_max_resident_bytes(4 * per_block if k == 2 else 0)
+            model(xs[k + 1], both=False).backward()
+            off.step()
+            off.zero_grad()
+        assert states_equal(off.state_dict(), reference.state_dict())
+        assert not pinned & (set(traffic.grad_reads) | set(traffic.grads_written))
+        if share == "whole":
+            assert traffic.grad_bytes_read == traffic.grad_bytes_written == 0
+        if repin:  # step 1 writes block 0's gradients twice; step 2 once (before it is pinned, then read once into
+            # memory); step 3 once (pinned in its first pass, unpinned before its second, which adds to those kept)
+            assert traffic.grads_written.count("grad0") == 2 + 1 + 1
+            # reads: step 1 in its second pass and in step(); step 2 once into memory; step 3 in step()
+            assert traffic.grad_reads.count("grad0") == 2 + 1 + 1
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_pinned_blocks_refuse_grad_reads_until_step(scratch, mode):
+    """With every block pinned, a block parameter's p.grad between backward and step() raises, as a streamed one's
+    does (it would read None, and clip_grad_norm_(model.parameters()) would clip by the other parameters' norm
+    alone); the blocks still compute (an eval pass, a second backward in grads mode), and after step() p.grad reads
+    None again and the parameters are plain."""
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, max_resident_bytes=1 << 30) as off:
+        assert off.pinned == set(range(SIZE.layers))
+        param = next(model.blocks.parameters())
+        model.loss(data.batch()).backward()
+        with pytest.raises(RuntimeError, match="until off.step"):
+            _ = param.grad
+        with pytest.raises(RuntimeError, match="until off.step"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with torch.no_grad():
+            model.loss(data.batch())
+        with pytest.raises(RuntimeError, match="until off.step"):
+            _ = param.grad
+        if mode == "grads":
+            model.loss(data.batch()).backward()
+        off.step()
+        assert param.grad is None and type(param) is nn.Parameter
+        off.zero_grad()
+        model.zero_grad()
+        model.loss(data.batch()).backward()
+    assert param.grad is None and type(param) is nn.Parameter  # closed: nothing refused

@@ -1,6 +1,7 @@
 """Parameter offload on real model code: tiny Hugging Face Llama and GPT-2 built from configs (random weights, no
 downloads) against the same model in memory: no_grad logits, generate with the KV cache, training with the models'
-defaults (use_cache left on, dropout), gradient checkpointing, frozen blocks, and save_pretrained/from_pretrained."""
+defaults (use_cache left on, dropout), gradient checkpointing, frozen blocks, save_pretrained/from_pretrained, and
+transformers.Trainer (also with a resident budget, evaluation and checkpoints during training)."""
 
 from __future__ import annotations
 
@@ -188,6 +189,57 @@ def test_trainer_streams_the_blocks(scratch, tmp_path):
         with pytest.raises(ValueError, match="max_grad_norm"):
             transformers.Trainer(model, arguments(max_grad_norm=1.0), train_dataset=data,
                                  **trainer_arguments(offload)).train()
+
+
+@pytest.mark.parametrize("mode, accumulation", [("fused", 1), ("grads", 2)])
+def test_trainer_with_a_resident_budget_evaluation_and_checkpoints(scratch, tmp_path, mode, accumulation):
+    """transformers.Trainer over a model streamed with max_resident_bytes holding about half its blocks, with an
+    evaluation pass and a checkpoint saved during training: the logged training and evaluation losses, the
+    checkpoint's weights and the final parameters equal those of the same Trainer run in memory."""
+    from safetensors.torch import load_file
+
+    from deepoffload.swap.params import trainer_arguments
+
+    def build():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(config)
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 12), generator=generator)]
+    held_out = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12), generator=generator)]
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def train(model, folder, **extra):
+        args = transformers.TrainingArguments(
+            output_dir=str(folder), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+            gradient_accumulation_steps=accumulation, max_steps=4, max_grad_norm=0, logging_steps=1,
+            eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
+            seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model, args, train_dataset=data, eval_dataset=held_out, **extra)
+        trainer.train()
+        return [(entry["step"], entry.get("loss"), entry.get("eval_loss")) for entry in trainer.state.log_history
+                if "loss" in entry or "eval_loss" in entry]
+
+    reference = build()
+    expected = train(reference, tmp_path / "memory", optimizers=(adamw(reference.parameters()), None))
+    model = build()
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=adamw,
+                            max_resident_bytes=2 * layer_bytes) as offload:
+        assert offload.pinned == {0, 1}
+        logged = train(model, tmp_path / "streamed", **trainer_arguments(offload))
+        assert offload.pinned == {0, 1}
+        assert states_equal(model.state_dict(), reference.state_dict())
+    assert len([e for e in logged if e[2] is not None]) == 2 and len(logged) == 6
+    assert logged == expected
+    assert states_equal(model.state_dict(), reference.state_dict())
+    for step in (2, 4):
+        saved = load_file(tmp_path / "streamed" / f"checkpoint-{step}" / "model.safetensors")
+        assert states_equal(saved, load_file(tmp_path / "memory" / f"checkpoint-{step}" / "model.safetensors"))
 
 
 def test_compute_dtype_bf16_on_a_float32_model(scratch):

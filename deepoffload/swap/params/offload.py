@@ -157,6 +157,7 @@ class ParameterOffload:
                 self.store.unpin(block)
         for block in chosen:
             self.store.pin(block)
+        self._guard_grads()
 
     def _check_sharing(self) -> None:
         """Refuse a parameter shared between two blocks, or between a block and the rest of the module."""
@@ -270,6 +271,7 @@ class ParameterOffload:
         for j in window:
             self.store.start_read(self.blocks[j])
         self.store.materialize(block)
+        block.unguard_grads()  # it computes with plain parameters
         if phase == "backward":
             block.restore_grads()
 
@@ -277,6 +279,7 @@ class ParameterOffload:
     def after_forward(self, block: Block, training: bool) -> None:
         if block.index not in self._upcoming(block.index, "forward", training):
             self.store.release(block)
+        block.guard_grads()
 
     @internal_call
     def before_backward(self, call: BlockCall, last: bool) -> bool:
@@ -307,6 +310,7 @@ class ParameterOffload:
         else:
             block.stash_grads()
             self.store.release(block)
+        block.guard_grads()
 
     @internal_call
     def release(self, block: Block) -> None:
@@ -328,14 +332,23 @@ class ParameterOffload:
             raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
         if clip_grad_norm is not None:
             grad_norm.check_clip_args(clip_grad_norm, norm_type)
-        total, coefficient = self.training.step(clip_grad_norm, norm_type)
-        self.training.end_step()
-        self.store.wait_writes()
+        for block in self.blocks:
+            block.unguard_grads()  # blocks in memory step with plain parameters
+        try:
+            total, coefficient = self.training.step(clip_grad_norm, norm_type)
+            self.training.end_step()
+            self.store.wait_writes()
+        finally:
+            self._guard_grads()  # gradients a failure left away stay refused
         if self._rest_optimizer is not None:
             if coefficient is not None:
                 grad_norm.scale_([p.grad for p in self.rest if p.grad is not None], coefficient)
             self._rest_optimizer.step()
         return total
+
+    def _guard_grads(self) -> None:
+        for block in self.blocks:
+            block.guard_grads()
 
     @internal_call
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -345,6 +358,7 @@ class ParameterOffload:
         if self._rest_optimizer is not None:
             self._rest_optimizer.zero_grad(set_to_none)
         self.training.zero_grad()
+        self._guard_grads()
 
     @internal_call
     def flush(self) -> None:
@@ -479,6 +493,8 @@ class ParameterOffload:
                     block.discarded = True
         finally:
             self._closed = True
+            for block in self.blocks:
+                block.unguard_grads()
             for hook in self._hooks:
                 hook.remove()
             for module, attribute, patched in self._patched:

@@ -19,6 +19,10 @@ one by one would silently see no weights in the placeholders, so a ``StreamedPar
   None (``trainer_arguments``' callback lets it read None during a ``Trainer`` run, whose logged norm then covers
   the parameters in memory only); outside that window ``p.grad`` is what it says (None).
 
+A block held in memory (pinned by ``max_resident_bytes``, or kept after a failed write) has plain parameters, whose
+``p.grad`` would read None while its gradients are away: between its backward and ``step()`` they are
+``GradsAwayParameter`` instead, refusing only that read.
+
 deepoffload's own code runs inside ``internal()``, where nothing is checked."""
 
 from __future__ import annotations
@@ -106,6 +110,36 @@ class StreamedParameter(nn.Parameter):
                 f"{block.qualified(name)} {block.state.value})")
 
 
+class GradsAwayParameter(nn.Parameter):
+    """A parameter of a block held in memory (pinned by ``max_resident_bytes``, or kept after a failed write) while
+    the block's gradients are away until ``step()`` (``Block.grads_away``): its values are real and every use passes
+    through, but ``p.grad`` is refused as for a ``StreamedParameter``, where it would silently read None (so
+    ``clip_grad_norm_(model.parameters())`` cannot clip by a wrong norm when every block is held in memory). The
+    block computes with plain parameters: it is plain again while it runs and once ``step()`` is done."""
+
+    _streamed: tuple[Block, str]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _checking() and args and isinstance(args[0], GradsAwayParameter) and _attribute(func) == "grad":
+            block = args[0]._streamed[0]
+            where = block.grads_away()
+            if where is not None and not block.grads_read_as_none:
+                raise RuntimeError(_grad_message(args[0], where))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __deepcopy__(self, memo):
+        return nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+
+
+def refuse_grad(param: nn.Parameter, block: Block, name: str) -> None:
+    """Make the plain ``param`` (of ``block``, in memory, called ``name`` there) a ``GradsAwayParameter``."""
+    if type(param) is nn.Parameter:
+        param.__class__ = GradsAwayParameter
+        param._streamed = (block, name)
+
+
 def streamed(param: nn.Parameter, block: Block, name: str) -> None:
     """Make ``param`` (of ``block``, called ``name`` there), now holding a placeholder, a ``StreamedParameter``."""
     param.__class__ = StreamedParameter
@@ -113,8 +147,9 @@ def streamed(param: nn.Parameter, block: Block, name: str) -> None:
 
 
 def plain(param: nn.Parameter) -> None:
-    """Make a ``StreamedParameter`` an ``nn.Parameter`` again (its block is in memory, or offloading ended)."""
-    if type(param) is StreamedParameter:
+    """Make a ``StreamedParameter`` or ``GradsAwayParameter`` an ``nn.Parameter`` again (its block is in memory and
+    computing or done with its gradients, or offloading ended)."""
+    if type(param) in (StreamedParameter, GradsAwayParameter):
         param.__class__ = nn.Parameter
         del param._streamed
 

@@ -32,7 +32,7 @@ from torch import nn
 from ...errors import ResidencyError
 from ..pool import round_up
 from ..tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
-from .placeholders import plain, streamed
+from .placeholders import plain, refuse_grad, streamed
 
 
 class Residency(enum.Enum):
@@ -144,6 +144,22 @@ class Block:
         if self.grads_stored or self.grads or self.partial:
             return "kept by deepoffload (on storage or in its own memory) for the step"
         return None
+
+    def guard_grads(self) -> None:
+        """While the block is in memory and its gradients are away, make ``p.grad`` refuse to read None (see
+        ``GradsAwayParameter``); plain parameters otherwise."""
+        away = self.in_memory and self.grads_away() is not None
+        for name, param in zip(self.names, self.params):
+            if away:
+                refuse_grad(param, self, name)
+            elif type(param) is not nn.Parameter and self.in_memory:
+                plain(param)
+
+    def unguard_grads(self) -> None:
+        """Plain parameters for computing (a block in memory) or for good (offloading ended)."""
+        if self.in_memory or self.state is Residency.RESTORED:
+            for param in self.params:
+                plain(param)
 
     def resident_bytes(self) -> int:
         held = self.state is not Residency.ON_STORAGE

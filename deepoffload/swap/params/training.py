@@ -2,8 +2,9 @@
 
 - ``Fused``: the block's optimizer step runs inside backward; its weights are written back (kept in memory when
   pinned) and gradients freed.
-- ``Grads``: the block's gradients go to storage (accumulated there); ``step()`` streams weights and gradients in
-  block by block, optionally clipping by the global norm first (two streamed passes).
+- ``Grads``: the block's gradients go to storage (accumulated there; a pinned block's stay in memory); ``step()``
+  streams weights and gradients in block by block, optionally clipping by the global norm first (two streamed
+  passes).
 
 Both talk to the blocks only through ``BlockStore`` (residency moves) and to the optimizers through
 ``OffloadedOptimizer``'s public methods."""
@@ -19,7 +20,7 @@ from torch import nn
 from .. import grad_norm
 from ..optimizer import OffloadedOptimizer
 from ..tensor_swapper import SwapIn, SwapOut
-from .residency import Block, nbytes
+from .residency import Block, Residency, nbytes
 from .store import BlockStore
 
 
@@ -167,24 +168,34 @@ class Grads(Training):
 
     def after_backward(self, block: Block) -> None:
         """Send the block's gradients to storage (added to those already there); ``param.grad`` is freed now and
-        given back if the write fails."""
+        given back if the write fails. A PINNED block keeps them in memory (``block.grads``, master dtype, added to
+        those of earlier passes in the same order): no gradient bytes are written or read for it."""
         grads = self.block_grads(block)
         self.store.grad_bytes = nbytes(grads.values()) + sum(nbytes(g.values()) for _, _, g in self.grad_writes)
         self.store.note_peak()
         self.finish_writes()
         if grads:
-            if self.swapper.records(block.grad_group):
+            stored_before = bool(self.swapper.records(block.grad_group))
+            if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
                 read = self.swapper.swap_in([block.grad_group])
                 try:
                     stored = self.store.timed_wait(read)[block.grad_group]
-                    grads = {name: torch.add(stored[name], grad) if name in stored else grad
-                             for name, grad in grads.items()}
+                    # copies out of the staging buffer of those without a new gradient in this pass
+                    grads = {**{name: t.clone() for name, t in stored.items() if name not in grads},
+                             **{name: torch.add(stored[name], grad) if name in stored else grad
+                                for name, grad in grads.items()}}
                 finally:
                     read.release()
-            write = self.swapper.swap_out({block.grad_group: grads})
-            block.grads_stored = True
-            self.grad_writes.append((block, write, grads))
-            self.store.grad_bytes = nbytes(grads.values())
+            if block.state is Residency.PINNED:
+                if stored_before:
+                    self.swapper.discard(block.grad_group)
+                block.grads, block.grads_stored = grads, False
+            else:
+                write = self.swapper.swap_out({block.grad_group: grads})
+                block.grads_stored = True
+                self.grad_writes.append((block, write, grads))
+            self.store.grad_bytes = (sum(nbytes(b.grads.values()) for b in self.store.blocks)
+                                     + sum(nbytes(g.values()) for _, _, g in self.grad_writes))
             self.store.note_peak()
             for param in block.params:
                 param.grad = None
