@@ -264,6 +264,7 @@ class ParameterOffload:
         """Make ``block`` resident, start reading its window and release blocks outside it."""
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
+        self.store.check_kept_values(block)  # pinned or kept: a change its masters cannot take raises here
         for other in self.blocks:
             if other.index not in keep:
                 self.store.release(other)  # (a no-op for a PINNED block)
@@ -332,6 +333,8 @@ class ParameterOffload:
             raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
         if clip_grad_norm is not None:
             grad_norm.check_clip_args(clip_grad_norm, norm_type)
+        for block in self.blocks:
+            self.store.check_kept_values(block)  # a change a pinned block's masters cannot take raises before a step
         for block in self.blocks:
             block.unguard_grads()  # blocks in memory step with plain parameters
         try:
