@@ -321,3 +321,32 @@ def test_pinned_blocks_refuse_grad_reads_until_step(scratch, mode):
         model.zero_grad()
         model.loss(data.batch()).backward()
     assert param.grad is None and type(param) is nn.Parameter  # closed: nothing refused
+
+
+@pytest.mark.parametrize("then", ["state_dict", "forward", "step"])
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_loading_into_a_pinned_compute_copy_raises_instead_of_being_dropped_unseen(scratch, mode, then):
+    # a pinned block with compute_dtype= computes with bf16 copies of fp32 masters: load_state_dict writes the copies,
+    # which the masters cannot take; state_dict(), the next forward and step() read or step the masters, so the
+    # loaded values vanished without a word (state_dict() gave the old weights; a step cast the old ones back)
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    with offload_parameters(model, str(scratch), optimizer=adam, mode=mode, compute_dtype=torch.bfloat16,
+                            max_resident_bytes=10 * SIZE.layers * block_bytes(model)) as off:
+        assert off.pinned == {0, 1, 2, 3}
+        if then == "step":
+            model.loss(data.batch()).backward()
+        before = off.state_dict()
+        new = {k: v + 1 if v.is_floating_point() else v for k, v in before.items()}
+        model.load_state_dict(new)
+        with pytest.raises(RuntimeError, match=r"blocks\.layers\.0\..*compute copy"):
+            if then == "state_dict":
+                off.state_dict()
+            elif then == "forward":
+                model.loss(data.batch())
+            else:
+                off.step()
+        # the change is dropped (the parameters hold the cast of their masters again), said once, then all agree
+        assert states_equal(off.state_dict(), before)
+        layer = model.blocks.layers[0]
+        master = off.blocks[0].masters[0]
+        assert torch.equal(next(layer.parameters()), master.detach().to(torch.bfloat16))
