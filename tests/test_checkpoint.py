@@ -606,3 +606,28 @@ def test_a_child_forked_during_an_async_save_saves_on_its_own(scratch, monkeypat
     assert future.result(timeout=120) == str(scratch / "parent.pt")
     assert torch.equal(deepoffload.load(scratch / "parent.pt")["w"], torch.arange(1000))
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_ctrl_c_during_a_save_raises_keyboardinterrupt_and_keeps_the_previous_file(scratch, monkeypatch, checksum):
+    # torch's zip writer, finalized after the interrupted write, raised "enforce fail ... unexpected pos" instead
+    from deepoffload.io import staged_file
+
+    path = scratch / "c.pt"
+    deepoffload.save({"w": torch.zeros(4 * MiB)}, path)
+    write, calls = staged_file.StagedWriter.write, []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return write(self, *args)
+
+    monkeypatch.setattr(staged_file.StagedWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        deepoffload.save({"w": torch.ones(4 * MiB), "b": torch.arange(9)}, path, checksum=checksum)
+    assert torch.equal(deepoffload.load(path)["w"], torch.zeros(4 * MiB))
+    assert os.listdir(scratch) == ["c.pt"]  # no temporary file left
+    monkeypatch.setattr(staged_file.StagedWriter, "write", write)
+    deepoffload.save({"w": torch.ones(4 * MiB)}, path, checksum=checksum)
+    assert torch.equal(deepoffload.load(path, checksum=checksum)["w"], torch.ones(4 * MiB))
