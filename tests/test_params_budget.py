@@ -350,3 +350,36 @@ def test_loading_into_a_pinned_compute_copy_raises_instead_of_being_dropped_unse
         layer = model.blocks.layers[0]
         master = off.blocks[0].masters[0]
         assert torch.equal(next(layer.parameters()), master.detach().to(torch.bfloat16))
+
+
+def test_ctrl_c_while_unpinning_takes_effect_once_the_blocks_are_consistent(scratch, monkeypatch):
+    # SIGINT between a block's write start and its state change left it marked pinned with placeholder parameters
+    # and an untracked write: state_dict() and close() failed after it. Now it is raised when the call is done.
+    import signal
+
+    from deepoffload.swap.params.residency import Block
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    expected_losses, reference = train_in_memory(steps=3)
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    whole = SIZE.layers * block_bytes(model)
+    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=whole) as off:
+        losses = train_streamed(off, model, data, 2)
+        clear_data, calls = Block.clear_data, []
+
+        def interrupted(self):
+            clear_data(self)
+            calls.append(self.index)
+            if len(calls) == 1:
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C right there
+
+        monkeypatch.setattr(Block, "clear_data", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            off.set_max_resident_bytes(0)
+        monkeypatch.setattr(Block, "clear_data", clear_data)
+        assert calls == [0, 1, 2, 3] and off.pinned == frozenset()
+        assert [b.state for b in off.blocks] == [Residency.ON_STORAGE] * 4
+        losses += train_streamed(off, model, data, 1)
+        assert losses == expected_losses
+        assert states_equal(off.state_dict(), reference.state_dict())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
