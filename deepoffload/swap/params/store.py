@@ -256,14 +256,16 @@ class BlockStore:
         start = time.perf_counter()
         try:
             block.write.wait()
-            block.move(Residency.ON_STORAGE)
         except OSError as e:
             block.set_data(block.written)  # the bytes stay in memory, where they are the only valid copy
+            block.write, block.written = None, {}
             block.move(Residency.KEPT)
             raise OSError(e.errno, f"writing the parameters of block {block.prefix} failed ({e.strerror}); they "
                                    f"stay in memory; free space and call flush()", e.filename) from e
-        finally:
+        else:  # (interrupted, e.g. by Ctrl-C: still WRITING with its write, which the next wait collects)
             block.write, block.written = None, {}
+            block.move(Residency.ON_STORAGE)
+        finally:
             self.io_wait += time.perf_counter() - start
             self.note_peak()
 
