@@ -383,3 +383,31 @@ def test_ctrl_c_while_unpinning_takes_effect_once_the_blocks_are_consistent(scra
         assert losses == expected_losses
         assert states_equal(off.state_dict(), reference.state_dict())
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_write_wait_interrupted_by_a_signal_handler_is_collected_by_the_next_wait(scratch):
+    # a handler's exception (SystemExit from a SIGTERM handler) inside the write's wait dropped the write but left
+    # the block WRITING: every later wait failed with AttributeError
+    expected_losses, reference = train_in_memory(steps=3)
+    model, data = build_model(SIZE), SyntheticText(SIZE)
+    with offload_parameters(model, str(scratch), optimizer=adam,
+                            max_resident_bytes=SIZE.layers * block_bytes(model)) as off:
+        losses = train_streamed(off, model, data, 2)
+        block = off.blocks[0]
+        off.store.write_back(block)  # as unpinning starts it
+        write = block.write
+        wait = write.wait
+
+        def interrupted():
+            write.wait = wait
+            raise SystemExit("terminated")
+
+        write.wait = interrupted
+        with pytest.raises(SystemExit):
+            off.store.wait_write(block)
+        assert block.state is Residency.WRITING and block.write is write
+        off.flush()
+        assert block.state is Residency.ON_STORAGE
+        losses += train_streamed(off, model, data, 1)
+        assert losses == expected_losses
+        assert states_equal(off.state_dict(), reference.state_dict())
