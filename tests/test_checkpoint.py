@@ -573,3 +573,61 @@ def test_weights_only_environment_variables_decide_as_in_torch_load(scratch, mon
             return "refused"
 
     assert outcome(deepoffload.load) == outcome(torch.load)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_an_async_save_saves_on_its_own(scratch, monkeypatch):
+    # the child inherited the parent's pending future but not its save thread: its own save_async waited for that
+    # future forever (a DataLoader worker or a forked evaluator hung)
+    started, go = threading.Event(), threading.Event()
+    write = api._write_file
+
+    def held(*args):
+        started.set()
+        go.wait(60)
+        return write(*args)
+
+    monkeypatch.setattr(api, "_write_file", held)
+    future = deepoffload.save_async({"w": torch.arange(1000)}, scratch / "parent.pt")
+    assert started.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its own save completed in time
+        import signal
+        signal.alarm(30)
+        try:
+            api._write_file = write  # the child's save is not held
+            deepoffload.save_async({"c": torch.arange(5)}, scratch / "child.pt").result(timeout=25)
+            ok = torch.equal(deepoffload.load(scratch / "child.pt")["c"], torch.arange(5))
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    go.set()
+    assert future.result(timeout=120) == str(scratch / "parent.pt")
+    assert torch.equal(deepoffload.load(scratch / "parent.pt")["w"], torch.arange(1000))
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_ctrl_c_during_a_save_raises_keyboardinterrupt_and_keeps_the_previous_file(scratch, monkeypatch, checksum):
+    # torch's zip writer, finalized after the interrupted write, raised "enforce fail ... unexpected pos" instead
+    from deepoffload.io import staged_file
+
+    path = scratch / "c.pt"
+    deepoffload.save({"w": torch.zeros(4 * MiB)}, path)
+    write, calls = staged_file.StagedWriter.write, []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return write(self, *args)
+
+    monkeypatch.setattr(staged_file.StagedWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        deepoffload.save({"w": torch.ones(4 * MiB), "b": torch.arange(9)}, path, checksum=checksum)
+    assert torch.equal(deepoffload.load(path)["w"], torch.zeros(4 * MiB))
+    assert os.listdir(scratch) == ["c.pt"]  # no temporary file left
+    monkeypatch.setattr(staged_file.StagedWriter, "write", write)
+    deepoffload.save({"w": torch.ones(4 * MiB)}, path, checksum=checksum)
+    assert torch.equal(deepoffload.load(path, checksum=checksum)["w"], torch.ones(4 * MiB))

@@ -349,3 +349,56 @@ def test_filesystem_without_o_direct_falls_back_to_buffered_and_warns_once(aio, 
     assert torch.equal(back, t)
     said = [w for w in caught if "refuses O_DIRECT" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_during_wait_never_loses_the_transfers_result(scratch):
+    """Ctrl-C (any signal handler's exception) while ``wait`` blocks: raised once the native wait returned, it lost
+    the result the native side had just handed over, so waiting again raised "unknown op id" and the request (and
+    every close waiting for it) could never finish. Now waiting again returns the result."""
+    import signal
+    import threading
+    import time
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    stop = threading.Event()
+
+    def pester():
+        while not stop.wait(0.002):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    thread = threading.Thread(target=pester, daemon=True)
+    handle, tensor = AsyncIOHandle(), torch.arange(1 << 20, dtype=torch.int32)
+    interrupted = collected = 0
+    try:
+        thread.start()
+        deadline = time.monotonic() + 20
+        while interrupted < 20 and time.monotonic() < deadline:
+            try:
+                request = handle.write_async(tensor, scratch / "f.bin")
+            except _Interrupted:
+                continue
+            while True:
+                try:
+                    assert request.wait() == tensor.nbytes
+                    collected += 1
+                    break
+                except _Interrupted:
+                    interrupted += 1
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                thread.join()
+            except _Interrupted:
+                pass
+        signal.signal(signal.SIGUSR1, previous)
+    assert interrupted > 0 and collected > 0
+    handle.close()
+    assert torch.equal(torch.from_file(str(scratch / "f.bin"), size=tensor.numel(), dtype=torch.int32), tensor)

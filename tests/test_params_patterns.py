@@ -268,3 +268,27 @@ def test_compute_dtype_with_batchnorm_in_a_block(scratch, mode):
         model.eval(), reference.eval()
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+@pytest.mark.parametrize("unfrozen", ["block", "rest"])
+def test_unfreezing_a_parameter_frozen_at_offload_is_refused_at_its_backward(scratch, mode, unfrozen):
+    """Gradual unfreezing: the optimizers were made over the parameters that required gradients at the call, so one
+    unfrozen later was never stepped (in memory, an optimizer over model.parameters() steps it); freezing later
+    behaves as in memory."""
+    reference, model = pair()
+    for m in (reference, model):
+        m.blocks[0].requires_grad_(False)
+        m.embed.requires_grad_(False)
+    optimizer = sgd(reference.parameters())
+    xs = batches(3)
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as offload:
+        for m in (reference, model):
+            m.blocks[2].requires_grad_(False)  # frozen later: no gradient, not stepped, as in memory
+        for x in xs[:2]:
+            assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
+        assert states_equal(model.state_dict(), reference.state_dict())
+        (model.blocks[0] if unfrozen == "block" else model.embed).requires_grad_(True)
+        name = "blocks.0.linear.weight" if unfrozen == "block" else "embed.weight"
+        with pytest.raises(RuntimeError, match=rf"parameter {name} was frozen when offload_parameters\(\) made"):
+            model(xs[2]).square().mean().backward()

@@ -116,6 +116,17 @@ def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
     return _arena
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has no copy of the parent's save thread: its saves get their own thread, and never wait for
+    one the parent started (that wait would never end). The arena is the child's own copy (copy-on-write)."""
+    global _executor, _last_async, _async_lock
+    _executor, _last_async, _async_lock = None, None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _on_cpu(map_location: Any) -> bool:
     """Whether every storage stays in host memory (then the whole file is read into one buffer they share)."""
     if map_location is None:

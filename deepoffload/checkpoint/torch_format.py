@@ -99,8 +99,13 @@ def write_records(records: list[Record], sink: DirectWriter, checksum: bool) -> 
             if filler is not None:
                 filler.expect(name, nbytes)
             writer.write_record(name, data, nbytes)
-    finally:
-        writer.write_end_of_file()  # always finalize here: torch's destructor would do it and abort on an error
+    except BaseException:
+        try:  # finalize here: torch's destructor would do it and abort on an error
+            writer.write_end_of_file()
+        except Exception:
+            pass  # torch's complaint about the half-written archive would hide the cause (Ctrl-C, a failed write)
+        raise
+    writer.write_end_of_file()
     if filler is not None and sink.error is None:
         filler.finish()
 

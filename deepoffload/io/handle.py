@@ -119,13 +119,24 @@ class Request:
                                f"{self._pid} before it forked; it runs there, and only that process can wait for it")
 
     def _collect(self, deadline: float | None) -> None:
-        while True:  # in slices so Ctrl-C (or any signal handler's exception) gets through
-            slice_s = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, _remaining(deadline))
-            result = self._native.wait(self._op_id, slice_s)
-            if result is not None or (deadline is not None and _remaining(deadline) == 0):
-                break
-        if result is None:
+        results: list = []
+        try:
+            while True:  # in slices so Ctrl-C (or any signal handler's exception) gets through
+                slice_s = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, _remaining(deadline))
+                # stored from C (extend calls wait), so the exception of a signal that arrived meanwhile is raised
+                # only once the result is kept: the native side forgets it when returning it (lost, a later wait
+                # raised "unknown op id" and the request could never be collected)
+                results.clear()
+                results.extend(map(self._native.wait, (self._op_id,), (slice_s,)))
+                if results[0] is not None or (deadline is not None and _remaining(deadline) == 0):
+                    break
+        finally:
+            if results and results[0] is not None:
+                self._record(results[0])
+        if results[0] is None:
             raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
+
+    def _record(self, result: tuple) -> None:
         self._collected = True
         err, operation, path, offset, detail, direct = result
         try:

@@ -99,6 +99,7 @@ class ParameterOffload:
         self.swapper = self.store.swapper
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
+        self._rest_ids = {id(p) for p in self.rest}
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
         # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes
         state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=6)
@@ -109,6 +110,9 @@ class ParameterOffload:
             rest = [p for p in self.rest if p.requires_grad]
             rest_optimizer = OffloadedOptimizer(optimizer, rest, state_config) if rest else None
         self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
+        # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
+        self._optimizing = optimizer is not None
+        self._stepped_ids = self._optimized_ids()
         self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer,
                                              rest_optimizer)
         self._token = torch.empty(0, requires_grad=True)
@@ -264,6 +268,7 @@ class ParameterOffload:
         """Make ``block`` resident, start reading its window and release blocks outside it."""
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
+        self.store.check_kept_values(block)  # pinned or kept: a change its masters cannot take raises here
         for other in self.blocks:
             if other.index not in keep:
                 self.store.release(other)  # (a no-op for a PINNED block)
@@ -294,6 +299,7 @@ class ParameterOffload:
                                f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
                                f"written: offload without serve_from_checkpoint= to train, or freeze them "
                                f"(requires_grad_(False))")
+        self._check_unfrozen(block)
         if block.trainable and self._block_optimizer is None:
             raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
                                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
@@ -302,6 +308,26 @@ class ParameterOffload:
             last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
         return last
+
+    def _check_unfrozen(self, block: Block) -> None:
+        """Refuse a backward once a parameter frozen when the optimizers were made requires a gradient: no optimizer
+        holds it, so it would never step (in memory, an optimizer made over ``model.parameters()`` would step it)."""
+        if not self._optimizing:
+            return
+        named = [(block.qualified(n), m) for n, p, m in zip(block.names, block.params, block.masters)
+                 if p.requires_grad]
+        named += [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and id(p) in self._rest_ids]
+        for name, param in named:
+            if id(param) not in self._stepped_ids:
+                self._stepped_ids = self._optimized_ids()  # a param group added since?
+            if id(param) not in self._stepped_ids:
+                raise RuntimeError(f"parameter {name} was frozen when offload_parameters() made the optimizers and "
+                                   f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
+                                   f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
+                                   f"parameter gets no gradient and is not stepped), or offload again")
+
+    def _optimized_ids(self) -> set[int]:
+        return {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
 
     @internal_call
     def after_backward(self, block: Block, last: bool) -> None:
@@ -332,6 +358,8 @@ class ParameterOffload:
             raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
         if clip_grad_norm is not None:
             grad_norm.check_clip_args(clip_grad_norm, norm_type)
+        for block in self.blocks:
+            self.store.check_kept_values(block)  # a change a pinned block's masters cannot take raises before a step
         for block in self.blocks:
             block.unguard_grads()  # blocks in memory step with plain parameters
         try:

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .interrupts import deferred
+
 if TYPE_CHECKING:
     from .residency import Block
 
@@ -54,11 +56,16 @@ _SHAPE = frozenset({"shape", "size", "numel", "nelement", "dim", "ndim", "ndimen
 
 @contextlib.contextmanager
 def internal() -> Iterator[None]:
-    """deepoffload's own handling of streamed parameters: nothing is checked inside."""
+    """deepoffload's own handling of streamed parameters: nothing is checked inside, and Ctrl-C waits for its end
+    (see ``interrupts``)."""
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
     try:
-        yield
+        if depth:
+            yield
+        else:
+            with deferred():
+                yield
     finally:
         _local.depth = depth
 

@@ -102,7 +102,6 @@ class Block:
         self.nbytes = nbytes(self.masters)
         self.compute_nbytes = sum(p.numel() * torch.empty(0, dtype=compute_dtype).element_size()
                                   for p, m in zip(self.params, self.masters) if m is not p)
-        self.trainable = any(p.requires_grad for p in self.params)
         self.state = Residency.RESIDENT  # until offload_parameters has written it (see ``written_out``)
         self.read: SwapIn | None = None
         self.write: SwapOut | None = None
@@ -120,6 +119,11 @@ class Block:
         self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
         self.seen: list[tuple] = []  # per parameter: version counter, data pointer, dtype, device when in memory
         self.record_versions()
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any parameter requires a gradient now (``requires_grad_`` may change it after offloading)."""
+        return any(p.requires_grad for p in self.params)
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name

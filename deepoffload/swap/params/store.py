@@ -152,6 +152,23 @@ class BlockStore:
         raise self._lost_change(block, lost, "it is left in place: give the parameter back a tensor of its stored "
                                              "shape, dtype and device")
 
+    def check_kept_values(self, block: Block) -> None:
+        """Before a block in memory is computed with, stepped or copied (no release checks a pinned one):
+        ``drop_unwritable``; when that raises, the other blocks in memory drop theirs too (a ``load_state_dict``
+        reached them all), so the error comes once."""
+        if not block.in_memory:
+            return
+        try:
+            self.drop_unwritable(block)
+        except RuntimeError:
+            for other in self.blocks:
+                if other.in_memory:
+                    try:
+                        self.drop_unwritable(other)
+                    except RuntimeError:
+                        pass  # the first one is reported
+            raise
+
     @staticmethod
     def _lost_change(block: Block, lost: dict[str, str], outcome: str) -> RuntimeError:
         name, reason = next(iter(lost.items()))
@@ -204,8 +221,10 @@ class BlockStore:
             block.move(Residency.KEPT)
 
     def read_copy(self, block: Block) -> dict[str, torch.Tensor]:
-        """Copies of the block's master values (from memory when in memory, else read and released)."""
+        """Copies of the block's master values (from memory when in memory, else read and released). A change to
+        a block in memory that its masters cannot take raises (see ``drop_unwritable``) instead of going unseen."""
         if block.in_memory:
+            self.check_kept_values(block)
             return {name: t.clone() for name, t in block.master_tensors().items()}
         self.start_read(block)
         try:
@@ -237,14 +256,16 @@ class BlockStore:
         start = time.perf_counter()
         try:
             block.write.wait()
-            block.move(Residency.ON_STORAGE)
         except OSError as e:
             block.set_data(block.written)  # the bytes stay in memory, where they are the only valid copy
+            block.write, block.written = None, {}
             block.move(Residency.KEPT)
             raise OSError(e.errno, f"writing the parameters of block {block.prefix} failed ({e.strerror}); they "
                                    f"stay in memory; free space and call flush()", e.filename) from e
-        finally:
+        else:  # (interrupted, e.g. by Ctrl-C: still WRITING with its write, which the next wait collects)
             block.write, block.written = None, {}
+            block.move(Residency.ON_STORAGE)
+        finally:
             self.io_wait += time.perf_counter() - start
             self.note_peak()
 

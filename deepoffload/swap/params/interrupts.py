@@ -1,0 +1,33 @@
+"""Ctrl-C inside deepoffload's own bookkeeping takes effect when that bookkeeping is done.
+
+A block's move between memory and storage is several Python steps (start a write, drop the parameters, note the new
+state); a ``KeyboardInterrupt`` raised between two of them left a block marked in memory whose parameters were
+placeholders, or an optimizer state half restored, so nothing after it (``state_dict()``, ``close()``) worked.
+Inside ``deferred()`` (entered by every hook and public call of ``ParameterOffload``) SIGINT is only noted, and
+raised as ``KeyboardInterrupt`` when it ends: between blocks during forward and backward, at the end of ``step()``.
+User code between hooks (the blocks' own computation) is interrupted at once, as without offloading."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold back SIGINT until the block ends, then raise ``KeyboardInterrupt``. Only in the main thread and only
+    over Python's default handler (a handler the program installed is left to do its own thing)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    noted: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if noted:
+            raise KeyboardInterrupt
