@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .interrupts import deferred
+from ..interrupts import deferred
 
 if TYPE_CHECKING:
     from .residency import Block

@@ -1,11 +1,11 @@
-"""Ctrl-C inside deepoffload's bookkeeping (``swap/params/interrupts.deferred``): held back until the call ends, or
+"""Ctrl-C inside deepoffload's bookkeeping (``swap/interrupts.deferred``): held back until the call ends, or
 raised at once on a second Ctrl-C."""
 
 import signal
 
 import pytest
 
-from deepoffload.swap.params.interrupts import deferred
+from deepoffload.swap.interrupts import deferred
 
 
 def test_one_ctrl_c_is_raised_when_the_bookkeeping_ends():
