@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import signal
 
 import pytest
 import torch
@@ -202,3 +203,63 @@ def test_checksums_need_no_numpy(config, monkeypatch):
             plain.step()
         assert all(r.checksum is not None for r in opt.swapper.records(opt._name(params[0])).values())
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+class _CtrlCOnce(torch.optim.Adam):
+    """Adam that receives a Ctrl-C as its first step call (the first chunk) begins."""
+
+    fired = False
+
+    def step(self, closure=None):
+        if not _CtrlCOnce.fired:
+            _CtrlCOnce.fired = True
+            signal.raise_signal(signal.SIGINT)
+        return super().step(closure)
+
+
+def test_ctrl_c_during_a_step_is_raised_once_every_parameter_stepped(config):
+    """A Ctrl-C inside ``step()`` (the wrapped optimizer's own step included) is held back until the whole step is
+    done: every parameter and its state stepped, then KeyboardInterrupt; later steps equal the plain optimizer's."""
+    _CtrlCOnce.fired = False
+    params = make_params(6)
+    plain_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = OffloadedOptimizer(_CtrlCOnce, params, config, lr=0.01)
+    plain = torch.optim.Adam(plain_params, lr=0.01)
+    for step in range(3):
+        set_grads(plain_params, step), set_grads(params, step)
+        plain.step()
+        if step == 0:
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+            assert _CtrlCOnce.fired
+        else:
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, plain_params)), step  # no step left half done
+        opt.zero_grad()
+    opt.close()
+
+
+def test_ctrl_c_during_step_in_backward_leaves_each_chunk_stepped_or_untouched(config):
+    """With ``step_in_backward()`` a Ctrl-C in a chunk's step is raised once that chunk is done (it ends the backward
+    there, as a Ctrl-C in any backward does): each parameter is stepped with its gradient or untouched, never half,
+    and training goes on."""
+    _CtrlCOnce.fired = False
+    params = make_params(6)
+    before = [p.detach().clone() for p in params]
+    plain_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = OffloadedOptimizer(_CtrlCOnce, params, config, lr=0.01)
+    opt.step_in_backward()
+    plain = torch.optim.Adam(plain_params, lr=0.01)
+    set_grads(plain_params, 0)
+    plain.step()
+    with pytest.raises(KeyboardInterrupt):
+        sum((p * q.grad).sum() for p, q in zip(params, plain_params)).backward()
+    chunk = opt._backward.chunks[0]
+    for i, p in enumerate(params):
+        stepped = any(p is c for c in chunk)
+        assert torch.equal(p, plain_params[i] if stepped else before[i]), i
+    opt.step()  # steps the parameters whose gradients the interrupted backward left; the others stay as before
+    opt.zero_grad()
+    sum((p * p).sum() for p in params).backward()
+    opt.step()
+    opt.close()

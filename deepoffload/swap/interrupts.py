@@ -3,8 +3,9 @@
 A block's move between memory and storage is several Python steps (start a write, drop the parameters, note the new
 state); a ``KeyboardInterrupt`` raised between two of them left a block marked in memory whose parameters were
 placeholders, or an optimizer state half restored, so nothing after it (``state_dict()``, ``close()``) worked.
-Inside ``deferred()`` (entered by every hook and public call of ``ParameterOffload``) SIGINT is only noted, and
-raised as ``KeyboardInterrupt`` when it ends: between blocks during forward and backward, at the end of ``step()``.
+Inside ``deferred()`` (entered by every hook and public call of ``ParameterOffload``, by ``OffloadedOptimizer.step``
+and by each chunk it steps inside backward) SIGINT is only noted, and raised as ``KeyboardInterrupt`` when it ends:
+between blocks during forward and backward, at the end of ``step()``, after a chunk stepped inside backward.
 User code between hooks (the blocks' own computation) is interrupted at once, as without offloading. A second
 Ctrl-C inside the same call raises at once (for a call stuck on a device that does not answer), at the price of the
 bookkeeping it interrupts."""

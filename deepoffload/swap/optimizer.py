@@ -30,6 +30,7 @@ import torch
 
 from ..io.handle import wait_each
 from .config import SwapConfig
+from .interrupts import deferred
 from .pool import PAGE_SIZE, trim_heap
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
 
@@ -247,9 +248,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._backward is not None:
-            self._backward.finish()
+            with deferred():
+                self._backward.finish()
             return loss
-        with _intra_op_threads(self._compute_threads):
+        with deferred(), _intra_op_threads(self._compute_threads):  # Ctrl-C: once the whole step is done
             try:
                 self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
             finally:
@@ -648,8 +650,8 @@ class _BackwardSteps:
             return
         self.ready[k].add(id(param))
         if len(self.ready[k]) == len(self.chunks[k]):
-            with torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
-                self._step(k)
+            with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
+                self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
 
     def _step(self, k: int) -> None:
         opt, chunk = self.optimizer, self.chunks[k]
