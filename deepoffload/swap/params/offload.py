@@ -99,7 +99,7 @@ class ParameterOffload:
         self.swapper = self.store.swapper
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
-        self._rest_ids = {id(p) for p in self.rest}
+        self._rest_named = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
         # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes
         state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=6)
@@ -316,7 +316,7 @@ class ParameterOffload:
             return
         named = [(block.qualified(n), m) for n, p, m in zip(block.names, block.params, block.masters)
                  if p.requires_grad]
-        named += [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and id(p) in self._rest_ids]
+        named += [(n, p) for n, p in self._rest_named if p.requires_grad]
         for name, param in named:
             if id(param) not in self._stepped_ids:
                 self._stepped_ids = self._optimized_ids()  # a param group added since?
