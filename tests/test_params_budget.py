@@ -338,13 +338,16 @@ def test_loading_into_a_pinned_compute_copy_raises_instead_of_being_dropped_unse
         before = off.state_dict()
         new = {k: v + 1 if v.is_floating_point() else v for k, v in before.items()}
         model.load_state_dict(new)
-        with pytest.raises(RuntimeError, match=r"blocks\.layers\.0\..*compute copy"):
+        with pytest.raises(RuntimeError, match=r"blocks\.layers\.0\..*compute copy") as info:
             if then == "state_dict":
                 off.state_dict()
             elif then == "forward":
                 model.loss(data.batch())
             else:
                 off.step()
+        # said once, naming the other blocks whose loaded values were dropped too
+        assert "changes dropped the same way in blocks blocks.layers.1, blocks.layers.2, blocks.layers.3" in \
+            " ".join(getattr(info.value, "__notes__", []))
         # the change is dropped (the parameters hold the cast of their masters again), said once, then all agree
         assert states_equal(off.state_dict(), before)
         layer = model.blocks.layers[0]

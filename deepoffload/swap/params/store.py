@@ -155,18 +155,21 @@ class BlockStore:
     def check_kept_values(self, block: Block) -> None:
         """Before a block in memory is computed with, stepped or copied (no release checks a pinned one):
         ``drop_unwritable``; when that raises, the other blocks in memory drop theirs too (a ``load_state_dict``
-        reached them all), so the error comes once."""
+        reached them all), so the error comes once, with a note naming those blocks."""
         if not block.in_memory:
             return
         try:
             self.drop_unwritable(block)
-        except RuntimeError:
+        except RuntimeError as error:
+            also = []
             for other in self.blocks:
                 if other.in_memory:
                     try:
                         self.drop_unwritable(other)
                     except RuntimeError:
-                        pass  # the first one is reported
+                        also.append(other.prefix)  # reported on the first one's error, not raised again
+            if also:
+                error.add_note(f"changes dropped the same way in blocks {', '.join(also)}")
             raise
 
     @staticmethod
