@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -26,6 +27,20 @@ def _prebuilt_installed() -> bool:
 # For tests of what happens when the op must be built here: with a prebuilt op installed (ci/prebuild.sh runs the
 # suite against one) it is usable without a compiler, and the report rightly says so.
 without_prebuilt_op = pytest.mark.skipif(_prebuilt_installed(), reason="a prebuilt op is installed")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in the tests as in a terminal, also when the suite was started in the background
+    of a non-interactive shell (which starts it with SIGINT ignored, so Python installs no handler)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(scope="session")
