@@ -467,6 +467,40 @@ def test_read_into_reuses_its_buffers_block_after_block(scratch, monkeypatch):
         assert_same(out, {"layers.3.k": blocks["layers.3.k"]})
 
 
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_read_into_fills_tensors_larger_than_a_span_through_its_buffers(scratch, monkeypatch, misaligned):
+    """A tensor larger than span_bytes is read piece by piece through the reused span buffers (no buffer of its
+    size), bit-identical, with dtype conversion, also where it starts between whole elements of the file."""
+    from deepoffload.formats import reader as reader_module
+
+    tensors = {"a.small": random_tensor((1000,), torch.float32, 1)}
+    if misaligned:
+        tensors["a.odd"] = random_tensor((3,), torch.int8)  # the next tensors start at offsets floats do not divide
+    tensors.update({"b.big": random_tensor((700, 301), torch.float32, 2),  # 842,800 bytes: 6.4 spans of 128 KiB
+                    "c.big16": random_tensor((150_001,), torch.bfloat16, 3),
+                    "d.tail": random_tensor((5,), torch.float32, 4)})
+    save_file(tensors, scratch / "m.safetensors")
+    span = 128 << 10
+    allocations = []
+    real = reader_module.aligned_empty
+    monkeypatch.setattr(reader_module, "aligned_empty", lambda *a, **k: allocations.append(a[0]) or real(*a, **k))
+    with CountingHandle() as handle, CheckpointReader(scratch / "m.safetensors", handle=handle, span_bytes=span,
+                                                      inflight_bytes=2 * span) as reader:
+        out = {n: torch.full(t.shape, -1, dtype=t.dtype) for n, t in tensors.items() if n != "a.odd"}
+        reader.read_into(out)
+        assert_same(out, {n: tensors[n] for n in out})
+        assert allocations and max(allocations) <= span + 2 * 4096  # no buffer of a whole big tensor
+        if not misaligned:  # pieces end on the read alignment: nothing read twice
+            assert handle.read_bytes <= sum(t.numel() * t.element_size() for t in tensors.values()) + 4 * 4096
+        wide = {"b.big": torch.empty(700, 301, dtype=torch.float64), "c.big16": torch.empty(150_001)}
+        reader.read_into(wide)  # converted piece by piece
+        assert same_bytes(wide["b.big"], tensors["b.big"].double())  # (random bits: NaNs compared by their bytes)
+        assert same_bytes(wide["c.big16"], tensors["c.big16"].float())
+        transposed = torch.empty(301, 700).t()  # not contiguous: read whole, still right
+        reader.read_into({"b.big": transposed})
+        assert same_bytes(transposed.contiguous(), tensors["b.big"])
+
+
 def test_public_names_resolve_and_import_is_cheap():
     import subprocess
 

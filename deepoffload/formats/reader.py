@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -51,12 +52,14 @@ class KeyReport(NamedTuple):
 
 @dataclass
 class _Span:
-    """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``."""
+    """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``. A span with a
+    ``piece`` holds bytes ``[lo, hi)`` (counted from the tensor's first byte) of its one tensor only."""
 
     path: str
     start: int
     end: int
     entries: list[TensorEntry] = field(default_factory=list)
+    piece: tuple[int, int] | None = None
 
 
 def _fault_in(buffer: torch.Tensor, threads: int) -> None:
@@ -328,19 +331,36 @@ class CheckpointReader:
         """``{name: tensor}`` for ``names`` (default: all), in storage order."""
         return dict(self.iter_tensors(names, dtype))
 
-    def _plan(self, selected: list[str]) -> list[_Span]:
+    def _plan(self, selected: list[str], split: frozenset[str] = frozenset()) -> list[_Span]:
+        """Spans covering ``selected`` in storage order; tensors named in ``split`` that are larger than a span are
+        read in pieces of at most a span each."""
         order = {header.path: i for i, header in enumerate(self._headers)}
         entries = sorted((self._entries[n] for n in selected), key=lambda e: (order[e.path], e.start))
         spans: list[_Span] = []
         for entry in entries:
+            if entry.name in split and entry.nbytes > self.span_bytes:
+                spans.extend(self._pieces(entry))
+                continue
             last = spans[-1] if spans else None
-            if (last is not None and last.path == entry.path and entry.start - last.end <= self.gap_bytes
-                    and entry.end - last.start <= self.span_bytes):
+            if (last is not None and last.piece is None and last.path == entry.path
+                    and entry.start - last.end <= self.gap_bytes and entry.end - last.start <= self.span_bytes):
                 last.end = max(last.end, entry.end)
                 last.entries.append(entry)
             else:
                 spans.append(_Span(entry.path, entry.start, entry.end, [entry]))
         return spans
+
+    def _pieces(self, entry: TensorEntry) -> list[_Span]:
+        """``entry`` as spans of at most ``span_bytes``. Pieces end on whole elements; where the tensor starts on a
+        whole element of the file, they also end on the read alignment, so no byte is read twice."""
+        step = self.span_bytes // READ_ALIGNMENT * READ_ALIGNMENT
+        shift = entry.start % READ_ALIGNMENT if entry.start % element_size(entry.dtype) == 0 else 0
+        bounds = [0, *range(step - shift, entry.nbytes, step), entry.nbytes]
+        size = element_size(entry.dtype)
+        return [_Span(entry.path, entry.start + lo, entry.start + hi,
+                      [dataclasses.replace(entry, start=entry.start + lo, end=entry.start + hi,
+                                           shape=((hi - lo) // size,))], (lo, hi))
+                for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
     def _submit(self, span: _Span, file_sizes: dict[str, int], pool: list[torch.Tensor] | None):
         """Start reading ``span``: (first byte read, its buffer, the request, the pooled buffer or None)."""
@@ -365,12 +385,12 @@ class CheckpointReader:
     def _pool_buffer_bytes(self) -> int:
         return self.span_bytes + 2 * READ_ALIGNMENT  # a span of span_bytes, widened to the alignment at both ends
 
-    def _spans(self, selected: list[str], pool: list[torch.Tensor] | None
+    def _spans(self, selected: list[str], pool: list[torch.Tensor] | None, split: frozenset[str] = frozenset()
                ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
-        """Yield (span, first byte read, buffer) for the spans covering ``selected``, each once its read is done,
-        reading ahead up to ``inflight_bytes``. With ``pool``, buffers come from it and go back to it once the
-        caller resumes the generator (so the caller must be done with a buffer by then)."""
-        spans = self._plan(selected)
+        """Yield (span, first byte read, buffer) for the spans covering ``selected`` (``split``: see ``_plan``),
+        each once its read is done, reading ahead up to ``inflight_bytes``. With ``pool``, buffers come from it and
+        go back to it once the caller resumes the generator (so the caller must be done with a buffer by then)."""
+        spans = self._plan(selected, split)
         file_sizes = {header.path: header.file_size for header in self._headers}
         queue: collections.deque = collections.deque()
         inflight, next_span = 0, 0
@@ -404,7 +424,8 @@ class CheckpointReader:
         """Copy each named checkpoint tensor into the tensor given for it (e.g. a block's materialized parameters),
         converting floating point dtypes. Shapes must match exactly. Spans are read into buffers that this reader
         keeps and reuses from call to call (at most ``inflight_bytes`` plus one span of them), so loading block
-        after block allocates no new memory; ``close()`` frees them."""
+        after block allocates no new memory; ``close()`` frees them. A contiguous destination larger than a span is
+        filled piece by piece through those buffers (a non-contiguous one is read whole into new memory first)."""
         problems = []
         for name, tensor in destinations.items():
             if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -424,11 +445,17 @@ class CheckpointReader:
                 with torch.no_grad():
                     tensor.copy_(self._state_dict[name])
             return
-        for span, start, buffer in self._spans(list(destinations), self._pool):
+        split = frozenset(name for name, tensor in destinations.items() if tensor.is_contiguous())
+        for span, start, buffer in self._spans(list(destinations), self._pool, split):
             for entry in span.entries:
-                if entry.name in destinations:
-                    with torch.no_grad():
-                        destinations[entry.name].copy_(self._tensor(entry, buffer, start, None))
+                if entry.name not in destinations:
+                    continue
+                destination = destinations[entry.name]
+                if span.piece is not None:  # the entry is elements [lo, hi) of the tensor, flattened
+                    lo, hi = (bound // element_size(entry.dtype) for bound in span.piece)
+                    destination = destination.view(-1)[lo:hi]
+                with torch.no_grad():
+                    destination.copy_(self._tensor(entry, buffer, start, None))
 
     def _tensor(self, entry: TensorEntry, buffer: torch.Tensor | None, start: int, dtype: DtypeSpec) -> torch.Tensor:
         target = self._target(entry.name, entry.dtype, dtype)
