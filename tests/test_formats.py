@@ -397,6 +397,27 @@ def test_index_problems(scratch):
         CheckpointReader(scratch)
 
 
+def test_a_file_replaced_after_open_is_refused_not_read_at_the_old_offsets(scratch):
+    # The op reads by path: a save renamed over the file (same size, tensors in another order) was read at the old
+    # header's offsets, returning the other tensor's values under the wrong name.
+    path = scratch / "model.safetensors"
+    save_file({"a": torch.zeros(1024), "b": torch.ones(1024)}, path)
+    reader = CheckpointReader(path)
+    save_file({"b": torch.full((1024,), 7.0), "a": torch.full((1024,), 5.0)}, path)
+    with pytest.raises(CheckpointError, match="replaced or rewritten after this reader read its header"):
+        reader.read()
+    with pytest.raises(CheckpointError, match="replaced or rewritten"):
+        reader.read_into({"a": torch.empty(1024)})
+    folder = scratch / "sharded"
+    save_sharded({f"w{i}": torch.full((256,), float(i)) for i in range(4)}, folder, max_shard_bytes=1024)
+    sharded = CheckpointReader(folder)
+    (folder / "model-00003-of-00004.safetensors").unlink()
+    assert torch.equal(sharded.read(["w0"])["w0"], torch.zeros(256))  # the other shards are still what was opened
+    with pytest.raises(CheckpointError, match="00003-of-00004.safetensors was removed after"):
+        sharded.read()
+    assert torch.equal(CheckpointReader(path).read()["a"], torch.full((1024,), 5.0))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_headers_never_read_wrong(scratch, data):

@@ -25,7 +25,8 @@ import torch
 
 from ..io.buffers import aligned_empty, prefault
 from ..io.handle import AsyncIOHandle
-from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, read_header
+from .header import (CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity,
+                     read_header)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -372,6 +373,7 @@ class CheckpointReader:
         caller resumes the generator (so the caller must be done with a buffer by then)."""
         spans = self._plan(selected)
         file_sizes = {header.path: header.file_size for header in self._headers}
+        identities = {header.path: header.identity for header in self._headers}
         queue: collections.deque = collections.deque()
         inflight, next_span = 0, 0
         try:
@@ -379,12 +381,14 @@ class CheckpointReader:
                 while next_span < len(spans) and (not queue or inflight + spans[next_span].end - spans[next_span].start
                                                   <= self.inflight_bytes):
                     span = spans[next_span]
+                    self._check_unchanged(span.path, identities[span.path])
                     queue.append((span, *self._submit(span, file_sizes, pool)))
                     inflight += span.end - span.start
                     next_span += 1
                 span, start, buffer, request, pooled = queue.popleft()
                 if request is not None:
                     request.wait()
+                    self._check_unchanged(span.path, identities[span.path])  # not replaced before the op opened it
                 inflight -= span.end - span.start
                 yield span, start, buffer
                 if pooled is not None:
@@ -394,6 +398,18 @@ class CheckpointReader:
                 if request is not None:
                     with contextlib.suppress(OSError):
                         request.wait()
+
+    def _check_unchanged(self, path: str, identity: tuple[int, ...]) -> None:
+        """Raise unless ``path`` is still the file whose header was read at open: the op reads by path, so a file
+        replaced (a new save renamed over it) or rewritten since would be read at the old header's offsets."""
+        try:
+            now = file_identity(os.stat(path))
+        except FileNotFoundError:
+            now = None
+        if now != identity:
+            what = "was removed" if now is None else "was replaced or rewritten"
+            raise CheckpointError(f"{path} {what} after this reader read its header (the tensors' offsets may no "
+                                  f"longer hold them); open a new CheckpointReader to read the file as it is now")
 
     def _iter_safetensors(self, selected: list[str], dtype: DtypeSpec) -> Iterator[tuple[str, torch.Tensor]]:
         for span, start, buffer in self._spans(selected, None):
