@@ -397,6 +397,20 @@ def test_index_problems(scratch):
         CheckpointReader(scratch)
 
 
+def test_save_file_refuses_bad_input_as_save_sharded_does(scratch):
+    # save_file wrote metadata {"k": 1} as "1" (save_sharded refuses it), raised AttributeError('numel') for a
+    # non-tensor, and named only its temporary file when the folder was missing
+    with pytest.raises(ValueError, match="metadata must map strings to strings"):
+        save_file({"a": torch.ones(2)}, scratch / "m.safetensors", metadata={"step": 1})
+    with pytest.raises(TypeError, match="'a': expected a torch.Tensor, got list"):
+        save_file({"a": [1, 2]}, scratch / "l.safetensors")
+    target = scratch / "absent" / "x.safetensors"
+    with pytest.raises(FileNotFoundError, match="its folder .* does not exist") as info:
+        save_file({"a": torch.ones(2)}, target)
+    assert info.value.filename == str(target)
+    assert sorted(p.name for p in scratch.iterdir()) == []
+
+
 def test_a_file_replaced_after_open_is_refused_not_read_at_the_old_offsets(scratch):
     # The op reads by path: a save renamed over the file (same size, tensors in another order) was read at the old
     # header's offsets, returning the other tensor's values under the wrong name.
