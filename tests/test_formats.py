@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -430,6 +431,35 @@ def test_a_file_replaced_after_open_is_refused_not_read_at_the_old_offsets(scrat
     with pytest.raises(CheckpointError, match="00003-of-00004.safetensors was removed after"):
         sharded.read()
     assert torch.equal(CheckpointReader(path).read()["a"], torch.full((1024,), 5.0))
+
+
+def test_a_torch_save_file_rewritten_in_place_after_open_is_refused_not_served(scratch):
+    # torch.save to the same path rewrites the file in place: the reader's mapping served the new values under the
+    # opened names, and once the file was shorter, touching the mapping killed the process (SIGBUS): so in a child
+    child = f"""
+import torch
+from deepoffload.formats import CheckpointError, CheckpointReader
+path = {str(scratch / "model.pt")!r}
+for shorter in (False, True):
+    torch.save({{"a": torch.zeros(1 << 16), "b": torch.ones(1 << 16)}}, path)
+    reader = CheckpointReader(path)
+    held = reader.read(["a"])["a"]
+    torch.save({{"x": torch.ones(3)}} if shorter else {{"a": torch.full((1 << 16,), 5.0), "b": torch.zeros(1 << 16)}},
+               path)
+    for read in (lambda: reader.read(), lambda: reader.read_into({{"b": torch.empty(1 << 16)}}),
+                 lambda: next(reader.iter_tensors(["b"], dtype=torch.float16))):
+        try:
+            read()
+            raise SystemExit("read after the rewrite")
+        except CheckpointError as e:
+            if "replaced or rewritten after this reader read its header" not in str(e):
+                raise
+    if not torch.equal(held, torch.zeros(1 << 16)):
+        raise SystemExit("a tensor read before the rewrite changed with the file")
+print("refused")
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "refused", (done.returncode, done.stderr[-2000:])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

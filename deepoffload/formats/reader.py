@@ -194,6 +194,7 @@ class CheckpointReader:
             self._headers = _open_sharded(path)
             self.format = "safetensors-sharded"
         elif _is_torch_zip(path):
+            self._torch_identity = file_identity(os.stat(path))  # before mapping it: a change during the load shows
             self._state_dict = self._load_torch(path)
             self.format = "torch"
         else:
@@ -312,8 +313,9 @@ class CheckpointReader:
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for ``names`` (default: all), in storage order, reading ahead. ``dtype``: one
         dtype for every floating point tensor, or name -> dtype. Each tensor is read once its turn comes; at most
-        ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are served from torch's
-        copy-on-write mapping of the file (read from the page cache as they are touched), converted where asked."""
+        ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are copied out of torch's
+        copy-on-write mapping of the file (read from the page cache), converted where asked: what is yielded never
+        depends on the file afterwards."""
         selected = self._select(names)
         for name in selected:  # refuse a bad conversion before reading anything
             self._target(name, self.shape_dtype(name)[1], dtype)
@@ -321,7 +323,10 @@ class CheckpointReader:
             for name in selected:
                 t = self._state_dict[name]
                 target = self._target(name, t.dtype, dtype)
-                yield name, t if target == t.dtype else t.to(target)
+                self._check_unchanged(str(self.path), self._torch_identity)
+                copy = t.clone() if target == t.dtype else t.to(target)
+                self._check_unchanged(str(self.path), self._torch_identity)  # copied what was opened
+                yield name, copy
             return
         yield from self._iter_safetensors(selected, dtype)
 
@@ -401,7 +406,9 @@ class CheckpointReader:
 
     def _check_unchanged(self, path: str, identity: tuple[int, ...]) -> None:
         """Raise unless ``path`` is still the file whose header was read at open: the op reads by path, so a file
-        replaced (a new save renamed over it) or rewritten since would be read at the old header's offsets."""
+        replaced (a new save renamed over it) or rewritten since would be read at the old header's offsets; a
+        torch.save file's mapping would show a rewrite in place, and touching it past a shortened end kills the
+        process (SIGBUS)."""
         try:
             now = file_identity(os.stat(path))
         except FileNotFoundError:
@@ -436,9 +443,11 @@ class CheckpointReader:
         if problems:
             raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))
         if self._state_dict is not None:
+            self._check_unchanged(str(self.path), self._torch_identity)
             for name, tensor in destinations.items():
                 with torch.no_grad():
                     tensor.copy_(self._state_dict[name])
+            self._check_unchanged(str(self.path), self._torch_identity)
             return
         for span, start, buffer in self._spans(list(destinations), self._pool):
             for entry in span.entries:
