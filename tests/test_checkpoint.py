@@ -340,6 +340,23 @@ def test_async_saves_run_in_order_and_report_errors(scratch):
         bad.result(timeout=120)
 
 
+def test_a_save_after_save_async_to_the_same_path_is_the_one_left(scratch, monkeypatch):
+    # save() did not wait for a pending save_async: the async file's rename came later and put the older
+    # checkpoint back under the path, silently
+    original = api._write_file
+
+    def slow_in_background(*args):
+        if threading.current_thread() is not threading.main_thread():
+            threading.Event().wait(0.5)  # the background write is still going when save() runs
+        return original(*args)
+
+    monkeypatch.setattr(api, "_write_file", slow_in_background)
+    pending = deepoffload.save_async({"step": 1}, scratch / "c.pt")
+    deepoffload.save({"step": 2}, scratch / "c.pt")
+    assert pending.result(timeout=120) == str(scratch / "c.pt")
+    assert deepoffload.load(scratch / "c.pt")["step"] == 2
+
+
 def test_async_saves_reuse_the_snapshot_memory_only_after_the_previous_write(scratch):
     """Back-to-back saves share one kept arena: the second call must wait for the first file to be written before
     copying into it (else the first file would hold the second state), and a larger state gets a larger arena."""

@@ -38,9 +38,15 @@ def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: b
     fsyncs: the rename is still atomic, but a power loss may lose the file). ``checksum`` stores each record's
     CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing
     folder, no permission) raises ``OSError`` naming ``path``, and a previous file under ``path`` is left as it was.
+    A ``save_async`` still being written is waited for first, so files land in call order.
     """
     path = _path_of(path, "save")
-    _write_file(record(obj), path, checksum, sync, config)
+    records = record(obj)
+    with _async_lock:
+        pending = _last_async
+    if pending is not None:  # else its rename, coming later, would put the older checkpoint back under the path
+        wait_futures([pending])
+    _write_file(records, path, checksum, sync, config)
 
 
 def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
