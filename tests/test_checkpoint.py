@@ -340,9 +340,9 @@ def test_async_saves_run_in_order_and_report_errors(scratch):
         bad.result(timeout=120)
 
 
-def test_a_save_after_save_async_to_the_same_path_is_the_one_left(scratch, monkeypatch):
+def test_a_save_or_load_after_save_async_to_the_same_path_sees_it(scratch, monkeypatch):
     # save() did not wait for a pending save_async: the async file's rename came later and put the older
-    # checkpoint back under the path, silently
+    # checkpoint back under the path, silently; load() read the checkpoint before it (or found none)
     original = api._write_file
 
     def slow_in_background(*args):
@@ -355,6 +355,10 @@ def test_a_save_after_save_async_to_the_same_path_is_the_one_left(scratch, monke
     deepoffload.save({"step": 2}, scratch / "c.pt")
     assert pending.result(timeout=120) == str(scratch / "c.pt")
     assert deepoffload.load(scratch / "c.pt")["step"] == 2
+    deepoffload.save_async({"step": 3}, scratch / "c.pt")
+    assert deepoffload.load(scratch / "c.pt")["step"] == 3, "load reads what was saved before it"
+    deepoffload.save_async({"step": 4}, scratch / "new.pt")
+    assert deepoffload.load(scratch / "new.pt")["step"] == 4, "not FileNotFoundError"
 
 
 def test_async_saves_reuse_the_snapshot_memory_only_after_the_previous_write(scratch):

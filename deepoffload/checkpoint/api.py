@@ -42,10 +42,7 @@ def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: b
     """
     path = _path_of(path, "save")
     records = record(obj)
-    with _async_lock:
-        pending = _last_async
-    if pending is not None:  # else its rename, coming later, would put the older checkpoint back under the path
-        wait_futures([pending])
+    _wait_for_save_async()  # else its rename, coming later, would put the older checkpoint back under the path
     _write_file(records, path, checksum, sync, config)
 
 
@@ -92,9 +89,10 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
 
     ``checksum=True`` verifies the CRC-32 stored with every record and raises ``ChecksumError`` on a mismatch (or
     when the file recorded none). A file that cannot be a checkpoint (empty, truncated, safetensors, other data)
-    raises ``CheckpointError`` naming it and why.
+    raises ``CheckpointError`` naming it and why. A ``save_async`` still being written is waited for first.
     """
     path = _path_of(path, "load")
+    _wait_for_save_async()  # else this would read the checkpoint before it (or find none)
     try:
         return _load(path, map_location, weights_only, mmap, checksum, config, pickle_load_args)
     except Exception as e:
@@ -158,6 +156,14 @@ def _path_of(path: Any, verb: str) -> str:
         raise TypeError(f"deepoffload.{verb} takes a file path (str or os.PathLike), not {type(path).__name__}; "
                         f"use torch.{verb} for file objects and buffers")
     return os.fsdecode(path)
+
+
+def _wait_for_save_async() -> None:
+    """Return once every ``save_async`` called before has finished (its error stays in its future)."""
+    with _async_lock:
+        pending = _last_async
+    if pending is not None:
+        wait_futures([pending])
 
 
 def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
