@@ -3,6 +3,7 @@ byte for byte against the safetensors library's own reader and writer."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -410,6 +411,29 @@ def test_save_file_refuses_bad_input_as_save_sharded_does(scratch):
         save_file({"a": torch.ones(2)}, target)
     assert info.value.filename == str(target)
     assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+@pytest.mark.root
+def test_full_and_read_only_disks_name_the_checkpoint_and_keep_the_earlier_save(small_fs):
+    # the OSError named only a temporary '.partial' file of the save
+    folder = small_fs(8 << 20, "tmpfs")
+    old = {"a": torch.full((1000,), 1.0)}
+    save_file(old, folder / "x.safetensors")
+    save_sharded(old, folder / "sh")
+    big = {f"w{i}": torch.randn(1 << 18) for i in range(10)}  # 10 MiB: does not fit
+    for save, target in ((lambda: save_file(big, folder / "x.safetensors"), folder / "x.safetensors"),
+                         (lambda: save_sharded(big, folder / "sh", max_shard_bytes=2 << 20), folder / "sh")):
+        with pytest.raises(OSError) as info:
+            save()
+        assert info.value.errno == errno.ENOSPC and info.value.filename == str(target), info.value
+        assert f"cannot save {target}: " in str(info.value)
+    assert sorted(os.listdir(folder)) == ["sh", "x.safetensors"] and os.listdir(folder / "sh") == ["model.safetensors"]
+    assert_same(load_file(folder / "x.safetensors"), old)
+    assert_same(load_file(folder / "sh"), old)
+    read_only = small_fs(1 << 20, "tmpfs", read_only=True)
+    with pytest.raises(OSError) as info:
+        save_file(old, read_only / "y.safetensors")
+    assert info.value.errno == errno.EROFS and info.value.filename == str(read_only / "y.safetensors")
 
 
 def test_a_file_replaced_after_open_is_refused_not_read_at_the_old_offsets(scratch):

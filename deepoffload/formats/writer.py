@@ -120,6 +120,17 @@ def _checked_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str]:
     return metadata
 
 
+def _naming(error: OSError, target: Path) -> OSError:
+    """``error`` (which names a temporary file of the save) restated to name the checkpoint ``target``; same errno,
+    so the same ``OSError`` subclass."""
+    detail = error.strerror or str(error)
+    if error.filename:
+        detail += f" (writing {error.filename})"
+    if error.errno is None:
+        return OSError(f"cannot save {target}: {detail}")
+    return OSError(error.errno, f"cannot save {target}: {detail}", str(target))
+
+
 def _sync_folder(folder: Path) -> None:
     with contextlib.suppress(OSError):  # not every filesystem (or OS) lets a folder be opened and synced
         fd = os.open(folder, os.O_RDONLY)
@@ -191,6 +202,8 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
     try:
         shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
                                staging_bytes)
+    except OSError as e:
+        raise _naming(e, folder) from e
     finally:
         if own:
             handle.close()
@@ -255,6 +268,8 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
         tag = f"{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         (shard,) = _write_shards(_items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle,
                                  16 << 20)
+    except OSError as e:
+        raise _naming(e, path) from e
     finally:
         if own:
             handle.close()
