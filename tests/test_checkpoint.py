@@ -216,6 +216,37 @@ def test_a_safetensors_path_loads_as_torch_load_loads_it(scratch):
         deepoffload.load(scratch / "m.safetensors", checksum=True)
 
 
+def test_a_file_replaced_while_it_is_read_is_read_again_not_mixed(scratch, monkeypatch):
+    # the op reads by path: another process's save renamed over the file mid-load gave tensors half old, half new
+    from deepoffload.checkpoint import whole_file
+
+    path, newer = scratch / "latest.pt", scratch / "newer.pt"
+    deepoffload.save({"w": torch.zeros(1 << 20)}, path)  # 4 MiB, read in 1 MiB requests
+    monkeypatch.setattr(whole_file, "WHOLE_READ_CHUNK", 1 << 20)
+    original, chunks = whole_file.prefault, []
+
+    def replace_at_the_third_chunk(chunk):
+        chunks.append(chunk.numel())
+        if len(chunks) == 3:
+            deepoffload.save({"w": torch.ones(1 << 20)}, newer)
+            os.replace(newer, path)
+        return original(chunk)
+
+    monkeypatch.setattr(whole_file, "prefault", replace_at_the_third_chunk)
+    assert torch.equal(deepoffload.load(path)["w"], torch.ones(1 << 20))
+    assert len(chunks) > 4, "read again"
+
+    def replace_at_every_chunk(chunk):
+        deepoffload.save({"w": torch.full((1 << 20,), float(len(chunks)))}, newer)
+        os.replace(newer, path)
+        chunks.append(chunk.numel())
+        return original(chunk)
+
+    monkeypatch.setattr(whole_file, "prefault", replace_at_every_chunk)
+    with pytest.raises(deepoffload.CheckpointError, match="replaced or rewritten while being read, 3 times"):
+        deepoffload.load(path)
+
+
 def test_quantized_and_sparse_tensors(scratch):
     obj = {"q": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.qint8),
            "sparse": torch.eye(4).to_sparse()}

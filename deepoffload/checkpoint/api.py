@@ -15,12 +15,14 @@ import torch
 
 from ..config import AioConfig
 from ..errors import CheckpointError
+from ..formats.header import file_identity
 from ..io.buffers import aligned_empty
 from .streams import DirectReader, DirectWriter, shared_handle
 from .torch_format import (Record, ZipChecksums, not_a_checkpoint, record, remove_quietly, snapshot, snapshot_bytes,
                            write_records)
 from .whole_file import load_from_memory, read_whole, weights_only_default
 
+LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
 _executor: ThreadPoolExecutor | None = None
 _async_lock = threading.Lock()
 _last_async: Future | None = None
@@ -89,12 +91,22 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
 
     ``checksum=True`` verifies the CRC-32 stored with every record and raises ``ChecksumError`` on a mismatch (or
     when the file recorded none). A file that cannot be a checkpoint (empty, truncated, safetensors, other data)
-    raises ``CheckpointError`` naming it and why. A ``save_async`` still being written is waited for first.
+    raises ``CheckpointError`` naming it and why. A ``save_async`` still being written is waited for first. A file
+    replaced or rewritten while it is read (another process saving to the same path) is read again, whole.
     """
     path = _path_of(path, "load")
     _wait_for_save_async()  # else this would read the checkpoint before it (or find none)
     try:
-        return _load(path, map_location, weights_only, mmap, checksum, config, pickle_load_args)
+        if mmap or path.endswith(".safetensors"):  # one mapping of one file / a reader that checks the file itself
+            return _load(path, map_location, weights_only, mmap, checksum, config, pickle_load_args)
+        for _ in range(LOAD_ATTEMPTS):  # the op reads by path: a file replaced meanwhile would be read in part
+            before = file_identity(os.stat(path))
+            result = _load(path, map_location, weights_only, mmap, checksum, config, pickle_load_args)
+            if file_identity(os.stat(path)) == before:
+                return result
+            del result
+        raise CheckpointError(f"cannot load {path}: it was replaced or rewritten while being read, "
+                              f"{LOAD_ATTEMPTS} times in a row; load it once its writer is done")
     except Exception as e:
         reason = not_a_checkpoint(path)
         if reason is None:
