@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import AioConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, naming_target
 from ..formats.header import file_identity
 from ..io.buffers import aligned_empty
 from .streams import DirectReader, DirectWriter, shared_handle
@@ -218,7 +218,7 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
     try:
         sink = DirectWriter(temporary, config=config, sync=sync, size_hint=_size_bound(records))
     except OSError as e:
-        raise _naming(e, path) from e
+        raise naming_target(e, path) from e
     try:
         try:
             write_records(records, sink, checksum)
@@ -231,7 +231,7 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
     except BaseException as e:
         remove_quietly(temporary)
         if isinstance(e, OSError):
-            raise _naming(e, path) from e
+            raise naming_target(e, path) from e
         raise
     if sync:
         _fsync_folder(folder, path)
@@ -267,13 +267,3 @@ def _fsync_folder(folder: str, path: str) -> None:
         raise OSError(e.errno, f"cannot save {path}: fsync of its folder failed ({e.strerror})", path) from e
     finally:
         os.close(fd)
-
-
-def _naming(error: OSError, path: str) -> OSError:
-    """``error`` restated so that it names the checkpoint (the underlying error names the temporary file)."""
-    detail = error.strerror or str(error)
-    if error.filename and error.filename != path:
-        detail += f" (writing {error.filename})"
-    if error.errno is None:
-        return OSError(f"cannot save {path}: {detail}")
-    return OSError(error.errno, f"cannot save {path}: {detail}", path)

@@ -372,7 +372,7 @@ def not_a_checkpoint(path: str) -> str | None:
         if path.endswith(".safetensors"):
             return None  # read as one: its own error stands
         return "it is a safetensors file: read it with deepoffload.formats.load_file (or name it .safetensors)"
-    if head[:1] not in [bytes([b]) for b in _PICKLE_STARTS]:
+    if head[0] not in _PICKLE_STARTS:
         return f"it is neither a zip-format nor a legacy torch.save file (it starts with {head[:8]!r})"
     return None
 

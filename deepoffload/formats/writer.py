@@ -23,6 +23,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from ..errors import naming_target
 from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle, byte_view
 from ..io.staged_file import StagedWriter, StagingPool
@@ -120,17 +121,6 @@ def _checked_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str]:
     return metadata
 
 
-def _naming(error: OSError, target: Path) -> OSError:
-    """``error`` (which names a temporary file of the save) restated to name the checkpoint ``target``; same errno,
-    so the same ``OSError`` subclass."""
-    detail = error.strerror or str(error)
-    if error.filename:
-        detail += f" (writing {error.filename})"
-    if error.errno is None:
-        return OSError(f"cannot save {target}: {detail}")
-    return OSError(error.errno, f"cannot save {target}: {detail}", str(target))
-
-
 def _sync_folder(folder: Path) -> None:
     with contextlib.suppress(OSError):  # not every filesystem (or OS) lets a folder be opened and synced
         fd = os.open(folder, os.O_RDONLY)
@@ -203,7 +193,7 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
         shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
                                staging_bytes)
     except OSError as e:
-        raise _naming(e, folder) from e
+        raise naming_target(e, str(folder)) from e
     finally:
         if own:
             handle.close()
@@ -269,7 +259,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
         (shard,) = _write_shards(_items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle,
                                  16 << 20)
     except OSError as e:
-        raise _naming(e, path) from e
+        raise naming_target(e, str(path)) from e
     finally:
         if own:
             handle.close()
