@@ -1,4 +1,5 @@
-"""The exceptions deepoffload raises, under one base: ``except deepoffload.DeepOffloadError`` catches all of them.
+"""The exceptions deepoffload raises, under one base: ``except deepoffload.DeepOffloadError`` catches all of them
+(and ``naming_target``, which restates a save's ``OSError`` to name the file saved).
 
 Each also derives from the built-in type that code caught before this base existed, so no ``except`` clause changes
 meaning: errors that carry an errno are ``OSError`` (``except OSError`` keeps working), bad arguments and use after
@@ -44,6 +45,17 @@ class ResidencyError(DeepOffloadError, RuntimeError):
 
 class BenchError(DeepOffloadError):
     """A problem the user can fix (folder, space, missing tool); its message is one line saying what to do."""
+
+
+def naming_target(error: OSError, target: str) -> OSError:
+    """``error`` from saving ``target`` through a temporary file (which it names) restated to name ``target``; same
+    errno, so the same ``OSError`` subclass (``FileNotFoundError``, ...)."""
+    detail = error.strerror or str(error)
+    if error.filename and error.filename != target:
+        detail += f" (writing {error.filename})"
+    if error.errno is None:
+        return OSError(f"cannot save {target}: {detail}")
+    return OSError(error.errno, f"cannot save {target}: {detail}", target)
 
 
 __all__ = ["BenchError", "CheckpointError", "ChecksumError", "ClosedError", "ConfigError", "DeepOffloadError",

@@ -155,6 +155,98 @@ def test_map_location_and_weights_only_behave_as_in_torch_load(scratch):
     assert deepoffload.load(scratch / "unsafe.pt", weights_only=False)["f"] is threading.Lock
 
 
+def test_mmap_argument_behaves_as_in_torch_load(scratch):
+    # torch.load's mmap= reached torch's unpickler: "Unpickler.__init__() got an unexpected keyword argument 'mmap'"
+    obj = {"a": torch.randn(8, 8), "n": 3}
+    obj["view"] = obj["a"][2:4]
+    deepoffload.save(obj, scratch / "m.pt")
+    for mmap in (True, False, None):
+        loaded = deepoffload.load(scratch / "m.pt", mmap=mmap, checksum=True)
+        assert_same(loaded, obj)
+        assert loaded["view"].untyped_storage().data_ptr() == loaded["a"].untyped_storage().data_ptr()
+    torch.save(obj, scratch / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(RuntimeError, match="mmap can only be used with files saved with"):  # torch's own refusal
+        deepoffload.load(scratch / "legacy.pt", mmap=True)
+
+
+def test_file_objects_are_refused_with_a_message_saying_what_to_use(scratch):
+    for call in (lambda: deepoffload.save({}, io.BytesIO()), lambda: deepoffload.save_async({}, io.BytesIO()),
+                 lambda: deepoffload.load(io.BytesIO(b"PK"))):
+        with pytest.raises(TypeError, match=r"takes a file path \(str or os.PathLike\), not BytesIO; use torch\."):
+            call()
+
+
+def test_files_that_are_not_checkpoints_raise_naming_the_file_and_why(scratch):
+    # torch.load raises EOFError(''), KeyError(101), miniz's "failed finding central directory" or a weights-only
+    # refusal for these, none naming the file; with checksum=True a truncated file was called "not zip-format"
+    deepoffload.save({"t": torch.ones(1000)}, scratch / "good.pt")
+    whole = (scratch / "good.pt").read_bytes()
+    (scratch / "empty.pt").write_bytes(b"")
+    (scratch / "cut.pt").write_bytes(whole[:len(whole) // 2])
+    (scratch / "text.pt").write_text("not a checkpoint\n")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file({"t": torch.ones(3)}, scratch / "w.pt")
+    cases = {"empty.pt": "the file is empty", "cut.pt": "no zip directory at its end: it is truncated or damaged",
+             "text.pt": "neither a zip-format nor a legacy torch.save file",
+             "w.pt": "safetensors file: read it with deepoffload.formats.load_file"}
+    for name, why in cases.items():
+        for kwargs in ({}, {"checksum": True}, {"map_location": {"cpu": "cpu"}}, {"mmap": True}):
+            with pytest.raises(deepoffload.CheckpointError, match=why) as info:
+                deepoffload.load(scratch / name, **kwargs)
+            assert str(scratch / name) in str(info.value), (name, kwargs)
+
+
+def test_a_safetensors_path_loads_as_torch_load_loads_it(scratch):
+    # torch.load reads a *.safetensors path with the safetensors library; ours raised a weights-only refusal
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = {"w": torch.randn(4, 3), "i": torch.arange(5)}
+    safetensors_torch.save_file(tensors, scratch / "m.safetensors")
+    for kwargs in ({}, {"map_location": "cpu"}, {"map_location": torch.device("cpu")}, {"mmap": True},
+                   {"weights_only": True}):
+        ours, theirs = deepoffload.load(scratch / "m.safetensors", **kwargs), torch.load(scratch / "m.safetensors",
+                                                                                           **kwargs)
+        assert list(ours) == list(theirs)
+        for name in tensors:
+            assert ours[name].device == theirs[name].device and ours[name].dtype == theirs[name].dtype
+            if ours[name].device.type == "cpu":
+                assert torch.equal(ours[name], theirs[name])
+    with pytest.raises(RuntimeError, match="takes a device as map_location"):
+        deepoffload.load(scratch / "m.safetensors", map_location={"cpu": "cpu"})
+    with pytest.raises(ValueError, match="records no checksums"):
+        deepoffload.load(scratch / "m.safetensors", checksum=True)
+
+
+def test_a_file_replaced_while_it_is_read_is_read_again_not_mixed(scratch, monkeypatch):
+    # the op reads by path: another process's save renamed over the file mid-load gave tensors half old, half new
+    from deepoffload.checkpoint import whole_file
+
+    path, newer = scratch / "latest.pt", scratch / "newer.pt"
+    deepoffload.save({"w": torch.zeros(1 << 20)}, path)  # 4 MiB, read in 1 MiB requests
+    monkeypatch.setattr(whole_file, "WHOLE_READ_CHUNK", 1 << 20)
+    original, chunks = whole_file.prefault, []
+
+    def replace_at_the_third_chunk(chunk):
+        chunks.append(chunk.numel())
+        if len(chunks) == 3:
+            deepoffload.save({"w": torch.ones(1 << 20)}, newer)
+            os.replace(newer, path)
+        return original(chunk)
+
+    monkeypatch.setattr(whole_file, "prefault", replace_at_the_third_chunk)
+    assert torch.equal(deepoffload.load(path)["w"], torch.ones(1 << 20))
+    assert len(chunks) > 4, "read again"
+
+    def replace_at_every_chunk(chunk):
+        deepoffload.save({"w": torch.full((1 << 20,), float(len(chunks)))}, newer)
+        os.replace(newer, path)
+        chunks.append(chunk.numel())
+        return original(chunk)
+
+    monkeypatch.setattr(whole_file, "prefault", replace_at_every_chunk)
+    with pytest.raises(deepoffload.CheckpointError, match="replaced or rewritten while being read, 3 times"):
+        deepoffload.load(path)
+
+
 def test_quantized_and_sparse_tensors(scratch):
     obj = {"q": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.qint8),
            "sparse": torch.eye(4).to_sparse()}
@@ -277,6 +369,27 @@ def test_async_saves_run_in_order_and_report_errors(scratch):
     assert torch.equal(deepoffload.load(scratch / "o.pt")["i"], torch.full((1000,), 2))
     with pytest.raises(FileNotFoundError, match="missing"):
         bad.result(timeout=120)
+
+
+def test_a_save_or_load_after_save_async_to_the_same_path_sees_it(scratch, monkeypatch):
+    # save() did not wait for a pending save_async: the async file's rename came later and put the older
+    # checkpoint back under the path, silently; load() read the checkpoint before it (or found none)
+    original = api._write_file
+
+    def slow_in_background(*args):
+        if threading.current_thread() is not threading.main_thread():
+            threading.Event().wait(0.5)  # the background write is still going when save() runs
+        return original(*args)
+
+    monkeypatch.setattr(api, "_write_file", slow_in_background)
+    pending = deepoffload.save_async({"step": 1}, scratch / "c.pt")
+    deepoffload.save({"step": 2}, scratch / "c.pt")
+    assert pending.result(timeout=120) == str(scratch / "c.pt")
+    assert deepoffload.load(scratch / "c.pt")["step"] == 2
+    deepoffload.save_async({"step": 3}, scratch / "c.pt")
+    assert deepoffload.load(scratch / "c.pt")["step"] == 3, "load reads what was saved before it"
+    deepoffload.save_async({"step": 4}, scratch / "new.pt")
+    assert deepoffload.load(scratch / "new.pt")["step"] == 4, "not FileNotFoundError"
 
 
 def test_async_saves_reuse_the_snapshot_memory_only_after_the_previous_write(scratch):

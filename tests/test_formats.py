@@ -3,9 +3,11 @@ byte for byte against the safetensors library's own reader and writer."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -395,6 +397,93 @@ def test_index_problems(scratch):
     index_path.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(CheckpointError, match="weight_map"):
         CheckpointReader(scratch)
+
+
+def test_save_file_refuses_bad_input_as_save_sharded_does(scratch):
+    # save_file wrote metadata {"k": 1} as "1" (save_sharded refuses it), raised AttributeError('numel') for a
+    # non-tensor, and named only its temporary file when the folder was missing
+    with pytest.raises(ValueError, match="metadata must map strings to strings"):
+        save_file({"a": torch.ones(2)}, scratch / "m.safetensors", metadata={"step": 1})
+    with pytest.raises(TypeError, match="'a': expected a torch.Tensor, got list"):
+        save_file({"a": [1, 2]}, scratch / "l.safetensors")
+    target = scratch / "absent" / "x.safetensors"
+    with pytest.raises(FileNotFoundError, match="its folder .* does not exist") as info:
+        save_file({"a": torch.ones(2)}, target)
+    assert info.value.filename == str(target)
+    assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+@pytest.mark.root
+def test_full_and_read_only_disks_name_the_checkpoint_and_keep_the_earlier_save(small_fs):
+    # the OSError named only a temporary '.partial' file of the save
+    folder = small_fs(8 << 20, "tmpfs")
+    old = {"a": torch.full((1000,), 1.0)}
+    save_file(old, folder / "x.safetensors")
+    save_sharded(old, folder / "sh")
+    big = {f"w{i}": torch.randn(1 << 18) for i in range(10)}  # 10 MiB: does not fit
+    for save, target in ((lambda: save_file(big, folder / "x.safetensors"), folder / "x.safetensors"),
+                         (lambda: save_sharded(big, folder / "sh", max_shard_bytes=2 << 20), folder / "sh")):
+        with pytest.raises(OSError) as info:
+            save()
+        assert info.value.errno == errno.ENOSPC and info.value.filename == str(target), info.value
+        assert f"cannot save {target}: " in str(info.value)
+    assert sorted(os.listdir(folder)) == ["sh", "x.safetensors"] and os.listdir(folder / "sh") == ["model.safetensors"]
+    assert_same(load_file(folder / "x.safetensors"), old)
+    assert_same(load_file(folder / "sh"), old)
+    read_only = small_fs(1 << 20, "tmpfs", read_only=True)
+    with pytest.raises(OSError) as info:
+        save_file(old, read_only / "y.safetensors")
+    assert info.value.errno == errno.EROFS and info.value.filename == str(read_only / "y.safetensors")
+
+
+def test_a_file_replaced_after_open_is_refused_not_read_at_the_old_offsets(scratch):
+    # The op reads by path: a save renamed over the file (same size, tensors in another order) was read at the old
+    # header's offsets, returning the other tensor's values under the wrong name.
+    path = scratch / "model.safetensors"
+    save_file({"a": torch.zeros(1024), "b": torch.ones(1024)}, path)
+    reader = CheckpointReader(path)
+    save_file({"b": torch.full((1024,), 7.0), "a": torch.full((1024,), 5.0)}, path)
+    with pytest.raises(CheckpointError, match="replaced or rewritten after this reader read its header"):
+        reader.read()
+    with pytest.raises(CheckpointError, match="replaced or rewritten"):
+        reader.read_into({"a": torch.empty(1024)})
+    folder = scratch / "sharded"
+    save_sharded({f"w{i}": torch.full((256,), float(i)) for i in range(4)}, folder, max_shard_bytes=1024)
+    sharded = CheckpointReader(folder)
+    (folder / "model-00003-of-00004.safetensors").unlink()
+    assert torch.equal(sharded.read(["w0"])["w0"], torch.zeros(256))  # the other shards are still what was opened
+    with pytest.raises(CheckpointError, match="00003-of-00004.safetensors was removed after"):
+        sharded.read()
+    assert torch.equal(CheckpointReader(path).read()["a"], torch.full((1024,), 5.0))
+
+
+def test_a_torch_save_file_rewritten_in_place_after_open_is_refused_not_served(scratch):
+    # torch.save to the same path rewrites the file in place: the reader's mapping served the new values under the
+    # opened names, and once the file was shorter, touching the mapping killed the process (SIGBUS): so in a child
+    child = f"""
+import torch
+from deepoffload.formats import CheckpointError, CheckpointReader
+path = {str(scratch / "model.pt")!r}
+for shorter in (False, True):
+    torch.save({{"a": torch.zeros(1 << 16), "b": torch.ones(1 << 16)}}, path)
+    reader = CheckpointReader(path)
+    held = reader.read(["a"])["a"]
+    torch.save({{"x": torch.ones(3)}} if shorter else {{"a": torch.full((1 << 16,), 5.0), "b": torch.zeros(1 << 16)}},
+               path)
+    for read in (lambda: reader.read(), lambda: reader.read_into({{"b": torch.empty(1 << 16)}}),
+                 lambda: next(reader.iter_tensors(["b"], dtype=torch.float16))):
+        try:
+            read()
+            raise SystemExit("read after the rewrite")
+        except CheckpointError as e:
+            if "replaced or rewritten after this reader read its header" not in str(e):
+                raise
+    if not torch.equal(held, torch.zeros(1 << 16)):
+        raise SystemExit("a tensor read before the rewrite changed with the file")
+print("refused")
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "refused", (done.returncode, done.stderr[-2000:])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

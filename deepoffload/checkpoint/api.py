@@ -14,11 +14,15 @@ from typing import Any
 import torch
 
 from ..config import AioConfig
+from ..errors import CheckpointError, naming_target
+from ..formats.header import file_identity
 from ..io.buffers import aligned_empty
 from .streams import DirectReader, DirectWriter, shared_handle
-from .torch_format import Record, ZipChecksums, record, remove_quietly, snapshot, snapshot_bytes, write_records
+from .torch_format import (Record, ZipChecksums, not_a_checkpoint, record, remove_quietly, snapshot, snapshot_bytes,
+                           write_records)
 from .whole_file import load_from_memory, read_whole, weights_only_default
 
+LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
 _executor: ThreadPoolExecutor | None = None
 _async_lock = threading.Lock()
 _last_async: Future | None = None
@@ -36,8 +40,12 @@ def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: b
     fsyncs: the rename is still atomic, but a power loss may lose the file). ``checksum`` stores each record's
     CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing
     folder, no permission) raises ``OSError`` naming ``path``, and a previous file under ``path`` is left as it was.
+    A ``save_async`` still being written is waited for first, so files land in call order.
     """
-    _write_file(record(obj), os.fspath(path), checksum, sync, config)
+    path = _path_of(path, "save")
+    records = record(obj)
+    _wait_for_save_async()  # else its rename, coming later, would put the older checkpoint back under the path
+    _write_file(records, path, checksum, sync, config)
 
 
 def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
@@ -54,6 +62,7 @@ def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, s
     checkpoint saved this way. Pending saves complete before the interpreter exits.
     """
     global _executor, _last_async
+    path = _path_of(path, "save")
     with _async_lock:
         previous = _last_async
         if previous is not None:
@@ -62,25 +71,59 @@ def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, s
         records = snapshot(records, _snapshot_arena(*snapshot_bytes(records)))
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepoffload-save")
-        future = _executor.submit(_write_file, records, os.fspath(path), checksum, sync, config)
+        future = _executor.submit(_write_file, records, path, checksum, sync, config)
         _last_async = future
         return future
 
 
 def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: bool | None = None,
-         checksum: bool = False, config: AioConfig | None = None, **pickle_load_args: Any) -> Any:
+         mmap: bool | None = None, checksum: bool = False, config: AioConfig | None = None,
+         **pickle_load_args: Any) -> Any:
     """Read a ``torch.save`` file (any, not only ours) and return what ``torch.load(path, map_location,
     weights_only=weights_only)`` returns; tensor bytes are read through the async-IO op.
 
     A zip-format file loaded to host memory is read whole, in large requests, into one buffer, and every storage is
     a slice of it (as with ``torch.load(mmap=True)``): the buffer's memory is returned once all its tensors are gone,
     and storages cannot be resized. Other files and ``map_location`` to a device are read through read-ahead.
+    ``mmap=True`` hands the file to ``torch.load(mmap=True)`` instead (storages mapped from the file, nothing read
+    through the op). A ``.safetensors`` path is read by ``deepoffload.formats.load_file`` (``torch.load`` reads
+    such a path with the safetensors library).
 
     ``checksum=True`` verifies the CRC-32 stored with every record and raises ``ChecksumError`` on a mismatch (or
-    when the file recorded none).
+    when the file recorded none). A file that cannot be a checkpoint (empty, truncated, safetensors, other data)
+    raises ``CheckpointError`` naming it and why. A ``save_async`` still being written is waited for first. A file
+    replaced or rewritten while it is read (another process saving to the same path) is read again, whole.
     """
-    path = os.fspath(path)
+    path = _path_of(path, "load")
+    _wait_for_save_async()  # else this would read the checkpoint before it (or find none)
+    try:
+        if mmap or path.endswith(".safetensors"):  # one mapping of one file / a reader that checks the file itself
+            return _load(path, map_location, weights_only, mmap, checksum, config, pickle_load_args)
+        for _ in range(LOAD_ATTEMPTS):  # the op reads by path: a file replaced meanwhile would be read in part
+            before = file_identity(os.stat(path))
+            result = _load(path, map_location, weights_only, mmap, checksum, config, pickle_load_args)
+            if file_identity(os.stat(path)) == before:
+                return result
+            del result
+        raise CheckpointError(f"cannot load {path}: it was replaced or rewritten while being read, "
+                              f"{LOAD_ATTEMPTS} times in a row; load it once its writer is done")
+    except Exception as e:
+        reason = not_a_checkpoint(path)
+        if reason is None:
+            raise
+        raise CheckpointError(f"cannot load {path}: {reason}") from e
+
+
+def _load(path: str, map_location: Any, weights_only: bool | None, mmap: bool | None, checksum: bool,
+          config: AioConfig | None, pickle_load_args: dict) -> Any:
+    if path.endswith(".safetensors"):  # as torch.load does since torch 2.10
+        return _load_safetensors(path, map_location, checksum)
     verifier = ZipChecksums(path) if checksum else None
+    if mmap:
+        result = torch.load(path, map_location, weights_only=weights_only, mmap=True, **pickle_load_args)
+        if verifier is not None:
+            verifier.finish()
+        return result
     pickle_module = pickle_load_args.get("pickle_module")
     resolved = weights_only_default(weights_only, pickle_module)
     if _on_cpu(map_location) and not (resolved and pickle_module is not None):
@@ -102,6 +145,37 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
     if verifier is not None:
         verifier.finish()
     return result
+
+
+def _load_safetensors(path: str, map_location: Any, checksum: bool) -> dict[str, torch.Tensor]:
+    """A ``.safetensors`` file's tensors, read through the op, placed where ``map_location`` (a device) says."""
+    from ..formats import load_file  # (imported here: most loads never need it)
+
+    if checksum:
+        raise ValueError(f"{path}: a safetensors file records no checksums to verify; load it with checksum=False")
+    if isinstance(map_location, dict) or callable(map_location):
+        raise RuntimeError(f"cannot load {path}: a safetensors file takes a device as map_location (as with "
+                           f"torch.load), not a {type(map_location).__name__}")
+    tensors = load_file(path)
+    if map_location is None or _on_cpu(map_location):
+        return tensors
+    return {name: tensor.to(map_location) for name, tensor in tensors.items()}
+
+
+def _path_of(path: Any, verb: str) -> str:
+    """``path`` as a string, or a ``TypeError`` saying that these functions take paths, not file objects."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"deepoffload.{verb} takes a file path (str or os.PathLike), not {type(path).__name__}; "
+                        f"use torch.{verb} for file objects and buffers")
+    return os.fsdecode(path)
+
+
+def _wait_for_save_async() -> None:
+    """Return once every ``save_async`` called before has finished (its error stays in its future)."""
+    with _async_lock:
+        pending = _last_async
+    if pending is not None:
+        wait_futures([pending])
 
 
 def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
@@ -144,7 +218,7 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
     try:
         sink = DirectWriter(temporary, config=config, sync=sync, size_hint=_size_bound(records))
     except OSError as e:
-        raise _naming(e, path) from e
+        raise naming_target(e, path) from e
     try:
         try:
             write_records(records, sink, checksum)
@@ -157,7 +231,7 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
     except BaseException as e:
         remove_quietly(temporary)
         if isinstance(e, OSError):
-            raise _naming(e, path) from e
+            raise naming_target(e, path) from e
         raise
     if sync:
         _fsync_folder(folder, path)
@@ -193,13 +267,3 @@ def _fsync_folder(folder: str, path: str) -> None:
         raise OSError(e.errno, f"cannot save {path}: fsync of its folder failed ({e.strerror})", path) from e
     finally:
         os.close(fd)
-
-
-def _naming(error: OSError, path: str) -> OSError:
-    """``error`` restated so that it names the checkpoint (the underlying error names the temporary file)."""
-    detail = error.strerror or str(error)
-    if error.filename and error.filename != path:
-        detail += f" (writing {error.filename})"
-    if error.errno is None:
-        return OSError(f"cannot save {path}: {detail}")
-    return OSError(error.errno, f"cannot save {path}: {detail}", path)

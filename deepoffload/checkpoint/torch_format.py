@@ -351,6 +351,32 @@ class ZipChecksums:
                                 f"{crc:#010x}, the file recorded {info.CRC:#010x}: the checkpoint is corrupted")
 
 
+_PICKLE_STARTS = b"\x80LIJ\x8a"  # the first byte of a legacy-format file: the pickled magic number, any protocol
+
+
+def not_a_checkpoint(path: str) -> str | None:
+    """Why the file at ``path`` cannot be a ``torch.save`` checkpoint, judged from its size and first bytes (a
+    diagnosis for when loading it failed), or None when it may be one."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(10)
+    except OSError:
+        return None
+    if size == 0:
+        return "the file is empty (0 bytes; an interrupted save or copy?)"
+    if head.startswith(b"PK\x03\x04"):
+        return None if zipfile.is_zipfile(path) else ("it starts as a zip-format torch.save file but has no zip "
+                                                      "directory at its end: it is truncated or damaged")
+    if len(head) == 10 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
+        if path.endswith(".safetensors"):
+            return None  # read as one: its own error stands
+        return "it is a safetensors file: read it with deepoffload.formats.load_file (or name it .safetensors)"
+    if head[0] not in _PICKLE_STARTS:
+        return f"it is neither a zip-format nor a legacy torch.save file (it starts with {head[:8]!r})"
+    return None
+
+
 def remove_quietly(path: str) -> None:
     try:
         os.unlink(path)

@@ -9,6 +9,7 @@ without gaps or overlaps and end where the file ends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -74,6 +75,12 @@ class Header:
     metadata: dict[str, str] | None
     data_start: int
     file_size: int
+    identity: tuple[int, ...] = ()  # the file's (device, inode, bytes, mtime in ns) when the header was read
+
+
+def file_identity(stat: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced or rewritten: its device, inode, size in bytes and mtime in ns."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _no_duplicates(pairs: list) -> dict:
@@ -162,7 +169,8 @@ def read_header(path: str | os.PathLike) -> Header:
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
+            stat = os.fstat(f.fileno())
+            file_size = stat.st_size
             raw = f.read(8)
             if len(raw) == 8:
                 (length,) = struct.unpack("<Q", raw)
@@ -172,7 +180,7 @@ def read_header(path: str | os.PathLike) -> Header:
         raise CheckpointError(f"{path}: is a folder, not a safetensors file") from None
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such safetensors file") from None
-    return parse_header(raw, file_size, path)
+    return dataclasses.replace(parse_header(raw, file_size, path), identity=file_identity(stat))
 
 
 def encode_header(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], int, int]],

@@ -26,7 +26,8 @@ import torch
 
 from ..io.buffers import aligned_empty, prefault
 from ..io.handle import AsyncIOHandle
-from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, read_header
+from .header import (CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity,
+                     read_header)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -196,6 +197,7 @@ class CheckpointReader:
             self._headers = _open_sharded(path)
             self.format = "safetensors-sharded"
         elif _is_torch_zip(path):
+            self._torch_identity = file_identity(os.stat(path))  # before mapping it: a change during the load shows
             self._state_dict = self._load_torch(path)
             self.format = "torch"
         else:
@@ -314,8 +316,9 @@ class CheckpointReader:
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for ``names`` (default: all), in storage order, reading ahead. ``dtype``: one
         dtype for every floating point tensor, or name -> dtype. Each tensor is read once its turn comes; at most
-        ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are served from torch's
-        copy-on-write mapping of the file (read from the page cache as they are touched), converted where asked."""
+        ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are copied out of torch's
+        copy-on-write mapping of the file (read from the page cache), converted where asked: what is yielded never
+        depends on the file afterwards."""
         selected = self._select(names)
         for name in selected:  # refuse a bad conversion before reading anything
             self._target(name, self.shape_dtype(name)[1], dtype)
@@ -323,7 +326,10 @@ class CheckpointReader:
             for name in selected:
                 t = self._state_dict[name]
                 target = self._target(name, t.dtype, dtype)
-                yield name, t if target == t.dtype else t.to(target)
+                self._check_unchanged(str(self.path), self._torch_identity)
+                copy = t.clone() if target == t.dtype else t.to(target)
+                self._check_unchanged(str(self.path), self._torch_identity)  # copied what was opened
+                yield name, copy
             return
         yield from self._iter_safetensors(selected, dtype)
 
@@ -392,6 +398,7 @@ class CheckpointReader:
         go back to it once the caller resumes the generator (so the caller must be done with a buffer by then)."""
         spans = self._plan(selected, split)
         file_sizes = {header.path: header.file_size for header in self._headers}
+        identities = {header.path: header.identity for header in self._headers}
         queue: collections.deque = collections.deque()
         inflight, next_span = 0, 0
         try:
@@ -399,12 +406,14 @@ class CheckpointReader:
                 while next_span < len(spans) and (not queue or inflight + spans[next_span].end - spans[next_span].start
                                                   <= self.inflight_bytes):
                     span = spans[next_span]
+                    self._check_unchanged(span.path, identities[span.path])
                     queue.append((span, *self._submit(span, file_sizes, pool)))
                     inflight += span.end - span.start
                     next_span += 1
                 span, start, buffer, request, pooled = queue.popleft()
                 if request is not None:
                     request.wait()
+                    self._check_unchanged(span.path, identities[span.path])  # not replaced before the op opened it
                 inflight -= span.end - span.start
                 yield span, start, buffer
                 if pooled is not None:
@@ -414,6 +423,20 @@ class CheckpointReader:
                 if request is not None:
                     with contextlib.suppress(OSError):
                         request.wait()
+
+    def _check_unchanged(self, path: str, identity: tuple[int, ...]) -> None:
+        """Raise unless ``path`` is still the file whose header was read at open: the op reads by path, so a file
+        replaced (a new save renamed over it) or rewritten since would be read at the old header's offsets; a
+        torch.save file's mapping would show a rewrite in place, and touching it past a shortened end kills the
+        process (SIGBUS)."""
+        try:
+            now = file_identity(os.stat(path))
+        except FileNotFoundError:
+            now = None
+        if now != identity:
+            what = "was removed" if now is None else "was replaced or rewritten"
+            raise CheckpointError(f"{path} {what} after this reader read its header (the tensors' offsets may no "
+                                  f"longer hold them); open a new CheckpointReader to read the file as it is now")
 
     def _iter_safetensors(self, selected: list[str], dtype: DtypeSpec) -> Iterator[tuple[str, torch.Tensor]]:
         for span, start, buffer in self._spans(selected, None):
@@ -441,9 +464,11 @@ class CheckpointReader:
         if problems:
             raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))
         if self._state_dict is not None:
+            self._check_unchanged(str(self.path), self._torch_identity)
             for name, tensor in destinations.items():
                 with torch.no_grad():
                     tensor.copy_(self._state_dict[name])
+            self._check_unchanged(str(self.path), self._torch_identity)
             return
         split = frozenset(name for name, tensor in destinations.items() if tensor.is_contiguous())
         for span, start, buffer in self._spans(list(destinations), self._pool, split):

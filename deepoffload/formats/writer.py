@@ -13,6 +13,7 @@ of them are written and synced, then the index; files of an earlier save with th
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from ..errors import naming_target
 from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle, byte_view
 from ..io.staged_file import StagedWriter, StagingPool
@@ -110,6 +112,15 @@ def _items(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tens
         yield name, tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
 
 
+def _checked_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str]:
+    """``metadata`` (default ``DEFAULT_METADATA``), refused unless it maps strings to strings as the format needs."""
+    metadata = DEFAULT_METADATA if metadata is None else metadata
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in metadata.items()):
+        raise ValueError(f"metadata must map strings to strings, got {metadata!r}")
+    return metadata
+
+
 def _sync_folder(folder: Path) -> None:
     with contextlib.suppress(OSError):  # not every filesystem (or OS) lets a folder be opened and synced
         fd = os.open(folder, os.O_RDONLY)
@@ -174,15 +185,15 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
         raise ValueError(f"header_bytes and staging_bytes must be positive multiples of {PAGE}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    metadata = DEFAULT_METADATA if metadata is None else metadata
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise ValueError("metadata must map strings to strings")
+    metadata = _checked_metadata(metadata)
     own = handle is None
     handle = AsyncIOHandle() if own else handle
     tag = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
                                staging_bytes)
+    except OSError as e:
+        raise naming_target(e, str(folder)) from e
     finally:
         if own:
             handle.close()
@@ -230,9 +241,13 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
         raise TypeError("save_file takes a mapping of name -> tensor; to stream an iterator use save_sharded")
     path = Path(path)
     check_little_endian()
-    metadata = DEFAULT_METADATA if metadata is None else metadata
+    metadata = _checked_metadata(metadata)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"cannot save {path}: its folder {path.parent} does not exist", str(path))
     layout, position = {}, 0
     for name, tensor in tensors.items():  # the exact header, so the one file never needs a second shard
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         nbytes = tensor.numel() * tensor.element_size()
         layout[name] = (tensor.dtype, tuple(tensor.shape), position, position + nbytes)
         position += nbytes
@@ -243,6 +258,8 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
         tag = f"{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         (shard,) = _write_shards(_items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle,
                                  16 << 20)
+    except OSError as e:
+        raise naming_target(e, str(path)) from e
     finally:
         if own:
             handle.close()
