@@ -238,3 +238,18 @@ def test_checkpoint_in_names_transformers_converts_is_refused_with_why(scratch, 
     with pytest.raises(CheckpointError, match="transformers renames or merges"):
         offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights)
     assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "gemma2", "t5", "bert"])
+def test_serve_from_a_sharded_save_pretrained_checkpoint(scratch, name):
+    """serve_from_checkpoint=True on a model built by accelerate: logits equal, the served blocks copied nowhere."""
+    ref = reference(name).eval()
+    ref.save_pretrained(scratch / "ckpt", safe_serialization=True, max_shard_size="50KB")
+    model = empty(name, "accelerate").eval()
+    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt",
+                            serve_from_checkpoint=True) as off, torch.no_grad():
+        served = [b for b in off.blocks if b.served]
+        assert served  # blocks split over two shards are copied
+        copied = sum(-(-b.nbytes // 4096) * 4096 for b in off.blocks if not b.served)  # whole pages
+        assert off.stats.bytes_written <= copied < sum(-(-b.nbytes // 4096) * 4096 for b in off.blocks)
+        assert torch.equal(run(model, tokens()).logits, run(ref, tokens()).logits)
