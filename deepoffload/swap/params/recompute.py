@@ -99,10 +99,13 @@ class Recompute(torch.autograd.Function):
             call.out_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
             outputs = tuple(flat[i].detach() for i in call.out_positions)
+            # outputs needing no gradient in memory (a mask, a bias made of constants) need none here either: a
+            # tensor requiring grad makes later blocks take other kernels (T5's cross-attention bias: rounding)
+            constant = [o for i, o in zip(call.out_positions, outputs) if not flat[i].requires_grad]
             del flat  # the graph (and its views of the parameters) goes before the parameters are released
         finally:
             streamer.after_forward(block, training=True)
-        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())], *constant)
         block.calls.add(call)
         return outputs
 
