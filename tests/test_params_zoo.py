@@ -269,3 +269,32 @@ def test_serve_from_a_sharded_save_pretrained_checkpoint(scratch, name):
         copied = sum(-(-b.nbytes // 4096) * 4096 for b in off.blocks if not b.served)  # whole pages
         assert off.stats.bytes_written <= copied < sum(-(-b.nbytes // 4096) * 4096 for b in off.blocks)
         assert torch.equal(run(model, tokens()).logits, run(ref, tokens()).logits)
+
+
+@pytest.mark.parametrize("budget", [None, "all"])
+def test_router_logits_recorded_inside_blocks_are_refused_in_training(scratch, budget):
+    """output_router_logits=True (the MoE auxiliary loss): transformers records the router's logits with a hook
+    inside each block, so a graph through the block's parameters outlived its forward. Back-propagated, it crashed
+    on released parameters, or with every block resident trained silently other weights. Refused at the first
+    training forward; no_grad inference with it, and training with output_hidden_states=True, stay allowed."""
+    cls, make = config("mixtral")
+    torch.manual_seed(0)
+    ref = cls(make()).train()
+    model = copy.deepcopy(ref)
+    size = sum(p.numel() * p.element_size() for p in ref.parameters()) if budget else None
+    ids = tokens()
+    with offload_parameters(model, str(scratch), mode="grads", optimizer=adam, max_resident_bytes=size) as off:
+        with pytest.raises(ValueError, match="model.layers.0: a tensor computed inside it outlives.*"
+                                             "output_router_logits=True"):
+            model(ids, labels=ids, output_router_logits=True)
+        with torch.no_grad():
+            out = model(ids, output_router_logits=True)
+            assert torch.equal(out.logits, ref(ids, output_router_logits=True).logits)
+        optimizer = adam(ref.parameters())
+        outputs = []
+        for m, step in ((model, offload_step(off)), (ref, reference_step(optimizer))):
+            outputs.append(m(ids, labels=ids, output_hidden_states=True))
+            outputs[-1].loss.backward()
+            step()
+        assert all(torch.equal(a, b) for a, b in zip(outputs[0].hidden_states, outputs[1].hidden_states))
+        assert equal_states(off.state_dict(), ref.state_dict()) == []
