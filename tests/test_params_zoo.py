@@ -280,7 +280,8 @@ def test_router_logits_recorded_inside_blocks_are_refused_in_training(scratch, b
     """output_router_logits=True (the MoE auxiliary loss): transformers records the router's logits with a hook
     inside each block, so a graph through the block's parameters outlived its forward. Back-propagated, it crashed
     on released parameters, or with every block resident trained silently other weights. Refused at the first
-    training forward; no_grad inference with it, and training with output_hidden_states=True, stay allowed."""
+    training forward; inference with it (no_grad, or eval mode without it: then a backward through it raises), and
+    training with output_hidden_states=True, stay allowed."""
     cls, make = config("mixtral")
     torch.manual_seed(0)
     ref = cls(make()).train()
@@ -294,6 +295,13 @@ def test_router_logits_recorded_inside_blocks_are_refused_in_training(scratch, b
         with torch.no_grad():
             out = model(ids, output_router_logits=True)
             assert torch.equal(out.logits, ref(ids, output_router_logits=True).logits)
+        model.eval(), ref.eval()  # a validation forward without no_grad is allowed; only a backward through it raises
+        out = model(ids, output_router_logits=True)
+        assert torch.equal(out.logits, ref(ids, output_router_logits=True).logits)
+        with pytest.raises(ValueError, match="block model.layers.1: a tensor computed inside it outlives"):
+            out.aux_loss.backward()
+        del out
+        model.train(), ref.train()
         optimizer = adam(ref.parameters())
         outputs = []
         for m, step in ((model, offload_step(off)), (ref, reference_step(optimizer))):

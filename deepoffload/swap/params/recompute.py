@@ -70,11 +70,19 @@ class BlockCall:
 
 
 class _Saved:
-    """A tensor the autograd graph saved (weakly referenced: it dies with the graph)."""
-    __slots__ = ("tensor", "__weakref__")
+    """A tensor the autograd graph saved (weakly referenced: it dies with the graph). ``stale``: the graph outlived
+    the block's forward (see ``Recompute.forward``); unpacking it, i.e. back-propagating through it, raises."""
+    __slots__ = ("tensor", "stale", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
+        self.stale = ""
+
+
+def _unpack(holder: _Saved) -> torch.Tensor:
+    if holder.stale:
+        raise ValueError(holder.stale)
+    return holder.tensor
 
 
 def _watched(saved: list) -> torch.autograd.graph.saved_tensors_hooks:
@@ -84,7 +92,7 @@ def _watched(saved: list) -> torch.autograd.graph.saved_tensors_hooks:
         saved.append(weakref.ref(holder))
         return holder
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.tensor)
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
 
 def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,13 +130,17 @@ class Recompute(torch.autograd.Function):
             # tensor requiring grad makes later blocks take other kernels (T5's cross-attention bias: rounding)
             constant = [o for i, o in zip(call.out_positions, outputs) if not flat[i].requires_grad]
             del flat  # the graph (and its views of the parameters) goes before the parameters are released
-            if any(ref() is not None for ref in saved):
-                raise ValueError(f"block {block.prefix}: a tensor computed inside it outlives its forward other than "
-                                 f"as its output (e.g. transformers recording router logits or attention weights "
-                                 f"with hooks: output_router_logits=True, output_attentions=True); a backward "
-                                 f"through it would reach the block's parameters after they are released or "
-                                 f"stepped, so its gradients would be wrong. Train with those outputs off, or "
-                                 f"keep this module in memory (blocks= without it)")
+            stale = [h for h in (ref() for ref in saved) if h is not None]
+            if stale:
+                problem = (f"block {block.prefix}: a tensor computed inside it outlives its forward other than as "
+                           f"its output (e.g. transformers recording router logits or attention weights with hooks: "
+                           f"output_router_logits=True, output_attentions=True); a backward through it would reach "
+                           f"the block's parameters after they are released or stepped, so its gradients would be "
+                           f"wrong. Train with those outputs off, or keep this module in memory (blocks= without it)")
+                if block.module.training:
+                    raise ValueError(problem)
+                for holder in stale:  # eval mode (a validation forward without no_grad): only its backward raises
+                    holder.stale = problem
         finally:
             streamer.after_forward(block, training=True)
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())], *constant)
