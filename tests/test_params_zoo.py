@@ -355,3 +355,19 @@ def test_a_block_output_read_twice_trains_within_rounding(scratch):
             assert losses[0] == pytest.approx(losses[1], rel=1e-6)
         state, memory = off.state_dict(), ref.state_dict()
         assert all(torch.allclose(state[k], memory[k], rtol=1e-5, atol=1e-7) for k in memory)
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "gemma2"])
+def test_dtype_bf16_on_meta_equals_from_pretrained_in_bf16(scratch, name):
+    """dtype=torch.bfloat16 converts the parameters made from meta, not the buffers: rotary inv_freq was made bf16
+    (from_pretrained keeps it fp32), so positions were rounded and Llama's logits differed (by 1e-3)."""
+    ref = reference(name)
+    ref.save_pretrained(scratch / "ckpt", safe_serialization=True, max_shard_size="50KB")
+    expected = type(ref).from_pretrained(scratch / "ckpt", dtype=torch.bfloat16).eval()
+    model = empty(name, "meta").eval()
+    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights,
+                            dtype=torch.bfloat16), torch.no_grad():
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+        assert torch.equal(model.model.rotary_emb.inv_freq, expected.model.rotary_emb.inv_freq)
+        assert torch.equal(run(model, tokens()).logits, run(expected, tokens()).logits)

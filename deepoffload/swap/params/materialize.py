@@ -49,8 +49,9 @@ class Materializer:
     placeholders and checks the checkpoint's names and shapes, reading no data); ``offload`` then fills and writes.
 
     checkpoint: a path ``CheckpointReader`` opens, or None. init: called with each module owning tensors the
-    checkpoint does not give (None: ``reset_parameters()``). dtype: the dtype of floating-point tensors made from
-    meta (None: as built). strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
+    checkpoint does not give (None: ``reset_parameters()``). dtype: the dtype of floating-point parameters made from
+    meta (None: as built); buffers keep theirs (rotary ``inv_freq`` stays fp32, as in ``from_pretrained``).
+    strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
     serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
     file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only)."""
 
@@ -83,7 +84,8 @@ class Materializer:
 
     # -- preparing ----------------------------------------------------------------------------------------------
     def _target_dtype(self, t: torch.Tensor) -> torch.dtype:
-        return self.dtype if self.dtype is not None and t.is_meta and t.is_floating_point() else t.dtype
+        convert = self.dtype is not None and t.is_meta and t.is_floating_point() and isinstance(t, nn.Parameter)
+        return self.dtype if convert else t.dtype
 
     def _check(self, strict: bool) -> KeyReport:
         """Compare the checkpoint with the module's state (names, shapes, convertible dtypes); a tensor shared by
