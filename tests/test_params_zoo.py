@@ -40,6 +40,9 @@ def config(name: str):
                                                                    max_position_embeddings=64, rotary_pct=0.5)),
         "mixtral": (T.MixtralForCausalLM, lambda: T.MixtralConfig(**SMALL, num_local_experts=4,
                                                                   num_experts_per_tok=2)),
+        "qwen2-moe": (T.Qwen2MoeForCausalLM, lambda: T.Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
+                                                                      moe_intermediate_size=16,
+                                                                      shared_expert_intermediate_size=32)),
         "t5": (T.T5ForConditionalGeneration, lambda: T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64,
                                                                 num_layers=2, num_heads=4, decoder_start_token_id=0)),
         "bart": (T.BartForConditionalGeneration, lambda: T.BartConfig(
@@ -140,6 +143,7 @@ def save_unique(model, folder) -> None:
     ("llama-tied", "fused", False), ("llama-tied", "grads", True), ("mistral", "fused", True),
     ("qwen2", "grads", False), ("gemma2", "fused", False), ("gemma2", "grads", True), ("phi3", "fused", True),
     ("opt", "grads", True), ("gpt-neox", "fused", False), ("mixtral", "fused", True), ("mixtral", "grads", False),
+    ("qwen2-moe", "grads", True),
     ("bert", "fused", True)])
 def test_trains_generates_and_saves_like_in_memory(scratch, name, mode, half):
     """Built by accelerate, loaded, 3 Adam steps with the models' defaults (dropout, use_cache) bit-identical to
