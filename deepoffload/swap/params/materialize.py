@@ -49,8 +49,9 @@ class Materializer:
     placeholders and checks the checkpoint's names and shapes, reading no data); ``offload`` then fills and writes.
 
     checkpoint: a path ``CheckpointReader`` opens, or None. init: called with each module owning tensors the
-    checkpoint does not give (None: ``reset_parameters()``). dtype: the dtype of floating-point tensors made from
-    meta (None: as built). strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
+    checkpoint does not give (None: ``reset_parameters()``). dtype: the dtype of floating-point parameters made from
+    meta (None: as built); buffers keep theirs (rotary ``inv_freq`` stays fp32, as in ``from_pretrained``).
+    strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
     serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
     file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only)."""
 
@@ -66,6 +67,8 @@ class Materializer:
         self._swapped: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, original) to put back
         self._todo: set[int] = set()  # ids of tensors made here that need a value
         self._placeholders: set[int] = set()  # ids of parameters that hold a shape-only placeholder
+        self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
+        _tie_hf_weights(module)
         if checkpoint is not None:
             # read_into keeps at most inflight + one span of buffers: 48 MiB, whatever the model's size
             self.reader = CheckpointReader(checkpoint, span_bytes=16 << 20, inflight_bytes=32 << 20)
@@ -81,7 +84,8 @@ class Materializer:
 
     # -- preparing ----------------------------------------------------------------------------------------------
     def _target_dtype(self, t: torch.Tensor) -> torch.dtype:
-        return self.dtype if self.dtype is not None and t.is_meta and t.is_floating_point() else t.dtype
+        convert = self.dtype is not None and t.is_meta and t.is_floating_point() and isinstance(t, nn.Parameter)
+        return self.dtype if convert else t.dtype
 
     def _check(self, strict: bool) -> KeyReport:
         """Compare the checkpoint with the module's state (names, shapes, convertible dtypes); a tensor shared by
@@ -96,7 +100,16 @@ class Materializer:
             for name in (present or names):
                 t = state[name]
                 expected[name] = (tuple(t.shape), self._target_dtype(t))
-        return self.reader.check(expected, strict=strict)
+        try:
+            return self.reader.check(expected, strict=strict)
+        except CheckpointError as e:
+            if "missing:" not in str(e) or not type(self.module).__module__.startswith("transformers"):
+                raise
+            raise CheckpointError(f"{e}. Note: transformers renames or merges some models' tensors when loading "
+                                  f"(GPT-NeoX's embed_out is lm_head, Mixtral's and Qwen2-MoE's per-expert weights "
+                                  f"become experts.gate_up_proj / down_proj) and save_pretrained() writes the old "
+                                  f"names; checkpoint= reads the model's own state_dict() names and converts none: "
+                                  f"use a checkpoint in those names (off.save() writes them)") from None
 
     def _replace_meta_parameters(self) -> None:
         replaced: dict[int, nn.Parameter] = {}
@@ -157,7 +170,8 @@ class Materializer:
         reader = self.reader
         loaded = {n: t for _, tensors in owners for n, t in tensors.items() if reader is not None and n in reader}
         needy = [(m, tensors) for m, tensors in owners
-                 if any(id(t) in self._todo and n not in loaded for n, t in tensors.items())]
+                 if any((id(t) in self._todo or id(t) in self._initialized) and n not in loaded
+                        for n, t in tensors.items())]
         if needy:
             self._initialize(needy, loaded)
         if loaded:
@@ -168,6 +182,9 @@ class Materializer:
 
     def _initialize(self, needy: list[tuple[nn.Module, dict[str, torch.Tensor]]], loaded: dict) -> None:
         unset = {n: t for _, tensors in needy for n, t in tensors.items() if id(t) in self._todo and n not in loaded}
+        # a tensor init= already gave values through an earlier module (tied weights) is initialized again by each
+        # later module holding it, as transformers' initialize_weights() does: the last one's values stay
+        again = {n for _, tensors in needy for n, t in tensors.items() if id(t) in self._initialized}
         integers = [n for n, t in unset.items() if not t.is_floating_point()]
         if integers:
             raise ValueError(f"{integers[:10]}: integer tensors on the meta device that "
@@ -177,7 +194,7 @@ class Materializer:
         kept = {}  # tensors that already had values in a module being initialized: keep them
         for _, tensors in needy:
             for n, t in tensors.items():
-                if n not in unset and n not in loaded:
+                if n not in unset and n not in loaded and n not in again:
                     kept[n] = t.detach().clone()
         with torch.no_grad():
             for t in unset.values():
@@ -193,6 +210,8 @@ class Materializer:
                 for n, t in tensors.items():
                     if n in kept:
                         t.copy_(kept[n])
+        if self.init is not None:
+            self._initialized.update(id(t) for t in unset.values())
         left = [n for n, t in unset.items() if torch.isnan(t).any()]
         if left:
             how = "init= left them unset" if self.init is not None else "their modules have no reset_parameters()"
@@ -300,6 +319,16 @@ class Materializer:
                                    f"({e.strerror}); nothing was offloaded", e.filename) from e
         block.clear_data()
         block.move(Residency.ON_STORAGE)
+
+
+def _tie_hf_weights(module: nn.Module) -> None:
+    """Tie a Hugging Face model's weights as ``from_pretrained`` does. Under accelerate's ``init_empty_weights()``
+    every parameter assignment makes a new meta parameter, so the model's own tying (``lm_head.weight =
+    embed_tokens.weight``) leaves two parameters; the checkpoint then lacks one (``save_pretrained`` drops tied
+    copies) and a model loaded anyway would compute with an untied, freshly initialized head."""
+    tie = getattr(module, "tie_weights", None)
+    if has_meta(module) and callable(tie) and hasattr(module, "config"):
+        tie()
 
 
 def check_arguments(checkpoint, init, dtype, strict) -> None:

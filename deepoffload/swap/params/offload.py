@@ -578,7 +578,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     init: for a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
         owning such tensors, children before parents (e.g. a Hugging Face model's ``_init_weights``); default: the
         module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
-    dtype: floating-point tensors made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``).
+    dtype: floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``);
+        buffers keep the dtype they were built with (as under accelerate's ``init_empty_weights()``).
     strict: see checkpoint.
     max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
         and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks also step in

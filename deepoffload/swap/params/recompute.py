@@ -69,6 +69,32 @@ class BlockCall:
         return node is not None and torch._C._will_engine_execute_node(node)
 
 
+class _Saved:
+    """A tensor the autograd graph saved (weakly referenced: it dies with the graph). ``stale``: the graph outlived
+    the block's forward (see ``Recompute.forward``); unpacking it, i.e. back-propagating through it, raises."""
+    __slots__ = ("tensor", "stale", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.stale = ""
+
+
+def _unpack(holder: _Saved) -> torch.Tensor:
+    if holder.stale:
+        raise ValueError(holder.stale)
+    return holder.tensor
+
+
+def _watched(saved: list) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that record a weak reference to each tensor the graph built meanwhile saves."""
+    def pack(tensor: torch.Tensor) -> _Saved:
+        holder = _Saved(tensor.detach())  # (a saved output holding its own grad_fn would make a reference cycle)
+        saved.append(weakref.ref(holder))
+        return holder
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+
 def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
@@ -92,17 +118,32 @@ class Recompute(torch.autograd.Function):
         call.rng = (torch.get_rng_state(), *get_device_states(*tensors), device_type)
         streamer, block = call.streamer, call.block
         streamer.acquire(block, "forward", training=True)
+        saved: list[weakref.ref] = []  # the tensors the block's graph saves, to see whether the graph outlives it
         try:
-            with torch.enable_grad():  # the same grad mode, hence the same kernels, as the in-memory model
+            with torch.enable_grad(), _watched(saved):  # grad mode as in memory, hence the same kernels
                 flat, call.out_spec = pytree.tree_flatten(call.run(detached(tensors)))
             call.captured.detach_new_cache_entries()
             call.out_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
             outputs = tuple(flat[i].detach() for i in call.out_positions)
+            # outputs needing no gradient in memory (a mask, a bias made of constants) need none here either: a
+            # tensor requiring grad makes later blocks take other kernels (T5's cross-attention bias: rounding)
+            constant = [o for i, o in zip(call.out_positions, outputs) if not flat[i].requires_grad]
             del flat  # the graph (and its views of the parameters) goes before the parameters are released
+            stale = [h for h in (ref() for ref in saved) if h is not None]
+            if stale:
+                problem = (f"block {block.prefix}: a tensor computed inside it outlives its forward other than as "
+                           f"its output (e.g. transformers recording router logits or attention weights with hooks: "
+                           f"output_router_logits=True, output_attentions=True); a backward through it would reach "
+                           f"the block's parameters after they are released or stepped, so its gradients would be "
+                           f"wrong. Train with those outputs off, or keep this module in memory (blocks= without it)")
+                if block.module.training:
+                    raise ValueError(problem)
+                for holder in stale:  # eval mode (a validation forward without no_grad): only its backward raises
+                    holder.stale = problem
         finally:
             streamer.after_forward(block, training=True)
-        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())], *constant)
         block.calls.add(call)
         return outputs
 

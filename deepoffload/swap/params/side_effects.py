@@ -25,31 +25,43 @@ def _rebinding_layer(layer: object) -> bool:
 
 
 class _ObjectsState:
-    """The attribute dicts of some objects and the contents of their lists, as references (not copies)."""
+    """The attribute dicts of some objects and the contents of their lists and dicts (an ``EncoderDecoderCache``'s
+    ``is_updated``), as references (not copies)."""
 
     def __init__(self, objects: list[object]):
         self.dicts = [(o, dict(vars(o))) for o in objects]
         self.lists = [(v, list(v)) for _, d in self.dicts for v in d.values() if isinstance(v, list)]
+        self.maps = [(v, dict(v)) for _, d in self.dicts for v in d.values() if isinstance(v, dict)]
 
     def restore(self) -> None:
         for target, items in self.lists:
             target[:] = items
+        for target, saved in self.maps:
+            target.clear()
+            target.update(saved)
         for o, saved in self.dicts:
             vars(o).clear()
             vars(o).update(saved)
 
 
+def _nested(cache: object) -> list[object]:
+    """The caches a cache holds (an ``EncoderDecoderCache``: its self- and cross-attention caches)."""
+    return [v for v in vars(cache).values() if _is_cache(v)]
+
+
 def _cache_objects(cache: object) -> list[object]:
-    return [cache, *getattr(cache, "layers", ())]
+    return [cache, *getattr(cache, "layers", ()), *(o for inner in _nested(cache) for o in _cache_objects(inner))]
 
 
 def check_caches(block_name: str, flat: list) -> list[object]:
-    """The caches among a training call's arguments; refuse those recomputation cannot rewind exactly."""
+    """The caches among a training call's arguments; refuse those recomputation cannot rewind exactly: a cache is
+    rewound when it has layers that store by rebinding, or (``EncoderDecoderCache``) holds only such caches."""
     caches = [x for x in flat if _is_cache(x)]
     for cache in caches:
-        nested = [v for v in vars(cache).values() if _is_cache(v)]
-        bad = [layer for layer in getattr(cache, "layers", ()) if not _rebinding_layer(layer)]
-        if nested or bad or not hasattr(cache, "layers"):
+        inner = _nested(cache)
+        parts = inner or [cache]
+        bad = [layer for part in parts for layer in getattr(part, "layers", ()) if not _rebinding_layer(layer)]
+        if bad or any(not hasattr(part, "layers") or _nested(part) for part in parts):
             what = type(bad[0]).__name__ if bad else type(cache).__name__
             raise ValueError(f"block {block_name}: a {what} is passed to it in a forward with gradients enabled; its "
                              f"backward recomputes the block, which would update that cache a second time. Use a "
