@@ -203,6 +203,33 @@ def test_bad_input_gets_clear_errors(handle, scratch):
         AsyncIOHandle(blocksize=4096)
 
 
+def test_meta_tensor_is_refused_naming_what_to_do(handle, scratch):
+    (scratch / "m").write_bytes(bytes(40))
+    for call in (handle.write, handle.read):
+        with pytest.raises(ValueError) as info:
+            call(torch.empty(10, device="meta"), scratch / "m")
+        assert "meta" in str(info.value) and "to_empty" in str(info.value) and "none" not in str(info.value)
+
+
+def test_a_read_counts_as_an_in_place_change_for_autograd(handle, scratch):
+    # Reading into a tensor that a backward pass saved changed it behind autograd's back: backward then used the
+    # new bytes and returned a wrong gradient silently. torch's own copy_ makes that backward refuse; so does a read.
+    handle.write(torch.full((4,), 3.0), scratch / "w")
+    w = torch.ones(4, requires_grad=True)
+    loss = (w * w).sum()
+    handle.read(w, scratch / "w")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    view = torch.ones(8, requires_grad=True)
+    loss = (view * view).sum()
+    handle.read_async(view[4:], scratch / "w").wait()  # a view shares its base's counter
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.inference_mode():  # inference tensors have no version counter: still readable
+        t = torch.empty(4)
+        assert handle.read(t, scratch / "w") == 16 and torch.equal(t, torch.full((4,), 3.0))
+
+
 def test_disk_full_raises_enospc(aio, small_fs):
     mnt = small_fs(1 << 20, "tmpfs")
     with AsyncIOHandle() as h:  # tmpfs takes O_DIRECT since Linux 6.6, else the handle falls back

@@ -55,8 +55,11 @@ def check_tensor(tensor: object, what: str) -> torch.Tensor:
                          f"pass tensor.resolve_conj().resolve_neg() (a copy) instead")
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: the tensor is not contiguous; pass tensor.contiguous() (a copy) instead")
-    if tensor.device.type != "cpu" and not accelerator.current().is_device_tensor(tensor):
-        raise ValueError(f"{what}: tensors on {tensor.device} are not supported (CPU or {accelerator.current().name})")
+    acc = accelerator.current()
+    if tensor.device.type != "cpu" and not acc.is_device_tensor(tensor):
+        supported = "CPU" + (f" or {acc.name}" if acc.device_type else "")  # "none" when there is no accelerator
+        meta = "; a meta tensor has no bytes: make it with to_empty(device='cpu') first" if tensor.is_meta else ""
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported ({supported}){meta}")
     return tensor
 
 
@@ -240,6 +243,8 @@ class AsyncIOHandle:
         """Start reading ``tensor.nbytes`` bytes at ``offset`` of ``file`` (a path or an open descriptor) into
         ``tensor``. Reading past the end of the file is an error (ENODATA), never a silent hole."""
         check_tensor(tensor, "read")
+        if not tensor.is_inference():  # an in-place change, as torch's copy_ counts it: a backward that saved this
+            torch.autograd.graph.increment_version(tensor)  # tensor refuses instead of using the new bytes
         finish = None
         target = tensor
         acc = accelerator.current()
