@@ -230,6 +230,26 @@ def test_a_read_counts_as_an_in_place_change_for_autograd(handle, scratch):
         assert handle.read(t, scratch / "w") == 16 and torch.equal(t, torch.full((4,), 3.0))
 
 
+def test_closing_a_descriptor_while_its_transfer_runs_cannot_redirect_it(handle, scratch):
+    # The transfer used the caller's descriptor number: closed after submit and reused by the next open (the lowest
+    # free number), the 64 MiB landed in the other file. Each transfer now uses its own copy, closed when collected.
+    data = torch.full((64 << 20,), 5, dtype=torch.uint8)
+    open_fds = len(os.listdir("/proc/self/fd"))
+    fd = os.open(scratch / "mine", os.O_RDWR | os.O_CREAT)
+    request = handle.write_async(data, fd)
+    os.close(fd)
+    other = os.open(scratch / "other", os.O_RDWR | os.O_CREAT)
+    try:
+        assert request.wait() == data.numel()
+    finally:
+        os.close(other)
+    assert (scratch / "mine").stat().st_size == data.numel() and (scratch / "other").stat().st_size == 0
+    assert len(os.listdir("/proc/self/fd")) == open_fds  # the copy is closed
+    with pytest.raises(OSError) as info:
+        handle.read(torch.empty(4), fd)  # closed now
+    assert info.value.errno == errno.EBADF and f"descriptor {fd}" in str(info.value) and "offset 0" in str(info.value)
+
+
 def test_disk_full_raises_enospc(aio, small_fs):
     mnt = small_fs(1 << 20, "tmpfs")
     with AsyncIOHandle() as h:  # tmpfs takes O_DIRECT since Linux 6.6, else the handle falls back

@@ -8,6 +8,7 @@ offset), which becomes an ``OSError`` here.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import errno
 import math
@@ -75,7 +76,7 @@ class Request:
     """One asynchronous transfer. ``wait()`` returns the bytes moved or raises ``OSError``; ``done()`` polls."""
 
     def __init__(self, handle: "AsyncIOHandle", op_id: int, nbytes: int, path: str,
-                 keep_alive: tuple, finish: Callable[[], None] | None):
+                 keep_alive: tuple, finish: Callable[[], None] | None, owned_fd: int = -1):
         self._handle = weakref.ref(handle)
         self._native = handle._native
         self._op_id = op_id
@@ -83,6 +84,7 @@ class Request:
         self.path = path
         self._keep_alive = keep_alive  # tensors and staging buffers the native side is using
         self._finish = finish
+        self._owned_fd = owned_fd  # the copy of a caller's descriptor this transfer uses; closed once collected
         self._lock = threading.Lock()
         self._collected = False
         self._error: BaseException | None = None
@@ -155,6 +157,10 @@ class Request:
         finally:
             self._keep_alive = ()
             self._finish = None
+            if self._owned_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._owned_fd)
+                self._owned_fd = -1
             handle = self._handle()
             if handle is not None:  # pending until its buffers are released: see _close_live_handles
                 handle._forget(self._op_id)
@@ -310,12 +316,22 @@ class AsyncIOHandle:
         nbytes = buffer.numel() * buffer.element_size()
         if offset > INT64_MAX - nbytes:
             raise ValueError(f"file offset {offset} + {nbytes} bytes is past the largest file offset (2**63 - 1)")
-        with self._pending_lock:
-            if self._native is None:  # first use in a forked child
-                self._native = self._new_native()
-            op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
-            request = Request(self, op_id, nbytes, path, keep_alive, finish)
-            self._pending[op_id] = request
+        if fd >= 0:  # a copy, so that the caller closing theirs (and the number's reuse) cannot redirect the transfer
+            try:
+                fd = os.dup(fd)
+            except OSError as e:
+                raise os_error(e.errno, "open", path, offset, f"descriptor {path[4:-1]} is not usable") from None
+        try:
+            with self._pending_lock:
+                if self._native is None:  # first use in a forked child
+                    self._native = self._new_native()
+                op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
+                request = Request(self, op_id, nbytes, path, keep_alive, finish, owned_fd=fd)
+                self._pending[op_id] = request
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
         return request
 
     def _forget(self, op_id: int) -> None:
