@@ -250,6 +250,18 @@ def test_closing_a_descriptor_while_its_transfer_runs_cannot_redirect_it(handle,
     assert info.value.errno == errno.EBADF and f"descriptor {fd}" in str(info.value) and "offset 0" in str(info.value)
 
 
+def test_a_forked_child_closes_its_copies_of_the_parents_descriptors(handle, scratch):
+    fd = os.open(scratch / "forked", os.O_RDWR | os.O_CREAT)
+    before = set(os.listdir("/proc/self/fd"))
+    request = handle.write_async(torch.full((64 << 20,), 7, dtype=torch.uint8), fd)
+    pid = os.fork()
+    if pid == 0:  # the child: only what was open before the submit (the copy the parent's transfer uses is closed)
+        os._exit(0 if set(os.listdir("/proc/self/fd")) <= before else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert request.wait() == 64 << 20 and (scratch / "forked").stat().st_size == 64 << 20
+    os.close(fd)
+
+
 def test_disk_full_raises_enospc(aio, small_fs):
     mnt = small_fs(1 << 20, "tmpfs")
     with AsyncIOHandle() as h:  # tmpfs takes O_DIRECT since Linux 6.6, else the handle falls back

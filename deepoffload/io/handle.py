@@ -241,6 +241,11 @@ class AsyncIOHandle:
         if self._native is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
             self._native = None
+        for request in self._pending.values():  # this process's copies of descriptors the parent's transfers use
+            if request._owned_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(request._owned_fd)
+                request._owned_fd = -1
         self._pending = {}
         self._pending_lock = threading.Lock()
 
