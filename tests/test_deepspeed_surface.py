@@ -132,6 +132,29 @@ def test_calls_as_deepspeed_code_makes_them(scratch):
         h.pwrite(buf, path, False, True, asynch=True)
 
 
+def test_synchronous_call_also_waits_for_pending_asynchronous_ones(scratch):
+    # DeepSpeed's synchronous calls wait for every pending operation and return how many completed (its
+    # _wait_locked), so code written for it uses an asynchronous read's buffer after a later synchronous call and
+    # never calls wait() then (DeepSpeed would abort). Returning after the synchronous one alone left that buffer
+    # being filled (and a reused write buffer being written) while the caller went on.
+    h = aio_handle()
+    data = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)
+    small = torch.arange(4096, dtype=torch.int32)
+    h.sync_pwrite(data, str(scratch / "big"))
+    out = torch.zeros_like(data)
+    assert h.async_pread(out, str(scratch / "big")) == 0
+    assert h.async_pwrite(data[: 1 << 20].clone(), str(scratch / "piece")) == 0
+    assert h.sync_pwrite(small, str(scratch / "small")) == 3
+    assert torch.equal(out, data) and (scratch / "piece").stat().st_size == 1 << 20
+    assert h.wait() == 0
+    assert h.async_pread(out, str(scratch / "big")) == 0
+    assert h.read(torch.empty_like(small), str(scratch / "small"), True) == 2 and torch.equal(out, data)
+    h.async_pread(torch.empty(100, dtype=torch.uint8), str(scratch / "small"), 1 << 20)  # past the end
+    with pytest.raises(OSError) as info:
+        h.sync_pread(torch.empty_like(small), str(scratch / "small"))
+    assert info.value.errno == errno.ENODATA and h.wait() == 0  # the failed one is raised, none is left pending
+
+
 def test_descriptor_overloads(scratch):
     h = aio_handle(1 << 20, 8, False, True, 2)
     data = torch.arange(300_000, dtype=torch.int32)

@@ -203,6 +203,65 @@ def test_bad_input_gets_clear_errors(handle, scratch):
         AsyncIOHandle(blocksize=4096)
 
 
+def test_meta_tensor_is_refused_naming_what_to_do(handle, scratch):
+    (scratch / "m").write_bytes(bytes(40))
+    for call in (handle.write, handle.read):
+        with pytest.raises(ValueError) as info:
+            call(torch.empty(10, device="meta"), scratch / "m")
+        assert "meta" in str(info.value) and "to_empty" in str(info.value) and "none" not in str(info.value)
+
+
+def test_a_read_counts_as_an_in_place_change_for_autograd(handle, scratch):
+    # Reading into a tensor that a backward pass saved changed it behind autograd's back: backward then used the
+    # new bytes and returned a wrong gradient silently. torch's own copy_ makes that backward refuse; so does a read.
+    handle.write(torch.full((4,), 3.0), scratch / "w")
+    w = torch.ones(4, requires_grad=True)
+    loss = (w * w).sum()
+    handle.read(w, scratch / "w")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    view = torch.ones(8, requires_grad=True)
+    loss = (view * view).sum()
+    handle.read_async(view[4:], scratch / "w").wait()  # a view shares its base's counter
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.inference_mode():  # inference tensors have no version counter: still readable
+        t = torch.empty(4)
+        assert handle.read(t, scratch / "w") == 16 and torch.equal(t, torch.full((4,), 3.0))
+
+
+def test_closing_a_descriptor_while_its_transfer_runs_cannot_redirect_it(handle, scratch):
+    # The transfer used the caller's descriptor number: closed after submit and reused by the next open (the lowest
+    # free number), the 64 MiB landed in the other file. Each transfer now uses its own copy, closed when collected.
+    data = torch.full((64 << 20,), 5, dtype=torch.uint8)
+    open_fds = len(os.listdir("/proc/self/fd"))
+    fd = os.open(scratch / "mine", os.O_RDWR | os.O_CREAT)
+    request = handle.write_async(data, fd)
+    os.close(fd)
+    other = os.open(scratch / "other", os.O_RDWR | os.O_CREAT)
+    try:
+        assert request.wait() == data.numel()
+    finally:
+        os.close(other)
+    assert (scratch / "mine").stat().st_size == data.numel() and (scratch / "other").stat().st_size == 0
+    assert len(os.listdir("/proc/self/fd")) == open_fds  # the copy is closed
+    with pytest.raises(OSError) as info:
+        handle.read(torch.empty(4), fd)  # closed now
+    assert info.value.errno == errno.EBADF and f"descriptor {fd}" in str(info.value) and "offset 0" in str(info.value)
+
+
+def test_a_forked_child_closes_its_copies_of_the_parents_descriptors(handle, scratch):
+    fd = os.open(scratch / "forked", os.O_RDWR | os.O_CREAT)
+    before = set(os.listdir("/proc/self/fd"))
+    request = handle.write_async(torch.full((64 << 20,), 7, dtype=torch.uint8), fd)
+    pid = os.fork()
+    if pid == 0:  # the child: only what was open before the submit (the copy the parent's transfer uses is closed)
+        os._exit(0 if set(os.listdir("/proc/self/fd")) <= before else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert request.wait() == 64 << 20 and (scratch / "forked").stat().st_size == 64 << 20
+    os.close(fd)
+
+
 def test_disk_full_raises_enospc(aio, small_fs):
     mnt = small_fs(1 << 20, "tmpfs")
     with AsyncIOHandle() as h:  # tmpfs takes O_DIRECT since Linux 6.6, else the handle falls back

@@ -50,7 +50,12 @@ def torch_save(buffer: torch.Tensor, path: Path) -> Sample:
     """``torch.save(buffer)`` to ``path`` followed by an fsync."""
     start = time.perf_counter()
     with open(path, "wb") as f:
-        torch.save(buffer, f)
+        try:
+            torch.save(buffer, f)
+        except RuntimeError as e:  # torch's zip writer, finalized after Ctrl-C, raises "enforce fail ... pos"
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise e.__context__ from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     return Sample("torch.save", "write", buffer.numel(), time.perf_counter() - start, buffer.numel())

@@ -58,19 +58,36 @@ class Sample:
 def make_buffer(nbytes: int, kind: str) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` bytes: ``pinned`` is page-aligned and page-locked (the zero-copy path),
     ``unaligned`` starts one byte past a torch allocation (the bounce-buffer path). Filled with a random
-    (incompressible) pattern."""
-    if kind == "pinned":
-        buffer = aligned_empty(nbytes)
-    elif kind == "unaligned":
-        buffer = torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
-    else:
+    (incompressible) pattern. Raises ``BenchError`` when memory cannot hold it."""
+    if kind not in BUFFER_KINDS:
         raise ValueError(f"buffer kind must be one of {', '.join(BUFFER_KINDS)}, got {kind!r}")
+    available = available_memory()
+    too_big = (f"the {nbytes}-byte test buffer (--size: one transfer is the whole file, held in memory) does not fit "
+               f"in memory")
+    if available is not None and nbytes > available:
+        raise BenchError(f"{too_big}: {available} bytes are available; pass a smaller --size")
+    try:
+        buffer = aligned_empty(nbytes) if kind == "pinned" else torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+    except (MemoryError, RuntimeError, OSError) as e:  # torch says "DefaultCPUAllocator: can't allocate memory"
+        raise BenchError(f"{too_big} ({e}); pass a smaller --size") from e
     pattern = torch.randint(0, 256, (min(nbytes, 1 << 20),), dtype=torch.uint8,
                             generator=torch.Generator().manual_seed(0))
     for offset in range(0, nbytes, pattern.numel()):
         chunk = buffer[offset:offset + pattern.numel()]
         chunk.copy_(pattern[:chunk.numel()])
     return buffer
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says can be allocated without swapping (``MemAvailable``); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def evict(path: Path) -> None:

@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
+    except BrokenPipeError:  # stdout's reader left: deepoffload.cli.main stops quietly
+        raise
     except (BenchError, ConfigError, ValueError, OSError) as e:
         print(f"deepoffload bench: error: {e}", file=sys.stderr)
         return 1

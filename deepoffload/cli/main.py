@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..version import __version__
@@ -38,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        status = int(importlib.import_module(args._module).run(args) or 0)
+        sys.stdout.flush()  # here, so that a reader gone away is seen below and not at exit
+        return status
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, with the status of a process killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 128 + 13

@@ -38,14 +38,16 @@ def run(args: argparse.Namespace) -> int:
     from ..config import ConfigError
 
     try:
-        if args.budget <= 0:
-            raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
+        if not 0 < args.budget < math.inf:  # also NaN
+            raise ValueError(f"--budget must be a positive number of seconds (not inf or nan), got {args.budget}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise BenchError(PLOT_HINT)
         for name in (args.output, args.plot):
             if name:
                 check_writable(name)
         return _run(args, started)
+    except BrokenPipeError:  # stdout's reader left: deepoffload.cli.main stops quietly
+        raise
     except (BenchError, ConfigError, ValueError, OSError) as e:
         print(f"deepoffload tune: error: {e}", file=sys.stderr)
         return 1
@@ -96,9 +98,9 @@ def _run(args: argparse.Namespace, started: float) -> int:
             search = Search(lambda c: round_trip(c, buffer, path, direct), start, default_knobs(engines, args.size),
                             args.budget, started=started, on_trial=progress)
             result = search.run()
-    print(format_trials(result, direct))
     config = result.best.to_dict()
-    Path(args.output).write_text(json.dumps(config, indent=2) + "\n")
+    Path(args.output).write_text(json.dumps(config, indent=2) + "\n")  # first: printing fails when piped to head
+    print(format_trials(result, direct))
     print(f"\noptimised for {SCORE_DESCRIPTION}")
     print(f"best: {json.dumps(config)}")
     print(f"      write {result.best_write_gbps:.3f} GB/s, read {result.best_read_gbps:.3f} GB/s, score "

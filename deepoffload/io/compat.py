@@ -6,6 +6,7 @@ difference). Writes never shorten a file: DeepSpeed opens for writing without ``
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from types import ModuleType
@@ -58,8 +59,9 @@ def _async_flag(async_op, kwargs: dict, method: str) -> bool:
 
 
 class aio_handle:  # noqa: N801  (DeepSpeed's name)
-    """DeepSpeed's ``aio_handle``: synchronous calls return 1, asynchronous ones 0, ``wait()`` the number of
-    asynchronous operations that completed (0 when none were pending). ``engine`` (not in DeepSpeed) picks one of
+    """DeepSpeed's ``aio_handle``: asynchronous calls return 0; synchronous ones wait for their own operation and
+    every pending asynchronous one and return how many completed (1 when none were pending); ``wait()`` the number
+    of asynchronous operations that completed (0 when none were pending). ``engine`` (not in DeepSpeed) picks one of
     deepoffload's engines; by default ``DEEPOFFLOAD_AIO_ENGINE`` or ``auto``."""
 
     def __init__(self, block_size: int = DS_BLOCK_SIZE, queue_depth: int = DS_QUEUE_DEPTH,
@@ -142,11 +144,18 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             else:
                 self._handle.read_async(buffer, file, file_offset)
             return 0
-        if write:
-            self._handle.write(buffer, file, file_offset, validate=bool(validate), truncate=False)
-        else:
-            self._handle.read(buffer, file, file_offset, validate=bool(validate))
-        return 1
+        try:
+            if write:
+                self._handle.write(buffer, file, file_offset, validate=bool(validate), truncate=False)
+            else:
+                self._handle.read(buffer, file, file_offset, validate=bool(validate))
+        except Exception:
+            with contextlib.suppress(Exception):  # still drain the pending ones, as below; this error is raised
+                self._handle.wait_all()
+            raise
+        # Like DeepSpeed's, a synchronous call also waits for every pending asynchronous one and counts it: code
+        # written for DeepSpeed uses their buffers next without calling wait() (DeepSpeed aborts when none pend).
+        return 1 + self._handle.wait_all()
 
     def wait(self) -> int:
         return self._handle.wait_all()

@@ -8,6 +8,7 @@ offset), which becomes an ``OSError`` here.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import errno
 import math
@@ -55,8 +56,11 @@ def check_tensor(tensor: object, what: str) -> torch.Tensor:
                          f"pass tensor.resolve_conj().resolve_neg() (a copy) instead")
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: the tensor is not contiguous; pass tensor.contiguous() (a copy) instead")
-    if tensor.device.type != "cpu" and not accelerator.current().is_device_tensor(tensor):
-        raise ValueError(f"{what}: tensors on {tensor.device} are not supported (CPU or {accelerator.current().name})")
+    acc = accelerator.current()
+    if tensor.device.type != "cpu" and not acc.is_device_tensor(tensor):
+        supported = "CPU" + (f" or {acc.name}" if acc.device_type else "")  # "none" when there is no accelerator
+        meta = "; a meta tensor has no bytes: make it with to_empty(device='cpu') first" if tensor.is_meta else ""
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported ({supported}){meta}")
     return tensor
 
 
@@ -72,7 +76,7 @@ class Request:
     """One asynchronous transfer. ``wait()`` returns the bytes moved or raises ``OSError``; ``done()`` polls."""
 
     def __init__(self, handle: "AsyncIOHandle", op_id: int, nbytes: int, path: str,
-                 keep_alive: tuple, finish: Callable[[], None] | None):
+                 keep_alive: tuple, finish: Callable[[], None] | None, owned_fd: int = -1):
         self._handle = weakref.ref(handle)
         self._native = handle._native
         self._op_id = op_id
@@ -80,6 +84,7 @@ class Request:
         self.path = path
         self._keep_alive = keep_alive  # tensors and staging buffers the native side is using
         self._finish = finish
+        self._owned_fd = owned_fd  # the copy of a caller's descriptor this transfer uses; closed once collected
         self._lock = threading.Lock()
         self._collected = False
         self._error: BaseException | None = None
@@ -152,6 +157,10 @@ class Request:
         finally:
             self._keep_alive = ()
             self._finish = None
+            if self._owned_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._owned_fd)
+                self._owned_fd = -1
             handle = self._handle()
             if handle is not None:  # pending until its buffers are released: see _close_live_handles
                 handle._forget(self._op_id)
@@ -232,6 +241,11 @@ class AsyncIOHandle:
         if self._native is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
             self._native = None
+        for request in self._pending.values():  # this process's copies of descriptors the parent's transfers use
+            if request._owned_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(request._owned_fd)
+                request._owned_fd = -1
         self._pending = {}
         self._pending_lock = threading.Lock()
 
@@ -240,6 +254,8 @@ class AsyncIOHandle:
         """Start reading ``tensor.nbytes`` bytes at ``offset`` of ``file`` (a path or an open descriptor) into
         ``tensor``. Reading past the end of the file is an error (ENODATA), never a silent hole."""
         check_tensor(tensor, "read")
+        if not tensor.is_inference():  # an in-place change, as torch's copy_ counts it: a backward that saved this
+            torch.autograd.graph.increment_version(tensor)  # tensor refuses instead of using the new bytes
         finish = None
         target = tensor
         acc = accelerator.current()
@@ -305,12 +321,22 @@ class AsyncIOHandle:
         nbytes = buffer.numel() * buffer.element_size()
         if offset > INT64_MAX - nbytes:
             raise ValueError(f"file offset {offset} + {nbytes} bytes is past the largest file offset (2**63 - 1)")
-        with self._pending_lock:
-            if self._native is None:  # first use in a forked child
-                self._native = self._new_native()
-            op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
-            request = Request(self, op_id, nbytes, path, keep_alive, finish)
-            self._pending[op_id] = request
+        if fd >= 0:  # a copy, so that the caller closing theirs (and the number's reuse) cannot redirect the transfer
+            try:
+                fd = os.dup(fd)
+            except OSError as e:
+                raise os_error(e.errno, "open", path, offset, f"descriptor {path[4:-1]} is not usable") from None
+        try:
+            with self._pending_lock:
+                if self._native is None:  # first use in a forked child
+                    self._native = self._new_native()
+                op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
+                request = Request(self, op_id, nbytes, path, keep_alive, finish, owned_fd=fd)
+                self._pending[op_id] = request
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
         return request
 
     def _forget(self, op_id: int) -> None:
