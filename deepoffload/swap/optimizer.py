@@ -92,9 +92,28 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
 
 
 def _storable(value: Any) -> bool:
-    """A tensor with one byte buffer (strided, not quantized); others (e.g. SGD's sparse momentum for sparse
-    gradients) stay in memory."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized
+    """A tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse momentum
+    for sparse gradients) stay in memory."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized \
+        and not value.is_meta
+
+
+class _StoredState(dict):
+    """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage (it holds the
+    non-tensor values). The stored tensors belong to this entry: once it is replaced or removed (``opt.state[p] =
+    {}``, ``del opt.state[p]``, ``opt.state.clear()``, a new ``opt.state``) or cleared, they are dropped, so the
+    optimizer starts that state afresh, as it would in memory."""
+
+    cleared = False
+
+    def clear(self) -> None:
+        self.cleared = True
+        super().clear()
+
+
+def _holds_stored(values: Any) -> bool:
+    """Whether a parameter's state entry still owns the tensors stored for it (see ``_StoredState``)."""
+    return type(values) is _StoredState and not values.cleared
 
 
 class _Chunk(list):
@@ -446,7 +465,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Put a chunk's state, read from storage, into the wrapped optimizer's state."""
         state, by_name = self.optimizer.state, chunk.by_name
         for name, tensors in read.wait().items():
-            state[by_name[name]].update(tensors)
+            values = state.get(by_name[name])
+            if not _holds_stored(values):
+                continue  # the user reset this state since it was stored: the optimizer starts it afresh
+            if values:  # a tensor the user put there since wins over the stored one, as it would in memory
+                for key, tensor in tensors.items():
+                    values.setdefault(key, tensor)
+            else:
+                values.update(tensors)
 
     def _write(self, chunk: _Chunk, staged: SwapIn) -> SwapOut:
         write = self._write_back(chunk, staged)
@@ -460,6 +486,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             tensors = {k: v for k, v in values.items() if _storable(v)} if values else None
             if tensors:
                 written[p] = tensors
+                if not _holds_stored(values):
+                    state[p] = _StoredState(values)
 
         def drop() -> None:  # the bytes are safe on storage: release the memory
             for param, tensors in written.items():
@@ -493,7 +521,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state, pairs = self.optimizer.state, []
         for param, name in zip(chunk, chunk.names):
             values, views = state.get(param), read.get(name)
-            if values is None or views is None or len(values) != len(views):
+            if not _holds_stored(values) or views is None or len(values) != len(views):
                 return None
             for key, view in views.items():
                 if values.get(key) is not view:
@@ -535,6 +563,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state = {key: dict(values) for key, values in result["state"].items()}
         params = self._params()
         index = {id(p): i for i, p in enumerate(params)}
+        for p in params:  # state the user reset since it was stored
+            if self.swapper.has(self._name(p)) and not _holds_stored(self.optimizer.state.get(p)):
+                self.swapper.discard(self._name(p))
         chunks = self._chunks([p for p in params if self.swapper.has(self._name(p))])
         reads: list[SwapIn] = []
         try:
@@ -545,8 +576,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 try:
                     by_name = chunk.by_name
                     for name, tensors in read.wait().items():
-                        copies = {key: value.clone() for key, value in tensors.items()}
-                        state.setdefault(index[id(by_name[name])], {}).update(copies)
+                        values = state.setdefault(index[id(by_name[name])], {})
+                        for key, value in tensors.items():  # a tensor the user put in memory since wins
+                            if key not in values:
+                                values[key] = value.clone()
                 finally:
                     read.release()
         finally:

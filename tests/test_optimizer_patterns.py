@@ -1,0 +1,178 @@
+"""OffloadedOptimizer in the patterns users write around an optimizer, each compared with the same optimizer kept in
+memory: resetting state (the whole mapping, one entry, clearing it), setting a state tensor by hand, state holding
+meta tensors, and a forked child that exits normally."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import os
+
+import pytest
+import torch
+
+from deepoffload.swap.config import SwapConfig
+from deepoffload.swap.optimizer import OffloadedOptimizer
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+
+
+@pytest.fixture
+def config(scratch):
+    return SwapConfig(folder=str(scratch), chunk_bytes=4096, buffer_count=3)  # several chunks per step
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def train(model, optimizer, steps: int, start: int = 0, between=None) -> None:
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)
+        optimizer.zero_grad()
+        (model(x) - y).square().mean().backward()
+        optimizer.step()
+        if between is not None:
+            between(step, model, optimizer)
+
+
+def assert_same(reference, model) -> None:
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def assert_same_state(expected: dict, actual: dict) -> None:
+    assert expected["param_groups"] == actual["param_groups"]
+    assert expected["state"].keys() == actual["state"].keys()
+    for index, values in expected["state"].items():
+        assert values.keys() == actual["state"][index].keys(), index
+        for key, value in values.items():
+            assert torch.equal(value, actual["state"][index][key]), (index, key)
+
+
+def _new_mapping(model, opt):
+    opt.state = collections.defaultdict(dict)
+
+
+def _clear_mapping(model, opt):
+    opt.state.clear()
+
+
+def _delete_entry(model, opt):
+    del opt.state[model[0].weight]
+
+
+def _replace_entry(model, opt):
+    opt.state[model[0].weight] = {}
+
+
+def _clear_entry(model, opt):
+    opt.state[model[0].weight].clear()
+
+
+RESETS = {"new mapping": _new_mapping, "mapping cleared": _clear_mapping, "entry deleted": _delete_entry,
+          "entry replaced": _replace_entry, "entry cleared": _clear_entry}
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "step_in_backward"])
+@pytest.mark.parametrize("reset", RESETS)
+def test_resetting_state_restarts_it_as_in_memory(reset, in_backward, config):
+    """Before: the state stored on disk was read back over the reset one, so the reset was silently ignored."""
+    def between(step, model, opt):
+        if step == 2:
+            RESETS[reset](model, opt)
+
+    reference = make_model()
+    plain = ADAMW(reference.parameters())
+    train(reference, plain, 3, between=between)
+    model = make_model()
+    with OffloadedOptimizer(ADAMW, model.parameters(), config) as opt:
+        opt.step_in_backward(in_backward)
+        train(model, opt, 3, between=between)
+        assert_same_state(plain.state_dict(), opt.state_dict())  # the reset state is not in the checkpoint either
+        train(reference, plain, 3, start=3)
+        train(model, opt, 3, start=3)
+        assert_same(reference, model)
+        assert_same_state(plain.state_dict(), opt.state_dict())
+
+
+def test_a_state_tensor_set_by_hand_is_used_not_the_stored_one(config):
+    """Before: the stored exp_avg was read back over the one set by hand."""
+    def between(step, model, opt):
+        if step == 1:
+            opt.state[model[0].weight]["exp_avg"] = torch.full_like(model[0].weight, 0.5)
+
+    reference = make_model()
+    plain = ADAMW(reference.parameters())
+    model = make_model()
+    with OffloadedOptimizer(ADAMW, model.parameters(), config) as opt:
+        train(reference, plain, 2, between=between)
+        train(model, opt, 2, between=between)
+        assert_same_state(plain.state_dict(), opt.state_dict())
+        train(reference, plain, 3, start=2)
+        train(model, opt, 3, start=2)
+        assert_same(reference, model)
+        assert_same_state(plain.state_dict(), opt.state_dict())
+
+
+class _MetaNote(torch.optim.Optimizer):
+    """SGD that also keeps a tensor on ``meta`` (a shape note, no data) and a step count in its state."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["shape"] = torch.empty(p.shape, device="meta")
+                    state["momentum"] = torch.zeros_like(p)
+                state["momentum"].mul_(0.9).add_(p.grad)
+                p.add_(state["momentum"], alpha=-group["lr"])
+
+
+def test_state_on_meta_stays_in_memory_and_the_rest_is_stored(config):
+    """Before: NotImplementedError 'Cannot copy out of meta tensor' from inside the step."""
+    reference = make_model()
+    plain = _MetaNote(reference.parameters())
+    train(reference, plain, 3)
+    model = make_model()
+    with OffloadedOptimizer(_MetaNote, model.parameters(), config) as opt:
+        train(model, opt, 3)
+        assert_same(reference, model)
+        assert opt.stored_bytes() > 0
+        assert all(set(values) == {"shape"} and values["shape"].is_meta for values in opt.state.values())
+        saved = opt.state_dict()
+        assert saved["state"][0]["shape"].is_meta and torch.equal(saved["state"][0]["momentum"],
+                                                                   plain.state_dict()["state"][0]["momentum"])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_exiting_normally_leaves_the_parents_swap_files(config):
+    """Before: the child's exit handler removed the parent's run folder; the parent's next step raised ENOENT."""
+    model = make_model()
+    with OffloadedOptimizer(ADAMW, model.parameters(), config) as opt:
+        train(model, opt, 2)
+        pid = os.fork()
+        if pid == 0:  # the child runs the exit handlers, as after sys.exit() or at the end of a script
+            code = 0
+            try:
+                atexit._run_exitfuncs()
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.path.isdir(opt.swapper.folder)
+        train(model, opt, 2, start=2)
+    reference = make_model()
+    train(reference, ADAMW(reference.parameters()), 4)
+    assert_same(reference, model)
