@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import gc
 import os
 
 import pytest
@@ -176,3 +177,16 @@ def test_a_forked_child_exiting_normally_leaves_the_parents_swap_files(config):
     reference = make_model()
     train(reference, ADAMW(reference.parameters()), 4)
     assert_same(reference, model)
+
+
+@pytest.mark.parametrize("keep_files", [False, True])
+def test_an_optimizer_dropped_without_close_removes_its_files_unless_kept(keep_files, config):
+    """Before: its swap folder stayed until the interpreter exited (a loop making optimizers filled the disk)."""
+    model = make_model()
+    opt = OffloadedOptimizer(ADAMW, model.parameters(), config.replace(keep_files=keep_files))
+    train(model, opt, 2)
+    folder = opt.swapper.folder
+    assert os.listdir(folder)
+    del opt
+    gc.collect()
+    assert os.path.isdir(folder) == keep_files

@@ -57,6 +57,14 @@ def remove_run_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_run_folder_if_owned(folder: str) -> None:
+    """Remove ``folder`` if this process made it and it is not kept (for finalizers: never a parent's folder)."""
+    with _owned_lock:
+        owned = _owned.get(folder) == os.getpid()
+    if owned:
+        remove_run_folder(folder)
+
+
 @atexit.register
 def _remove_owned() -> None:
     """Remove this process's folders; a child forked after they were made (e.g. one exiting through ``sys.exit``)
