@@ -190,3 +190,41 @@ def test_an_optimizer_dropped_without_close_removes_its_files_unless_kept(keep_f
     del opt
     gc.collect()
     assert os.path.isdir(folder) == keep_files
+
+
+class _SharedCount(torch.optim.Optimizer):
+    """Momentum SGD whose step size shrinks with a count that every parameter's state shares (one tensor, also held
+    by the optimizer), and whose two momenta are views of one tensor in the state."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+        self.count = torch.zeros(())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["count"] = self.count
+                    state["both"] = torch.zeros(2, *p.shape)
+                    state["fast"], state["slow"] = state["both"][0], state["both"][1]
+                state["count"].add_(1)
+                state["fast"].mul_(0.5).add_(p.grad)
+                state["slow"].mul_(0.9).add_(p.grad)
+                p.sub_(state["both"].sum(0) * (group["lr"] / state["count"].item()))
+
+
+def test_state_tensors_sharing_memory_keep_sharing_it(config):
+    """Before: each parameter stored its own copy of the shared count, and the two views were stored apart from the
+    tensor they view, so neither sharing survived a step: the parameters silently differed."""
+    reference = make_model()
+    plain = _SharedCount(reference.parameters())
+    train(reference, plain, 4)
+    model = make_model()
+    with OffloadedOptimizer(_SharedCount, model.parameters(), config) as opt:
+        train(model, opt, 4)
+        assert_same(reference, model)
+        assert opt.optimizer.count.item() == plain.count.item() == 4 * len(list(model.parameters()))

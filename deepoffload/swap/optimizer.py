@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
@@ -111,6 +112,23 @@ class _StoredState(dict):
         super().clear()
 
 
+def _references(values: dict, key: Any) -> int:
+    return sys.getrefcount(values[key])
+
+
+_ALONE = _references({"t": torch.empty(0)}, "t")  # the count for a tensor its state entry alone refers to
+
+
+def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
+    """Whether the state tensor ``values[key]`` is reached other than through its entry: referred to from elsewhere
+    (another parameter's state, the optimizer, the caller), or a view of another tensor of the entry or viewed by
+    one. A copy on storage would stop sharing its memory, so it stays in memory."""
+    value = values[key]
+    base = value._base
+    return (base is not None and any(other is base for other in values.values())) or id(value) in bases \
+        or _references(values, key) > _ALONE + 1  # (+1: ``value`` here)
+
+
 def _holds_stored(values: Any) -> bool:
     """Whether a parameter's state entry still owns the tensors stored for it (see ``_StoredState``)."""
     return type(values) is _StoredState and not values.cleared
@@ -194,6 +212,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._plans: dict[tuple, list[_Chunk]] = {}  # chunk plans made at ``_plans_version`` of the swapper
         self._plans_version = -1
         self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
+        self._loading = False  # load_state_dict is storing the loaded state
         self._trimmed_at = 0  # swapper.bytes_read at the last trim
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
@@ -481,9 +500,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state = self.optimizer.state
         self._copied = True
         written = {}
-        for p in chunk:
+        read = staged.wait()
+        for p, name in zip(chunk, chunk.names):
             values = state.get(p)
             tensors = {k: v for k, v in values.items() if _storable(v)} if values else None
+            if tensors and not self._loading:  # (a loaded state's tensors may still be the caller's: copied)
+                views = read.get(name, {})
+                bases = {id(v._base) for v in tensors.values() if v._base is not None}
+                del tensors
+                tensors = {k: values[k] for k in list(values) if _storable(values[k])
+                           and (values[k] is views.get(k) or not _shares_memory(values, k, bases))}
             if tensors:
                 written[p] = tensors
                 if not _holds_stored(values):
@@ -601,7 +627,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         for param in self._params():
             self.swapper.discard(self._name(param))
-        self._swap_out_resident()
+        self._loading = True
+        try:
+            self._swap_out_resident()
+        finally:
+            self._loading = False
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
