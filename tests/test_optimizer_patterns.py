@@ -112,6 +112,8 @@ def test_a_state_tensor_set_by_hand_is_used_not_the_stored_one(config):
     with OffloadedOptimizer(ADAMW, model.parameters(), config) as opt:
         train(reference, plain, 2, between=between)
         train(model, opt, 2, between=between)
+        with pytest.raises(KeyError):  # on storage between steps, not silently stale
+            opt.state[model[2].weight]["exp_avg"]
         assert_same_state(plain.state_dict(), opt.state_dict())
         train(reference, plain, 3, start=2)
         train(model, opt, 3, start=2)

@@ -4,7 +4,9 @@ Each step walks the parameters that have gradients in chunks of about ``chunk_by
 reads the state in, runs the wrapped optimizer's own ``step()`` with every param group temporarily restricted to
 the chunk's parameters, and writes the (possibly new, resized or re-typed) state back out; chunk k+1 is being read
 and chunk k-1 written while chunk k steps. The wrapped optimizer does all the math, parameter by parameter as it
-always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory.
+always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory,
+and so do tensors that share their memory (see ``_shares_memory``). The stored tensors belong to the state entry
+left in memory: resetting it resets them (see ``_StoredState``).
 
 Optimizers that need all parameters at once inside one step, or whose ``step`` requires a closure (``LBFGS``),
 are refused at construction. The wrapped optimizer is stepped without its own step hooks (its class's ``step``
