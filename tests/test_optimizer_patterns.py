@@ -1,6 +1,7 @@
 """OffloadedOptimizer in the patterns users write around an optimizer, each compared with the same optimizer kept in
 memory: resetting state (the whole mapping, one entry, clearing it), setting a state tensor by hand, state holding
-meta tensors, and a forked child that exits normally."""
+meta tensors or sharing memory, a forked child that exits normally, an optimizer dropped without close, and a
+construction that fails part way."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import collections
 import functools
 import gc
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+import deepoffload.io.handle as handle_module
 from deepoffload.swap.config import SwapConfig
 from deepoffload.swap.optimizer import OffloadedOptimizer
 
@@ -230,3 +233,32 @@ def test_state_tensors_sharing_memory_keep_sharing_it(config):
         train(model, opt, 4)
         assert_same(reference, model)
         assert opt.optimizer.count.item() == plain.count.item() == 4 * len(list(model.parameters()))
+
+
+def test_a_failed_construction_gives_the_state_back_and_the_optimizer_can_be_wrapped_again(config, monkeypatch):
+    """Adagrad makes its state in __init__, stored when wrapped. Before: a write failing there (a full disk) left the
+    Adagrad marked wrapped, so wrapping it again (after freeing space) raised 'already wrapped ... use that wrapper'
+    though no wrapper existed, and the state of the chunks already stored was gone from it."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(6)]  # 1 KiB of state each: several chunks
+    inner = torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.25)
+    expected = {i: {k: v.clone() for k, v in values.items()} for i, values in inner.state_dict()["state"].items()}
+    real_write, calls = handle_module.AsyncIOHandle.write_async, []
+
+    def second_fails(self, tensor, file, *args, **kwargs):
+        calls.append(file)
+        return real_write(self, tensor, "/nonexistent-folder/x.swp" if len(calls) == 2 else file, *args, **kwargs)
+
+    monkeypatch.setattr(handle_module.AsyncIOHandle, "write_async", second_fails)
+    with pytest.raises(OSError, match="nonexistent-folder"):
+        OffloadedOptimizer(inner, config=config)
+    monkeypatch.undo()
+    assert len(calls) >= 3  # chunks before and after the failed one were stored
+    assert inner.state_dict()["state"].keys() == expected.keys()
+    for index, values in inner.state_dict()["state"].items():
+        assert all(torch.equal(values[key], expected[index][key]) for key in expected[index]), index
+    assert list(Path(config.folder).glob("deepoffload-rank*")) == []  # its swap folder was removed
+    with OffloadedOptimizer(inner, config=config) as opt:
+        assert opt.stored_bytes() > 0
+        saved = opt.state_dict()["state"]
+        assert all(torch.equal(saved[i][k], expected[i][k]) for i in expected for k in expected[i])

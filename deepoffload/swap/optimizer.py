@@ -225,7 +225,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
-        self._swap_out_resident()  # e.g. Adagrad creates its state in __init__
+        try:
+            self._swap_out_resident()  # e.g. Adagrad creates its state in __init__
+        except BaseException as e:
+            self._unwrap(e)
+            raise
+
+    def _unwrap(self, error: BaseException) -> None:
+        """Construction failed (e.g. a full disk): the state stored so far goes back into the wrapped optimizer's
+        memory, its swap files are removed, and it can be wrapped again."""
+        try:
+            saved = self._gather_state_dict()["state"]
+            params = self._params()
+            for index, values in saved.items():
+                self.optimizer.state[params[index]] = values
+            delattr(self.optimizer, _WRAPPED)
+        except BaseException as failed:
+            if hasattr(error, "add_note"):
+                error.add_note(f"OffloadedOptimizer: the state already stored could not be read back into the "
+                               f"{type(self.optimizer).__name__} ({failed!r}); build a new optimizer")
+        finally:
+            try:
+                self.swapper.close()
+            except OSError as failed:
+                if hasattr(error, "add_note"):
+                    error.add_note(f"OffloadedOptimizer: closing its swap files failed too: {failed!r}")
 
     # -- the wrapped optimizer's params and in-memory state --------------------------------------------------
     @property
