@@ -262,3 +262,23 @@ def test_a_failed_construction_gives_the_state_back_and_the_optimizer_can_be_wra
         assert opt.stored_bytes() > 0
         saved = opt.state_dict()["state"]
         assert all(torch.equal(saved[i][k], expected[i][k]) for i in expected for k in expected[i])
+
+
+@pytest.mark.parametrize("reset", RESETS)
+def test_a_reset_between_backward_and_step_with_step_in_backward_raises(reset, config):
+    """Parameters step inside backward, so a reset made after it came too late for this step. Before: step()
+    returned as if the reset had applied to it."""
+    model = make_model()
+    with OffloadedOptimizer(ADAMW, model.parameters(), config) as opt:
+        opt.step_in_backward()
+        train(model, opt, 2)
+        x, y = torch.ones(6, 8), torch.zeros(6, 4)
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        RESETS[reset](model, opt)
+        with pytest.raises(RuntimeError, match="was reset"):
+            opt.step()
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        opt.step()  # the reset applies from this step on
+        assert opt.state_dict()["state"][0]["step"].item() == 1

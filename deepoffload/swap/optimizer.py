@@ -702,6 +702,7 @@ class _BackwardSteps:
         self.optimizer = optimizer
         self.ready: list[set[int]] = []
         self.stepped: dict[int, int] = {}  # id(param) -> its gradient's version when it was stepped
+        self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
         self.error: OSError | None = None
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
@@ -765,6 +766,7 @@ class _BackwardSteps:
         opt._trim()
         for p in chunk:
             self.stepped[id(p)] = p.grad._version
+            self.entries[id(p)] = opt.optimizer.state.get(p)
         self._collect_done()
         self._read_ahead()
 
@@ -797,6 +799,14 @@ class _BackwardSteps:
                                    f"GradScaler unscaling, zero_grad before step?); those parameters took their "
                                    f"step with the unchanged gradients. Turn step_in_backward off to clip or "
                                    f"scale gradients")
+            state, entries = opt.optimizer.state, self.entries
+            reset = [p for p in opt._params() if id(p) in entries and (state.get(p) is not entries[id(p)] or (
+                type(entries[id(p)]) is _StoredState and entries[id(p)].cleared))]
+            if reset:
+                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the state of {len(reset)} parameter(s) "
+                                   f"was reset (opt.state replaced or cleared, an entry deleted, replaced or "
+                                   f"cleared) after backward stepped them with the state before; the reset applies "
+                                   f"from the next step. Reset state before backward, or turn step_in_backward off")
             rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
             with _intra_op_threads(opt._compute_threads):
                 opt._run(opt._chunks(rest), opt._step_chunk)
@@ -804,7 +814,7 @@ class _BackwardSteps:
             for write in self.writes:
                 self._collect(write)
             opt._trim()
-            self.writes, self.stepped = [], {}
+            self.writes, self.stepped, self.entries = [], {}, {}
             error, self.error = self.error, None
             opt._drop_prefetched()
             self._plan()
