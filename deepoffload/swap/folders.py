@@ -15,7 +15,7 @@ import threading
 from ..op_builder import env
 
 _owned_lock = threading.Lock()
-_owned: set[str] = set()
+_owned: dict[str, int] = {}  # folder -> id of the process that created it (a forked child removes none of them)
 
 
 def current_rank() -> int:
@@ -41,14 +41,14 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
         raise OSError(e.errno, f"cannot create a swap folder in {base} ({e.strerror}); choose a writable folder "
                                f"with `folder=` (or --path)", base) from e
     with _owned_lock:
-        _owned.add(folder)
+        _owned[folder] = os.getpid()
     return folder
 
 
 def keep_run_folder(folder: str) -> None:
     """Leave ``folder`` in place at interpreter exit."""
     with _owned_lock:
-        _owned.discard(folder)
+        _owned.pop(folder, None)
 
 
 def remove_run_folder(folder: str) -> None:
@@ -57,9 +57,20 @@ def remove_run_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_run_folder_if_owned(folder: str) -> None:
+    """Remove ``folder`` if this process made it and it is not kept (for finalizers: never a parent's folder)."""
+    with _owned_lock:
+        owned = _owned.get(folder) == os.getpid()
+    if owned:
+        remove_run_folder(folder)
+
+
 @atexit.register
 def _remove_owned() -> None:
+    """Remove this process's folders; a child forked after they were made (e.g. one exiting through ``sys.exit``)
+    leaves them to its parent, which still uses them."""
+    pid = os.getpid()
     with _owned_lock:
-        folders = list(_owned)
+        folders = [folder for folder, owner in _owned.items() if owner == pid]
     for folder in folders:
         remove_run_folder(folder)

@@ -4,7 +4,9 @@ Each step walks the parameters that have gradients in chunks of about ``chunk_by
 reads the state in, runs the wrapped optimizer's own ``step()`` with every param group temporarily restricted to
 the chunk's parameters, and writes the (possibly new, resized or re-typed) state back out; chunk k+1 is being read
 and chunk k-1 written while chunk k steps. The wrapped optimizer does all the math, parameter by parameter as it
-always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory.
+always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory,
+and so do tensors that share their memory (see ``_shares_memory``). The stored tensors belong to the state entry
+left in memory: resetting it resets them (see ``_StoredState``).
 
 Optimizers that need all parameters at once inside one step, or whose ``step`` requires a closure (``LBFGS``),
 are refused at construction. The wrapped optimizer is stepped without its own step hooks (its class's ``step``
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
@@ -92,9 +95,45 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
 
 
 def _storable(value: Any) -> bool:
-    """A tensor with one byte buffer (strided, not quantized); others (e.g. SGD's sparse momentum for sparse
-    gradients) stay in memory."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized
+    """A tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse momentum
+    for sparse gradients) stay in memory."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized \
+        and not value.is_meta
+
+
+class _StoredState(dict):
+    """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage (it holds the
+    non-tensor values). The stored tensors belong to this entry: once it is replaced or removed (``opt.state[p] =
+    {}``, ``del opt.state[p]``, ``opt.state.clear()``, a new ``opt.state``) or cleared, they are dropped, so the
+    optimizer starts that state afresh, as it would in memory."""
+
+    cleared = False
+
+    def clear(self) -> None:
+        self.cleared = True
+        super().clear()
+
+
+def _references(values: dict, key: Any) -> int:
+    return sys.getrefcount(values[key])
+
+
+_ALONE = _references({"t": torch.empty(0)}, "t")  # the count for a tensor its state entry alone refers to
+
+
+def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
+    """Whether the state tensor ``values[key]`` is reached other than through its entry: referred to from elsewhere
+    (another parameter's state, the optimizer, the caller), or a view of another tensor of the entry or viewed by
+    one. A copy on storage would stop sharing its memory, so it stays in memory."""
+    value = values[key]
+    base = value._base
+    return (base is not None and any(other is base for other in values.values())) or id(value) in bases \
+        or _references(values, key) > _ALONE + 1  # (+1: ``value`` here)
+
+
+def _holds_stored(values: Any) -> bool:
+    """Whether a parameter's state entry still owns the tensors stored for it (see ``_StoredState``)."""
+    return type(values) is _StoredState and not values.cleared
 
 
 class _Chunk(list):
@@ -175,6 +214,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._plans: dict[tuple, list[_Chunk]] = {}  # chunk plans made at ``_plans_version`` of the swapper
         self._plans_version = -1
         self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
+        self._loading = False  # load_state_dict is storing the loaded state
         self._trimmed_at = 0  # swapper.bytes_read at the last trim
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
@@ -185,7 +225,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
-        self._swap_out_resident()  # e.g. Adagrad creates its state in __init__
+        try:
+            self._swap_out_resident()  # e.g. Adagrad creates its state in __init__
+        except BaseException as e:
+            self._unwrap(e)
+            raise
+
+    def _unwrap(self, error: BaseException) -> None:
+        """Construction failed (e.g. a full disk): the state stored so far goes back into the wrapped optimizer's
+        memory, its swap files are removed, and it can be wrapped again."""
+        try:
+            saved = self._gather_state_dict()["state"]
+            params = self._params()
+            for index, values in saved.items():
+                self.optimizer.state[params[index]] = values
+            delattr(self.optimizer, _WRAPPED)
+        except BaseException as failed:
+            if hasattr(error, "add_note"):
+                error.add_note(f"OffloadedOptimizer: the state already stored could not be read back into the "
+                               f"{type(self.optimizer).__name__} ({failed!r}); build a new optimizer")
+        finally:
+            try:
+                self.swapper.close()
+            except OSError as failed:
+                if hasattr(error, "add_note"):
+                    error.add_note(f"OffloadedOptimizer: closing its swap files failed too: {failed!r}")
 
     # -- the wrapped optimizer's params and in-memory state --------------------------------------------------
     @property
@@ -446,7 +510,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Put a chunk's state, read from storage, into the wrapped optimizer's state."""
         state, by_name = self.optimizer.state, chunk.by_name
         for name, tensors in read.wait().items():
-            state[by_name[name]].update(tensors)
+            values = state.get(by_name[name])
+            if not _holds_stored(values):
+                continue  # the user reset this state since it was stored: the optimizer starts it afresh
+            if values:  # a tensor the user put there since wins over the stored one, as it would in memory
+                for key, tensor in tensors.items():
+                    values.setdefault(key, tensor)
+            else:
+                values.update(tensors)
 
     def _write(self, chunk: _Chunk, staged: SwapIn) -> SwapOut:
         write = self._write_back(chunk, staged)
@@ -455,11 +526,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state = self.optimizer.state
         self._copied = True
         written = {}
-        for p in chunk:
+        read = staged.wait()
+        for p, name in zip(chunk, chunk.names):
             values = state.get(p)
             tensors = {k: v for k, v in values.items() if _storable(v)} if values else None
+            if tensors and not self._loading:  # (a loaded state's tensors may still be the caller's: copied)
+                views = read.get(name, {})
+                bases = {id(v._base) for v in tensors.values() if v._base is not None}
+                del tensors
+                tensors = {k: values[k] for k in list(values) if _storable(values[k])
+                           and (values[k] is views.get(k) or not _shares_memory(values, k, bases))}
             if tensors:
                 written[p] = tensors
+                if not _holds_stored(values):
+                    state[p] = _StoredState(values)
 
         def drop() -> None:  # the bytes are safe on storage: release the memory
             for param, tensors in written.items():
@@ -493,7 +573,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state, pairs = self.optimizer.state, []
         for param, name in zip(chunk, chunk.names):
             values, views = state.get(param), read.get(name)
-            if values is None or views is None or len(values) != len(views):
+            if not _holds_stored(values) or views is None or len(values) != len(views):
                 return None
             for key, view in views.items():
                 if values.get(key) is not view:
@@ -535,6 +615,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state = {key: dict(values) for key, values in result["state"].items()}
         params = self._params()
         index = {id(p): i for i, p in enumerate(params)}
+        for p in params:  # state the user reset since it was stored
+            if self.swapper.has(self._name(p)) and not _holds_stored(self.optimizer.state.get(p)):
+                self.swapper.discard(self._name(p))
         chunks = self._chunks([p for p in params if self.swapper.has(self._name(p))])
         reads: list[SwapIn] = []
         try:
@@ -545,8 +628,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 try:
                     by_name = chunk.by_name
                     for name, tensors in read.wait().items():
-                        copies = {key: value.clone() for key, value in tensors.items()}
-                        state.setdefault(index[id(by_name[name])], {}).update(copies)
+                        values = state.setdefault(index[id(by_name[name])], {})
+                        for key, value in tensors.items():  # a tensor the user put in memory since wins
+                            if key not in values:
+                                values[key] = value.clone()
                 finally:
                     read.release()
         finally:
@@ -568,7 +653,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         for param in self._params():
             self.swapper.discard(self._name(param))
-        self._swap_out_resident()
+        self._loading = True
+        try:
+            self._swap_out_resident()
+        finally:
+            self._loading = False
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -613,6 +702,7 @@ class _BackwardSteps:
         self.optimizer = optimizer
         self.ready: list[set[int]] = []
         self.stepped: dict[int, int] = {}  # id(param) -> its gradient's version when it was stepped
+        self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
         self.error: OSError | None = None
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
@@ -676,6 +766,7 @@ class _BackwardSteps:
         opt._trim()
         for p in chunk:
             self.stepped[id(p)] = p.grad._version
+            self.entries[id(p)] = opt.optimizer.state.get(p)
         self._collect_done()
         self._read_ahead()
 
@@ -708,6 +799,14 @@ class _BackwardSteps:
                                    f"GradScaler unscaling, zero_grad before step?); those parameters took their "
                                    f"step with the unchanged gradients. Turn step_in_backward off to clip or "
                                    f"scale gradients")
+            state, entries = opt.optimizer.state, self.entries
+            reset = [p for p in opt._params() if id(p) in entries and (state.get(p) is not entries[id(p)] or (
+                type(entries[id(p)]) is _StoredState and entries[id(p)].cleared))]
+            if reset:
+                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the state of {len(reset)} parameter(s) "
+                                   f"was reset (opt.state replaced or cleared, an entry deleted, replaced or "
+                                   f"cleared) after backward stepped them with the state before; the reset applies "
+                                   f"from the next step. Reset state before backward, or turn step_in_backward off")
             rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
             with _intra_op_threads(opt._compute_threads):
                 opt._run(opt._chunks(rest), opt._step_chunk)
@@ -715,7 +814,7 @@ class _BackwardSteps:
             for write in self.writes:
                 self._collect(write)
             opt._trim()
-            self.writes, self.stepped = [], {}
+            self.writes, self.stepped, self.entries = [], {}, {}
             error, self.error = self.error, None
             opt._drop_prefetched()
             self._plan()

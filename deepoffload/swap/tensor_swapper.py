@@ -19,6 +19,7 @@ import ctypes
 import errno
 import functools
 import os
+import weakref
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -29,7 +30,7 @@ from ..errors import ChecksumError, ClosedError
 from ..io.handle import AsyncIOHandle, Request
 from .config import SwapConfig
 from .extents import Extent, PackFile
-from .folders import create_run_folder, keep_run_folder, remove_run_folder
+from .folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
 from .pool import PAGE_SIZE, BufferPool, round_up
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
@@ -324,6 +325,8 @@ class TensorSwapper:
         self.folder = create_run_folder(self.config.folder, rank)
         if self.config.keep_files:
             keep_run_folder(self.folder)
+        # Dropped without close(): its files go with it, not at exit (a loop making optimizers would fill the disk).
+        weakref.finalize(self, remove_run_folder_if_owned, self.folder).atexit = False
         self.handle = AsyncIOHandle(self.config.aio)
         self.pool = BufferPool(self.config.buffer_count, self.config.chunk_bytes, self.config.pin)
         self._records: dict[str, dict[str, SwapRecord]] = {}
