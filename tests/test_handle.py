@@ -234,9 +234,10 @@ def test_closing_a_descriptor_while_its_transfer_runs_cannot_redirect_it(handle,
     # The transfer used the caller's descriptor number: closed after submit and reused by the next open (the lowest
     # free number), the 64 MiB landed in the other file. Each transfer now uses its own copy, closed when collected.
     data = torch.full((64 << 20,), 5, dtype=torch.uint8)
-    open_fds = len(os.listdir("/proc/self/fd"))
     fd = os.open(scratch / "mine", os.O_RDWR | os.O_CREAT)
     request = handle.write_async(data, fd)
+    copy = request._owned_fd
+    assert copy >= 0 and copy != fd
     os.close(fd)
     other = os.open(scratch / "other", os.O_RDWR | os.O_CREAT)
     try:
@@ -244,7 +245,7 @@ def test_closing_a_descriptor_while_its_transfer_runs_cannot_redirect_it(handle,
     finally:
         os.close(other)
     assert (scratch / "mine").stat().st_size == data.numel() and (scratch / "other").stat().st_size == 0
-    assert len(os.listdir("/proc/self/fd")) == open_fds  # the copy is closed
+    assert request._owned_fd == -1 and not os.path.exists(f"/proc/self/fd/{copy}")  # the copy is closed
     with pytest.raises(OSError) as info:
         handle.read(torch.empty(4), fd)  # closed now
     assert info.value.errno == errno.EBADF and f"descriptor {fd}" in str(info.value) and "offset 0" in str(info.value)
