@@ -94,6 +94,23 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
+def train_both(model, off, ref, optimizer, steps: int) -> list[list]:
+    """``steps`` training steps of the streamed ``model`` and the in-memory ``ref`` on the same batches and seeds;
+    each step's two outputs (streamed first)."""
+    outputs = []
+    for k in range(steps):
+        ids = tokens(10 + k)
+        pair = []
+        for m, step in ((model, offload_step(off)), (ref, reference_step(optimizer))):
+            torch.manual_seed(100 + k)
+            out = run(m, ids, labels=True)
+            out.loss.backward()
+            step()
+            pair.append(out)
+        outputs.append(pair)
+    return outputs
+
+
 LOADED = ["llama-tied", "mistral", "qwen2", "gemma2", "phi3", "opt", "t5", "bart", "bert"]
 
 
@@ -155,17 +172,8 @@ def test_trains_generates_and_saves_like_in_memory(scratch, name, mode, half):
     off = offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", mode=mode, optimizer=adam,
                              max_resident_bytes=budget)
     assert bool(off.pinned) == half
-    optimizer = adam(ref.parameters())
-    for k in range(3):
-        ids = tokens(10 + k)
-        losses = []
-        for m, step in ((model, offload_step(off)), (ref, reference_step(optimizer))):
-            torch.manual_seed(100 + k)
-            loss = run(m, ids, labels=True).loss
-            loss.backward()
-            step()
-            losses.append(loss.item())
-        assert losses[0] == losses[1]
+    for streamed, in_memory in train_both(model, off, ref, adam(ref.parameters()), 3):
+        assert streamed.loss.item() == in_memory.loss.item()
     assert equal_states(off.state_dict(), ref.state_dict()) == []
     model.eval(), ref.eval()
     with torch.no_grad():
@@ -196,15 +204,7 @@ def test_encoder_decoder_trains_with_its_defaults(scratch, name, mode):
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     optimizer = sgd(ref.parameters())
     with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as off:
-        for k in range(3):
-            ids = tokens(10 + k)
-            outputs = []
-            for m, step in ((model, offload_step(off)), (ref, reference_step(optimizer))):
-                torch.manual_seed(100 + k)
-                out = run(m, ids, labels=True)
-                out.loss.backward()
-                step()
-                outputs.append(out)
+        for k, outputs in enumerate(train_both(model, off, ref, optimizer, 3)):
             if k == 0:  # the forward is bit-identical: only the backward's sums differ
                 assert outputs[0].loss.item() == outputs[1].loss.item()
             assert outputs[0].loss.item() == pytest.approx(outputs[1].loss.item(), rel=1e-5)
@@ -225,18 +225,9 @@ def test_encoder_decoder_with_reentrant_checkpointing_is_bit_identical(scratch, 
     model = copy.deepcopy(ref)
     for m in (ref, model):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    optimizer = adam(ref.parameters())
     with offload_parameters(model, str(scratch), mode="grads", optimizer=adam) as off:
-        for k in range(2):
-            ids = tokens(10 + k)
-            losses = []
-            for m, step in ((model, offload_step(off)), (ref, reference_step(optimizer))):
-                torch.manual_seed(100 + k)
-                loss = run(m, ids, labels=True).loss
-                loss.backward()
-                step()
-                losses.append(loss.item())
-            assert losses[0] == losses[1]
+        for streamed, in_memory in train_both(model, off, ref, adam(ref.parameters()), 2):
+            assert streamed.loss.item() == in_memory.loss.item()
         assert equal_states(off.state_dict(), ref.state_dict()) == []
 
 
