@@ -5,8 +5,8 @@ reads the state in, runs the wrapped optimizer's own ``step()`` with every param
 the chunk's parameters, and writes the (possibly new, resized or re-typed) state back out; chunk k+1 is being read
 and chunk k-1 written while chunk k steps. The wrapped optimizer does all the math, parameter by parameter as it
 always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory,
-and so do tensors that share their memory (see ``_shares_memory``). The stored tensors belong to the state entry
-left in memory: resetting it resets them (see ``_StoredState``).
+and so do tensors that share their memory (see ``optimizer_state._shares_memory``). The stored tensors belong to the
+state entry left in memory: resetting it resets them (see ``optimizer_state._StoredState``).
 
 Optimizers that need all parameters at once inside one step, or whose ``step`` requires a closure (``LBFGS``),
 are refused at construction. The wrapped optimizer is stepped without its own step hooks (its class's ``step``
@@ -22,51 +22,21 @@ base folder safely, across machines each uses its local disk. A multi-node job i
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-import sys
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..io.handle import wait_each
+from .backward_steps import _BackwardSteps
+from .chunk_plan import ChunkPlanner, _Chunk
 from .config import SwapConfig
 from .interrupts import deferred
-from .pool import PAGE_SIZE, trim_heap
+from .optimizer_state import _holds_stored, _storable, restore, write_back, write_copy
+from .pool import trim_heap
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
-
-UNSUPPORTED = (torch.optim.LBFGS,)
-_WRAPPED = "_deepoffload_wrapped"  # set on an optimizer once an OffloadedOptimizer has taken its state
-
-
-def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """True when the optimizer's ``step`` has a first argument without a default (it needs a closure)."""
-    try:
-        signature = inspect.signature(type(optimizer).step)  # follows torch's hook wrapper to the real step
-    except (TypeError, ValueError):
-        return False
-    params = list(signature.parameters.values())[1:]  # after self
-    first = params[0] if params else None
-    return (first is not None and first.default is inspect.Parameter.empty
-            and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD))
-
-
-def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
-    """The optimizer's own ``step`` without torch's hook wrapper (which would run every global step hook once per
-    chunk, with the wrapped optimizer as argument)."""
-    step = type(optimizer).step
-    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        return functools.partial(step.__wrapped__, optimizer)
-    return optimizer.step
-
-
-def _check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
-        raise TypeError("OffloadedOptimizer: the wrapped optimizer has step hooks of its own, which would not run; "
-                        "register them on the OffloadedOptimizer (opt.register_step_pre_hook / "
-                        "register_step_post_hook) instead")
+from .torch_optim import _WRAPPED, UNSUPPORTED, _check_no_step_hooks, _intra_op_threads, _requires_closure, \
+    _unhooked_step
 
 
 def _ranges(indices: list[int]) -> str:
@@ -78,78 +48,6 @@ def _ranges(indices: list[int]) -> str:
         else:
             parts.append([i, i])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "none"
-
-
-@contextlib.contextmanager
-def _intra_op_threads(count: int | None) -> Iterator[None]:
-    """torch's intra-op thread count set to ``count`` inside the block (None: left as it is), then restored."""
-    previous = torch.get_num_threads()
-    if count is None or count == previous:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _storable(value: Any) -> bool:
-    """A tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse momentum
-    for sparse gradients) stay in memory."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized \
-        and not value.is_meta
-
-
-class _StoredState(dict):
-    """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage (it holds the
-    non-tensor values). The stored tensors belong to this entry: once it is replaced or removed (``opt.state[p] =
-    {}``, ``del opt.state[p]``, ``opt.state.clear()``, a new ``opt.state``) or cleared, they are dropped, so the
-    optimizer starts that state afresh, as it would in memory."""
-
-    cleared = False
-
-    def clear(self) -> None:
-        self.cleared = True
-        super().clear()
-
-
-def _references(values: dict, key: Any) -> int:
-    return sys.getrefcount(values[key])
-
-
-_ALONE = _references({"t": torch.empty(0)}, "t")  # the count for a tensor its state entry alone refers to
-
-
-def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
-    """Whether the state tensor ``values[key]`` is reached other than through its entry: referred to from elsewhere
-    (another parameter's state, the optimizer, the caller), or a view of another tensor of the entry or viewed by
-    one. A copy on storage would stop sharing its memory, so it stays in memory."""
-    value = values[key]
-    base = value._base
-    return (base is not None and any(other is base for other in values.values())) or id(value) in bases \
-        or _references(values, key) > _ALONE + 1  # (+1: ``value`` here)
-
-
-def _holds_stored(values: Any) -> bool:
-    """Whether a parameter's state entry still owns the tensors stored for it (see ``_StoredState``)."""
-    return type(values) is _StoredState and not values.cleared
-
-
-class _Chunk(list):
-    """Parameters stepped together, with what each step needs of them worked out once: their group names
-    (``names``, ``by_name``) and, per param group, the chunk's parameters in it (``in_groups``)."""
-
-    def __init__(self, params: Iterable[torch.Tensor] = ()):
-        super().__init__(params)
-        self.names: list[str] = []
-        self.by_name: dict[str, torch.Tensor] = {}
-        self.in_groups: list[list[torch.Tensor]] | None = None
-
-
-def _state_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") and hasattr(tensor, "placements") else tensor
-    return local.numel() * local.element_size()
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -211,8 +109,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._compute_threads: int | None = None
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
         self._backward: _BackwardSteps | None = None  # step_in_backward's plan and progress, when on
-        self._plans: dict[tuple, list[_Chunk]] = {}  # chunk plans made at ``_plans_version`` of the swapper
-        self._plans_version = -1
+        self._planner = ChunkPlanner(self)
         self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
         self._loading = False  # load_state_dict is storing the loaded state
         self._trimmed_at = 0  # swapper.bytes_read at the last trim
@@ -389,57 +286,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for group, params in zip(groups, saved):
                 group["params"] = params
 
-    def _estimate(self, param: torch.Tensor) -> int:
-        """Bytes of staging buffer a parameter's state takes in a chunk (on storage, in memory, or before its first
-        step a guess of two copies of the parameter), with the alignment padding of each of its tensors."""
-        state = self.optimizer.state.get(param)
-        resident = [v for v in state.values() if isinstance(v, torch.Tensor)] if state else []
-        name = self._name(param)
-        count = len(resident) + len(self.swapper.records(name)) if self.swapper.has(name) else len(resident)
-        nbytes = self.swapper.stored_bytes(name) + sum(_state_bytes(v) for v in resident)
-        if not nbytes:
-            nbytes, count = 2 * _state_bytes(param), 3
-        return nbytes + self.swapper.tensor_alignment * count
-
     def _chunks(self, params: list[torch.Tensor]) -> list[_Chunk]:
-        """Consecutive parameters whose state fills at most one pooled buffer (``chunk_bytes`` less a page for
-        the extent's padding), so a step's buffers come from the bounded pool; when one parameter's state is
-        larger, chunks hold up to it plus a sixteenth and the pool's buffers grow to the fullest chunk. The plan is
-        reused while the same parameters (in the same param groups) are stepped and no stored state changed size or
-        place."""
-        version = self.swapper.version
-        if version != self._plans_version:
-            self._plans, self._plans_version = {}, version
-        key = (tuple(map(id, params)), tuple((id(g["params"]), len(g["params"])) for g in self.param_groups))
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        estimates = [self._estimate(param) for param in params]
-        # A parameter whose state exceeds chunk_bytes would need a fresh buffer each step, made on the step's thread
-        # and faulted in during the read (O_DIRECT reads into fresh 4 KiB pages: 0.4-1.0 GB/s here, into faulted-in
-        # ones 2.3 GB/s): the pool's buffers grow to hold it instead (with a sixteenth to spare, so the small
-        # parameters beside it, e.g. its bias, travel in its chunk rather than taking a buffer of their own), and
-        # chunks fill them.
-        largest = max(estimates, default=0)
-        budget = max(1, self.config.chunk_bytes - PAGE_SIZE, self.swapper.pool.buffer_bytes - PAGE_SIZE,
-                     largest + largest // 16 if largest > self.config.chunk_bytes - PAGE_SIZE else 0)
-        chunks: list[_Chunk] = []
-        size = fullest = 0
-        for param, nbytes in zip(params, estimates):
-            if not chunks or size + nbytes > budget:
-                chunks.append(_Chunk())
-                size = 0
-            chunks[-1].append(param)
-            size += nbytes
-            fullest = max(fullest, size)
-        self.swapper.pool.fit(fullest + PAGE_SIZE)
-        for chunk in chunks:
-            chunk.names = [self._name(p) for p in chunk]
-            chunk.by_name = dict(zip(chunk.names, chunk))
-        if len(self._plans) >= 8:  # a few plans (e.g. step, state_dict, step_in_backward's): bounded
-            self._plans.clear()
-        self._plans[key] = chunks
-        return chunks
+        """The chunks a pass over ``params`` steps in (see ``ChunkPlanner.plan``)."""
+        return self._planner.plan(params)
 
     def _run(self, chunks: list[list[torch.Tensor]], action: Callable[[list[torch.Tensor]], None] | None) -> None:
         """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done
@@ -508,85 +357,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _restore(self, chunk: _Chunk, read: SwapIn) -> None:
         """Put a chunk's state, read from storage, into the wrapped optimizer's state."""
-        state, by_name = self.optimizer.state, chunk.by_name
-        for name, tensors in read.wait().items():
-            values = state.get(by_name[name])
-            if not _holds_stored(values):
-                continue  # the user reset this state since it was stored: the optimizer starts it afresh
-            if values:  # a tensor the user put there since wins over the stored one, as it would in memory
-                for key, tensor in tensors.items():
-                    values.setdefault(key, tensor)
-            else:
-                values.update(tensors)
+        restore(self.optimizer, chunk, read)
 
     def _write(self, chunk: _Chunk, staged: SwapIn) -> SwapOut:
-        write = self._write_back(chunk, staged)
+        """Store a chunk's state after its step: the read's buffer written back as it is where nothing but its
+        values changed, the state copied out otherwise."""
+        write = write_back(self.optimizer, self.swapper, chunk, staged)
         if write is not None:
             return write
-        state = self.optimizer.state
         self._copied = True
-        written = {}
-        read = staged.wait()
-        for p, name in zip(chunk, chunk.names):
-            values = state.get(p)
-            tensors = {k: v for k, v in values.items() if _storable(v)} if values else None
-            if tensors and not self._loading:  # (a loaded state's tensors may still be the caller's: copied)
-                views = read.get(name, {})
-                bases = {id(v._base) for v in tensors.values() if v._base is not None}
-                del tensors
-                tensors = {k: values[k] for k in list(values) if _storable(values[k])
-                           and (values[k] is views.get(k) or not _shares_memory(values, k, bases))}
-            if tensors:
-                written[p] = tensors
-                if not _holds_stored(values):
-                    state[p] = _StoredState(values)
-
-        def drop() -> None:  # the bytes are safe on storage: release the memory
-            for param, tensors in written.items():
-                state = self.optimizer.state[param]
-                for key, tensor in tensors.items():
-                    if state.get(key) is tensor:
-                        del state[key]
-
-        if len(written) < len(chunk):
-            for param, name in zip(chunk, chunk.names):  # state that disappeared (or was never there) leaves
-                if param not in written:                 # nothing behind on storage
-                    self.swapper.discard(name)
-        names = self._names
-        write = self.swapper.swap_out({names[id(p)]: t for p, t in written.items()}, on_done=drop, staged=staged)
-        # The staging buffer now holds the bytes: the state's own tensors (e.g. made in ordinary memory by the
-        # first step) are freed now, not when the write is done; the state holds views of the buffer meanwhile.
-        for name, views in write.staged().items():
-            param = chunk.by_name[name]
-            values, tensors = state[param], written[param]
-            for key, view in views.items():
-                if values.get(key) is tensors[key]:
-                    values[key] = tensors[key] = view
-        return write
-
-    def _write_back(self, chunk: _Chunk, staged: SwapIn) -> SwapOut | None:
-        """The common case, cheaply: every parameter's state holds exactly the tensors read (stepped in place,
-        none added, replaced or removed), so the read's buffer is written back as it is. None otherwise."""
-        read = staged.wait()
-        if len(read) != len(chunk):
-            return None
-        state, pairs = self.optimizer.state, []
-        for param, name in zip(chunk, chunk.names):
-            values, views = state.get(param), read.get(name)
-            if not _holds_stored(values) or views is None or len(values) != len(views):
-                return None
-            for key, view in views.items():
-                if values.get(key) is not view:
-                    return None
-            pairs.append((values, views))
-
-        def drop() -> None:  # the bytes are safe on storage: release the memory
-            for values, views in pairs:
-                for key, view in views.items():
-                    if values.get(key) is view:
-                        del values[key]
-
-        return self.swapper.write_back(staged, on_done=drop)
+        return write_copy(self.optimizer, self.swapper, chunk, staged, self._names, self._loading)
 
     def _swap_out_resident(self) -> None:
         params = [p for p in self._params() if any(_storable(v) for v in self.optimizer.state.get(p, {}).values())]
@@ -692,142 +472,3 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.optimizer!r}, folder={self.swapper.folder!r})"
-
-
-class _BackwardSteps:
-    """``step_in_backward``: the chunks (reverse parameter order), which of their gradients are ready, which chunks
-    stepped in this backward, and their writes."""
-
-    def __init__(self, optimizer: OffloadedOptimizer):
-        self.optimizer = optimizer
-        self.ready: list[set[int]] = []
-        self.stepped: dict[int, int] = {}  # id(param) -> its gradient's version when it was stepped
-        self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
-        self.writes: list[SwapOut] = []
-        self.error: OSError | None = None
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                        for p in optimizer._params() if p.requires_grad]
-        self._plan()
-
-    def _plan(self) -> None:
-        """Chunks for the coming backward, and their first ones' state read now (during the forward)."""
-        opt = self.optimizer
-        self.chunks = opt._chunks([p for p in reversed(opt._params()) if p.requires_grad])
-        self.index = {id(p): k for k, chunk in enumerate(self.chunks) for p in chunk}
-        self.ready = [set() for _ in self.chunks]
-        self.next = 0  # reads are started for chunks from here on, in plan order
-        self._read_ahead()
-
-    def _read_ahead(self, wait: bool = True) -> None:
-        """Start the reads of the coming chunks, up to ``buffer_count - 2`` in flight; unless ``wait``, only while
-        a staging buffer is free (no waiting for a write to free one)."""
-        opt = self.optimizer
-        ahead = max(1, opt.config.buffer_count - 2)
-        while self.next < len(self.chunks) and len(opt._prefetched) < ahead \
-                and (wait or opt.swapper.pool.available()):
-            chunk = self.chunks[self.next]
-            self.next += 1
-            if len(self.ready[self.next - 1]) < len(chunk):
-                opt._prefetched[tuple(map(id, chunk))] = opt._read(chunk)
-
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if id(param) in self.stepped:
-            raise RuntimeError("OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
-                               "accumulation?); each parameter already stepped with the first backward's gradient. "
-                               "Call step() after every backward, or opt.step_in_backward(False)")
-        k = self.index.get(id(param))
-        if k is None:
-            return
-        self.ready[k].add(id(param))
-        if len(self.ready[k]) == len(self.chunks[k]):
-            with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
-                self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
-
-    def _step(self, k: int) -> None:
-        opt, chunk = self.optimizer, self.chunks[k]
-        read = opt._prefetched.pop(tuple(map(id, chunk)), None) or opt._read(chunk)
-        applied = False
-        try:
-            # The next chunks' reads go first: they start during this chunk's compute, queued before its write (one
-            # IO thread serves requests in order, and the next chunk waits for its read, not for a write).
-            self._collect_done()
-            self.next = max(self.next, k + 1)
-            self._read_ahead(wait=False)
-            opt._restore(chunk, read)
-            applied = True
-            opt._step_chunk(chunk)
-            self.writes.append(opt._write(chunk, read))
-        except BaseException:
-            if applied:
-                read.detach()  # the state is in use (in memory): its buffer leaves the pool
-            else:
-                read.release()
-            raise
-        opt._trim()
-        for p in chunk:
-            self.stepped[id(p)] = p.grad._version
-            self.entries[id(p)] = opt.optimizer.state.get(p)
-        self._collect_done()
-        self._read_ahead()
-
-    def _collect_done(self) -> None:
-        """Collect finished writes early: their memory is released (and their buffers freed) sooner."""
-        pending = []
-        for write in self.writes:
-            if write.done():
-                self._collect(write)
-            else:
-                pending.append(write)
-        self.writes = pending
-
-    def _collect(self, write: SwapOut) -> None:
-        try:
-            write.wait()
-        except OSError as e:
-            self.error = self.error or e
-
-    def finish(self) -> None:
-        """``step()``: check the gradients used were not changed since, step what is left, wait for the writes,
-        plan the next backward."""
-        opt = self.optimizer
-        changed = [p for p in opt._params() if id(p) in self.stepped and (p.grad is None or
-                                                                        p.grad._version != self.stepped[id(p)])]
-        try:
-            if changed:
-                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
-                                   f"parameter(s) changed after backward stepped them (gradient clipping, "
-                                   f"GradScaler unscaling, zero_grad before step?); those parameters took their "
-                                   f"step with the unchanged gradients. Turn step_in_backward off to clip or "
-                                   f"scale gradients")
-            state, entries = opt.optimizer.state, self.entries
-            reset = [p for p in opt._params() if id(p) in entries and (state.get(p) is not entries[id(p)] or (
-                type(entries[id(p)]) is _StoredState and entries[id(p)].cleared))]
-            if reset:
-                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the state of {len(reset)} parameter(s) "
-                                   f"was reset (opt.state replaced or cleared, an entry deleted, replaced or "
-                                   f"cleared) after backward stepped them with the state before; the reset applies "
-                                   f"from the next step. Reset state before backward, or turn step_in_backward off")
-            rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
-            with _intra_op_threads(opt._compute_threads):
-                opt._run(opt._chunks(rest), opt._step_chunk)
-        finally:
-            for write in self.writes:
-                self._collect(write)
-            opt._trim()
-            self.writes, self.stepped, self.entries = [], {}, {}
-            error, self.error = self.error, None
-            opt._drop_prefetched()
-            self._plan()
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        for write in self.writes:
-            self._collect(write)
-        self.writes = []
-        self.optimizer._drop_prefetched()
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error

@@ -1,0 +1,145 @@
+"""An optimizer's per-parameter state on storage: which tensors go there, who owns them while they are there, and
+moving a chunk's state between the optimizer and the swapper."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
+
+if TYPE_CHECKING:
+    from .chunk_plan import _Chunk
+
+
+def _storable(value: Any) -> bool:
+    """A tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse momentum
+    for sparse gradients) stay in memory."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized \
+        and not value.is_meta
+
+
+class _StoredState(dict):
+    """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage (it holds the
+    non-tensor values). The stored tensors belong to this entry: once it is replaced or removed (``opt.state[p] =
+    {}``, ``del opt.state[p]``, ``opt.state.clear()``, a new ``opt.state``) or cleared, they are dropped, so the
+    optimizer starts that state afresh, as it would in memory."""
+
+    cleared = False
+
+    def clear(self) -> None:
+        self.cleared = True
+        super().clear()
+
+
+def _references(values: dict, key: Any) -> int:
+    return sys.getrefcount(values[key])
+
+
+_ALONE = _references({"t": torch.empty(0)}, "t")  # the count for a tensor its state entry alone refers to
+
+
+def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
+    """Whether the state tensor ``values[key]`` is reached other than through its entry: referred to from elsewhere
+    (another parameter's state, the optimizer, the caller), or a view of another tensor of the entry or viewed by
+    one. A copy on storage would stop sharing its memory, so it stays in memory."""
+    value = values[key]
+    base = value._base
+    return (base is not None and any(other is base for other in values.values())) or id(value) in bases \
+        or _references(values, key) > _ALONE + 1  # (+1: ``value`` here)
+
+
+def _holds_stored(values: Any) -> bool:
+    """Whether a parameter's state entry still owns the tensors stored for it (see ``_StoredState``)."""
+    return type(values) is _StoredState and not values.cleared
+
+
+def _state_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") and hasattr(tensor, "placements") else tensor
+    return local.numel() * local.element_size()
+
+
+def restore(optimizer: torch.optim.Optimizer, chunk: _Chunk, read: SwapIn) -> None:
+    """Put a chunk's state, read from storage, into the wrapped optimizer's state."""
+    state, by_name = optimizer.state, chunk.by_name
+    for name, tensors in read.wait().items():
+        values = state.get(by_name[name])
+        if not _holds_stored(values):
+            continue  # the user reset this state since it was stored: the optimizer starts it afresh
+        if values:  # a tensor the user put there since wins over the stored one, as it would in memory
+            for key, tensor in tensors.items():
+                values.setdefault(key, tensor)
+        else:
+            values.update(tensors)
+
+
+def write_back(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk,
+               staged: SwapIn) -> SwapOut | None:
+    """The common case, cheaply: every parameter's state holds exactly the tensors read (stepped in place,
+    none added, replaced or removed), so the read's buffer is written back as it is. None otherwise."""
+    read = staged.wait()
+    if len(read) != len(chunk):
+        return None
+    state, pairs = optimizer.state, []
+    for param, name in zip(chunk, chunk.names):
+        values, views = state.get(param), read.get(name)
+        if not _holds_stored(values) or views is None or len(values) != len(views):
+            return None
+        for key, view in views.items():
+            if values.get(key) is not view:
+                return None
+        pairs.append((values, views))
+
+    def drop() -> None:  # the bytes are safe on storage: release the memory
+        for values, views in pairs:
+            for key, view in views.items():
+                if values.get(key) is view:
+                    del values[key]
+
+    return swapper.write_back(staged, on_done=drop)
+
+
+def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk, staged: SwapIn,
+               names: dict[int, str], loading: bool) -> SwapOut:
+    """Store a chunk's state as it is after its step (tensors added, replaced or removed); ``names``: id(param) ->
+    its name in ``swapper``; ``loading``: the state was just loaded (its tensors may still be the caller's)."""
+    state = optimizer.state
+    written = {}
+    read = staged.wait()
+    for p, name in zip(chunk, chunk.names):
+        values = state.get(p)
+        tensors = {k: v for k, v in values.items() if _storable(v)} if values else None
+        if tensors and not loading:  # (a loaded state's tensors may still be the caller's: copied)
+            views = read.get(name, {})
+            bases = {id(v._base) for v in tensors.values() if v._base is not None}
+            del tensors
+            tensors = {k: values[k] for k in list(values) if _storable(values[k])
+                       and (values[k] is views.get(k) or not _shares_memory(values, k, bases))}
+        if tensors:
+            written[p] = tensors
+            if not _holds_stored(values):
+                state[p] = _StoredState(values)
+
+    def drop() -> None:  # the bytes are safe on storage: release the memory
+        for param, tensors in written.items():
+            state = optimizer.state[param]
+            for key, tensor in tensors.items():
+                if state.get(key) is tensor:
+                    del state[key]
+
+    if len(written) < len(chunk):
+        for param, name in zip(chunk, chunk.names):  # state that disappeared (or was never there) leaves
+            if param not in written:                 # nothing behind on storage
+                swapper.discard(name)
+    write = swapper.swap_out({names[id(p)]: t for p, t in written.items()}, on_done=drop, staged=staged)
+    # The staging buffer now holds the bytes: the state's own tensors (e.g. made in ordinary memory by the
+    # first step) are freed now, not when the write is done; the state holds views of the buffer meanwhile.
+    for name, views in write.staged().items():
+        param = chunk.by_name[name]
+        values, tensors = state[param], written[param]
+        for key, view in views.items():
+            if values.get(key) is tensors[key]:
+                values[key] = tensors[key] = view
+    return write

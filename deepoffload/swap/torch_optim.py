@@ -1,0 +1,57 @@
+"""What ``OffloadedOptimizer`` needs to know of a wrapped ``torch.optim`` optimizer: which ones cannot step in
+chunks, how to step one without its hooks, and torch's thread count while it steps."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+
+UNSUPPORTED = (torch.optim.LBFGS,)
+_WRAPPED = "_deepoffload_wrapped"  # set on an optimizer once an OffloadedOptimizer has taken its state
+
+
+def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the optimizer's ``step`` has a first argument without a default (it needs a closure)."""
+    try:
+        signature = inspect.signature(type(optimizer).step)  # follows torch's hook wrapper to the real step
+    except (TypeError, ValueError):
+        return False
+    params = list(signature.parameters.values())[1:]  # after self
+    first = params[0] if params else None
+    return (first is not None and first.default is inspect.Parameter.empty
+            and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD))
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """The optimizer's own ``step`` without torch's hook wrapper (which would run every global step hook once per
+    chunk, with the wrapped optimizer as argument)."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return functools.partial(step.__wrapped__, optimizer)
+    return optimizer.step
+
+
+def _check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        raise TypeError("OffloadedOptimizer: the wrapped optimizer has step hooks of its own, which would not run; "
+                        "register them on the OffloadedOptimizer (opt.register_step_pre_hook / "
+                        "register_step_post_hook) instead")
+
+
+
+@contextlib.contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside the block (None: left as it is), then restored."""
+    previous = torch.get_num_threads()
+    if count is None or count == previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
