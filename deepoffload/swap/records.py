@@ -1,0 +1,83 @@
+"""``SwapRecord``: where one swapped tensor lives and what it is, and the helpers that make and check records."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .pool import round_up
+
+TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    """What tells a file apart from a replacement or a rewrite: device, inode, size, modification time (ns)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    """Where one swapped tensor lives and what it is.
+
+    nbytes: the tensor's bytes (numel * element size). offset: its byte offset in ``file`` (a multiple of
+    ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file; any offset in a file served by ``map_group``).
+    device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
+    global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+    offset: int
+    device: torch.device
+    checksum: int | None = None
+    dtensor: tuple | None = None
+
+
+def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """A DTensor's local shard and its (mesh, placements, shape, stride); other tensors as they are."""
+    if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
+        return tensor.to_local(), (tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tensor.stride())
+    return tensor, None
+
+
+def _checked(group: str, key: str, tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"swap_out: {group}/{key} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_sparse or tensor.is_quantized:
+        raise ValueError(f"swap_out: {group}/{key} is sparse or quantized and has no single byte buffer; swap "
+                         f"tensor.to_dense() or tensor.dequantize() instead")
+    return tensor
+
+
+def _hash(region: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous CPU uint8 tensor's bytes, read in place (through ctypes, not numpy)."""
+    try:
+        import xxhash
+    except ImportError as e:
+        raise ImportError("checksum=True needs the xxhash package: pip install xxhash") from e
+    if not region.numel():
+        return 0
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * region.numel()).from_address(region.data_ptr()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _group_span(records: Iterable[SwapRecord]) -> int:
+    """Bytes a group's file holds (the end of its last tensor, rounded up to the page size)."""
+    return round_up(max((r.offset + r.nbytes for r in records), default=0))

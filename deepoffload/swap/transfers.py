@@ -1,0 +1,220 @@
+"""Transfers in flight between a ``TensorSwapper`` and its files: ``SwapOut`` (writes) and ``SwapIn`` (reads)."""
+
+from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import torch
+
+from ..errors import ChecksumError
+from ..io.handle import Request
+from .records import SwapRecord, _contiguous_strides, _hash
+
+if TYPE_CHECKING:
+    from .packed import Extent
+    from .tensor_swapper import TensorSwapper
+
+
+class SwapOut:
+    """Writes in flight for some groups. ``wait()`` returns the bytes written once the new records are in force
+    and the staging buffer is released; on failure it raises the first ``OSError`` and the caller's tensors stay
+    its own (nothing was freed)."""
+
+    def __init__(self, swapper: "TensorSwapper", requests: list[Request], records: dict[str, dict[str, SwapRecord]],
+                 buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None,
+                 extent: Extent | None = None, rewrite: bool = False, shifts: dict[str, int] | None = None):
+        self._swapper = swapper
+        self._shifts = shifts or {}  # group -> its tensors' position in the staging buffer less their file offset
+        self._rewrite = rewrite  # the groups' records stay as they are (same sizes, same place)
+        self._extent = extent  # packed: where these groups are being written (new, or theirs rewritten in place)
+        self._requests = requests
+        self._records = records
+        self._buffers = buffers  # the staging buffer written from, and the swap-in buffer it replaces, if any
+        self._sources = sources  # the caller's tensors, alive until their bytes are written
+        self._on_done = on_done
+        self._result: int | BaseException | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or all(r.done() for r in self._requests)
+
+    def staged(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The tensors being written, as views of the staging buffer the write reads from (CPU tensors that are not
+        DTensors; others are left out), for a caller that frees its own tensors now rather than when the write is
+        done: from here on this write no longer keeps the caller's tensors alive. The views hold the same bytes;
+        they stay valid until ``on_done`` runs, and for good if the write fails (the buffer leaves the pool)."""
+        if self._result is not None or not self._buffers or not self._shifts:
+            return {}
+        buffer, typed, views = self._buffers[0], {}, {}
+        for group, records in self._records.items():
+            shift = self._shifts[group]
+            views[group] = {}
+            for key, r in records.items():
+                if r.device.type != "cpu" or r.dtensor is not None or not r.nbytes:
+                    continue
+                view = typed.get(r.dtype)
+                if view is None:
+                    view = typed[r.dtype] = buffer.view(r.dtype)
+                views[group][key] = view.as_strided(r.shape, _contiguous_strides(r.shape),
+                                                    view.storage_offset() + (r.offset + shift) // r.dtype.itemsize)
+        self._sources = ()
+        return views
+
+    def wait(self) -> int:
+        if self._result is None:
+            self._finish()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        return self._result
+
+    def _finish(self) -> None:
+        swapper, error, nbytes = self._swapper, None, 0
+        for request in self._requests:
+            try:
+                nbytes += request.wait()
+            except OSError as e:
+                error = error or e
+        for group in self._records:
+            if swapper._writing.get(group) is self:
+                del swapper._writing[group]
+        if (error is not None or not self._rewrite) and self._extent is not None:  # (a rewrite in place that
+            swapper._packed.settle(list(self._records), self._extent, error is None)  # worked moves nothing)
+        if error is not None or not self._rewrite:
+            swapper.version += 1
+        if error is None:
+            swapper._records.update(self._records)
+            swapper.bytes_written += nbytes
+            if self._on_done is not None:
+                self._on_done()
+            for buffer in self._buffers:
+                swapper.pool.release(buffer)
+        else:
+            for group in self._records:
+                swapper._records.pop(group, None)
+            for buffer in self._buffers:
+                swapper._forget(buffer)  # views of it may stay resident in the caller's hands
+        self._result = error if error is not None else nbytes
+        self._requests, self._sources, self._buffers, self._on_done, self._extent = [], (), [], None, None
+        if self in swapper._pending_out:
+            swapper._pending_out.remove(self)
+
+
+class SwapIn:
+    """Reads in flight for some groups. ``wait()`` returns ``{group: {key: tensor}}``: views of one pooled buffer
+    (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is called."""
+
+    def __init__(self, swapper: "TensorSwapper", requests: list[Request], layout: dict[str, tuple[int, dict]],
+                 buffer: torch.Tensor | None, extent: Extent | None = None):
+        self._swapper = swapper
+        self._extent = extent  # packed: the one extent read whole (its views may be reused), else None
+        self._requests = requests
+        self._layout = layout  # group -> (start in buffer, records)
+        self._buffer = buffer
+        self._tensors: dict[str, dict[str, torch.Tensor]] | None = None
+        self._error: OSError | None = None
+
+    def wait(self) -> dict[str, dict[str, torch.Tensor]]:
+        if self._tensors is None:
+            error = self._wait_io()
+            if error is not None:
+                self.release()
+                raise error
+            tensors = self._cached_views()
+            if tensors is None:
+                typed: dict = {}
+                tensors = {group: {key: self._restore(start, record, typed) for key, record in records.items()}
+                           for group, (start, records) in self._layout.items()}
+                self._cache_views(tensors)
+            self._tensors = tensors
+        return self._tensors
+
+    def _cached_views(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The views made the last time this extent was read into this same buffer, when its records are still
+        the same objects (the layout is unchanged): making a tensor costs microseconds, many small ones add up."""
+        cached = self._extent.views if self._extent is not None else None
+        if cached is None or cached[0] is not self._buffer or len(cached[1]) != len(self._layout):
+            return None
+        if not all(a is b[1] for a, b in zip(cached[1], self._layout.values())):
+            return None
+        return dict(cached[2])
+
+    def _cache_views(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Keep ``tensors`` for the next read of this extent into this buffer, when they are plain CPU views of a
+        pooled buffer and carry no checksum to verify."""
+        swapper = self._swapper
+        if self._extent is None or swapper.config.checksum or not swapper.pool.pooled(self._buffer):
+            return
+        records = [records for _, records in self._layout.values()]
+        if all(r.device.type == "cpu" and r.dtensor is None and r.nbytes for rs in records for r in rs.values()):
+            self._extent.views = (self._buffer, records, dict(tensors))
+
+    def views_of_buffer(self, group: str, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """True when ``tensors`` are exactly the tensors ``wait()`` returned for ``group`` (the same objects, all
+        CPU views of this read's buffer), so their bytes already sit where that group's file layout puts them."""
+        mine = self._tensors.get(group) if self._tensors is not None and self._buffer is not None else None
+        if mine is None or mine.keys() != tensors.keys():
+            return False
+        records = self._layout[group][1]
+        return all(tensors[key] is value and records[key].dtensor is None and records[key].device.type == "cpu"
+                   for key, value in mine.items())
+
+    def _wait_io(self) -> OSError | None:
+        """Finish the reads (the files may be rewritten after this); return the first error (kept for later)."""
+        error, nbytes = self._error, 0
+        for request in self._requests:
+            try:
+                nbytes += request.wait()
+            except OSError as e:
+                error = error or e
+        self._requests = []
+        self._error = error
+        self._swapper.bytes_read += nbytes if error is None else 0
+        for group in self._layout:
+            if self._swapper._reading.get(group) is self:
+                del self._swapper._reading[group]
+        return error
+
+    def _restore(self, start: int, record: SwapRecord, typed: dict) -> torch.Tensor:
+        """The record's tensor as a view of the buffer (``typed``: the buffer viewed as each dtype, reused)."""
+        if record.nbytes == 0:
+            local = torch.empty(record.shape, dtype=record.dtype)
+        else:
+            position = start + record.offset
+            if record.checksum is not None:
+                region = self._buffer[position:position + record.nbytes]
+                if _hash(region) != record.checksum:
+                    self.release()
+                    raise ChecksumError(errno.EIO, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at "
+                                                   f"offset {record.offset}): the swap file was changed or corrupted",
+                                        record.file)
+            view = typed.get(record.dtype)
+            if view is None:
+                view = typed[record.dtype] = self._buffer.view(record.dtype)
+            local = view.as_strided(record.shape, _contiguous_strides(record.shape),
+                                    view.storage_offset() + position // record.dtype.itemsize)
+        if record.device.type != "cpu":
+            local = local.to(record.device)
+        if record.dtensor is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = record.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def release(self) -> None:
+        """Give the staging buffer back (after waiting for the reads); the tensors from ``wait()`` die with it."""
+        self._wait_io()
+        if self._buffer is not None:
+            self._swapper.pool.release(self._buffer)
+            self._buffer = None
+
+    def detach(self) -> None:
+        """The tensors from ``wait()`` stay in use indefinitely: the buffer leaves the pool (freed with them)."""
+        buffer = self._hand_over()
+        if buffer is not None:
+            self._swapper._forget(buffer)
+
+    def _hand_over(self) -> torch.Tensor | None:
+        """Give up the staging buffer to a ``SwapOut`` that takes charge of it."""
+        buffer, self._buffer = self._buffer, None
+        return buffer
