@@ -73,13 +73,16 @@ converted. ``torch.compile`` runs the streamed blocks eagerly and compiles the r
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
 ``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves),
 ``schedule`` (prefetch order), ``recompute`` (the autograd function), ``side_effects`` (what recomputation must not
-repeat), ``training`` (fused and grads modes, clipping), ``offload`` (``ParameterOffload``, the public entry point),
-``blocks`` (the default block rule), ``trainer`` (an optimizer-shaped view for training loops such as
-``transformers.Trainer``), ``materialize`` (a model built on the ``meta`` device made block by block from a checkpoint
-or an initializer, straight to storage). """
+repeat), ``training`` (fused and grads modes, clipping), ``api`` (``offload_parameters``, the public entry point),
+``offload`` (``ParameterOffload``, what it returns), ``patches`` (what is attached to the user's modules), ``export``
+(the state streamed out for ``save``), ``stats`` (``OffloadStats``), ``blocks`` (the default block rule),
+``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model
+built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage). """
 
+from .api import offload_parameters
 from .blocks import find_blocks
-from .offload import MODES, OffloadStats, OptimizerFactory, ParameterOffload, offload_parameters
+from .offload import MODES, OptimizerFactory, ParameterOffload
+from .stats import OffloadStats
 from .placeholders import StreamedParameter
 from .residency import Residency, ResidencyError
 from .trainer import StreamedOptimizer, trainer_arguments

@@ -1,13 +1,12 @@
-"""``ParameterOffload`` (what ``offload_parameters`` returns): hooks the blocks, makes each resident as it runs
-(prefetching per ``schedule``), hands training calls to ``recompute`` and finished gradients to the mode in
-``training``; every move of a block's memory goes through ``BlockStore`` as a checked ``Residency`` transition."""
+"""``ParameterOffload`` (what ``offload_parameters`` returns): hooks the blocks (``patches``), makes each resident
+as it runs (prefetching per ``schedule``), hands training calls to ``recompute`` and finished gradients to the mode
+in ``training``; every move of a block's memory goes through ``BlockStore`` as a checked ``Residency`` transition."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -19,65 +18,19 @@ from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE
-from .blocks import find_blocks
-from .materialize import Init, Materializer, check_arguments, has_meta
-from .placeholders import internal, internal_call
+from .export import state_items
+from .materialize import Materializer
+from .patches import ModulePatches
+from .placeholders import internal_call
 from .recompute import BlockCall, Recompute
 from .residency import Block, Residency, nbytes
 from .schedule import upcoming
+from .stats import OffloadStats
 from .store import BlockStore
 from .training import MODES as TRAINING_MODES
 
 MODES = tuple(TRAINING_MODES)
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
-
-
-def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
-    """``forward`` with its floating-point tensor arguments cast to ``dtype`` and its ``dtype`` outputs cast back
-    to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16)."""
-    def cast(x: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only):
-            return x.to(to)
-        return x
-
-    def run(*args, **kwargs):
-        flat = pytree.tree_leaves((args, kwargs))
-        outer = next((x.dtype for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), dtype)
-        args, kwargs = pytree.tree_map(lambda x: cast(x, dtype), (args, kwargs))
-        return pytree.tree_map(lambda x: cast(x, outer, only=dtype), forward(*args, **kwargs))
-
-    return run
-
-
-@dataclass(frozen=True)
-class OffloadStats:
-    """Figures of a ``ParameterOffload`` since it was made (or since ``reset_peak`` for the peaks). Bytes, seconds.
-
-    bytes_read / bytes_written: storage traffic of block parameters and gradients.
-    state_bytes_read / state_bytes_written: storage traffic of the offloaded optimizer state.
-    io_wait_seconds: time the calling thread was blocked on parameter and gradient reads and writes.
-    optimizer_seconds: time spent in optimizer steps of blocks (their state IO included).
-    resident_bytes / peak_bytes: block parameter bytes in memory now / at most: staging buffers being read, in use
-        or being written, plus compute-dtype copies. Parameters outside blocks are ``rest_bytes`` (always resident).
-    grad_bytes / peak_grad_bytes: block gradient bytes in memory (before they reach storage or the optimizer).
-    block_bytes: the largest block's parameter bytes in memory when resident (stored dtype plus compute copy).
-    rest_bytes: parameters outside blocks (always in memory).
-    staging_bytes: pooled staging buffers held now, for parameters and optimizer state (reused, page-aligned).
-    """
-
-    bytes_read: int
-    bytes_written: int
-    state_bytes_read: int
-    state_bytes_written: int
-    io_wait_seconds: float
-    optimizer_seconds: float
-    resident_bytes: int
-    peak_bytes: int
-    grad_bytes: int
-    peak_grad_bytes: int
-    block_bytes: int
-    rest_bytes: int
-    staging_bytes: int
 
 
 class ParameterOffload:
@@ -124,11 +77,10 @@ class ParameterOffload:
         else:
             materializer.offload(self.store, self.blocks)
         self.set_max_resident_bytes(max_resident_bytes)
-        self._patched: list[tuple[nn.Module, str, Callable]] = []
-        self._hooks = []
+        self.patches = ModulePatches(module, self.blocks, self.store, self._run)
         for block in self.blocks:
-            self._patch(block)
-        self._guard_moves()
+            self.patches.stream(block)
+        self.patches.guard_moves()
 
     # -- setup ---------------------------------------------------------------------------------------------
     @property
@@ -177,71 +129,6 @@ class ParameterOffload:
             if id(param) in owner and not name.startswith(prefixes):
                 raise ValueError(f"parameter {name} (outside the blocks) is the same tensor as {owner[id(param)]} "
                                  f"in a block: shared parameters must stay in memory; choose blocks= without it")
-
-    def _patch(self, block: Block) -> None:
-        forward = block.module.forward
-        if block.compute_dtype is not None:
-            forward = _casting(forward, block.compute_dtype)
-
-        def streamed_forward(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                # torch.compile: the block runs eagerly (its parameters change shape as they are streamed), the
-                # rest compiles; the compiler is imported only by then (importing it costs about 90 MB)
-                return torch.compiler.disable(self._run)(block, forward, args, kwargs)
-            return self._run(block, forward, args, kwargs)
-
-        block.module.forward = streamed_forward
-        self._patched.append((block.module, "forward", streamed_forward))
-        self._hooks.append(block.module.register_state_dict_pre_hook(self._block_state_dict_start(block)))
-        self._hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
-
-    @staticmethod
-    def _block_state_dict_start(block: Block) -> Callable:
-        def hook(module, prefix, keep_vars) -> None:
-            block.exporting += 1  # its parameters' detach() is allowed until the post hook replaces the results
-        return hook
-
-    def _block_state_dict(self, block: Block) -> Callable:
-        def hook(module, state_dict, prefix, local_metadata) -> None:
-            # the block's parameters as stored (master values), read block by block when on storage
-            block.exporting = max(block.exporting - 1, 0)
-            with internal():
-                self.store.wait_write(block)
-                copies = self.store.read_copy(block)
-            for name, tensor in copies.items():
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = tensor
-        return hook
-
-    def _guard_moves(self) -> None:
-        """``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... on the module or any module holding
-        a block: refused before anything is converted when they would change a streamed parameter."""
-        holders = set()
-        for name, _ in ((b.prefix, b) for b in self.blocks):
-            parts = name.split(".") if name else []
-            for k in range(len(parts) + 1):
-                holders.add(".".join(parts[:k]))
-        for name, sub in self.module.named_modules():
-            if name in holders:
-                original = sub._apply
-
-                def guarded(fn, recurse=True, _original=original):
-                    with internal():
-                        self._check_move(fn)
-                        return _original(fn, recurse)
-
-                sub._apply = guarded
-                self._patched.append((sub, "_apply", guarded))
-
-    def _check_move(self, fn: Callable) -> None:
-        for block in self.blocks:
-            for name, param in zip(block.names, block.params):
-                moved = fn(param.data)
-                if moved.dtype != param.dtype or moved.device != param.device:
-                    raise ValueError(f"this would move the streamed parameter {block.qualified(name)} from "
-                                     f"{param.dtype} on {param.device} to {moved.dtype} on {moved.device}, but its "
-                                     f"values live on storage: convert or move the model before "
-                                     f"offload_parameters(), or pass compute_dtype= to compute blocks in another dtype")
 
     # -- running blocks (the ``Streamer`` that ``Recompute`` talks to) ---------------------------------------
     def _run(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -449,45 +336,11 @@ class ParameterOffload:
         self._check_open()
         self.training.finish_writes()
         self.store.wait_writes()
-        shards = save_sharded(self._state_items(), path, max_shard_bytes=max_shard_bytes)
+        shards = save_sharded(state_items(self.module, self.blocks, self.store), path, max_shard_bytes=max_shard_bytes)
         config = getattr(self.module, "config", None)
         if callable(getattr(config, "save_pretrained", None)):
             config.save_pretrained(path)
         return shards
-
-    def _state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of the module's persistent state in ``state_dict()`` order, each block read when reached."""
-        blocks = {b.prefix: b for b in self.blocks}
-        seen: set[int] = set()
-
-        def own(module: nn.Module, prefix: str, skip_params: bool) -> Iterator[tuple[str, torch.Tensor]]:
-            if not skip_params:
-                for name, param in module._parameters.items():
-                    if param is not None and id(param) not in seen:
-                        seen.add(id(param))
-                        yield prefix + name, param.detach()
-            for name, buffer in module._buffers.items():
-                if buffer is not None and name not in module._non_persistent_buffers_set and id(buffer) not in seen:
-                    seen.add(id(buffer))
-                    yield prefix + name, buffer
-
-        def visit(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-            block = blocks.get(prefix[:-1])
-            if block is not None and block.module is module:
-                values = self.store.read_copy(block)
-                for name, param in zip(block.names, block.params):
-                    if id(param) not in seen:
-                        seen.add(id(param))
-                        yield block.qualified(name), values[name]
-                del values
-                for name, sub in module.named_modules(prefix=prefix[:-1]):
-                    yield from own(sub, name + ".", skip_params=True)
-                return
-            yield from own(module, prefix, skip_params=False)
-            for name, child in module.named_children():
-                yield from visit(child, f"{prefix}{name}.")
-
-        yield from visit(self.module, "")
 
     @internal_call
     def close(self, restore: bool = True) -> None:
@@ -523,13 +376,7 @@ class ParameterOffload:
             self._closed = True
             for block in self.blocks:
                 block.unguard_grads()
-            for hook in self._hooks:
-                hook.remove()
-            for module, attribute, patched in self._patched:
-                if attribute == "forward" and not restore:
-                    continue  # calls keep failing with a clear error
-                if module.__dict__.get(attribute) is patched:
-                    delattr(module, attribute)
+            self.patches.remove(restore)
             self.swapper.close()
             for optimizer in self.optimizers:
                 optimizer.close()
@@ -548,96 +395,3 @@ class ParameterOffload:
 def _check_budget(budget: object) -> None:
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
         raise ValueError(f"max_resident_bytes={budget!r}: expected a number of bytes, 0 or more")
-
-
-def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Sequence[nn.Module] | None = None,
-                       prefetch: int = 1, mode: str = "fused", optimizer: OptimizerFactory | None = None,
-                       compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
-                       checkpoint: str | os.PathLike | None = None, init: Init | None = None,
-                       dtype: torch.dtype | None = None, strict: bool = True,
-                       max_resident_bytes: int | None = None,
-                       serve_from_checkpoint: bool = False) -> ParameterOffload:
-    """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
-
-    path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
-        sub-folder, removed on ``close()``.
-    blocks: the submodules to stream (default: see ``find_blocks``), in the order they run.
-    prefetch: how many blocks ahead are read while one computes (0: read each block when it starts).
-    mode: "fused" (optimizer step inside backward, memory-minimal) or "grads" (gradients to storage, ``step()``
-        streams); see the package docstring.
-    optimizer: to train, a factory called with a list of parameters that returns a ``torch.optim.Optimizer``
-        (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``); called once for the blocks' master weights and once
-        for the parameters outside blocks; their state is offloaded too. None: inference only.
-    compute_dtype: blocks compute in this dtype while their stored (master) weights keep theirs.
-    config: a ``SwapConfig`` (async-IO settings, pinning, checksums); buffer sizes are chosen here.
-    checkpoint: load the module's values from this checkpoint (a ``.safetensors`` file, a Hugging Face sharded
-        folder with its index, or a ``torch.save`` state dict) block by block while offloading, converting floating
-        point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing every
-        missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones, reported in
-        ``load_report``). Needed for no model: a module built on the ``meta`` device works without it too.
-    init: for a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
-        owning such tensors, children before parents (e.g. a Hugging Face model's ``_init_weights``); default: the
-        module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
-    dtype: floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``);
-        buffers keep the dtype they were built with (as under accelerate's ``init_empty_weights()``).
-    strict: see checkpoint.
-    max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
-        and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks also step in
-        memory, never written or read back. With the model's size, inference and training read and write no
-        parameter bytes after setup. See ``ParameterOffload.set_max_resident_bytes``.
-    serve_from_checkpoint: for inference: blocks whose parameters lie in the (safetensors) ``checkpoint`` in the
-        model's dtype, back to back in one file, are read from there and never copied to ``path``; the others are
-        copied as usual. The checkpoint is never written: a backward that would train a served block raises, and
-        so does releasing one whose parameters user code changed (the change is dropped).
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-        raise ValueError(f"prefetch={prefetch!r}: expected a number of blocks, 0 or more")
-    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
-        raise ValueError(f"compute_dtype={compute_dtype!r}: expected a floating-point torch.dtype, e.g. "
-                         f"torch.bfloat16")
-    if optimizer is not None and not callable(optimizer):
-        raise TypeError("optimizer=: expected a factory taking a list of parameters (e.g. a torch.optim class or a "
-                        f"lambda), got {type(optimizer).__name__}")
-    names = {id(m): name for name, m in module.named_modules()}
-    if blocks is None:
-        chosen = find_blocks(module)
-    else:
-        chosen = []
-        for block in blocks:
-            if id(block) not in names:
-                raise ValueError(f"blocks=: {type(block).__name__} is not a submodule of the module")
-            chosen.append((names[id(block)], block))
-    if not chosen:
-        raise ValueError("offload_parameters: no blocks with parameters found (no nn.ModuleList/nn.Sequential "
-                         "children); pass blocks=[...] explicitly")
-    if any(b.__dict__.get("forward") is not None for _, b in chosen):
-        raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
-    check_arguments(checkpoint, init, dtype, strict)
-    if not isinstance(serve_from_checkpoint, bool):
-        raise TypeError(f"serve_from_checkpoint=: expected True or False, got {serve_from_checkpoint!r}")
-    if serve_from_checkpoint and checkpoint is None:
-        raise ValueError("serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
-                         "the blocks' parameters from")
-    _check_budget(max_resident_bytes)  # before any block is made or read
-    config = config or SwapConfig()
-    if path is not None:
-        config = config.replace(folder=path)
-    materializer = None
-    if checkpoint is not None or has_meta(module):
-        materializer = Materializer(module, [name for name, _ in chosen], checkpoint=checkpoint, init=init,
-                                    dtype=dtype, strict=strict, serve=serve_from_checkpoint)
-    elif init is not None or dtype is not None:
-        raise ValueError("init= and dtype= apply to tensors on the meta device, and this module has none: "
-                         "initialize or convert it before offload_parameters()")
-    try:
-        return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
-                                compute_dtype=compute_dtype, config=config, materializer=materializer,
-                                max_resident_bytes=max_resident_bytes)
-    except BaseException:
-        if materializer is not None:
-            materializer.undo()
-        raise

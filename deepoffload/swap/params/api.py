@@ -1,0 +1,108 @@
+"""``offload_parameters``, the entry point of parameter offload: checks its arguments, chooses the blocks and builds
+a ``ParameterOffload``."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..config import SwapConfig
+from .blocks import find_blocks
+from .materialize import Init, Materializer, check_arguments, has_meta
+from .offload import MODES, OptimizerFactory, ParameterOffload, _check_budget
+
+
+def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Sequence[nn.Module] | None = None,
+                       prefetch: int = 1, mode: str = "fused", optimizer: OptimizerFactory | None = None,
+                       compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
+                       checkpoint: str | os.PathLike | None = None, init: Init | None = None,
+                       dtype: torch.dtype | None = None, strict: bool = True,
+                       max_resident_bytes: int | None = None,
+                       serve_from_checkpoint: bool = False) -> ParameterOffload:
+    """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
+
+    path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
+        sub-folder, removed on ``close()``.
+    blocks: the submodules to stream (default: see ``find_blocks``), in the order they run.
+    prefetch: how many blocks ahead are read while one computes (0: read each block when it starts).
+    mode: "fused" (optimizer step inside backward, memory-minimal) or "grads" (gradients to storage, ``step()``
+        streams); see the package docstring.
+    optimizer: to train, a factory called with a list of parameters that returns a ``torch.optim.Optimizer``
+        (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``); called once for the blocks' master weights and once
+        for the parameters outside blocks; their state is offloaded too. None: inference only.
+    compute_dtype: blocks compute in this dtype while their stored (master) weights keep theirs.
+    config: a ``SwapConfig`` (async-IO settings, pinning, checksums); buffer sizes are chosen here.
+    checkpoint: load the module's values from this checkpoint (a ``.safetensors`` file, a Hugging Face sharded
+        folder with its index, or a ``torch.save`` state dict) block by block while offloading, converting floating
+        point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing every
+        missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones, reported in
+        ``load_report``). Needed for no model: a module built on the ``meta`` device works without it too.
+    init: for a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
+        owning such tensors, children before parents (e.g. a Hugging Face model's ``_init_weights``); default: the
+        module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
+    dtype: floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``);
+        buffers keep the dtype they were built with (as under accelerate's ``init_empty_weights()``).
+    strict: see checkpoint.
+    max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
+        and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks also step in
+        memory, never written or read back. With the model's size, inference and training read and write no
+        parameter bytes after setup. See ``ParameterOffload.set_max_resident_bytes``.
+    serve_from_checkpoint: for inference: blocks whose parameters lie in the (safetensors) ``checkpoint`` in the
+        model's dtype, back to back in one file, are read from there and never copied to ``path``; the others are
+        copied as usual. The checkpoint is never written: a backward that would train a served block raises, and
+        so does releasing one whose parameters user code changed (the change is dropped).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: expected a number of blocks, 0 or more")
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise ValueError(f"compute_dtype={compute_dtype!r}: expected a floating-point torch.dtype, e.g. "
+                         f"torch.bfloat16")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError("optimizer=: expected a factory taking a list of parameters (e.g. a torch.optim class or a "
+                        f"lambda), got {type(optimizer).__name__}")
+    names = {id(m): name for name, m in module.named_modules()}
+    if blocks is None:
+        chosen = find_blocks(module)
+    else:
+        chosen = []
+        for block in blocks:
+            if id(block) not in names:
+                raise ValueError(f"blocks=: {type(block).__name__} is not a submodule of the module")
+            chosen.append((names[id(block)], block))
+    if not chosen:
+        raise ValueError("offload_parameters: no blocks with parameters found (no nn.ModuleList/nn.Sequential "
+                         "children); pass blocks=[...] explicitly")
+    if any(b.__dict__.get("forward") is not None for _, b in chosen):
+        raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
+    check_arguments(checkpoint, init, dtype, strict)
+    if not isinstance(serve_from_checkpoint, bool):
+        raise TypeError(f"serve_from_checkpoint=: expected True or False, got {serve_from_checkpoint!r}")
+    if serve_from_checkpoint and checkpoint is None:
+        raise ValueError("serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
+                         "the blocks' parameters from")
+    _check_budget(max_resident_bytes)  # before any block is made or read
+    config = config or SwapConfig()
+    if path is not None:
+        config = config.replace(folder=path)
+    materializer = None
+    if checkpoint is not None or has_meta(module):
+        materializer = Materializer(module, [name for name, _ in chosen], checkpoint=checkpoint, init=init,
+                                    dtype=dtype, strict=strict, serve=serve_from_checkpoint)
+    elif init is not None or dtype is not None:
+        raise ValueError("init= and dtype= apply to tensors on the meta device, and this module has none: "
+                         "initialize or convert it before offload_parameters()")
+    try:
+        return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
+                                compute_dtype=compute_dtype, config=config, materializer=materializer,
+                                max_resident_bytes=max_resident_bytes)
+    except BaseException:
+        if materializer is not None:
+            materializer.undo()
+        raise

@@ -1,0 +1,122 @@
+"""What ``ParameterOffload`` attaches to the user's modules, and takes off again: each block's streamed ``forward``
+(casting to the compute dtype when one is set), its ``state_dict`` hooks (the values read from storage), and a guard
+on ``_apply`` (``.to()``, ``.half()``, ``.cuda()`` ...) of every module holding a block."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .placeholders import internal
+from .residency import Block
+from .store import BlockStore
+
+Run = Callable[[Block, Callable, tuple, dict], Any]  # runs a block's forward with its parameters resident
+
+
+def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
+    """``forward`` with its floating-point tensor arguments cast to ``dtype`` and its ``dtype`` outputs cast back
+    to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16)."""
+    def cast(x: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only):
+            return x.to(to)
+        return x
+
+    def run(*args, **kwargs):
+        flat = pytree.tree_leaves((args, kwargs))
+        outer = next((x.dtype for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), dtype)
+        args, kwargs = pytree.tree_map(lambda x: cast(x, dtype), (args, kwargs))
+        return pytree.tree_map(lambda x: cast(x, outer, only=dtype), forward(*args, **kwargs))
+
+    return run
+
+
+class ModulePatches:
+    """The patches on ``module`` and its ``blocks``: ``stream`` and ``guard_moves`` put them on, ``remove`` takes
+    them off. ``run`` is called for every call of a streamed block."""
+
+    def __init__(self, module: nn.Module, blocks: list[Block], store: BlockStore, run: Run):
+        self.module, self.blocks, self.store, self.run = module, blocks, store, run
+        self.patched: list[tuple[nn.Module, str, Callable]] = []
+        self.hooks: list = []
+
+    def stream(self, block: Block) -> None:
+        """Replace the block's ``forward`` by one that streams it, and hook its ``state_dict``."""
+        forward = block.module.forward
+        if block.compute_dtype is not None:
+            forward = _casting(forward, block.compute_dtype)
+        run = self.run
+
+        def streamed_forward(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                # torch.compile: the block runs eagerly (its parameters change shape as they are streamed), the
+                # rest compiles; the compiler is imported only by then (importing it costs about 90 MB)
+                return torch.compiler.disable(run)(block, forward, args, kwargs)
+            return run(block, forward, args, kwargs)
+
+        block.module.forward = streamed_forward
+        self.patched.append((block.module, "forward", streamed_forward))
+        self.hooks.append(block.module.register_state_dict_pre_hook(self._block_state_dict_start(block)))
+        self.hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
+
+    @staticmethod
+    def _block_state_dict_start(block: Block) -> Callable:
+        def hook(module, prefix, keep_vars) -> None:
+            block.exporting += 1  # its parameters' detach() is allowed until the post hook replaces the results
+        return hook
+
+    def _block_state_dict(self, block: Block) -> Callable:
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            # the block's parameters as stored (master values), read block by block when on storage
+            block.exporting = max(block.exporting - 1, 0)
+            with internal():
+                self.store.wait_write(block)
+                copies = self.store.read_copy(block)
+            for name, tensor in copies.items():
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = tensor
+        return hook
+
+    def guard_moves(self) -> None:
+        """``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... on the module or any module holding
+        a block: refused before anything is converted when they would change a streamed parameter."""
+        holders = set()
+        for name, _ in ((b.prefix, b) for b in self.blocks):
+            parts = name.split(".") if name else []
+            for k in range(len(parts) + 1):
+                holders.add(".".join(parts[:k]))
+        for name, sub in self.module.named_modules():
+            if name in holders:
+                original = sub._apply
+
+                def guarded(fn, recurse=True, _original=original):
+                    with internal():
+                        self._check_move(fn)
+                        return _original(fn, recurse)
+
+                sub._apply = guarded
+                self.patched.append((sub, "_apply", guarded))
+
+    def _check_move(self, fn: Callable) -> None:
+        for block in self.blocks:
+            for name, param in zip(block.names, block.params):
+                moved = fn(param.data)
+                if moved.dtype != param.dtype or moved.device != param.device:
+                    raise ValueError(f"this would move the streamed parameter {block.qualified(name)} from "
+                                     f"{param.dtype} on {param.device} to {moved.dtype} on {moved.device}, but its "
+                                     f"values live on storage: convert or move the model before "
+                                     f"offload_parameters(), or pass compute_dtype= to compute blocks in another dtype")
+
+    def remove(self, restore: bool) -> None:
+        """Take the hooks and patches off; unless ``restore``, the blocks keep their streamed ``forward`` (calls
+        keep failing with a clear error)."""
+        for hook in self.hooks:
+            hook.remove()
+        for module, attribute, patched in self.patched:
+            if attribute == "forward" and not restore:
+                continue  # calls keep failing with a clear error
+            if module.__dict__.get(attribute) is patched:
+                delattr(module, attribute)
