@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import json
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
 
@@ -26,12 +23,10 @@ import torch
 
 from ..io.buffers import aligned_empty, prefault
 from ..io.handle import AsyncIOHandle
-from .header import (CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity,
-                     read_header)
+from .discovery import INDEX_NAME, SINGLE_NAME, _find_index, _is_torch_zip, _open_sharded, load_torch
+from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity, read_header
+from .spans import READ_ALIGNMENT, _Span, plan_spans
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-READ_ALIGNMENT = 4096  # spans start and end on this boundary (or at the end of the file) so O_DIRECT needs no bounce
 PAGE_BYTES = 4096  # a write per this many bytes faults every page in (huge pages: the first write of each)
 FAULT_SPLIT_PAGES = 1024  # buffers of fewer than twice this many pages are faulted in by the calling thread alone
 # Span buffers are faulted in by the calling thread (as fast as the disk reads here when the memory was freed
@@ -51,18 +46,6 @@ class KeyReport(NamedTuple):
     unexpected: list[str]
 
 
-@dataclass
-class _Span:
-    """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``. A span with a
-    ``piece`` holds bytes ``[lo, hi)`` (counted from the tensor's first byte) of its one tensor only."""
-
-    path: str
-    start: int
-    end: int
-    entries: list[TensorEntry] = field(default_factory=list)
-    piece: tuple[int, int] | None = None
-
-
 def _fault_in(buffer: torch.Tensor, threads: int) -> None:
     """Back every page of the new (zero-filled) uint8 ``buffer`` now: with 1 thread by ``MADV_POPULATE_WRITE``
     (``prefault``), with 2 by writing a zero to each page, half of them from a second thread. Measured here (1 GiB
@@ -79,60 +62,6 @@ def _fault_in(buffer: torch.Tensor, threads: int) -> None:
         pages[:half].fill_(0)
     finally:
         worker.join()
-
-
-def _is_torch_zip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
-
-
-def _find_index(folder: Path) -> Path | None:
-    if (folder / INDEX_NAME).is_file():
-        return folder / INDEX_NAME
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise CheckpointError(f"{folder}: several safetensors index files ({', '.join(p.name for p in indexes)}); "
-                              f"pass the one to load")
-    return indexes[0] if indexes else None
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    """The index's weight_map (tensor name -> shard file name), validated."""
-    try:
-        document = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{index}: cannot read the safetensors index: {e}") from None
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in weight_map.items()):
-        raise CheckpointError(f"{index}: not a safetensors index: expected an object with a 'weight_map' of "
-                              f"tensor name -> shard file name")
-    for shard in set(weight_map.values()):
-        if shard in ("", ".", "..") or "/" in shard or "\\" in shard:
-            raise CheckpointError(f"{index}: shard name {shard!r} is not a file name in the index's folder")
-    return weight_map
-
-
-def _open_sharded(index: Path) -> list[Header]:
-    weight_map = _read_index(index)
-    by_shard: dict[str, set[str]] = collections.defaultdict(set)
-    for name, shard in weight_map.items():
-        by_shard[shard].add(name)
-    headers = []
-    for shard in sorted(by_shard):
-        path = index.parent / shard
-        if not path.is_file():
-            names = sorted(by_shard[shard])
-            raise CheckpointError(f"{index}: shard {shard} is missing (it should hold {len(names)} tensors, e.g. "
-                                  f"{names[0]!r}); the checkpoint is incomplete")
-        header = read_header(path)
-        listed, stored = by_shard[shard], set(header.entries)
-        if listed != stored:
-            raise CheckpointError(f"{index} and its shard {shard} disagree: listed but not in the shard: "
-                                  f"{sorted(listed - stored)[:10]}; in the shard but not listed: "
-                                  f"{sorted(stored - listed)[:10]}")
-        headers.append(header)
-    return headers
 
 
 def _expected_shape_dtype(name: str, value: object) -> tuple[tuple[int, ...], torch.dtype | None]:
@@ -198,7 +127,7 @@ class CheckpointReader:
             self.format = "safetensors-sharded"
         elif _is_torch_zip(path):
             self._torch_identity = file_identity(os.stat(path))  # before mapping it: a change during the load shows
-            self._state_dict = self._load_torch(path)
+            self._state_dict = load_torch(path)
             self.format = "torch"
         else:
             try:
@@ -214,19 +143,6 @@ class CheckpointReader:
             self._entries = {name: entry for header in self._headers for name, entry in header.entries.items()}
             if len(self._headers) == 1:
                 self.metadata = self._headers[0].metadata
-
-    @staticmethod
-    def _load_torch(path: Path) -> dict[str, torch.Tensor]:
-        try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot load it as a torch.save state dict (read with mmap=True, "
-                                  f"weights_only=True): {e}") from None
-        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                for k, v in state.items())):
-            raise CheckpointError(f"{path}: a torch.save checkpoint must hold a flat dict of name -> tensor "
-                                  f"(a state_dict); got {type(state).__name__}")
-        return state
 
     # -- what is in it ----------------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -338,35 +254,10 @@ class CheckpointReader:
         return dict(self.iter_tensors(names, dtype))
 
     def _plan(self, selected: list[str], split: frozenset[str] = frozenset()) -> list[_Span]:
-        """Spans covering ``selected`` in storage order; tensors named in ``split`` that are larger than a span are
-        read in pieces of at most a span each."""
+        """Spans covering ``selected`` in storage order (see ``plan_spans``)."""
         order = {header.path: i for i, header in enumerate(self._headers)}
         entries = sorted((self._entries[n] for n in selected), key=lambda e: (order[e.path], e.start))
-        spans: list[_Span] = []
-        for entry in entries:
-            if entry.name in split and entry.nbytes > self.span_bytes:
-                spans.extend(self._pieces(entry))
-                continue
-            last = spans[-1] if spans else None
-            if (last is not None and last.piece is None and last.path == entry.path
-                    and entry.start - last.end <= self.gap_bytes and entry.end - last.start <= self.span_bytes):
-                last.end = max(last.end, entry.end)
-                last.entries.append(entry)
-            else:
-                spans.append(_Span(entry.path, entry.start, entry.end, [entry]))
-        return spans
-
-    def _pieces(self, entry: TensorEntry) -> list[_Span]:
-        """``entry`` as spans of at most ``span_bytes``. Pieces end on whole elements; where the tensor starts on a
-        whole element of the file, they also end on the read alignment, so no byte is read twice."""
-        step = self.span_bytes // READ_ALIGNMENT * READ_ALIGNMENT
-        shift = entry.start % READ_ALIGNMENT if entry.start % element_size(entry.dtype) == 0 else 0
-        bounds = [0, *range(step - shift, entry.nbytes, step), entry.nbytes]
-        size = element_size(entry.dtype)
-        return [_Span(entry.path, entry.start + lo, entry.start + hi,
-                      [dataclasses.replace(entry, start=entry.start + lo, end=entry.start + hi,
-                                           shape=((hi - lo) // size,))], (lo, hi))
-                for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        return plan_spans(entries, self.span_bytes, self.gap_bytes, split)
 
     def _submit(self, span: _Span, file_sizes: dict[str, int], pool: list[torch.Tensor] | None):
         """Start reading ``span``: (first byte read, its buffer, the request, the pooled buffer or None)."""
