@@ -25,7 +25,8 @@ import torch
 
 from ..errors import naming_target
 from ..io.buffers import aligned_empty
-from ..io.handle import AsyncIOHandle, byte_view
+from ..io.handle import AsyncIOHandle
+from ..io.inputs import byte_view
 from ..io.staged_file import StagedWriter, StagingPool
 from .header import DTYPE_NAMES, METADATA_KEY, check_little_endian, encode_header
 

@@ -15,7 +15,8 @@ import torch
 
 from ..config import AioConfig
 from .buffers import aligned_empty, release_lock
-from .handle import AsyncIOHandle, FileRef, check_tensor
+from .handle import AsyncIOHandle
+from .inputs import FileRef, check_tensor
 
 # DeepSpeed's aio_handle constructor defaults (py_ds_aio.cpp).
 DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_INTRA_OP_PARALLELISM = 1 << 20, 128, 1

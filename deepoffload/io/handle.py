@@ -18,7 +18,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable
 
 import torch
 
@@ -26,42 +26,13 @@ from ..config import AioConfig
 from ..errors import ClosedError, ValidationError
 from . import accelerator
 from .buffers import aligned_empty
+from .inputs import FileRef, byte_view, check_tensor
 from .native import native, resolve_engine
-
-FileRef = Union[str, bytes, os.PathLike, int]
 
 WAIT_SLICE_S = 0.2
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # what the native op's integer arguments can hold
 _live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
 _warned_buffered: set[str] = set()
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 view (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def check_tensor(tensor: object, what: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_quantized:
-        raise ValueError(f"{what}: quantized tensors ({tensor.dtype}) keep their scale and zero point outside "
-                         f"their bytes; pass tensor.int_repr() (and save q_scale()/q_zero_point()) or "
-                         f"tensor.dequantize() instead")
-    if tensor.layout != torch.strided:
-        raise ValueError(f"{what}: sparse tensors ({tensor.layout}) have no single byte buffer; pass "
-                         f"tensor.to_dense() instead")
-    if tensor.is_conj() or tensor.is_neg():  # a lazy view: its bytes in memory are not its values
-        raise ValueError(f"{what}: the tensor is a lazy conjugate/negative view whose memory holds other values; "
-                         f"pass tensor.resolve_conj().resolve_neg() (a copy) instead")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{what}: the tensor is not contiguous; pass tensor.contiguous() (a copy) instead")
-    acc = accelerator.current()
-    if tensor.device.type != "cpu" and not acc.is_device_tensor(tensor):
-        supported = "CPU" + (f" or {acc.name}" if acc.device_type else "")  # "none" when there is no accelerator
-        meta = "; a meta tensor has no bytes: make it with to_empty(device='cpu') first" if tensor.is_meta else ""
-        raise ValueError(f"{what}: tensors on {tensor.device} are not supported ({supported}){meta}")
-    return tensor
 
 
 def os_error(err: int, operation: str, path: str, offset: int, detail: str) -> OSError:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .buffers import PAGE_SIZE, aligned_empty
-from .handle import AsyncIOHandle, FileRef, Request
+from .inputs import FileRef
+
+if TYPE_CHECKING:
+    from .handle import AsyncIOHandle, Request
 
 DIGEST_SLICE = 4 << 20  # bytes copied per digest call: small enough to stay in the CPU's cache
 

@@ -11,13 +11,17 @@ copy has completed, so the tensor is ready (or its bytes are on storage) for any
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import accelerator
 from .buffers import PAGE_SIZE
-from .handle import AsyncIOHandle, FileRef, byte_view, check_tensor
+from .inputs import FileRef, byte_view, check_tensor
 from .staged_file import StagedReader, StagedWriter, StagingPool
+
+if TYPE_CHECKING:
+    from .handle import AsyncIOHandle
 
 DEFAULT_CHUNK_BYTES = 8 << 20  # bytes per host buffer; two are used
 

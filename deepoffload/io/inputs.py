@@ -1,0 +1,41 @@
+"""What a transfer takes, checked before any IO: a tensor whose bytes can move (``check_tensor``, ``byte_view``)
+and a file (``FileRef``: a path or an open descriptor). Shared by ``handle``, ``staging`` and ``compat``."""
+
+from __future__ import annotations
+
+import os
+from typing import Union
+
+import torch
+
+from . import accelerator
+
+FileRef = Union[str, bytes, os.PathLike, int]
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def check_tensor(tensor: object, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_quantized:
+        raise ValueError(f"{what}: quantized tensors ({tensor.dtype}) keep their scale and zero point outside "
+                         f"their bytes; pass tensor.int_repr() (and save q_scale()/q_zero_point()) or "
+                         f"tensor.dequantize() instead")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what}: sparse tensors ({tensor.layout}) have no single byte buffer; pass "
+                         f"tensor.to_dense() instead")
+    if tensor.is_conj() or tensor.is_neg():  # a lazy view: its bytes in memory are not its values
+        raise ValueError(f"{what}: the tensor is a lazy conjugate/negative view whose memory holds other values; "
+                         f"pass tensor.resolve_conj().resolve_neg() (a copy) instead")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: the tensor is not contiguous; pass tensor.contiguous() (a copy) instead")
+    acc = accelerator.current()
+    if tensor.device.type != "cpu" and not acc.is_device_tensor(tensor):
+        supported = "CPU" + (f" or {acc.name}" if acc.device_type else "")  # "none" when there is no accelerator
+        meta = "; a meta tensor has no bytes: make it with to_empty(device='cpu') first" if tensor.is_meta else ""
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported ({supported}){meta}")
+    return tensor
