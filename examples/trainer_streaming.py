@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="even: a checkpoint is saved half way")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--tiny", action="store_true", help="a few seconds: 2 layers of width 32, 4 steps")
+    parser.add_argument("--tiny", action="store_true", help="a few seconds: 2 layers of width 32, 2 steps")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.layers, args.hidden, args.steps = 2, 32, 4
+        args.layers, args.hidden, args.steps = 2, 32, 2
     with tempfile.TemporaryDirectory() as scratch:
         swap = args.folder or scratch
         memory = run(f"{scratch}/memory", None, args.steps, args.layers, args.hidden)

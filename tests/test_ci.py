@@ -59,10 +59,20 @@ def test_all_phases_pass(tmp_path):
     if "has no libasan.so" in proc.stderr:
         pytest.skip("no libasan here: the sanitizer phase cannot pass")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sum("pytest" in c for c in calls) == 3
+    assert sum("-m pytest" in c for c in calls) == 3
     assert calls[1] == "-m ruff check .", calls  # after the install: the lint phase
     assert "lint (ruff)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results"):]
+    assert any(c.startswith("-m mkdocs build --strict") for c in calls), calls
+    assert "docs (mkdocs build --strict)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results"):]
     assert list(tmp.iterdir()) == []
+
+
+def test_the_docs_phase_runs_and_reports_when_the_others_fail(tmp_path):
+    proc, calls, tmp = run_ci(tmp_path, fail_on="-m pytest")
+    assert proc.returncode != 0
+    assert calls[-1].startswith("-m mkdocs build --strict"), calls
+    docs = next(line for line in proc.stdout.splitlines() if line.strip().startswith("docs (mkdocs"))
+    assert "passed" in docs, docs
 
 
 def test_the_tree_passes_the_lint_ci_runs():
@@ -104,10 +114,11 @@ def test_plain_install_requires_numpy():
 
 def test_declared_ranges_are_the_tested_ones():
     """pyproject.toml declares the Python and torch floors CI tests (.ci/run installs torch 2.13.0 on Python 3.11),
-    (the documentation says so)."""
+    and the documentation says so."""
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == ">=3.11"
     assert "torch>=2.13" in project["dependencies"]
     assert "torch==2.13.0" in (REPO / ".ci" / "run").read_text()
+    assert "Python 3.11 with torch 2.13.0" in (REPO / "docs" / "getting-started.md").read_text()
