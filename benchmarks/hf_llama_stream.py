@@ -4,8 +4,8 @@ same model in memory and against accelerate's disk offload, interleaved A B A B:
 1. training step time (forward + backward + Adam step, fused mode, prefetch 1) and peak RSS while training, streamed
    vs in memory: each (variant, round) in its own process, RSS sampled every millisecond during the steps (the model
    is built in memory before it is offloaded, so the process's all-time high-water mark would show that instead),
-   with MALLOC_MMAP_THRESHOLD_=1048576 so that RSS shows memory in use rather than what glibc keeps (see the README's
-   troubleshooting);
+   with MALLOC_MMAP_THRESHOLD_=1048576 so that RSS shows memory in use rather than what glibc keeps (see
+   docs/concepts/memory-bounds.md, the allocator);
 2. forward and ``generate(20)`` (greedy, KV cache) time, deepoffload vs accelerate ``dispatch_model`` with every
    decoder layer on "disk" (embeddings, final norm and head in memory for both), in one process; the outputs of both
    are checked equal to the in-memory model's;
