@@ -122,3 +122,14 @@ def test_declared_ranges_are_the_tested_ones():
     assert "torch>=2.13" in project["dependencies"]
     assert "torch==2.13.0" in (REPO / ".ci" / "run").read_text()
     assert "Python 3.11 with torch 2.13.0" in (REPO / "docs" / "getting-started.md").read_text()
+
+
+def test_ci_installs_the_system_packages_the_docs_list():
+    """.ci/run installs every package of the getting-started page's apt-get line, and the suite's own (strace, wine,
+    MinGW): a fresh Debian machine lacked python3-dev (Python.h, for the op's build) and python3-venv."""
+    docs = (REPO / "docs" / "getting-started.md").read_text()
+    listed = re.search(r"sudo apt-get install -y ([^\n]+)", docs).group(1).split()
+    ci = (REPO / ".ci" / "run").read_text()
+    installed = re.search(r"apt-get install -y -qq --no-install-recommends ([^>]+)>", ci).group(1).replace("\\", " ")
+    missing = set(listed + ["strace", "wine", "g++-mingw-w64-x86-64"]) - set(installed.split())
+    assert not missing, missing
