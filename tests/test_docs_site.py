@@ -6,6 +6,7 @@ ci/test.sh's docs phase.)"""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,30 @@ def test_a_notes_link_outside_the_site_becomes_its_path(hooks, tmp_path):
     assert "the test (`../../tests/test_x.py`)" in out
     assert "[the guide](../guides/io-handle.md#a)" in out and "[a site](https://example.org/x.py)" in out
     assert "![plot](../assets/p.png)" in out
+
+
+@pytest.mark.slow
+def test_every_benchmark_result_says_its_command_machine_and_date_and_plots(tmp_path, monkeypatch):
+    """The files the benchmarks page plots carry what the page promises, in the format --json writes."""
+    import json
+    import sys
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sys.modules.pop("common", None)
+    from common import write_json
+
+    monkeypatch.setattr(sys, "argv", ["x", "--rounds", "1"])
+    write_json(str(tmp_path / "fresh.json"), "engines_vs_fio", "a title", [{"label": "a / b", "value": 1.2,
+                                                                           "bound": 0.95}])
+    spec = importlib.util.spec_from_file_location("deepoffload_plot", REPO / "benchmarks" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    files = [tmp_path / "fresh.json", *sorted((REPO / "benchmarks" / "results").glob("*.json"))]
+    assert len(files) >= 4
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["command"].startswith("python benchmarks/"), path
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]) and data["machine"] and data["title"], path
+        assert data["results"] and all({"label", "value"} <= set(r) for r in data["results"]), path
+        assert plot.render_file(path).startswith(b"\x89PNG"), path
