@@ -83,36 +83,18 @@ def prebuild_config():
 
 
 setup(
-    name="deepoffload",
-    version=__version__,
-    description="Train and run PyTorch models larger than memory by streaming tensors to and from NVMe",
-    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    # The metadata (name, version, dependencies, extras, scripts) is in pyproject.toml. What stays here is what the
+    # build needs beyond it: every subpackage at any depth (deepoffload.swap.params is two levels down), op_builder
+    # and csrc mapped under deepoffload (a non-editable install builds the op just in time from them), and the
+    # prebuilt extension when asked for.
     packages=[
-        # every subpackage at any depth (deepoffload.swap.params is two levels down)
         *find_packages(where=str(ROOT), include=["deepoffload", "deepoffload.*"]),
         "deepoffload.op_builder",
         "deepoffload.csrc",
     ],
     package_dir={"deepoffload": "deepoffload", "deepoffload.op_builder": "op_builder", "deepoffload.csrc": "csrc"},
     package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"],
-                  "deepoffload._ops": ["build_info.json", "deepoffload_aio.pyi"]},
-    # tqdm: progress of demo/tune; xxhash: swap checksums (xxh3, several GB/s; a corrupted swap file is an error,
-    # not a wrong result); numpy: torch does not require it but warns "Failed to initialize NumPy" on import without
-    # it, so a plain install would print that warning in every command
-    install_requires=["torch>=2.1", "ninja", "tqdm", "xxhash", "numpy"],
-    # test: the suite, plus the projects whose own code proves the compatibility claims (pinned so CI is repeatable;
-    # DeepSpeed with DS_ACCELERATOR=cpu, Hugging Face models built from configs, never downloaded)
-    extras_require={
-        "test": ["pytest", "hypothesis", "numpy", "deepspeed==0.19.8", "transformers==5.24.0", "safetensors==0.8.0",
-                 "accelerate==1.15.0", "ruff==0.17.5"],
-        "deepspeed": ["deepspeed>=0.16"],
-        "hf": ["transformers>=4.40", "safetensors"],
-        "plot": ["matplotlib"],
-        "fast": ["zlib-ng==1.1.0"],  # checkpoint CRC-32 several times faster than the standard library's zlib
-    },
-    entry_points={"console_scripts": ["deepoffload = deepoffload.cli.main:main"]},
-    zip_safe=False,
+                  "deepoffload._ops": ["build_info.json", "deepoffload_aio.pyi"],
+                  "deepoffload": ["py.typed"]},
     **prebuild_config(),
 )

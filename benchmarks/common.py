@@ -49,3 +49,26 @@ def run_main(name: str, main: Callable[[], int]) -> None:
     except BenchError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def write_json(path: str, benchmark: str, title: str, results: list[dict], unit: str = "ratio") -> None:
+    """Write a benchmark's results where ``--json PATH`` asked, in the format ``benchmarks/plot.py`` draws: the
+    command, the machine and the date with them. Each result is ``{"label", "value"}``, optionally ``"bound"`` (the
+    bound or target it is measured against), ``"higher_is_better"`` (default true) and ``"per_round"``."""
+    import datetime
+    import json
+    import os
+    import platform
+
+    record = {
+        "benchmark": benchmark,
+        "title": title,
+        "command": "python " + " ".join([f"benchmarks/{benchmark}.py", *sys.argv[1:]]),
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "unit": unit,
+        "results": results,
+    }
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")

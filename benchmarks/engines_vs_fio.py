@@ -2,12 +2,15 @@
 depth 32, O_DIRECT, interleaved round by round (ours and fio back to back, alternating who goes first), median of
 the per-pair ratios. fio runs with the same file, block size, queue depth, direct=1, ioengine=libaio, one job.
 
-    python benchmarks/engines_vs_fio.py [--path DIR] [--size 1G] [--rounds 5]
+    python benchmarks/engines_vs_fio.py [--path DIR] [--size 1G] [--rounds 5] [--json PATH]
+
+``--json PATH`` also writes the ratios for ``benchmarks/plot.py``, each against the 0.95 x fio target.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -19,7 +22,9 @@ from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.io.handle import AsyncIOHandle
 from deepoffload.io.native import engine_status
 
-from common import ratio_row, run_main
+from common import ratio_row, run_main, write_json
+
+TARGET = 0.95  # x fio, the project's target for each engine
 
 
 def main() -> int:
@@ -29,6 +34,7 @@ def main() -> int:
     parser.add_argument("--block-size", type=parse_size, default="1M")
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/plot.py)")
     args = parser.parse_args()
     fio_executable()
     engines = [e for e, (ok, _) in engine_status().items() if ok]
@@ -57,6 +63,15 @@ def main() -> int:
     for op in OPS:
         for engine in engines:
             print(ratio_row(f"{engine:<10}{op:<7}", gbps[engine, op, "ours"], gbps[engine, op, "fio"], (11, 10, 10)))
+    if args.json:
+        results = []
+        for op in OPS:
+            for engine in engines:
+                ratios = [a / b for a, b in zip(gbps[engine, op, "ours"], gbps[engine, op, "fio"])]
+                results.append({"label": f"{engine} {op} / fio", "value": round(statistics.median(ratios), 3),
+                                "bound": TARGET, "per_round": [round(r, 3) for r in ratios]})
+        write_json(args.json, "engines_vs_fio", f"Engines against fio: {format_size(args.size)}, "
+                   f"{format_size(args.block_size)} blocks, queue depth {args.queue_depth}, O_DIRECT", results)
     return 0
 
 

@@ -4,8 +4,8 @@ same model in memory and against accelerate's disk offload, interleaved A B A B:
 1. training step time (forward + backward + Adam step, fused mode, prefetch 1) and peak RSS while training, streamed
    vs in memory: each (variant, round) in its own process, RSS sampled every millisecond during the steps (the model
    is built in memory before it is offloaded, so the process's all-time high-water mark would show that instead),
-   with MALLOC_MMAP_THRESHOLD_=1048576 so that RSS shows memory in use rather than what glibc keeps (see the README's
-   troubleshooting);
+   with MALLOC_MMAP_THRESHOLD_=1048576 so that RSS shows memory in use rather than what glibc keeps (see
+   docs/concepts/memory-bounds.md, the allocator);
 2. forward and ``generate(20)`` (greedy, KV cache) time, deepoffload vs accelerate ``dispatch_model`` with every
    decoder layer on "disk" (embeddings, final norm and head in memory for both), in one process; the outputs of both
    are checked equal to the in-memory model's;
@@ -22,7 +22,9 @@ same model in memory and against accelerate's disk offload, interleaved A B A B:
    ``generate(20)`` time; outputs checked equal to the in-memory model's.
 
     python benchmarks/hf_llama_stream.py [--folder DIR] [--rounds N] \
-        [--part training|inference|both|budget|train-budget|serve] [--mode fused|grads]
+        [--part training|inference|both|budget|train-budget|serve] [--mode fused|grads] [--json PATH]
+
+``--json PATH`` (parts training, inference, both) also writes the ratios for ``benchmarks/plot.py``.
 
 The 2 cores and the disk are shared: read the ratios, not the absolutes.
 """
@@ -41,6 +43,9 @@ import time
 import warnings
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SEQ, BATCH, STEPS = 32, 2, 3
@@ -97,7 +102,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def training(folder: str, rounds: int) -> None:
+def training(folder: str, rounds: int) -> list[dict]:
     results: dict[str, list] = {"memory": [], "streamed": []}
     for r in range(rounds):
         for variant in ("memory", "streamed") if r % 2 == 0 else ("streamed", "memory"):
@@ -114,9 +119,13 @@ def training(folder: str, rounds: int) -> None:
     print(f"peak RSS while training: in memory {statistics.median(rss['memory']):.0f} MiB, streamed "
           f"{statistics.median(rss['streamed']):.0f} MiB, streamed/memory "
           f"{statistics.median(rss['streamed']) / statistics.median(rss['memory']):.2f}")
+    return [{"label": "training step streamed / in memory", "value": round(statistics.median(ratios), 3),
+             "higher_is_better": False, "per_round": [round(x, 3) for x in ratios]},
+            {"label": "peak RSS training streamed / in memory", "higher_is_better": False,
+             "value": round(statistics.median(rss["streamed"]) / statistics.median(rss["memory"]), 3)}]
 
 
-def inference(folder: str, rounds: int) -> None:
+def inference(folder: str, rounds: int) -> list[dict]:
     from accelerate import dispatch_model
 
     from deepoffload.swap.params import offload_parameters
@@ -147,13 +156,18 @@ def inference(folder: str, rounds: int) -> None:
                 timings[name]["generate"].append(time.perf_counter() - start)
                 if not (torch.equal(logits, expected_logits) and torch.equal(tokens, expected_tokens)):
                     print(f"{name}: outputs differ from the in-memory model", file=sys.stderr)
+    results = []
     for what in ("forward", "generate"):
         a, b = timings["deepoffload"][what], timings["accelerate"][what]
         ratios = [x / y for x, y in zip(a, b)]
         print(f"{what:8s} ({SEQ} tokens{', +20 new' if what == 'generate' else ''}): deepoffload "
               f"{statistics.median(a):.3f} s, accelerate disk offload {statistics.median(b):.3f} s, "
               f"deepoffload/accelerate {statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+        label = "forward" if what == "forward" else "generate(20)"
+        results.append({"label": f"{label} / accelerate disk offload", "value": round(statistics.median(ratios), 3),
+                        "bound": 1.0, "higher_is_better": False, "per_round": [round(x, 3) for x in ratios]})
     offload.close(restore=False)
+    return results
 
 
 def budget(folder: str, rounds: int) -> None:
@@ -283,15 +297,23 @@ def main() -> None:
                         default="both")
     parser.add_argument("--mode", choices=["fused", "grads"], default="fused", help="train-budget's training mode")
     parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", metavar="PATH", help="--part training, inference or both: also write the ratios as "
+                        "JSON (benchmarks/plot.py)")
     args = parser.parse_args()
+    if args.json and args.part not in ("training", "inference", "both"):
+        parser.error("--json is written by --part training, inference or both")
     folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
     if args.child:
         train_child(args.child, folder)
         return
+    results = []
     if args.part in ("training", "both"):
-        training(folder, args.rounds)
+        results += training(folder, args.rounds)
     if args.part in ("inference", "both"):
-        inference(folder, args.rounds)
+        results += inference(folder, args.rounds)
+    if args.json:
+        write_json(args.json, "hf_llama_stream", "Tiny HF Llama streamed from storage (hidden 512, 8 layers)", results,
+                   unit="time / time of the other (lower is better)")
     if args.part == "budget":
         budget(folder, args.rounds)
     if args.part == "train-budget":

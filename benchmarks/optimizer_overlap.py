@@ -11,7 +11,10 @@ CPU time (user + sys, all threads), the machine's steal time and the rest of the
 processes, interrupts: load that disturbs the figures), all per step, from /proc/stat and ``os.times``.
 
     python benchmarks/optimizer_overlap.py [--rounds 3] [--folder DIR] [--mlp-width 1536] [--mlp-layers 8]
-        [--compute-threads 1]
+        [--compute-threads 1] [--json PATH]
+
+``--json PATH`` also writes each offloaded mode's step time over the in-memory step's (target 1.15) and over the
+in-memory step with the IO alongside (bound 1), for ``benchmarks/plot.py``.
 
 Target: step_in_backward <= 1.15 x max(in-memory step, IO alone). The fair bound on a given machine is the in-memory
 step with the IO alongside: the IO's own cost in CPU is part of any step that does it.
@@ -28,6 +31,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import write_json  # noqa: E402
 
 
 def llama(hidden: int, layers: int, vocab: int):
@@ -121,7 +126,7 @@ def machine_seconds() -> tuple[float, float]:
     return (sum(ticks[:8]) - idle - steal) / hz, steal / hz
 
 
-def compare(name: str, build, rounds: int, folder: str, threads: int | None = None) -> None:
+def compare(name: str, build, rounds: int, folder: str, threads: int | None = None) -> list[dict]:
     import torch
 
     from deepoffload.io.handle import AsyncIOHandle
@@ -217,6 +222,15 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
               f"{m[variant]['wall'] / m[ALONGSIDE]['wall']:.2f}x (per round "
               f"{' '.join(f'{a / b:.2f}' for a, b in zip(wall[variant], wall[ALONGSIDE]))})")
     print(f"  step_in_backward parameters identical to in memory: {same}")
+    results = [{"label": f"{name}: in memory with the IO alongside / in memory",
+                "value": round(m[ALONGSIDE]["wall"] / m["in memory"]["wall"], 3), "higher_is_better": False}]
+    for variant in offloaded_variants:
+        results += [
+            {"label": f"{name}: {variant} / in memory", "value": round(m[variant]["wall"] / m["in memory"]["wall"], 3),
+             "bound": 1.15, "higher_is_better": False},
+            {"label": f"{name}: {variant} / in memory with its IO alongside",
+             "value": round(m[variant]["wall"] / m[ALONGSIDE]["wall"], 3), "bound": 1.0, "higher_is_better": False}]
+    return results
 
 
 def main() -> None:
@@ -230,12 +244,17 @@ def main() -> None:
     parser.add_argument("--mlp-layers", type=int, default=8)
     parser.add_argument("--compute-threads", type=int, default=None,
                         help="also both offloaded modes with this compute_threads (torch's intra-op threads)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/plot.py)")
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="overlap-", dir=args.folder or os.getcwd())
     try:
-        compare("tiny Llama", lambda: llama(args.llama_hidden, args.llama_layers, args.llama_vocab), args.rounds,
-                folder, args.compute_threads)
-        compare("MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder, args.compute_threads)
+        results = compare("tiny Llama", lambda: llama(args.llama_hidden, args.llama_layers, args.llama_vocab),
+                          args.rounds, folder, args.compute_threads)
+        results += compare("MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder,
+                           args.compute_threads)
+        if args.json:
+            write_json(args.json, "optimizer_overlap", "Offloaded AdamW step / in-memory step", results,
+                       unit="step time / in-memory step time (lower is better)")
     finally:
         import shutil
 

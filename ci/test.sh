@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the test dependencies, lints (ruff, configured in pyproject.toml) and runs the whole suite (slow tests
-# included), as the README says; then the core tests again under `python -O` (library code must not rely on assert,
+# included), as docs/development.md says; then the core tests again under `python -O` (library code must not rely on assert,
 # which tests/test_no_assert.py checks statically; pytest still rewrites the tests' own asserts and conftest's into
-# real checks, so they are not vacuous there), and the op-level tests under ASan/UBSan.
+# real checks, so they are not vacuous there), the op-level tests under ASan/UBSan, and the documentation site
+# (mkdocs build --strict, with the docs extra installed).
 # Every phase runs even when an earlier one fails; the result of each is printed at the end, and the exit status is
 # non-zero when any failed. Test runs keep their scratch files in one temporary folder, removed at the end.
 set -uo pipefail
@@ -36,6 +37,11 @@ phase "core tests under python -O" python -O -m pytest -q -p no:cacheprovider --
   tests/test_swap_tensor.py tests/test_optimizer_contract.py tests/test_params_patterns.py tests/test_checkpoint.py \
   tests/test_formats.py "$@"
 phase "sanitizers (ASan + UBSan)" env PYTHON=python bash ci/sanitize.sh --basetemp="$scratch/pytest-sanitize" "$@"
+docs() {
+  python -m pip install -q -e ".[docs]" || { echo "ci/test.sh: installing the docs extra failed" >&2; return 1; }
+  NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --site-dir "$scratch/site"
+}
+phase "docs (mkdocs build --strict)" docs
 
 echo "=== ci/test.sh: results"
 for i in "${!names[@]}"; do

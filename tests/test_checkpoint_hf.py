@@ -1,5 +1,6 @@
-"""The README's Hugging Face Trainer recipe: optimizer and scheduler states written by deepoffload.save, read back
-by the Trainer's own torch.load when resuming, with the same result as an uninterrupted run."""
+"""The Hugging Face Trainer recipe of docs/guides/checkpoints.md: optimizer and scheduler states written by
+deepoffload.save, read back by the Trainer's own torch.load when resuming, with the same result as an uninterrupted
+run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from deepoffload.checkpoint import api
 transformers = pytest.importorskip("transformers")
 
 
-class FastCheckpointTrainer(transformers.Trainer):  # the README's recipe
+class FastCheckpointTrainer(transformers.Trainer):  # the recipe in docs/guides/checkpoints.md
     def _save_optimizer_and_scheduler(self, output_dir):
         if self.is_deepspeed_enabled or self.is_fsdp_enabled or not self.args.should_save:
             return super()._save_optimizer_and_scheduler(output_dir)

@@ -59,10 +59,20 @@ def test_all_phases_pass(tmp_path):
     if "has no libasan.so" in proc.stderr:
         pytest.skip("no libasan here: the sanitizer phase cannot pass")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sum("pytest" in c for c in calls) == 3
+    assert sum("-m pytest" in c for c in calls) == 3
     assert calls[1] == "-m ruff check .", calls  # after the install: the lint phase
     assert "lint (ruff)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results"):]
+    assert any(c.startswith("-m mkdocs build --strict") for c in calls), calls
+    assert "docs (mkdocs build --strict)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results"):]
     assert list(tmp.iterdir()) == []
+
+
+def test_the_docs_phase_runs_and_reports_when_the_others_fail(tmp_path):
+    proc, calls, tmp = run_ci(tmp_path, fail_on="-m pytest")
+    assert proc.returncode != 0
+    assert calls[-1].startswith("-m mkdocs build --strict"), calls
+    docs = next(line for line in proc.stdout.splitlines() if line.strip().startswith("docs (mkdocs"))
+    assert "passed" in docs, docs
 
 
 def test_the_tree_passes_the_lint_ci_runs():
@@ -93,16 +103,33 @@ def test_a_passing_test_run_leaves_no_scratch_files(tmp_path):
     assert sum(p.stat().st_size for p in left) < 1 << 20, left
 
 
-def test_plain_install_requires_numpy(monkeypatch):
+def test_plain_install_requires_numpy():
     """torch warns "Failed to initialize NumPy" on import when numpy is missing, so a plain install (no test extra)
     needs it to keep every command's output clean."""
-    import setuptools
+    import tomllib
 
-    captured: dict = {}
-    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
-    monkeypatch.chdir(REPO)
-    monkeypatch.syspath_prepend(str(REPO))
-    source = (REPO / "setup.py").read_text()
-    exec(compile(source, str(REPO / "setup.py"), "exec"), {"__name__": "__main__", "__file__": str(REPO / "setup.py")})  # noqa: S102
-    assert "numpy" in [re.split(r"[<>=!~ ;\[]", r)[0] for r in captured["install_requires"]]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "numpy" in [re.split(r"[<>=!~ ;\[]", r)[0] for r in project["dependencies"]]
 
+
+def test_declared_ranges_are_the_tested_ones():
+    """pyproject.toml declares the Python and torch floors CI tests (.ci/run installs torch 2.13.0 on Python 3.11),
+    and the documentation says so."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"
+    assert "torch>=2.13" in project["dependencies"]
+    assert "torch==2.13.0" in (REPO / ".ci" / "run").read_text()
+    assert "Python 3.11 with torch 2.13.0" in (REPO / "docs" / "getting-started.md").read_text()
+
+
+def test_ci_installs_the_system_packages_the_docs_list():
+    """.ci/run installs every package of the getting-started page's apt-get line, and the suite's own (strace, wine,
+    MinGW): a fresh Debian machine lacked python3-dev (Python.h, for the op's build) and python3-venv."""
+    docs = (REPO / "docs" / "getting-started.md").read_text()
+    listed = re.search(r"sudo apt-get install -y ([^\n]+)", docs).group(1).split()
+    ci = (REPO / ".ci" / "run").read_text()
+    installed = re.search(r"apt-get install -y -qq --no-install-recommends ([^>]+)>", ci).group(1).replace("\\", " ")
+    missing = set(listed + ["strace", "wine", "g++-mingw-w64-x86-64"]) - set(installed.split())
+    assert not missing, missing

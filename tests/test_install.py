@@ -107,6 +107,12 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     assert "deepoffload/op_builder/async_io.py" in names
     assert not any(n.startswith("op_builder/") for n in names), "no generic top-level op_builder package"
     assert not any(n.endswith(".so") for n in names), "a plain install compiles nothing"
+    # the PEP 621 metadata of pyproject.toml, the license and the typing marker reach the wheel
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    for line in ("License: Apache-2.0", "Requires-Python: >=3.11", "Requires-Dist: torch>=2.13",
+                 "Classifier: Typing :: Typed", "Provides-Extra: docs"):
+        assert line in metadata.splitlines(), line
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names) and "deepoffload/py.typed" in names
     venv = fresh_venv(tmp_path, wheel)
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()

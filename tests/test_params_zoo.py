@@ -332,7 +332,8 @@ def test_router_logits_recorded_inside_blocks_are_refused_in_training(scratch, b
 
 def test_a_block_output_read_twice_trains_within_rounding(scratch):
     """A hidden state used by the next block and by an extra loss term: its two gradients are summed in another
-    order than in memory, so training agrees to rounding (the README says so), not bit for bit."""
+    order than in memory, so training agrees to rounding (docs/guides/parameter-streaming.md says so), not bit for
+    bit."""
     ref = reference("mistral").train()
     model = copy.deepcopy(ref)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731

@@ -87,7 +87,7 @@ def render(report: dict, style: Style) -> str:
         if op.get("load_error"):
             out.append(style.bad(f"the built op does not load: {op['load_error']}"))
         if not op["built"] and op["compatible"]:
-            out.append(style.dim("the op builds on first use (or prebuild it: see the README)"))
+            out.append(style.dim("the op builds on first use (or prebuild it: see docs/concepts/building.md)"))
     out.append("")
     out.append(_table([[k, str(v) if v is not None else style.dim("not found")]
                        for k, v in report["versions"].items()], ["version", "value"]))

@@ -1,7 +1,8 @@
 """The DeepSpeed-shaped surface: ``AsyncIOBuilder().load().aio_handle(...)`` with DeepSpeed 0.19.8's methods,
 argument names, defaults and return values, so code written for ``deepspeed.ops.op_builder.AsyncIOBuilder`` runs
-after changing only its import. Where DeepSpeed returns -1 or aborts, these raise (the README lists every deliberate
-difference). Writes never shorten a file: DeepSpeed opens for writing without ``O_TRUNC`` and writes files in pieces.
+after changing only its import. Where DeepSpeed returns -1 or aborts, these raise (docs/deepspeed-differences.md lists
+every deliberate difference). Writes never shorten a file: DeepSpeed opens for writing without ``O_TRUNC`` and writes
+files in pieces.
 """
 
 from __future__ import annotations

@@ -1,0 +1,194 @@
+"""mkdocs hooks: the parts of the site generated from the code, so they cannot drift from it.
+
+- ``<!-- generated: api -->`` in a page becomes one mkdocstrings block per name in ``deepoffload.__all__`` (public
+  names only, never module paths that may move);
+- ``<!-- generated: cli -->`` becomes the help of ``deepoffload`` and of each of its commands, from the parser;
+- ``<!-- generated: residency -->`` becomes the state diagram of a streamed block, from its transition table;
+- ``<!-- generated: config -->`` becomes the tables of configuration keys (``AioConfig``, ``SwapConfig``) and
+  environment variables (``op_builder.env.VARIABLES``);
+- every ``benchmarks/results/*.json`` becomes a plot ``assets/plots/<name>.png`` (``benchmarks/plot.py``);
+- the nav section "Notes from this release" lists every ``docs/notes/*.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTES = "Notes from this release"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def on_config(config):
+    notes = sorted((Path(config["docs_dir"]) / "notes").glob("*.md"))
+    for item in list(config["nav"]):
+        if isinstance(item, dict) and NOTES in item:
+            if notes:
+                item[NOTES] = [f"notes/{p.name}" for p in notes]
+            else:
+                config["nav"].remove(item)
+    return config
+
+
+def on_files(files, config):
+    plot = _load_module("deepoffload_docs_plot", ROOT / "benchmarks" / "plot.py")
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        files.append(File.generated(config, f"assets/plots/{path.stem}.png", content=plot.render_file(path)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    generators = {"api": api_markdown, "cli": cli_markdown, "config": config_markdown,
+                  "residency": residency_markdown}
+    for name, make in generators.items():
+        marker = f"<!-- generated: {name} -->"
+        if marker in markdown:
+            markdown = markdown.replace(marker, make())
+    if page.file.src_uri.startswith("notes/"):
+        markdown = _unlink_outside_docs(markdown, page.file.src_uri, Path(config["docs_dir"]))
+    return markdown
+
+
+def _load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _unlink_outside_docs(markdown: str, src_uri: str, docs_dir: Path) -> str:
+    """Notes are written in their engineers' worktrees without the site: a relative link to a repository file that
+    is not a page of the site (``../../tests/test_x.py``) becomes the text and the code-formatted link target
+    instead of a broken link."""
+    docs = docs_dir.resolve()
+    base = (docs / src_uri).parent
+
+    def fix(match: re.Match) -> str:
+        text, target = match.group(1), match.group(2)
+        path = target.split("#", 1)[0]
+        if not path or re.match(r"^[a-z]+:", target):
+            return match.group(0)
+        resolved = (base / path).resolve()
+        if resolved.is_relative_to(docs) and resolved.exists():
+            return match.group(0)
+        return f"{text} (`{path}`)"
+
+    return re.sub(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)", fix, markdown)
+
+
+def api_markdown() -> str:
+    import deepoffload
+
+    blocks = []
+    for name in (n for n in deepoffload.__all__ if not n.startswith("_")):
+        if getattr(deepoffload, name).__module__.split(".")[:2] == ["deepoffload", "op_builder"] or \
+                getattr(deepoffload, name).__module__.startswith("op_builder"):
+            # deepoffload.op_builder is the top-level op_builder/ folder of the source tree, mapped under the
+            # package when installed: the static analysis finds it under its folder's name
+            blocks.append(f"::: op_builder.{name}\n    options:\n      heading: deepoffload.{name}\n")
+        else:
+            blocks.append(f"::: deepoffload.{name}\n")
+    return "\n".join(blocks)
+
+
+def cli_markdown() -> str:
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "110"  # argparse wraps to the terminal's width; fixed here so the page is stable
+    try:
+        from deepoffload.cli.main import build_parser
+
+        parser = build_parser()
+        parts = ["## `deepoffload`\n", "```text\n" + parser.format_help() + "```\n"]
+        subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        for name, sub in subparsers.choices.items():
+            parts += [f"## `deepoffload {name}`\n", "```text\n" + sub.format_help() + "```\n"]
+        return "\n".join(parts)
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old
+
+
+def _field_meanings(cls) -> dict[str, str]:
+    """``name: meaning`` lines of a dataclass's docstring (continuation lines joined)."""
+    meanings: dict[str, str] = {}
+    current = None
+    for line in (cls.__doc__ or "").splitlines():
+        match = re.match(r"^\s*([a-z_]+): (.*)$", line)
+        if match and match.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            current = match.group(1)
+            meanings[current] = match.group(2).strip()
+        elif current and line.startswith("        ") and line.strip():
+            meanings[current] += " " + line.strip()
+        else:
+            current = None
+    return meanings
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def config_markdown() -> str:
+    from deepoffload.config import ALIASES, AioConfig
+    from deepoffload.op_builder import env
+    from deepoffload.swap.config import SWAP_ALIASES, SwapConfig
+
+    def rows(cls, aliases, skip=()):
+        meanings = _field_meanings(cls)
+        out = []
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else "(see below)"
+            alias = [a for a, target in aliases.items() if target == f.name]
+            name = f"`{f.name}`" + (f" (alias `{alias[0]}`)" if alias else "")
+            out.append((name, f"`{default!r}`", meanings.get(f.name, "")))
+        return out
+
+    aio_rows = rows(AioConfig, ALIASES)
+    env_rows = [(f"`{v.name}`", v.kind, f"`{v.default!r}`" if v.default not in (None, "") else "unset", v.meaning)
+                for v in env.VARIABLES.values()]
+    env_rows += [(f"`{env.AIO_PREFIX}{key.upper()}`", "config value", f"`{getattr(AioConfig(), key)!r}`",
+                  f"overrides the `{key}` key") for key in AioConfig.keys()]
+    return "\n".join([
+        "## Async-IO keys (`deepoffload.AioConfig`)\n",
+        _table(("key", "default", "meaning"), aio_rows),
+        "## Swapping keys (`deepoffload.SwapConfig`)\n",
+        "These take the async-IO keys above too, at top level or in an `aio` section.\n",
+        _table(("key", "default", "meaning"), rows(SwapConfig, SWAP_ALIASES, skip=("aio",))),
+        "## Environment variables\n",
+        "Every variable deepoffload reads (the table in `op_builder/env.py`, read through one parser).\n",
+        _table(("variable", "kind", "default", "meaning"), env_rows),
+    ])
+
+
+def residency_markdown() -> str:
+    """The residency state machine of a streamed block, drawn from its transition table (the table the code checks
+    every move against)."""
+    from deepoffload.swap.params import Residency
+
+    transitions = sys.modules[Residency.__module__].TRANSITIONS
+    lines = ["```mermaid", "stateDiagram-v2", f"    [*] --> {Residency.ON_STORAGE.name}"]
+    for source, targets in transitions.items():
+        for target in sorted(targets, key=lambda r: list(Residency).index(r)):
+            lines.append(f"    {source.name} --> {target.name}")
+    lines.append(f"    {Residency.RESTORED.name} --> [*]")
+    lines.append("```")
+    rows = [(f"`{r.name}`", r.value, ", ".join(f"`{t.name}`" for t in sorted(transitions[r], key=list(Residency).index))
+             or "(final)") for r in Residency]
+    return "\n".join(lines) + "\n\n" + _table(("state", "meaning", "may move to"), rows)
