@@ -13,7 +13,7 @@ from deepoffload import diagnostics
 from deepoffload.cli import report
 from deepoffload.cli.main import main
 
-from conftest import without_prebuilt_op
+from tests.conftest import without_prebuilt_op
 
 
 def run_report(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""The memory-cgroup helper (tests/memlimit.py) confines a child, and a checkpoint larger than the limit loads
+"""The memory-cgroup helper (tests/support/memlimit.py) confines a child, and a checkpoint larger than the limit loads
 through deepoffload.formats tensor by tensor inside it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import memlimit
+from tests.support import memlimit
 
 MiB = 1 << 20
 reason = memlimit.unavailable()

@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                        reason="deepspeed is not installed (pip install deepoffload[deepspeed])"),
 ]
-CHILD = Path(__file__).with_name("deepspeed_child.py")
+CHILD = Path(__file__).resolve().parents[1] / "support" / "deepspeed_child.py"
 
 
 def free_port() -> int:
@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def run_child(mode: str, folder: Path, steps: int = 3, op: str = "deepoffload") -> dict:
-    """Runs tests/deepspeed_child.py MODE in a child process, on deepoffload's op or (``op="deepspeed"``, built
+    """Runs tests/support/deepspeed_child.py MODE in a child process, on deepoffload's op or (``op="deepspeed"``, built
     already) on DeepSpeed's own; returns its JSON result."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1",

@@ -1,6 +1,6 @@
 """The warning ``enable()`` adds to ``DeepSpeedEngine.load_checkpoint``: DeepSpeed 0.19.8 resumes a checkpoint with
 the optimizer state on NVMe without that state (Adam restarts), and says nothing. Checked on stand-ins for the engine
-and its method (no training); the real resume is in tests/test_deepspeed_integration.py."""
+and its method (no training); the real resume is in tests/integrations/test_deepspeed_integration.py."""
 
 from __future__ import annotations
 

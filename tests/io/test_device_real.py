@@ -1,7 +1,7 @@
 """Device tensors on the real accelerator of this machine (CUDA, ROCm, XPU, ...): the handle, ``DeviceStager``, the
 tensor swapper, the offloaded optimizer and parameter streaming. Skipped where torch sees no accelerator; run by
 ci/gpu_check.sh on a machine with one. The staging logic itself is tested without hardware in
-tests/test_device_staging.py."""
+tests/io/test_device_staging.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The accelerator staging layer (``DeviceStager`` and the handle's device paths) against a fake accelerator whose
 copies run only when synchronized: contents at odd sizes, buffer ordering, overlap, errors on both sides and the
-fallback to ordinary memory. The same transfers on a real accelerator are in tests/test_device_real.py."""
+fallback to ordinary memory. The same transfers on a real accelerator are in tests/io/test_device_real.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from deepoffload.io import accelerator
 from deepoffload.io.buffers import aligned_empty, is_aligned
 from deepoffload.io.staging import DeviceStager
-from fake_accelerator import FakeAccelerator, RecordingHandle, check_log
+from tests.support.fake_accelerator import FakeAccelerator, RecordingHandle, check_log
 
 CHUNK = 8192
 SIZES = [1, 4095, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 17]

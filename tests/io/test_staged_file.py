@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepoffload.io.staged_file import StagedReader, StagedWriter, StagingPool
-from fake_accelerator import RecordingHandle, check_log
+from tests.support.fake_accelerator import RecordingHandle, check_log
 
 BUFFER = 8192
 

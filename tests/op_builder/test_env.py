@@ -15,7 +15,7 @@ from deepoffload.op_builder import env
 from deepoffload.op_builder.async_io import ENGINE_NAMES, ENGINES, AsyncIOBuilder
 from deepoffload.op_builder.probes import ProbeResult
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # reads of os.environ that are not settings: builder.py saves and restores CXX around torch's build, probes pass the
 # whole environment to the compiler they run
 NOT_SETTINGS = {"op_builder/builder.py", "op_builder/probes.py"}

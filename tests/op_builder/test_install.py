@@ -20,7 +20,7 @@ import pytest
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUILDING = "deepoffload: building the async_io op"
 
 pytestmark = [

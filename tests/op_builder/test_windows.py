@@ -25,7 +25,7 @@ from deepoffload.op_builder.builder import SANITIZE_ENV, build_hint
 from deepoffload.op_builder.hints import install_hint
 from deepoffload.op_builder.probes import ProbeResult
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MINGW = "x86_64-w64-mingw32-g++-posix"  # GCC 12's MinGW has std::thread only with the posix thread model
 LIBRARY_PROBES = ("libaio", "io_pgetevents", "liburing")
 BUILD_TIMEOUT_S = 600

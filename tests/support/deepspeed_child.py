@@ -1,4 +1,5 @@
-"""Child process for tests/test_deepspeed_integration.py: DeepSpeed ZeRO-3 on deepoffload's op, one process, gloo.
+"""Child process for tests/integrations/test_deepspeed_integration.py: DeepSpeed ZeRO-3 on deepoffload's op, one
+process, gloo.
 
 Usage: python deepspeed_child.py MODE FOLDER [STEPS]; MODE is optimizer (offload_optimizer to NVMe), param (and
 offload_param too), resume_save (as optimizer, then a checkpoint saved and resumed into a second engine in the

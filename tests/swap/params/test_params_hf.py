@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from deepoffload.swap.params import StreamedParameter, offload_parameters  # noqa: E402
-from stepping import offload_step, reference_step  # noqa: E402
+from tests.support.stepping import offload_step, reference_step  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-import memlimit
+from tests.support import memlimit
 
 MiB = 1 << 20
 reason = memlimit.unavailable()

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deepoffload.swap.params import offload_parameters
-from stepping import offload_step, reference_step
+from tests.support.stepping import offload_step, reference_step
 
 
 def sgd(params):

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from deepoffload.swap.params import StreamedParameter, offload_parameters
-from stepping import offload_step, reference_step
-from test_params_patterns import adam, batches, pair, states_equal, train
+from tests.support.stepping import offload_step, reference_step
+from tests.swap.params.test_params_patterns import adam, batches, pair, states_equal, train
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ accelerate = pytest.importorskip("accelerate")
 
 from deepoffload.formats.header import CheckpointError  # noqa: E402
 from deepoffload.swap.params import offload_parameters  # noqa: E402
-from stepping import offload_step, reference_step  # noqa: E402
+from tests.support.stepping import offload_step, reference_step  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 T = transformers
