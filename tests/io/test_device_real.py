@@ -88,8 +88,8 @@ def test_offloaded_optimizer_on_device_parameters_matches_in_memory_adam(scratch
 
 
 def test_parameter_streaming_of_a_model_on_the_device(scratch):
-    from deepoffload.demo.model import ModelSize, SyntheticText, build_model
     from deepoffload.swap.params import Residency, offload_parameters
+    from tests.support.models import ModelSize, SyntheticText, build_model
 
     size = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
     reference, model = build_model(size).to(DEVICE), build_model(size).to(DEVICE)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from deepoffload.demo.model import ModelSize, SyntheticText, build_model
+from tests.support.models import ModelSize, SyntheticText, build_model
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.residency import Residency
 

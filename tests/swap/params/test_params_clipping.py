@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from deepoffload.demo.model import ModelSize, SyntheticText, build_model
+from tests.support.models import ModelSize, SyntheticText, build_model
 from deepoffload.swap import grad_norm
 from deepoffload.swap.params import offload_parameters
 

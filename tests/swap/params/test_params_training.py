@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepoffload.demo.model import ModelSize, SyntheticText, build_model
+from tests.support.models import ModelSize, SyntheticText, build_model
 from deepoffload.swap.params import offload_parameters
 
 SIZE = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
