@@ -13,10 +13,10 @@ if ! "$PYTHON" -c "import sys, torch; d = torch.accelerator.current_accelerator(
     exit 3
 fi
 log=$(mktemp)
-"$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_device_real.py | tee "$log"
+"$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/io/test_device_real.py | tee "$log"
 if grep -q "skipped" "$log"; then
     echo "gpu_check: real-device tests were skipped on a machine with an accelerator" >&2
     exit 1
 fi
-"$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_device_staging.py
+"$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/io/test_device_staging.py
 "$PYTHON" benchmarks/device_staging.py --path "${DEEPOFFLOAD_BENCH_DIR:-${TMPDIR:-/tmp}}" "$@"

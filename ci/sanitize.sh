@@ -40,7 +40,7 @@ if not os.path.realpath(module.__file__).startswith(cache + os.sep):
 print(f"sanitize.sh: {os.environ['DEEPOFFLOAD_SANITIZE']} build: {module.__file__}")
 PY
 if [[ $status -eq 0 ]]; then
-  "$PYTHON" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_handle.py tests/reliability "$@" || status=$?
+  "$PYTHON" -m pytest -q -p no:cacheprovider -m "not slow" tests/io/test_handle.py tests/reliability "$@" || status=$?
 fi
 
 if compgen -G "$reports/*" >/dev/null; then

@@ -33,9 +33,9 @@ phase "full suite" python -m pytest -q -p no:cacheprovider --durations=25 --base
 # Under -O: the static check (tests/test_no_assert.py, also in the whole suite) proves no library code uses assert or
 # __debug__; this phase runs the core paths (handle, swapping, optimizer, streaming, checkpoints) with them stripped.
 phase "core tests under python -O" python -O -m pytest -q -p no:cacheprovider --basetemp="$scratch/pytest-O" \
-  -m "not slow" tests/test_no_assert.py tests/test_api.py tests/test_handle.py tests/test_handle_inputs.py \
-  tests/test_swap_tensor.py tests/test_optimizer_contract.py tests/test_params_patterns.py tests/test_checkpoint.py \
-  tests/test_formats.py "$@"
+  -m "not slow" tests/test_no_assert.py tests/test_api.py tests/io/test_handle.py tests/io/test_handle_inputs.py \
+  tests/swap/test_swap_tensor.py tests/swap/optimizer/test_optimizer_contract.py \
+  tests/swap/params/test_params_patterns.py tests/checkpoint/test_checkpoint.py tests/formats/test_formats.py "$@"
 phase "sanitizers (ASan + UBSan)" env PYTHON=python bash ci/sanitize.sh --basetemp="$scratch/pytest-sanitize" "$@"
 docs() {
   python -m pip install -q -e ".[docs]" || { echo "ci/test.sh: installing the docs extra failed" >&2; return 1; }

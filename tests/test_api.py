@@ -1,5 +1,6 @@
-"""The public API: every lazily imported name resolves, is in ``__all__`` and is visible to type checkers (the
-``if TYPE_CHECKING:`` imports list the same names); every exception shares one base and keeps its built-in type."""
+"""The public API: a cheap import; every lazily imported name resolves, is in ``__all__`` and is visible to type
+checkers (the ``if TYPE_CHECKING:`` imports list the same names); every exception shares one base and keeps its
+built-in type."""
 
 import ast
 import importlib
@@ -38,6 +39,15 @@ def test_lazy_names_resolve_and_are_all_exported(package):
     assert set(module.__all__) <= set(dir(module))
     with pytest.raises(AttributeError, match="no_such_name"):
         module.no_such_name  # noqa: B018
+
+
+def test_import_is_cheap():
+    """`import deepoffload` probes, compiles and loads nothing, and does not import torch: of the op builders only
+    the package itself is imported (to register the DeepSpeed-shaped module), not its builder or probes."""
+    code = ("import sys, deepoffload; print('torch' in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith('deepoffload.op_builder')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split(" ", 1) == ["False", "['deepoffload.op_builder']\n"]
 
 
 def test_returned_and_raised_types_are_exported():
