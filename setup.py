@@ -8,11 +8,13 @@ package. It needs torch installed, so use ``pip install --no-build-isolation .``
 --no-build-isolation``). An op asked for that cannot be built fails the install with the probe's reason.
 """
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -82,6 +84,35 @@ def prebuild_config():
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildWithInfo.with_options(use_ninja=True)}}
 
 
+def _children_hook():
+    """deepoffload/integrations/deepspeed_children.py (standard library only), loaded without importing the
+    package: it names the .pth file and its line."""
+    path = ROOT / "deepoffload" / "integrations" / "deepspeed_children.py"
+    spec = importlib.util.spec_from_file_location("_deepoffload_children_hook", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithPth(build_py):
+    """Also writes the .pth line that lets DeepSpeed's child processes enable deepoffload's op (inert unless
+    DEEPOFFLOAD_DEEPSPEED=1) at the top of the build, so it lands in site-packages."""
+
+    def run(self):
+        super().run()
+        hook = _children_hook()
+        target = Path(self.build_lib) / hook.PTH_NAME
+        target.write_text(hook.PTH_LINE + "\n")
+
+    def get_outputs(self, include_bytecode=True):
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / _children_hook().PTH_NAME)]
+
+
+def cmdclass():
+    prebuild = prebuild_config()
+    return {**prebuild, "cmdclass": {"build_py": BuildPyWithPth, **prebuild.get("cmdclass", {})}}
+
+
 setup(
     name="deepoffload",
     version=__version__,
@@ -114,5 +145,5 @@ setup(
     },
     entry_points={"console_scripts": ["deepoffload = deepoffload.cli.main:main"]},
     zip_safe=False,
-    **prebuild_config(),
+    **cmdclass(),
 )

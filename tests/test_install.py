@@ -107,6 +107,10 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     assert "deepoffload/op_builder/async_io.py" in names
     assert not any(n.startswith("op_builder/") for n in names), "no generic top-level op_builder package"
     assert not any(n.endswith(".so") for n in names), "a plain install compiles nothing"
+    from deepoffload.integrations import deepspeed_children as children
+
+    # at the wheel's top, so it lands in site-packages (tests/test_deepspeed_children.py: what the line does)
+    assert zipfile.ZipFile(wheel).read(children.PTH_NAME).decode() == children.PTH_LINE + "\n"
     venv = fresh_venv(tmp_path, wheel)
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
