@@ -35,6 +35,8 @@ class Training:
         self.module, self.store, self.prefetch, self.rest = module, store, prefetch, rest
         self.block_optimizer, self.rest_optimizer = block_optimizer, rest_optimizer
         self.optimizer_seconds = 0.0
+        # data_parallel=: (block, complete gradients by name) -> those averaged across the ranks
+        self.average: Callable[[Block, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     # -- the interface ParameterOffload uses ------------------------------------------------------------------
     def before_backward(self, block: Block, last: bool) -> None:
@@ -125,6 +127,8 @@ class Fused(Training):
     def _step(self, block: Block) -> None:
         block.stepped = True
         grads = self.block_grads(block)
+        if self.average is not None:
+            grads = self.average(block, grads)
         self.store.grad_bytes = nbytes(grads.values())
         self.store.note_peak()
         self.step_block(block, grads)
@@ -174,18 +178,20 @@ class Grads(Training):
         self.store.grad_bytes = nbytes(grads.values()) + sum(nbytes(g.values()) for _, _, g in self.grad_writes)
         self.store.note_peak()
         self.finish_writes()
+        stored_before = bool(grads) and bool(self.swapper.records(block.grad_group))
+        if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
+            read = self.swapper.swap_in([block.grad_group])
+            try:
+                stored = self.store.timed_wait(read)[block.grad_group]
+                # copies out of the staging buffer of those without a new gradient in this pass
+                grads = {**{name: t.clone() for name, t in stored.items() if name not in grads},
+                         **{name: torch.add(stored[name], grad) if name in stored else grad
+                            for name, grad in grads.items()}}
+            finally:
+                read.release()
+        if self.average is not None:  # the accumulated sum, as DDP reduces the accumulated param.grad
+            grads = self.average(block, grads)
         if grads:
-            stored_before = bool(self.swapper.records(block.grad_group))
-            if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
-                read = self.swapper.swap_in([block.grad_group])
-                try:
-                    stored = self.store.timed_wait(read)[block.grad_group]
-                    # copies out of the staging buffer of those without a new gradient in this pass
-                    grads = {**{name: t.clone() for name, t in stored.items() if name not in grads},
-                             **{name: torch.add(stored[name], grad) if name in stored else grad
-                                for name, grad in grads.items()}}
-                finally:
-                    read.release()
             if block.state is Residency.PINNED:
                 if stored_before:
                     self.swapper.discard(block.grad_group)
