@@ -10,12 +10,12 @@ runs, which FSDP2's gathering cannot see."""
 
 from __future__ import annotations
 
-import gc
 import sys
-from typing import Iterable
 
 import torch
 from torch import nn
+
+from ..ddp import ddp_class, ddp_holding
 
 DDP_ADVICE = ("streamed blocks step (fused mode) or write their gradients away (grads mode) inside their backward, "
               "before DistributedDataParallel would reduce them, so the ranks would drift apart: do not wrap the "
@@ -58,34 +58,9 @@ def wrapper_message(wrapper: str, where: str) -> str:
     return f"{where}: {wrapper} cannot wrap a model whose parameters offload_parameters() streams: {advice}"
 
 
-def _ddp_class():
-    if not torch.distributed.is_available():
-        return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel
-
-
-def ddp_holding(params: Iterable[torch.Tensor]) -> nn.Module | None:
-    """A live ``DistributedDataParallel`` whose module holds one of ``params``, else None. It searches the objects
-    the garbage collector tracks, so it is called once per setup, and only while torch.distributed is
-    initialized (no DDP can exist otherwise)."""
-    ddp = _ddp_class()
-    if ddp is None or not torch.distributed.is_initialized():
-        return None
-    ids = {id(p) for p in params}
-    if not ids:
-        return None
-    for obj in gc.get_objects():
-        if issubclass(type(obj), ddp):  # type(), not isinstance: no __class__ property runs
-            if any(id(p) in ids for p in obj.module.parameters()):
-                return obj
-    return None
-
-
 def refuse_wrapped(module: nn.Module) -> None:
     """Raise ValueError when ``module`` is a DDP wrapper, is held by one, or has FSDP2-sharded parameters."""
-    ddp = _ddp_class()
+    ddp = ddp_class()
     if ddp is not None and isinstance(module, ddp):
         raise ValueError(f"offload_parameters() got a DistributedDataParallel wrapper: {DDP_ADVICE}")
     if ddp_holding(module.parameters()) is not None:
