@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch import nn
 
 from ..ddp import ddp_class, ddp_holding
@@ -65,10 +64,9 @@ def refuse_wrapped(module: nn.Module) -> None:
         raise ValueError(f"offload_parameters() got a DistributedDataParallel wrapper: {DDP_ADVICE}")
     if ddp_holding(module.parameters()) is not None:
         raise ValueError(f"offload_parameters(): this model is wrapped in DistributedDataParallel: {DDP_ADVICE}")
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none before it is imported
+    if dtensor is not None:
         for name, param in module.named_parameters():
-            if isinstance(param, DTensor):
+            if isinstance(param, dtensor):
                 raise ValueError(f"offload_parameters(): parameter {name} is sharded by FSDP2 (fully_shard): "
                                  f"{FSDP_ADVICE}")
