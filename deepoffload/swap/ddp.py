@@ -34,3 +34,19 @@ def ddp_holding(params: Iterable[torch.Tensor]) -> nn.Module | None:
             if any(id(p) in ids for p in obj.module.parameters()):
                 return obj
     return None
+
+
+STEP_IN_BACKWARD_REASON = (
+    "DistributedDataParallel averages gradients in buckets asynchronously and writes the averages into param.grad "
+    "only when backward ends, so a chunk stepped inside backward would step with this rank's own, unaveraged "
+    "gradients and the ranks would drift apart. Call step() after backward (DDP's gradients are averaged by then), "
+    "or stream the model with offload_parameters(..., data_parallel=True), which averages each block's gradients "
+    "inside its backward")
+
+
+def refuse_step_in_backward_under_ddp(params: Iterable[torch.Tensor]) -> None:
+    """Raise RuntimeError when a DistributedDataParallel holds one of ``params`` (``step_in_backward`` cannot wait
+    for DDP's averages)."""
+    if ddp_holding(params) is not None:
+        raise RuntimeError(f"OffloadedOptimizer.step_in_backward(): these parameters are in a "
+                           f"DistributedDataParallel model: {STEP_IN_BACKWARD_REASON}")
