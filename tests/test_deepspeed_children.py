@@ -110,7 +110,7 @@ def nvme_tune(venv: Path, folder: Path, enabled: bool) -> subprocess.CompletedPr
                           capture_output=True, text=True, env=env, cwd=folder, timeout=600)
 
 
-@pytest.mark.slow  # three processes import DeepSpeed (about 10 s each), twice
+@pytest.mark.slow  # ds_nvme_tune and two ds_io import DeepSpeed (about 10 s each); the control once more
 @needs_deepspeed
 def test_ds_nvme_tune_sweeps_run_on_our_op(scratch):
     venv = fresh_venv_with_pth(scratch)
