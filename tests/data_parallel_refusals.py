@@ -66,6 +66,18 @@ def main() -> None:
     attempt(results, "ddp_after_step_in_backward", optimizer.step)
     optimizer.close()
     results["left"] = sorted(os.listdir(folder))
+    # a data-parallel setup failing part way (here: writing the blocks out) leaves no hook on the model
+    from deepoffload.swap.params.store import BlockStore
+
+    def disk_full(self):
+        raise OSError(28, "No space left on device (simulated)")
+
+    original, BlockStore.offload_all = BlockStore.offload_all, disk_full
+    failed = net()
+    attempt(results, "failed_setup", lambda: offload_parameters(failed, folder, optimizer=adam, data_parallel=True))
+    BlockStore.offload_all = original
+    results["hooks_left_after_failed_setup"] = [
+        len(failed._forward_pre_hooks), sum(len(p._post_accumulate_grad_hooks or {}) for p in failed.parameters())]
     print(json.dumps(results))
     dist.destroy_process_group()
 

@@ -111,6 +111,7 @@ def test_wrappings_that_cannot_hold_a_streamed_model_are_refused(scratch):
     for case in ("step_in_backward_under_ddp", "ddp_after_step_in_backward"):
         step = r[case]
         assert step.startswith("RuntimeError") and "DistributedDataParallel" in step and "unaveraged" in step, step
+    assert r["failed_setup"].startswith("OSError") and r["hooks_left_after_failed_setup"] == [0, 0]
     assert r["left"] == []
 
 
@@ -145,9 +146,15 @@ class FakeDist:
     def get_world_size(self, group=None):
         return 2
 
-    def all_reduce(self, tensor, group=None):
+    def all_reduce(self, tensor, group=None, async_op=False):
         self.calls.append(tensor.clone())
         tensor.add_(self.peer_calls.pop(0))
+        return FakeWork() if async_op else None
+
+
+class FakeWork:
+    def wait(self):
+        return True
 
 
 def test_average_is_ddps_arithmetic_and_uneven_gradients_raise(monkeypatch):

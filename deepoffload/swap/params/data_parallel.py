@@ -79,16 +79,21 @@ class GradientAverager:
         grads = [g for _, g in named if g is not None]
         averaged: list[torch.Tensor] = [None] * len(grads)  # type: ignore[list-item]
         scale = 1.0 / self.world
-        for bucket in _buckets(grads):
+        flats, works = [], []
+        for bucket in _buckets(grads):  # each bucket reduced while the next is filled
             members = [grads[k] for k in bucket]
             flat = torch.empty(sum(g.numel() for g in members), dtype=members[0].dtype, device=members[0].device)
             offset = 0
             for g in members:  # DDP: mul_out(bucket_view, grad, 1 / world_size)
                 torch.mul(g.reshape(-1), scale, out=flat[offset:offset + g.numel()])
                 offset += g.numel()
-            dist.all_reduce(flat, group=self.group)
+            flats.append(flat)
+            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+        for bucket, flat, work in zip(_buckets(grads), flats, works):
+            work.wait()
             offset = 0
-            for k, g in zip(bucket, members):
+            for k in bucket:
+                g = grads[k]
                 averaged[k] = flat[offset:offset + g.numel()].view(g.shape)
                 offset += g.numel()
         it = iter(averaged)
@@ -100,9 +105,10 @@ class GradientAverager:
         return {n: v for n, v in zip(names, values) if v is not None}
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy ``tensors`` from the group's first rank into every rank's (in place)."""
+        """Copy ``tensors`` from the group's first rank into every rank's (in place; empty ones are skipped)."""
         for t in tensors:
-            dist.broadcast(t.data, self.src, group=self.group)
+            if t.numel():
+                dist.broadcast(t.data, self.src, group=self.group)
 
 
 class DataParallel:
@@ -118,10 +124,6 @@ class DataParallel:
         self._handles = [p.register_post_accumulate_grad_hook(self._rest_ready) for p in self.rest
                          if p.requires_grad]
         self._handles.append(module.register_forward_pre_hook(self._broadcast_buffers))
-
-    def sync_module_states(self, tensors: Sequence[torch.Tensor]) -> None:
-        """DDP's construction: the values in memory taken from the first rank."""
-        self.averager.broadcast([t for t in tensors if t.numel()])
 
     def average_block(self, block, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The block's complete gradients (master dtype, by name) averaged across the ranks."""
@@ -151,9 +153,7 @@ class DataParallel:
                     param.grad.copy_(value)
 
     def _broadcast_buffers(self, module: nn.Module, args) -> None:
-        buffers = [b for b in module.buffers() if b.numel()]
-        if buffers:
-            self.averager.broadcast(buffers)
+        self.averager.broadcast(list(module.buffers()))
 
     def close(self) -> None:
         for handle in self._handles:

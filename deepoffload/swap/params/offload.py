@@ -18,7 +18,7 @@ from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE
-from .data_parallel import DataParallel, process_group
+from .data_parallel import DataParallel, GradientAverager, process_group
 from .export import state_items
 from .materialize import Materializer
 from .patches import ModulePatches
@@ -73,25 +73,25 @@ class ParameterOffload:
         self._token = torch.empty(0, requires_grad=True)
         self._closed = False
         self.data_parallel = None
-        if data_parallel is not False:
-            self.data_parallel = DataParallel(process_group(data_parallel), module, self.rest,
-                                              [n for n, _ in self._rest_named])
-            self.training.average = self.data_parallel.average_block
-            if materializer is None:  # DDP's construction: every value from the first rank, before offloading
-                self.data_parallel.sync_module_states([*module.parameters(), *module.buffers()])
+        group = process_group(data_parallel) if data_parallel is not False else None
+        if data_parallel is not False and materializer is None:  # DDP's construction: the first rank's values
+            GradientAverager(group).broadcast([*module.parameters(), *module.buffers()])
         # what the checkpoint lacked / had beyond the model (strict=False), when loaded from one
         self.load_report = materializer.report if materializer is not None else None
         if materializer is None:
             self.store.offload_all()
         else:
             materializer.offload(self.store, self.blocks)
-            if self.data_parallel is not None:  # the blocks came from one checkpoint; the rest from the first rank
-                self.data_parallel.sync_module_states([*self.rest, *module.buffers()])
+            if data_parallel is not False:  # the blocks came from one checkpoint; the rest from the first rank
+                GradientAverager(group).broadcast([*self.rest, *module.buffers()])
         self.set_max_resident_bytes(max_resident_bytes)
         self.patches = ModulePatches(module, self.blocks, self.store, self._run)
         for block in self.blocks:
             self.patches.stream(block)
         self.patches.guard_moves()
+        if data_parallel is not False:  # last: its hooks stay only on a ParameterOffload that was made
+            self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self._rest_named])
+            self.training.average = self.data_parallel.average_block
 
     # -- setup ---------------------------------------------------------------------------------------------
     @property
