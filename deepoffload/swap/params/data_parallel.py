@@ -6,7 +6,8 @@ the whole model from its own storage and gradients are averaged across the ranks
 - Before each forward of the module, its buffers are broadcast from the first rank (DDP's ``broadcast_buffers``).
 - A block's gradients are averaged inside its backward, once they are complete and before the fused step (or,
   in grads mode, after they are added to those stored by earlier passes and before they are written, as DDP
-  reduces the accumulated ``param.grad``). Parameters outside the blocks are averaged at the end of each backward.
+  reduces the accumulated ``param.grad``; there the reduction runs during the next block's backward and the
+  averages are written after it). Parameters outside the blocks are averaged at the end of each backward.
 - Averaging is DDP's: each gradient multiplied by ``1 / world_size`` while copied into a flat bucket (one dtype,
   at most ``BUCKET_BYTES``), the bucket summed by ``all_reduce``, the results copied back. On 2 ranks this is bit
   for bit what DDP in memory computes; with more ranks the backend's summation order may differ from DDP's by
@@ -19,7 +20,7 @@ Every rank must run the same blocks in the same order in each backward, as DDP (
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,12 @@ class GradientAverager:
 
     def average(self, named: Sequence[tuple[str, torch.Tensor | None]], where: str) -> list[torch.Tensor | None]:
         """The averages of ``named`` gradients, in order (None where no rank has one)."""
+        return self.start(named, where)()
+
+    def start(self, named: Sequence[tuple[str, torch.Tensor | None]], where: str
+              ) -> Callable[[], list[torch.Tensor | None]]:
+        """Checks which gradients exist on every rank and starts averaging them; returns the call that waits for
+        the averages (``average``'s result). The gradients are copied into the buckets here: they may be freed."""
         present = torch.tensor([g is not None for _, g in named], dtype=torch.int32)
         dist.all_reduce(present, group=self.group)
         uneven = [name for (name, _), count in zip(named, present.tolist()) if 0 < count < self.world]
@@ -89,20 +96,30 @@ class GradientAverager:
                 offset += g.numel()
             flats.append(flat)
             works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-        for bucket, flat, work in zip(_buckets(grads), flats, works):
-            work.wait()
-            offset = 0
-            for k in bucket:
-                g = grads[k]
-                averaged[k] = flat[offset:offset + g.numel()].view(g.shape)
-                offset += g.numel()
-        it = iter(averaged)
-        return [next(it) if g is not None else None for _, g in named]
+        layout = [[(k, grads[k].shape, grads[k].numel()) for k in bucket] for bucket in _buckets(grads)]
+        has_grad = [g is not None for _, g in named]
+        del grads  # the buckets hold copies: the caller may free its gradients
+
+        def finish() -> list[torch.Tensor | None]:
+            for bucket, flat, work in zip(layout, flats, works):
+                work.wait()
+                offset = 0
+                for k, shape, numel in bucket:
+                    averaged[k] = flat[offset:offset + numel].view(shape)
+                    offset += numel
+            it = iter(averaged)
+            return [next(it) if has else None for has in has_grad]
+
+        return finish
 
     def average_dict(self, names: Sequence[str], grads: dict[str, torch.Tensor], where: str) -> dict:
         """``grads`` (by name, a subset of ``names``) averaged: the same keys, new tensors."""
-        values = self.average([(n, grads.get(n)) for n in names], where)
-        return {n: v for n, v in zip(names, values) if v is not None}
+        return self.start_dict(names, grads, where)()
+
+    def start_dict(self, names: Sequence[str], grads: dict[str, torch.Tensor], where: str) -> Callable[[], dict]:
+        """``average_dict`` started: returns the call that waits for its result."""
+        finish = self.start([(n, grads.get(n)) for n in names], where)
+        return lambda: {n: v for n, v in zip(names, finish()) if v is not None}
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` from the group's first rank into every rank's (in place; empty ones are skipped)."""
@@ -127,8 +144,12 @@ class DataParallel:
 
     def average_block(self, block, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The block's complete gradients (master dtype, by name) averaged across the ranks."""
+        return self.start_block(block, grads)()
+
+    def start_block(self, block, grads: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+        """``average_block`` started: returns the call that waits for its result."""
         names = [n for n, m in zip(block.names, block.masters) if m.requires_grad]
-        return self.averager.average_dict(names, grads, f"block {block.prefix}")
+        return self.averager.start_dict(names, grads, f"block {block.prefix}")
 
     def end_of_backward_pending(self) -> None:
         """Have the parameters outside blocks averaged when the backward under way ends (once per backward; called

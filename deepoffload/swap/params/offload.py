@@ -92,6 +92,7 @@ class ParameterOffload:
         if data_parallel is not False:  # last: its hooks stay only on a ParameterOffload that was made
             self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self._rest_named])
             self.training.average = self.data_parallel.average_block
+            self.training.average_start = self.data_parallel.start_block
 
     # -- setup ---------------------------------------------------------------------------------------------
     @property
