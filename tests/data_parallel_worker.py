@@ -75,7 +75,10 @@ def train_ddp(rank: int, micro: int, clip: float | None) -> tuple[list[float], d
 def train_streamed(rank: int, mode: str, micro: int, clip: float | None, folder: Path,
                    group) -> tuple[list[float], dict]:
     model = model_of(rank)  # data_parallel= broadcasts rank 0's values
-    off = offload_parameters(model, str(folder), mode=mode, optimizer=adam, data_parallel=group)
+    # grads mode: the first block held in memory (max_resident_bytes), its averaged gradients kept there too
+    off = offload_parameters(model, str(folder), mode=mode, optimizer=adam, data_parallel=group,
+                             max_resident_bytes=3000 if mode == "grads" else None)
+    assert len(off.pinned) == (1 if mode == "grads" else 0), off.pinned
     runs = [p.name for p in folder.iterdir()]
     assert runs and all(name.startswith(f"deepoffload-rank{rank}-") for name in runs), runs
     data = batches(rank, STEPS * micro)
