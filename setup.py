@@ -8,7 +8,7 @@ package. It needs torch installed, so use ``pip install --no-build-isolation .``
 --no-build-isolation``). An op asked for that cannot be built fails the install with the probe's reason.
 """
 
-import importlib.util
+import ast
 import json
 import sys
 from pathlib import Path
@@ -84,14 +84,16 @@ def prebuild_config():
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildWithInfo.with_options(use_ninja=True)}}
 
 
-def _children_hook():
-    """deepoffload/integrations/deepspeed_children.py (standard library only), loaded without importing the
-    package: it names the .pth file and its line."""
+def _children_hook() -> dict:
+    """PTH_NAME and PTH_LINE of deepoffload/integrations/deepspeed_children.py (the .pth file and its line), read
+    from its syntax tree: setup.py does not import the package."""
     path = ROOT / "deepoffload" / "integrations" / "deepspeed_children.py"
-    spec = importlib.util.spec_from_file_location("_deepoffload_children_hook", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    values = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id in ("PTH_NAME", "PTH_LINE"):
+            values[node.targets[0].id] = ast.literal_eval(node.value)
+    return values
 
 
 class BuildPyWithPth(build_py):
@@ -101,11 +103,11 @@ class BuildPyWithPth(build_py):
     def run(self):
         super().run()
         hook = _children_hook()
-        target = Path(self.build_lib) / hook.PTH_NAME
-        target.write_text(hook.PTH_LINE + "\n")
+        target = Path(self.build_lib) / hook["PTH_NAME"]
+        target.write_text(hook["PTH_LINE"] + "\n")
 
     def get_outputs(self, include_bytecode=True):
-        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / _children_hook().PTH_NAME)]
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / _children_hook()["PTH_NAME"])]
 
 
 def cmdclass():

@@ -38,6 +38,12 @@ print(json.dumps({{"imported": sorted(m for m in sys.modules if m.startswith("de
 """
 
 
+def test_pth_line_names_the_variable_of_the_env_table():
+    # the table of this tree (deepoffload.op_builder may be mapped to another checkout by an editable install)
+    assert f'Variable("{children.ENV}"' in (REPO / "op_builder" / "env.py").read_text()
+    assert f"os.environ.get({children.ENV!r}) == '1'" in children.PTH_LINE
+
+
 def test_pth_line_is_inert_without_the_variable():
     for value in (None, "", "0"):
         assert run_python(PTH_PROBE, value) == {"imported": [], "finders": 0}

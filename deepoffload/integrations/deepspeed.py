@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 import sys
 import threading
 import types
@@ -216,7 +215,7 @@ def enable() -> None:
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         _patch(DeepSpeedEngine, "load_checkpoint", warn_on_nvme_optimizer_resume(DeepSpeedEngine.load_checkpoint))
-        _saved.insert(0, (os.environ, children.ENV, children.mark_children(), _CHILDREN))
+        _saved.insert(0, (None, children.ENV, children.mark_children(), _CHILDREN))
 
 
 def _patch_accelerator(replacements: dict[str, type]) -> None:

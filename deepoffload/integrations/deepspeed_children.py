@@ -19,16 +19,13 @@ import threading
 
 ENV = "DEEPOFFLOAD_DEEPSPEED"
 PTH_NAME = "deepoffload-deepspeed.pth"
-# The .pth line: cheap and inert unless the variable is "1" (site runs lines that start with "import").
-PTH_LINE = (f"import os; os.environ.get({ENV!r}) == '1' and "
+# The .pth line: cheap and inert unless the variable is "1" (site runs lines that start with "import"). A plain
+# literal: setup.py reads it (and PTH_NAME) from this file's syntax tree, without importing the package.
+PTH_LINE = ("import os; os.environ.get('DEEPOFFLOAD_DEEPSPEED') == '1' and "
             "__import__('deepoffload.integrations.deepspeed_children', fromlist=['install']).install()")
 
 _lock = threading.Lock()
 _finder: _EnableAfterImport | None = None
-
-
-def requested() -> bool:
-    return os.environ.get(ENV) == "1"
 
 
 def mark_children() -> str | None:
