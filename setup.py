@@ -8,11 +8,13 @@ package. It needs torch installed, so use ``pip install --no-build-isolation .``
 --no-build-isolation``). An op asked for that cannot be built fails the install with the probe's reason.
 """
 
+import ast
 import json
 import sys
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -82,6 +84,37 @@ def prebuild_config():
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildWithInfo.with_options(use_ninja=True)}}
 
 
+def _children_hook() -> dict:
+    """PTH_NAME and PTH_LINE of deepoffload/integrations/deepspeed_children.py (the .pth file and its line), read
+    from its syntax tree: setup.py does not import the package."""
+    path = ROOT / "deepoffload" / "integrations" / "deepspeed_children.py"
+    values = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id in ("PTH_NAME", "PTH_LINE"):
+            values[node.targets[0].id] = ast.literal_eval(node.value)
+    return values
+
+
+class BuildPyWithPth(build_py):
+    """Also writes the .pth line that lets DeepSpeed's child processes enable deepoffload's op (inert unless
+    DEEPOFFLOAD_DEEPSPEED=1) at the top of the build, so it lands in site-packages."""
+
+    def run(self):
+        super().run()
+        hook = _children_hook()
+        target = Path(self.build_lib) / hook["PTH_NAME"]
+        target.write_text(hook["PTH_LINE"] + "\n")
+
+    def get_outputs(self, include_bytecode=True):
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / _children_hook()["PTH_NAME"])]
+
+
+def cmdclass():
+    prebuild = prebuild_config()
+    return {**prebuild, "cmdclass": {"build_py": BuildPyWithPth, **prebuild.get("cmdclass", {})}}
+
+
 setup(
     # The metadata (name, version, dependencies, extras, scripts) is in pyproject.toml. What stays here is what the
     # build needs beyond it: every subpackage at any depth (deepoffload.swap.params is two levels down), op_builder
@@ -96,5 +129,5 @@ setup(
     package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"],
                   "deepoffload._ops": ["build_info.json", "deepoffload_aio.pyi"],
                   "deepoffload": ["py.typed"]},
-    **prebuild_config(),
+    **cmdclass(),
 )

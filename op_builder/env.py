@@ -42,6 +42,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("XDG_CACHE_HOME", "path", None, "the user's cache folder, when DEEPOFFLOAD_CACHE_DIR is unset"),
     Variable("DEEPOFFLOAD_SANITIZE", "text", "", "build the op with these sanitizers (-fsanitize=, e.g. address)"),
     Variable("RANK", "int", 0, "this process's rank (set by torchrun) when torch.distributed is not initialised"),
+    Variable("DEEPOFFLOAD_DEEPSPEED", "text", "", "1: a Python process calls deepoffload.integrations.deepspeed."
+             "enable() once it imports deepspeed (the installed deepoffload-deepspeed.pth reads it; enable() sets "
+             "it for child processes)"),
     Variable("NO_COLOR", "text", "", "any value: command output has no colours"),
     # the compiler and flags the probes and builds share (read together by op_builder.toolchain)
     Variable("CXX", "text", "", "the C++ compiler (default c++, cl on Windows)"),

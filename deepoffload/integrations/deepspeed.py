@@ -7,8 +7,11 @@ fast checkpoint writer factory, the ``deepspeed.nvme`` benchmarks, and the accel
 never builds its own async_io op. The fast checkpoint writer's one use of DeepSpeed's compiled ``utils`` op (a
 byte view of each tensor) is given in Python, so it too runs without compiling anything. GPUDirect Storage is not
 covered: ``GDSBuilder().load()`` raises. ``DeepSpeedEngine.load_checkpoint`` is wrapped to warn where DeepSpeed
-resumes without the optimizer state (see ``warn_on_nvme_optimizer_resume``). ``disable()`` puts DeepSpeed's classes
-and methods back.
+resumes without the optimizer state (see ``warn_on_nvme_optimizer_resume``). DeepSpeed's ``PinMemoryBuilder`` is
+served by deepoffload too, so buffers locked by its ``pin_handle`` and by the async-IO handles share one registry and
+each is pinned for the other. ``enable()`` also sets ``DEEPOFFLOAD_DEEPSPEED=1`` so that child processes (the
+``ds_nvme_tune`` sweeps, spawned workers) enable themselves when they import DeepSpeed (see
+``deepspeed_children``). ``disable()`` puts DeepSpeed's classes, methods and that variable back.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from typing import Any
 
 import torch
 
+from . import deepspeed_children as children
+
 # Modules that bind AsyncIOBuilder / GDSBuilder at import time; imported by enable() so they are patched.
 DEEPSPEED_MODULES = (
     "deepspeed.ops.op_builder",
     "deepspeed.ops.aio",
     "deepspeed.ops.gds",
+    "deepspeed.ops.pin_memory",
     "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
     "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
     "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
@@ -37,10 +43,12 @@ DEEPSPEED_MODULES = (
     "deepspeed.io.fast_file_writer",
     "deepspeed.nvme",
 )
-BUILDER_NAMES = ("AsyncIOBuilder", "GDSBuilder")
+BUILDER_NAMES = ("AsyncIOBuilder", "GDSBuilder", "PinMemoryBuilder")
 
 _lock = threading.Lock()
-_saved: list[tuple[Any, str, Any, bool]] = []  # (object, attribute, previous value, had it as own attribute)
+_saved: list[tuple[Any, str, Any, Any]] = []  # (object or dict, attribute or key, previous value, own or a marker)
+_ABSENT = object()
+_CHILDREN = object()  # marks the saved environment variable that reaches child processes
 
 
 class AsyncIOBuilder:
@@ -82,6 +90,23 @@ class GDSBuilder(AsyncIOBuilder):
         raise RuntimeError("deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
                            "\"use_gds\": false in the aio config, or call "
                            "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op")
+
+
+class PinMemoryBuilder(AsyncIOBuilder):
+    """DeepSpeed's ``PinMemoryBuilder``: ``load()`` returns a module whose ``pin_handle`` locks memory in the same
+    process-wide registry as the async-IO handles, so each recognises the other's buffers as pinned (nothing is
+    built)."""
+
+    BUILD_VAR = "DS_BUILD_PIN_MEMORY"
+    NAME = "pin_memory"
+
+    def absolute_name(self) -> str:
+        return f"deepspeed.ops.pin_memory.{self.NAME}_op"
+
+    def load(self, verbose: bool = True):
+        from ..io.compat import pin_handle
+
+        return types.SimpleNamespace(pin_handle=pin_handle)
 
 
 def cast_to_byte_tensor(tensors):
@@ -146,6 +171,11 @@ def _patch(obj: Any, attribute: str, value: Any) -> None:
     setattr(obj, attribute, value)
 
 
+def _patch_item(mapping: dict, key: str, value: Any) -> None:
+    _saved.append((mapping, key, mapping.get(key, _ABSENT), True))
+    mapping[key] = value
+
+
 def _deepspeed_modules() -> list[ModuleType]:
     return [m for name, m in list(sys.modules.items())
             if m is not None and (name == "deepspeed" or name.startswith("deepspeed."))]
@@ -167,19 +197,25 @@ def enable() -> None:
                 importlib.import_module(name)
             except Exception:  # an optional part of DeepSpeed that cannot import here has nothing to patch
                 pass
-        replacements = {"AsyncIOBuilder": AsyncIOBuilder, "GDSBuilder": GDSBuilder}
+        replacements = {"AsyncIOBuilder": AsyncIOBuilder, "GDSBuilder": GDSBuilder,
+                        "PinMemoryBuilder": PinMemoryBuilder}
         for module in _deepspeed_modules():
             for attribute, ours in replacements.items():
                 current = module.__dict__.get(attribute)
                 if getattr(current, "__module__", "").startswith("deepspeed."):  # DeepSpeed's class, not ours
                     _patch(module, attribute, ours)
         _patch_accelerator(replacements)
+        compatible = getattr(sys.modules["deepspeed.ops"], "__compatible_ops__", None)
+        if isinstance(compatible, dict):  # DeepSpeed's own probe (libaio headers) no longer decides: ours run
+            for name in (AsyncIOBuilder.NAME, PinMemoryBuilder.NAME):
+                _patch_item(compatible, name, True)
         writer = sys.modules.get("deepspeed.io.fast_file_writer")
         if writer is not None and hasattr(writer, "UtilsBuilder"):  # else it would compile DeepSpeed's utils op
             _patch(writer, "UtilsBuilder", _FastWriterUtils)
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         _patch(DeepSpeedEngine, "load_checkpoint", warn_on_nvme_optimizer_resume(DeepSpeedEngine.load_checkpoint))
+        _saved.insert(0, (None, children.ENV, children.mark_children(), _CHILDREN))
 
 
 def _patch_accelerator(replacements: dict[str, type]) -> None:
@@ -205,7 +241,14 @@ def disable() -> None:
     with _lock:
         while _saved:
             obj, attribute, previous, own = _saved.pop()
-            if own:
+            if own is _CHILDREN:
+                children.unmark_children(previous)
+            elif isinstance(obj, dict):
+                if previous is _ABSENT:
+                    obj.pop(attribute, None)
+                else:
+                    obj[attribute] = previous
+            elif own:
                 setattr(obj, attribute, previous)
             else:
                 delattr(obj, attribute)

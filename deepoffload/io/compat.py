@@ -78,6 +78,9 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         if engine is not None:
             settings["engine"] = engine
         self._handle = AsyncIOHandle(AioConfig.from_dict(settings, base=AioConfig.from_env()))
+        # DeepSpeed's handle mutex: a call submits (and a synchronous one waits and counts) with no other thread's
+        # call in between, so two threads' synchronous calls on one handle each return 1, not each other's count.
+        self._mutex = threading.Lock()
 
     # getters
     def get_block_size(self) -> int:
@@ -140,6 +143,11 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
 
     def _transfer(self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool,
                   file_offset: int) -> int:
+        with self._mutex:
+            return self._transfer_locked(write, buffer, file, validate, async_op, file_offset)
+
+    def _transfer_locked(self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool,
+                         file_offset: int) -> int:
         if async_op:
             if write:
                 self._handle.write_async(buffer, file, file_offset, truncate=False)
@@ -160,7 +168,8 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         return 1 + self._handle.wait_all()
 
     def wait(self) -> int:
-        return self._handle.wait_all()
+        with self._mutex:
+            return self._handle.wait_all()
 
     # buffers
     def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = _MISSING,
@@ -171,44 +180,80 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             example_tenosr = kwargs.pop("example_tensor")
         if kwargs:
             raise TypeError(f"aio_handle.new_cpu_locked_tensor() got unexpected keyword arguments {sorted(kwargs)}")
-        example = _required(example_tenosr, "example_tenosr", "new_cpu_locked_tensor")
-        if not isinstance(example, torch.Tensor):
-            raise TypeError(f"example_tenosr: expected a torch.Tensor, got {type(example).__name__}")
-        if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
-            raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
-        tensor = aligned_empty(num_elem, example.dtype)
-        if tensor.numel():
-            address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-            with _managed_lock:
-                _managed[address] = nbytes
-            weakref.finalize(tensor, _forget_managed, address)
-        return tensor
+        return _new_locked(num_elem, _required(example_tenosr, "example_tenosr", "new_cpu_locked_tensor"))
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
         """True for a tensor from ``new_cpu_locked_tensor`` not freed yet (its pages are unlocked now and
         ``is_pinned`` turns False), else False. Unlike DeepSpeed, the memory itself is returned only when the last
         reference to it goes, so a tensor used after this call still holds its bytes."""
         check_tensor(tensor, "free_cpu_locked_tensor")
-        with _managed_lock:
-            nbytes = _managed.pop(tensor.data_ptr(), None)
-        if nbytes is None:
-            return False
-        release_lock(tensor.data_ptr(), nbytes)
-        return True
+        return _free_locked(tensor.data_ptr())
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """DeepSpeed's rule: torch-pinned, or inside a live ``new_cpu_locked_tensor`` buffer."""
-        if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
-            return False
-        try:
-            if buffer.is_pinned():
-                return True
-        except RuntimeError:
-            pass
-        start = buffer.data_ptr()
-        end = start + buffer.numel() * buffer.element_size()
+        """DeepSpeed's rule: torch-pinned, or inside a live locked buffer of any handle (``aio_handle`` or
+        ``pin_handle``: one process-wide registry, as DeepSpeed's pinned-tensor manager)."""
+        return _is_pinned(buffer)
+
+
+class pin_handle:  # noqa: N801  (DeepSpeed's name)
+    """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle()``) on the registry
+    ``aio_handle`` uses, so a buffer locked by either is pinned for both."""
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype."""
+        return _new_locked(num_elem, example_tensor)
+
+    def free_cpu_locked_tensor(self, locked_tensor: torch.Tensor) -> bool:
+        """As ``aio_handle.free_cpu_locked_tensor``."""
+        check_tensor(locked_tensor, "free_cpu_locked_tensor")
+        return _free_locked(locked_tensor.data_ptr())
+
+    def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
+        """As ``free_cpu_locked_tensor``, given the buffer's start address (bytes)."""
+        if isinstance(address, bool) or not isinstance(address, int):
+            raise TypeError(f"free_cpu_locked_tensor_by_ptr: address must be an int, got {type(address).__name__}")
+        return _free_locked(address)
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """As ``aio_handle.is_pinned``."""
+        return _is_pinned(buffer)
+
+
+def _new_locked(num_elem: int, example: torch.Tensor) -> torch.Tensor:
+    if not isinstance(example, torch.Tensor):
+        raise TypeError(f"new_cpu_locked_tensor: the example must be a torch.Tensor, got {type(example).__name__}")
+    if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
+        raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
+    tensor = aligned_empty(num_elem, example.dtype)
+    if tensor.numel():
+        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         with _managed_lock:
-            return any(a <= start and end <= a + n for a, n in _managed.items())
+            _managed[address] = nbytes
+        weakref.finalize(tensor, _forget_managed, address)
+    return tensor
+
+
+def _free_locked(address: int) -> bool:
+    with _managed_lock:
+        nbytes = _managed.pop(address, None)
+    if nbytes is None:
+        return False
+    release_lock(address, nbytes)
+    return True
+
+
+def _is_pinned(buffer: torch.Tensor) -> bool:
+    if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+        return False
+    try:
+        if buffer.is_pinned():
+            return True
+    except RuntimeError:
+        pass
+    start = buffer.data_ptr()
+    end = start + buffer.numel() * buffer.element_size()
+    with _managed_lock:
+        return any(a <= start and end <= a + n for a, n in _managed.items())
 
 
 def _forget_managed(address: int) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .ddp import refuse_step_in_backward_under_ddp
 from .interrupts import deferred
 from .optimizer_state import _StoredState
 from .tensor_swapper import SwapOut
@@ -116,6 +117,7 @@ class _BackwardSteps:
                                                                         p.grad._version != self.stepped[id(p)])]
         try:
             if changed:
+                refuse_step_in_backward_under_ddp(changed)  # DDP built after step_in_backward() replaced them
                 raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
                                    f"parameter(s) changed after backward stepped them (gradient clipping, "
                                    f"GradScaler unscaling, zero_grad before step?); those parameters took their "

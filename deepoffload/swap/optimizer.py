@@ -31,6 +31,7 @@ from ..io.handle import wait_each
 from .backward_steps import _BackwardSteps
 from .chunk_plan import ChunkPlanner, _Chunk
 from .config import SwapConfig
+from .ddp import refuse_step_in_backward_under_ddp
 from .interrupts import deferred
 from .optimizer_state import _holds_stored, _storable, restore, write_back, write_copy
 from .pool import trim_heap
@@ -226,11 +227,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         steps the parameters whose chunk did not complete (e.g. some got no gradient) and waits for the writes.
         Results are bit-identical to the plain optimizer.
 
-        Requires one ``backward()`` per ``step()`` and gradients used as backward leaves them: a second backward
-        before ``step()`` (gradient accumulation) raises in that backward; gradients changed after backward
-        (clipping, GradScaler's unscale) are detected at ``step()``, which raises. Step pre-hooks run at
-        ``step()``, after most parameters were stepped. ``enabled=False`` returns to stepping in ``step()``."""
+        Refused (RuntimeError) for parameters of a ``DistributedDataParallel`` model, whose gradients are averaged
+        only as backward ends. Requires one ``backward()`` per ``step()`` and gradients used as backward leaves
+        them: a second backward before ``step()`` (gradient accumulation) raises in that backward; gradients
+        changed after backward (clipping, GradScaler's unscale) are detected at ``step()``, which raises. Step
+        pre-hooks run at ``step()``, after most parameters were stepped. ``enabled=False`` returns to stepping in
+        ``step()``."""
         if enabled and self._backward is None:
+            refuse_step_in_backward_under_ddp(self._params())
             self._backward = _BackwardSteps(self)
         elif not enabled and self._backward is not None:
             self._backward.close()

@@ -149,8 +149,13 @@ from deepoffload.integrations import deepspeed as integration
 import sys
 original = pps.AsyncIOBuilder
 original_gds = __import__("deepspeed.ops.op_builder", fromlist=["x"]).GDSBuilder
+import os
 integration.enable(); integration.enable()
-out = {"swapper": pps.AsyncIOBuilder is integration.AsyncIOBuilder,
+out = {"env_for_children": os.environ.get("DEEPOFFLOAD_DEEPSPEED"),
+       "pin": type(__import__("deepspeed.ops.op_builder", fromlist=["x"]).PinMemoryBuilder().load().pin_handle()
+                   ).__module__,
+       "compatible": [deepspeed.ops.__compatible_ops__[n] for n in ("async_io", "pin_memory")],
+       "swapper": pps.AsyncIOBuilder is integration.AsyncIOBuilder,
        "writer": wf.AsyncIOBuilder is integration.AsyncIOBuilder,
        "ops_aio": __import__("deepspeed.ops.aio", fromlist=["x"]).AsyncIOBuilder is integration.AsyncIOBuilder,
        "accelerator": isinstance(get_accelerator().create_op_builder("AsyncIOBuilder"), integration.AsyncIOBuilder),
@@ -165,6 +170,7 @@ except RuntimeError as e:
     out["gds"] = str(e)
 integration.disable(); integration.disable()
 out["restored"] = pps.AsyncIOBuilder is original and not integration.enabled()
+out["env_restored"] = "DEEPOFFLOAD_DEEPSPEED" not in os.environ
 out["accelerator_restored"] = get_accelerator().get_op_builder("AsyncIOBuilder") is original
 print(json.dumps(out))
 """
@@ -179,3 +185,6 @@ print(json.dumps(out))
     assert out["handle"] == "deepoffload.io.compat"
     assert "GPUDirect Storage" in out["gds"] and "use_gds" in out["gds"]
     assert out["restored"] and out["accelerator_restored"]
+    # children enable themselves (tests/test_deepspeed_children.py); DeepSpeed's pin_memory op is ours too
+    assert out["env_for_children"] == "1" and out["env_restored"]
+    assert out["pin"] == "deepoffload.io.compat" and out["compatible"] == [True, True]

@@ -17,8 +17,9 @@ from deepoffload.op_builder.probes import ProbeResult
 
 ROOT = Path(__file__).resolve().parents[2]
 # reads of os.environ that are not settings: builder.py saves and restores CXX around torch's build, probes pass the
-# whole environment to the compiler they run
-NOT_SETTINGS = {"op_builder/builder.py", "op_builder/probes.py"}
+# whole environment to the compiler they run, deepspeed_children sets DEEPOFFLOAD_DEEPSPEED for child processes and
+# restores it (its one reader is the line of the installed .pth, which cannot import anything first)
+NOT_SETTINGS = {"op_builder/builder.py", "op_builder/probes.py", "deepoffload/integrations/deepspeed_children.py"}
 
 
 def environ_reads(path: Path) -> list[int]:

@@ -77,7 +77,9 @@ repeat), ``training`` (fused and grads modes, clipping), ``api`` (``offload_para
 ``offload`` (``ParameterOffload``, what it returns), ``patches`` (what is attached to the user's modules), ``export``
 (the state streamed out for ``save``), ``stats`` (``OffloadStats``), ``blocks`` (the default block rule),
 ``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model
-built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage). """
+built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage),
+``data_parallel`` (``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and
+FSDP2 around a streamed model, refused). """
 
 from .api import offload_parameters
 from .blocks import find_blocks

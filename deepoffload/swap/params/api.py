@@ -11,8 +11,10 @@ from torch import nn
 
 from ..config import SwapConfig
 from .blocks import find_blocks
+from .data_parallel import process_group
 from .materialize import Init, Materializer, check_arguments, has_meta
 from .offload import MODES, OptimizerFactory, ParameterOffload, _check_budget
+from .wrappers import refuse_wrapped
 
 
 def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Sequence[nn.Module] | None = None,
@@ -21,7 +23,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                        checkpoint: str | os.PathLike | None = None, init: Init | None = None,
                        dtype: torch.dtype | None = None, strict: bool = True,
                        max_resident_bytes: int | None = None,
-                       serve_from_checkpoint: bool = False) -> ParameterOffload:
+                       serve_from_checkpoint: bool = False,
+                       data_parallel: bool | torch.distributed.ProcessGroup = False) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
     path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
@@ -54,9 +57,16 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         model's dtype, back to back in one file, are read from there and never copied to ``path``; the others are
         copied as usual. The checkpoint is never written: a backward that would train a served block raises, and
         so does releasing one whose parameters user code changed (the change is dropped).
+    data_parallel: True (the default process group) or a ``ProcessGroup``: every rank streams the model from its
+        own ``path`` and the gradients are averaged across the ranks as ``DistributedDataParallel`` averages them
+        (see ``data_parallel``); do not wrap the model in DDP. A model on the ``meta`` device then needs
+        ``checkpoint=`` with ``strict=True`` (every rank must load the same values).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
+    refuse_wrapped(module)
+    if data_parallel is not False:
+        process_group(data_parallel)  # raises unless initialised, and for anything but True or a ProcessGroup
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
@@ -92,6 +102,10 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     if path is not None:
         config = config.replace(folder=path)
     materializer = None
+    if data_parallel is not False and has_meta(module) and (checkpoint is None or not strict):
+        raise ValueError("data_parallel= with a model on the meta device needs checkpoint= and strict=True: values "
+                         "made by init= (random) would differ between the ranks. Build the model in memory (its "
+                         "values are taken from the first rank, as DDP does) or load it from one checkpoint")
     if checkpoint is not None or has_meta(module):
         materializer = Materializer(module, [name for name, _ in chosen], checkpoint=checkpoint, init=init,
                                     dtype=dtype, strict=strict, serve=serve_from_checkpoint)
@@ -101,7 +115,7 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     try:
         return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
                                 compute_dtype=compute_dtype, config=config, materializer=materializer,
-                                max_resident_bytes=max_resident_bytes)
+                                max_resident_bytes=max_resident_bytes, data_parallel=data_parallel)
     except BaseException:
         if materializer is not None:
             materializer.undo()

@@ -18,6 +18,7 @@ from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE
+from .data_parallel import DataParallel, GradientAverager, process_group
 from .export import state_items
 from .materialize import Materializer
 from .patches import ModulePatches
@@ -40,7 +41,8 @@ class ParameterOffload:
 
     def __init__(self, module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, prefetch: int, mode: str,
                  optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig,
-                 materializer: Materializer | None = None, max_resident_bytes: int | None = None):
+                 materializer: Materializer | None = None, max_resident_bytes: int | None = None,
+                 data_parallel: object = False):
         self.module = module
         self.prefetch = prefetch
         self.mode = mode
@@ -70,17 +72,27 @@ class ParameterOffload:
                                              rest_optimizer)
         self._token = torch.empty(0, requires_grad=True)
         self._closed = False
+        self.data_parallel = None
+        group = process_group(data_parallel) if data_parallel is not False else None
+        if data_parallel is not False and materializer is None:  # DDP's construction: the first rank's values
+            GradientAverager(group).broadcast([*module.parameters(), *module.buffers()])
         # what the checkpoint lacked / had beyond the model (strict=False), when loaded from one
         self.load_report = materializer.report if materializer is not None else None
         if materializer is None:
             self.store.offload_all()
         else:
             materializer.offload(self.store, self.blocks)
+            if data_parallel is not False:  # the blocks came from one checkpoint; the rest from the first rank
+                GradientAverager(group).broadcast([*self.rest, *module.buffers()])
         self.set_max_resident_bytes(max_resident_bytes)
         self.patches = ModulePatches(module, self.blocks, self.store, self._run)
         for block in self.blocks:
             self.patches.stream(block)
         self.patches.guard_moves()
+        if data_parallel is not False:  # last: its hooks stay only on a ParameterOffload that was made
+            self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self._rest_named])
+            self.training.average = self.data_parallel.average_block
+            self.training.average_start = self.data_parallel.start_block
 
     # -- setup ---------------------------------------------------------------------------------------------
     @property
@@ -218,6 +230,8 @@ class ParameterOffload:
 
     @internal_call
     def after_backward(self, block: Block, last: bool) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.end_of_backward_pending()
         if last:
             self.training.after_backward(block)
         else:
@@ -380,6 +394,8 @@ class ParameterOffload:
             self.swapper.close()
             for optimizer in self.optimizers:
                 optimizer.close()
+            if self.data_parallel is not None:
+                self.data_parallel.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..interrupts import deferred
+from .wrappers import wrapper_in_stack, wrapper_message
 
 if TYPE_CHECKING:
     from .residency import Block
@@ -225,6 +226,9 @@ def _check(func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 def _message(param: StreamedParameter, what: str, kind: str) -> str:
     block, name = param._streamed
     where = f"parameter {block.qualified(name)} is streamed by offload_parameters()"
+    wrapper = wrapper_in_stack()  # DDP or FSDP2 being built around the streamed model
+    if wrapper is not None:
+        return wrapper_message(wrapper, where)
     if block.discarded:
         return (f"{where} and its values were discarded by close(restore=False), so {what} would see no weights; "
                 f"close(restore=True) (the default) keeps them")

@@ -35,6 +35,10 @@ class Training:
         self.module, self.store, self.prefetch, self.rest = module, store, prefetch, rest
         self.block_optimizer, self.rest_optimizer = block_optimizer, rest_optimizer
         self.optimizer_seconds = 0.0
+        # data_parallel=: (block, complete gradients by name) -> those averaged across the ranks (fused mode), or a
+        # call returning them, the reduction in flight meanwhile (grads mode)
+        self.average: Callable[[Block, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+        self.average_start: Callable[[Block, dict[str, torch.Tensor]], Callable[[], dict]] | None = None
 
     # -- the interface ParameterOffload uses ------------------------------------------------------------------
     def before_backward(self, block: Block, last: bool) -> None:
@@ -125,6 +129,8 @@ class Fused(Training):
     def _step(self, block: Block) -> None:
         block.stepped = True
         grads = self.block_grads(block)
+        if self.average is not None:
+            grads = self.average(block, grads)
         self.store.grad_bytes = nbytes(grads.values())
         self.store.note_peak()
         self.step_block(block, grads)
@@ -161,6 +167,8 @@ class Grads(Training):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.grad_writes: list[tuple[Block, SwapOut, dict]] = []
+        # the block whose average is in flight: (block, its result, had stored gradients, bytes)
+        self.averaging: tuple[Block, Callable[[], dict], bool, int] | None = None
 
     @property
     def swapper(self):
@@ -169,23 +177,37 @@ class Grads(Training):
     def after_backward(self, block: Block) -> None:
         """Send the block's gradients to storage (added to those already there); ``param.grad`` is freed now and
         given back if the write fails. A PINNED block keeps them in memory (``block.grads``, master dtype, added to
-        those of earlier passes in the same order): no gradient bytes are written or read for it."""
+        those of earlier passes in the same order): no gradient bytes are written or read for it. Under
+        ``data_parallel=`` the sum is averaged across the ranks first, asynchronously: it is written (or kept) when
+        the next block's backward is done (or at ``finish_writes``), so the reduction overlaps that backward."""
         grads = self.block_grads(block)
-        self.store.grad_bytes = nbytes(grads.values()) + sum(nbytes(g.values()) for _, _, g in self.grad_writes)
+        self.store.grad_bytes = nbytes(grads.values()) + self._bytes_in_flight()
         self.store.note_peak()
-        self.finish_writes()
+        self._wait_writes()
+        stored_before = bool(grads) and bool(self.swapper.records(block.grad_group))
+        if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
+            read = self.swapper.swap_in([block.grad_group])
+            try:
+                stored = self.store.timed_wait(read)[block.grad_group]
+                # copies out of the staging buffer of those without a new gradient in this pass
+                grads = {**{name: t.clone() for name, t in stored.items() if name not in grads},
+                         **{name: torch.add(stored[name], grad) if name in stored else grad
+                            for name, grad in grads.items()}}
+            finally:
+                read.release()
+        if self.average_start is None:
+            self._keep_or_write(block, grads, stored_before)
+        else:  # the accumulated sum, as DDP reduces the accumulated param.grad
+            previous, self.averaging = self.averaging, None
+            self.averaging = (block, self.average_start(block, grads), stored_before, nbytes(grads.values()))
+            for param in block.params:
+                param.grad = None
+            if previous is not None:
+                self._keep_or_write(previous[0], previous[1](), previous[2])
+        self.store.release(block)
+
+    def _keep_or_write(self, block: Block, grads: dict[str, torch.Tensor], stored_before: bool) -> None:
         if grads:
-            stored_before = bool(self.swapper.records(block.grad_group))
-            if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
-                read = self.swapper.swap_in([block.grad_group])
-                try:
-                    stored = self.store.timed_wait(read)[block.grad_group]
-                    # copies out of the staging buffer of those without a new gradient in this pass
-                    grads = {**{name: t.clone() for name, t in stored.items() if name not in grads},
-                             **{name: torch.add(stored[name], grad) if name in stored else grad
-                                for name, grad in grads.items()}}
-                finally:
-                    read.release()
             if block.state is Residency.PINNED:
                 if stored_before:
                     self.swapper.discard(block.grad_group)
@@ -195,13 +217,23 @@ class Grads(Training):
                 block.grads_stored = True
                 self.grad_writes.append((block, write, grads))
             self.store.grad_bytes = (sum(nbytes(b.grads.values()) for b in self.store.blocks)
-                                     + sum(nbytes(g.values()) for _, _, g in self.grad_writes))
+                                     + self._bytes_in_flight())
             self.store.note_peak()
             for param in block.params:
                 param.grad = None
-        self.store.release(block)
+
+    def _bytes_in_flight(self) -> int:
+        """Gradient bytes being written, or being averaged across the ranks."""
+        return (sum(nbytes(g.values()) for _, _, g in self.grad_writes)
+                + (self.averaging[3] if self.averaging is not None else 0))
 
     def finish_writes(self) -> None:
+        averaging, self.averaging = self.averaging, None
+        if averaging is not None:
+            self._keep_or_write(averaging[0], averaging[1](), averaging[2])
+        self._wait_writes()
+
+    def _wait_writes(self) -> None:
         error = None
         while self.grad_writes:
             block, write, grads = self.grad_writes.pop(0)

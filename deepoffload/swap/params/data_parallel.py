@@ -1,0 +1,183 @@
+"""Data-parallel streaming (``offload_parameters(..., data_parallel=True or a ProcessGroup)``): every rank streams
+the whole model from its own storage and gradients are averaged across the ranks with DDP's arithmetic.
+
+- At setup the parameters and buffers in memory are broadcast from the group's first rank, as DDP does at
+  construction (a model built on ``meta`` must load every value from a checkpoint, identical on every rank).
+- Before each forward of the module, its buffers are broadcast from the first rank (DDP's ``broadcast_buffers``).
+- A block's gradients are averaged inside its backward, once they are complete and before the fused step (or,
+  in grads mode, after they are added to those stored by earlier passes and before they are written, as DDP
+  reduces the accumulated ``param.grad``; there the reduction runs during the next block's backward and the
+  averages are written after it). Parameters outside the blocks are averaged at the end of each backward.
+- Averaging is DDP's: each gradient multiplied by ``1 / world_size`` while copied into a flat bucket (one dtype,
+  at most ``BUCKET_BYTES``), the bucket summed by ``all_reduce``, the results copied back. On 2 ranks this is bit
+  for bit what DDP in memory computes; with more ranks the backend's summation order may differ from DDP's by
+  the bucket layout.
+- A gradient present on some ranks but not all (different computations per rank) raises on every rank, naming the
+  parameter, instead of hanging in a mismatched collective.
+
+Every rank must run the same blocks in the same order in each backward, as DDP (without
+``find_unused_parameters``) requires."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
+
+
+def process_group(data_parallel: object):
+    """The process group ``data_parallel=`` names (None for the default group) or raises; not called for
+    ``data_parallel=False``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("offload_parameters(..., data_parallel=...): torch.distributed is not initialized: call "
+                           "torch.distributed.init_process_group() first (torchrun sets its environment)")
+    if data_parallel is True:
+        return None
+    if isinstance(data_parallel, dist.ProcessGroup):
+        return data_parallel
+    raise TypeError(f"data_parallel=: expected True, False or a torch.distributed.ProcessGroup, got "
+                    f"{type(data_parallel).__name__}")
+
+
+def _buckets(grads: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``grads`` grouped in order into buckets of one dtype and device, at most BUCKET_BYTES each (a
+    larger gradient gets a bucket of its own)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for k, g in enumerate(grads):
+        nbytes = g.numel() * g.element_size()
+        last = grads[buckets[-1][-1]] if buckets else None
+        if last is None or last.dtype != g.dtype or last.device != g.device or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(k)
+        size += nbytes
+    return buckets
+
+
+class GradientAverager:
+    """Averages named gradients across the ranks of ``group`` (None: the default group)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def average(self, named: Sequence[tuple[str, torch.Tensor | None]], where: str) -> list[torch.Tensor | None]:
+        """The averages of ``named`` gradients, in order (None where no rank has one)."""
+        return self.start(named, where)()
+
+    def start(self, named: Sequence[tuple[str, torch.Tensor | None]], where: str
+              ) -> Callable[[], list[torch.Tensor | None]]:
+        """Checks which gradients exist on every rank and starts averaging them; returns the call that waits for
+        the averages (``average``'s result). The gradients are copied into the buckets here: they may be freed."""
+        present = torch.tensor([g is not None for _, g in named], dtype=torch.int32)
+        dist.all_reduce(present, group=self.group)
+        uneven = [name for (name, _), count in zip(named, present.tolist()) if 0 < count < self.world]
+        if uneven:
+            raise RuntimeError(f"{where}: the gradients of {', '.join(uneven[:5])} exist on some ranks but not on "
+                               f"others: the ranks ran different computations, so they cannot be averaged as "
+                               f"DistributedDataParallel would. Every rank must use the same parameters in each "
+                               f"backward")
+        grads = [g for _, g in named if g is not None]
+        averaged: list[torch.Tensor] = [None] * len(grads)  # type: ignore[list-item]
+        scale = 1.0 / self.world
+        flats, works = [], []
+        for bucket in _buckets(grads):  # each bucket reduced while the next is filled
+            members = [grads[k] for k in bucket]
+            flat = torch.empty(sum(g.numel() for g in members), dtype=members[0].dtype, device=members[0].device)
+            offset = 0
+            for g in members:  # DDP: mul_out(bucket_view, grad, 1 / world_size)
+                torch.mul(g.reshape(-1), scale, out=flat[offset:offset + g.numel()])
+                offset += g.numel()
+            flats.append(flat)
+            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+        layout = [[(k, grads[k].shape, grads[k].numel()) for k in bucket] for bucket in _buckets(grads)]
+        has_grad = [g is not None for _, g in named]
+        del grads  # the buckets hold copies: the caller may free its gradients
+
+        def finish() -> list[torch.Tensor | None]:
+            for bucket, flat, work in zip(layout, flats, works):
+                work.wait()
+                offset = 0
+                for k, shape, numel in bucket:
+                    averaged[k] = flat[offset:offset + numel].view(shape)
+                    offset += numel
+            it = iter(averaged)
+            return [next(it) if has else None for has in has_grad]
+
+        return finish
+
+    def average_dict(self, names: Sequence[str], grads: dict[str, torch.Tensor], where: str) -> dict:
+        """``grads`` (by name, a subset of ``names``) averaged: the same keys, new tensors."""
+        return self.start_dict(names, grads, where)()
+
+    def start_dict(self, names: Sequence[str], grads: dict[str, torch.Tensor], where: str) -> Callable[[], dict]:
+        """``average_dict`` started: returns the call that waits for its result."""
+        finish = self.start([(n, grads.get(n)) for n in names], where)
+        return lambda: {n: v for n, v in zip(names, finish()) if v is not None}
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` from the group's first rank into every rank's (in place; empty ones are skipped)."""
+        for t in tensors:
+            if t.numel():
+                dist.broadcast(t.data, self.src, group=self.group)
+
+
+class DataParallel:
+    """What ``ParameterOffload`` uses under ``data_parallel=``: averages block gradients (``average_block``),
+    the parameters outside blocks at the end of each backward, and broadcasts buffers before each forward."""
+
+    def __init__(self, group, module: nn.Module, rest: Sequence[nn.Parameter], rest_names: Sequence[str]):
+        self.averager = GradientAverager(group)
+        self.module = module
+        self.rest = list(rest)
+        self.rest_names = list(rest_names)
+        self._queued = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._rest_ready) for p in self.rest
+                         if p.requires_grad]
+        self._handles.append(module.register_forward_pre_hook(self._broadcast_buffers))
+
+    def average_block(self, block, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The block's complete gradients (master dtype, by name) averaged across the ranks."""
+        return self.start_block(block, grads)()
+
+    def start_block(self, block, grads: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+        """``average_block`` started: returns the call that waits for its result."""
+        names = [n for n, m in zip(block.names, block.masters) if m.requires_grad]
+        return self.averager.start_dict(names, grads, f"block {block.prefix}")
+
+    def end_of_backward_pending(self) -> None:
+        """Have the parameters outside blocks averaged when the backward under way ends (once per backward; called
+        from inside a backward: a block's, or a hook of a parameter outside the blocks)."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_rest)
+
+    def _rest_ready(self, param: torch.Tensor) -> None:
+        self.end_of_backward_pending()
+
+    def _average_rest(self) -> None:
+        self._queued = False
+        named = [(n, p.grad) for n, p in zip(self.rest_names, self.rest) if p.requires_grad]
+        if not named:  # the same on every rank (one model)
+            return
+        values = self.averager.average(named, "the parameters outside the blocks")
+        params = [p for p in self.rest if p.requires_grad]
+        with torch.no_grad():
+            for param, value in zip(params, values):
+                if value is not None:
+                    param.grad.copy_(value)
+
+    def _broadcast_buffers(self, module: nn.Module, args) -> None:
+        self.averager.broadcast(list(module.buffers()))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+

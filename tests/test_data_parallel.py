@@ -1,0 +1,175 @@
+"""Data-parallel streaming (``offload_parameters(..., data_parallel=True)``) against DistributedDataParallel in
+memory, bit for bit, with torchrun on gloo (127.0.0.1 only): 2 ranks on one node, and 2 nodes (two torchrun
+processes joined by a c10d rendezvous) with per-node swap folders; and the wrappings that cannot hold a streamed
+model (DDP or FSDP2 around it, either order; ``step_in_backward`` under DDP), refused naming what to use."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from deepoffload import offload_parameters
+from deepoffload.swap.params import data_parallel, wrappers
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
+           "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def check_ranks(out: Path, swap: Path, nodes: int) -> list[dict]:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    assert [r["rank"] for r in results] == [0, 1] and {r["world"] for r in results} == {2}
+    assert sorted(r["node"] for r in results) == ([0, 0] if nodes == 1 else [0, 1])
+    for r in results:
+        for mode in ("fused", "grads"):
+            m = r[mode]
+            assert m["losses_equal"] and m["state_equal"], (r["rank"], mode, m)  # bit-identical to DDP
+            assert m["moved"] > 1e-3 and m["left_in_swap_folder"] == [], m
+        assert r["ranks_agree"]
+    # each rank's swap files went under its node's folder and were removed on close()
+    folders = sorted(str(p.relative_to(swap)) for p in swap.glob("node*/local*"))
+    assert folders == (["node0/local0", "node0/local1"] if nodes == 1 else ["node0/local0", "node1/local0"])
+    assert not any(p.is_file() for p in swap.rglob("*"))
+    return results
+
+
+@pytest.mark.slow  # two ranks import torch and train DDP and streamed twice (about 20 s)
+def test_two_ranks_equal_ddp_bit_for_bit(scratch):
+    out, swap = scratch / "out", scratch / "swap"
+    out.mkdir()
+    proc = subprocess.run(torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                                   str(free_port()), str(TESTS / "data_parallel_worker.py"), str(out), str(swap)),
+                          capture_output=True, text=True, env=child_env(), cwd=scratch, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    check_ranks(out, swap, nodes=1)
+
+
+@pytest.mark.slow  # two torchrun node processes, one rank each (about 25 s)
+def test_two_nodes_equal_ddp_bit_for_bit(scratch):
+    out, swap = scratch / "out", scratch / "swap"
+    out.mkdir()
+    port = free_port()
+    nodes = [subprocess.Popen(torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "deepoffload-x30",
+                                       "--local-addr", "127.0.0.1", str(TESTS / "data_parallel_worker.py"),
+                                       str(out), str(swap)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                              cwd=scratch)
+             for _ in range(2)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=600))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert all(n.returncode == 0 for n in nodes), "\n".join(o[0][-2000:] + o[1][-4000:] for o in outputs)
+    check_ranks(out, swap, nodes=2)
+
+
+@pytest.mark.slow  # a child imports torch.distributed and sets up gloo (about 8 s)
+def test_wrappings_that_cannot_hold_a_streamed_model_are_refused(scratch):
+    env = {**child_env(), "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, str(TESTS / "data_parallel_refusals.py"), str(scratch / "swap")],
+                          capture_output=True, text=True, env=env, cwd=scratch, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case in ("ddp_then_offload", "ddp_wrapper_offloaded", "offload_then_ddp"):
+        assert "DistributedDataParallel" in r[case] and "data_parallel=True" in r[case], (case, r[case])
+    assert r["ddp_then_offload"].startswith("ValueError") and r["offload_then_ddp"].startswith("RuntimeError")
+    for case in ("offload_then_fully_shard", "fully_shard_then_offload"):
+        assert "fully_shard" in r[case] and "OffloadedOptimizer" in r[case] and "ZeRO-3" in r[case], r[case]
+        assert "data_parallel=True" in r[case]
+    assert r["bad_data_parallel"].startswith("TypeError") and "ProcessGroup" in r["bad_data_parallel"]
+    assert "checkpoint=" in r["meta_without_checkpoint"] and "strict=True" in r["meta_without_checkpoint"]
+    for case in ("step_in_backward_under_ddp", "ddp_after_step_in_backward"):
+        step = r[case]
+        assert step.startswith("RuntimeError") and "DistributedDataParallel" in step and "unaveraged" in step, step
+    assert r["failed_setup"].startswith("OSError") and r["hooks_left_after_failed_setup"] == [0, 0]
+    assert r["left"] == []
+
+
+def test_data_parallel_needs_an_initialised_process_group(tmp_path):
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        offload_parameters(nn.Sequential(nn.Linear(2, 2)), str(tmp_path), data_parallel=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_buckets_keep_order_and_split_by_dtype_and_size(monkeypatch):
+    monkeypatch.setattr(data_parallel, "BUCKET_BYTES", 64)
+    grads = [torch.zeros(4), torch.zeros(8), torch.zeros(8), torch.zeros(2, dtype=torch.float64),
+             torch.zeros(100), torch.zeros(1)]
+    assert data_parallel._buckets(grads) == [[0, 1], [2], [3], [4], [5]]
+
+
+def test_wrapper_detection_looks_at_the_calling_code_only():
+    assert wrappers.wrapper_in_stack() is None
+    assert wrappers._path_has("/x/site-packages/torch/nn/parallel/distributed.py", wrappers._DDP_FILE)
+    assert not wrappers._path_has("/x/torch/nn/parallel/data_parallel.py", wrappers._DDP_FILE)
+    assert wrappers._path_has("/x/torch/distributed/fsdp/_fully_shard/_fully_shard.py", wrappers._FSDP_DIR)
+
+
+class FakeDist:
+    """torch.distributed for one simulated peer rank: all_reduce adds what the peer contributes (its presence flags,
+    then its scaled gradient buckets, in call order)."""
+
+    def __init__(self, peer_calls: list[torch.Tensor]):
+        self.peer_calls = list(peer_calls)
+        self.calls: list[torch.Tensor] = []
+
+    def get_world_size(self, group=None):
+        return 2
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        self.calls.append(tensor.clone())
+        tensor.add_(self.peer_calls.pop(0))
+        return FakeWork() if async_op else None
+
+
+class FakeWork:
+    def wait(self):
+        return True
+
+
+def test_average_is_ddps_arithmetic_and_uneven_gradients_raise(monkeypatch):
+    mine = {"a": torch.tensor([1.0, 3.0]), "b": torch.tensor([[0.1, 0.2], [0.3, 0.4]])}
+    peer = {"a": torch.tensor([2.0, 5.0]), "b": torch.tensor([[0.5, 0.7], [0.9, 1.1]])}
+    peer_flat = torch.cat([peer["a"] * 0.5, peer["b"].reshape(-1) * 0.5])
+    fake = FakeDist([torch.tensor([1, 1, 0], dtype=torch.int32), peer_flat])
+    monkeypatch.setattr(data_parallel, "dist", fake)
+    averager = data_parallel.GradientAverager()
+    out = averager.average_dict(["a", "b", "c"], mine, "block 0")
+    assert sorted(out) == ["a", "b"]  # no rank has a gradient of c: it stays absent
+    for name in out:
+        assert torch.equal(out[name], mine[name] * 0.5 + peer[name] * 0.5) and out[name].shape == mine[name].shape
+    fake = FakeDist([torch.tensor([1, 1], dtype=torch.int32)])  # the peer has both, this rank only a
+    monkeypatch.setattr(data_parallel, "dist", fake)
+    with pytest.raises(RuntimeError, match=r"block 3: the gradients of b exist on some ranks but not on others"):
+        data_parallel.GradientAverager().average_dict(["a", "b"], {"a": mine["a"]}, "block 3")
+    assert len(fake.calls) == 1  # raised before any gradient bucket was reduced (on every rank alike)
