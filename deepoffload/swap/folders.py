@@ -1,7 +1,9 @@
 """Per-run, rank-aware swap folders, removed on close and at interpreter exit unless kept.
 
-A run folder is ``<base>/deepoffload-rank<R>-<unique>``: two jobs (or two ranks of one job) on the same base path
-never share files, and the rank in the name tells them apart when kept for inspection.
+A run folder is ``<base>/deepoffload-rank<R>-<pid>.<start time>-<unique>``: two jobs (or two ranks of one job) on the
+same base path never share files, and the rank in the name tells them apart when kept for inspection. The owner's
+process id and start time in the name let the next run in the same base remove the folders of processes that died
+without cleaning up (killed, out of memory); a live process's folder, and one kept on purpose, is never touched.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shutil
 import tempfile
 import threading
 
+from ..io.owners import KEPT, remove_dead_run_folders, run_folder_prefix
 from ..op_builder import env
 
 _owned_lock = threading.Lock()
@@ -29,14 +32,16 @@ def current_rank() -> int:
 
 
 def create_run_folder(base: str | None, rank: int | None = None) -> str:
-    """Create and return a fresh folder for this run's swap files under ``base`` (None: the temp folder).
+    """Create and return a fresh folder for this run's swap files under ``base`` (None: the temp folder), first
+    removing the run folders there of processes no longer alive.
 
     The folder is registered for removal at interpreter exit; ``remove_run_folder`` removes it earlier, and
     ``keep_run_folder`` keeps it."""
     base = base or tempfile.gettempdir()
     try:
         os.makedirs(base, exist_ok=True)
-        folder = tempfile.mkdtemp(prefix=f"deepoffload-rank{current_rank() if rank is None else rank}-", dir=base)
+        remove_dead_run_folders(base)
+        folder = tempfile.mkdtemp(prefix=run_folder_prefix(current_rank() if rank is None else rank), dir=base)
     except OSError as e:
         raise OSError(e.errno, f"cannot create a swap folder in {base} ({e.strerror}); choose a writable folder "
                                f"with `folder=` (or --path)", base) from e
@@ -46,15 +51,21 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
 
 
 def keep_run_folder(folder: str) -> None:
-    """Leave ``folder`` in place at interpreter exit."""
-    with _owned_lock:
-        _owned.pop(folder, None)
+    """Leave ``folder`` in place at interpreter exit, and to later runs (it gets a ``KEPT`` file)."""
+    _forget(folder)
+    with open(os.path.join(folder, KEPT), "w", encoding="utf-8") as f:
+        f.write("kept on purpose: later runs leave this folder alone\n")
 
 
 def remove_run_folder(folder: str) -> None:
     """Remove ``folder`` and its files now."""
-    keep_run_folder(folder)
+    _forget(folder)
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _forget(folder: str) -> None:
+    with _owned_lock:
+        _owned.pop(folder, None)
 
 
 def remove_run_folder_if_owned(folder: str) -> None:
