@@ -106,6 +106,8 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
             del result
         raise CheckpointError(f"cannot load {path}: it was replaced or rewritten while being read, "
                               f"{LOAD_ATTEMPTS} times in a row; load it once its writer is done")
+    except CheckpointError:
+        raise  # already says what is wrong with the file (a guess from its first bytes would hide it)
     except Exception as e:
         reason = not_a_checkpoint(path)
         if reason is None:
@@ -130,7 +132,7 @@ def _load(path: str, map_location: Any, weights_only: bool | None, mmap: bool | 
         if verifier is not None:
             verifier.verify_memory(data)
         args = {k: v for k, v in pickle_load_args.items() if k != "pickle_module"}
-        done, result = load_from_memory(data, map_location, resolved, pickle_module, args)
+        done, result = load_from_memory(data, map_location, resolved, pickle_module, args, path)
         if done:
             return result
         del data
