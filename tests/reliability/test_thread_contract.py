@@ -1,0 +1,69 @@
+"""The thread-safety contract (docs/notes/p27.md): objects documented as shareable between threads, used from
+several threads at once, give each thread its own answer and lose nothing."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from deepoffload.io.compat import aio_handle
+
+BLOCK = 4096
+
+
+def test_concurrent_sync_preads_on_one_deepspeed_handle_each_count_one(scratch):
+    # DeepSpeed's own test_concurrent_blocking_reads_on_shared_handle: two threads' sync_pread on one handle must
+    # return (1, 1); a synchronous call here collected the other thread's operation too and returned (2, 1)
+    payloads = [os.urandom(BLOCK) for _ in range(2)]
+    paths = []
+    for i, payload in enumerate(payloads):
+        paths.append(scratch / f"source-{i}.bin")
+        paths[-1].write_bytes(payload)
+    handle = aio_handle(BLOCK, 2, True, True, 2)
+    for _ in range(30):
+        buffers = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(2)]
+        start = threading.Barrier(3, timeout=30)
+        statuses, errors = [None, None], []
+
+        def read(i):
+            try:
+                start.wait()
+                statuses[i] = handle.sync_pread(buffers[i], str(paths[i]), 0)
+            except Exception as e:  # noqa: BLE001  (reported below)
+                errors.append(e)
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+        for reader in readers:
+            reader.start()
+        start.wait()
+        for reader in readers:
+            reader.join(timeout=30)
+        assert not errors and statuses == [1, 1]
+        assert [bytes(b.tolist()) for b in buffers] == payloads
+
+
+def test_each_asynchronous_operation_is_counted_once_across_threads(scratch):
+    path = scratch / "f.bin"
+    path.write_bytes(os.urandom(BLOCK))
+    handle = aio_handle(BLOCK, 8, False, False, 1)
+    counts, lock = [], threading.Lock()
+
+    def work():
+        total = 0
+        buffers = [torch.zeros(BLOCK, dtype=torch.uint8) for _ in range(3)]
+        for _ in range(20):
+            for b in buffers:
+                handle.async_pread(b, str(path), 0)
+            total += handle.sync_pread(torch.zeros(BLOCK, dtype=torch.uint8), str(path), 0) - 1
+            total += handle.wait()
+        with lock:
+            counts.append(total)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sum(counts) == 3 * 20 * 3 and handle.wait() == 0
