@@ -67,3 +67,42 @@ def test_each_asynchronous_operation_is_counted_once_across_threads(scratch):
     for t in threads:
         t.join(timeout=60)
     assert sum(counts) == 3 * 20 * 3 and handle.wait() == 0
+
+
+def test_state_dict_from_another_thread_during_step_waits_for_the_step(scratch):
+    # raised a bare KeyError(<id>) while step() had the state of some parameters on storage and some in memory
+    import deepoffload
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(2000)) for _ in range(24)]
+    opt = deepoffload.OffloadedOptimizer(torch.optim.Adam, params, lr=0.01,
+                                         config=deepoffload.SwapConfig(folder=str(scratch), pin=False,
+                                                                       chunk_bytes=64 << 10))
+    steps, errors, snapshots = 15, [], []
+
+    def train():
+        try:
+            for _ in range(steps):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                opt.step()
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        while trainer.is_alive():
+            snapshots.append(opt.state_dict())
+    except Exception as e:  # noqa: BLE001
+        errors.append(e)
+    trainer.join()
+    try:
+        assert not errors, errors
+        for snapshot in snapshots:  # each a whole state after some step: every parameter at the same step
+            counts = {float(v["step"]) for v in snapshot["state"].values()}
+            assert len(counts) <= 1 and (not counts or len(snapshot["state"]) == len(params)), counts
+        final = opt.state_dict()["state"]
+        assert {float(v["step"]) for v in final.values()} == {float(steps)}
+    finally:
+        opt.close()
