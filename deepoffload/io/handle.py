@@ -68,7 +68,12 @@ class Request:
         if self._collected:
             return True
         self._check_process()
-        return self._native.done(self._op_id)
+        try:
+            return self._native.done(self._op_id)
+        except ValueError:  # "unknown op id": another thread's wait took the result (only a finished op's) and is
+            if self._collected or self._lock.locked():  # recording it under the lock, or has recorded it
+                return True
+            raise
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until the transfer finishes; return its bytes or raise its ``OSError``.

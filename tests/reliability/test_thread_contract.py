@@ -106,3 +106,36 @@ def test_state_dict_from_another_thread_during_step_waits_for_the_step(scratch):
         assert {float(v["step"]) for v in final.values()} == {float(steps)}
     finally:
         opt.close()
+
+
+def test_request_done_polled_while_another_thread_collects_never_raises(scratch):
+    # Request.done() raised "unknown op id" when wait_all() on another thread had just collected the request
+    from deepoffload import AsyncIOHandle
+
+    path = scratch / "f.bin"
+    path.write_bytes(os.urandom(1 << 16))
+    handle = AsyncIOHandle(intra_op_parallelism=2)
+    errors = []
+    try:
+        for _ in range(40):
+            buffers = [torch.empty(4096, dtype=torch.uint8) for _ in range(16)]
+            requests = [handle.read_async(b, path, 4096 * i) for i, b in enumerate(buffers)]
+            stop = threading.Event()
+
+            def poll():
+                try:
+                    while not stop.is_set():
+                        if all([r.done() for r in requests]):
+                            return
+                except Exception as e:  # noqa: BLE001  (reported below)
+                    errors.append(e)
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            assert handle.wait_all() == 16
+            stop.set()
+            poller.join()
+            assert not errors, errors
+            assert all(r.done() for r in requests) and handle.pending() == 0
+    finally:
+        handle.close()
