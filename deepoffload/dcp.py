@@ -127,7 +127,8 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         metadata_path = folder / (METADATA_NAME if global_metadata else f"__{self.rank}{METADATA_NAME}")
         names = {result.storage_data.relative_path for group in results for result in group}
         for name in names:  # the checkpoint's mode, before its files can be reached through the metadata
-            adopt_mode(folder / name, metadata_path)
+            with contextlib.suppress(FileNotFoundError):  # another node's file, in a folder not shared with this one
+                adopt_mode(folder / name, metadata_path)
         super().finish(metadata, results)  # writes the metadata and renames it into place (see OpFileSystem)
         for entry in os.scandir(folder):  # the data files of earlier saves (and of saves that died)
             match = _DATA_FILE.fullmatch(entry.name)
