@@ -96,11 +96,13 @@ def dead_pid() -> int:
 
 def test_the_next_save_removes_what_dead_writers_left_and_nothing_of_live_ones(scratch):
     pid = dead_pid()
-    dead = [scratch / f".ckpt.pt.tmp-{pid}.{owners.start_time(os.getpid())}-0123abcd",
-            scratch / f".model.partial-{pid}.0-0123abcd-00001",
-            scratch / f".model.partial-{pid}.0-0123abcd-index"]
+    host = owners.host_id()
+    dead = [scratch / f".ckpt.pt.tmp-{pid}.{owners.start_time(os.getpid())}.{host}-0123abcd",
+            scratch / f".model.partial-{pid}.0.{host}-0123abcd-00001",
+            scratch / f".model.partial-{pid}.0.{host}-0123abcd-index"]
     live = [scratch / owners.temporary_name("ckpt.pt"), scratch / (owners.temporary_name("model", "partial") + "-1"),
-            scratch / f".other.pt.tmp-{pid}.0-0123abcd"]  # a dead writer's, but of another file: not this save's
+            scratch / f".other.pt.tmp-{pid}.0.{host}-0123abcd",  # a dead writer's, but of another file
+            scratch / f".ckpt.pt.tmp-{pid}.0.0badc0de-0123abcd"]  # another host's (or container's): not judged here
     for path in dead + live:
         path.write_bytes(b"x" * 100)
     deepoffload.save(TENSORS, scratch / "ckpt.pt")
@@ -121,17 +123,20 @@ def test_a_process_id_reused_by_a_newer_process_is_not_the_writer():
 def test_the_next_run_removes_the_swap_folders_of_dead_processes_only(scratch):
     # a killed training run left its optimizer swap folder for good
     pid = dead_pid()
-    dead = scratch / f"deepoffload-rank0-{pid}.0-abc_12xy"
+    host = owners.host_id()
+    dead = scratch / f"deepoffload-rank0-{pid}.0.{host}-abc_12xy"
     (dead / "sub").mkdir(parents=True)
     (dead / "state.swp").write_bytes(b"x" * 100)
-    kept = scratch / f"deepoffload-rank1-{pid}.0-kept1234"
+    elsewhere = scratch / f"deepoffload-rank2-{pid}.0.0badc0de-abc_12xy"  # another host's, sharing the folder
+    elsewhere.mkdir()
+    kept = scratch / f"deepoffload-rank1-{pid}.0.{host}-kept1234"
     kept.mkdir()
     (kept / owners.KEPT).write_text("")
     unknown = scratch / "deepoffload-rank0-oldstyle"  # no owner recorded: never touched
     unknown.mkdir()
     live = create_run_folder(str(scratch), 0)
     assert Path(live).name.startswith(f"deepoffload-rank0-{owners.process_token()}-")
-    assert not dead.exists() and kept.exists() and unknown.exists()
+    assert not dead.exists() and kept.exists() and unknown.exists() and elsewhere.exists()
     mine = create_run_folder(str(scratch), 1)
     assert os.path.isdir(live)  # this process's folder, in use
     keep_run_folder(mine)

@@ -2,9 +2,12 @@
 writer's process id and start time in their name, so that the next save or run in the same place removes what a
 dead process left (a SIGKILL runs no cleanup) and never touches what a live one still writes.
 
-A process is alive when its id exists and (where the system tells start times, Linux's ``/proc``) it started at the
-recorded time; an id reused by a newer process is therefore dead for this purpose. Where the start time cannot be
-read, an existing id counts as alive, and on Windows every id does: nothing is removed that might still be in use.
+A process is judged only where it could be seen: the name also records a host id (this boot of this machine and
+this process's pid namespace), and files of another host id (another machine sharing the folder, another container)
+are left alone. A process is alive when its id exists and (where the system tells start times, Linux's ``/proc``) it
+started at the recorded time; an id reused by a newer process is therefore dead for this purpose. Where the start
+time cannot be read, an existing id counts as alive, and on Windows every id does: nothing is removed that might
+still be in use.
 
 Also the permission rules of a save: temporaries are created ``0600`` (readable by nobody else while written); the
 file that replaces another takes the old one's mode (and owner, where the system allows); a new file gets the mode
@@ -14,16 +17,19 @@ that the umask gives a new file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
+import socket
 import stat
 import uuid
 from pathlib import Path
 
 PRIVATE_MODE = 0o600
-_TEMPORARY = re.compile(r"\.(?P<target>.+?)\.(?:tmp|partial)-(?P<pid>\d+)\.(?P<start>\d+)-[0-9a-f]{8}.*")
-_RUN_FOLDER = re.compile(r"deepoffload-rank\d+-(?P<pid>\d+)\.(?P<start>\d+)-[a-z0-9_]+")  # mkdtemp's random part
+_OWNER = r"(?P<pid>\d+)\.(?P<start>\d+)\.(?P<host>[0-9a-f]{8})"  # what process_token() writes
+_TEMPORARY = re.compile(rf"\.(?P<target>.+?)\.(?:tmp|partial)-{_OWNER}-[0-9a-f]{{8}}.*")
+_RUN_FOLDER = re.compile(rf"deepoffload-rank\d+-{_OWNER}-[a-z0-9_]+")  # mkdtemp's random part
 _start_times: dict[int, int] = {}
 
 
@@ -40,17 +46,41 @@ def start_time(pid: int) -> int:
         return 0
 
 
+def host_id() -> str:
+    """8 hex digits for this boot of this machine and this process's pid namespace: the processes it can see."""
+    global _host
+    if _host is None:
+        parts = [socket.gethostname()]
+        for read in (lambda: open("/proc/sys/kernel/random/boot_id", encoding="ascii").read().strip(),
+                     lambda: os.readlink("/proc/self/ns/pid")):
+            try:
+                parts.append(read())
+            except OSError:
+                pass
+        _host = hashlib.sha1("|".join(parts).encode()).hexdigest()[:8]
+    return _host
+
+
+_host: str | None = None
+
+
 def process_token() -> str:
-    """``<pid>.<start time>`` of this process (a forked child gets its own)."""
+    """``<pid>.<start time>.<host id>`` of this process (a forked child gets its own)."""
     pid = os.getpid()
     start = _start_times.get(pid)
     if start is None:
         start = _start_times[pid] = start_time(pid)
-    return f"{pid}.{start}"
+    return f"{pid}.{start}.{host_id()}"
+
+
+def _owner_alive(match: re.Match) -> bool:
+    """Whether the owner a file name records may still run: another host's always may."""
+    return match["host"] != host_id() or is_alive(int(match["pid"]), int(match["start"]))
 
 
 def is_alive(pid: int, start: int) -> bool:
-    """Whether process ``pid`` that started at ``start`` (0: unknown) still runs (see the module docstring)."""
+    """Whether process ``pid`` of this host that started at ``start`` (0: unknown) still runs (see the module
+    docstring)."""
     if pid <= 0:
         return False
     if os.name == "nt":  # os.kill(pid, 0) would terminate it there; without a safe check, count it alive
@@ -79,9 +109,7 @@ def remove_dead_temporaries(folder: str | os.PathLike, target: str) -> list[Path
     with contextlib.suppress(OSError):
         for entry in os.scandir(folder):
             match = _TEMPORARY.fullmatch(entry.name)
-            if match is None or match["target"] != target:
-                continue
-            if is_alive(int(match["pid"]), int(match["start"])):
+            if match is None or match["target"] != target or _owner_alive(match):
                 continue
             with contextlib.suppress(FileNotFoundError):  # another process may clean up at the same moment
                 os.unlink(entry.path)
@@ -103,7 +131,7 @@ def remove_dead_run_folders(base: str | os.PathLike) -> list[Path]:
             match = _RUN_FOLDER.fullmatch(entry.name)
             if match is None or not entry.is_dir(follow_symlinks=False):
                 continue
-            if os.path.exists(os.path.join(entry.path, KEPT)) or is_alive(int(match["pid"]), int(match["start"])):
+            if os.path.exists(os.path.join(entry.path, KEPT)) or _owner_alive(match):
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
