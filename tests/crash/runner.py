@@ -154,6 +154,22 @@ def run(request: dict) -> None:
             shutil.rmtree(work)
 
 
+def preload() -> None:
+    """Import what the children use (modules only: no handle, no thread), so each fork starts ready."""
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import deepoffload.checkpoint.api  # noqa: F401
+    import deepoffload.dcp  # noqa: F401
+    import deepoffload.formats  # noqa: F401
+    import deepoffload.swap.optimizer  # noqa: F401
+    import deepoffload.swap.params  # noqa: F401
+    from deepoffload.io.native import native
+
+    native()  # loads the op's library (built once); its threads start with the first handle, in a child
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # children fork from here: no thread pool may exist
+    preload()
     run(json.loads(sys.argv[1]))
