@@ -158,15 +158,20 @@ size_t IoHandle::pending() {
 
 void IoHandle::close() {
     std::vector<std::thread> threads;
+    std::vector<std::unique_ptr<Worker>> workers;  // taken by the one close() that stops the threads
     {
         std::unique_lock<std::mutex> lock(mutex_);
         closed_ = true;
         done_cv_.wait(lock, [this] { return running_ == 0; });
         stopping_ = true;
         threads.swap(threads_);
+        workers.swap(workers_);
     }
     work_cv_.notify_all();
     for (auto& t : threads) t.join();
+    // Each engine's descriptors (an io_uring ring, a libaio context) go now, with their threads, not when the
+    // handle object is collected.
+    workers.clear();
 }
 
 void IoHandle::worker_loop(Worker* worker) {

@@ -4,9 +4,7 @@ saves that never leave a half-written file under the checkpoint's name."""
 from __future__ import annotations
 
 import os
-import stat
 import threading
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -17,6 +15,7 @@ from ..config import AioConfig
 from ..errors import CheckpointError, naming_target
 from ..formats.header import file_identity
 from ..io.buffers import aligned_empty
+from ..io.owners import PRIVATE_MODE, adopt_mode, remove_dead_temporaries, temporary_name
 from .streams import DirectReader, DirectWriter, shared_handle
 from .torch_format import (Record, ZipChecksums, not_a_checkpoint, record, remove_quietly, snapshot, snapshot_bytes,
                            write_records)
@@ -107,6 +106,8 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
             del result
         raise CheckpointError(f"cannot load {path}: it was replaced or rewritten while being read, "
                               f"{LOAD_ATTEMPTS} times in a row; load it once its writer is done")
+    except CheckpointError:
+        raise  # already says what is wrong with the file (a guess from its first bytes would hide it)
     except Exception as e:
         reason = not_a_checkpoint(path)
         if reason is None:
@@ -131,7 +132,7 @@ def _load(path: str, map_location: Any, weights_only: bool | None, mmap: bool | 
         if verifier is not None:
             verifier.verify_memory(data)
         args = {k: v for k, v in pickle_load_args.items() if k != "pickle_module"}
-        done, result = load_from_memory(data, map_location, resolved, pickle_module, args)
+        done, result = load_from_memory(data, map_location, resolved, pickle_module, args, path)
         if done:
             return result
         del data
@@ -214,9 +215,10 @@ def _on_cpu(map_location: Any) -> bool:
 def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, config: AioConfig | None) -> str:
     target = os.path.realpath(path) if os.path.islink(path) else path  # like torch.save: write through a link
     folder = os.path.dirname(os.path.abspath(target))
-    temporary = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        sink = DirectWriter(temporary, config=config, sync=sync, size_hint=_size_bound(records))
+    remove_dead_temporaries(folder, os.path.basename(target))
+    temporary = os.path.join(folder, temporary_name(os.path.basename(target)))
+    try:  # private while written; given the checkpoint's mode (or the umask's) just before the rename
+        sink = DirectWriter(temporary, config=config, sync=sync, size_hint=_size_bound(records), mode=PRIVATE_MODE)
     except OSError as e:
         raise naming_target(e, path) from e
     try:
@@ -226,7 +228,7 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
             sink.abort()
             raise
         sink.close()  # raises the first write error
-        _keep_mode(target, temporary)
+        adopt_mode(temporary, target)
         os.replace(temporary, target)
     except BaseException as e:
         remove_quietly(temporary)
@@ -245,15 +247,6 @@ def _size_bound(records: list[Record]) -> int:
     names = sum(len(name.encode()) for name, _, _ in records)
     per_record = 512 + torch.serialization._get_storage_alignment()
     return sum(nbytes for _, _, nbytes in records) + per_record * (len(records) + 2) + 2 * names + 4096
-
-
-def _keep_mode(path: str, temporary: str) -> None:
-    """An overwritten checkpoint keeps its permission bits, as it would with ``torch.save``."""
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        return
-    os.chmod(temporary, mode)
 
 
 def _fsync_folder(folder: str, path: str) -> None:

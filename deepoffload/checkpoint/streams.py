@@ -78,22 +78,23 @@ def _preallocate(fd: int, nbytes: int) -> bool:
 class DirectWriter(io.RawIOBase):
     """A write-only stream into ``path`` (created or truncated) through the async-IO op.
 
-    Writes are sequential. ``size_hint`` (bytes, about what will be written) preallocates the file; ``close()`` cuts it
-    to what was written. Each full staging buffer is written asynchronously at its file offset; ``close()`` writes the
-    tail, waits for everything, and with ``sync`` fsyncs the file. ``flush()`` does nothing (bytes reach the file at the
-    latest on ``close()``); ``fileno()`` first writes out everything buffered, so an ``os.fsync(fileno())`` before
-    ``close()`` (what DCP's writer does) covers every byte written so far.
+    Writes are sequential. A new file gets ``mode`` (less the umask). ``size_hint`` (bytes, about what will be
+    written) preallocates the file; ``close()`` cuts it to what was written. Each full staging buffer is written
+    asynchronously at its file offset; ``close()`` writes the tail, waits for everything, and with ``sync`` fsyncs
+    the file. ``flush()`` does nothing (bytes reach the file at the latest on ``close()``); ``fileno()`` first writes
+    out everything buffered, so an ``os.fsync(fileno())`` before ``close()`` (what DCP's writer does) covers every
+    byte written so far.
 
     After a write fails, later writes are accepted and dropped (torch's zip writer aborts the process if its sink
     raises and it is then finalized), and ``close()`` raises the first error; ``error`` holds it meanwhile.
     """
 
     def __init__(self, path: str | os.PathLike, *, config: AioConfig | None = None, sync: bool = True,
-                 size_hint: int = 0):
+                 size_hint: int = 0, mode: int = 0o666):
         super().__init__()
         self.path = os.fspath(path)
         self.sync = sync
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), mode)
         self._allocated = _preallocate(self._fd, size_hint)
         self._staged = StagedWriter(shared_handle(config), self.path, 0, pool=staging_pool(), count=STAGING_BUFFERS)
         self._position = 0  # bytes accepted so far

@@ -24,6 +24,7 @@ import torch.serialization
 from ..io.buffers import aligned_empty
 from ..io.crc import crc32
 from ..errors import ChecksumError
+from .crc_ahead import CrcAhead
 from .streams import DirectWriter
 
 Data = Union[bytes, str, torch.UntypedStorage]
@@ -87,27 +88,33 @@ def snapshot(records: list[Record], arena: torch.Tensor | None = None) -> list[R
 def write_records(records: list[Record], sink: DirectWriter, checksum: bool) -> None:
     """Replay ``records`` through torch's zip writer into ``sink``. With ``checksum`` the CRC-32 of every record is
     stored (as ``torch.save`` does by default): torch's writer runs with its own CRC off and ``CrcFiller``
-    computes each CRC while the bytes are staged; without, the CRC fields hold 0 (as with
+    fills in each CRC, computed ahead from the record's memory (``CrcAhead``, large records) or while the bytes
+    are staged; without, the CRC fields hold 0 (as with
     ``torch.serialization.set_crc32_options(False)``). Stops early once the sink has failed; the caller closes the
     sink, which raises the error."""
-    filler = CrcFiller(sink) if checksum else None
-    writer = torch._C.PyTorchFileWriter(filler or sink, False, torch.serialization._get_storage_alignment())
+    ahead = CrcAhead(records) if checksum else None
     try:
-        for name, data, nbytes in records:
-            if sink.error is not None:
-                break
-            if filler is not None:
-                filler.expect(name, nbytes)
-            writer.write_record(name, data, nbytes)
-    except BaseException:
-        try:  # finalize here: torch's destructor would do it and abort on an error
-            writer.write_end_of_file()
-        except Exception:
-            pass  # torch's complaint about the half-written archive would hide the cause (Ctrl-C, a failed write)
-        raise
-    writer.write_end_of_file()
-    if filler is not None and sink.error is None:
-        filler.finish()
+        filler = CrcFiller(sink, ahead) if checksum else None
+        writer = torch._C.PyTorchFileWriter(filler or sink, False, torch.serialization._get_storage_alignment())
+        try:
+            for name, data, nbytes in records:
+                if sink.error is not None:
+                    break
+                if filler is not None:
+                    filler.expect(name, nbytes)
+                writer.write_record(name, data, nbytes)
+        except BaseException:
+            try:  # finalize here: torch's destructor would do it and abort on an error
+                writer.write_end_of_file()
+            except Exception:
+                pass  # torch's complaint about the half-written archive would hide the cause (Ctrl-C, a failed write)
+            raise
+        writer.write_end_of_file()
+        if filler is not None and sink.error is None:
+            filler.finish()
+    finally:
+        if ahead is not None:
+            ahead.close()
 
 
 SERIALIZATION_ID = ".data/serialization_id"  # the record torch's writer adds last
@@ -133,15 +140,17 @@ class CrcFiller(io.RawIOBase):
     torch writes each record as a local header (30 bytes, then the name and extra field whose lengths it gives;
     sizes and CRC are left 0 and a data descriptor follows), the data in one write, and a data descriptor (CRC and
     sizes), or for an empty record only the local header; then the central directory (one entry per record, each
-    with the CRC) and the end records. The CRC is computed on the data while it is staged (``write_digest``),
-    written into the descriptor, whose sizes must equal the bytes counted, and into the record's central directory
-    entry, which is held until complete. The last record, the serialization id, combines the CRCs (see
-    ``_serialization_id``). Anything else raises ``ZipLayoutError``: a file with wrong CRCs is never produced.
+    with the CRC) and the end records. The CRC is computed ahead from the record's memory (``CrcAhead``) or on the
+    data while it is staged (``write_digest``), written into the descriptor, whose sizes must equal the bytes
+    counted, and into the record's central directory entry, which is held until complete. The last record, the
+    serialization id, combines the CRCs (see ``_serialization_id``). Anything else raises ``ZipLayoutError``: a file
+    with wrong CRCs is never produced.
     """
 
-    def __init__(self, sink: DirectWriter) -> None:
+    def __init__(self, sink: DirectWriter, ahead: CrcAhead | None = None) -> None:
         super().__init__()
         self.sink = sink
+        self._ahead = ahead  # CRCs of large records computed from their memory, on another thread
         self.crcs: dict[str, int] = {}  # record name -> CRC-32
         self._patched: set[str] = set()
         self._state = "signature"  # signature | local | data | central | end
@@ -201,10 +210,13 @@ class CrcFiller(io.RawIOBase):
         """One write in a record's data: its bytes, or the descriptor that ends them (then return True)."""
         name, nbytes = self._expected
         known = self._name.partition("/")[2] == name
+        ahead = self._ahead.get(name) if known and self._ahead is not None else None
         if (not known or self._count == nbytes) and view.nbytes in (16, 24) and bytes(view[:4]) == _DESCRIPTOR:
             descriptor = bytearray(view)
             crc, *sizes = struct.unpack_from("<IQQ" if view.nbytes == 24 else "<III", descriptor, 4)
             if crc == 0 and sizes == [self._count, self._count]:
+                if ahead is not None:  # the data went through unhashed: its CRC was computed from its memory
+                    self._crc = ahead.result()
                 struct.pack_into("<I", descriptor, 4, self._crc)
                 self.sink.write(descriptor)
                 self.crcs[self._name] = self._crc
@@ -213,7 +225,10 @@ class CrcFiller(io.RawIOBase):
                 return True
         if self._name.endswith("/" + SERIALIZATION_ID):
             view = memoryview(self._serialization_id(bytes(view)))
-        self.sink.write_digest(view, self._digest)
+        if ahead is not None:
+            self.sink.write(view)
+        else:
+            self.sink.write_digest(view, self._digest)
         self._count += view.nbytes
         return False
 

@@ -19,6 +19,7 @@ import torch.serialization as ts
 from ..io.buffers import aligned_empty, prefault
 from ..io.handle import AsyncIOHandle, wait_each
 from ..op_builder import env
+from .record_check import CheckedStorage, data_records
 from .streams import SeekableReader
 
 TORCH_TRUE = ("1", "y", "yes", "true")  # the values torch.load takes as set for its TORCH_FORCE_* variables
@@ -78,10 +79,11 @@ def weights_only_default(weights_only: bool | None, pickle_module: Any) -> bool:
 
 
 def load_from_memory(data: torch.Tensor, map_location: Any, weights_only: bool, pickle_module: Any,
-                     pickle_load_args: dict) -> tuple[bool, Any]:
+                     pickle_load_args: dict, path: str = "<memory>") -> tuple[bool, Any]:
     """``(True, objects)`` from the zip-format ``torch.save`` bytes in ``data`` with storages sliced from it, or
     ``(False, None)`` when ``torch.load`` itself must handle the file (legacy format, TorchScript archive, or a
-    weights-only refusal, whose message ``torch.load`` words)."""
+    weights-only refusal, whose message ``torch.load`` words). A storage that is not exactly its record's bytes
+    raises ``CheckpointError`` naming ``path``."""
     source = MemoryFile(data)
     if not ts._is_zipfile(source):
         return False, None
@@ -93,7 +95,8 @@ def load_from_memory(data: torch.Tensor, map_location: Any, weights_only: bool, 
             return False, None
         unpickler = ts._weights_only_unpickler if weights_only else (pickle_module or pickle)
         try:
-            return True, ts._load(archive, map_location, unpickler, overall_storage=data.untyped_storage(), **args)
+            storage = CheckedStorage(data.untyped_storage(), data_records(archive), path)
+            return True, ts._load(archive, map_location, unpickler, overall_storage=storage, **args)
         except pickle.UnpicklingError:
             if weights_only:
                 return False, None

@@ -23,6 +23,7 @@ import torch
 from ..errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
+INT64_MAX = 2**63 - 1  # torch's sizes and strides are signed 64-bit
 METADATA_KEY = "__metadata__"
 
 # safetensors dtype name -> torch dtype, for the dtypes this torch has (fp8 and unsigned ints are recent).
@@ -140,6 +141,8 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
                 and 0 <= offsets[0] <= offsets[1]):
             raise bad(f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end, "
                       f"got {offsets!r:.200}")
+        if math.prod(max(size, 1) for size in shape) > INT64_MAX:  # a zero size would hide it from the product
+            raise bad(f"tensor {name!r}: shape {shape!r:.200} overflows 64-bit sizes and strides")
         dtype = DTYPES[dtype_name]
         nbytes = math.prod(shape) * element_size(dtype)
         if offsets[1] - offsets[0] != nbytes:

@@ -5,9 +5,11 @@ into page-aligned staging buffers that are written while the next ones fill, so 
 A shard's header must precede its data, but a stream does not say in advance which tensors a shard will hold, so
 each shard reserves ``header_bytes`` for its header (padded with spaces, which the format allows) and starts its
 data right after, page-aligned; a shard whose header would outgrow the reservation is closed early and the next one
-reserves twice as much. Shards are written under temporary names and renamed (Hugging Face names:
-``model.safetensors``, or ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``) only once all
-of them are written and synced, then the index; files of an earlier save with the same prefix are removed.
+reserves twice as much. Shards are written under private temporary names and put in place only once all of them
+are written and synced, by ``deepoffload.formats.commit`` (``model.safetensors``, or
+``model-00001-of-0000N-<generation>.safetensors`` plus ``model.safetensors.index.json``, whose rename switches
+readers from the old set to the new one); files of an earlier save with the same prefix are then removed, and so
+are the temporaries of saves whose process died.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import errno
 import json
 import os
 import re
-import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -27,7 +28,9 @@ from ..errors import naming_target
 from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle
 from ..io.inputs import byte_view
+from ..io.owners import adopt_mode, create_private, remove_dead_temporaries, temporary_name
 from ..io.staged_file import StagedWriter, StagingPool
+from .commit import commit, new_generation, shard_names, sync_folder, write_index
 from .header import DTYPE_NAMES, METADATA_KEY, check_little_endian, encode_header
 
 DEFAULT_METADATA = {"format": "pt"}  # transformers refuses shards without it
@@ -51,7 +54,7 @@ class _ShardFile:
         self.data_bytes = 0
         meta = json.dumps({METADATA_KEY: self.metadata}, separators=(",", ":"), ensure_ascii=False).encode()
         self.json_bytes = len(meta) if self.metadata else 2  # '{...}' so far
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.close(create_private(path))
         self.writer = StagedWriter(handle, path, header_bytes, pool=staging)
 
     def fits_header(self, name: str, tensor: torch.Tensor) -> bool:
@@ -122,15 +125,6 @@ def _checked_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str]:
     return metadata
 
 
-def _sync_folder(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem (or OS) lets a folder be opened and synced
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _write_shards(items: Iterator[tuple[str, torch.Tensor]], folder: Path, tag: str, max_shard_bytes: float,
                   header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle,
                   staging_bytes: int) -> list[_ShardFile]:
@@ -148,7 +142,7 @@ def _write_shards(items: Iterator[tuple[str, torch.Tensor]], folder: Path, tag: 
                 current = None
             if current is None:
                 while True:  # a fresh shard: make sure even this one entry fits its header
-                    current = _ShardFile(folder / f".{tag}-{len(shards) + 1:05d}.partial", header_bytes, metadata,
+                    current = _ShardFile(folder / f"{tag}-{len(shards) + 1:05d}", header_bytes, metadata,
                                          handle, staging)
                     shards.append(current)
                     if current.fits_header(name, tensor):
@@ -157,7 +151,7 @@ def _write_shards(items: Iterator[tuple[str, torch.Tensor]], folder: Path, tag: 
                     header_bytes *= 2
             current.add(name, tensor)
         if current is None:  # nothing to save: still one valid, empty file
-            current = _ShardFile(folder / f".{tag}-00001.partial", header_bytes, metadata, handle, staging)
+            current = _ShardFile(folder / f"{tag}-00001", header_bytes, metadata, handle, staging)
             shards.append(current)
         current.finish()
     except BaseException:
@@ -173,9 +167,12 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
                  header_bytes: int = 64 << 10, staging_bytes: int = 16 << 20) -> list[Path]:
     """Write ``tensors`` (a mapping or an iterator of ``(name, tensor)``, consumed once, one tensor at a time) into
     ``folder`` as safetensors shards of at most ``max_shard_bytes`` of data each (a larger tensor gets a shard of
-    its own), named as Hugging Face names them, with ``{prefix}.safetensors.index.json`` when there are several.
-    ``metadata`` (strings) goes into every shard's header (default ``{"format": "pt"}``, which transformers needs).
-    Returns the shard paths. On any error no file of the save is left and an earlier save stays as it was.
+    its own): ``{prefix}.safetensors``, or ``{prefix}-00001-of-0000N-<generation>.safetensors`` and the index
+    ``{prefix}.safetensors.index.json`` that names them (Hugging Face's layout; the generation keeps a new set from
+    overwriting the set the old index names). ``metadata`` (strings) goes into every shard's header (default
+    ``{"format": "pt"}``, which transformers needs). Returns the shard paths. On any error, or if the process is
+    killed, readers see the earlier save as it was (see ``deepoffload.formats.commit``); what a killed save left is
+    removed by the next save to the folder.
     """
     check_little_endian()
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
@@ -187,9 +184,10 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     metadata = _checked_metadata(metadata)
+    remove_dead_temporaries(folder, prefix)
     own = handle is None
     handle = AsyncIOHandle() if own else handle
-    tag = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tag = temporary_name(prefix, "partial")
     try:
         shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
                                staging_bytes)
@@ -198,41 +196,22 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
     finally:
         if own:
             handle.close()
-    count = len(shards)
-    names = ([f"{prefix}.safetensors"] if count == 1 else
-             [f"{prefix}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)])
-    index_path = folder / f"{prefix}.safetensors.index.json"
-    weight_map = {name: final for shard, final in zip(shards, names) for name in shard.entries}
-    total = sum(shard.data_bytes for shard in shards)
-    partial_index = folder / f".{tag}.index.partial"
+    generation = new_generation()
+    index_temporary = folder / f"{tag}-index" if len(shards) > 1 else None
     try:
-        if count > 1:
-            with open(partial_index, "w", encoding="utf-8") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
-                          ensure_ascii=False)
-                f.flush()
-                os.fsync(f.fileno())
-    except BaseException:
-        for shard in shards:
-            shard.abandon()
-        with contextlib.suppress(FileNotFoundError):
-            partial_index.unlink()
+        if index_temporary is not None:
+            names = shard_names(prefix, len(shards), generation)
+            weight_map = {name: final for shard, final in zip(shards, names) for name in shard.entries}
+            write_index(index_temporary, weight_map, sum(shard.data_bytes for shard in shards), generation)
+        return commit(folder, prefix, [shard.path for shard in shards], index_temporary, generation)
+    except BaseException as e:
+        for path in [shard.path for shard in shards] + [index_temporary]:
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        if isinstance(e, OSError):
+            raise naming_target(e, str(folder)) from e
         raise
-    if count == 1:
-        with contextlib.suppress(FileNotFoundError):  # a reader would prefer a stale index over the new file
-            index_path.unlink()
-    final_paths = []
-    for shard, final in zip(shards, names):
-        os.replace(shard.path, folder / final)
-        final_paths.append(folder / final)
-    if count > 1:
-        os.replace(partial_index, index_path)
-    stale = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
-    for path in folder.iterdir():
-        if stale.fullmatch(path.name) and path.name not in names:
-            path.unlink()
-    _sync_folder(folder)
-    return final_paths
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
@@ -255,8 +234,9 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
     header_bytes = -(-len(encode_header(layout, metadata)) // PAGE) * PAGE
     own = handle is None
     handle = AsyncIOHandle() if own else handle
+    remove_dead_temporaries(path.parent, path.name)
     try:
-        tag = f"{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tag = temporary_name(path.name)
         (shard,) = _write_shards(_items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle,
                                  16 << 20)
     except OSError as e:
@@ -264,6 +244,12 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
     finally:
         if own:
             handle.close()
-    os.replace(shard.path, path)
-    _sync_folder(path.parent)
+    try:
+        adopt_mode(shard.path, path)
+        os.replace(shard.path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            shard.path.unlink()
+        raise
+    sync_folder(path.parent)
     return path

@@ -68,7 +68,12 @@ class Request:
         if self._collected:
             return True
         self._check_process()
-        return self._native.done(self._op_id)
+        try:
+            return self._native.done(self._op_id)
+        except ValueError:  # "unknown op id": another thread's wait took the result (only a finished op's) and is
+            if self._collected or self._lock.locked():  # recording it under the lock, or has recorded it
+                return True
+            raise
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until the transfer finishes; return its bytes or raise its ``OSError``.
@@ -264,13 +269,22 @@ class AsyncIOHandle:
     def write(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False,
               truncate: bool | None = None, fsync: bool = False) -> int:
         """Write synchronously; return the bytes written. ``validate`` re-reads the file and compares.
-        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``)."""
-        if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
-            nbytes = self._device_stager().write(tensor, file, offset, truncate=truncate, fsync=fsync)
-        else:
-            nbytes = self.write_async(tensor, file, offset, truncate=truncate, fsync=fsync).wait()
-        if validate:
-            _validate(tensor, file, offset)
+        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``). A write that fails
+        (full disk, validation) to a path that did not exist before the call leaves no file there (do not write the
+        same new path from another thread meanwhile)."""
+        new = isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file)
+        try:
+            if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
+                nbytes = self._device_stager().write(tensor, file, offset, truncate=truncate, fsync=fsync)
+            else:
+                nbytes = self.write_async(tensor, file, offset, truncate=truncate, fsync=fsync).wait()
+            if validate:
+                _validate(tensor, file, offset)
+        except OSError:
+            if new:
+                with contextlib.suppress(OSError):
+                    os.unlink(file)
+            raise
         return nbytes
 
     def _device_stager(self):

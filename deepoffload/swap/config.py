@@ -23,6 +23,8 @@ class SwapConfig:
 
     aio: how bytes move (block size, queue depth, threads, engine); see ``AioConfig``.
     folder: the base folder for swap files (None: the system temp folder). Each run gets its own sub-folder there.
+        A missing folder is created, but not its parents (a mistyped path is an error, not a new tree on another
+        disk); a folder on tmpfs gets a warning (its files stay in memory).
     buffer_count: aligned staging buffers in the pool (the pipeline uses 3: read ahead, step, write behind).
     chunk_bytes: bytes of optimizer state per pipelined chunk, and the size of each pooled buffer (page-aligned).
         Peak memory of an offloaded step is about ``buffer_count * chunk_bytes``, whatever the model size; an

@@ -1,17 +1,22 @@
 """Per-run, rank-aware swap folders, removed on close and at interpreter exit unless kept.
 
-A run folder is ``<base>/deepoffload-rank<R>-<unique>``: two jobs (or two ranks of one job) on the same base path
-never share files, and the rank in the name tells them apart when kept for inspection.
+A run folder is ``<base>/deepoffload-rank<R>-<pid>.<start time>-<unique>``: two jobs (or two ranks of one job) on the
+same base path never share files, and the rank in the name tells them apart when kept for inspection. The owner's
+process id and start time in the name let the next run in the same base remove the folders of processes that died
+without cleaning up (killed, out of memory); a live process's folder, and one kept on purpose, is never touched.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import tempfile
 import threading
+import warnings
 
+from ..io.owners import KEPT, remove_dead_run_folders, run_folder_prefix
 from ..op_builder import env
 
 _owned_lock = threading.Lock()
@@ -29,14 +34,22 @@ def current_rank() -> int:
 
 
 def create_run_folder(base: str | None, rank: int | None = None) -> str:
-    """Create and return a fresh folder for this run's swap files under ``base`` (None: the temp folder).
+    """Create and return a fresh folder for this run's swap files under ``base`` (None: the temp folder; created if
+    missing, but its parent must exist), first removing the run folders there of processes no longer alive. Warns
+    when ``base`` is on a filesystem that keeps files in memory (tmpfs).
 
     The folder is registered for removal at interpreter exit; ``remove_run_folder`` removes it earlier, and
     ``keep_run_folder`` keeps it."""
     base = base or tempfile.gettempdir()
+    _make_base(base)
+    kind = memory_backed(base)
+    if kind is not None:
+        warnings.warn(f"swap folder {base} is on {kind}, which keeps files in memory: offloading there saves no "
+                      f"memory; pass a folder on a disk (SwapConfig(folder=...) or path=)", UserWarning,
+                      stacklevel=3)
     try:
-        os.makedirs(base, exist_ok=True)
-        folder = tempfile.mkdtemp(prefix=f"deepoffload-rank{current_rank() if rank is None else rank}-", dir=base)
+        remove_dead_run_folders(base)
+        folder = tempfile.mkdtemp(prefix=run_folder_prefix(current_rank() if rank is None else rank), dir=base)
     except OSError as e:
         raise OSError(e.errno, f"cannot create a swap folder in {base} ({e.strerror}); choose a writable folder "
                                f"with `folder=` (or --path)", base) from e
@@ -45,16 +58,64 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
     return folder
 
 
+def _make_base(base: str) -> None:
+    """Create ``base`` if missing, but not its parents: a mistyped path (``/nvme0/...`` for ``/nvme/...``) must not
+    quietly put swap files on another disk."""
+    if os.path.isdir(base):
+        return
+    try:
+        os.mkdir(base)
+    except FileExistsError:
+        if not os.path.isdir(base):
+            raise NotADirectoryError(errno.ENOTDIR, f"swap folder {base} exists and is not a folder", base) from None
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"cannot create a swap folder at {base}: its parent "
+                                f"{os.path.dirname(os.path.abspath(base))} does not exist (only the last part of "
+                                f"the path is created; check the path, or create the parent first)", base) from None
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create a swap folder at {base} ({e.strerror}); choose a writable folder with "
+                               f"`folder=` (or --path)", base) from e
+
+
+def memory_backed(folder: str) -> str | None:
+    """The filesystem type (``tmpfs``, ``ramfs``) when ``folder`` lies on one that keeps files in memory, else None
+    (also where mounts cannot be read: ``/proc/self/mountinfo`` is Linux's)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    path, best, kind = os.path.realpath(folder), -1, None
+    for line in mounts:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), line.split(" - ", 1)[1].split()[0]
+    return kind if kind in MEMORY_FILESYSTEMS else None
+
+
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
 def keep_run_folder(folder: str) -> None:
-    """Leave ``folder`` in place at interpreter exit."""
-    with _owned_lock:
-        _owned.pop(folder, None)
+    """Leave ``folder`` in place at interpreter exit, and to later runs (it gets a ``KEPT`` file)."""
+    _forget(folder)
+    with open(os.path.join(folder, KEPT), "w", encoding="utf-8") as f:
+        f.write("kept on purpose: later runs leave this folder alone\n")
 
 
 def remove_run_folder(folder: str) -> None:
     """Remove ``folder`` and its files now."""
-    keep_run_folder(folder)
+    _forget(folder)
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _forget(folder: str) -> None:
+    with _owned_lock:
+        _owned.pop(folder, None)
 
 
 def remove_run_folder_if_owned(folder: str) -> None:

@@ -22,6 +22,7 @@ base folder safely, across machines each uses its local disk. A multi-node job i
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
@@ -114,6 +115,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
         self._loading = False  # load_state_dict is storing the loaded state
         self._trimmed_at = 0  # swapper.bytes_read at the last trim
+        self._busy = threading.RLock()  # step, state_dict, load_state_dict, close: one at a time (others wait)
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -209,15 +211,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._backward is not None:
-            with deferred():
-                self._backward.finish()
-            return loss
-        with deferred(), _intra_op_threads(self._compute_threads):  # Ctrl-C: once the whole step is done
-            try:
-                self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
-            finally:
-                self._trim()
+        with self._busy:
+            if self._backward is not None:
+                with deferred():
+                    self._backward.finish()
+                return loss
+            with deferred(), _intra_op_threads(self._compute_threads):  # Ctrl-C: once the whole step is done
+                try:
+                    self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
+                finally:
+                    self._trim()
         return loss
 
     def step_in_backward(self, enabled: bool = True) -> None:
@@ -382,10 +385,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()`` with the tensor state read back from storage (copies the
-        caller owns; suitable for ``torch.save``). State-dict hooks registered on this wrapper run as torch's do."""
+        caller owns; suitable for ``torch.save``). State-dict hooks registered on this wrapper run as torch's do.
+        Called from another thread during ``step()``, it waits for the step and returns the state after it."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        result = self._gather_state_dict()
+        with self._busy:
+            result = self._gather_state_dict()
         for hook in self._optimizer_state_dict_post_hooks.values():
             changed = hook(self, result)
             if changed is not None:
@@ -432,16 +437,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             changed = hook(self, state_dict)
             if changed is not None:
                 state_dict = changed
-        self._drop_prefetched()
-        self.swapper.wait_all()
-        self.optimizer.load_state_dict(state_dict)
-        for param in self._params():
-            self.swapper.discard(self._name(param))
-        self._loading = True
-        try:
-            self._swap_out_resident()
-        finally:
-            self._loading = False
+        with self._busy:  # (another thread's step finishes first)
+            self._drop_prefetched()
+            self.swapper.wait_all()
+            self.optimizer.load_state_dict(state_dict)
+            for param in self._params():
+                self.swapper.discard(self._name(param))
+            self._loading = True
+            try:
+                self._swap_out_resident()
+            finally:
+                self._loading = False
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -457,11 +463,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Finish all IO and remove the swap files (unless ``keep_files``). The optimizer is unusable after."""
-        try:
-            self._close_backward()
-            self._drop_prefetched()
-        finally:
-            self.swapper.close()
+        with self._busy:  # (another thread's step finishes first)
+            try:
+                self._close_backward()
+                self._drop_prefetched()
+            finally:
+                self.swapper.close()
 
     def __enter__(self) -> "OffloadedOptimizer":
         return self

@@ -29,9 +29,20 @@ class _StoredState(dict):
 
     cleared = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offloaded: set = set()  # keys whose tensors went to storage (absent from memory between steps)
+
     def clear(self) -> None:
         self.cleared = True
         super().clear()
+
+    def __missing__(self, key: Any) -> Any:
+        if key in self.offloaded and not self.cleared:
+            raise KeyError(f"{key!r}: this tensor of the parameter's optimizer state is on storage between steps "
+                           f"(an OffloadedOptimizer keeps only non-tensor state in memory); read it from "
+                           f"opt.state_dict() (copies of all the state)")
+        raise KeyError(key)
 
 
 def _references(values: dict, key: Any) -> int:
@@ -97,6 +108,7 @@ def write_back(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
             for key, view in views.items():
                 if values.get(key) is view:
                     del values[key]
+                    values.offloaded.add(key)
 
     return swapper.write_back(staged, on_done=drop)
 
@@ -128,6 +140,8 @@ def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
             for key, tensor in tensors.items():
                 if state.get(key) is tensor:
                     del state[key]
+                    if type(state) is _StoredState:
+                        state.offloaded.add(key)
 
     if len(written) < len(chunk):
         for param, name in zip(chunk, chunk.names):  # state that disappeared (or was never there) leaves

@@ -11,6 +11,7 @@ outlive their use, e.g. tensors left resident after a failed write).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 
@@ -67,7 +68,7 @@ class BufferPool:
         if self._free:
             return self._free.pop()
         if len(self._pooled) < self.count:
-            buffer = aligned_empty(self.buffer_bytes, pin=self.pin)
+            buffer = self._allocate(self.buffer_bytes)
             self._pooled[buffer.data_ptr()] = self.buffer_bytes
             return buffer
         return None
@@ -78,7 +79,18 @@ class BufferPool:
 
     def one_off(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes outside the pool, freed when released."""
-        return aligned_empty(round_up(nbytes), pin=self.pin)
+        return self._allocate(round_up(nbytes))
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        try:
+            return aligned_empty(nbytes, pin=self.pin)
+        except (OSError, MemoryError) as e:
+            if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+                raise  # e.g. a page-locking failure, whose own message says what to do
+            raise OSError(errno.ENOMEM, f"cannot allocate a {nbytes}-byte swap staging buffer (staging buffers are "
+                                        f"SwapConfig.chunk_bytes each, or as large as the largest tensor swapped; up "
+                                        f"to buffer_count={self.count} of them): lower chunk_bytes or buffer_count, "
+                                        f"or free memory") from e
 
     def fit(self, nbytes: int) -> None:
         """Pooled buffers hold at least ``nbytes`` (rounded up to the page size) from now on: smaller free ones are

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -114,11 +115,12 @@ def test_fsdp2_checkpoints_cross_load_bit_identical(two_rank_checkpoints):
 
 @pytest.mark.slow
 def test_fsdp2_rank_files_are_byte_identical_to_dcps(two_rank_checkpoints):
+    # ours are named __<rank>_<generation>_<n>.distcp (each save its own names), DCP's __<rank>_<n>.distcp
     ours, theirs = two_rank_checkpoints / "ours", two_rank_checkpoints / "theirs"
-    files = sorted(p.name for p in ours.iterdir() if p.suffix == ".distcp")
-    assert files == sorted(p.name for p in theirs.iterdir() if p.suffix == ".distcp") and len(files) == WORLD
-    for name in files:
-        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    files = {re.sub(r"^(__\d+_)[0-9a-f]{8}_", r"\1", p.name): p for p in ours.iterdir() if p.suffix == ".distcp"}
+    assert sorted(files) == sorted(p.name for p in theirs.iterdir() if p.suffix == ".distcp") and len(files) == WORLD
+    for name, path in files.items():
+        assert path.read_bytes() == (theirs / name).read_bytes(), name
 
 
 @pytest.mark.slow
@@ -168,7 +170,8 @@ def test_single_process_save_and_load_go_through_the_op(tmp_path, monkeypatch):
     dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "ours"), no_dist=True)
     assert calls["write"] > 0
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "theirs"), no_dist=True)
-    assert (tmp_path / "ours" / "__0_0.distcp").read_bytes() == (tmp_path / "theirs" / "__0_0.distcp").read_bytes()
+    (ours,) = (tmp_path / "ours").glob("__0_*_0.distcp")  # __<rank>_<generation>_<n>.distcp
+    assert ours.read_bytes() == (tmp_path / "theirs" / "__0_0.distcp").read_bytes()
     for folder in ("ours", "theirs"):
         target = {"w": torch.zeros(300_000), "b": torch.zeros(7, dtype=torch.int64), "step": 0, "name": ""}
         dcp.load(target, storage_reader=FileSystemReader(tmp_path / folder), no_dist=True)
@@ -188,8 +191,9 @@ def test_disk_full_reaches_dcp_save(small_fs):
     folder = small_fs(8 << 20, "ext4")
     with pytest.raises(CheckpointException) as info:
         dcp.save({"w": torch.ones(4 << 20)}, storage_writer=FileSystemWriter(folder / "ckpt"), no_dist=True)
-    assert "No space left on device" in str(info.value) and "__0_0.distcp" in str(info.value)
+    assert "No space left on device" in str(info.value) and re.search(r"__0_[0-9a-f]{8}_0\.distcp", str(info.value))
     assert not (folder / "ckpt" / ".metadata").exists(), "no metadata: DCP will not take it for a checkpoint"
+    assert os.listdir(folder / "ckpt") == [], "the failed file is removed"
 
 
 if __name__ == "__main__":

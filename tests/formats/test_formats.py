@@ -98,8 +98,10 @@ def test_sharded_round_trip_against_safetensors(scratch):
     paths = save_sharded(iter(tensors.items()), scratch / "ck", max_shard_bytes=total // 4)
     count = len(paths)
     assert count >= 4
-    assert [p.name for p in paths] == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
     index = json.loads((scratch / "ck" / "model.safetensors.index.json").read_text())
+    generation = index["metadata"]["generation"]
+    assert [p.name for p in paths] == [f"model-{i:05d}-of-{count:05d}-{generation}.safetensors"
+                                       for i in range(1, count + 1)]
     assert index["metadata"]["total_size"] == total
     assert set(index["weight_map"]) == set(tensors)
     reference = {}
@@ -380,11 +382,12 @@ def test_index_problems(scratch):
     save_sharded(tensors, scratch, max_shard_bytes=1024)
     index_path = scratch / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    os.rename(scratch / "model-00002-of-00004.safetensors", scratch / "moved")
-    with pytest.raises(CheckpointError, match="shard model-00002-of-00004.safetensors is missing"):
+    second = index["weight_map"]["w1"]
+    os.rename(scratch / second, scratch / "moved")
+    with pytest.raises(CheckpointError, match=f"shard {second} is missing"):
         CheckpointReader(scratch)
-    os.rename(scratch / "moved", scratch / "model-00002-of-00004.safetensors")
-    wrong = dict(index, weight_map={**index["weight_map"], "w0": "model-00002-of-00004.safetensors"})
+    os.rename(scratch / "moved", scratch / second)
+    wrong = dict(index, weight_map={**index["weight_map"], "w0": second})
     index_path.write_text(json.dumps(wrong))
     with pytest.raises(CheckpointError, match="disagree"):
         CheckpointReader(scratch)
@@ -450,9 +453,10 @@ def test_a_file_replaced_after_open_is_refused_not_read_at_the_old_offsets(scrat
     folder = scratch / "sharded"
     save_sharded({f"w{i}": torch.full((256,), float(i)) for i in range(4)}, folder, max_shard_bytes=1024)
     sharded = CheckpointReader(folder)
-    (folder / "model-00003-of-00004.safetensors").unlink()
+    third = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["w2"]
+    (folder / third).unlink()
     assert torch.equal(sharded.read(["w0"])["w0"], torch.zeros(256))  # the other shards are still what was opened
-    with pytest.raises(CheckpointError, match="00003-of-00004.safetensors was removed after"):
+    with pytest.raises(CheckpointError, match=f"{third} was removed after"):
         sharded.read()
     assert torch.equal(CheckpointReader(path).read()["a"], torch.full((1024,), 5.0))
 

@@ -371,28 +371,43 @@ def test_large_buffers_ask_for_huge_pages():
 
 
 def test_the_gil_is_released_while_waiting(aio, scratch):
-    """Another Python thread keeps running while the main thread waits on a large transfer."""
+    """Another Python thread runs while the main thread waits on a large transfer.
+
+    With a switch interval of a minute, the peer thread gets the GIL only when the main thread gives it up by
+    blocking; the transfer is submitted before the peer is let go, so only the wait can give it up. (Counting the
+    peer's ticks during one wait, as before, failed when a loaded machine ran the peer only after the transfer.) A
+    wait that finds its transfer already done need not release the GIL: then it is tried again, at most 32 times."""
+    import sys
     import threading
-
-    ticks = []
-    stop = threading.Event()
-
-    def count():
-        while not stop.is_set():
-            ticks.append(1)
 
     big = aligned_empty(256 << 20)
     big.fill_(3)
+    interval = sys.getswitchinterval()
     with AsyncIOHandle(engine="posix") as h:
-        req = h.write_async(big, scratch / "gil", fsync=True)
-        counter = threading.Thread(target=count)
-        counter.start()
-        before = len(ticks)
-        req.wait()
-        during = len(ticks) - before
-        stop.set()
-        counter.join()
-    assert during > 0, "the waiting thread held the GIL"
+        for _ in range(32):
+            ready, ran, gate = threading.Event(), threading.Event(), threading.Lock()
+            gate.acquire()
+
+            def peer():
+                ready.set()
+                with gate:
+                    ran.set()
+
+            thread = threading.Thread(target=peer)
+            thread.start()
+            assert ready.wait(timeout=60)
+            req = h.write_async(big, scratch / "gil", fsync=True)
+            try:
+                sys.setswitchinterval(60)
+                gate.release()
+                req.wait()
+                waited_with_gil_released = ran.is_set()
+            finally:
+                sys.setswitchinterval(interval)
+                thread.join()
+            if waited_with_gil_released:
+                break
+    assert waited_with_gil_released, "the waiting thread held the GIL"
 
 
 def test_filesystem_without_o_direct_falls_back_to_buffered_and_warns_once(aio, small_fs):

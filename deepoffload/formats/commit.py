@@ -1,0 +1,99 @@
+"""Putting a finished set of safetensors shards in place so that a reader sees the old set or the new one, never a
+mix, whenever the writer dies.
+
+Every file of a save is written and fsynced under a temporary name first (created ``0600``; see
+``deepoffload.io.owners``). Then:
+
+- one shard: it is renamed to ``<prefix>.safetensors`` (the one atomic step), the folder fsynced, and only then are
+  an older index and its shards removed;
+- several shards: they are renamed to names no earlier save used, ``<prefix>-00001-of-0000N-<generation>.safetensors``
+  (``generation``: 8 random hex digits, also recorded in the index's ``metadata``), the folder fsynced, and the index
+  ``<prefix>.safetensors.index.json`` renamed over the old one: that rename switches every reader that follows the
+  index (this package, ``safetensors`` driven by the index, ``transformers``) from the complete old set to the
+  complete new one. Then the folder is fsynced and the files of earlier saves are removed.
+
+Killed before the switch, the folder still holds the old checkpoint (plus unused files, removed by the next save
+there); killed after it, the new one. A folder holding both an index and ``<prefix>.safetensors`` (killed while
+switching between the two layouts) has each complete: this package reads the set the index names, ``transformers``
+the single file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+from ..io.owners import adopt_mode
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def new_generation() -> str:
+    """8 random hex digits naming one save's shards."""
+    return uuid.uuid4().hex[:8]
+
+
+def shard_names(prefix: str, count: int, generation: str) -> list[str]:
+    """The final file names of a save's ``count`` shards."""
+    if count == 1:
+        return [f"{prefix}.safetensors"]
+    return [f"{prefix}-{i:05d}-of-{count:05d}-{generation}.safetensors" for i in range(1, count + 1)]
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync ``folder`` so the renames in it are durable (a no-op where folders cannot be opened: Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_index(path: Path, weight_map: dict[str, str], total_bytes: int, generation: str) -> None:
+    """Write and fsync the index document to the new temporary file ``path`` (created ``0600``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total_bytes, "generation": generation}, "weight_map": weight_map}, f,
+                  indent=2, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(folder: Path, prefix: str, temporaries: list[Path], index_temporary: Path | None,
+           generation: str) -> list[Path]:
+    """Switch ``folder`` to the save whose synced shards are ``temporaries`` (and, for several, whose synced index
+    is ``index_temporary``) as the module docstring says; return the shards' final paths."""
+    names = shard_names(prefix, len(temporaries), generation)
+    index = folder / f"{prefix}{INDEX_SUFFIX}"
+    single = folder / f"{prefix}.safetensors"
+    model = index if index.exists() else single  # the checkpoint being replaced lends its mode to the new files
+    for temporary in temporaries + ([index_temporary] if index_temporary is not None else []):
+        adopt_mode(temporary, model)
+    finals = [folder / name for name in names]
+    for temporary, final in zip(temporaries, finals):
+        os.replace(temporary, final)
+    sync_folder(folder)  # the shards are in place before the index that names them can be
+    if index_temporary is not None:
+        os.replace(index_temporary, index)
+        sync_folder(folder)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            index.unlink()
+    remove_stale(folder, prefix, set(names))
+    return finals
+
+
+def remove_stale(folder: Path, prefix: str, keep: set[str]) -> None:
+    """Remove the shards of earlier saves with ``prefix`` from ``folder`` (all but the names in ``keep``)."""
+    stale = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}}(-[0-9a-f]{{8}})?)?\.safetensors")
+    for path in folder.iterdir():
+        if stale.fullmatch(path.name) and path.name not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()

@@ -1,0 +1,190 @@
+"""The save paths the crash-point harness kills: each writes an "old" checkpoint (``setup``), then a "new" one
+(``act``, the step that is killed), and knows how to load what is there (``load``) with a reader that follows the
+files' own structure (for a sharded folder also ``safetensors`` driven by the index, as ``transformers`` reads it).
+
+Every path writes under ``work`` only: the checkpoint as ``work/ckpt...`` and swap files under ``work/swap``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+def values(version: int, count: int = 4, numel: int = 3000) -> dict[str, torch.Tensor]:
+    """Distinct tensors per version; the same names, shapes and dtypes in every version (the layout of a re-save
+    of a trained model, where a mix of versions would load without error)."""
+    g = torch.Generator().manual_seed(version)
+    return {f"w{i}": torch.randn(numel, generator=g) for i in range(count)}
+
+
+# -- single files ------------------------------------------------------------------------------------------------
+def save_act(work: Path, version: int) -> None:
+    import deepoffload
+
+    deepoffload.save({"step": version, "model": values(version)}, work / "ckpt.pt")
+
+
+def save_async_act(work: Path, version: int) -> None:
+    import deepoffload
+
+    deepoffload.save_async({"step": version, "model": values(version)}, work / "ckpt.pt").result()
+
+
+def torch_load(work: Path) -> Any:
+    import deepoffload
+
+    return deepoffload.load(work / "ckpt.pt")
+
+
+def save_file_act(work: Path, version: int) -> None:
+    from deepoffload.formats import save_file
+
+    save_file(values(version), work / "ckpt.safetensors")
+
+
+def safetensors_load(work: Path) -> Any:
+    from deepoffload.formats import load_file
+
+    return load_file(work / "ckpt.safetensors")
+
+
+# -- folders -----------------------------------------------------------------------------------------------------
+def save_sharded_act(work: Path, version: int) -> None:
+    from deepoffload.formats import save_sharded
+
+    save_sharded(values(version), work / "ckpt", max_shard_bytes=3000 * 4)
+
+
+def sharded_load(work: Path) -> Any:
+    """Both readers' views: this package's and safetensors' driven by the index (the one transformers uses)."""
+    from safetensors.torch import load_file as st_load_file
+
+    from deepoffload.formats import load_file
+
+    folder = work / "ckpt"
+    ours = load_file(folder)
+    index = folder / "model.safetensors.index.json"
+    theirs: dict[str, torch.Tensor] = {}
+    if index.exists():
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            theirs.update(st_load_file(folder / shard))
+    else:
+        theirs = st_load_file(folder / "model.safetensors")
+    return {"ours": ours, "safetensors": theirs}
+
+
+def _block_model(version: int) -> nn.Module:
+    torch.manual_seed(version)
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+
+
+def offload_save_act(work: Path, version: int) -> None:
+    import deepoffload
+
+    off = deepoffload.offload_parameters(_block_model(version), str(work / "swap"))
+    try:
+        off.save(work / "ckpt")
+    finally:
+        off.close(restore=False)
+
+
+def budget_act(work: Path, version: int) -> None:
+    """Train with every block in memory, then drop the budget (the blocks are written out), then save."""
+    import deepoffload
+
+    model = _block_model(version)
+    off = deepoffload.offload_parameters(model, str(work / "swap"), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                         max_resident_bytes=1 << 30)
+    try:
+        for _ in range(2):
+            model(torch.ones(2, 32)).sum().backward()
+            off.step()
+        off.set_max_resident_bytes(0)
+        off.save(work / "ckpt")
+    finally:
+        off.close(restore=False)
+
+
+def optimizer_act(work: Path, version: int) -> None:
+    """Offloaded optimizer steps (their state written to swap files), then model and optimizer state saved."""
+    import deepoffload
+
+    model = _block_model(version)
+    opt = deepoffload.OffloadedOptimizer(torch.optim.Adam, model.parameters(), lr=0.01,
+                                         config=deepoffload.SwapConfig(folder=str(work / "swap"), pin=False))
+    try:
+        for _ in range(2):
+            model(torch.ones(2, 32)).sum().backward()
+            opt.step()
+        deepoffload.save({"model": model.state_dict(), "opt": opt.state_dict()}, work / "ckpt.pt")
+    finally:
+        opt.close()
+
+
+# -- DCP -----------------------------------------------------------------------------------------------------------
+def dcp_act(work: Path, version: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from deepoffload.dcp import FileSystemWriter
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(values(version)), storage_writer=FileSystemWriter(work / "ckpt", overwrite=True), no_dist=True)
+
+
+def dcp_load(work: Path) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    target = {name: torch.zeros_like(t) for name, t in values(0).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(target, storage_reader=dcp.FileSystemReader(work / "ckpt"), no_dist=True)  # DCP's own reader
+    return target
+
+
+def sharded_folder_load(work: Path) -> Any:
+    from deepoffload.formats import load_file
+
+    return load_file(work / "ckpt")
+
+
+SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] = {
+    "save": (save_act, torch_load),
+    "save_async": (save_async_act, torch_load),
+    "save_file": (save_file_act, safetensors_load),
+    "save_sharded": (save_sharded_act, sharded_load),
+    "offload_save": (offload_save_act, sharded_folder_load),
+    "dcp": (dcp_act, dcp_load),
+    "optimizer_step": (optimizer_act, torch_load),
+    "max_resident_bytes": (budget_act, sharded_folder_load),
+}
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality of loaded checkpoints (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def listing(work: Path) -> list[str]:
+    """Every file and folder under ``work``, with the 8-hex-digit generations of names made comparable."""
+    import re
+
+    names = []
+    for root, folders, files in os.walk(work):
+        for name in folders + files:
+            names.append(re.sub(r"[0-9a-f]{8}", "G", os.path.relpath(os.path.join(root, name), work)))
+    return sorted(names)

@@ -1,0 +1,26 @@
+"""A synchronous write that fails leaves no new file at its target (a full disk left a 0-byte file, though no short
+file is promised); an existing file stays (its unwritten part as it was)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from deepoffload import AsyncIOHandle
+
+
+@pytest.mark.root
+def test_a_full_disk_leaves_no_new_file(small_fs):
+    folder = small_fs(1 << 20, "tmpfs")
+    big = torch.ones(4 << 20, dtype=torch.uint8)
+    (folder / "old").write_bytes(b"x" * 100)
+    with AsyncIOHandle() as handle:
+        with pytest.raises(OSError) as info:
+            handle.write(big, folder / "new")
+        assert info.value.errno == errno.ENOSPC
+        assert not (folder / "new").exists()
+        with pytest.raises(OSError):
+            handle.write(big, folder / "old", truncate=False)
+    assert (folder / "old").exists()

@@ -1,0 +1,145 @@
+"""What a save leaves on disk besides the checkpoint: file modes (temporaries private, a replaced file keeps its mode,
+a new one gets the umask's) and what dead writers left (removed by the next save or run there, never a live one's).
+Kills at every step of every save path are in tests/crash/."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import deepoffload
+from deepoffload.formats import save_file, save_sharded
+from deepoffload.io import owners
+from deepoffload.swap.folders import create_run_folder, keep_run_folder, remove_run_folder
+
+TENSORS = {f"w{i}": torch.full((256,), float(i)) for i in range(3)}
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def shard_set(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    return [index] + [folder / name for name in set(json.loads(index.read_text())["weight_map"].values())]
+
+
+def dcp_save(folder: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from deepoffload.dcp import FileSystemWriter
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(TENSORS), storage_writer=FileSystemWriter(folder / "dcp", overwrite=True), no_dist=True)
+
+
+SAVES = {  # name -> (save into folder, the files it makes)
+    "save": (lambda f: deepoffload.save(TENSORS, f / "ckpt.pt"), lambda f: [f / "ckpt.pt"]),
+    "save_file": (lambda f: save_file(TENSORS, f / "x.safetensors"), lambda f: [f / "x.safetensors"]),
+    "save_sharded": (lambda f: save_sharded(TENSORS, f, max_shard_bytes=1024), shard_set),
+    "dcp": (dcp_save, lambda f: sorted((f / "dcp").iterdir())),
+}
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_a_new_checkpoint_gets_the_umasks_mode_and_a_replaced_one_keeps_its_own(name, scratch, umask_027):
+    # save_file and save_sharded replaced a 0600 checkpoint with a 0644 one (readable by every local user)
+    save, files = SAVES[name]
+    save(scratch)
+    assert {mode(p) for p in files(scratch)} == {0o640}
+    for path in files(scratch):
+        os.chmod(path, 0o600)
+    save(scratch)
+    assert {mode(p) for p in files(scratch)} == {0o600}
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_temporaries_are_private_while_they_are_written(name, scratch, monkeypatch):
+    # deepoffload.save's temporary was 0644 for its whole write, also when the checkpoint was 0600
+    seen = []
+    adopt = owners.adopt_mode
+
+    def spy(temporary, model):
+        seen.append(mode(Path(temporary)))
+        adopt(temporary, model)
+
+    monkeypatch.setattr("deepoffload.checkpoint.api.adopt_mode", spy)
+    monkeypatch.setattr("deepoffload.formats.commit.adopt_mode", spy)
+    monkeypatch.setattr("deepoffload.formats.writer.adopt_mode", spy)
+    monkeypatch.setattr("deepoffload.dcp.adopt_mode", spy)
+    SAVES[name][0](scratch)
+    assert seen and set(seen) == {0o600}
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_next_save_removes_what_dead_writers_left_and_nothing_of_live_ones(scratch):
+    pid = dead_pid()
+    host = owners.host_id()
+    dead = [scratch / f".ckpt.pt.tmp-{pid}.{owners.start_time(os.getpid())}.{host}-0123abcd",
+            scratch / f".model.partial-{pid}.0.{host}-0123abcd-00001",
+            scratch / f".model.partial-{pid}.0.{host}-0123abcd-index"]
+    live = [scratch / owners.temporary_name("ckpt.pt"), scratch / (owners.temporary_name("model", "partial") + "-1"),
+            scratch / f".other.pt.tmp-{pid}.0.{host}-0123abcd",  # a dead writer's, but of another file
+            scratch / f".ckpt.pt.tmp-{pid}.0.0badc0de-0123abcd"]  # another host's (or container's): not judged here
+    for path in dead + live:
+        path.write_bytes(b"x" * 100)
+    deepoffload.save(TENSORS, scratch / "ckpt.pt")
+    assert not dead[0].exists() and dead[1].exists()
+    save_sharded(TENSORS, scratch, max_shard_bytes=1024)
+    assert not any(p.exists() for p in dead) and all(p.exists() for p in live)
+
+
+def test_a_process_id_reused_by_a_newer_process_is_not_the_writer():
+    me = os.getpid()
+    start = owners.start_time(me)
+    assert owners.is_alive(me, start) and owners.is_alive(me, 0)
+    if start:  # /proc tells start times here
+        assert not owners.is_alive(me, start + 1)
+    assert not owners.is_alive(dead_pid(), 0)
+
+
+def test_the_next_run_removes_the_swap_folders_of_dead_processes_only(scratch):
+    # a killed training run left its optimizer swap folder for good
+    pid = dead_pid()
+    host = owners.host_id()
+    dead = scratch / f"deepoffload-rank0-{pid}.0.{host}-abc_12xy"
+    (dead / "sub").mkdir(parents=True)
+    (dead / "state.swp").write_bytes(b"x" * 100)
+    elsewhere = scratch / f"deepoffload-rank2-{pid}.0.0badc0de-abc_12xy"  # another host's, sharing the folder
+    elsewhere.mkdir()
+    kept = scratch / f"deepoffload-rank1-{pid}.0.{host}-kept1234"
+    kept.mkdir()
+    (kept / owners.KEPT).write_text("")
+    unknown = scratch / "deepoffload-rank0-oldstyle"  # no owner recorded: never touched
+    unknown.mkdir()
+    live = create_run_folder(str(scratch), 0)
+    assert Path(live).name.startswith(f"deepoffload-rank0-{owners.process_token()}-")
+    assert not dead.exists() and kept.exists() and unknown.exists() and elsewhere.exists()
+    mine = create_run_folder(str(scratch), 1)
+    assert os.path.isdir(live)  # this process's folder, in use
+    keep_run_folder(mine)
+    assert (Path(mine) / owners.KEPT).exists()
+    remove_run_folder(live)
+    remove_run_folder(mine)

@@ -1,0 +1,58 @@
+"""Where swap files may go: a missing base folder is created but never its parents (a mistyped path is an error, not
+a new tree on another disk), a memory-backed one (tmpfs) is warned about, and an allocation that cannot be made
+names the setting behind it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from deepoffload import SwapConfig, TensorSwapper
+from deepoffload.swap import folders
+
+
+def test_only_the_last_part_of_a_missing_folder_is_created(scratch):
+    # SwapConfig(folder=...) created a missing folder with all its parents
+    typo = scratch / "nvme0" / "swap"
+    with pytest.raises(FileNotFoundError, match=f"its parent {scratch / 'nvme0'} does not exist") as info:
+        TensorSwapper(SwapConfig(folder=str(typo), pin=False))
+    assert info.value.errno == errno.ENOENT and not (scratch / "nvme0").exists()
+    swapper = TensorSwapper(SwapConfig(folder=str(scratch / "swap"), pin=False))
+    try:
+        assert os.path.dirname(swapper.folder) == str(scratch / "swap")
+    finally:
+        swapper.close()
+    (scratch / "file").write_text("")
+    with pytest.raises(OSError, match="not a folder|Not a directory|File exists"):
+        TensorSwapper(SwapConfig(folder=str(scratch / "file"), pin=False))
+
+
+def test_a_memory_backed_folder_is_warned_about(scratch):
+    # a folder on /dev/shm silently "offloaded" into memory
+    if not os.path.isdir("/dev/shm") or folders.memory_backed("/dev/shm") is None:
+        pytest.skip("no tmpfs at /dev/shm here")
+    base = f"/dev/shm/deepoffload-test-{os.getpid()}"
+    try:
+        with pytest.warns(UserWarning, match=f"swap folder {base} is on tmpfs, which keeps files in memory"):
+            TensorSwapper(SwapConfig(folder=base, pin=False)).close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TensorSwapper(SwapConfig(folder=str(scratch), pin=False)).close()  # a disk: no warning
+
+
+def test_a_staging_buffer_too_large_to_allocate_names_chunk_bytes(scratch):
+    # a bare "[Errno 12] Cannot allocate memory" named no setting
+    swapper = TensorSwapper(SwapConfig(folder=str(scratch), chunk_bytes=2**50, pin=False))
+    try:
+        with pytest.raises(OSError, match="1125899906842624-byte swap staging buffer .*chunk_bytes") as info:
+            swapper.swap_out({"g": {"a": torch.ones(10)}}).wait()
+        assert info.value.errno == errno.ENOMEM
+    finally:
+        swapper.close()
