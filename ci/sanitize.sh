@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the async-IO op with AddressSanitizer + UndefinedBehaviorSanitizer into its own cache folder and runs the
-# op-level tests under it (tests/test_handle.py and tests/reliability, slow ones excluded; extra pytest arguments are
+# op-level tests under it (tests/io/test_handle.py and tests/reliability, slow ones excluded; extra pytest arguments are
 # passed on). Fails when a test fails or when any sanitizer report was written, by this process or any child.
 #   PYTHON=...                         interpreter (default: python)
 #   DEEPOFFLOAD_SANITIZE=...           sanitizers (default: address,undefined)
