@@ -29,6 +29,7 @@ from torch import nn
 
 from ...formats.header import CheckpointError
 from ...formats.reader import CheckpointReader, KeyReport
+from ...io.buffers import aligned_empty
 from ..tensor_swapper import SwapRecord
 from .residency import Block, Residency
 
@@ -38,6 +39,14 @@ Init = Callable[[nn.Module], None]
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of ``shape`` and ``dtype`` holding one element (stride 0): it carries the shape without memory."""
     return torch.empty(1, dtype=dtype).expand(shape) if len(shape) else torch.empty((), dtype=dtype)
+
+
+def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in memory mapped for it alone (page-aligned, not locked), unmapped when the tensor and
+    its views are gone. A block-sized ``torch.empty`` would come from glibc's heap once its dynamic mmap threshold has
+    risen (up to 32 MiB), and freed heap memory stays in the process: made and released block after block, such
+    tensors grow the process towards the model's size."""
+    return aligned_empty(shape, dtype, pin=False)
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -141,22 +150,24 @@ class Materializer:
             self.reader.close()
 
     # -- making values ------------------------------------------------------------------------------------------
-    def _make(self, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    def _make(self, module: nn.Module, prefix: str, transient: bool = False) -> dict[str, torch.Tensor]:
         """Give the module's own (not its children's) placeholder parameters and meta buffers memory; return its
-        tensors by qualified name."""
+        tensors by qualified name. ``transient``: the tensors of a block, written out and released at once: their
+        memory is mapped for them (``transient_empty``), so it goes back to the system when they are released."""
+        empty = transient_empty if transient else torch.empty
         tensors = {}
         for name, param in module._parameters.items():
             if param is None:
                 continue
             if id(param) in self._placeholders:
                 self._placeholders.discard(id(param))
-                param.data = torch.empty(param.shape, dtype=param.dtype)
+                param.data = empty(param.shape, dtype=param.dtype)
             tensors[prefix + name] = param
         for name, buffer in module._buffers.items():
             if buffer is None:
                 continue
             if buffer.is_meta:
-                made = torch.empty(buffer.shape, dtype=self._target_dtype(buffer))
+                made = empty(buffer.shape, dtype=self._target_dtype(buffer))
                 self._swapped.append((module, name, buffer))
                 module._buffers[name] = made
                 self._todo.add(id(made))
@@ -282,7 +293,8 @@ class Materializer:
                     block.clear_data()
                     block.move(Residency.ON_STORAGE)
                     continue
-                owners = [(m, self._make(m, qualified)) for qualified, m in self._post_order(module, prefix + ".")]
+                owners = [(m, self._make(m, qualified, transient=True))
+                          for qualified, m in self._post_order(module, prefix + ".")]
                 for master, param in zip(block.masters, block.params):
                     if master is not param:
                         master.data = param.data  # the walk filled the parameters; the masters are what is stored
