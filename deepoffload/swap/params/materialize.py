@@ -4,8 +4,9 @@ next is made, so the whole model never exists in memory.
 ``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module children
 first (post-order, the order in which constructors initialize: a module's children exist before its own
 ``reset_parameters`` runs, and the order of transformers' ``initialize_weights``); the tensors of a module outside the
-blocks are made in memory (they stay there), a block's parameters are made, filled, written out and released (two block
-writes in flight at most). Values come from a checkpoint (``CheckpointReader.read_into``: safetensors through the
+blocks are made in memory (they stay there), a block's parameters are made, filled, written out and released (one
+block's write in flight while the next is made: at most three blocks in memory, the one being made and the one being
+written with its staging copy). Values come from a checkpoint (``CheckpointReader.read_into``: safetensors through the
 async-IO op, torch.save by mmap) or, for tensors it lacks or without one, from an initializer called per module owning
 such tensors, in that walk order: ``init(module)`` (e.g. a Hugging Face model's ``_init_weights``) or else the module's
 own ``reset_parameters()`` (``_reset_parameters()`` where that is torch's name, as in ``nn.MultiheadAttention``). A
@@ -30,6 +31,7 @@ from torch import nn
 from ...formats.header import CheckpointError
 from ...formats.reader import CheckpointReader, KeyReport
 from ...io.buffers import aligned_empty
+from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
 from .residency import Block, Residency
 
@@ -299,10 +301,10 @@ class Materializer:
                     if master is not param:
                         master.data = param.data  # the walk filled the parameters; the masters are what is stored
                 self._fill(owners)
+                while writes:  # before this block's staging copy: a fourth block's memory otherwise
+                    self._finish(store, writes.pop(0))
                 block.write = store.swapper.swap_out({block.group: block.master_tensors()})
                 writes.append(block)
-                if len(writes) > 1:
-                    self._finish(store, writes.pop(0))
             while writes:
                 self._finish(store, writes.pop(0))
         except BaseException:
@@ -331,6 +333,7 @@ class Materializer:
                                    f"({e.strerror}); nothing was offloaded", e.filename) from e
         block.clear_data()
         block.move(Residency.ON_STORAGE)
+        trim_heap()  # what reading the block freed (conversions, the reader's own tensors) goes back to the system
 
 
 def _tie_hf_weights(module: nn.Module) -> None:
