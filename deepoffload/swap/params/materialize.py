@@ -33,6 +33,7 @@ from ...formats.reader import CheckpointReader, KeyReport
 from ...io.buffers import aligned_empty
 from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
+from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
 from .residency import Block, Residency
 
 Init = Callable[[nn.Module], None]
@@ -81,8 +82,9 @@ class Materializer:
         self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
         _tie_hf_weights(module)
         if checkpoint is not None:
-            # read_into keeps at most inflight + one span of buffers: 48 MiB, whatever the model's size
-            self.reader = CheckpointReader(checkpoint, span_bytes=16 << 20, inflight_bytes=32 << 20)
+            # read_into keeps at most inflight + one span of buffers (budget.READER_BYTES), whatever the model's size
+            self.reader = CheckpointReader(checkpoint, span_bytes=READER_SPAN_BYTES,
+                                           inflight_bytes=READER_INFLIGHT_BYTES)
             try:
                 if serve and not self.reader.format.startswith("safetensors"):
                     raise ValueError(f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
