@@ -4,6 +4,7 @@ the settings ``fit`` chooses for a limit, or its refusal naming the least limit 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deepoffload.swap.params.budget import (MIN_STATE_CHUNKS, READER_BYTES, SETUP_BLOCKS, MemoryPlan, fit,
                                             parse_bytes)
@@ -56,3 +57,52 @@ def test_fit_refuses_at_once_with_the_least_limit_that_works():
         fit(plan, least - 1, process=200 * MiB)
     assert "process now" in str(caught.value) and "largest block" in str(caught.value)
     assert fit(plan, least, process=200 * MiB).expected_peak_bytes <= least
+
+
+def tower():
+    from torch import nn
+
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(4, 256), *(nn.Linear(256, 256) for _ in range(4)), nn.Linear(256, 2))
+
+
+def test_max_memory_too_small_is_refused_at_once_with_the_least_that_works(scratch):
+    from deepoffload.swap.params import offload_parameters
+
+    model = tower()
+    with pytest.raises(MemoryError, match=r"max_memory=100000000 bytes .* the least that works is \d+ bytes"):
+        offload_parameters(model, str(scratch), max_memory="100MB", optimizer=torch.optim.Adam)
+    assert all(p.is_meta for p in model.parameters())  # nothing was made, read or written
+    assert not any(scratch.iterdir())
+
+
+def test_max_memory_sizes_prefetch_buffers_and_kept_blocks(scratch):
+    from deepoffload.swap.params import offload_parameters
+
+    model = tower()
+    off = offload_parameters(model, str(scratch), prefetch=2, max_memory="64GB", optimizer=torch.optim.Adam)
+    try:
+        assert off.plan.prefetch == 2 and off.plan.state_chunks == 6 and off.prefetch == 2
+        assert len(off.pinned) == len(off.blocks)  # all blocks fit: kept in memory
+        assert off.plan.resident_bytes >= sum(b.nbytes for b in off.blocks)
+    finally:
+        off.close()
+
+
+def test_optimizer_of_the_parameters_outside_blocks_gets_buffers_of_its_size(scratch):
+    """Its state is tiny next to a block's: buffers of a block's span (pinned where allowed) would be wasted."""
+    from torch import nn
+
+    from deepoffload.swap.params import offload_parameters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), *(nn.Linear(512, 512) if i else nn.Linear(8, 512) for i in range(3)),
+                          nn.Linear(512, 2))
+    off = offload_parameters(model, str(scratch), blocks=list(model)[1:4], optimizer=torch.optim.Adam)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        off.step()
+        rest = off.optimizers[1].swapper.pool
+        assert 0 < rest.held_bytes() <= 6 * max(off.plan.rest_chunk_bytes, 8 << 10), rest.held_bytes()
+    finally:
+        off.close()
