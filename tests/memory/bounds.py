@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -24,7 +24,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]  # tests/ (memlimit) and this folde
 import memlimit  # noqa: E402
 import workloads  # noqa: E402
 
-from deepoffload.swap.params.budget import MemoryPlan  # noqa: E402
+from deepoffload.swap.params.budget import FORWARD_BYTES as FIT_FORWARD_BYTES  # noqa: E402
+from deepoffload.swap.params.budget import MIN_STATE_CHUNKS, MemoryPlan  # noqa: E402
 
 MiB = 1 << 20
 FORWARD_BYTES = 16 << 20  # the workloads' forward: a batch of 4, activations far below a block
@@ -33,7 +34,7 @@ SAVE_STAGING = 2 * 16 * MiB  # save_sharded's two staging buffers
 OPTIMIZER_POOL = 4  # SwapConfig's default buffer_count
 OPTIMIZER_TEMPORARIES = 3  # Adam's step on the largest parameter: gradient, and two temporaries of its size
 ENTRIES = ("load_safetensors", "load_sharded", "load_torch", "train_fused", "train_grads", "train_budget",
-           "generate", "save", "state_dict", "checkpoint_save", "checkpoint_load", "optimizer_step")
+           "train_max_memory", "generate", "save", "state_dict", "checkpoint_save", "checkpoint_load", "optimizer_step")
 
 
 @dataclass
@@ -51,13 +52,17 @@ class Measured:
         return self.base + self.library + self.user
 
 
-def child(entry: str, shape: str, folder: Path, limit: int | None) -> memlimit.LimitedRun:
-    """Run one workload; confined to ``limit`` bytes, or unconfined (None)."""
+def child(entry: str, shape: str, folder: Path, limit: int | None, max_memory: int | None = None
+          ) -> memlimit.LimitedRun:
+    """Run one workload; confined to ``limit`` bytes, or unconfined (None); ``max_memory``: the workload's
+    offload_parameters(max_memory=) (train_max_memory)."""
     for name in ("swap", "saved", "saved.pt"):
         path = folder / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     argv = [sys.executable, str(HERE / "workloads.py"), entry, shape, str(folder)]
     env = _env()
+    if max_memory is not None:
+        env["MAX_MEMORY"] = str(max_memory)
     if limit is None:
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         return memlimit.LimitedRun(proc.returncode, proc.stdout, proc.stderr, None, 0)
@@ -99,9 +104,15 @@ def _env() -> dict:
     return env
 
 
-def baseline(folder: Path, hf: bool = False) -> int:
-    """The peak of a child that only imports (torch, deepoffload; transformers with ``hf``), under a group."""
-    run = child("imports_hf" if hf else "imports", "large", folder, 2 << 30)
+def imports(entry: str) -> str:
+    """The imports-only workload whose peak is ``entry``'s process after imports."""
+    return workloads.IMPORTS.get(entry, "imports")
+
+
+def baseline(folder: Path, kind: str = "imports") -> int:
+    """The peak of a child that only imports (torch, deepoffload; ``imports_optim``: and constructs a torch
+    optimizer once, which imports torch._dynamo; ``imports_hf``: and transformers), under a group."""
+    run = child(kind, "large", folder, 2 << 30)
     if run.returncode or run.peak_bytes is None:
         raise RuntimeError(f"the imports-only child failed: {run}")
     return run.peak_bytes
@@ -112,6 +123,9 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
     block, rest, total, largest = sizes["block_span"], sizes["rest_bytes"], sizes["param_bytes"], sizes["largest"]
     plan = MemoryPlan(block_bytes=block, rest_bytes=rest, prefetch=1, training=entry.startswith("train_"),
                       resident_bytes=sizes.get("resident_bytes", 0))
+    if entry == "train_max_memory":  # the least limit max_memory= accepts: the process, the least plan, the forward
+        least = replace(plan, prefetch=0, state_chunks=MIN_STATE_CHUNKS, resident_bytes=0)
+        return least.peak_bytes, FIT_FORWARD_BYTES
     if entry in ("load_safetensors", "load_sharded", "load_torch", "train_fused", "train_grads", "train_budget",
                  "generate"):
         return plan.peak_bytes, FORWARD_BYTES
@@ -131,14 +145,17 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
 
 def measure(entry: str, shape: str, folder: Path, base: int, compare: bool = False
             ) -> tuple[Measured, memlimit.LimitedRun]:
-    """Run ``entry`` confined to its bound + 10%; with ``compare``, also unconfined, and check that both results
-    (outputs, losses, tokens, files) are equal."""
+    """Run ``entry`` confined to its bound + 10% (train_max_memory: to its bound, which it is given as max_memory=);
+    with ``compare``, also unconfined, and check that both results (outputs, losses, tokens, files) are equal."""
     library, user = stated(entry, workloads.sizes(entry, shape))
     bound = base + library + user
-    run = child(entry, shape, folder, bound + bound // 10)
+    if entry == "train_max_memory":
+        run = child(entry, shape, folder, bound, max_memory=bound)
+    else:
+        run = child(entry, shape, folder, bound + bound // 10)
     result = json.loads(run.stdout.splitlines()[-1])["result"] if run.returncode == 0 else None
     if compare and result is not None:
-        free = child(entry, shape, folder, None)
+        free = child(entry, shape, folder, None, max_memory=bound)
         if free.returncode:
             raise RuntimeError(f"{entry} ({shape}) failed unconfined: {free.stderr[-3000:]}")
         expected = json.loads(free.stdout.splitlines()[-1])["result"]
@@ -160,12 +177,12 @@ def main(shapes: list[str]) -> None:
     for shape in shapes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("DEEPOFFLOAD_TEST_DIR")) as tmp:
             folder = Path(tmp)
-            bases = {False: baseline(folder), True: baseline(folder, hf=True)}
+            bases = {kind: baseline(folder, kind) for kind in ("imports", "imports_optim", "imports_hf")}
             for entry in ENTRIES:
                 if entry == "generate" and shape != "large":
                     continue
                 prepare(shape, folder, [needs(entry)])
-                m, run = measure(entry, shape, folder, bases[entry == "generate"], compare=True)
+                m, run = measure(entry, shape, folder, bases[imports(entry)], compare=True)
                 peak = "killed" if run.returncode else f"{m.peak / MiB:.0f} MiB"
                 print(f"| {entry} | {shape} | {m.base / MiB:.0f} MiB | {m.library / MiB:.0f} MiB | "
                       f"{m.user / MiB:.0f} MiB | {m.bound / MiB:.0f} MiB | {peak} | "

@@ -24,10 +24,10 @@ def prepared(tmp_path_factory):
         if shape not in folders:
             folders[shape] = tmp_path_factory.mktemp(f"memory-{shape}")
         bounds.prepare(shape, folders[shape], [bounds.needs(entry)])
-        hf = entry == "generate"
-        if hf not in bases:
-            bases[hf] = bounds.baseline(folders[shape], hf=hf)
-        return folders[shape], bases[hf]
+        kind = bounds.imports(entry)
+        if kind not in bases:
+            bases[kind] = bounds.baseline(folders[shape], kind)
+        return folders[shape], bases[kind]
 
     return get
 

@@ -26,6 +26,9 @@ CHECKPOINTS = {"safetensors": "model.safetensors", "sharded": "sharded", "torch"
 # the checkpoint each entry point reads (None: none)
 NEEDS = {"load_sharded": "sharded", "load_torch": "torch", "generate": "llama", "checkpoint_save": None,
          "checkpoint_load": "torch", "optimizer_step": None}
+# the imports-only child that measures the process after the imports of each entry point (default "imports")
+IMPORTS = {"generate": "imports_hf", "train_fused": "imports_optim", "train_grads": "imports_optim",
+           "train_budget": "imports_optim", "optimizer_step": "imports_optim", "train_max_memory": "imports_optim"}
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
 
 
@@ -148,9 +151,11 @@ def run(entry: str, shape: str, folder: str) -> dict:
     out: dict = {}
     if entry == "sizes":
         return {name: sizes(name, shape) for name in sys.argv[4:]}
-    if entry == "imports":
+    if entry in ("imports", "imports_optim"):
         import deepoffload.swap.params  # noqa: F401
         import deepoffload.formats  # noqa: F401
+        if entry == "imports_optim":  # a torch optimizer's first construction imports torch._dynamo: about 65 MiB
+            torch.optim.Adam([nn.Parameter(torch.zeros(1))])
         return out
     if entry == "imports_hf":
         import accelerate  # noqa: F401
@@ -165,7 +170,8 @@ def run(entry: str, shape: str, folder: str) -> dict:
             out["result"] = model(batch(0)[0]).sum().item()
         off.close(restore=False)
     elif entry.startswith("train_"):
-        kwargs = {"train_fused": {}, "train_grads": {"mode": "grads"}}.get(entry, {})
+        kwargs = {"train_fused": {}, "train_grads": {"mode": "grads"},
+                  "train_max_memory": {"max_memory": os.environ.get("MAX_MEMORY")}}.get(entry, {})
         model, off = offloaded(shape, folder, optimizer=adam, **kwargs)
         if entry == "train_budget":
             off.set_max_resident_bytes(sizes(entry, shape)["resident_bytes"])
