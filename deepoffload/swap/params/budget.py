@@ -8,7 +8,7 @@ call, see ``process_bytes``) and the activations of the user's forward and backw
 The parts (B = the largest block's staging span, R = the bytes of parameters and buffers outside blocks):
 
 - setup (building on meta and loading a checkpoint): R + the checkpoint reader's buffers (``READER_BYTES``) + 3 B
-  (one block being made, two being written);
+  (the block being made; the previous one being written, with its staging copy);
 - streaming: R + (prefetch + 2) B of staging buffers (the block computing, the prefetched ones, one written back);
 - training adds: the gradients outside blocks (R), the blocks' optimizer state buffers (``state_chunks`` x B) and
   those of the optimizer of the parameters outside blocks (``rest_state_chunks`` x at most R, at most B each), and
@@ -25,7 +25,7 @@ from ..memory import parse_bytes, process_bytes  # noqa: F401  (re-exported: max
 READER_SPAN_BYTES = 16 << 20  # the checkpoint reader's buffer per request while loading
 READER_INFLIGHT_BYTES = 32 << 20  # and what it keeps in flight
 READER_BYTES = READER_SPAN_BYTES + READER_INFLIGHT_BYTES
-SETUP_BLOCKS = 3  # blocks in memory while loading: one being made, two being written
+SETUP_BLOCKS = 3  # blocks in memory while loading: one made, and one written with its staging copy
 STATE_CHUNKS = 6  # default optimizer staging buffers (block spans): a block's state read ahead and one being written
 MIN_STATE_CHUNKS = 3  # the least the optimizer's pipeline works with: read ahead, step, write behind
 TRAINING_BLOCKS = 3  # a block's gradients, its compute copy or Adam's temporaries, one more for the next block
