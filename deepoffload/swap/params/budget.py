@@ -11,7 +11,7 @@ The parts (B = the largest block's staging span, R = the bytes of parameters and
   (the block being made; the previous one being written, with its staging copy);
 - streaming: R + (prefetch + 2) B of staging buffers (the block computing, the prefetched ones, one written back);
 - training adds: the gradients outside blocks (R), the blocks' optimizer state buffers (``state_chunks`` x B) and
-  those of the optimizer of the parameters outside blocks (``rest_state_chunks`` x at most R, at most B each), and
+  those of the optimizer of the parameters outside blocks (``STATE_CHUNKS`` x min(B, R)), and
   ``TRAINING_BLOCKS`` x B for a block's gradients, its compute copy and the optimizer's temporaries;
 - blocks kept in memory by ``max_resident_bytes``.
 """
