@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("deepoffload.cli.bench", "measure read/write throughput of a folder, optionally against fio"),
     "tune": ("deepoffload.cli.tune", "search the async-IO settings that move bytes fastest here"),
     "demo": ("deepoffload.cli.demo", "train a small language model with its optimizer state on storage"),
+    "plan": ("deepoffload.cli.plan", "what streaming a checkpoint's model keeps in memory under a limit"),
 }
 DESCRIPTION = ("Move PyTorch tensors and optimizer state between memory and fast storage. "
                "Start with `deepoffload report`, then `deepoffload demo`.")

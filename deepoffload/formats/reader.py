@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import torch
 
-from ..io.buffers import aligned_empty, prefault
+from ..io.buffers import aligned_empty, drop_cached, page_out, prefault
 from ..io.handle import AsyncIOHandle
 from .discovery import INDEX_NAME, SINGLE_NAME, _find_index, _is_torch_zip, _open_sharded, load_torch
 from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity, read_header
@@ -245,6 +245,8 @@ class CheckpointReader:
                 self._check_unchanged(str(self.path), self._torch_identity)
                 copy = t.clone() if target == t.dtype else t.to(target)
                 self._check_unchanged(str(self.path), self._torch_identity)  # copied what was opened
+                page_out(t)
+                drop_cached(self.path)
                 yield name, copy
             return
         yield from self._iter_safetensors(selected, dtype)
@@ -360,6 +362,9 @@ class CheckpointReader:
                 with torch.no_grad():
                     tensor.copy_(self._state_dict[name])
             self._check_unchanged(str(self.path), self._torch_identity)
+            for name in destinations:  # its pages leave the page cache (and this process's memory cgroup)
+                page_out(self._state_dict[name])
+            drop_cached(self.path)
             return
         split = frozenset(name for name, tensor in destinations.items() if tensor.is_contiguous())
         for span, start, buffer in self._spans(list(destinations), self._pool, split):

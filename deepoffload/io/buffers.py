@@ -28,6 +28,7 @@ from . import accelerator
 
 PAGE_SIZE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in for writing
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the pages of a range now (clean file pages leave the page cache)
 HUGE_PAGE = 2 << 20  # buffers at least this large start on this boundary and ask for transparent huge pages
 
 if os.name == "posix":
@@ -170,6 +171,35 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
             _locked[start] = used
     weakref.finalize(region, _release, start, used, locked, acc if registered else None)
     return data.view(dtype).view(shape)
+
+
+def page_out(tensor: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the pages holding a CPU tensor mapped from a file (``MADV_PAGEOUT``; nothing where
+    the system lacks it): a file read through ``mmap`` otherwise stays in the page cache, which counts towards the
+    process's memory cgroup, up to the file's size. Clean file pages are read again if touched later, so the values
+    never change; only for memory mapped from a file and never written through the mapping."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if _libc is None or not nbytes:
+        return
+    start = tensor.data_ptr() - tensor.data_ptr() % PAGE_SIZE
+    length = (tensor.data_ptr() + nbytes - start + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_PAGEOUT)  # advice: failure changes nothing
+
+
+def drop_cached(path: str | os.PathLike) -> None:
+    """Drop the file's clean pages that no process maps from the page cache (``POSIX_FADV_DONTNEED``; nothing where
+    the system lacks it): what the kernel read ahead around a mapped file's pages otherwise stays cached, charged to
+    this process's memory cgroup. Other readers of the file read it from storage again."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # advice only: the read that follows reports a missing file
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def release_lock(address: int, nbytes: int) -> None:

@@ -34,6 +34,8 @@ from .chunk_plan import ChunkPlanner, _Chunk
 from .config import SwapConfig
 from .ddp import refuse_step_in_backward_under_ddp
 from .interrupts import deferred
+from .memory import parse_bytes, process_bytes
+from .optimizer_budget import fit_buffers
 from .optimizer_state import _holds_stored, _storable, restore, write_back, write_copy
 from .pool import trim_heap
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
@@ -56,7 +58,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` (an instance, or a ``torch.optim.Optimizer`` class or factory called here with
     ``params`` and ``**kwargs``) so that the tensor state of every parameter lives in files between steps.
 
-    ``config``: a ``SwapConfig`` (folder, buffers, chunk bytes, checksums, async-IO settings). Use this object
+    ``config``: a ``SwapConfig`` (folder, buffers, chunk bytes, checksums, async-IO settings). ``max_memory``
+    (bytes, or "6GB"): the process's limit; its ``buffer_count`` and ``chunk_bytes`` are lowered to fit the process
+    as measured now, the gradients, temporaries and 64 MiB of activations, or ``MemoryError`` names the least limit
+    that works (``optimizer_budget``). Use this object
     wherever the optimizer is used: ``step``, ``zero_grad``, LR schedulers, ``state_dict``/``load_state_dict``
     (which return and take the real state, read from storage). ``state`` shows only what is kept in memory.
     Under ``torch.distributed`` each rank swaps its own (local-shard) state into its own folder.
@@ -74,7 +79,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer | type, params: Iterable | None = None,
-                 config: SwapConfig | None = None, **kwargs: Any):
+                 config: SwapConfig | None = None, *, max_memory: int | str | None = None, **kwargs: Any):
         if isinstance(optimizer, torch.optim.Optimizer):
             if params is not None or kwargs:
                 raise TypeError("OffloadedOptimizer: pass either an optimizer instance, or an optimizer class with "
@@ -102,10 +107,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                             f"OffloadedOptimizer, which moved its tensor state to storage; use that wrapper (or build "
                             f"a new optimizer: wrapping it again would silently restart its state)")
         _check_no_step_hooks(inner)
+        config = config or SwapConfig()
+        if max_memory is not None:  # before anything is wrapped or stored
+            params_ = [p for group in inner.param_groups for p in group["params"]]
+            config = fit_buffers(params_, parse_bytes(max_memory), process_bytes(), config)
         setattr(inner, _WRAPPED, True)
         self.optimizer = inner
         self._inner_step = _unhooked_step(inner)
-        self.config = config or SwapConfig()
+        self.config = config
         self.swapper = TensorSwapper(self.config, packed=True)
         self._names: dict[int, str] = {}  # id(param) -> its group name (params stay alive in param_groups)
         self._compute_threads: int | None = None

@@ -12,6 +12,7 @@ from torch import nn
 from ..config import SwapConfig
 from .blocks import find_blocks
 from .data_parallel import process_group
+from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, fit, parse_bytes, process_bytes
 from .materialize import Init, Materializer, check_arguments, has_meta
 from .offload import MODES, OptimizerFactory, ParameterOffload, _check_budget
 from .wrappers import refuse_wrapped
@@ -24,7 +25,8 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                        dtype: torch.dtype | None = None, strict: bool = True,
                        max_resident_bytes: int | None = None,
                        serve_from_checkpoint: bool = False,
-                       data_parallel: bool | torch.distributed.ProcessGroup = False) -> ParameterOffload:
+                       data_parallel: bool | torch.distributed.ProcessGroup = False,
+                       max_memory: int | str | None = None) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
     path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
@@ -61,6 +63,13 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         own ``path`` and the gradients are averaged across the ranks as ``DistributedDataParallel`` averages them
         (see ``data_parallel``); do not wrap the model in DDP. A model on the ``meta`` device then needs
         ``checkpoint=`` with ``strict=True`` (every rank must load the same values).
+    max_memory: the process's memory limit, in bytes or as a string ("6GB", "512MiB"): the prefetch depth (at most
+        ``prefetch``), the optimizer's staging buffers and the bytes of blocks kept in memory (up to
+        ``max_resident_bytes``; by default as many as fit, a tenth of the limit left free) are chosen so that the
+        process as measured now (``RssAnon``, after ``malloc_trim``) plus the offload's own memory (``plan``, see
+        ``budget``) plus 64 MiB for the activations of your forward stays within it; when even prefetch 0 and the
+        fewest buffers cannot, ``MemoryError`` at once (before anything is read or written) names the least limit
+        that works and what it is made of. ``off.plan`` holds the parts chosen.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
@@ -112,11 +121,39 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     elif init is not None or dtype is not None:
         raise ValueError("init= and dtype= apply to tensors on the meta device, and this module has none: "
                          "initialize or convert it before offload_parameters()")
+    state_chunks = STATE_CHUNKS
+    if max_memory is not None:
+        try:
+            fitted = fit_limit(module, chosen, max_memory, prefetch=prefetch, training=optimizer is not None,
+                               reading=checkpoint is not None, max_resident_bytes=max_resident_bytes)
+        except BaseException:
+            if materializer is not None:
+                materializer.undo()
+            raise
+        prefetch, state_chunks = fitted.plan.prefetch, fitted.plan.state_chunks
+        max_resident_bytes = fitted.plan.resident_bytes or None
     try:
         return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
                                 compute_dtype=compute_dtype, config=config, materializer=materializer,
-                                max_resident_bytes=max_resident_bytes, data_parallel=data_parallel)
+                                max_resident_bytes=max_resident_bytes, data_parallel=data_parallel,
+                                state_chunks=state_chunks)
     except BaseException:
         if materializer is not None:
             materializer.undo()
         raise
+
+
+def fit_limit(module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], max_memory: int | str, *, prefetch: int,
+              training: bool, reading: bool, max_resident_bytes: int | None) -> Fitted:
+    """The settings for ``max_memory`` (see ``offload_parameters``), from the blocks' sizes (their tensors may be
+    on meta) and this process's memory now."""
+    from .residency import nbytes, span
+
+    limit = parse_bytes(max_memory)
+    if training:  # a torch optimizer's first construction imports torch._dynamo (about 65 MiB): count it now
+        import torch._dynamo  # noqa: F401
+    in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
+    rest = nbytes(p for p in module.parameters() if id(p) not in in_blocks) + nbytes(module.buffers())
+    plan = MemoryPlan(max(span(b.parameters()) for _, b in blocks), rest, prefetch, training=training,
+                      resident_bytes=max_resident_bytes, reader_bytes=READER_BYTES if reading else 0)
+    return fit(plan, limit, process_bytes())

@@ -4,8 +4,9 @@ next is made, so the whole model never exists in memory.
 ``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module children
 first (post-order, the order in which constructors initialize: a module's children exist before its own
 ``reset_parameters`` runs, and the order of transformers' ``initialize_weights``); the tensors of a module outside the
-blocks are made in memory (they stay there), a block's parameters are made, filled, written out and released (two block
-writes in flight at most). Values come from a checkpoint (``CheckpointReader.read_into``: safetensors through the
+blocks are made in memory (they stay there), a block's parameters are made, filled, written out and released (one
+block's write in flight while the next is made: at most three blocks in memory, the one being made and the one being
+written with its staging copy). Values come from a checkpoint (``CheckpointReader.read_into``: safetensors through the
 async-IO op, torch.save by mmap) or, for tensors it lacks or without one, from an initializer called per module owning
 such tensors, in that walk order: ``init(module)`` (e.g. a Hugging Face model's ``_init_weights``) or else the module's
 own ``reset_parameters()`` (``_reset_parameters()`` where that is torch's name, as in ``nn.MultiheadAttention``). A
@@ -29,7 +30,10 @@ from torch import nn
 
 from ...formats.header import CheckpointError
 from ...formats.reader import CheckpointReader, KeyReport
+from ...io.buffers import aligned_empty
+from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
+from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
 from .residency import Block, Residency
 
 Init = Callable[[nn.Module], None]
@@ -38,6 +42,14 @@ Init = Callable[[nn.Module], None]
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of ``shape`` and ``dtype`` holding one element (stride 0): it carries the shape without memory."""
     return torch.empty(1, dtype=dtype).expand(shape) if len(shape) else torch.empty((), dtype=dtype)
+
+
+def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in memory mapped for it alone (page-aligned, not locked), unmapped when the tensor and
+    its views are gone. A block-sized ``torch.empty`` would come from glibc's heap once its dynamic mmap threshold has
+    risen (up to 32 MiB), and freed heap memory stays in the process: made and released block after block, such
+    tensors grow the process towards the model's size."""
+    return aligned_empty(shape, dtype, pin=False)
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -70,8 +82,9 @@ class Materializer:
         self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
         _tie_hf_weights(module)
         if checkpoint is not None:
-            # read_into keeps at most inflight + one span of buffers: 48 MiB, whatever the model's size
-            self.reader = CheckpointReader(checkpoint, span_bytes=16 << 20, inflight_bytes=32 << 20)
+            # read_into keeps at most inflight + one span of buffers (budget.READER_BYTES), whatever the model's size
+            self.reader = CheckpointReader(checkpoint, span_bytes=READER_SPAN_BYTES,
+                                           inflight_bytes=READER_INFLIGHT_BYTES)
             try:
                 if serve and not self.reader.format.startswith("safetensors"):
                     raise ValueError(f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
@@ -141,22 +154,24 @@ class Materializer:
             self.reader.close()
 
     # -- making values ------------------------------------------------------------------------------------------
-    def _make(self, module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    def _make(self, module: nn.Module, prefix: str, transient: bool = False) -> dict[str, torch.Tensor]:
         """Give the module's own (not its children's) placeholder parameters and meta buffers memory; return its
-        tensors by qualified name."""
+        tensors by qualified name. ``transient``: the tensors of a block, written out and released at once: their
+        memory is mapped for them (``transient_empty``), so it goes back to the system when they are released."""
+        empty = transient_empty if transient else torch.empty
         tensors = {}
         for name, param in module._parameters.items():
             if param is None:
                 continue
             if id(param) in self._placeholders:
                 self._placeholders.discard(id(param))
-                param.data = torch.empty(param.shape, dtype=param.dtype)
+                param.data = empty(param.shape, dtype=param.dtype)
             tensors[prefix + name] = param
         for name, buffer in module._buffers.items():
             if buffer is None:
                 continue
             if buffer.is_meta:
-                made = torch.empty(buffer.shape, dtype=self._target_dtype(buffer))
+                made = empty(buffer.shape, dtype=self._target_dtype(buffer))
                 self._swapped.append((module, name, buffer))
                 module._buffers[name] = made
                 self._todo.add(id(made))
@@ -282,15 +297,16 @@ class Materializer:
                     block.clear_data()
                     block.move(Residency.ON_STORAGE)
                     continue
-                owners = [(m, self._make(m, qualified)) for qualified, m in self._post_order(module, prefix + ".")]
+                owners = [(m, self._make(m, qualified, transient=True))
+                          for qualified, m in self._post_order(module, prefix + ".")]
                 for master, param in zip(block.masters, block.params):
                     if master is not param:
                         master.data = param.data  # the walk filled the parameters; the masters are what is stored
                 self._fill(owners)
+                while writes:  # before this block's staging copy: a fourth block's memory otherwise
+                    self._finish(store, writes.pop(0))
                 block.write = store.swapper.swap_out({block.group: block.master_tensors()})
                 writes.append(block)
-                if len(writes) > 1:
-                    self._finish(store, writes.pop(0))
             while writes:
                 self._finish(store, writes.pop(0))
         except BaseException:
@@ -319,6 +335,7 @@ class Materializer:
                                    f"({e.strerror}); nothing was offloaded", e.filename) from e
         block.clear_data()
         block.move(Residency.ON_STORAGE)
+        trim_heap()  # what reading the block freed (conversions, the reader's own tensors) goes back to the system
 
 
 def _tie_hf_weights(module: nn.Module) -> None:

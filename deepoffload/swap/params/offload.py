@@ -18,6 +18,7 @@ from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE
+from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
 from .data_parallel import DataParallel, GradientAverager, process_group
 from .export import state_items
 from .materialize import Materializer
@@ -42,7 +43,7 @@ class ParameterOffload:
     def __init__(self, module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, prefetch: int, mode: str,
                  optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig,
                  materializer: Materializer | None = None, max_resident_bytes: int | None = None,
-                 data_parallel: object = False):
+                 data_parallel: object = False, state_chunks: int = STATE_CHUNKS):
         self.module = module
         self.prefetch = prefetch
         self.mode = mode
@@ -55,15 +56,21 @@ class ParameterOffload:
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
         self._rest_named = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
+        rest_bytes = nbytes(self.rest) + nbytes(module.buffers())
+        self.plan = MemoryPlan(self.store.block_span, rest_bytes, prefetch, training=optimizer is not None,
+                               state_chunks=state_chunks, resident_bytes=max_resident_bytes or 0,
+                               reader_bytes=READER_BYTES if materializer is not None and materializer.reader else 0)
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
-        # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes
-        state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=6)
+        # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes.
+        # The parameters outside blocks get buffers of their own size when smaller (they grow to their largest chunk)
+        state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=state_chunks)
+        rest_config = config.replace(chunk_bytes=self.plan.rest_chunk_bytes, buffer_count=STATE_CHUNKS)
         block_optimizer = rest_optimizer = None
         if optimizer is not None:
             masters = [m for b in self.blocks for m in b.masters if m.requires_grad]
             block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
             rest = [p for p in self.rest if p.requires_grad]
-            rest_optimizer = OffloadedOptimizer(optimizer, rest, state_config) if rest else None
+            rest_optimizer = OffloadedOptimizer(optimizer, rest, rest_config) if rest else None
         self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
         # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
         self._optimizing = optimizer is not None

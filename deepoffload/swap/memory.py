@@ -1,0 +1,46 @@
+"""Bytes as users write them ("6GB", "512MiB") and this process's memory as the kernel counts it: what memory
+limits (``max_memory=``) are made of."""
+
+from __future__ import annotations
+
+import re
+
+from .pool import trim_heap
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_bytes(value: int | str, what: str = "max_memory") -> int:
+    """``value`` as bytes: an int, or a string such as "6GB" (10^9), "512MiB" (2^20) or "1.5GB"."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}={value!r}: expected bytes (an int) or a string such as '6GB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{what}={value!r}: expected a positive number of bytes")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{what}={value!r}: expected bytes (an int) or a string such as '6GB'")
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{what}={value!r}: expected bytes such as '6GB', '6000MB' or '512MiB' (units: "
+                         f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    nbytes = int(float(match.group(1)) * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"{what}={value!r}: expected a positive number of bytes")
+    return nbytes
+
+
+def process_bytes() -> int:
+    """This process's resident anonymous memory now (bytes; ``RssAnon`` of /proc/self/status), after giving freed
+    heap memory back (``malloc_trim``); 0 where the system does not say."""
+    trim_heap()
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

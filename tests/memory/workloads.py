@@ -1,0 +1,240 @@
+"""The workloads of the memory harness, one per library entry point, run as ``python workloads.py ENTRY SHAPE
+FOLDER`` (``prepare SHAPE FOLDER KIND...`` writes the checkpoints first, unconfined). Each prints one JSON line
+with its result (outputs, losses, tokens, files), so a confined run can be compared with an unconfined one;
+``sizes`` gives the model sizes the stated bounds are made of.
+
+Shapes: ``large`` (blocks of one 16 MiB weight: above glibc's default mmap threshold, below its 32 MiB dynamic
+ceiling), ``small`` (blocks of 64 tensors of 64 KiB: below the threshold). Everything runs with glibc's default
+allocator settings (no ``MALLOC_*`` variables)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+SHAPES = {  # width, tensors per block, blocks
+    "large": (2048, 1, 8),
+    "small": (128, 64, 8),
+}
+STEPS = 2
+CHECKPOINTS = {"safetensors": "model.safetensors", "sharded": "sharded", "torch": "model.pt",
+               "llama": "llama.safetensors"}
+# the checkpoint each entry point reads (None: none)
+NEEDS = {"load_sharded": "sharded", "load_torch": "torch", "generate": "llama", "checkpoint_save": None,
+         "checkpoint_load": "torch", "optimizer_step": None}
+# the imports-only child that measures the process after the imports of each entry point (default "imports")
+IMPORTS = {"generate": "imports_hf", "train_fused": "imports_optim", "train_grads": "imports_optim",
+           "train_budget": "imports_optim", "optimizer_step": "imports_optim", "train_max_memory": "imports_optim"}
+RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
+
+
+class Tower(nn.Module):
+    def __init__(self, width: int, pieces: int, depth: int):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.layers = nn.ModuleList(nn.Sequential(*(nn.Linear(width, width) for _ in range(pieces)), nn.Tanh())
+                                    for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=8,
+                       num_key_value_heads=8, vocab_size=1024, max_position_embeddings=64)
+
+
+def sizes(entry: str, shape: str) -> dict:
+    """The sizes the stated bound of ``entry`` is made of (bytes), from the model built on meta: every parameter,
+    the largest block's staging span, the parameters and buffers outside blocks, the largest parameter."""
+    from deepoffload.swap.params import find_blocks
+    from deepoffload.swap.params.residency import span
+
+    if entry == "generate":
+        import accelerate
+        from transformers import LlamaForCausalLM
+
+        with accelerate.init_empty_weights():
+            model = LlamaForCausalLM(llama_config())
+    else:
+        with torch.device("meta"):
+            model = Tower(*SHAPES[shape])
+    blocks = [block for _, block in find_blocks(model)]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    params = list(model.parameters())
+    rest = [t for t in params + list(model.buffers()) if id(t) not in in_blocks]
+    found = {"param_bytes": sum(t.numel() * t.element_size() for t in params),
+             "block_span": max(span(b.parameters()) for b in blocks),
+             "largest": max(t.numel() * t.element_size() for t in params),
+             "rest_bytes": sum(t.numel() * t.element_size() for t in rest)}
+    if entry == "train_budget":
+        found["resident_bytes"] = RESIDENT_BLOCKS * found["block_span"]
+    return found
+
+
+def digest(tensors) -> float:
+    return float(sum(t.double().sum() for t in tensors))
+
+
+# -- preparing (unconfined) -------------------------------------------------------------------------------------
+def prepare(shape: str, folder: str, kinds: list[str]) -> None:
+    """Write the checkpoints of ``kinds`` (CHECKPOINTS' keys)."""
+    from safetensors.torch import save_file
+
+    from deepoffload.formats import save_sharded
+
+    torch.manual_seed(0)
+    state = Tower(*SHAPES[shape]).state_dict()
+    for kind in kinds:
+        path = os.path.join(folder, CHECKPOINTS[kind])
+        if kind == "safetensors":
+            save_file(state, path)
+        elif kind == "sharded":
+            save_sharded(state.items(), path, max_shard_bytes=64 << 20)
+        elif kind == "torch":
+            torch.save(state, path)
+        else:
+            prepare_llama(path)
+
+
+def prepare_llama(path: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    save_file(LlamaForCausalLM(llama_config()).state_dict(), path)
+
+
+# -- the entry points -------------------------------------------------------------------------------------------
+def offloaded(shape: str, folder: str, checkpoint: str = "model.safetensors", **kwargs):
+    from deepoffload.swap.params import offload_parameters
+
+    with torch.device("meta"):
+        model = Tower(*SHAPES[shape])
+    off = offload_parameters(model, os.path.join(folder, "swap"), checkpoint=os.path.join(folder, checkpoint),
+                             **kwargs)
+    return model, off
+
+
+def train(model, off) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        off.step()
+        off.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def run(entry: str, shape: str, folder: str) -> dict:
+    out: dict = {}
+    if entry == "sizes":
+        return {name: sizes(name, shape) for name in sys.argv[4:]}
+    if entry in ("imports", "imports_optim"):
+        import deepoffload.swap.params  # noqa: F401
+        import deepoffload.formats  # noqa: F401
+        if entry == "imports_optim":  # a torch optimizer's first construction imports torch._dynamo: about 65 MiB
+            torch.optim.Adam([nn.Parameter(torch.zeros(1))])
+        return out
+    if entry == "imports_hf":
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import LlamaForCausalLM  # noqa: F401
+
+        import deepoffload.swap.params  # noqa: F401
+        return out
+    if entry.startswith("load_"):
+        model, off = offloaded(shape, folder, CHECKPOINTS[NEEDS.get(entry, "safetensors")])
+        with torch.no_grad():
+            out["result"] = model(batch(0)[0]).sum().item()
+        off.close(restore=False)
+    elif entry.startswith("train_"):
+        kwargs = {"train_fused": {}, "train_grads": {"mode": "grads"},
+                  "train_max_memory": {"max_memory": os.environ.get("MAX_MEMORY")}}.get(entry, {})
+        model, off = offloaded(shape, folder, optimizer=adam, **kwargs)
+        if entry == "train_budget":
+            off.set_max_resident_bytes(sizes(entry, shape)["resident_bytes"])
+        out["result"] = train(model, off)
+        off.close(restore=False)
+    elif entry == "generate":
+        import accelerate
+        from transformers import LlamaForCausalLM
+
+        from deepoffload.swap.params import offload_parameters
+
+        with accelerate.init_empty_weights():  # buffers (rotary inv_freq) in memory, parameters on meta
+            model = LlamaForCausalLM(llama_config())
+        off = offload_parameters(model, os.path.join(folder, "swap"),
+                                 checkpoint=os.path.join(folder, "llama.safetensors"))
+        prompt = torch.arange(1, 9).unsqueeze(0)
+        out["result"] = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+        off.close(restore=False)
+    elif entry in ("save", "state_dict"):
+        model, off = offloaded(shape, folder)
+        if entry == "save":
+            off.save(os.path.join(folder, "saved"), max_shard_bytes=64 << 20)
+            out["result"] = sorted(os.listdir(os.path.join(folder, "saved")))
+        else:
+            out["result"] = digest(off.state_dict().values())
+        off.close(restore=False)
+    elif entry in ("checkpoint_save", "checkpoint_load"):
+        import deepoffload
+
+        if entry == "checkpoint_save":
+            torch.manual_seed(0)
+            model = Tower(*SHAPES[shape])
+            deepoffload.save(model.state_dict(), os.path.join(folder, "saved.pt"))
+            out["result"] = os.path.getsize(os.path.join(folder, "saved.pt"))
+        else:
+            state = deepoffload.load(os.path.join(folder, "model.pt"))
+            out["result"] = digest(state.values())
+    elif entry == "optimizer_step":
+        from deepoffload.swap.optimizer import OffloadedOptimizer
+        from deepoffload.swap.config import SwapConfig
+
+        torch.manual_seed(0)
+        model = Tower(*SHAPES[shape])
+        opt = OffloadedOptimizer(torch.optim.Adam, model.parameters(),
+                                 config=SwapConfig(folder=os.path.join(folder, "swap")), lr=1e-3)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out["result"] = losses
+        opt.close()
+    else:
+        raise SystemExit(f"unknown entry point {entry!r}")
+    return out
+
+
+if __name__ == "__main__":
+    entry, shape, folder = sys.argv[1:4]
+    if entry == "prepare":
+        prepare(shape, folder, sys.argv[4:])
+    else:
+        print(json.dumps(run(entry, shape, folder)))
