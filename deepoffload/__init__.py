@@ -17,7 +17,7 @@ _link()  # deepoffload.op_builder (also in a bare source checkout) and its DeepS
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".errors": ["DeepOffloadError", "ConfigError", "ClosedError", "ChecksumError", "ValidationError",
-                "CheckpointError", "ResidencyError"],
+                "CheckpointError", "ResidencyError", "UnsupportedError", "StreamedParameterError"],
     ".io.handle": ["AsyncIOHandle", "Request"],
     ".io.buffers": ["aligned_empty", "is_aligned", "is_pinned"],
     ".config": ["AioConfig"],
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .checkpoint.api import load, save, save_async
     from .config import AioConfig
     from .errors import (CheckpointError, ChecksumError, ClosedError, ConfigError, DeepOffloadError, ResidencyError,
-                         ValidationError)
+                         StreamedParameterError, UnsupportedError, ValidationError)
     from .io.buffers import aligned_empty, is_aligned, is_pinned
     from .io.handle import AsyncIOHandle, Request
     from .op_builder import BuildError

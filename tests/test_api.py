@@ -65,7 +65,8 @@ def test_exceptions_share_one_base_and_keep_their_builtin_type():
         assert issubclass(getattr(errors, name), deepoffload.DeepOffloadError), name
     for name, builtin in [("ChecksumError", OSError), ("ValidationError", OSError), ("ConfigError", ValueError),
                           ("CheckpointError", ValueError), ("ClosedError", ValueError), ("ClosedError", RuntimeError),
-                          ("ResidencyError", RuntimeError)]:
+                          ("ResidencyError", RuntimeError), ("UnsupportedError", RuntimeError),
+                          ("StreamedParameterError", RuntimeError)]:
         assert issubclass(getattr(errors, name), builtin), name
     # the names the modules raised them from before still refer to the same classes
     from deepoffload.config import ConfigError

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import AioConfig
-from ..errors import CheckpointError, naming_target
+from ..errors import CheckpointError, UnsupportedError, naming_target
 from ..formats.header import file_identity
 from ..io.buffers import aligned_empty
 from .streams import DirectReader, DirectWriter, shared_handle
@@ -154,8 +154,8 @@ def _load_safetensors(path: str, map_location: Any, checksum: bool) -> dict[str,
     if checksum:
         raise ValueError(f"{path}: a safetensors file records no checksums to verify; load it with checksum=False")
     if isinstance(map_location, dict) or callable(map_location):
-        raise RuntimeError(f"cannot load {path}: a safetensors file takes a device as map_location (as with "
-                           f"torch.load), not a {type(map_location).__name__}")
+        raise UnsupportedError(f"cannot load {path}: a safetensors file takes a device as map_location (as with "
+                               f"torch.load), not a {type(map_location).__name__}")
     tensors = load_file(path)
     if map_location is None or _on_cpu(map_location):
         return tensors

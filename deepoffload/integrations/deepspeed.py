@@ -23,6 +23,8 @@ import warnings
 from types import ModuleType
 from typing import Any
 
+from ..errors import UnsupportedError
+
 import torch
 
 # Modules that bind AsyncIOBuilder / GDSBuilder at import time; imported by enable() so they are patched.
@@ -79,9 +81,9 @@ class GDSBuilder(AsyncIOBuilder):
         return False
 
     def load(self, verbose: bool = True):
-        raise RuntimeError("deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
-                           "\"use_gds\": false in the aio config, or call "
-                           "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op")
+        raise UnsupportedError("deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
+                               "\"use_gds\": false in the aio config, or call "
+                               "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op")
 
 
 def cast_to_byte_tensor(tensors):

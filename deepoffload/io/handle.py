@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..config import AioConfig
-from ..errors import ClosedError, ValidationError
+from ..errors import ClosedError, UnsupportedError, ValidationError
 from . import accelerator
 from .buffers import aligned_empty
 from .inputs import FileRef, byte_view, check_tensor
@@ -91,8 +91,9 @@ class Request:
 
     def _check_process(self) -> None:
         if self._generation != _fork_generation:  # a forked child holding a copy of the parent's request
-            raise RuntimeError(f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
-                               f"{self._pid} before it forked; it runs there, and only that process can wait for it")
+            raise UnsupportedError(
+                f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
+                f"{self._pid} before it forked; it runs there, and only that process can wait for it")
 
     def _collect(self, deadline: float | None) -> None:
         results: list = []

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...errors import ClosedError
+from ...errors import ClosedError, StreamedParameterError
 from ...formats.writer import save_sharded
 from .. import grad_norm
 from ..config import SwapConfig
@@ -178,19 +178,22 @@ class ParameterOffload:
         """Check the backward may run; return whether the block's gradients are complete after it."""
         block = call.block
         if call.steps != block.steps:
-            raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
-                               f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
-                               f"Run validation under torch.no_grad(), and backward each forward before step()")
+            raise StreamedParameterError(
+                f"block {block.prefix}: backward through a forward made before the block's last "
+                f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
+                f"Run validation under torch.no_grad(), and backward each forward before step()")
         if block.trainable and block.served:
-            raise RuntimeError(f"block {block.prefix}: backward would train parameters that are served read-only "
-                               f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
-                               f"written: offload without serve_from_checkpoint= to train, or freeze them "
-                               f"(requires_grad_(False))")
+            raise StreamedParameterError(
+                f"block {block.prefix}: backward would train parameters that are served read-only "
+                f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
+                f"written: offload without serve_from_checkpoint= to train, or freeze them "
+                f"(requires_grad_(False))")
         self._check_unfrozen(block)
         if block.trainable and self._block_optimizer is None:
-            raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
-                               f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
-                               f"parameters (requires_grad_(False))")
+            raise StreamedParameterError(
+                f"block {block.prefix}: backward needs gradients of its parameters but "
+                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
+                f"parameters (requires_grad_(False))")
         if last and call.nested and self.training.defers_nested:
             last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
@@ -208,10 +211,11 @@ class ParameterOffload:
             if id(param) not in self._stepped_ids:
                 self._stepped_ids = self._optimized_ids()  # a param group added since?
             if id(param) not in self._stepped_ids:
-                raise RuntimeError(f"parameter {name} was frozen when offload_parameters() made the optimizers and "
-                                   f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
-                                   f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
-                                   f"parameter gets no gradient and is not stepped), or offload again")
+                raise StreamedParameterError(
+                    f"parameter {name} was frozen when offload_parameters() made the optimizers and "
+                    f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
+                    f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
+                    f"parameter gets no gradient and is not stepped), or offload again")
 
     def _optimized_ids(self) -> set[int]:
         return {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from ...errors import ResidencyError, StreamedParameterError
 from ..config import SwapConfig
 from ..pool import PAGE_SIZE
 from ..tensor_swapper import SwapIn, SwapOut, TensorSwapper
@@ -70,9 +71,9 @@ class BlockStore:
         self.wait_write(block)
         records = self.swapper.records(block.group)
         if len(records) != len(block.names):
-            raise RuntimeError(f"block {block.prefix}: nothing valid on storage for its parameters "
-                               f"{', '.join(block.qualified(n) for n in block.names[:3])}... (an earlier write "
-                               f"failed and the copy in memory is gone)")
+            raise ResidencyError(f"block {block.prefix}: nothing valid on storage for its parameters "
+                                 f"{', '.join(block.qualified(n) for n in block.names[:3])}... (an earlier write "
+                                 f"failed and the copy in memory is gone)")
         try:
             block.read = self.swapper.swap_in([block.group])
         except OSError as e:
@@ -173,12 +174,13 @@ class BlockStore:
             raise
 
     @staticmethod
-    def _lost_change(block: Block, lost: dict[str, str], outcome: str) -> RuntimeError:
+    def _lost_change(block: Block, lost: dict[str, str], outcome: str) -> StreamedParameterError:
         name, reason = next(iter(lost.items()))
-        return RuntimeError(f"parameter {block.qualified(name)} was changed in place while its block was in memory "
-                            f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
-                            f"forward), but {reason}, so the change cannot be written to storage: {outcome}. Change "
-                            f"or load weights before offload_parameters() or after off.close()")
+        return StreamedParameterError(
+            f"parameter {block.qualified(name)} was changed in place while its block was in memory "
+            f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
+            f"forward), but {reason}, so the change cannot be written to storage: {outcome}. Change "
+            f"or load weights before offload_parameters() or after off.close()")
 
     def pin(self, block: Block) -> None:
         """Make ``block`` resident for good (until ``unpin``): its memory leaves the staging pool, no release drops
@@ -287,9 +289,10 @@ class BlockStore:
         """Start writing the in-memory (RESIDENT, KEPT or PINNED) block's values; its memory is released when the
         write succeeds. One block write in flight at most."""
         if block.served:
-            raise RuntimeError(f"block {block.prefix}: its parameters are served read-only from the checkpoint "
-                               f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
-                               f"serve_from_checkpoint= to change or train them")
+            raise StreamedParameterError(
+                f"block {block.prefix}: its parameters are served read-only from the checkpoint "
+                f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
+                f"serve_from_checkpoint= to change or train them")
         self.wait_writes()
         staged, block.read = block.read, None
         try:

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ...errors import StreamedParameterError
 from .. import grad_norm
 from ..optimizer import OffloadedOptimizer
 from ..tensor_swapper import SwapIn, SwapOut
@@ -110,10 +111,11 @@ class Fused(Training):
         if not (last and block.trainable):
             return
         if block.stepped:
-            raise RuntimeError(f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
-                               f"accumulation, or a second loss): each block steps inside its backward, so the "
-                               f"second pass would step it again. Call step() after each backward, or use "
-                               f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
+            raise StreamedParameterError(
+                f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
+                f"accumulation, or a second loss): each block steps inside its backward, so the "
+                f"second pass would step it again. Call step() after each backward, or use "
+                f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
         self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
 
     def after_backward(self, block: Block) -> None:
