@@ -19,6 +19,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".errors": ["DeepOffloadError", "ConfigError", "ClosedError", "ChecksumError", "ValidationError",
                 "CheckpointError", "ResidencyError", "UnsupportedError", "StreamedParameterError"],
     ".io.handle": ["AsyncIOHandle", "Request"],
+    ".pending": ["Pending"],
     ".io.buffers": ["aligned_empty", "is_aligned", "is_pinned"],
     ".config": ["AioConfig"],
     ".swap.config": ["SwapConfig"],
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from .io.buffers import aligned_empty, is_aligned, is_pinned
     from .io.handle import AsyncIOHandle, Request
     from .op_builder import BuildError
+    from .pending import Pending
     from .swap.config import SwapConfig
     from .swap.optimizer import OffloadedOptimizer
     from .swap.params import OffloadStats, ParameterOffload, find_blocks, offload_parameters

@@ -22,7 +22,7 @@ import torch
 
 from ..config import AioConfig
 from ..errors import ClosedError, UnsupportedError, ValidationError
-from ..pending import deadline_after, remaining
+from ..pending import Pending, deadline_after, remaining
 from . import accelerator
 from .buffers import aligned_empty
 from .inputs import FileRef, byte_view, check_tensor
@@ -42,8 +42,9 @@ def os_error(err: int, operation: str, path: str, offset: int, detail: str) -> O
     return OSError(err, message, path)
 
 
-class Request:
-    """One asynchronous transfer. ``wait()`` returns the bytes moved or raises ``OSError``; ``done()`` polls."""
+class Request(Pending[int]):
+    """One asynchronous transfer (``Pending``): ``wait(timeout=None)`` returns the bytes moved or raises ``OSError``;
+    ``done()`` polls."""
 
     def __init__(self, handle: "AsyncIOHandle", op_id: int, nbytes: int, path: str,
                  keep_alive: tuple, finish: Callable[[], None] | None, owned_fd: int = -1):
