@@ -277,7 +277,7 @@ class Materializer:
                     continue
                 served = self._served_records(block)
                 if served is not None:
-                    store.swapper.map_group(block.group, served)
+                    store.serve(block, served)
                     block.served = next(iter(served.values())).file
                     block.clear_data()
                     block.move(Residency.ON_STORAGE)
@@ -287,7 +287,7 @@ class Materializer:
                     if master is not param:
                         master.data = param.data  # the walk filled the parameters; the masters are what is stored
                 self._fill(owners)
-                block.write = store.swapper.swap_out({block.group: block.master_tensors()})
+                block.write = store.write_masters(block)
                 writes.append(block)
                 if len(writes) > 1:
                     self._finish(store, writes.pop(0))
@@ -301,7 +301,7 @@ class Materializer:
                     pass  # the first failure is the one reported
                 block.write = None
             try:
-                store.swapper.close()
+                store.close()
             except OSError:
                 pass
             self.undo()

@@ -49,7 +49,6 @@ class ParameterOffload:
         self._check_sharing()
         serving = materializer is not None and materializer.serve
         self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
-        self.swapper = self.store.swapper
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
         self._rest_named = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
@@ -307,14 +306,14 @@ class ParameterOffload:
             state_written += optimizer.swapper.bytes_written
         store = self.store
         return OffloadStats(
-            bytes_read=self.swapper.bytes_read, bytes_written=self.swapper.bytes_written,
+            bytes_read=store.bytes_read, bytes_written=store.bytes_written,
             state_bytes_read=state_read, state_bytes_written=state_written,
             io_wait_seconds=store.io_wait, optimizer_seconds=self.training.optimizer_seconds,
             resident_bytes=store.resident_bytes(), peak_bytes=store.peak,
             grad_bytes=store.grad_bytes, peak_grad_bytes=store.peak_grad,
             block_bytes=max((b.nbytes + b.compute_nbytes for b in self.blocks), default=0),
             rest_bytes=nbytes(self.rest),
-            staging_bytes=self.swapper.pool.held_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers))
+            staging_bytes=store.staging_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers))
 
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
@@ -381,7 +380,7 @@ class ParameterOffload:
             for block in self.blocks:
                 block.unguard_grads()
             self.patches.remove(restore)
-            self.swapper.close()
+            self.store.close()
             for optimizer in self.optimizers:
                 optimizer.close()
 

@@ -164,10 +164,6 @@ class Grads(Training):
         super().__init__(*args, **kwargs)
         self.grad_writes: list[tuple[Block, SwapOut, dict]] = []
 
-    @property
-    def swapper(self):
-        return self.store.swapper
-
     def after_backward(self, block: Block) -> None:
         """Send the block's gradients to storage (added to those already there); ``param.grad`` is freed now and
         given back if the write fails. A PINNED block keeps them in memory (``block.grads``, master dtype, added to
@@ -177,9 +173,9 @@ class Grads(Training):
         self.store.note_peak()
         self.finish_writes()
         if grads:
-            stored_before = bool(self.swapper.records(block.grad_group))
+            stored_before = self.store.has_stored_grads(block)
             if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
-                read = self.swapper.swap_in([block.grad_group])
+                read = self.store.read_grads(block)
                 try:
                     stored = self.store.timed_wait(read)[block.grad_group]
                     # copies out of the staging buffer of those without a new gradient in this pass
@@ -190,10 +186,10 @@ class Grads(Training):
                     read.release()
             if block.state is Residency.PINNED:
                 if stored_before:
-                    self.swapper.discard(block.grad_group)
+                    self.store.discard_grads(block)
                 block.grads, block.grads_stored = grads, False
             else:
-                write = self.swapper.swap_out({block.grad_group: grads})
+                write = self.store.write_grads(block, grads)
                 block.grads_stored = True
                 self.grad_writes.append((block, write, grads))
             self.store.grad_bytes = (sum(nbytes(b.grads.values()) for b in self.store.blocks)
@@ -224,7 +220,7 @@ class Grads(Training):
     def zero_grad(self) -> None:
         self.finish_writes()
         for block in self.store.blocks:
-            self.swapper.discard(block.grad_group)
+            self.store.discard_grads(block)
         super().zero_grad()
 
     def blocks_with_grads(self) -> list[Block]:
@@ -233,7 +229,7 @@ class Grads(Training):
         self.finish_writes()
         for block in self.store.blocks:
             self.store.release(block)
-        return [b for b in self.store.blocks if self.swapper.records(b.grad_group) or b.grads
+        return [b for b in self.store.blocks if self.store.has_stored_grads(b) or b.grads
                 or any(p.grad is not None for p in b.params)]
 
     def stream_grads(self, todo: list[Block], start_also: Callable[[Block], None] | None = None,
@@ -251,8 +247,8 @@ class Grads(Training):
                 block = todo[k]
                 if start_also is not None:
                     start_also(block)
-                if self.swapper.records(block.grad_group):
-                    reads[block.index] = self.swapper.swap_in([block.grad_group])
+                if self.store.has_stored_grads(block):
+                    reads[block.index] = self.store.read_grads(block)
 
         try:
             for k in range(self.prefetch + 1):
@@ -270,7 +266,7 @@ class Grads(Training):
                     if read is not None:
                         read.release()
                 if discard:
-                    self.swapper.discard(block.grad_group)
+                    self.store.discard_grads(block)
                     block.grads_stored = False
                 start(k + 1 + self.prefetch)
         finally:
