@@ -29,6 +29,7 @@ from .errors import DeepOffloadError
 from .hints import install_hint
 from .probes import Probe, ProbeResult, function_probe, run_probes
 from .toolchain import Toolchain
+from .wrappers import module_wrapper
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent / "csrc"
@@ -184,8 +185,6 @@ class OpBuilder:
     def load(self, verbose: bool = False) -> Any:
         """The op's module as the package using it registered it (``register_module_wrapper``; deepoffload's
         DeepSpeed-shaped module for ``async_io``), else the native module itself."""
-        from . import module_wrapper
-
         native = self.load_native(verbose=verbose)
         wrapper = module_wrapper(self.NAME)
         return native if wrapper is None else wrapper(native)
