@@ -364,6 +364,10 @@ class BlockStore:
     def bytes_written(self) -> int:
         return self.swapper.bytes_written
 
+    def stored_bytes(self) -> int:
+        """Bytes the blocks' swap files hold now."""
+        return self.swapper.stored_bytes()
+
     def staging_bytes(self) -> int:
         """Bytes of staging memory the swapper's pool holds now."""
         return self.swapper.pool.held_bytes()
