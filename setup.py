@@ -96,7 +96,8 @@ setup(
         "deepoffload.csrc",
     ],
     package_dir={"deepoffload": "deepoffload", "deepoffload.op_builder": "op_builder", "deepoffload.csrc": "csrc"},
-    package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"],
+    # py.typed: the package's type hints are for type checkers too (PEP 561)
+    package_data={"deepoffload": ["py.typed"], "deepoffload.csrc": ["aio/*.cpp", "aio/*.h"],
                   "deepoffload._ops": ["build_info.json", "deepoffload_aio.pyi"]},
     # tqdm: progress of demo/tune; xxhash: swap checksums (xxh3, several GB/s; a corrupted swap file is an error,
     # not a wrong result); numpy: torch does not require it but warns "Failed to initialize NumPy" on import without
@@ -106,7 +107,7 @@ setup(
     # DeepSpeed with DS_ACCELERATOR=cpu, Hugging Face models built from configs, never downloaded)
     extras_require={
         "test": ["pytest", "hypothesis", "numpy", "deepspeed==0.19.8", "transformers==5.24.0", "safetensors==0.8.0",
-                 "accelerate==1.15.0", "ruff==0.17.5"],
+                 "accelerate==1.15.0", "ruff==0.17.5", "mypy==2.4.1"],
         "deepspeed": ["deepspeed>=0.16"],
         "hf": ["transformers>=4.40", "safetensors"],
         "plot": ["matplotlib"],
