@@ -51,12 +51,18 @@ warnings.filterwarnings("ignore")
 SEQ, BATCH, STEPS = 32, 2, 3
 
 
+FULL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=8)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2)  # --tiny: a smoke run (tests/test_benchmarks.py)
+SIZE = dict(FULL)
+
+
 def build():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    config = LlamaConfig(**SIZE, max_position_embeddings=256)
     return LlamaForCausalLM(config).eval()
 
 
@@ -69,7 +75,7 @@ def train_child(variant: str, folder: str) -> None:
     from deepoffload.swap.params import offload_parameters
 
     model = build().train()
-    ids = torch.randint(0, 8192, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, SIZE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     if variant == "memory":
         optimizer = adam(model.parameters())
         step = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
@@ -106,7 +112,8 @@ def training(folder: str, rounds: int) -> list[dict]:
     results: dict[str, list] = {"memory": [], "streamed": []}
     for r in range(rounds):
         for variant in ("memory", "streamed") if r % 2 == 0 else ("streamed", "memory"):
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--folder", folder],
+            out = subprocess.run([sys.executable, __file__, "--child", variant, "--folder", folder,
+                                  *(["--tiny"] if SIZE == TINY else [])],
                                  capture_output=True, text=True, check=True,
                                  env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}).stdout
             results[variant].append(json.loads(out.strip().splitlines()[-1]))
@@ -131,7 +138,7 @@ def inference(folder: str, rounds: int) -> list[dict]:
     from deepoffload.swap.params import offload_parameters
 
     reference = build()
-    ids = torch.randint(0, 8192, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, SIZE["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected_logits = reference(ids).logits
         expected_tokens = reference.generate(ids, max_new_tokens=20, do_sample=False)
@@ -177,7 +184,7 @@ def budget(folder: str, rounds: int) -> None:
 
     reference = build()
     layer_bytes = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
-    ids = torch.randint(0, 8192, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, SIZE["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
     for resident in (0, 4, 8):
@@ -208,7 +215,7 @@ def budget(folder: str, rounds: int) -> None:
 def train_budget(folder: str, rounds: int, mode: str) -> None:
     from deepoffload.swap.params import offload_parameters
 
-    ids = torch.randint(0, 8192, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, SIZE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     runs = {}
     for resident in (0, 4, 8):
         model = build().train()
@@ -260,7 +267,7 @@ def serve(folder: str, rounds: int) -> None:
     reference = build()
     checkpoint = f"{folder}/model.safetensors"
     save_file(reference.state_dict(), checkpoint)
-    ids = torch.randint(0, 8192, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, SIZE["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
     timings: dict[str, dict[str, list[float]]] = {v: {"setup": [], "generate": []} for v in ("served", "copied")}
@@ -296,12 +303,15 @@ def main() -> None:
     parser.add_argument("--part", choices=["training", "inference", "both", "budget", "train-budget", "serve"],
                         default="both")
     parser.add_argument("--mode", choices=["fused", "grads"], default="fused", help="train-budget's training mode")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden size 64 (a smoke run)")
     parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="--part training, inference or both: also write the ratios as "
                         "JSON (benchmarks/plot.py)")
     args = parser.parse_args()
     if args.json and args.part not in ("training", "inference", "both"):
         parser.error("--json is written by --part training, inference or both")
+    if args.tiny:
+        SIZE.update(TINY)
     folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
     if args.child:
         train_child(args.child, folder)

@@ -158,6 +158,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rss-child", nargs=3, type=int, metavar=("WIDTH", "DEPTH", "STREAMED"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help="width 64, 2 blocks, one allocator setting (a smoke "
+                        "run)")
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="param-offload-bench-", dir="/tmp")
     if args.rss_child:
@@ -165,21 +167,24 @@ def main() -> int:
         return 0
     torch.set_num_threads(os.cpu_count() or 1)
     print("time per training step (the machine's 2 cores and disk are shared with other engineers: noisy)")
-    timing(folder, args.steps, width=768, depth=8, batch=256)
+    width, depths = (64, (2,)) if args.tiny else (768, (6, 18))
+    timing(folder, args.steps, width=width, depth=2 if args.tiny else 8, batch=8 if args.tiny else 256)
     print("peak RSS during 2 training steps (own process each; Adam; fused mode, prefetch 1)")
-    for label, threshold in (("glibc default", None), ("MALLOC_MMAP_THRESHOLD_=1048576", "1048576")):
+    settings = (("glibc default", None), ("MALLOC_MMAP_THRESHOLD_=1048576", "1048576"))
+    for label, threshold in settings[:1] if args.tiny else settings:
         env = dict(os.environ)
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
         if threshold is not None:
             env["MALLOC_MMAP_THRESHOLD_"] = threshold
         print(f" {label}:")
-        for depth in (6, 18):
+        for depth in depths:
             row = {}
             for streamed in (False, True):
-                out = subprocess.run([sys.executable, __file__, "--folder", folder, "--rss-child", "768", str(depth),
-                                      str(int(streamed))], capture_output=True, text=True, check=True, env=env)
+                child = ["--rss-child", str(width), str(depth), str(int(streamed))]
+                out = subprocess.run([sys.executable, __file__, "--folder", folder, *child], capture_output=True,
+                                     text=True, check=True, env=env)
                 row[streamed] = json.loads(out.stdout.strip().splitlines()[-1])
-            params = depth * 2 * (768 * 4 * 768) + depth * (5 * 768)
+            params = depth * 2 * (width * 4 * width) + depth * (5 * width)
             print(f"  {depth:2d} blocks ({params * 4 / 1e6:5.0f} MB of fp32 weights): peak in memory "
                   f"{row[False]['peak_rss'] / 1e6:6.0f} MB, streamed {row[True]['peak_rss'] / 1e6:6.0f} MB (RSS before "
                   f"the first step: {row[False]['start_rss'] / 1e6:.0f} MB and {row[True]['start_rss'] / 1e6:.0f} MB)")

@@ -17,8 +17,9 @@ _link()  # deepoffload.op_builder (also in a bare source checkout) and its DeepS
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".errors": ["DeepOffloadError", "ConfigError", "ClosedError", "ChecksumError", "ValidationError",
-                "CheckpointError", "ResidencyError"],
+                "CheckpointError", "ResidencyError", "UnsupportedError", "StreamedParameterError"],
     ".io.handle": ["AsyncIOHandle", "Request"],
+    ".pending": ["Pending"],
     ".io.buffers": ["aligned_empty", "is_aligned", "is_pinned"],
     ".config": ["AioConfig"],
     ".swap.config": ["SwapConfig"],
@@ -33,10 +34,11 @@ if TYPE_CHECKING:
     from .checkpoint.api import load, save, save_async
     from .config import AioConfig
     from .errors import (CheckpointError, ChecksumError, ClosedError, ConfigError, DeepOffloadError, ResidencyError,
-                         ValidationError)
+                         StreamedParameterError, UnsupportedError, ValidationError)
     from .io.buffers import aligned_empty, is_aligned, is_pinned
     from .io.handle import AsyncIOHandle, Request
     from .op_builder import BuildError
+    from .pending import Pending
     from .swap.config import SwapConfig
     from .swap.optimizer import OffloadedOptimizer
     from .swap.params import OffloadStats, ParameterOffload, find_blocks, offload_parameters

@@ -1,16 +1,19 @@
-"""The exceptions deepoffload raises, under one base: ``except deepoffload.DeepOffloadError`` catches all of them
-(and ``naming_target``, which restates a save's ``OSError`` to name the file saved).
+"""The exceptions deepoffload defines, under one base: ``except deepoffload.DeepOffloadError`` catches all of them
+(and ``naming_target``, which restates a save's ``OSError`` to name the file saved). Besides these the library raises
+only built-in types with a meaning of their own: ``OSError`` with an errno, ``ValueError``/``TypeError`` for a bad
+argument, ``TimeoutError`` from a wait (``tests/test_errors.py`` states and checks the rule).
 
 Each also derives from the built-in type that code caught before this base existed, so no ``except`` clause changes
 meaning: errors that carry an errno are ``OSError`` (``except OSError`` keeps working), bad arguments and use after
-close are ``ValueError``. Torch-free, imported by every layer above ``op_builder`` (which cannot import it: its
-``BuildError`` is a ``RuntimeError`` of its own, exported as ``deepoffload.BuildError``).
+close are ``ValueError``, refused patterns are ``RuntimeError``. Torch-free, imported by every layer above
+``op_builder``. The base itself is defined in ``op_builder.errors`` (the lowest layer, which imports nothing from
+here), so the op builders' ``BuildError`` (a ``RuntimeError``, exported as ``deepoffload.BuildError``) and
+``EnvError`` (a ``ValueError``) belong to the family too.
 """
 
 from __future__ import annotations
 
-class DeepOffloadError(Exception):
-    """Base of every exception defined by deepoffload."""
+from .op_builder.errors import DeepOffloadError
 
 
 class ConfigError(DeepOffloadError, ValueError):
@@ -43,6 +46,17 @@ class ResidencyError(DeepOffloadError, RuntimeError):
     """A block was asked to move between residency states in an order that would lose or misuse its values."""
 
 
+class UnsupportedError(DeepOffloadError, RuntimeError):
+    """A usage pattern, platform or feature deepoffload cannot serve exactly, refused at the first call; the message
+    names it and what to do instead."""
+
+
+class StreamedParameterError(UnsupportedError):
+    """A streamed model's parameters used in a way that would read placeholders, lose a write or step a block
+    twice (copying, pickling, reading or writing them one by one, an optimizer of one's own, a backward through a
+    stale forward); the message names the pattern and what to use instead."""
+
+
 class BenchError(DeepOffloadError):
     """A problem the user can fix (folder, space, missing tool); its message is one line saying what to do."""
 
@@ -59,4 +73,4 @@ def naming_target(error: OSError, target: str) -> OSError:
 
 
 __all__ = ["BenchError", "CheckpointError", "ChecksumError", "ClosedError", "ConfigError", "DeepOffloadError",
-           "ResidencyError", "ValidationError"]
+           "ResidencyError", "StreamedParameterError", "UnsupportedError", "ValidationError"]

@@ -11,7 +11,9 @@ Names are imported on first access, so importing this package runs no probe and 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+
+from .wrappers import module_wrapper, register_module_wrapper
 
 _LAZY = {
     "AsyncIOBuilder": ".async_io",
@@ -21,19 +23,6 @@ _LAZY = {
 }
 __all__ = ["ALL_OPS", "register_module_wrapper", "module_wrapper", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe",
            "ProbeResult", "Toolchain"]
-
-_module_wrappers: dict[str, Callable[[Any], Any]] = {}
-
-
-def register_module_wrapper(op: str, wrapper: Callable[[Any], Any]) -> None:
-    """Make ``load()`` of op ``op`` return ``wrapper(native_module)`` (the last registration wins)."""
-    _module_wrappers[op] = wrapper
-
-
-def module_wrapper(op: str) -> Callable[[Any], Any] | None:
-    """The wrapper registered for ``op``, or None."""
-    return _module_wrappers.get(op)
-
 
 def __getattr__(name: str) -> Any:
     if name == "ALL_OPS":

@@ -25,9 +25,11 @@ from typing import Any
 
 from . import env
 from .cache import atomic_write_text, cache_root, exclusive_lock
+from .errors import DeepOffloadError
 from .hints import install_hint
 from .probes import Probe, ProbeResult, function_probe, run_probes
 from .toolchain import Toolchain
+from .wrappers import module_wrapper
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent / "csrc"
@@ -49,7 +51,7 @@ _load_lock = threading.Lock()
 _warned: set[str] = set()
 
 
-class BuildError(RuntimeError):
+class BuildError(DeepOffloadError, RuntimeError):
     """The op could not be built; ``compiler_lines`` holds the compiler's error lines and ``hint`` what to do."""
 
     def __init__(self, op: str, compiler_lines: list[str], hint: str):
@@ -71,7 +73,8 @@ def package_version() -> str:
             continue
         if match:
             return match.group(1)
-    raise RuntimeError(f"deepoffload's version.py was not found beside {HERE}; reinstall deepoffload")
+    raise BuildError("deepoffload", [f"deepoffload's version.py was not found beside {HERE}"],
+                     "reinstall deepoffload")
 
 
 def warn_once(key: str, message: str) -> None:
@@ -182,8 +185,6 @@ class OpBuilder:
     def load(self, verbose: bool = False) -> Any:
         """The op's module as the package using it registered it (``register_module_wrapper``; deepoffload's
         DeepSpeed-shaped module for ``async_io``), else the native module itself."""
-        from . import module_wrapper
-
         native = self.load_native(verbose=verbose)
         wrapper = module_wrapper(self.NAME)
         return native if wrapper is None else wrapper(native)

@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Union
 
+from .errors import DeepOffloadError
+
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 
 Value = Union[bool, int, str, Path, None]
 
 
-class EnvError(ValueError):
+class EnvError(DeepOffloadError, ValueError):
     """A variable's value cannot be parsed; the message names the variable, the value and what is accepted."""
 
 

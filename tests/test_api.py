@@ -43,11 +43,12 @@ def test_lazy_names_resolve_and_are_all_exported(package):
 
 def test_import_is_cheap():
     """`import deepoffload` probes, compiles and loads nothing, and does not import torch: of the op builders only
-    the package itself is imported (to register the DeepSpeed-shaped module), not its builder or probes."""
+    the package and its wrapper registry are imported (to register the DeepSpeed-shaped module), not its builder or
+    probes."""
     code = ("import sys, deepoffload; print('torch' in sys.modules, "
             "sorted(m for m in sys.modules if m.startswith('deepoffload.op_builder')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split(" ", 1) == ["False", "['deepoffload.op_builder']\n"]
+    assert out.split(" ", 1) == ["False", "['deepoffload.op_builder', 'deepoffload.op_builder.wrappers']\n"]
 
 
 def test_returned_and_raised_types_are_exported():
@@ -65,7 +66,8 @@ def test_exceptions_share_one_base_and_keep_their_builtin_type():
         assert issubclass(getattr(errors, name), deepoffload.DeepOffloadError), name
     for name, builtin in [("ChecksumError", OSError), ("ValidationError", OSError), ("ConfigError", ValueError),
                           ("CheckpointError", ValueError), ("ClosedError", ValueError), ("ClosedError", RuntimeError),
-                          ("ResidencyError", RuntimeError)]:
+                          ("ResidencyError", RuntimeError), ("UnsupportedError", RuntimeError),
+                          ("StreamedParameterError", RuntimeError)]:
         assert issubclass(getattr(errors, name), builtin), name
     # the names the modules raised them from before still refer to the same classes
     from deepoffload.config import ConfigError

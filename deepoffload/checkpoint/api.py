@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
 from ..config import AioConfig
-from ..errors import CheckpointError, naming_target
+from ..errors import CheckpointError, UnsupportedError, naming_target
 from ..formats.header import file_identity
 from ..io.buffers import aligned_empty
 from ..io.owners import PRIVATE_MODE, adopt_mode, remove_dead_temporaries, temporary_name
+from ..pending import PendingFuture
 from .streams import DirectReader, DirectWriter, shared_handle
 from .torch_format import (Record, ZipChecksums, not_a_checkpoint, record, remove_quietly, snapshot, snapshot_bytes,
                            write_records)
@@ -24,7 +25,7 @@ from .whole_file import load_from_memory, read_whole, weights_only_default
 LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
 _executor: ThreadPoolExecutor | None = None
 _async_lock = threading.Lock()
-_last_async: Future | None = None
+_last_async: PendingFuture | None = None
 _arena: torch.Tensor | None = None  # save_async's snapshot memory, kept for the next call (under _async_lock)
 _arena_pinned = False
 
@@ -48,10 +49,11 @@ def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: b
 
 
 def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
-               config: AioConfig | None = None) -> "Future[str]":
+               config: AioConfig | None = None) -> PendingFuture[str]:
     """Like ``save``, but return as soon as ``obj`` has been copied to staging memory; the file is written on a
-    background thread. The returned future's ``result()`` is ``path`` once the file is in place, or raises the
-    write's ``OSError``.
+    background thread. The returned future (a ``concurrent.futures.Future`` that is also ``Pending``:
+    ``wait(timeout=None)``, ``done()``, ``result(timeout=None)``) gives ``path`` once the file is in place, or raises
+    the write's ``OSError``.
 
     ``obj`` (its tensors included) may be changed as soon as this returns: the file holds its state at the call.
     One save is written at a time, in order; a call made while the previous save is still being written waits for
@@ -70,7 +72,8 @@ def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, s
         records = snapshot(records, _snapshot_arena(*snapshot_bytes(records)))
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepoffload-save")
-        future = _executor.submit(_write_file, records, path, checksum, sync, config)
+        future: PendingFuture[str] = PendingFuture()
+        _executor.submit(future.run, _write_file, records, path, checksum, sync, config)
         _last_async = future
         return future
 
@@ -155,8 +158,8 @@ def _load_safetensors(path: str, map_location: Any, checksum: bool) -> dict[str,
     if checksum:
         raise ValueError(f"{path}: a safetensors file records no checksums to verify; load it with checksum=False")
     if isinstance(map_location, dict) or callable(map_location):
-        raise RuntimeError(f"cannot load {path}: a safetensors file takes a device as map_location (as with "
-                           f"torch.load), not a {type(map_location).__name__}")
+        raise UnsupportedError(f"cannot load {path}: a safetensors file takes a device as map_location (as with "
+                               f"torch.load), not a {type(map_location).__name__}")
     tensors = load_file(path)
     if map_location is None or _on_cpu(map_location):
         return tensors

@@ -23,7 +23,7 @@ import torch.serialization
 
 from ..io.buffers import aligned_empty
 from ..io.crc import crc32
-from ..errors import ChecksumError
+from ..errors import ChecksumError, DeepOffloadError
 from .crc_ahead import CrcAhead
 from .streams import DirectWriter
 
@@ -125,7 +125,7 @@ def _hash_combine(seed: int, value: int) -> int:
     return (seed ^ (value + 0x9E3779B9 + (seed << 6) + (seed >> 2))) & 0xFFFFFFFFFFFFFFFF
 
 
-class ZipLayoutError(RuntimeError):
+class ZipLayoutError(DeepOffloadError, RuntimeError):
     """torch's zip writer produced a layout ``CrcFiller`` does not know, so it cannot fill in the CRCs exactly."""
 
 

@@ -113,7 +113,7 @@ def run_stream_demo(steps: int, config: SwapConfig, prefetch: int = 1,
             _tensor_bytes(v for v in s.values() if isinstance(v, torch.Tensor)) for s in optimizer.state.values())
         result.streamed_resident_bytes = (stats.peak_bytes + stats.peak_grad_bytes + stats.staging_bytes
                                           + 2 * _tensor_bytes(offload.rest))  # rest: weights and gradients
-        result.stored_bytes = offload.swapper.stored_bytes() + sum(o.stored_bytes() for o in offload.optimizers)
+        result.stored_bytes = offload.store.stored_bytes() + sum(o.stored_bytes() for o in offload.optimizers)
         result.bytes_moved = stats.bytes_read + stats.bytes_written + stats.state_bytes_read + stats.state_bytes_written
         state = offload.state_dict()
         result.params_match = all(torch.equal(state[k], v) for k, v in reference.state_dict().items())

@@ -20,7 +20,7 @@ from typing import Mapping
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 INT64_MAX = 2**63 - 1  # torch's sizes and strides are signed 64-bit
@@ -43,8 +43,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.ite
 def check_little_endian() -> None:
     """safetensors (and the byte views used here) are little-endian; refuse to run where they would be wrong."""
     if sys.byteorder != "little":
-        raise RuntimeError("deepoffload.formats reads and writes checkpoint bytes as-is and needs a little-endian "
-                           f"host; this one is {sys.byteorder}-endian: use safetensors' own reader here")
+        raise UnsupportedError("deepoffload.formats reads and writes checkpoint bytes as-is and needs a little-endian "
+                               f"host; this one is {sys.byteorder}-endian: use safetensors' own reader here")
 
 
 def element_size(dtype: torch.dtype) -> int:

@@ -26,6 +26,8 @@ import warnings
 from types import ModuleType
 from typing import Any
 
+from ..errors import UnsupportedError
+
 import torch
 
 from . import deepspeed_children as children
@@ -87,9 +89,9 @@ class GDSBuilder(AsyncIOBuilder):
         return False
 
     def load(self, verbose: bool = True):
-        raise RuntimeError("deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
-                           "\"use_gds\": false in the aio config, or call "
-                           "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op")
+        raise UnsupportedError("deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
+                               "\"use_gds\": false in the aio config, or call "
+                               "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op")
 
 
 class PinMemoryBuilder(AsyncIOBuilder):

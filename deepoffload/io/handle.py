@@ -11,10 +11,8 @@ import atexit
 import contextlib
 import ctypes
 import errno
-import math
 import os
 import threading
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -23,7 +21,8 @@ from typing import Callable, Iterable
 import torch
 
 from ..config import AioConfig
-from ..errors import ClosedError, ValidationError
+from ..errors import ClosedError, UnsupportedError, ValidationError
+from ..pending import Pending, deadline_after, remaining
 from . import accelerator
 from .buffers import aligned_empty
 from .inputs import FileRef, byte_view, check_tensor
@@ -43,8 +42,9 @@ def os_error(err: int, operation: str, path: str, offset: int, detail: str) -> O
     return OSError(err, message, path)
 
 
-class Request:
-    """One asynchronous transfer. ``wait()`` returns the bytes moved or raises ``OSError``; ``done()`` polls."""
+class Request(Pending[int]):
+    """One asynchronous transfer (``Pending``): ``wait(timeout=None)`` returns the bytes moved or raises ``OSError``;
+    ``done()`` polls."""
 
     def __init__(self, handle: "AsyncIOHandle", op_id: int, nbytes: int, path: str,
                  keep_alive: tuple, finish: Callable[[], None] | None, owned_fd: int = -1):
@@ -81,9 +81,9 @@ class Request:
         With ``timeout`` (seconds), raise ``TimeoutError`` if it has not finished by then. Waiting again returns the
         same result (or raises the same error).
         """
-        deadline = _deadline(timeout)
+        deadline = deadline_after(timeout)
         self._check_process()
-        if not self._lock.acquire(timeout=-1 if deadline is None else min(_remaining(deadline), threading.TIMEOUT_MAX)):
+        if not self._lock.acquire(timeout=-1 if deadline is None else min(remaining(deadline), threading.TIMEOUT_MAX)):
             raise TimeoutError(f"transfer of {self.nbytes} bytes to/from {self.path} still running")
         try:
             if not self._collected:
@@ -96,20 +96,21 @@ class Request:
 
     def _check_process(self) -> None:
         if self._generation != _fork_generation:  # a forked child holding a copy of the parent's request
-            raise RuntimeError(f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
-                               f"{self._pid} before it forked; it runs there, and only that process can wait for it")
+            raise UnsupportedError(
+                f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
+                f"{self._pid} before it forked; it runs there, and only that process can wait for it")
 
     def _collect(self, deadline: float | None) -> None:
         results: list = []
         try:
             while True:  # in slices so Ctrl-C (or any signal handler's exception) gets through
-                slice_s = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, _remaining(deadline))
+                slice_s = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, remaining(deadline))
                 # stored from C (extend calls wait), so the exception of a signal that arrived meanwhile is raised
                 # only once the result is kept: the native side forgets it when returning it (lost, a later wait
                 # raised "unknown op id" and the request could never be collected)
                 results.clear()
                 results.extend(map(self._native.wait, (self._op_id,), (slice_s,)))
-                if results[0] is not None or (deadline is not None and _remaining(deadline) == 0):
+                if results[0] is not None or (deadline is not None and remaining(deadline) == 0):
                     break
         finally:
             if results and results[0] is not None:
@@ -152,22 +153,6 @@ class Request:
                 self.wait()
             except Exception:
                 pass
-
-
-def _deadline(timeout: float | None) -> float | None:
-    """The ``time.monotonic()`` by which a wait of ``timeout`` seconds ends; None to wait forever."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}")
-    timeout = float(timeout)
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (or None to wait until done), got {timeout!r}")
-    return None if math.isinf(timeout) else time.monotonic() + timeout
-
-
-def _remaining(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
 
 
 def _warn_buffered(path: str) -> None:

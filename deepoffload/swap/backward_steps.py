@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import UnsupportedError
 from .ddp import refuse_step_in_backward_under_ddp
 from .interrupts import deferred
 from .optimizer_state import _StoredState
@@ -55,9 +56,9 @@ class _BackwardSteps:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if id(param) in self.stepped:
-            raise RuntimeError("OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
-                               "accumulation?); each parameter already stepped with the first backward's gradient. "
-                               "Call step() after every backward, or opt.step_in_backward(False)")
+            raise UnsupportedError("OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
+                                   "accumulation?); each parameter already stepped with the first backward's gradient. "
+                                   "Call step() after every backward, or opt.step_in_backward(False)")
         k = self.index.get(id(param))
         if k is None:
             return
@@ -118,19 +119,19 @@ class _BackwardSteps:
         try:
             if changed:
                 refuse_step_in_backward_under_ddp(changed)  # DDP built after step_in_backward() replaced them
-                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
-                                   f"parameter(s) changed after backward stepped them (gradient clipping, "
-                                   f"GradScaler unscaling, zero_grad before step?); those parameters took their "
-                                   f"step with the unchanged gradients. Turn step_in_backward off to clip or "
-                                   f"scale gradients")
+                raise UnsupportedError(f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
+                                       f"parameter(s) changed after backward stepped them (gradient clipping, "
+                                       f"GradScaler unscaling, zero_grad before step?); those parameters took their "
+                                       f"step with the unchanged gradients. Turn step_in_backward off to clip or "
+                                       f"scale gradients")
             state, entries = opt.optimizer.state, self.entries
             reset = [p for p in opt._params() if id(p) in entries and (state.get(p) is not entries[id(p)] or (
                 type(entries[id(p)]) is _StoredState and entries[id(p)].cleared))]
             if reset:
-                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the state of {len(reset)} parameter(s) "
-                                   f"was reset (opt.state replaced or cleared, an entry deleted, replaced or "
-                                   f"cleared) after backward stepped them with the state before; the reset applies "
-                                   f"from the next step. Reset state before backward, or turn step_in_backward off")
+                raise UnsupportedError(f"OffloadedOptimizer.step_in_backward: the state of {len(reset)} parameter(s) "
+                                       f"was reset (opt.state replaced or cleared, an entry deleted, replaced or "
+                                       f"cleared) after backward stepped them with the state before; the reset applies "
+                                       f"from the next step. Reset state before backward, or turn step_in_backward off")
             rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
             with _intra_op_threads(opt._compute_threads):
                 opt._run(opt._chunks(rest), opt._step_chunk)

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import ChecksumError
 from ..io.handle import Request
+from ..pending import Pending, settle
 from .records import SwapRecord, _contiguous_strides, _hash
 
 if TYPE_CHECKING:
@@ -16,10 +17,10 @@ if TYPE_CHECKING:
     from .tensor_swapper import TensorSwapper
 
 
-class SwapOut:
-    """Writes in flight for some groups. ``wait()`` returns the bytes written once the new records are in force
-    and the staging buffer is released; on failure it raises the first ``OSError`` and the caller's tensors stay
-    its own (nothing was freed)."""
+class SwapOut(Pending[int]):
+    """Writes in flight for some groups (``Pending``). ``wait(timeout=None)`` returns the bytes written once the new
+    records are in force and the staging buffer is released; on failure it raises the first ``OSError`` and the
+    caller's tensors stay its own (nothing was freed)."""
 
     def __init__(self, swapper: "TensorSwapper", requests: list[Request], records: dict[str, dict[str, SwapRecord]],
                  buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None,
@@ -60,8 +61,10 @@ class SwapOut:
         self._sources = ()
         return views
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         if self._result is None:
+            if timeout is not None:
+                settle(self._requests, timeout)  # TimeoutError before anything changes; a later wait finishes
             self._finish()
         if isinstance(self._result, BaseException):
             raise self._result
@@ -99,9 +102,10 @@ class SwapOut:
             swapper._pending_out.remove(self)
 
 
-class SwapIn:
-    """Reads in flight for some groups. ``wait()`` returns ``{group: {key: tensor}}``: views of one pooled buffer
-    (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is called."""
+class SwapIn(Pending[dict]):
+    """Reads in flight for some groups (``Pending``). ``wait(timeout=None)`` returns ``{group: {key: tensor}}``: views
+    of one pooled buffer (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is
+    called."""
 
     def __init__(self, swapper: "TensorSwapper", requests: list[Request], layout: dict[str, tuple[int, dict]],
                  buffer: torch.Tensor | None, extent: Extent | None = None):
@@ -113,8 +117,13 @@ class SwapIn:
         self._tensors: dict[str, dict[str, torch.Tensor]] | None = None
         self._error: OSError | None = None
 
-    def wait(self) -> dict[str, dict[str, torch.Tensor]]:
+    def done(self) -> bool:
+        return self._tensors is not None or all(r.done() for r in self._requests)
+
+    def wait(self, timeout: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
         if self._tensors is None:
+            if timeout is not None:
+                settle(self._requests, timeout)  # TimeoutError before anything changes; a later wait finishes
             error = self._wait_io()
             if error is not None:
                 self.release()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]  # tests/ (memlimit) and this folder (workloads)
+sys.path[:0] = [str(HERE.parent / "support"), str(HERE)]  # tests/support (memlimit) and this folder (workloads)
 
 import memlimit  # noqa: E402
 import workloads  # noqa: E402

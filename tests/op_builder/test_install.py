@@ -105,6 +105,7 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "deepoffload/csrc/aio/io_handle.cpp" in names and "deepoffload/csrc/aio/engine.h" in names
     assert "deepoffload/op_builder/async_io.py" in names
+    assert "deepoffload/py.typed" in names  # PEP 561: type checkers read the package's hints
     assert not any(n.startswith("op_builder/") for n in names), "no generic top-level op_builder package"
     assert not any(n.endswith(".so") for n in names), "a plain install compiles nothing"
     # the PEP 621 metadata of pyproject.toml, the license and the typing marker reach the wheel

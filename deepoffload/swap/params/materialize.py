@@ -292,7 +292,7 @@ class Materializer:
                     continue
                 served = self._served_records(block)
                 if served is not None:
-                    store.swapper.map_group(block.group, served)
+                    store.serve(block, served)
                     block.served = next(iter(served.values())).file
                     block.clear_data()
                     block.move(Residency.ON_STORAGE)
@@ -305,7 +305,7 @@ class Materializer:
                 self._fill(owners)
                 while writes:  # before this block's staging copy: a fourth block's memory otherwise
                     self._finish(store, writes.pop(0))
-                block.write = store.swapper.swap_out({block.group: block.master_tensors()})
+                block.write = store.write_masters(block)
                 writes.append(block)
             while writes:
                 self._finish(store, writes.pop(0))
@@ -317,7 +317,7 @@ class Materializer:
                     pass  # the first failure is the one reported
                 block.write = None
             try:
-                store.swapper.close()
+                store.close()
             except OSError:
                 pass
             self.undo()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...errors import ClosedError
+from ...errors import ClosedError, StreamedParameterError
 from ...formats.writer import save_sharded
 from .. import grad_norm
 from ..config import SwapConfig
@@ -52,7 +52,6 @@ class ParameterOffload:
         self._check_sharing()
         serving = materializer is not None and materializer.serve
         self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
-        self.swapper = self.store.swapper
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
         self._rest_named = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
@@ -197,19 +196,22 @@ class ParameterOffload:
         """Check the backward may run; return whether the block's gradients are complete after it."""
         block = call.block
         if call.steps != block.steps:
-            raise RuntimeError(f"block {block.prefix}: backward through a forward made before the block's last "
-                               f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
-                               f"Run validation under torch.no_grad(), and backward each forward before step()")
+            raise StreamedParameterError(
+                f"block {block.prefix}: backward through a forward made before the block's last "
+                f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
+                f"Run validation under torch.no_grad(), and backward each forward before step()")
         if block.trainable and block.served:
-            raise RuntimeError(f"block {block.prefix}: backward would train parameters that are served read-only "
-                               f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
-                               f"written: offload without serve_from_checkpoint= to train, or freeze them "
-                               f"(requires_grad_(False))")
+            raise StreamedParameterError(
+                f"block {block.prefix}: backward would train parameters that are served read-only "
+                f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
+                f"written: offload without serve_from_checkpoint= to train, or freeze them "
+                f"(requires_grad_(False))")
         self._check_unfrozen(block)
         if block.trainable and self._block_optimizer is None:
-            raise RuntimeError(f"block {block.prefix}: backward needs gradients of its parameters but "
-                               f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
-                               f"parameters (requires_grad_(False))")
+            raise StreamedParameterError(
+                f"block {block.prefix}: backward needs gradients of its parameters but "
+                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
+                f"parameters (requires_grad_(False))")
         if last and call.nested and self.training.defers_nested:
             last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
@@ -227,10 +229,11 @@ class ParameterOffload:
             if id(param) not in self._stepped_ids:
                 self._stepped_ids = self._optimized_ids()  # a param group added since?
             if id(param) not in self._stepped_ids:
-                raise RuntimeError(f"parameter {name} was frozen when offload_parameters() made the optimizers and "
-                                   f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
-                                   f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
-                                   f"parameter gets no gradient and is not stepped), or offload again")
+                raise StreamedParameterError(
+                    f"parameter {name} was frozen when offload_parameters() made the optimizers and "
+                    f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
+                    f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
+                    f"parameter gets no gradient and is not stepped), or offload again")
 
     def _optimized_ids(self) -> set[int]:
         return {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
@@ -324,14 +327,14 @@ class ParameterOffload:
             state_written += optimizer.swapper.bytes_written
         store = self.store
         return OffloadStats(
-            bytes_read=self.swapper.bytes_read, bytes_written=self.swapper.bytes_written,
+            bytes_read=store.bytes_read, bytes_written=store.bytes_written,
             state_bytes_read=state_read, state_bytes_written=state_written,
             io_wait_seconds=store.io_wait, optimizer_seconds=self.training.optimizer_seconds,
             resident_bytes=store.resident_bytes(), peak_bytes=store.peak,
             grad_bytes=store.grad_bytes, peak_grad_bytes=store.peak_grad,
             block_bytes=max((b.nbytes + b.compute_nbytes for b in self.blocks), default=0),
             rest_bytes=nbytes(self.rest),
-            staging_bytes=self.swapper.pool.held_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers))
+            staging_bytes=store.staging_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers))
 
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
@@ -398,7 +401,7 @@ class ParameterOffload:
             for block in self.blocks:
                 block.unguard_grads()
             self.patches.remove(restore)
-            self.swapper.close()
+            self.store.close()
             for optimizer in self.optimizers:
                 optimizer.close()
             if self.data_parallel is not None:

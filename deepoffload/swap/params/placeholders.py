@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ...errors import StreamedParameterError
 from ..interrupts import deferred
 from .wrappers import wrapper_in_stack, wrapper_message
 
@@ -102,13 +103,13 @@ class StreamedParameter(nn.Parameter):
 
     def __deepcopy__(self, memo):
         if _checking():
-            raise RuntimeError(_message(self, "copy.deepcopy", "copy"))
+            raise StreamedParameterError(_message(self, "copy.deepcopy", "copy"))
         with internal():
             return nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
 
     def __reduce_ex__(self, proto):
         if _checking():
-            raise RuntimeError(_message(self, "pickling it (torch.save)", "read"))
+            raise StreamedParameterError(_message(self, "pickling it (torch.save)", "read"))
         with internal():  # a plain Parameter of its values, as nn.Parameter pickles
             return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
 
@@ -133,7 +134,7 @@ class GradsAwayParameter(nn.Parameter):
             block = args[0]._streamed[0]
             where = block.grads_away()
             if where is not None and not block.grads_read_as_none:
-                raise RuntimeError(_grad_message(args[0], where))
+                raise StreamedParameterError(_grad_message(args[0], where))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
@@ -208,18 +209,18 @@ def _check(func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
             block = target._streamed[0]
             where = block.grads_away()
             if where is not None and not block.grads_read_as_none:
-                raise RuntimeError(_grad_message(target, where))
+                raise StreamedParameterError(_grad_message(target, where))
         return False, None
     if attribute == "is_leaf" and isinstance(target, StreamedParameter):
-        raise RuntimeError(_message(target, "an optimizer over it", "optimizer"))
+        raise StreamedParameterError(_message(target, "an optimizer over it", "optimizer"))
     written = _streamed_in([target]) if attribute == "data" or (attribute.endswith("_") and
                                                               not attribute.startswith("__")) else []
     if written:
-        raise RuntimeError(_message(written[0], f"{attribute} on it", "write"))
+        raise StreamedParameterError(_message(written[0], f"{attribute} on it", "write"))
     if attribute == "detach" and isinstance(target, StreamedParameter) and target._streamed[0].exporting:
         return False, None  # module.state_dict(): the block's hook puts the real weights in its place
     for param in _streamed_in(args) + _streamed_in(kwargs.values()):
-        raise RuntimeError(_message(param, f"{attribute or func}", "read"))
+        raise StreamedParameterError(_message(param, f"{attribute or func}", "read"))
     return False, None
 
 

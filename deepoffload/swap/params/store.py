@@ -9,17 +9,19 @@ from typing import Sequence
 
 import torch
 
+from ...errors import ResidencyError, StreamedParameterError
 from ..config import SwapConfig
 from ..pool import PAGE_SIZE
-from ..tensor_swapper import SwapIn, SwapOut, TensorSwapper
+from ..tensor_swapper import SwapIn, SwapOut, SwapRecord, TensorSwapper
 from .placeholders import plain
 from .residency import Block, Residency, span
 
 
 class BlockStore:
-    """Owns the blocks' ``TensorSwapper``. Staging buffers: the current block, the prefetch window and one write
-    behind; anything more (gradients in grads mode) gets short-lived one-off buffers, so idle pooled memory stays
-    within (prefetch + 2) blocks."""
+    """Owns the blocks' ``TensorSwapper``: the only way from ``swap/params`` to it (its blocks' parameters, their
+    gradients in grads mode, serving from a checkpoint, IO counters, closing). Staging buffers: the current block,
+    the prefetch window and one write behind; anything more (gradients in grads mode) gets short-lived one-off
+    buffers, so idle pooled memory stays within (prefetch + 2) blocks."""
 
     def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig, slack: int = 0):
         """``slack``: bytes more per staging buffer (a block served from a checkpoint is read from the page holding
@@ -33,13 +35,21 @@ class BlockStore:
         self.peak_grad = 0
 
     # -- setup ------------------------------------------------------------------------------------------------
+    def write_masters(self, block: Block) -> SwapOut:
+        """Start writing ``block``'s master values (its parameters, or their fp32 masters) to its group."""
+        return self.swapper.swap_out({block.group: block.master_tensors()})
+
+    def serve(self, block: Block, records: dict[str, SwapRecord]) -> None:
+        """Read ``block``'s group from ``records`` (tensors in place in a checkpoint file) from now on."""
+        self.swapper.map_group(block.group, records)
+
     def offload_all(self) -> None:
         """Write every block out (two writes in flight at most); release the parameters only once all are on
         storage, so a failure leaves the module exactly as it was."""
         writes: list[tuple[Block, SwapOut]] = []
         try:
             for block in self.blocks:
-                writes.append((block, self.swapper.swap_out({block.group: block.master_tensors()})))
+                writes.append((block, self.write_masters(block)))
                 if len(writes) > 1:
                     self._wait_setup(*writes[-2])
             if writes:
@@ -70,9 +80,9 @@ class BlockStore:
         self.wait_write(block)
         records = self.swapper.records(block.group)
         if len(records) != len(block.names):
-            raise RuntimeError(f"block {block.prefix}: nothing valid on storage for its parameters "
-                               f"{', '.join(block.qualified(n) for n in block.names[:3])}... (an earlier write "
-                               f"failed and the copy in memory is gone)")
+            raise ResidencyError(f"block {block.prefix}: nothing valid on storage for its parameters "
+                                 f"{', '.join(block.qualified(n) for n in block.names[:3])}... (an earlier write "
+                                 f"failed and the copy in memory is gone)")
         try:
             block.read = self.swapper.swap_in([block.group])
         except OSError as e:
@@ -173,12 +183,13 @@ class BlockStore:
             raise
 
     @staticmethod
-    def _lost_change(block: Block, lost: dict[str, str], outcome: str) -> RuntimeError:
+    def _lost_change(block: Block, lost: dict[str, str], outcome: str) -> StreamedParameterError:
         name, reason = next(iter(lost.items()))
-        return RuntimeError(f"parameter {block.qualified(name)} was changed in place while its block was in memory "
-                            f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
-                            f"forward), but {reason}, so the change cannot be written to storage: {outcome}. Change "
-                            f"or load weights before offload_parameters() or after off.close()")
+        return StreamedParameterError(
+            f"parameter {block.qualified(name)} was changed in place while its block was in memory "
+            f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
+            f"forward), but {reason}, so the change cannot be written to storage: {outcome}. Change "
+            f"or load weights before offload_parameters() or after off.close()")
 
     def pin(self, block: Block) -> None:
         """Make ``block`` resident for good (until ``unpin``): its memory leaves the staging pool, no release drops
@@ -287,9 +298,10 @@ class BlockStore:
         """Start writing the in-memory (RESIDENT, KEPT or PINNED) block's values; its memory is released when the
         write succeeds. One block write in flight at most."""
         if block.served:
-            raise RuntimeError(f"block {block.prefix}: its parameters are served read-only from the checkpoint "
-                               f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
-                               f"serve_from_checkpoint= to change or train them")
+            raise StreamedParameterError(
+                f"block {block.prefix}: its parameters are served read-only from the checkpoint "
+                f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
+                f"serve_from_checkpoint= to change or train them")
         self.wait_writes()
         staged, block.read = block.read, None
         try:
@@ -329,3 +341,37 @@ class BlockStore:
     def reset_peak(self) -> None:
         self.peak = self.resident_bytes()
         self.peak_grad = self.grad_bytes
+
+    # -- gradients on storage (grads mode) ----------------------------------------------------------------------
+    def has_stored_grads(self, block: Block) -> bool:
+        return bool(self.swapper.records(block.grad_group))
+
+    def read_grads(self, block: Block) -> SwapIn:
+        return self.swapper.swap_in([block.grad_group])
+
+    def write_grads(self, block: Block, grads: dict[str, torch.Tensor]) -> SwapOut:
+        return self.swapper.swap_out({block.grad_group: grads})
+
+    def discard_grads(self, block: Block) -> None:
+        self.swapper.discard(block.grad_group)
+
+    # -- counters and closing -------------------------------------------------------------------------------------
+    @property
+    def bytes_read(self) -> int:
+        return self.swapper.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.swapper.bytes_written
+
+    def stored_bytes(self) -> int:
+        """Bytes the blocks' swap files hold now."""
+        return self.swapper.stored_bytes()
+
+    def staging_bytes(self) -> int:
+        """Bytes of staging memory the swapper's pool holds now."""
+        return self.swapper.pool.held_bytes()
+
+    def close(self) -> None:
+        """Close the swapper (its files are removed)."""
+        self.swapper.close()

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ...errors import StreamedParameterError
 from .. import grad_norm
 from ..optimizer import OffloadedOptimizer
 from ..tensor_swapper import SwapIn, SwapOut
@@ -114,10 +115,11 @@ class Fused(Training):
         if not (last and block.trainable):
             return
         if block.stepped:
-            raise RuntimeError(f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
-                               f"accumulation, or a second loss): each block steps inside its backward, so the "
-                               f"second pass would step it again. Call step() after each backward, or use "
-                               f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
+            raise StreamedParameterError(
+                f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
+                f"accumulation, or a second loss): each block steps inside its backward, so the "
+                f"second pass would step it again. Call step() after each backward, or use "
+                f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
         self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
 
     def after_backward(self, block: Block) -> None:
@@ -170,10 +172,6 @@ class Grads(Training):
         # the block whose average is in flight: (block, its result, had stored gradients, bytes)
         self.averaging: tuple[Block, Callable[[], dict], bool, int] | None = None
 
-    @property
-    def swapper(self):
-        return self.store.swapper
-
     def after_backward(self, block: Block) -> None:
         """Send the block's gradients to storage (added to those already there); ``param.grad`` is freed now and
         given back if the write fails. A PINNED block keeps them in memory (``block.grads``, master dtype, added to
@@ -184,9 +182,9 @@ class Grads(Training):
         self.store.grad_bytes = nbytes(grads.values()) + self._bytes_in_flight()
         self.store.note_peak()
         self._wait_writes()
-        stored_before = bool(grads) and bool(self.swapper.records(block.grad_group))
+        stored_before = bool(grads) and self.store.has_stored_grads(block)
         if stored_before:  # earlier passes' gradients, added to (a block pinned since keeps the sum in memory)
-            read = self.swapper.swap_in([block.grad_group])
+            read = self.store.read_grads(block)
             try:
                 stored = self.store.timed_wait(read)[block.grad_group]
                 # copies out of the staging buffer of those without a new gradient in this pass
@@ -210,10 +208,10 @@ class Grads(Training):
         if grads:
             if block.state is Residency.PINNED:
                 if stored_before:
-                    self.swapper.discard(block.grad_group)
+                    self.store.discard_grads(block)
                 block.grads, block.grads_stored = grads, False
             else:
-                write = self.swapper.swap_out({block.grad_group: grads})
+                write = self.store.write_grads(block, grads)
                 block.grads_stored = True
                 self.grad_writes.append((block, write, grads))
             self.store.grad_bytes = (sum(nbytes(b.grads.values()) for b in self.store.blocks)
@@ -254,7 +252,7 @@ class Grads(Training):
     def zero_grad(self) -> None:
         self.finish_writes()
         for block in self.store.blocks:
-            self.swapper.discard(block.grad_group)
+            self.store.discard_grads(block)
         super().zero_grad()
 
     def blocks_with_grads(self) -> list[Block]:
@@ -263,7 +261,7 @@ class Grads(Training):
         self.finish_writes()
         for block in self.store.blocks:
             self.store.release(block)
-        return [b for b in self.store.blocks if self.swapper.records(b.grad_group) or b.grads
+        return [b for b in self.store.blocks if self.store.has_stored_grads(b) or b.grads
                 or any(p.grad is not None for p in b.params)]
 
     def stream_grads(self, todo: list[Block], start_also: Callable[[Block], None] | None = None,
@@ -281,8 +279,8 @@ class Grads(Training):
                 block = todo[k]
                 if start_also is not None:
                     start_also(block)
-                if self.swapper.records(block.grad_group):
-                    reads[block.index] = self.swapper.swap_in([block.grad_group])
+                if self.store.has_stored_grads(block):
+                    reads[block.index] = self.store.read_grads(block)
 
         try:
             for k in range(self.prefetch + 1):
@@ -300,7 +298,7 @@ class Grads(Training):
                     if read is not None:
                         read.release()
                 if discard:
-                    self.swapper.discard(block.grad_group)
+                    self.store.discard_grads(block)
                     block.grads_stored = False
                 start(k + 1 + self.prefetch)
         finally:

@@ -38,7 +38,7 @@ class ParameterTraffic:
         self.grad_reads: list[str] = []
         self.grads_written: list[str] = []
         self.bytes_read = self.bytes_written = self.grad_bytes_read = self.grad_bytes_written = 0
-        swapper = off.swapper
+        swapper = off.store.swapper
         swap_in, swap_out = swapper.swap_in, swapper.swap_out
 
         def counted_in(groups, *args, **kwargs):
@@ -206,16 +206,16 @@ def test_failed_write_when_unpinning_keeps_the_values_in_memory(scratch):
     whole = SIZE.layers * block_bytes(model)
     with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=whole) as off:
         losses = train_streamed(off, model, data, 2)
-        swap_out = off.swapper.swap_out
+        swap_out = off.store.swapper.swap_out
 
         def no_space(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device", str(scratch))
 
-        off.swapper.swap_out = no_space
+        off.store.swapper.swap_out = no_space
         with pytest.raises(OSError, match="No space"):
             off.set_max_resident_bytes(0)
         assert off.blocks[0].state is Residency.PINNED  # its stepped values exist only in memory: still there
-        off.swapper.swap_out = swap_out
+        off.store.swapper.swap_out = swap_out
         off.set_max_resident_bytes(0)
         assert off.pinned == frozenset()
         losses += train_streamed(off, model, data, 1)

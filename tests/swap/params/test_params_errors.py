@@ -125,7 +125,7 @@ def test_missing_swap_file_names_the_parameter(scratch):
     _, model = pair()
     offload = offload_parameters(model, str(scratch))
     try:
-        path = os.path.join(offload.swapper.folder, "block1.swp")
+        path = os.path.join(offload.store.swapper.folder, "block1.swp")
         os.remove(path)
         with pytest.raises(FileNotFoundError) as info, torch.no_grad():
             model(torch.randn(2, 128))

@@ -59,7 +59,7 @@ def checkpoint(reference, scratch):
 def swap_files(off) -> list:
     import os
 
-    return [name for name in os.listdir(off.swapper.folder) if name.endswith(".swp")]
+    return [name for name in os.listdir(off.store.swapper.folder) if name.endswith(".swp")]
 
 
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
@@ -75,9 +75,9 @@ def test_served_blocks_equal_the_copied_path_and_write_nothing(scratch, referenc
         assert served.stats.bytes_written == 0 and swap_files(served) == []
         assert all(b.served == str(checkpoint) for b in served.blocks)
         for block in served.blocks:
-            records = served.swapper.records(block.group)
+            records = served.store.swapper.records(block.group)
             assert {r.file for r in records.values()} == {str(checkpoint)}
-        assert any(r.offset % 512 for b in served.blocks for r in served.swapper.records(b.group).values())
+        assert any(r.offset % 512 for b in served.blocks for r in served.store.swapper.records(b.group).values())
         assert torch.equal(served_model(ids).logits, copied_model(ids).logits)
         assert torch.equal(served_model.generate(ids, max_new_tokens=4, do_sample=False),
                            copied_model.generate(ids, max_new_tokens=4, do_sample=False))
