@@ -16,6 +16,7 @@ import threading
 import torch
 
 from ..io.crc import crc32
+from ..errors import CheckpointError
 
 AHEAD_MIN_BYTES = 1 << 20  # smaller records are checksummed as they are staged: a thread hop would cost more
 
@@ -59,7 +60,7 @@ class CrcAhead:
             pending = self._pending[name]
             try:
                 if self._stop:
-                    raise RuntimeError("the save was abandoned")
+                    raise CheckpointError("the save was abandoned")
                 pending.value = crc32((ctypes.c_char * nbytes).from_address(address))
             except BaseException as e:  # handed to the writer waiting for this record
                 pending.value = e

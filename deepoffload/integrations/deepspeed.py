@@ -30,7 +30,7 @@ from ..errors import UnsupportedError
 
 import torch
 
-from . import deepspeed_children as children
+from . import deepspeed_env as children
 
 # Modules that bind AsyncIOBuilder / GDSBuilder at import time; imported by enable() so they are patched.
 DEEPSPEED_MODULES = (

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import os
 import sys
 import threading
 
-ENV = "DEEPOFFLOAD_DEEPSPEED"
+from .deepspeed_env import ENV, mark_children, unmark_children  # noqa: F401 (re-exported)
+
 PTH_NAME = "deepoffload-deepspeed.pth"
 # The .pth line: cheap and inert unless the variable is "1" (site runs lines that start with "import"). A plain
 # literal: setup.py reads it (and PTH_NAME) from this file's syntax tree, without importing the package.
@@ -26,20 +26,6 @@ PTH_LINE = ("import os; os.environ.get('DEEPOFFLOAD_DEEPSPEED') == '1' and "
 
 _lock = threading.Lock()
 _finder: _EnableAfterImport | None = None
-
-
-def mark_children() -> str | None:
-    """Sets the variable for child processes; returns its previous value (None when unset)."""
-    previous = os.environ.get(ENV)
-    os.environ[ENV] = "1"
-    return previous
-
-
-def unmark_children(previous: str | None) -> None:
-    if previous is None:
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = previous
 
 
 def install() -> None:

@@ -9,6 +9,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..errors import UnsupportedError
+
 
 def ddp_class():
     """torch's DistributedDataParallel class, or None where torch.distributed is unavailable."""
@@ -45,8 +47,8 @@ STEP_IN_BACKWARD_REASON = (
 
 
 def refuse_step_in_backward_under_ddp(params: Iterable[torch.Tensor]) -> None:
-    """Raise RuntimeError when a DistributedDataParallel holds one of ``params`` (``step_in_backward`` cannot wait
-    for DDP's averages)."""
+    """Raise UnsupportedError (a RuntimeError) when a DistributedDataParallel holds one of ``params``
+    (``step_in_backward`` cannot wait for DDP's averages)."""
     if ddp_holding(params) is not None:
-        raise RuntimeError(f"OffloadedOptimizer.step_in_backward(): these parameters are in a "
-                           f"DistributedDataParallel model: {STEP_IN_BACKWARD_REASON}")
+        raise UnsupportedError(f"OffloadedOptimizer.step_in_backward(): these parameters are in a "
+                               f"DistributedDataParallel model: {STEP_IN_BACKWARD_REASON}")

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # reads of os.environ that are not settings: builder.py saves and restores CXX around torch's build, probes pass the
 # whole environment to the compiler they run, deepspeed_children sets DEEPOFFLOAD_DEEPSPEED for child processes and
 # restores it (its one reader is the line of the installed .pth, which cannot import anything first)
-NOT_SETTINGS = {"op_builder/builder.py", "op_builder/probes.py", "deepoffload/integrations/deepspeed_children.py"}
+NOT_SETTINGS = {"op_builder/builder.py", "op_builder/probes.py", "deepoffload/integrations/deepspeed_children.py",
+                "deepoffload/integrations/deepspeed_env.py"}
 
 
 def environ_reads(path: Path) -> list[int]:

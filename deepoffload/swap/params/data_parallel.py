@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...errors import UnsupportedError
+
 BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
 
 
@@ -33,7 +35,7 @@ def process_group(data_parallel: object):
     """The process group ``data_parallel=`` names (None for the default group) or raises; not called for
     ``data_parallel=False``."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("offload_parameters(..., data_parallel=...): torch.distributed is not initialized: call "
+        raise UnsupportedError("offload_parameters(..., data_parallel=...): torch.distributed is not initialized: call "
                            "torch.distributed.init_process_group() first (torchrun sets its environment)")
     if data_parallel is True:
         return None
@@ -79,7 +81,7 @@ class GradientAverager:
         dist.all_reduce(present, group=self.group)
         uneven = [name for (name, _), count in zip(named, present.tolist()) if 0 < count < self.world]
         if uneven:
-            raise RuntimeError(f"{where}: the gradients of {', '.join(uneven[:5])} exist on some ranks but not on "
+            raise UnsupportedError(f"{where}: the gradients of {', '.join(uneven[:5])} exist on some ranks but not on "
                                f"others: the ranks ran different computations, so they cannot be averaged as "
                                f"DistributedDataParallel would. Every rank must use the same parameters in each "
                                f"backward")
