@@ -100,6 +100,21 @@ def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
+def check_loss_scaling(block: Block, state: ForwardState) -> None:
+    """Refuse training a block under float16 autocast: fp16 training needs a loss scaler (``torch.amp.GradScaler``)
+    that unscales every gradient and skips the step when one is inf/NaN, before any parameter steps, and a streamed
+    block's gradients never sit in memory for it (fused mode steps the block inside its backward)."""
+    half = [d for d, dtype in state.autocast_enabled.items() if dtype == torch.float16]
+    if half and block.trainable:
+        raise ValueError(f"block {block.prefix}: training streamed blocks under torch.autocast({half[0]!r}, "
+                         f"dtype=torch.float16) is not supported: fp16 needs a GradScaler, which must unscale and "
+                         f"check every gradient for inf/NaN before any parameter steps, and streamed blocks' "
+                         f"gradients are stepped or stored block by block. Use bfloat16 instead "
+                         f"(torch.autocast(dtype=torch.bfloat16), TrainingArguments(bf16=True), "
+                         f"Accelerator(mixed_precision=\"bf16\")), or compute_dtype=torch.bfloat16; fp16 autocast "
+                         f"works for inference (torch.no_grad()) and for frozen blocks")
+
+
 class Recompute(torch.autograd.Function):
     """Runs a block keeping only its inputs; backward re-reads its parameters and recomputes it."""
 
@@ -112,6 +127,7 @@ class Recompute(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         call.state = ForwardState.capture(tensors)
         streamer, block = call.streamer, call.block
+        check_loss_scaling(block, call.state)
         streamer.acquire(block, "forward", training=True)
         saved: list[weakref.ref] = []  # the tensors the block's graph saves, to see whether the graph outlives it
         try:
