@@ -59,14 +59,16 @@ _SHAPE = frozenset({"shape", "size", "numel", "nelement", "dim", "ndim", "ndimen
 @contextlib.contextmanager
 def internal() -> Iterator[None]:
     """deepoffload's own handling of streamed parameters: nothing is checked inside, and Ctrl-C waits for its end
-    (see ``interrupts``)."""
+    (see ``interrupts``). Outside inference mode: staging buffers, parameter views and compute copies made while a
+    forward runs under ``torch.inference_mode()`` are reused by training later, which may not write inference
+    tensors."""
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
     try:
         if depth:
             yield
         else:
-            with deferred():
+            with deferred(), torch.inference_mode(False):
                 yield
     finally:
         _local.depth = depth
