@@ -292,16 +292,20 @@ def accelerate_loop(setup: Setup) -> list[float]:
     model, optimizer = accelerator.prepare(setup.model, setup.optimizer)
     clip_here = not (setup.off is not None and setup.off.mode == "grads")
     losses = []
-    for k in range(2 * STEPS):
-        torch.manual_seed(100 + k)
-        with accelerator.accumulate(model):
-            loss = loss_of(model(**batch(setup.name, k)))
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and clip_here:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
+    try:
+        for k in range(2 * STEPS):
+            torch.manual_seed(100 + k)
+            with accelerator.accumulate(model):
+                loss = loss_of(model(**batch(setup.name, k)))
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and clip_here:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+    finally:  # accelerate's state is process-wide: the next cell starts without it
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
     return losses
 
 
@@ -446,8 +450,9 @@ def _from_deepoffload(error: BaseException) -> bool:
         inner = inner.__cause__
     raised_here = any(f"{os.sep}deepoffload{os.sep}" in frame.filename
                       for frame in traceback.extract_tb(inner.__traceback__)[-3:])
-    text = str(inner)
-    return raised_here and any(w in text for w in ("use ", "Use ", "pass ", "Pass ", "instead", "before ", "Set "))
+    text = str(inner).lower()
+    return raised_here and any(w in text for w in ("use ", "pass ", "instead", "before ", "set ", "without ",
+                                                   "freeze ", "call "))
 
 
 def cells():
