@@ -70,8 +70,9 @@ class Materializer:
 
     checkpoint: a path ``CheckpointReader`` opens, or None. init: called with each module owning tensors the
     checkpoint does not give (None: a Hugging Face model's own ``_init_weights``, which computes non-persistent
-    buffers such as rotary ``inv_freq`` as ``from_pretrained`` does; for other modules ``reset_parameters()``). dtype: the dtype of floating-point parameters made from
-    meta (None: as built); buffers keep theirs (rotary ``inv_freq`` stays fp32, as in ``from_pretrained``).
+    buffers such as rotary ``inv_freq`` as ``from_pretrained`` does; for other modules ``reset_parameters()``).
+    dtype: the dtype of floating-point parameters made from meta (None: as built); buffers keep theirs (rotary
+    ``inv_freq`` stays fp32, as in ``from_pretrained``).
     strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
     serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
     file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only)."""
