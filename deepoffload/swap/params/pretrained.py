@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .offload import ParameterOffload, offload_parameters
+from .api import offload_parameters
+from .offload import ParameterOffload
 
 
 def _model_class(config: Any, model_class: Any) -> Any:
