@@ -33,3 +33,80 @@ def test_accelerate_accumulation_in_fused_mode_is_refused_before_any_block_steps
             GradientState._reset_state()
         state = off.state_dict()
     assert all(torch.equal(before[n], state[n]) for n in before)
+
+
+def _train(model, off, steps, start=0):
+    losses = []
+    for k in range(start, start + steps):
+        torch.manual_seed(50 + k)
+        loss = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(k))).pow(2).mean()
+        loss.backward()
+        off.step()
+        off.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("mode, budget, compute_dtype", [
+    ("fused", None, None), ("grads", "half", None), ("fused", "all", torch.bfloat16), ("grads", None, torch.bfloat16)])
+def test_load_state_dict_resumes_bit_identically(scratch, mode, budget, compute_dtype):
+    """load_state_dict was refused on a streamed model (copy_ on a placeholder), so resuming was impossible; now
+    the loaded values go to the blocks' storage (or their masters in memory) and training resumes exactly."""
+    from deepoffload.swap.params import StreamedOptimizer
+    torch.manual_seed(0)
+    initial = Net()
+    size = sum(p.numel() * p.element_size() for p in initial.layers.parameters())
+    budget = {None: None, "half": size // 2, "all": 3 * size}[budget]
+
+    def setup(folder):
+        model = copy.deepcopy(initial)
+        off = offload_parameters(model, str(scratch / folder), mode=mode, optimizer=adam, compute_dtype=compute_dtype,
+                                 max_resident_bytes=budget)
+        return model, off
+
+    model, off = setup("whole")
+    expected = _train(model, off, 3)
+    final = off.state_dict()
+    off.close()
+
+    model, off = setup("first")
+    _train(model, off, 2)
+    saved, saved_optimizer = off.state_dict(), StreamedOptimizer(off).state_dict()
+    off.close()
+    model, off = setup("resumed")
+    with off:
+        assert model.load_state_dict(saved) is not None
+        StreamedOptimizer(off).load_state_dict(saved_optimizer)
+        assert _train(model, off, 1, start=2) == expected[2:]
+        state = off.state_dict()
+    assert [n for n, t in final.items() if not torch.equal(t, state[n])] == []
+
+
+def test_load_state_dict_reports_missing_and_mis_shaped_entries_as_in_memory(scratch):
+    torch.manual_seed(0)
+    model = Net()
+    with offload_parameters(model, str(scratch), optimizer=adam) as off:
+        state = off.state_dict()
+        del state["layers.1.0.bias"]
+        result = model.load_state_dict(state, strict=False)
+        assert result.missing_keys == ["layers.1.0.bias"] and result.unexpected_keys == []
+        state["layers.1.0.bias"] = torch.zeros(3)
+        with pytest.raises(RuntimeError, match="size mismatch for layers.1.0.bias"):
+            model.load_state_dict(state)
+
+
+def test_served_blocks_refuse_a_load(scratch):
+    from deepoffload.formats.writer import save_sharded
+    torch.manual_seed(0)
+    ref = Net()
+    save_sharded({k: v.detach() for k, v in ref.state_dict().items()}, scratch / "ckpt")
+    with torch.device("meta"):
+        model = Net()
+    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", serve_from_checkpoint=True):
+        with pytest.raises(RuntimeError, match="served read-only.*serve_from_checkpoint"):
+            model.load_state_dict(ref.state_dict())
+

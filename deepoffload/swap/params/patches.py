@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .loading import load_hooks
 from .placeholders import internal
 from .residency import Block
 from .store import BlockStore
@@ -61,6 +62,9 @@ class ModulePatches:
         self.patched.append((block.module, "forward", streamed_forward))
         self.hooks.append(block.module.register_state_dict_pre_hook(self._block_state_dict_start(block)))
         self.hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
+        load, loaded = load_hooks(self.store, block)
+        self.hooks.append(block.module.register_load_state_dict_pre_hook(load))
+        self.hooks.append(block.module.register_load_state_dict_post_hook(loaded))
 
     @staticmethod
     def _block_state_dict_start(block: Block) -> Callable:
