@@ -110,3 +110,48 @@ def test_served_blocks_refuse_a_load(scratch):
         with pytest.raises(RuntimeError, match="served read-only.*serve_from_checkpoint"):
             model.load_state_dict(ref.state_dict())
 
+
+def _refused_next_forward(model, match, *args):
+    with pytest.raises(RuntimeError, match=match):
+        model(*args)
+
+
+def test_resize_token_embeddings_after_offloading_is_refused_at_the_next_forward(scratch):
+    """The resized head was in no optimizer: never stepped, its gradient piling up, no error."""
+    pytest.importorskip("transformers")
+    from matrix_harness import build
+    model = build("llama")
+    ids = torch.randint(3, 64, (2, 6))
+    with offload_parameters(model, str(scratch), optimizer=adam):
+        model.resize_token_embeddings(80)
+        _refused_next_forward(model, r"lm_head\.weight.* replaced after offload_parameters\(\).*before "
+                                     r"offload_parameters\(\)", ids)
+
+
+def test_get_peft_model_after_offloading_is_refused_at_the_next_forward(scratch):
+    """The backward failed with "The size of tensor a (64) must match the size of tensor b (0)"."""
+    peft = pytest.importorskip("peft")
+    from matrix_harness import build
+    model = build("llama")
+    ids = torch.randint(3, 64, (2, 6))
+    with offload_parameters(model, str(scratch), optimizer=adam):
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        _refused_next_forward(wrapped, r"block model\.layers\.0: parameters .*lora_A.* were added.* after "
+                                       r"offload_parameters\(\).*get_peft_model.* before", ids)
+
+
+@pytest.mark.parametrize("change", ["replace", "add", "outside"])
+def test_modules_changed_after_offloading_are_refused_at_the_next_forward(scratch, change):
+    torch.manual_seed(0)
+    model = Net()
+    with offload_parameters(model, str(scratch), optimizer=adam):
+        if change == "replace":
+            model.layers[1][0] = torch.nn.Linear(16, 16)
+            match = r"block layers\.1: parameters layers\.1\.0\.weight, layers\.1\.0\.bias were replaced"
+        elif change == "add":
+            model.layers[2].add_module("extra", torch.nn.Linear(2, 2))
+            match = r"block layers\.2: parameters layers\.2\.extra\.weight, layers\.2\.extra\.bias were added"
+        else:
+            model.add_module("scale", torch.nn.Linear(2, 2))
+            match = r"^parameters scale\.weight, scale\.bias were added after offload_parameters"
+        _refused_next_forward(model, match, torch.randn(4, 16))

@@ -29,6 +29,7 @@ from .residency import Block, Residency, nbytes
 from .schedule import upcoming
 from .stats import OffloadStats
 from .store import BlockStore
+from .structure import Structure
 from .training import MODES as TRAINING_MODES
 
 MODES = tuple(TRAINING_MODES)
@@ -95,6 +96,7 @@ class ParameterOffload:
         for block in self.blocks:
             self.patches.stream(block)
         self.patches.guard_moves()
+        self._structure = Structure(module, self.blocks)
         if data_parallel is not False:  # last: its hooks stay only on a ParameterOffload that was made
             self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self._rest_named])
             self.training.average = self.data_parallel.average_block
@@ -153,6 +155,7 @@ class ParameterOffload:
         if self._closed:
             raise ClosedError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
                                f"without restore=True, so they are gone; close(restore=True) keeps them")
+        self._structure.check(block, rest=block.index == 0)  # parameters added or replaced since offloading
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         wants_grad = any(p.requires_grad for p in block.params)
