@@ -92,7 +92,7 @@ class ParameterOffload:
             if data_parallel is not False:  # the blocks came from one checkpoint; the rest from the first rank
                 GradientAverager(group).broadcast([*self.rest, *module.buffers()])
         self.set_max_resident_bytes(max_resident_bytes)
-        self.patches = ModulePatches(module, self.blocks, self.store, self._run)
+        self.patches = ModulePatches(module, self.blocks, self.store, self._run, self._moved)
         for block in self.blocks:
             self.patches.stream(block)
         self.patches.guard_moves()
@@ -118,6 +118,7 @@ class ParameterOffload:
         Call between steps."""
         _check_budget(budget)
         self._check_open()
+        self._budget = budget
         budget = budget or 0
         self.training.finish_writes()
         self.store.wait_writes()
@@ -170,6 +171,12 @@ class ParameterOffload:
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)
+
+    def _moved(self) -> None:
+        """After blocks were converted to another dtype (``patches``): their new sizes decide which fit the budget."""
+        self.training.finish_writes()
+        if self.pinned:
+            self.set_max_resident_bytes(self._budget)
 
     @internal_call
     def acquire(self, block: Block, phase: str, training: bool) -> None:
