@@ -16,6 +16,7 @@ import contextlib
 import io
 import itertools
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -112,10 +113,8 @@ class Setup:
         self.name, self.precision, self.loop, self.feature, self.folder = name, precision, loop, feature, folder
         self.off = None
         model = build(name)
-        if loop == "lora":
-            import peft
-            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[name],
-                                                               lora_dropout=0.1))
+        if loop == "lora" and feature != "serve":
+            model = _lora(model, name)
         self.model = model.train()
         if feature is None:
             self.model = model if precision != "compute_bf16" else _compute_bf16_in_memory(model)
@@ -137,6 +136,8 @@ class Setup:
                 model = self.model = self._served(model)
                 options.update(checkpoint=folder / "ckpt", serve_from_checkpoint=True, init=_init_of(model))
             self.off = offload_parameters(model, str(folder / "swap"), **options)
+            if loop == "lora" and feature == "serve":  # a served model exists only offloaded: LoRA comes after
+                self.model = _lora(model, name)
             self.optimizer = StreamedOptimizer(self.off, clip_grad_norm=1.0 if loop == "accelerate" and
                                                self.off.mode == "grads" else None)
 
@@ -149,8 +150,6 @@ class Setup:
                 seen.add(id(tensor))
                 state[key] = tensor.detach()
         save_sharded(state, self.folder / "ckpt", max_shard_bytes=10**9)
-        if self.loop == "lora":
-            raise NotApplicable("get_peft_model before a meta build")
         return build(self.name, "meta").train()
 
     def close(self) -> None:
@@ -185,6 +184,11 @@ class Setup:
                     out[name] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                  for k, v in sd["state"][index].items()}
         return out
+
+
+def _lora(model: nn.Module, name: str) -> nn.Module:
+    import peft
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[name], lora_dropout=0.1))
 
 
 class NotApplicable(Exception):
@@ -467,7 +471,9 @@ def _equal_entries(a: dict, b: dict | None, equal: Callable[[Any, Any], bool]) -
 
 
 def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    """The error's type and first line, its file paths (temporary folders) as <path>."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {re.sub(r'(?<=[ (])/[^ )]+', '<path>', text)}"
 
 
 def _from_deepoffload(error: BaseException) -> bool:

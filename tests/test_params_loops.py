@@ -136,8 +136,9 @@ def test_get_peft_model_after_offloading_is_refused_at_the_next_forward(scratch)
     ids = torch.randint(3, 64, (2, 6))
     with offload_parameters(model, str(scratch), optimizer=adam):
         wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
-        _refused_next_forward(wrapped, r"block model\.layers\.0: parameters .*lora_A.* were added.* after "
-                                       r"offload_parameters\(\).*get_peft_model.* before", ids)
+        _refused_next_forward(wrapped, r"block model\.layers\.0: parameter .*q_proj\.weight was moved to .*"
+                                       r"base_layer.*lora_A.* were added.* after offload_parameters\(\).*"
+                                       r"get_peft_model.* before", ids)
 
 
 @pytest.mark.parametrize("change", ["replace", "add", "outside"])

@@ -58,7 +58,13 @@ def _difference(then: dict[str, int], now: dict[str, int], prefix: str) -> str:
     added = [n for n in now if n not in then]
     removed = [n for n in then if n not in now]
     replaced = [n for n in now if n in then and now[n] != then[n]]
-    parts = []
+    # a parameter under a new name (wrapped: peft's base_layer) is the same tensor, moved
+    old_names = {identity: n for n, identity in then.items() if n in removed}
+    moved = [n for n in added if now[n] in old_names]
+    added = [n for n in added if n not in moved]
+    removed = [n for n in removed if then[n] not in {now[m] for m in moved}]
+    parts = [f"parameter {full(old_names[now[moved[0]]])} was moved to {full(moved[0])}"
+             + (f" ({len(moved) - 1} more moved)" if len(moved) > 1 else "")] if moved else []
     for names, what in ((replaced, "replaced"), (added, "added"), (removed, "removed")):
         if names:
             shown = ", ".join(full(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
