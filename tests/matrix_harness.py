@@ -512,7 +512,7 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
              "cause amplified beyond rounding (a known limitation of that model, see its message); "
              "**refused**: deepoffload raises before the first step, saying what to use instead; **in-memory fails "
              "too**: the training loop itself refuses the combination on this machine; **not applicable**: the "
-             "combination has no meaning.", "",
+             "combination has no meaning; **not run**: the run that wrote this file did not reach it.", "",
              "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `offload_parameters(mode=...)`; "
              "`half` = grads mode with half the blocks resident (`max_resident_bytes`); `serve` = "
              "`serve_from_checkpoint=True` (inference; training refused). Loops: `plain` (hand-written), `trainer` "
@@ -529,7 +529,7 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         for precision, loop in itertools.product(PRECISIONS, LOOPS):
             row = []
             for feature in FEATURES:
-                outcome = results[(model, precision, loop, feature)]
+                outcome = results.get((model, precision, loop, feature), Outcome("not run"))
                 mark = outcome.status
                 if outcome.detail and outcome.status != "identical":
                     number = refusals.setdefault(outcome.detail, len(refusals) + 1)
@@ -556,8 +556,8 @@ def main(argv: list[str]) -> int:
         for k, cell in enumerate(c for c in cells() if c[0] in models):
             results[cell] = run_cell(*cell, Path(base) / str(k))
             print(*cell, results[cell].status, results[cell].detail[:150], flush=True)
-    if option("--json"):
-        Path(option("--json")).write_text(json.dumps([[*c, o.status, o.detail] for c, o in results.items()]))
+            if option("--json"):  # after each cell: an interrupted run keeps what it did
+                Path(option("--json")).write_text(json.dumps([[*c, o.status, o.detail] for c, o in results.items()]))
     for saved in filter(None, (option("--merge") or "").split(",")):
         results.update({tuple(row[:4]): Outcome(row[4], row[5]) for row in json.loads(Path(saved).read_text())})
     if option("--write"):
