@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepoffload.swap.params import offload_parameters
-from test_params_forward_state import Net, sgd
+from tests.swap.params.test_params_forward_state import Net, sgd
 
 MOVES = {"to-bf16": lambda m: m.to(torch.bfloat16), "half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(),
          "double": lambda m: m.double(), "to-dtype-kw": lambda m: m.to(dtype=torch.float16)}

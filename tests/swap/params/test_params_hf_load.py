@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepoffload.swap.params import offload_parameters
-from matrix_harness import batch, build
+from tests.support.matrix_harness import batch, build
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepoffload.swap.params import offload_parameters
-from test_params_forward_state import Net, sgd
+from tests.swap.params.test_params_forward_state import Net, sgd
 
 
 @pytest.mark.parametrize("compute_dtype", [None, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepoffload.swap.params import offload_parameters
-from test_params_forward_state import Net, sgd
+from tests.swap.params.test_params_forward_state import Net, sgd
 
 
 def test_accelerate_accumulation_in_fused_mode_is_refused_before_any_block_steps(scratch):
@@ -119,7 +119,7 @@ def _refused_next_forward(model, match, *args):
 def test_resize_token_embeddings_after_offloading_is_refused_at_the_next_forward(scratch):
     """The resized head was in no optimizer: never stepped, its gradient piling up, no error."""
     pytest.importorskip("transformers")
-    from matrix_harness import build
+    from tests.support.matrix_harness import build
     model = build("llama")
     ids = torch.randint(3, 64, (2, 6))
     with offload_parameters(model, str(scratch), optimizer=adam):
@@ -131,7 +131,7 @@ def test_resize_token_embeddings_after_offloading_is_refused_at_the_next_forward
 def test_get_peft_model_after_offloading_is_refused_at_the_next_forward(scratch):
     """The backward failed with "The size of tensor a (64) must match the size of tensor b (0)"."""
     peft = pytest.importorskip("peft")
-    from matrix_harness import build
+    from tests.support.matrix_harness import build
     model = build("llama")
     ids = torch.randint(3, 64, (2, 6))
     with offload_parameters(model, str(scratch), optimizer=adam):
