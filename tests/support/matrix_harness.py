@@ -450,14 +450,20 @@ def acceptable(model: str, outcome: Outcome) -> bool:
 
 
 def _identical(a: Any, b: Any) -> bool:
+    """Bit for bit; NaN equals NaN (a trainer run marks a resumed run that ended elsewhere with a NaN loss, and
+    transformers' own Mixtral does so in memory too)."""
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        if same and a.is_floating_point():
+            return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+        return same and torch.equal(a, b)
     return a == b
 
 
 def _rounding(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and a.is_floating_point():
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-4, atol=1e-5,
+                                                                                     equal_nan=True)
     return _identical(a, b)
 
 
@@ -545,7 +551,7 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``--models a,b`` runs those models' cells only; ``--json FILE`` saves the outcomes; ``--write FILE`` writes the
+    """``--models a,b`` and ``--loops c,d`` run those cells only; ``--json FILE`` saves the outcomes; ``--write FILE`` writes the
     support matrix of the outcomes run here plus those of ``--merge FILE,...`` (outcomes saved by other runs)."""
     import json
 
@@ -553,9 +559,10 @@ def main(argv: list[str]) -> int:
         return argv[argv.index(name) + 1] if name in argv else None
 
     models = (option("--models") or ",".join(MODELS)).split(",")
+    loops = (option("--loops") or ",".join(LOOPS)).split(",")
     results = {}
     with tempfile.TemporaryDirectory() as base:
-        for k, cell in enumerate(c for c in cells() if c[0] in models):
+        for k, cell in enumerate(c for c in cells() if c[0] in models and c[2] in loops):
             results[cell] = run_cell(*cell, Path(base) / str(k))
             print(*cell, results[cell].status, results[cell].detail[:150], flush=True)
             if option("--json"):  # after each cell: an interrupted run keeps what it did
