@@ -551,8 +551,9 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``--models a,b`` and ``--loops c,d`` run those cells only; ``--json FILE`` saves the outcomes; ``--write FILE`` writes the
-    support matrix of the outcomes run here plus those of ``--merge FILE,...`` (outcomes saved by other runs)."""
+    """``--models a,b`` and ``--loops c,d`` run those cells only; ``--json FILE`` saves the outcomes; ``--write
+    FILE`` writes the support matrix of the outcomes run here plus those of ``--merge FILE,...`` (saved by other
+    runs; a later file's outcome of a cell replaces an earlier one's)."""
     import json
 
     def option(name: str) -> str | None:
