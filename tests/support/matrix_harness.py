@@ -384,19 +384,21 @@ def _train(name: str, precision: str, loop: str, feature: str | None, folder: Pa
                 if feature is None:
                     raise
                 raise Refused(e, _changed(setup, name)) from e
-        return Run(losses, setup.state(), {} if feature == "serve" else setup.optimizer_state())
+        return Run(losses, setup.state(), {} if runner is serve_loop else setup.optimizer_state())
     finally:
         setup.close()
 
 
 def _changed(setup: Setup, name: str) -> bool:
-    """Whether the offloaded model's parameters differ from those it started with (unreadable counts as changed)."""
-    initial = build(name).state_dict()
+    """Whether the offloaded model's parameters differ from those it started with (unreadable counts as changed;
+    buffers such as BatchNorm statistics change in any forward, in memory too, and are not looked at)."""
+    model = build(name)
+    initial = {k: p.detach() for k, p in model.named_parameters()}
     try:
         now = setup.state()
     except Exception:  # noqa: BLE001
         return True
-    return any(k in now and not torch.equal(v, now[k]) for k, v in initial.items() if not k.endswith("_tracked"))
+    return any(k in now and not torch.equal(v, now[k]) for k, v in initial.items())
 
 
 def reference(name: str, precision: str, loop: str, serving: bool, folder: Path) -> Run | BaseException:
