@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ...errors import UnsupportedError
 from .placeholders import internal
 from .residency import Block, Residency
 from .store import BlockStore
@@ -35,7 +36,7 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
         if not values:
             return
         if block.served:
-            raise RuntimeError(f"load_state_dict: block {block.prefix} is served read-only from the checkpoint "
+            raise UnsupportedError(f"load_state_dict: block {block.prefix} is served read-only from the checkpoint "
                                f"{block.served} (serve_from_checkpoint=True), which is never written: offload "
                                f"without serve_from_checkpoint= to load other values")
         with internal():

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from torch import nn
 
+from ...errors import UnsupportedError
 from .residency import Block
 
 ORDER = ("make such changes (resize_token_embeddings, get_peft_model, add_module, replacing modules) before "
@@ -41,13 +42,13 @@ class Structure:
         offloading."""
         now = _identities(block.module.named_parameters(remove_duplicate=False))
         if now != self.blocks[block.index]:
-            raise RuntimeError(f"block {block.prefix}: {_difference(self.blocks[block.index], now, block.prefix)} "
+            raise UnsupportedError(f"block {block.prefix}: {_difference(self.blocks[block.index], now, block.prefix)} "
                                f"after offload_parameters(), so it would not be streamed or stepped with the block "
                                f"(a silently untrained or lost parameter): {ORDER}")
         if rest:
             now = self._rest()
             if now != self.rest:
-                raise RuntimeError(f"{_difference(self.rest, now, '')} after offload_parameters(), so no optimizer "
+                raise UnsupportedError(f"{_difference(self.rest, now, '')} after offload_parameters(), so no optimizer "
                                    f"made there would step it (its gradient would pile up, untrained): {ORDER}")
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ...errors import StreamedParameterError
+from ...errors import StreamedParameterError, UnsupportedError
 from .. import grad_norm
 from ..optimizer import OffloadedOptimizer
 from ..tensor_swapper import SwapIn, SwapOut
@@ -124,7 +124,7 @@ class Fused(Training):
         if not (last and block.trainable):
             return
         if accumulating():
-            raise RuntimeError(f"block {block.prefix}: accelerate accumulates gradients here (Accelerator("
+            raise UnsupportedError(f"block {block.prefix}: accelerate accumulates gradients here (Accelerator("
                                f"gradient_accumulation_steps>1) inside accelerator.accumulate(), before its step), but "
                                f"in fused mode each block steps inside its backward. Use offload_parameters(..., "
                                f"mode=\"grads\") to accumulate gradients")
