@@ -113,6 +113,7 @@ class Setup:
 
     def __init__(self, name: str, precision: str, loop: str, feature: str | None, folder: Path):
         self.name, self.precision, self.loop, self.feature, self.folder = name, precision, loop, feature, folder
+        folder.mkdir(parents=True, exist_ok=True)  # (deepoffload makes the last part of a swap path only)
         self.off = None
         model = build(name)
         if loop == "lora" and feature != "serve":
