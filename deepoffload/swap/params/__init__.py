@@ -65,9 +65,13 @@ weights, read from storage one block at a time (copies, master dtype). While a b
 ``StreamedParameter`` (``placeholders``): shapes and counts are the stored ones, and code that would see the
 placeholders (copies or saves parameter by parameter, writes, optimizers over ``model.parameters()``, ``p.grad`` between
 backward and ``step()``) raises at once saying what to use instead. ``close()`` reads every block back into memory by
-default (``close(restore=False)`` discards them). Moves that would change a streamed parameter (``model.to(dtype)``,
-``.half()``, ``.double()``, ``.cuda()`` on the module or any module holding a block) raise ValueError before anything is
-converted. ``torch.compile`` runs the streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see
+default (``close(restore=False)`` discards them). ``model.load_state_dict`` writes each block's entries to its stored
+values (``loading``). Dtype moves (``model.to(dtype)``, ``.half()``, ``.double()`` ... on the module or any module
+holding a block) convert the stored blocks one at a time (``dtype_moves``); device moves of streamed parameters raise
+ValueError before anything is converted. Parameters added or replaced after offloading are refused at the next forward
+(``structure``). A block's recompute runs under its forward's autocast, RNG and kernel settings (``forward_state``);
+training streamed blocks under fp16 autocast is refused (a ``GradScaler`` cannot see their gradients before they
+step). ``torch.compile`` runs the streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see
 ``trainer``.
 
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
@@ -76,6 +80,7 @@ Layout: ``residency`` (each block's state: on storage, reading, resident, writin
 repeat), ``training`` (fused and grads modes, clipping), ``api`` (``offload_parameters``, the public entry point),
 ``offload`` (``ParameterOffload``, what it returns), ``patches`` (what is attached to the user's modules), ``export``
 (the state streamed out for ``save``), ``stats`` (``OffloadStats``), ``blocks`` (the default block rule),
+``pretrained`` (``from_pretrained``: a Hugging Face folder built on meta and loaded streamed),
 ``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model
 built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage),
 ``data_parallel`` (``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and

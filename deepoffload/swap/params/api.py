@@ -46,8 +46,9 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones, reported in
         ``load_report``). Needed for no model: a module built on the ``meta`` device works without it too.
     init: for a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
-        owning such tensors, children before parents (e.g. a Hugging Face model's ``_init_weights``); default: the
-        module's ``reset_parameters()``. A value left unset is an error. See ``materialize``.
+        owning such tensors, children before parents; default: a Hugging Face model's own ``_init_weights`` (it
+        computes non-persistent buffers such as rotary ``inv_freq``), else each module's ``reset_parameters()``. A
+        value left unset is an error. See ``materialize``.
     dtype: floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``);
         buffers keep the dtype they were built with (as under accelerate's ``init_empty_weights()``).
     strict: see checkpoint.

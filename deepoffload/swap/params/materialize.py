@@ -52,6 +52,14 @@ def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return aligned_empty(shape, dtype, pin=False)
 
 
+def hf_init(module: nn.Module) -> Init | None:
+    """A Hugging Face ``PreTrainedModel``'s own ``_init_weights`` (None for other modules)."""
+    is_hf = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+                for c in type(module).__mro__)
+    init = getattr(module, "_init_weights", None)
+    return init if is_hf and callable(init) else None
+
+
 def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
@@ -61,8 +69,10 @@ class Materializer:
     placeholders and checks the checkpoint's names and shapes, reading no data); ``offload`` then fills and writes.
 
     checkpoint: a path ``CheckpointReader`` opens, or None. init: called with each module owning tensors the
-    checkpoint does not give (None: ``reset_parameters()``). dtype: the dtype of floating-point parameters made from
-    meta (None: as built); buffers keep theirs (rotary ``inv_freq`` stays fp32, as in ``from_pretrained``).
+    checkpoint does not give (None: a Hugging Face model's own ``_init_weights``, which computes non-persistent
+    buffers such as rotary ``inv_freq`` as ``from_pretrained`` does; for other modules ``reset_parameters()``).
+    dtype: the dtype of floating-point parameters made from meta (None: as built); buffers keep theirs (rotary
+    ``inv_freq`` stays fp32, as in ``from_pretrained``).
     strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
     serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
     file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only)."""
@@ -71,7 +81,7 @@ class Materializer:
                  init: Init | None, dtype: torch.dtype | None, strict: bool, serve: bool = False):
         self.module = module
         self.serve = serve
-        self.init = init
+        self.init = init if init is not None else hf_init(module)
         self.dtype = dtype
         self.block_prefixes = block_prefixes
         self.reader: CheckpointReader | None = None

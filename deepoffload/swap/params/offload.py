@@ -29,6 +29,7 @@ from .residency import Block, Residency, nbytes
 from .schedule import upcoming
 from .stats import OffloadStats
 from .store import BlockStore
+from .structure import Structure
 from .training import MODES as TRAINING_MODES
 
 MODES = tuple(TRAINING_MODES)
@@ -91,10 +92,11 @@ class ParameterOffload:
             if data_parallel is not False:  # the blocks came from one checkpoint; the rest from the first rank
                 GradientAverager(group).broadcast([*self.rest, *module.buffers()])
         self.set_max_resident_bytes(max_resident_bytes)
-        self.patches = ModulePatches(module, self.blocks, self.store, self._run)
+        self.patches = ModulePatches(module, self.blocks, self.store, self._run, self._moved)
         for block in self.blocks:
             self.patches.stream(block)
         self.patches.guard_moves()
+        self._structure = Structure(module, self.blocks)
         if data_parallel is not False:  # last: its hooks stay only on a ParameterOffload that was made
             self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self._rest_named])
             self.training.average = self.data_parallel.average_block
@@ -116,6 +118,7 @@ class ParameterOffload:
         Call between steps."""
         _check_budget(budget)
         self._check_open()
+        self._budget = budget
         budget = budget or 0
         self.training.finish_writes()
         self.store.wait_writes()
@@ -153,6 +156,7 @@ class ParameterOffload:
         if self._closed:
             raise ClosedError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
                                f"without restore=True, so they are gone; close(restore=True) keeps them")
+        self._structure.check(block, rest=block.index == 0)  # parameters added or replaced since offloading
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         wants_grad = any(p.requires_grad for p in block.params)
@@ -167,6 +171,12 @@ class ParameterOffload:
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)
+
+    def _moved(self) -> None:
+        """After blocks were converted to another dtype (``patches``): their new sizes decide which fit the budget."""
+        self.training.finish_writes()
+        if self.pinned:
+            self.set_max_resident_bytes(self._budget)
 
     @internal_call
     def acquire(self, block: Block, phase: str, training: bool) -> None:

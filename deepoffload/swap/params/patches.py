@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import dtype_moves
+from .loading import load_hooks
 from .placeholders import internal
 from .residency import Block
 from .store import BlockStore
@@ -38,8 +40,10 @@ class ModulePatches:
     """The patches on ``module`` and its ``blocks``: ``stream`` and ``guard_moves`` put them on, ``remove`` takes
     them off. ``run`` is called for every call of a streamed block."""
 
-    def __init__(self, module: nn.Module, blocks: list[Block], store: BlockStore, run: Run):
-        self.module, self.blocks, self.store, self.run = module, blocks, store, run
+    def __init__(self, module: nn.Module, blocks: list[Block], store: BlockStore, run: Run,
+                 moved: Callable[[], None]):
+        """``moved`` is called after blocks were converted to another dtype."""
+        self.module, self.blocks, self.store, self.run, self.moved = module, blocks, store, run, moved
         self.patched: list[tuple[nn.Module, str, Callable]] = []
         self.hooks: list = []
 
@@ -61,6 +65,9 @@ class ModulePatches:
         self.patched.append((block.module, "forward", streamed_forward))
         self.hooks.append(block.module.register_state_dict_pre_hook(self._block_state_dict_start(block)))
         self.hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
+        load, loaded = load_hooks(self.store, block)
+        self.hooks.append(block.module.register_load_state_dict_pre_hook(load))
+        self.hooks.append(block.module.register_load_state_dict_post_hook(loaded))
 
     @staticmethod
     def _block_state_dict_start(block: Block) -> Callable:
@@ -82,7 +89,8 @@ class ModulePatches:
 
     def guard_moves(self) -> None:
         """``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... on the module or any module holding
-        a block: refused before anything is converted when they would change a streamed parameter."""
+        a block: the blocks' stored values are converted first, block by block, or the move is refused before
+        anything is converted (``dtype_moves``)."""
         holders = set()
         for name, _ in ((b.prefix, b) for b in self.blocks):
             parts = name.split(".") if name else []
@@ -94,21 +102,17 @@ class ModulePatches:
 
                 def guarded(fn, recurse=True, _original=original):
                     with internal():
-                        self._check_move(fn)
+                        self._move(fn)
                         return _original(fn, recurse)
 
                 sub._apply = guarded
                 self.patched.append((sub, "_apply", guarded))
 
-    def _check_move(self, fn: Callable) -> None:
-        for block in self.blocks:
-            for name, param in zip(block.names, block.params):
-                moved = fn(param.data)
-                if moved.dtype != param.dtype or moved.device != param.device:
-                    raise ValueError(f"this would move the streamed parameter {block.qualified(name)} from "
-                                     f"{param.dtype} on {param.device} to {moved.dtype} on {moved.device}, but its "
-                                     f"values live on storage: convert or move the model before "
-                                     f"offload_parameters(), or pass compute_dtype= to compute blocks in another dtype")
+    def _move(self, fn: Callable) -> None:
+        todo = dtype_moves.planned(self.blocks, fn)
+        if todo:
+            dtype_moves.convert(self.store, todo, fn)
+            self.moved()
 
     def remove(self, restore: bool) -> None:
         """Take the hooks and patches off; unless ``restore``, the blocks keep their streamed ``forward`` (calls

@@ -11,7 +11,8 @@ one by one would silently see no weights in the placeholders, so a ``StreamedPar
 - refuses at once, naming the pattern and what to use instead: reads of its values (``{n: p.detach().clone() for
   n, p in model.named_parameters()}``, ``torch.save`` of parameters, EMA copies, ``parameters_to_vector``, ...):
   ``model.state_dict()`` holds the real weights, read one block at a time; writes (``p.data``, in-place ops such
-  as ``copy_`` in ``load_state_dict``, ``nn.init``), which would never reach storage; ``copy.deepcopy`` (the copy
+  as ``copy_``, ``nn.init``), which would never reach storage (``model.load_state_dict`` writes to storage: see
+  ``loading``); ``copy.deepcopy`` (the copy
   would still stream through this model's offload); an optimizer built over it (``torch.optim`` checks
   ``is_leaf``), which would never see its gradients: pass ``optimizer=`` to ``offload_parameters`` instead;
 - refuses ``p.grad`` while the block's gradients are elsewhere until ``step()`` (applied inside backward in fused
@@ -59,14 +60,16 @@ _SHAPE = frozenset({"shape", "size", "numel", "nelement", "dim", "ndim", "ndimen
 @contextlib.contextmanager
 def internal() -> Iterator[None]:
     """deepoffload's own handling of streamed parameters: nothing is checked inside, and Ctrl-C waits for its end
-    (see ``interrupts``)."""
+    (see ``interrupts``). Outside inference mode: staging buffers, parameter views and compute copies made while a
+    forward runs under ``torch.inference_mode()`` are reused by training later, which may not write inference
+    tensors."""
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
     try:
         if depth:
             yield
         else:
-            with deferred():
+            with deferred(), torch.inference_mode(False):
                 yield
     finally:
         _local.depth = depth
@@ -241,8 +244,8 @@ def _message(param: StreamedParameter, what: str, kind: str) -> str:
                 f"time; save_pretrained uses it too), or off.close() to have them in memory again")
     if kind == "write":
         return (f"{where}: {what} would change values that live on storage and are read again before each use, so "
-                f"the change would be lost. Change or load weights (load_state_dict, nn.init, p.data = ...) before "
-                f"offload_parameters() or after off.close()")
+                f"the change would be lost. Load weights with model.load_state_dict() (it writes to storage), or "
+                f"change them (nn.init, p.data = ...) before offload_parameters() or after off.close()")
     if kind == "copy":
         return (f"{where}: {what} of a streamed model or parameter would keep streaming through this model's "
                 f"offload. Copy the weights with model.state_dict() (e.g. into a fresh model with "

@@ -1,6 +1,6 @@
 """Recomputation: a block runs inside an autograd function that keeps only its inputs; backward makes the block
-resident again, recomputes it under the forward's RNG state, buffers and cache state (``side_effects``), and
-back-propagates through it.
+resident again, recomputes it under the forward's autocast, RNG state and kernel settings (``forward_state``),
+buffers and cache state (``side_effects``), and back-propagates through it.
 
 Which backward is a block's last in a pass (when its gradients are complete) is asked of the autograd engine: the
 block's other pending calls that the running backward will still execute. Calls whose graph is never back-propagated
@@ -16,8 +16,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import get_device_states, set_device_states
 
+from .forward_state import ForwardState
 from .residency import Block
 from .side_effects import Captured, check_caches
 
@@ -32,7 +32,8 @@ class Streamer(Protocol):
 
 class BlockCall:
     """One call of a block: its non-tensor arguments, how to rebuild them, its outputs' structure, and what
-    recomputation needs (RNG state, state before the forward, the block's step count at the forward)."""
+    recomputation needs (the forward's autocast, RNG and settings, state before the forward, the block's step count
+    at the forward)."""
 
     def __init__(self, streamer: Streamer, block: Block, forward: Callable, flat: list, spec: Any):
         self.streamer, self.block, self.forward = streamer, block, forward
@@ -42,7 +43,7 @@ class BlockCall:
         self.out_flat: list = []
         self.out_spec: Any = None
         self.out_positions: list[int] = []
-        self.rng: tuple | None = None
+        self.state: ForwardState | None = None
         self.captured = Captured(block.module, check_caches(block.prefix, flat))
         self.steps = block.steps
         self.node: weakref.ref | None = None  # the autograd node (ctx) of this call
@@ -99,9 +100,19 @@ def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
-def _device_type(tensors: Sequence[torch.Tensor]) -> str | None:
-    """The inputs' accelerator type; None (torch then uses the current accelerator's) when all are on the CPU."""
-    return next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+def check_loss_scaling(block: Block, state: ForwardState) -> None:
+    """Refuse training a block under float16 autocast: fp16 training needs a loss scaler (``torch.amp.GradScaler``)
+    that unscales every gradient and skips the step when one is inf/NaN, before any parameter steps, and a streamed
+    block's gradients never sit in memory for it (fused mode steps the block inside its backward)."""
+    half = [d for d, dtype in state.autocast_enabled.items() if dtype == torch.float16]
+    if half and block.trainable:
+        raise ValueError(f"block {block.prefix}: training streamed blocks under torch.autocast({half[0]!r}, "
+                         f"dtype=torch.float16) is not supported: fp16 needs a GradScaler, which must unscale and "
+                         f"check every gradient for inf/NaN before any parameter steps, and streamed blocks' "
+                         f"gradients are stepped or stored block by block. Use bfloat16 instead "
+                         f"(torch.autocast(dtype=torch.bfloat16), TrainingArguments(bf16=True), "
+                         f"Accelerator(mixed_precision=\"bf16\")), or compute_dtype=torch.bfloat16; fp16 autocast "
+                         f"works for inference (torch.no_grad()) and for frozen blocks")
 
 
 class Recompute(torch.autograd.Function):
@@ -114,9 +125,9 @@ class Recompute(torch.autograd.Function):
         call.node = weakref.ref(ctx)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
-        device_type = _device_type(tensors)
-        call.rng = (torch.get_rng_state(), *get_device_states(*tensors), device_type)
+        call.state = ForwardState.capture(tensors)
         streamer, block = call.streamer, call.block
+        check_loss_scaling(block, call.state)
         streamer.acquire(block, "forward", training=True)
         saved: list[weakref.ref] = []  # the tensors the block's graph saves, to see whether the graph outlives it
         try:
@@ -157,13 +168,9 @@ class Recompute(torch.autograd.Function):
         last = streamer.before_backward(call, last)
         streamer.acquire(block, "backward", training=True)
         try:
-            cpu_state, devices, states, device_type = call.rng
             with call.captured.replay():  # (until the recomputed graph is done: it saved the buffers it read)
-                with torch.random.fork_rng(devices=devices, device_type=device_type):
-                    torch.set_rng_state(cpu_state)
-                    set_device_states(devices, states, device_type=device_type)
-                    with torch.enable_grad():
-                        flat, _ = pytree.tree_flatten(call.run(inputs))
+                with call.state.restored():
+                    flat, _ = pytree.tree_flatten(call.run(inputs))
                 pairs = [(flat[i], g) for i, g in zip(call.out_positions, grads)
                          if g is not None and flat[i].requires_grad]
                 if pairs:

@@ -11,18 +11,27 @@ Both talk to the blocks only through ``BlockStore`` (residency moves) and to the
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from ...errors import StreamedParameterError
+from ...errors import StreamedParameterError, UnsupportedError
 from .. import grad_norm
 from ..optimizer import OffloadedOptimizer
 from ..tensor_swapper import SwapIn, SwapOut
 from .residency import Block, Residency, nbytes
 from .store import BlockStore
+
+
+def accumulating() -> bool:
+    """accelerate's ``Accelerator.accumulate()`` is inside a step's micro-batches that do not step (its
+    ``GradientState`` says gradients are not synced); False when accelerate is not in use."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    return bool(shared) and shared.get("sync_gradients", True) is False
 
 
 class Training:
@@ -114,6 +123,11 @@ class Fused(Training):
         optimizer state, so the step that follows finds it in memory."""
         if not (last and block.trainable):
             return
+        if accumulating():
+            raise UnsupportedError(f"block {block.prefix}: accelerate accumulates gradients here (Accelerator("
+                               f"gradient_accumulation_steps>1) inside accelerator.accumulate(), before its step), but "
+                               f"in fused mode each block steps inside its backward. Use offload_parameters(..., "
+                               f"mode=\"grads\") to accumulate gradients")
         if block.stepped:
             raise StreamedParameterError(
                 f"block {block.prefix}: two backward passes per step() in fused mode (gradient "

@@ -88,8 +88,6 @@ def test_ema_copies_are_refused_and_state_dict_ema_matches(streamed):
 
 def test_writes_to_streamed_parameters_are_refused(streamed):
     reference, model, _ = streamed
-    with pytest.raises(RuntimeError, match="would be lost"):  # torch's load_state_dict restates the error
-        model.load_state_dict(reference.state_dict())
     with pytest.raises(StreamedParameterError, match="would be lost"):
         nn.init.zeros_(model.blocks[1].linear.weight)
     with pytest.raises(StreamedParameterError, match="would be lost"):

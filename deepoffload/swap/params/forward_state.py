@@ -1,0 +1,162 @@
+"""What a block's forward depends on besides its inputs, parameters and buffers, captured at the forward and put
+back for its recompute in backward, so the recompute runs the same kernels on the same values as the forward did.
+
+``torch.utils.checkpoint`` restores autocast (``_get_autocast_kwargs``) and the RNG; a streamed block's recompute
+is the same problem, and backward runs wherever the user calls it (outside ``torch.autocast``, under other flags).
+``ForwardState.capture(tensors)`` records, at the forward:
+- autocast of every device type (enabled, dtype) and whether its cast cache is on;
+- the CPU RNG state and that of the devices the inputs live on (dropout draws the same masks);
+- the global settings that choose kernels or their precision: ``torch.backends`` flags (TF32 and reduced-precision
+  reductions, cuDNN enabled/benchmark/deterministic, mkldnn, fused scaled-dot-product kernels, opt_einsum),
+  ``torch.set_float32_matmul_precision``, deterministic algorithms, and the default dtype and device.
+``state.restored()`` is a context manager that puts all of them back (only those that differ now), with grad mode
+enabled, and restores the caller's on exit."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+# autocast device types torch knows; those this torch cannot query are dropped on first use
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu", "privateuseone")
+_autocast_types: tuple[str, ...] | None = None
+
+
+def autocast_types() -> tuple[str, ...]:
+    global _autocast_types
+    if _autocast_types is None:
+        known = []
+        for device_type in _AUTOCAST_TYPES:
+            try:
+                if torch.amp.is_autocast_available(device_type):
+                    torch.is_autocast_enabled(device_type)
+                    torch.get_autocast_dtype(device_type)
+                    known.append(device_type)
+            except (RuntimeError, ValueError):
+                pass
+        _autocast_types = tuple(known)
+    return _autocast_types
+
+
+def _attribute(owner: Callable[[], Any], name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    return (lambda: getattr(owner(), name)), (lambda value: setattr(owner(), name, value))
+
+
+def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
+    """(name, getter, setter) of the global settings that choose kernels or their precision and exist in this
+    torch; the fp32_precision settings first (setting one of the allow_tf32 flags rewrites them)."""
+    b = torch.backends
+    candidates: list[tuple[str, Callable[[], Any], Callable[[], Any], str]] = []
+    for owner, path in ((lambda: b, "backends"), (lambda: b.cuda.matmul, "cuda.matmul"), (lambda: b.cudnn, "cudnn"),
+                        (lambda: b.cudnn.conv, "cudnn.conv"), (lambda: b.cudnn.rnn, "cudnn.rnn"),
+                        (lambda: b.mkldnn, "mkldnn"), (lambda: b.mkldnn.matmul, "mkldnn.matmul"),
+                        (lambda: b.mkldnn.conv, "mkldnn.conv"), (lambda: b.mkldnn.rnn, "mkldnn.rnn")):
+        candidates.append((f"{path}.fp32_precision", *_attribute(owner, "fp32_precision")))
+    for owner, path, names in (
+            (lambda: b.cuda.matmul, "cuda.matmul", ("allow_tf32", "allow_fp16_reduced_precision_reduction",
+                                                    "allow_bf16_reduced_precision_reduction")),
+            (lambda: b.cudnn, "cudnn", ("enabled", "benchmark", "deterministic", "allow_tf32")),
+            (lambda: b.mkldnn, "mkldnn", ("enabled",)),
+            (lambda: b.opt_einsum, "opt_einsum", ("enabled",))):
+        for name in names:
+            candidates.append((f"{path}.{name}", *_attribute(owner, name)))
+    for kind in ("flash", "mem_efficient", "math", "cudnn"):
+        getter = getattr(b.cuda, f"{kind}_sdp_enabled", None)
+        setter = getattr(b.cuda, f"enable_{kind}_sdp", None)
+        if getter is not None and setter is not None:
+            candidates.append((f"cuda.{kind}_sdp", getter, setter))
+    candidates += [
+        ("float32_matmul_precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        ("deterministic_algorithms",
+         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+         lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
+        ("default_dtype", torch.get_default_dtype, torch.set_default_dtype),
+        ("default_device", torch.get_default_device, torch.set_default_device),
+    ]
+    flags = []
+    for name, getter, setter in candidates:
+        try:
+            getter()
+        except (AttributeError, RuntimeError):
+            continue
+        flags.append((name, getter, setter))
+    return flags
+
+
+_FLAGS: list | None = None
+
+
+def flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
+    global _FLAGS
+    if _FLAGS is None:
+        _FLAGS = _flags()
+    return _FLAGS
+
+
+def _device_type(tensors: Sequence[torch.Tensor]) -> str | None:
+    """The inputs' accelerator type; None (torch then uses the current accelerator's) when all are on the CPU."""
+    return next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+
+
+@dataclass(frozen=True)
+class ForwardState:
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    autocast_cache: bool
+    cpu_rng: torch.Tensor
+    devices: list
+    device_rng: list
+    device_type: str | None
+    settings: tuple[Any, ...]
+
+    @classmethod
+    def capture(cls, tensors: Sequence[torch.Tensor]) -> "ForwardState":
+        device_type = _device_type(tensors)
+        devices, device_rng = get_device_states(*tensors)
+        return cls(autocast=_autocast_now(), autocast_cache=torch.is_autocast_cache_enabled(),
+                   cpu_rng=torch.get_rng_state(), devices=devices, device_rng=device_rng, device_type=device_type,
+                   settings=tuple(getter() for _, getter, _ in flags()))
+
+    @property
+    def autocast_enabled(self) -> dict[str, torch.dtype]:
+        """The device types autocast was on for at the forward, with their dtype."""
+        return {device_type: dtype for device_type, enabled, dtype in self.autocast if enabled}
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.devices, device_type=self.device_type))
+            torch.set_rng_state(self.cpu_rng)
+            set_device_states(self.devices, self.device_rng, device_type=self.device_type)
+            stack.enter_context(_settings_restored(self.settings))
+            now = dict((d, (e, t)) for d, e, t in _autocast_now())
+            for device_type, enabled, dtype in self.autocast:
+                if enabled or now[device_type][0]:  # (not entered when off both then and now)
+                    stack.enter_context(torch.amp.autocast(device_type, dtype=dtype, enabled=enabled,
+                                                           cache_enabled=self.autocast_cache))
+            stack.enter_context(torch.enable_grad())
+            yield
+
+
+def _autocast_now() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in autocast_types())
+
+
+@contextlib.contextmanager
+def _settings_restored(settings: tuple[Any, ...]) -> Iterator[None]:
+    """The settings as captured, the caller's put back on exit (each set only where it differs)."""
+    table = flags()
+    current = tuple(getter() for _, getter, _ in table)
+    changed = [k for k, (then, now) in enumerate(zip(settings, current)) if then != now]
+    try:
+        for k in changed:
+            if table[k][1]() != settings[k]:  # (an earlier fp32_precision setting may have set it already)
+                table[k][2](settings[k])
+        yield
+    finally:
+        for k in reversed(changed):
+            if table[k][1]() != current[k]:
+                table[k][2](current[k])

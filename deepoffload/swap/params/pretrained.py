@@ -1,0 +1,61 @@
+"""``deepoffload.from_pretrained(path, **offload options)``: a Hugging Face model folder (``config.json`` and
+safetensors weights, sharded or not) built on the ``meta`` device and loaded streamed, block by block, so the model
+is never whole in memory. transformers is imported only here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .api import offload_parameters
+from .offload import ParameterOffload
+
+
+def _model_class(config: Any, model_class: Any) -> Any:
+    import transformers
+    if model_class is not None:
+        return model_class
+    for name in getattr(config, "architectures", None) or ():
+        found = getattr(transformers, name, None)
+        if found is not None:
+            return found
+    return transformers.AutoModel
+
+
+def _build(model_class: Any, config: Any) -> nn.Module:
+    if hasattr(model_class, "from_config"):  # an AutoModel* class
+        return model_class.from_config(config)
+    if hasattr(model_class, "_from_config"):
+        return model_class._from_config(config)
+    return model_class(config)
+
+
+def from_pretrained(folder: str | os.PathLike, /, model_class: Any = None, *, dtype: torch.dtype | None = None,
+                    **options: Any) -> tuple[nn.Module, ParameterOffload]:
+    """Build the model of ``folder`` from its ``config.json`` on the ``meta`` device and load its weights
+    streamed (``offload_parameters(model, checkpoint=folder, ...)``); return the model (in eval mode, as
+    ``from_pretrained`` returns it) and its ``ParameterOffload``.
+
+    model_class: the class to build (a model class or any ``AutoModel*`` class); default: the class named first in
+        the config's ``architectures``, else ``AutoModel``.
+    dtype: floating-point parameters get this dtype (default: the class's as built, float32).
+    options: ``offload_parameters`` keyword arguments (``path=`` the swap folder, ``mode``, ``optimizer``,
+        ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ...); ``checkpoint`` is
+        ``folder``, and non-persistent buffers (rotary ``inv_freq``) are computed by the model's ``_init_weights``."""
+    from transformers import AutoConfig
+    folder = Path(folder)
+    if "checkpoint" in options:
+        raise TypeError("from_pretrained: the checkpoint is the folder given; pass no checkpoint=")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"from_pretrained: {folder} has no config.json (expected a save_pretrained folder)")
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = _build(_model_class(config, model_class), config)
+    swap = options.pop("path", None)
+    offload = offload_parameters(model, swap, checkpoint=folder, dtype=dtype, **options)
+    model.eval()
+    return model, offload

@@ -1,0 +1,44 @@
+"""A Hugging Face model built on ``meta`` loads from its own ``save_pretrained`` folder without ``init=``: the
+non-persistent buffers no checkpoint holds (rotary ``inv_freq``) are computed by the model's own ``_init_weights``,
+as ``from_pretrained`` computes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepoffload.swap.params import offload_parameters
+from tests.support.matrix_harness import batch, build
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_meta_model_loads_its_own_folder_without_init(scratch, name):
+    pytest.importorskip("transformers")
+    ref = build(name).eval()
+    ref.save_pretrained(scratch / "ckpt")
+    model = build(name, "meta").eval()
+    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt"), \
+            torch.no_grad():
+        buffers = dict(ref.named_buffers())
+        assert [n for n, b in model.named_buffers() if not torch.equal(b, buffers[n])] == []
+        assert torch.equal(model(**batch(name, 0)).logits, ref(**batch(name, 0)).logits)
+
+
+@pytest.mark.parametrize("name, shard", [("llama", "20KB"), ("t5", None)])
+def test_from_pretrained_builds_on_meta_and_loads_streamed(scratch, name, shard):
+    import deepoffload
+    ref = build(name).eval()
+    ref.save_pretrained(scratch / "ckpt", **({"max_shard_size": shard} if shard else {}))
+    model, off = deepoffload.from_pretrained(scratch / "ckpt", path=str(scratch / "swap"), prefetch=0)
+    with off, torch.no_grad():
+        assert type(model) is type(ref) and not model.training
+        assert off.load_report == ([], [])
+        assert torch.equal(model(**batch(name, 0)).logits, ref(**batch(name, 0)).logits)
+
+
+def test_from_pretrained_refuses_a_folder_without_config(scratch):
+    import deepoffload
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        deepoffload.from_pretrained(scratch)

@@ -1,0 +1,158 @@
+"""Streamed training in the loops people write around it: accelerate's gradient accumulation, resuming with
+load_state_dict, and model changes after offloading."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from deepoffload.swap.params import offload_parameters
+from tests.swap.params.test_params_forward_state import Net, sgd
+
+
+def test_accelerate_accumulation_in_fused_mode_is_refused_before_any_block_steps(scratch):
+    """Fused mode stepped every block inside the first micro-batch's backward; the second backward then raised,
+    with the weights already changed by half a step."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = Net()
+    before = copy.deepcopy(model.state_dict())
+    with offload_parameters(model, str(scratch), optimizer=sgd) as off:
+        accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+        model = accelerator.prepare(model)
+        try:
+            with accelerator.accumulate(model), pytest.raises(RuntimeError, match="accumulate.*mode=\"grads\""):
+                accelerator.backward(model(torch.randn(4, 16)).mean())
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+        state = off.state_dict()
+    assert all(torch.equal(before[n], state[n]) for n in before)
+
+
+def _train(model, off, steps, start=0):
+    losses = []
+    for k in range(start, start + steps):
+        torch.manual_seed(50 + k)
+        loss = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(k))).pow(2).mean()
+        loss.backward()
+        off.step()
+        off.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("mode, budget, compute_dtype", [
+    ("fused", None, None), ("grads", "half", None), ("fused", "all", torch.bfloat16), ("grads", None, torch.bfloat16)])
+def test_load_state_dict_resumes_bit_identically(scratch, mode, budget, compute_dtype):
+    """load_state_dict was refused on a streamed model (copy_ on a placeholder), so resuming was impossible; now
+    the loaded values go to the blocks' storage (or their masters in memory) and training resumes exactly."""
+    from deepoffload.swap.params import StreamedOptimizer
+    torch.manual_seed(0)
+    initial = Net()
+    size = sum(p.numel() * p.element_size() for p in initial.layers.parameters())
+    budget = {None: None, "half": size // 2, "all": 3 * size}[budget]
+
+    def setup(folder):
+        model = copy.deepcopy(initial)
+        off = offload_parameters(model, str(scratch / folder), mode=mode, optimizer=adam, compute_dtype=compute_dtype,
+                                 max_resident_bytes=budget)
+        return model, off
+
+    model, off = setup("whole")
+    expected = _train(model, off, 3)
+    final = off.state_dict()
+    off.close()
+
+    model, off = setup("first")
+    _train(model, off, 2)
+    saved, saved_optimizer = off.state_dict(), StreamedOptimizer(off).state_dict()
+    off.close()
+    model, off = setup("resumed")
+    with off:
+        assert model.load_state_dict(saved) is not None
+        StreamedOptimizer(off).load_state_dict(saved_optimizer)
+        assert _train(model, off, 1, start=2) == expected[2:]
+        state = off.state_dict()
+    assert [n for n, t in final.items() if not torch.equal(t, state[n])] == []
+
+
+def test_load_state_dict_reports_missing_and_mis_shaped_entries_as_in_memory(scratch):
+    torch.manual_seed(0)
+    model = Net()
+    with offload_parameters(model, str(scratch), optimizer=adam) as off:
+        state = off.state_dict()
+        del state["layers.1.0.bias"]
+        result = model.load_state_dict(state, strict=False)
+        assert result.missing_keys == ["layers.1.0.bias"] and result.unexpected_keys == []
+        state["layers.1.0.bias"] = torch.zeros(3)
+        with pytest.raises(RuntimeError, match="size mismatch for layers.1.0.bias"):
+            model.load_state_dict(state)
+
+
+def test_served_blocks_refuse_a_load(scratch):
+    from deepoffload.formats.writer import save_sharded
+    torch.manual_seed(0)
+    ref = Net()
+    save_sharded({k: v.detach() for k, v in ref.state_dict().items()}, scratch / "ckpt")
+    with torch.device("meta"):
+        model = Net()
+    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", serve_from_checkpoint=True):
+        with pytest.raises(RuntimeError, match="served read-only.*serve_from_checkpoint"):
+            model.load_state_dict(ref.state_dict())
+
+
+def _refused_next_forward(model, match, *args):
+    with pytest.raises(RuntimeError, match=match):
+        model(*args)
+
+
+def test_resize_token_embeddings_after_offloading_is_refused_at_the_next_forward(scratch):
+    """The resized head was in no optimizer: never stepped, its gradient piling up, no error."""
+    pytest.importorskip("transformers")
+    from tests.support.matrix_harness import build
+    model = build("llama")
+    ids = torch.randint(3, 64, (2, 6))
+    with offload_parameters(model, str(scratch), optimizer=adam):
+        model.resize_token_embeddings(80)
+        _refused_next_forward(model, r"lm_head\.weight.* replaced after offload_parameters\(\).*before "
+                                     r"offload_parameters\(\)", ids)
+
+
+def test_get_peft_model_after_offloading_is_refused_at_the_next_forward(scratch):
+    """The backward failed with "The size of tensor a (64) must match the size of tensor b (0)"."""
+    peft = pytest.importorskip("peft")
+    from tests.support.matrix_harness import build
+    model = build("llama")
+    ids = torch.randint(3, 64, (2, 6))
+    with offload_parameters(model, str(scratch), optimizer=adam):
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        _refused_next_forward(wrapped, r"block model\.layers\.0: parameter .*q_proj\.weight was moved to .*"
+                                       r"base_layer.*lora_A.* were added.* after offload_parameters\(\).*"
+                                       r"get_peft_model.* before", ids)
+
+
+@pytest.mark.parametrize("change", ["replace", "add", "outside"])
+def test_modules_changed_after_offloading_are_refused_at_the_next_forward(scratch, change):
+    torch.manual_seed(0)
+    model = Net()
+    with offload_parameters(model, str(scratch), optimizer=adam):
+        if change == "replace":
+            model.layers[1][0] = torch.nn.Linear(16, 16)
+            match = r"block layers\.1: parameters layers\.1\.0\.weight, layers\.1\.0\.bias were replaced"
+        elif change == "add":
+            model.layers[2].add_module("extra", torch.nn.Linear(2, 2))
+            match = r"block layers\.2: parameters layers\.2\.extra\.weight, layers\.2\.extra\.bias were added"
+        else:
+            model.add_module("scale", torch.nn.Linear(2, 2))
+            match = r"^parameters scale\.weight, scale\.bias were added after offload_parameters"
+        _refused_next_forward(model, match, torch.randn(4, 16))
