@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .residency import Block, Residency, nbytes, span
+from .residency import Block, Residency, nbytes
 from .store import BlockStore
 
 
@@ -61,10 +61,7 @@ def convert(store: BlockStore, blocks: Sequence[Block], fn: Callable[[torch.Tens
                 store.release(block, keep_changes=False)
             raise
         block.nbytes = nbytes(block.masters)
-        needed = span(block.masters)
-        if needed > store.block_span:
-            store.block_span = needed
-            store.swapper.pool.fit(needed)
+        store.fit_staging(block)
         block.record_versions()
         if block.state is Residency.RESIDENT:
             store.write_back(block)

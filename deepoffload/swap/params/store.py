@@ -343,6 +343,14 @@ class BlockStore:
         self.peak_grad = self.grad_bytes
 
     # -- gradients on storage (grads mode) ----------------------------------------------------------------------
+    def fit_staging(self, block: Block) -> None:
+        """Grows the block span and the staging pool to ``block``'s tensors when they outgrew them (a dtype move to
+        a wider dtype)."""
+        needed = span(block.masters)
+        if needed > self.block_span:
+            self.block_span = needed
+            self.swapper.pool.fit(needed)
+
     def has_stored_grads(self, block: Block) -> bool:
         return bool(self.swapper.records(block.grad_group))
 
