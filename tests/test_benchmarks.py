@@ -35,7 +35,7 @@ TINY = {
     "small_ops.py": ["--path", "{folder}", "--cases", "4x64K", "--rounds", "1"],
     "vs_deepspeed.py": ["--reference-python", "{python}", "--path", "{folder}", "--size", "4M", "--rounds", "1"],
 }
-HELPERS = {"common.py"}  # imported by the scripts, not run
+HELPERS = {"common.py", "plot.py"}  # imported by the scripts; plot.py draws results (tests/test_docs_site.py runs it)
 # measured against DeepSpeed's own ops, which take minutes to build (as in tests/integrations, opt-in)
 NEEDS_DEEPSPEED_OPS = {"deepspeed_zero3_ab.py", "vs_deepspeed.py"}
 

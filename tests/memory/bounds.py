@@ -31,6 +31,7 @@ MiB = 1 << 20
 FORWARD_BYTES = 16 << 20  # the workloads' forward: a batch of 4, activations far below a block
 CHECKPOINT_STAGING = (8 + 4) * 16 * MiB  # deepoffload.save/load's staging pool (checkpoint.streams), kept idle
 SAVE_STAGING = 2 * 16 * MiB  # save_sharded's two staging buffers
+SAVE_SMALL_FILES = 1 * MiB  # the index and the shards' headers, written through the page cache the group is charged
 OPTIMIZER_POOL = 4  # SwapConfig's default buffer_count
 OPTIMIZER_TEMPORARIES = 3  # Adam's step on the largest parameter: gradient, and two temporaries of its size
 ENTRIES = ("load_safetensors", "load_sharded", "load_torch", "train_fused", "train_grads", "train_budget",
@@ -130,8 +131,8 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
     if entry in ("load_safetensors", "load_sharded", "load_torch", "train_fused", "train_grads", "train_budget",
                  "generate"):
         return plan.peak_bytes, FORWARD_BYTES
-    if entry == "save":  # a block's copy and the writer's staging on top of the streaming plan
-        return plan.peak_bytes + block + SAVE_STAGING, FORWARD_BYTES
+    if entry == "save":  # a block's copy, the writer's staging and its small files on top of the streaming plan
+        return plan.peak_bytes + block + SAVE_STAGING + SAVE_SMALL_FILES, FORWARD_BYTES
     if entry == "state_dict":  # the returned state dict is the user's
         return plan.peak_bytes + block, total
     if entry == "checkpoint_save":  # the model in memory is the user's
