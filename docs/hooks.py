@@ -89,11 +89,12 @@ def api_markdown() -> str:
 
     blocks = []
     for name in (n for n in deepoffload.__all__ if not n.startswith("_")):
-        if getattr(deepoffload, name).__module__.split(".")[:2] == ["deepoffload", "op_builder"] or \
-                getattr(deepoffload, name).__module__.startswith("op_builder"):
+        obj = getattr(deepoffload, name)
+        module = obj.__module__.removeprefix("deepoffload.")
+        if module.split(".")[0] == "op_builder":
             # deepoffload.op_builder is the top-level op_builder/ folder of the source tree, mapped under the
-            # package when installed: the static analysis finds it under its folder's name
-            blocks.append(f"::: op_builder.{name}\n    options:\n      heading: deepoffload.{name}\n")
+            # package when installed: the static analysis finds it under its folder's name, in its own module
+            blocks.append(f"::: {module}.{obj.__qualname__}\n    options:\n      heading: deepoffload.{name}\n")
         else:
             blocks.append(f"::: deepoffload.{name}\n")
     return "\n".join(blocks)
