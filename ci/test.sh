@@ -9,7 +9,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-python -m pip install -q -e ".[test]" || { echo "ci/test.sh: installing the test dependencies failed" >&2; exit 1; }
+# the docs extra too: tests/test_docs_site.py builds pages with mkdocs and draws the plots with matplotlib
+python -m pip install -q -e ".[test,docs]" || { echo "ci/test.sh: installing the test dependencies failed" >&2; exit 1; }
 
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/deepoffload-ci.XXXXXX")"
 trap 'rm -rf "$scratch"' EXIT
