@@ -46,12 +46,7 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
 def convert(store: BlockStore, blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Convert ``blocks``' stored values with ``fn`` block by block (see the module docstring)."""
     for block in blocks:
-        store.wait_write(block)
-        store.check_kept_values(block)
-        held = block.in_memory
-        if not held:
-            store.start_read(block)
-            store.materialize(block)
+        held = store.hold_for_change(block)
         try:
             with torch.no_grad():
                 for param in block.params:

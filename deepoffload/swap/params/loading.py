@@ -56,12 +56,7 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
 
 def write(store: BlockStore, block: Block, values: dict[str, torch.Tensor]) -> None:
     """Set ``block``'s master values named in ``values`` (the others keep theirs) and store them."""
-    store.wait_write(block)
-    store.check_kept_values(block)  # a change made before, which the masters cannot take, raises first
-    held = block.in_memory
-    if not held:
-        store.start_read(block)
-        store.materialize(block)
+    held = store.hold_for_change(block)
     try:
         with torch.no_grad():
             for name, master in zip(block.names, block.masters):

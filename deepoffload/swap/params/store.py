@@ -343,6 +343,18 @@ class BlockStore:
         self.peak_grad = self.grad_bytes
 
     # -- gradients on storage (grads mode) ----------------------------------------------------------------------
+    def hold_for_change(self, block: Block) -> bool:
+        """Brings ``block``'s stored values into memory for a change made outside training (after its pending write
+        and a check of changes made before); returns whether it was in memory already (if not, release it with
+        ``keep_changes=False`` when the change fails)."""
+        self.wait_write(block)
+        self.check_kept_values(block)  # a change made before, which the masters cannot take, raises first
+        held = block.in_memory
+        if not held:
+            self.start_read(block)
+            self.materialize(block)
+        return held
+
     def fit_staging(self, block: Block) -> None:
         """Grows the block span and the staging pool to ``block``'s tensors when they outgrew them (a dtype move to
         a wider dtype)."""
