@@ -19,6 +19,7 @@ CASES = [(entry, shape) for shape in ("large", "small") for entry in bounds.ENTR
 def prepared(tmp_path_factory):
     """(entry, shape) -> (a folder holding the checkpoint it reads, the process after its imports)."""
     folders, bases = {}, {}
+    bounds.build_op()
 
     def get(entry: str, shape: str):
         if shape not in folders:

@@ -17,7 +17,7 @@ from ...formats.writer import save_sharded
 from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
-from ..pool import PAGE_SIZE
+from ..pool import PAGE_SIZE, trim_heap
 from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
 from .data_parallel import DataParallel, GradientAverager, process_group
 from .export import state_items
@@ -258,6 +258,7 @@ class ParameterOffload:
             block.stash_grads()
             self.store.release(block)
         block.guard_grads()
+        trim_heap()  # the recompute's block-sized temporaries and gradients, freed now: see trim_heap
 
     @internal_call
     def release(self, block: Block) -> None:

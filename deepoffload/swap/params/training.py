@@ -21,6 +21,7 @@ from torch import nn
 from ...errors import StreamedParameterError, UnsupportedError
 from .. import grad_norm
 from ..optimizer import OffloadedOptimizer
+from ..pool import trim_heap
 from ..tensor_swapper import SwapIn, SwapOut
 from .residency import Block, Residency, nbytes
 from .store import BlockStore
@@ -351,6 +352,8 @@ class Grads(Training):
             if coefficient is not None:
                 grad_norm.scale_([grads[name] for name in block.names if name in grads], coefficient)
             self.step_block(block, grads)
+            del grads
+            trim_heap()  # the step's block-sized temporaries, freed now: see trim_heap
 
 
 MODES: dict[str, type[Training]] = {"fused": Fused, "grads": Grads}
