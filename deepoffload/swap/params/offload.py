@@ -27,6 +27,7 @@ from .placeholders import internal_call
 from .recompute import BlockCall, Recompute
 from .residency import Block, Residency, nbytes
 from .schedule import upcoming
+from .shared_inputs import SharedInputs
 from .stats import OffloadStats
 from .store import BlockStore
 from .structure import Structure
@@ -78,6 +79,7 @@ class ParameterOffload:
         self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer,
                                              rest_optimizer)
         self._token = torch.empty(0, requires_grad=True)
+        self._shared = SharedInputs()  # tensors passed to several blocks: their gradients summed as in memory
         self._closed = False
         self.data_parallel = None
         group = process_group(data_parallel) if data_parallel is not False else None
@@ -166,8 +168,13 @@ class ParameterOffload:
                 return forward(*args, **kwargs)
             finally:
                 self.after_forward(block, training=False)
+        given, chained = self._shared.substitute(block.index, tensors)
         call = BlockCall(self, block, forward, flat, spec)
-        return call.rebuild(Recompute.apply(call, self._token, *tensors))
+        call.chained = chained
+        outputs = Recompute.apply(call, self._token, *given)
+        n = len(call.out_positions)
+        self._shared.record(tensors, chained, outputs[n:])
+        return call.rebuild(outputs[:n])
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)
@@ -205,6 +212,7 @@ class ParameterOffload:
     def before_backward(self, call: BlockCall, last: bool) -> bool:
         """Check the backward may run; return whether the block's gradients are complete after it."""
         block = call.block
+        self._shared.clear()
         if call.steps != block.steps:
             raise StreamedParameterError(
                 f"block {block.prefix}: backward through a forward made before the block's last "

@@ -43,6 +43,8 @@ class BlockCall:
         self.out_flat: list = []
         self.out_spec: Any = None
         self.out_positions: list[int] = []
+        self.chained: list[int] = []  # the tensor inputs also returned as aliases (``shared_inputs``)
+        self.was_leaf = [t.is_leaf for t in flat if isinstance(t, torch.Tensor)]  # (the tensors the caller gave)
         self.state: ForwardState | None = None
         self.captured = Captured(block.module, check_caches(block.prefix, flat))
         self.steps = block.steps
@@ -100,6 +102,14 @@ def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
+def as_given(leaves: Sequence[torch.Tensor], was_leaf: Sequence[bool]) -> list[torch.Tensor]:
+    """The block's inputs as in memory: a detached input requiring grad is a leaf, but one that was not a leaf there
+    gets a view, so that autocast does not cache its cast (it caches those of leaves requiring grad: in memory each
+    use of T5's encoder output in a decoder block casts it again, and each cast's gradient is added in fp32, not
+    once in bf16). Call under grad mode."""
+    return [t.view_as(t) if t.requires_grad and not leaf else t for t, leaf in zip(leaves, was_leaf)]
+
+
 def check_loss_scaling(block: Block, state: ForwardState) -> None:
     """Refuse training a block under float16 autocast: fp16 training needs a loss scaler (``torch.amp.GradScaler``)
     that unscales every gradient and skips the step when one is inf/NaN, before any parameter steps, and a streamed
@@ -132,7 +142,7 @@ class Recompute(torch.autograd.Function):
         saved: list[weakref.ref] = []  # the tensors the block's graph saves, to see whether the graph outlives it
         try:
             with torch.enable_grad(), _watched(saved):  # grad mode as in memory, hence the same kernels
-                flat, call.out_spec = pytree.tree_flatten(call.run(detached(tensors)))
+                flat, call.out_spec = pytree.tree_flatten(call.run(as_given(detached(tensors), call.was_leaf)))
             call.captured.detach_new_cache_entries()
             call.out_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
@@ -156,7 +166,7 @@ class Recompute(torch.autograd.Function):
             streamer.after_forward(block, training=True)
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())], *constant)
         block.calls.add(call)
-        return outputs
+        return outputs + tuple(tensors[k].detach() for k in call.chained)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
@@ -170,12 +180,19 @@ class Recompute(torch.autograd.Function):
         try:
             with call.captured.replay():  # (until the recomputed graph is done: it saved the buffers it read)
                 with call.state.restored():
-                    flat, _ = pytree.tree_flatten(call.run(inputs))
-                pairs = [(flat[i], g) for i, g in zip(call.out_positions, grads)
+                    given = as_given(inputs, call.was_leaf)
+                    flat, _ = pytree.tree_flatten(call.run(given))
+                n = len(call.out_positions)
+                pairs = [(flat[i], g) for i, g in zip(call.out_positions, grads[:n])
                          if g is not None and flat[i].requires_grad]
+                # the gradient summed by later blocks for an input passed on to them: made last, so the engine adds
+                # it into the input's gradient first, then this block's own uses (see shared_inputs)
+                with torch.enable_grad():
+                    pairs += [(given[k].view_as(given[k]), g) for k, g in zip(call.chained, grads[n:])
+                              if g is not None]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                del flat, pairs
+                del flat, pairs, given
         except BaseException:
             streamer.release(block)
             raise
