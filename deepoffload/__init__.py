@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
-from ._link import link as _link
+from ._link import op_builder as _op_builder
 from .version import __version__
 
-_link()  # deepoffload.op_builder (also in a bare source checkout) and its DeepSpeed-shaped async_io module
+_op_builder()  # deepoffload.op_builder, also in a bare source checkout
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".errors": ["DeepOffloadError", "ConfigError", "ClosedError", "ChecksumError", "ValidationError",

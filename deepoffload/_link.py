@@ -1,11 +1,7 @@
-"""What ``import deepoffload`` does to the op builders below it (``op_builder/``, which imports nothing from here).
-
-- In a source checkout used without installing, ``op_builder/`` beside this package is loaded as
-  ``deepoffload.op_builder`` (an installed or editable package maps it there already), so ``deepoffload.op_builder``
-  is the one name for it everywhere.
-- The async-IO op's ``load()`` is made to return the DeepSpeed-shaped module (``deepoffload.io.compat``).
-
-Both are cheap: the op builders import their parts on first use, and the wrapper imports torch only when it runs.
+"""``deepoffload.op_builder`` everywhere: in a source checkout used without installing, ``op_builder/`` beside this
+package is loaded under that name (an installed or editable package maps it there already). Cheap: the op builders
+import their parts on first use. (The async-IO op's ``load()`` wraps its native module in the DeepSpeed-shaped
+``deepoffload.io.compat.CompatModule`` itself, by name: ``AsyncIOBuilder.WRAPPER``.)
 """
 
 from __future__ import annotations
@@ -42,13 +38,3 @@ def op_builder() -> ModuleType:
             raise
         return module
     return importlib.import_module(OP_BUILDER)
-
-
-def _deepspeed_module(native: ModuleType):
-    from .io.compat import CompatModule
-
-    return CompatModule(native)
-
-
-def link() -> None:
-    op_builder().register_module_wrapper("async_io", _deepspeed_module)

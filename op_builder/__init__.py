@@ -1,9 +1,10 @@
 """Op builders: probe the machine, then build the native ops just in time or load prebuilt ones.
 
 The lowest Python layer: it imports nothing from ``deepoffload``, so it works both as the top-level ``op_builder``
-of a source checkout (as ``setup.py`` imports it) and installed as ``deepoffload.op_builder``. A package built on it
-may register a wrapper for an op's loaded module (deepoffload registers the DeepSpeed-shaped module for
-``async_io``); ``load()`` applies it, ``load_native()`` never does.
+of a source checkout (as ``setup.py`` imports it) and installed as ``deepoffload.op_builder``. One exception, when an
+op is loaded: ``AsyncIOBuilder().load()`` wraps the native module in deepoffload's DeepSpeed-shaped module (named by
+``AsyncIOBuilder.WRAPPER``), so it returns one type whichever package was imported first; ``load_native()`` never
+wraps.
 
 Names are imported on first access, so importing this package runs no probe and costs next to nothing.
 """
@@ -13,15 +14,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .wrappers import module_wrapper, register_module_wrapper
-
 _LAZY = {
     "AsyncIOBuilder": ".async_io",
     "BuildError": ".builder", "OpBuilder": ".builder",
     "Probe": ".probes", "ProbeResult": ".probes",
     "Toolchain": ".toolchain",
 }
-__all__ = ["ALL_OPS", "register_module_wrapper", "module_wrapper", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe",
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe",
            "ProbeResult", "Toolchain"]
 
 def __getattr__(name: str) -> Any:

@@ -60,11 +60,12 @@ LINUX_PROBES = tuple(e.probe for e in ENGINES if e.probe is not None and not e.w
 
 
 class AsyncIOBuilder(OpBuilder):
-    """Builds and loads the async-IO op (with deepoffload imported, ``load().aio_handle(...)`` gives a
-    DeepSpeed-compatible handle)."""
+    """Builds and loads the async-IO op: ``load()`` is always the DeepSpeed-shaped module (``load().aio_handle(...)``
+    gives a DeepSpeed-compatible handle), ``load_native()`` the extension itself."""
 
     NAME = "async_io"
     MODULE = "deepoffload_aio"
+    WRAPPER = "deepoffload.io.compat:CompatModule"
 
     def source_files(self) -> list[Path]:
         files = sorted((self.csrc / "aio").glob("*.cpp"))

@@ -9,6 +9,7 @@ dies with its holder.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -29,7 +30,6 @@ from .errors import DeepOffloadError
 from .hints import install_hint
 from .probes import Probe, ProbeResult, function_probe, run_probes
 from .toolchain import Toolchain
-from .wrappers import module_wrapper
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent / "csrc"
@@ -106,6 +106,7 @@ class OpBuilder:
 
     NAME = ""
     MODULE = ""
+    WRAPPER: str | None = None  # "module:callable" that ``load()`` applies to the native module, or None
 
     def __init__(self, toolchain: Toolchain | None = None, platform: str = sys.platform, csrc: Path = CSRC):
         self.platform = platform
@@ -183,11 +184,14 @@ class OpBuilder:
 
     # -- loading ----------------------------------------------------------------------------------------------
     def load(self, verbose: bool = False) -> Any:
-        """The op's module as the package using it registered it (``register_module_wrapper``; deepoffload's
-        DeepSpeed-shaped module for ``async_io``), else the native module itself."""
+        """The op's module: the native module wrapped by ``WRAPPER`` when the op names one (``async_io``:
+        deepoffload's DeepSpeed-shaped module, whatever was imported before), else the native module itself.
+        ``load_native()`` never wraps."""
         native = self.load_native(verbose=verbose)
-        wrapper = module_wrapper(self.NAME)
-        return native if wrapper is None else wrapper(native)
+        if self.WRAPPER is None:
+            return native
+        module, _, name = self.WRAPPER.partition(":")
+        return getattr(importlib.import_module(module), name)(native)
 
     def load_native(self, verbose: bool = False) -> ModuleType:
         """The native module: prebuilt if it matches this torch, else built (once) in the cache."""

@@ -157,7 +157,7 @@ def test_no_import_cycle():
 def test_no_import_cycle_even_through_imports_on_first_use():
     """E.g. ``handle`` imports ``staging`` when a device tensor first needs it: ``staging`` and ``staged_file`` take
     their shared helpers from ``inputs``, not from ``handle``; ``op_builder``'s lazy names import ``builder``, which
-    takes the wrapper registry from ``wrappers``, not from the package."""
+    imports ``deepoffload.io.compat`` only by name when an op is loaded."""
     found = cycles(import_graph(module_files(), in_functions=True))
     assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
 

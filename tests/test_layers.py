@@ -40,15 +40,19 @@ def test_op_builder_exports_resolve():
     assert out.strip() == "[]"
 
 
-def test_top_level_op_builder_of_a_checkout_loads_the_native_module():
+def test_top_level_op_builder_of_a_checkout_loads_the_deepspeed_shaped_module_too():
+    """One type from ``load()`` whichever package came first: the checkout's plain ``op_builder`` imports nothing
+    from deepoffload until an op is loaded, then wraps it as ``deepoffload.op_builder`` does."""
     out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
                 "import op_builder\n"
+                "before = any(k == 'deepoffload' or k.startswith('deepoffload.') for k in sys.modules)\n"
                 "m = op_builder.AsyncIOBuilder().load()\n"
-                "print(op_builder.__file__, type(m).__name__, 'posix' in m.engines(),\n"
-                "      any(k == 'deepoffload' or k.startswith('deepoffload.') for k in sys.modules))\n")
-    path, kind, has_posix, imported_deepoffload = out.split()
+                "native = op_builder.AsyncIOBuilder().load_native()\n"
+                "print(op_builder.__file__, type(m).__name__, type(native).__name__, 'posix' in native.engines(),\n"
+                "      before)\n")
+    path, kind, native_kind, has_posix, imported_before = out.split()
     assert path == str(ROOT / "op_builder" / "__init__.py")
-    assert (kind, has_posix, imported_deepoffload) == ("module", "True", "False")
+    assert (kind, native_kind, has_posix, imported_before) == ("CompatModule", "module", "True", "False")
 
 
 def test_installed_op_builder_loads_the_deepspeed_shaped_module(tmp_path):
