@@ -80,6 +80,7 @@ from deepoffload.swap.config import SwapConfig
 from deepoffload.swap.optimizer import OffloadedOptimizer
 from tests.reliability.test_swap_faults import make_params, set_grads
 folder, checkpoint, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
+gated = sys.argv[4:] == ["gated"]  # after steps 2 and 4, wait for a line on stdin (the killer's cue, then never)
 params = make_params()
 opt = OffloadedOptimizer(torch.optim.Adam, params, config=SwapConfig(folder=folder, chunk_bytes=2 << 20), lr=1e-2)
 first = 1
@@ -98,6 +99,8 @@ for step in range(first, last + 1):
                checkpoint + ".tmp")
     os.replace(checkpoint + ".tmp", checkpoint)  # a kill never leaves a half-written checkpoint in its place
     print("STEP", step, flush=True)
+    if gated and step in (2, 4):
+        sys.stdin.readline()
 torch.save([p.detach() for p in params], folder + "/final.pt")
 """
 
@@ -107,16 +110,23 @@ def test_killed_mid_step_resumes_from_the_last_checkpoint_identically(aio, scrat
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     checkpoint, last = str(scratch / "ckpt.pt"), 6
     command = [sys.executable, "-c", TRAIN, str(scratch), checkpoint, str(last)]
-    victim = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The victim stops after step 2 until told to go on, and again after step 4 for good: the kill that follows
+    # the cue lands in step 3 or 4 (reading, stepping or writing optimizer state, or saving the checkpoint), or at
+    # the second stop; never after the run (a kill sent on reading "STEP 2" alone could arrive after it had finished
+    # under load).
+    victim = subprocess.Popen(command + ["gated"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     for line in victim.stdout:
         if line.startswith("STEP 2"):
-            victim.send_signal(signal.SIGKILL)  # during step 3: reading, stepping or writing optimizer state
+            victim.stdin.write("go\n")
+            victim.stdin.flush()
+            victim.send_signal(signal.SIGKILL)
             break
     victim.wait(timeout=120)
     assert victim.returncode == -signal.SIGKILL, victim.stderr.read()
-    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    assert "RESUMED 2" in resumed.stdout or "RESUMED 3" in resumed.stdout, resumed.stdout
+    assert any(f"RESUMED {k}" in resumed.stdout for k in (2, 3, 4)), resumed.stdout
     reference = make_params()
     plain = torch.optim.Adam(reference, lr=1e-2)
     for step in range(1, last + 1):
