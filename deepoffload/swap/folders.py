@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+from typing import cast
 
 from ..io.owners import KEPT, remove_dead_run_folders, run_folder_prefix
 from ..op_builder import env
@@ -30,7 +31,7 @@ def current_rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return env.get("RANK")
+    return cast(int, env.get("RANK"))  # an "int" variable (default 0): parsed to an int or EnvError
 
 
 def create_run_folder(base: str | None, rank: int | None = None) -> str:

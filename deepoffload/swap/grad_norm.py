@@ -13,7 +13,7 @@ every gradient by ``min(max_norm / (total + 1e-6), 1)`` (``torch._foreach_mul_``
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
@@ -33,7 +33,8 @@ def _groups(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.device, list[to
     if not tensors:
         return []
     grouped = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
-    return [(device, group, indices) for (device, _), ([group], indices) in grouped.items()]
+    # (torch types the groups' items as optional tensors: None only where the input had None, which it has not)
+    return [(device, cast("list[torch.Tensor]", group), indices) for (device, _), ([group], indices) in grouped.items()]
 
 
 @torch.no_grad()
@@ -42,7 +43,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     for device, group, indices in _groups(tensors):
         if _has_foreach_support(group, device):
-            values = torch._foreach_norm(group, float(norm_type))
+            values: Sequence[torch.Tensor] = torch._foreach_norm(group, float(norm_type))
         else:
             values = [torch.linalg.vector_norm(t, float(norm_type)) for t in group]
         for index, value in zip(indices, values):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import AbstractSet, Any, Callable, Iterable
 
 import torch
 
@@ -45,7 +45,7 @@ from .torch_optim import _WRAPPED, UNSUPPORTED, _check_no_step_hooks, _intra_op_
 
 def _ranges(indices: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
-    parts: list[str] = []
+    parts: list[list[int]] = []  # [first, last] of each run
     for i in indices:
         if parts and parts[-1][1] == i - 1:
             parts[-1][1] = i
@@ -252,7 +252,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._backward.close()
             self._backward = None
 
-    def _note_stopped(self, error: BaseException, chunks: list[list[torch.Tensor]], stepped: int,
+    def _note_stopped(self, error: BaseException, chunks: list[_Chunk], stepped: int,
                       failed_inside: bool) -> None:
         """Say on ``error`` which parameters the interrupted step changed and which it did not."""
         position = {id(p): i for i, p in enumerate(self._params())}
@@ -278,7 +278,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if key not in self._prefetched:
                 self._prefetched[key] = self._read(chunk)
 
-    def _drop_prefetched(self, keep: set[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], SwapIn]:
+    def _drop_prefetched(self, keep: AbstractSet[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], SwapIn]:
         """Release the prefetched reads not in ``keep``; return (and forget) the others."""
         kept, prefetched, self._prefetched = {}, self._prefetched, {}
         for key, read in prefetched.items():
@@ -306,7 +306,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The chunks a pass over ``params`` steps in (see ``ChunkPlanner.plan``)."""
         return self._planner.plan(params)
 
-    def _run(self, chunks: list[list[torch.Tensor]], action: Callable[[list[torch.Tensor]], None] | None) -> None:
+    def _run(self, chunks: list[_Chunk], action: Callable[[_Chunk], None] | None) -> None:
         """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done
         A failed write does not stop the step: its state stays
         in memory and the first such error is raised at the end. A failed read stops it (that chunk cannot step).
@@ -322,7 +322,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for k, chunk in enumerate(chunks):
                 while len(reads) <= ahead and k + len(reads) < len(chunks):
                     following = chunks[k + len(reads)]
-                    reads.append(prefetched.pop(tuple(map(id, following)), None) or self._read(following))
+                    early = prefetched.pop(tuple(map(id, following)), None)
+                    reads.append(early or self._read(following))
                 current = reads.pop(0)
                 self._restore(chunk, current)
                 if action is not None:
@@ -400,8 +401,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             hook(self)
         with self._busy:
             result = self._gather_state_dict()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            changed = hook(self, result)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            changed = post_hook(self, result)
             if changed is not None:
                 result = changed
         return result
@@ -457,8 +458,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._swap_out_resident()
             finally:
                 self._loading = False
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # -- lifetime and figures ---------------------------------------------------------------------------------
     def stored_bytes(self) -> int:

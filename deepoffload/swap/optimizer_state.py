@@ -11,6 +11,8 @@ import torch
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeGuard  # (typing has it from Python 3.10)
+
     from .chunk_plan import _Chunk
 
 
@@ -62,7 +64,7 @@ def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
         or _references(values, key) > _ALONE + 1  # (+1: ``value`` here)
 
 
-def _holds_stored(values: Any) -> bool:
+def _holds_stored(values: Any) -> TypeGuard[_StoredState]:
     """Whether a parameter's state entry still owns the tensors stored for it (see ``_StoredState``)."""
     return type(values) is _StoredState and not values.cleared
 
@@ -93,7 +95,8 @@ def write_back(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
     read = staged.wait()
     if len(read) != len(chunk):
         return None
-    state, pairs = optimizer.state, []
+    state = optimizer.state
+    pairs: list[tuple[_StoredState, dict[str, torch.Tensor]]] = []
     for param, name in zip(chunk, chunk.names):
         values, views = state.get(param), read.get(name)
         if not _holds_stored(values) or views is None or len(values) != len(views):
@@ -122,7 +125,9 @@ def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
     read = staged.wait()
     for p, name in zip(chunk, chunk.names):
         values = state.get(p)
-        tensors = {k: v for k, v in values.items() if _storable(v)} if values else None
+        if not values:
+            continue  # nothing to store: it leaves nothing behind on storage (below)
+        tensors = {k: v for k, v in values.items() if _storable(v)}
         if tensors and not loading:  # (a loaded state's tensors may still be the caller's: copied)
             views = read.get(name, {})
             bases = {id(v._base) for v in tensors.values() if v._base is not None}

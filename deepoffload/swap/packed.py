@@ -100,11 +100,12 @@ class PackFile:
 
 
 class PackedLayout:
-    """A packed ``TensorSwapper``'s writes and reads of whole extents of its pack file (``swapper.pack``);
-    ``swapper._extents`` maps each group to the extent its current records point into."""
+    """A packed ``TensorSwapper``'s writes and reads of whole extents of its pack file (``pack``, which is
+    ``swapper.pack``); ``swapper._extents`` maps each group to the extent its current records point into."""
 
-    def __init__(self, swapper: TensorSwapper):
+    def __init__(self, swapper: TensorSwapper, pack: PackFile):
         self.swapper = swapper
+        self.pack = pack
 
     def swap_out(self, groups: Groups, layout: dict, buffer: torch.Tensor, buffers: list[torch.Tensor],
                  on_done: Callable[[], None] | None) -> SwapOut:
@@ -123,12 +124,12 @@ class PackedLayout:
             buffer[start:total].zero_()
         extent = swapper._extents.get(next(iter(members), ""))
         if extent is None or not extent.holds_exactly(members):
-            extent = swapper.pack.allocate(total, members)
+            extent = self.pack.allocate(total, members)
         records = {}
         for group, entries in layout.items():
             begin, _ = members[group]
-            records[group], _ = swapper._stage(group, entries, buffer, begin, swapper.pack.path, extent.offset + begin)
-        requests = [swapper.handle.write_async(buffer[:total], swapper.pack.path, extent.offset, truncate=False)] \
+            records[group], _ = swapper._stage(group, entries, buffer, begin, self.pack.path, extent.offset + begin)
+        requests = [swapper.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] \
             if total else []
         write = SwapOut(swapper, requests, records, buffers, tuple(groups.values()), on_done, extent,
                         shifts=dict.fromkeys(records, -extent.offset))
@@ -159,6 +160,8 @@ class PackedLayout:
                 swapper._wait_writing(group)
         staged._wait_io()
         buffer = staged._hand_over()
+        if buffer is None:
+            raise ValueError("write_back: the read's buffer was already released or handed to another write")
         records = {group: swapper._records[group] for group in names}
         if swapper.config.checksum:
             for group in names:
@@ -166,7 +169,7 @@ class PackedLayout:
                 records[group] = {key: dataclasses.replace(r, checksum=_hash(
                     buffer[start + r.offset:start + r.offset + r.nbytes]) if r.nbytes else 0)
                     for key, r in records[group].items()}
-        request = swapper.handle.write_async(buffer[:extent.nbytes], swapper.pack.path, extent.offset, truncate=False)
+        request = swapper.handle.write_async(buffer[:extent.nbytes], self.pack.path, extent.offset, truncate=False)
         write = SwapOut(swapper, [request], records, [buffer], sources, on_done, extent, rewrite=True)
         writing = swapper._writing
         for group in names:
@@ -188,7 +191,7 @@ class PackedLayout:
             if old is not None and (old is not extent or not ok):
                 old.leave(group)
         if not extent.live:
-            swapper.pack.free(extent)
+            self.pack.free(extent)
 
     def whole_extent(self, groups: list[str]) -> Extent | None:
         """Packed: the extent whose members are exactly ``groups``, in order, all living there; else None."""
@@ -205,7 +208,7 @@ class PackedLayout:
         layout = {group: (-extent.offset, records[group]) for group in groups}
         cached = extent.views
         buffer = swapper._acquire(extent.nbytes, prefer=cached[0] if cached is not None else None)
-        request = swapper.handle.read_async(buffer[:extent.nbytes], swapper.pack.path, extent.offset)
+        request = swapper.handle.read_async(buffer[:extent.nbytes], self.pack.path, extent.offset)
         read = SwapIn(swapper, [request], layout, buffer, extent)
         reading = swapper._reading
         for group in groups:

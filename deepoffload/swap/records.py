@@ -6,11 +6,14 @@ import ctypes
 import functools
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, cast
 
 import torch
 
 from .pool import round_up
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
 
@@ -45,7 +48,9 @@ class SwapRecord:
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     """A DTensor's local shard and its (mesh, placements, shape, stride); other tensors as they are."""
     if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
-        return tensor.to_local(), (tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tensor.stride())
+        dtensor = cast("DTensor", tensor)  # (only DTensor has both)
+        return dtensor.to_local(), (dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape),
+                                    dtensor.stride())
     return tensor, None
 
 

@@ -63,7 +63,7 @@ class TensorSwapper:
         self._pending_out: collections.deque[SwapOut] = collections.deque()
         self.pack = PackFile(os.path.join(self.folder, "pack.swp")) if packed else None
         self._extents: dict[str, Extent] = {}  # packed: group -> the extent its current records point into
-        self._packed = PackedLayout(self) if packed else None
+        self._packed = PackedLayout(self, self.pack) if self.pack is not None else None
         self._mapped: dict[str, tuple] = {}  # groups served read-only from other files -> the file's identity
         self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
         self._group_alignment = PACKED_ALIGNMENT if packed else PAGE_SIZE  # where each group starts in a buffer
@@ -142,7 +142,7 @@ class TensorSwapper:
         tensors there. ``staged``: the ``SwapIn`` these tensors came from; its buffer is written from directly
         when they all still sit where they were read (no copy), and is released once the write is done."""
         self._check_open()
-        if staged is not None and self.pack is not None:
+        if staged is not None and self._packed is not None:
             write = self._packed.rewrite(groups, staged, on_done)
             if write is not None:
                 return write
@@ -172,7 +172,7 @@ class TensorSwapper:
         else:
             buffer = self._acquire(total)
             buffers = [buffer] + ([retired] if retired is not None else [])
-        if self.pack is not None:
+        if self._packed is not None:
             return self._packed.swap_out(groups, layout, buffer, buffers, on_done)
         requests, records, start, shifts = [], {}, 0, {}
         for group, entries in layout.items():
@@ -217,11 +217,11 @@ class TensorSwapper:
         only). None (nothing done) when ``staged`` did not read a whole extent, or its groups live elsewhere now.
         ``on_done`` as for ``swap_out``."""
         self._check_open()
-        extent = staged._extent
-        if extent is None or staged._buffer is None or self._extents.get(extent.names[0]) is not extent \
-                or len(extent.live) != len(extent.names) or list(staged._layout) != extent.names:
+        extent, packed = staged._extent, self._packed
+        if extent is None or packed is None or staged._buffer is None or self._extents.get(extent.names[0]) is not \
+                extent or len(extent.live) != len(extent.names) or list(staged._layout) != extent.names:
             return None
-        return self._packed.write_back(extent, staged, on_done, tuple(staged.wait().values()))
+        return packed.write_back(extent, staged, on_done, tuple(staged.wait().values()))
 
     def swap_in(self, groups: Iterable[str]) -> SwapIn:
         """Start reading the named groups back (each sized from its records). Groups with nothing on storage
@@ -231,10 +231,12 @@ class TensorSwapper:
         if self._writing:
             for group in groups:
                 self._wait_writing(group)
-        extent = self._packed.whole_extent(groups) if self._packed is not None else None
-        if extent is not None:
-            return self._packed.read_extent(groups, extent)
-        layout, total, spans = {}, 0, []
+        packed = self._packed
+        whole = packed.whole_extent(groups) if packed is not None else None
+        if packed is not None and whole is not None:
+            return packed.read_extent(groups, whole)
+        layout, total = {}, 0
+        spans: list[tuple[str, int, int, int]] = []  # (file, offset in it, start in the buffer, length) to read
         for group in groups:
             self._wait_writing(group)
             records = self._records.get(group, {})
@@ -256,14 +258,14 @@ class TensorSwapper:
             if span:
                 file = next(iter(records.values())).file
                 if spans and spans[-1][0] == file and spans[-1][1] + spans[-1][3] == base \
-                        and spans[-1][2] + spans[-1][3] == total:
-                    spans[-1][3] += length  # adjacent on storage and in the buffer: one request
+                        and spans[-1][2] + spans[-1][3] == total:  # adjacent on storage and in the buffer:
+                    spans[-1] = (*spans[-1][:3], spans[-1][3] + length)  # one request
                 else:
-                    spans.append([file, base, total, length])
+                    spans.append((file, base, total, length))
             total += span
         buffer = self._acquire(total) if total else None
         requests = [self.handle.read_async(buffer[start:start + span], file, offset)
-                    for file, offset, start, span in spans]
+                    for file, offset, start, span in spans] if buffer is not None else []  # (no spans without bytes)
         read = SwapIn(self, requests, layout, buffer)
         for group in layout:
             self._reading[group] = read

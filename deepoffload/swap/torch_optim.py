@@ -29,7 +29,7 @@ def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """The optimizer's own ``step`` without torch's hook wrapper (which would run every global step hook once per
     chunk, with the wrapped optimizer as argument)."""
-    step = type(optimizer).step
+    step: Any = type(optimizer).step  # (torch's hook wrapper carries ``hooked`` and ``__wrapped__``)
     if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
         return functools.partial(step.__wrapped__, optimizer)
     return optimizer.step

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, cast
 
 import torch
 
-from ..errors import ChecksumError
+from ..errors import ChecksumError, ClosedError
 from ..io.handle import Request
 from ..pending import Pending, settle
 from .records import SwapRecord, _contiguous_strides, _hash
@@ -46,7 +46,9 @@ class SwapOut(Pending[int]):
         they stay valid until ``on_done`` runs, and for good if the write fails (the buffer leaves the pool)."""
         if self._result is not None or not self._buffers or not self._shifts:
             return {}
-        buffer, typed, views = self._buffers[0], {}, {}
+        buffer = self._buffers[0]
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        views: dict[str, dict[str, torch.Tensor]] = {}
         for group, records in self._records.items():
             shift = self._shifts[group]
             views[group] = {}
@@ -68,7 +70,7 @@ class SwapOut(Pending[int]):
             self._finish()
         if isinstance(self._result, BaseException):
             raise self._result
-        return self._result
+        return cast(int, self._result)  # _finish() set it: the bytes written, or the error raised above
 
     def _finish(self) -> None:
         swapper, error, nbytes = self._swapper, None, 0
@@ -80,8 +82,10 @@ class SwapOut(Pending[int]):
         for group in self._records:
             if swapper._writing.get(group) is self:
                 del swapper._writing[group]
-        if (error is not None or not self._rewrite) and self._extent is not None:  # (a rewrite in place that
-            swapper._packed.settle(list(self._records), self._extent, error is None)  # worked moves nothing)
+        # packed (an extent means a packed swapper): a rewrite in place that worked moves nothing
+        packed = swapper._packed
+        if (error is not None or not self._rewrite) and self._extent is not None and packed is not None:
+            packed.settle(list(self._records), self._extent, error is None)
         if error is not None or not self._rewrite:
             swapper.version += 1
         if error is None:
@@ -189,8 +193,12 @@ class SwapIn(Pending[dict]):
             local = torch.empty(record.shape, dtype=record.dtype)
         else:
             position = start + record.offset
+            buffer = self._buffer
+            if buffer is None:
+                raise ClosedError(f"{record.key!r}: this read's buffer was released or handed to a write before "
+                                  f"wait() made its tensors")
             if record.checksum is not None:
-                region = self._buffer[position:position + record.nbytes]
+                region = buffer[position:position + record.nbytes]
                 if _hash(region) != record.checksum:
                     self.release()
                     raise ChecksumError(errno.EIO, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at "
@@ -198,7 +206,7 @@ class SwapIn(Pending[dict]):
                                         record.file)
             view = typed.get(record.dtype)
             if view is None:
-                view = typed[record.dtype] = self._buffer.view(record.dtype)
+                view = typed[record.dtype] = buffer.view(record.dtype)
             local = view.as_strided(record.shape, _contiguous_strides(record.shape),
                                     view.storage_offset() + position // record.dtype.itemsize)
         if record.device.type != "cpu":
