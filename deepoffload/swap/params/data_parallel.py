@@ -20,7 +20,7 @@ Every rank must run the same blocks in the same order in each backward, as DDP (
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -172,8 +172,8 @@ class DataParallel:
         params = [p for p in self.rest if p.requires_grad]
         with torch.no_grad():
             for param, value in zip(params, values):
-                if value is not None:
-                    param.grad.copy_(value)
+                if value is not None:  # an average exists only where every rank (this one too) had a gradient
+                    cast(torch.Tensor, param.grad).copy_(value)
 
     def _broadcast_buffers(self, module: nn.Module, args) -> None:
         self.averager.broadcast(list(module.buffers()))

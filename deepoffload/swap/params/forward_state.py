@@ -50,11 +50,17 @@ def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
     """(name, getter, setter) of the global settings that choose kernels or their precision and exist in this
     torch; the fp32_precision settings first (setting one of the allow_tf32 flags rewrites them)."""
     b = torch.backends
-    candidates: list[tuple[str, Callable[[], Any], Callable[[], Any], str]] = []
-    for owner, path in ((lambda: b, "backends"), (lambda: b.cuda.matmul, "cuda.matmul"), (lambda: b.cudnn, "cudnn"),
-                        (lambda: b.cudnn.conv, "cudnn.conv"), (lambda: b.cudnn.rnn, "cudnn.rnn"),
-                        (lambda: b.mkldnn, "mkldnn"), (lambda: b.mkldnn.matmul, "mkldnn.matmul"),
-                        (lambda: b.mkldnn.conv, "mkldnn.conv"), (lambda: b.mkldnn.rnn, "mkldnn.rnn")):
+    candidates: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
+    # cudnn.conv and mkldnn's matmul, conv and rnn: attributes of the module objects recent torch puts in place of
+    # torch.backends.cudnn and .mkldnn (unseen by type checkers), absent from older torch; getattr gives None there,
+    # whose fp32_precision raises AttributeError below, so the flag is skipped as before
+    owners: tuple[tuple[Callable[[], Any], str], ...] = (
+        (lambda: b, "backends"), (lambda: b.cuda.matmul, "cuda.matmul"), (lambda: b.cudnn, "cudnn"),
+        (lambda: getattr(b.cudnn, "conv", None), "cudnn.conv"), (lambda: b.cudnn.rnn, "cudnn.rnn"),
+        (lambda: b.mkldnn, "mkldnn"), (lambda: getattr(b.mkldnn, "matmul", None), "mkldnn.matmul"),
+        (lambda: getattr(b.mkldnn, "conv", None), "mkldnn.conv"),
+        (lambda: getattr(b.mkldnn, "rnn", None), "mkldnn.rnn"))
+    for owner, path in owners:
         candidates.append((f"{path}.fp32_precision", *_attribute(owner, "fp32_precision")))
     for owner, path, names in (
             (lambda: b.cuda.matmul, "cuda.matmul", ("allow_tf32", "allow_fp16_reduced_precision_reduction",
@@ -77,7 +83,7 @@ def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
         ("default_dtype", torch.get_default_dtype, torch.set_default_dtype),
         ("default_device", torch.get_default_device, torch.set_default_device),
     ]
-    flags = []
+    flags: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
     for name, getter, setter in candidates:
         try:
             getter()

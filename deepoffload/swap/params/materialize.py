@@ -23,11 +23,12 @@ meta tensor cannot take CPU data in place); on any failure the original meta par
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import torch
 from torch import nn
 
+from ...errors import ResidencyError
 from ...formats.header import CheckpointError
 from ...formats.reader import CheckpointReader, KeyReport
 from ...io.buffers import aligned_empty
@@ -99,7 +100,7 @@ class Materializer:
                 if serve and not self.reader.format.startswith("safetensors"):
                     raise ValueError(f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
                                      f"read where they lie); {checkpoint} is a {self.reader.format} file")
-                self.report = self._check(strict)
+                self.report = self._check(self.reader, strict)
             except BaseException:
                 self.reader.close()
                 raise
@@ -107,10 +108,11 @@ class Materializer:
 
     # -- preparing ----------------------------------------------------------------------------------------------
     def _target_dtype(self, t: torch.Tensor) -> torch.dtype:
-        convert = self.dtype is not None and t.is_meta and t.is_floating_point() and isinstance(t, nn.Parameter)
-        return self.dtype if convert else t.dtype
+        if self.dtype is not None and t.is_meta and t.is_floating_point() and isinstance(t, nn.Parameter):
+            return self.dtype
+        return t.dtype
 
-    def _check(self, strict: bool) -> KeyReport:
+    def _check(self, reader: CheckpointReader, strict: bool) -> KeyReport:
         """Compare the checkpoint with the module's state (names, shapes, convertible dtypes); a tensor shared by
         several names (tied weights) needs only one of them in the checkpoint."""
         state = self.module.state_dict(keep_vars=True)
@@ -119,12 +121,12 @@ class Materializer:
             aliases.setdefault(id(t), []).append(name)
         expected = {}
         for names in aliases.values():
-            present = [n for n in names if n in self.reader]
+            present = [n for n in names if n in reader]
             for name in (present or names):
                 t = state[name]
                 expected[name] = (tuple(t.shape), self._target_dtype(t))
         try:
-            return self.reader.check(expected, strict=strict)
+            return reader.check(expected, strict=strict)
         except CheckpointError as e:
             if "missing:" not in str(e) or not type(self.module).__module__.startswith("transformers"):
                 raise
@@ -152,8 +154,8 @@ class Materializer:
     def undo(self) -> None:
         """Put back the original meta parameters and buffers (after a failure)."""
         for module, name, original in reversed(self._swapped):
-            if name in module._parameters:
-                module._parameters[name] = original
+            if name in module._parameters:  # (swapped by _replace_meta_parameters: a Parameter)
+                module._parameters[name] = cast(nn.Parameter, original)
             else:
                 module._buffers[name] = original
         self._swapped = []
@@ -169,7 +171,7 @@ class Materializer:
         tensors by qualified name. ``transient``: the tensors of a block, written out and released at once: their
         memory is mapped for them (``transient_empty``), so it goes back to the system when they are released."""
         empty = transient_empty if transient else torch.empty
-        tensors = {}
+        tensors: dict[str, torch.Tensor] = {}
         for name, param in module._parameters.items():
             if param is None:
                 continue
@@ -199,7 +201,7 @@ class Materializer:
                         for n, t in tensors.items())]
         if needy:
             self._initialize(needy, loaded)
-        if loaded:
+        if loaded and reader is not None:  # (loaded is empty without a reader)
             reader.read_into({n: t.detach() for n, t in loaded.items()})
         for _, tensors in owners:
             for t in tensors.values():
@@ -322,7 +324,8 @@ class Materializer:
         except BaseException:
             for block in writes:
                 try:
-                    block.write.wait()
+                    if block.write is not None:  # (always: set before the block joined writes)
+                        block.write.wait()
                 except OSError:
                     pass  # the first failure is the one reported
                 block.write = None
@@ -338,6 +341,9 @@ class Materializer:
     @staticmethod
     def _finish(store, block: Block) -> None:
         write, block.write = block.write, None
+        if write is None:
+            raise ResidencyError(f"block {block.prefix}: no write of its parameters is in flight (a bookkeeping bug "
+                                 f"in deepoffload; please report it)")
         try:
             write.wait()
         except OSError as e:

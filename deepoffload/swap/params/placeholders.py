@@ -33,7 +33,7 @@ import functools
 import math
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 from torch import nn
@@ -116,7 +116,8 @@ class StreamedParameter(nn.Parameter):
         with internal():  # a plain Parameter of its values, as nn.Parameter pickles
             return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
 
-    def __repr__(self) -> str:
+    # narrower than Tensor.__repr__(self, *, tensor_contents=None), as nn.Parameter's own is: repr() passes nothing
+    def __repr__(self) -> str:  # type: ignore[override]
         block, name = self._streamed
         return (f"StreamedParameter(shape={tuple(block.shapes[block.names.index(name)])}, dtype={self.dtype}, "
                 f"{block.qualified(name)} {block.state.value})")
@@ -149,21 +150,22 @@ def refuse_grad(param: nn.Parameter, block: Block, name: str) -> None:
     """Make the plain ``param`` (of ``block``, in memory, called ``name`` there) a ``GradsAwayParameter``."""
     if type(param) is nn.Parameter:
         param.__class__ = GradsAwayParameter
-        param._streamed = (block, name)
+        cast(GradsAwayParameter, param)._streamed = (block, name)  # (its class, just set)
 
 
 def streamed(param: nn.Parameter, block: Block, name: str) -> None:
     """Make ``param`` (of ``block``, called ``name`` there), now holding a placeholder, a ``StreamedParameter``."""
     param.__class__ = StreamedParameter
-    param._streamed = (block, name)
+    cast(StreamedParameter, param)._streamed = (block, name)  # (its class, just set)
 
 
 def plain(param: nn.Parameter) -> None:
     """Make a ``StreamedParameter`` or ``GradsAwayParameter`` an ``nn.Parameter`` again (its block is in memory and
     computing or done with its gradients, or offloading ended)."""
     if type(param) in (StreamedParameter, GradsAwayParameter):
+        was = cast("StreamedParameter | GradsAwayParameter", param)  # (its class, just checked)
         param.__class__ = nn.Parameter
-        del param._streamed
+        del was._streamed
 
 
 def _attribute(func: Callable) -> str:

@@ -12,7 +12,7 @@ The function talks to the streaming side through ``Streamer``; it knows nothing 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -179,7 +179,7 @@ class Recompute(torch.autograd.Function):
         streamer.acquire(block, "backward", training=True)
         try:
             with call.captured.replay():  # (until the recomputed graph is done: it saved the buffers it read)
-                with call.state.restored():
+                with cast(ForwardState, call.state).restored():  # (set by this call's forward, which ran first)
                     given = as_given(inputs, call.was_leaf)
                     flat, _ = pytree.tree_flatten(call.run(given))
                 n = len(call.out_positions)

@@ -76,7 +76,7 @@ def own_dtype_parameters(module: nn.Module, compute_dtype: torch.dtype | None) -
     in ``compute_dtype``, statistics and affine parameters in theirs), as ``torch.autocast`` runs them."""
     if compute_dtype is None:
         return set()
-    own = set()
+    own: set[int] = set()
     for sub in module.modules():
         if any(b.is_floating_point() and b.dtype != compute_dtype for b in sub.buffers(recurse=False)):
             own.update(id(p) for p in sub.parameters(recurse=False))

@@ -36,9 +36,9 @@ class _ObjectsState:
     def restore(self) -> None:
         for target, items in self.lists:
             target[:] = items
-        for target, saved in self.maps:
-            target.clear()
-            target.update(saved)
+        for mapping, saved in self.maps:
+            mapping.clear()
+            mapping.update(saved)
         for o, saved in self.dicts:
             vars(o).clear()
             vars(o).update(saved)

@@ -96,9 +96,13 @@ class BlockStore:
             return
         if block.state is not Residency.READING:
             block.move(Residency.RESIDENT)  # raises: nothing is being read
+        read = block.read
+        if read is None:
+            raise ResidencyError(f"block {block.prefix}: its parameters are {block.state.value} but no read is in "
+                                 f"flight (a bookkeeping bug in deepoffload; please report it)")
         start = time.perf_counter()
         try:
-            tensors = block.read.wait()[block.group]
+            tensors = read.wait()[block.group]
         except OSError as e:
             block.read = None
             block.move(Residency.ON_STORAGE)
@@ -178,7 +182,7 @@ class BlockStore:
                         self.drop_unwritable(other)
                     except RuntimeError:
                         also.append(other.prefix)  # reported on the first one's error, not raised again
-            if also:
+            if also and hasattr(error, "add_note"):  # (Python 3.11+, as in swap/optimizer.py)
                 error.add_note(f"changes dropped the same way in blocks {', '.join(also)}")
             raise
 
@@ -267,9 +271,13 @@ class BlockStore:
     def wait_write(self, block: Block) -> None:
         if block.state is not Residency.WRITING:
             return
+        write = block.write
+        if write is None:
+            raise ResidencyError(f"block {block.prefix}: its parameters are {block.state.value} but no write is in "
+                                 f"flight (a bookkeeping bug in deepoffload; please report it)")
         start = time.perf_counter()
         try:
-            block.write.wait()
+            write.wait()
         except OSError as e:
             block.set_data(block.written)  # the bytes stay in memory, where they are the only valid copy
             block.write, block.written = None, {}

@@ -11,6 +11,7 @@ gradient norm the Trainer logs covers the parameters in memory only. transformer
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -34,12 +35,12 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # not Optimizer.__init__: the parameters and their state belong to offload's optimizers
         self.offload, self.clip_grad_norm = offload, clip_grad_norm
         self.defaults = dict(offload.optimizers[0].defaults)
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        self._optimizer_step_pre_hooks = OrderedDict()  # (the types Optimizer.__init__ gives them)
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -49,7 +50,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         raise AttributeError("StreamedOptimizer.param_groups: change the groups' entries (e.g. 'lr') in place")
 
-    @property
+    # a plain empty dict, not Optimizer's defaultdict: a lookup fails rather than making up an entry
+    @property  # type: ignore[override]
     def state(self) -> dict:
         return {}  # offloaded; see state_dict()
 
@@ -57,7 +59,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def state(self, value) -> None:
         raise AttributeError("StreamedOptimizer.state is offloaded: use load_state_dict()")
 
-    def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor | None:
+    # returns offload.step()'s gradient norm (a tensor, or None), not a closure's loss: closures are refused
+    def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor | None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("StreamedOptimizer.step(closure): closures are not supported (blocks step inside "
                              "backward in fused mode)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,7 +32,9 @@ def accumulating() -> bool:
     ``GradientState`` says gradients are not synced); False when accelerate is not in use."""
     state = sys.modules.get("accelerate.state")
     shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
-    return bool(shared) and shared.get("sync_gradients", True) is False
+    if not shared:
+        return False
+    return shared.get("sync_gradients", True) is False
 
 
 class Training:
@@ -78,6 +80,15 @@ class Training:
         """Wait for gradient writes in flight (raise the first failure)."""
 
     # -- helpers ----------------------------------------------------------------------------------------------
+    def stepping_optimizer(self, block: Block) -> OffloadedOptimizer:
+        """The blocks' optimizer, to step or prefetch for the trainable ``block`` (``ParameterOffload`` refuses a
+        trainable block's backward when there is none)."""
+        if self.block_optimizer is None:
+            raise StreamedParameterError(f"block {block.prefix}: its parameters are trained but offload_parameters() "
+                                         f"got no optimizer=: pass optimizer= to train, or freeze the parameters "
+                                         f"(requires_grad_(False))")
+        return self.block_optimizer
+
     def step_block(self, block: Block, grads: dict[str, torch.Tensor]) -> None:
         """Step the block's resident masters with ``grads`` (master dtype), then start writing them back (a
         pinned block keeps them in memory instead: ``BlockStore.stepped``)."""
@@ -85,7 +96,7 @@ class Training:
             master.grad = grads.get(name)
         start = time.perf_counter()
         try:
-            self.block_optimizer.step()
+            self.stepping_optimizer(block).step()
             block.steps += 1
         except BaseException:
             self.store.keep(block)  # the updated values stay in memory, the only valid copy
@@ -135,7 +146,7 @@ class Fused(Training):
                 f"accumulation, or a second loss): each block steps inside its backward, so the "
                 f"second pass would step it again. Call step() after each backward, or use "
                 f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
-        self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+        self.stepping_optimizer(block).prefetch(m for m in block.masters if m.requires_grad)
 
     def after_backward(self, block: Block) -> None:
         if not block.trainable:
@@ -169,7 +180,7 @@ class Fused(Training):
                 block.partial = {}
                 continue
             self.store.start_read(block)
-            self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+            self.stepping_optimizer(block).prefetch(m for m in block.masters if m.requires_grad)
             if k + 1 < len(deferred):
                 self.store.start_read(deferred[k + 1])
             self.store.materialize(block)
@@ -181,7 +192,7 @@ class Fused(Training):
 class Grads(Training):
     name = "grads"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.grad_writes: list[tuple[Block, SwapOut, dict]] = []
         # the block whose average is in flight: (block, its result, had stored gradients, bytes)
@@ -324,8 +335,8 @@ class Grads(Training):
         """The norm of every gradient, the blocks' streamed from storage one window at a time, taken exactly as
         ``torch.nn.utils.clip_grad_norm_(module.parameters())`` takes it (see ``grad_norm``)."""
         norms: dict[int, torch.Tensor] = {}
-        rest = [p for p in self.rest if p.grad is not None]
-        norms.update(zip(map(id, rest), grad_norm.tensor_norms([p.grad for p in rest], norm_type)))
+        rest = [(p, p.grad) for p in self.rest if p.grad is not None]
+        norms.update(zip((id(p) for p, _ in rest), grad_norm.tensor_norms([g for _, g in rest], norm_type)))
         for block, grads in self.stream_grads(todo):
             params = [p for name, p in zip(block.names, block.params) if name in grads]
             values = grad_norm.tensor_norms([grads[name] for name in block.names if name in grads], norm_type)
@@ -346,7 +357,7 @@ class Grads(Training):
         """Weights and gradients in, (clip), step, weights out, block by block (``prefetch`` ahead)."""
         def start_also(block: Block) -> None:
             self.store.start_read(block)
-            self.block_optimizer.prefetch(m for m in block.masters if m.requires_grad)
+            self.stepping_optimizer(block).prefetch(m for m in block.masters if m.requires_grad)
 
         for block, grads in self.stream_grads(todo, start_also, prepare=self.store.materialize, discard=True):
             if coefficient is not None:

@@ -11,6 +11,7 @@ runs, which FSDP2's gathering cannot see."""
 from __future__ import annotations
 
 import sys
+from types import FrameType
 
 from torch import nn
 
@@ -41,7 +42,7 @@ def _path_has(filename: str, parts: tuple[str, ...]) -> bool:
 def wrapper_in_stack() -> str | None:
     """The data-parallel wrapper whose code is running on this thread's stack ("DistributedDataParallel" or
     "fully_shard"), else None. Only called on an error path."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if _path_has(filename, _DDP_FILE):
