@@ -72,12 +72,12 @@ class OpFileSystem(_dcp_fs.FileSystem):
                 _remove(path)
                 raise
         else:
-            with DirectReader(path, config=self.config) as stream:
+            with DirectReader(path, config=self.config) as reader:
                 try:
-                    yield stream
+                    yield reader
                 except Exception as e:
-                    if stream.error is not None and stream.error is not e:  # torch.load hides the read's error
-                        raise stream.error from e
+                    if reader.error is not None and reader.error is not e:  # torch.load hides the read's error
+                        raise reader.error from e
                     raise
 
     def rm_file(self, path: str | os.PathLike) -> None:

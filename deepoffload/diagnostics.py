@@ -64,7 +64,7 @@ def versions(builder) -> dict:
     from .op_builder.cache import cache_root
 
     compiler = compiler_version(builder.toolchain)
-    info = {
+    info: dict[str, str | None] = {  # a library's version is None when it is not found
         "deepoffload": __version__,
         "torch": torch_version(),
         "python": platform.python_version(),
@@ -169,7 +169,7 @@ def direct_io(folder: Path) -> DirectIO:
             return DirectIO(False, reason=f"open with O_DIRECT refused: {e.strerror}")
         try:
             with mmap.mmap(-1, 8192) as buf:  # page-aligned memory
-                reason = ""
+                reason: str | None = ""  # OSError.strerror may be None
                 for alignment in (512, 1024, 2048, 4096):
                     try:
                         os.pwrite(fd, memoryview(buf)[:alignment], alignment)

@@ -8,6 +8,7 @@ hold ours, since nobody else can be building then).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import tempfile
@@ -22,10 +23,10 @@ CACHE_ENV = "DEEPOFFLOAD_CACHE_DIR"
 
 def cache_root() -> Path:
     """``$DEEPOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/deepoffload``, else ``~/.cache/deepoffload``."""
-    explicit = env.get(CACHE_ENV)
+    explicit = env.get_path(CACHE_ENV)
     if explicit is not None:
         return explicit
-    return (env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepoffload"
+    return (env.get_path("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepoffload"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -70,6 +71,9 @@ def exclusive_lock(path: Path, on_wait=None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _windows_lock(path: Path, on_wait) -> Iterator[None]:
+    if sys.platform != "win32":  # also tells mypy, which checks for the platform it runs on, that msvcrt is there
+        raise OSError(errno.ENOTSUP, f"the msvcrt lock is Windows' only, this is {sys.platform} (exclusive_lock "
+                      f"uses flock here)", str(path))
     import msvcrt
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

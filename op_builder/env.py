@@ -100,6 +100,14 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Value:
     return parse(name, variable.kind, text)
 
 
+def get_path(name: str, environ: Mapping[str, str] | None = None) -> Path | None:
+    """``get`` for a ``path`` variable (typed as what it returns: a path, or None when unset or empty)."""
+    value = get(name, environ)
+    if value is not None and not isinstance(value, Path):
+        raise TypeError(f"{name} is a {VARIABLES[name].kind} variable, not a path: read it with env.get()")
+    return value
+
+
 def raw(names: tuple[str, ...], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The unparsed values of those of ``names`` that are set (the compiler's own variables are passed on as
     they are)."""

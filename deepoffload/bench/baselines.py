@@ -21,7 +21,7 @@ SLICE_BYTES = 1 << 20
 def mmap_write(buffer: torch.Tensor, path: Path) -> Sample:
     """Copy ``buffer`` into a shared mapping of ``path`` in 1 MiB slices, then flush it to storage."""
     nbytes = buffer.numel()
-    source = memoryview(buffer.numpy())
+    source = buffer.numpy().data  # memoryview(array)
     start = time.perf_counter()
     with open(path, "r+b") as f:
         if os.fstat(f.fileno()).st_size < nbytes:
@@ -36,7 +36,7 @@ def mmap_write(buffer: torch.Tensor, path: Path) -> Sample:
 def mmap_read(buffer: torch.Tensor, path: Path) -> Sample:
     """Copy the first ``buffer.numel()`` bytes of ``path`` into ``buffer`` through a mapping, in 1 MiB slices."""
     nbytes = buffer.numel()
-    target = memoryview(buffer.numpy())
+    target = buffer.numpy().data  # memoryview(array)
     evict(path)
     start = time.perf_counter()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ) as mapping:

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from .measure import BenchError, Sample
 
@@ -43,7 +44,7 @@ def parse_fio_json(text: str, op: str) -> float:
     the whole group with ``--group_reporting``). Text before the JSON document (fio's warnings) is skipped."""
     start = text.find("{")
     try:
-        data = json.loads(text[start:]) if start >= 0 else None
+        data: Any = json.loads(text[start:]) if start >= 0 else None  # None (no JSON): a TypeError below
         bw = float(data["jobs"][0][op]["bw_bytes"])
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise BenchError(f"could not read fio's {op} throughput from its JSON output ({type(e).__name__}: {e})") \

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,7 @@ def run(settings: BenchSettings, on_sample: Callable[[Sample], None] | None = No
                     steps.append(lambda: run_fio(path, op, s.nbytes, c.block_size, c.queue_depth,
                                                  c.intra_op_parallelism))
                 if s.baselines:
-                    steps.extend(lambda f=f: f(buffer, path) for f in BASELINES[op])
+                    steps.extend(functools.partial(f, buffer, path) for f in BASELINES[op])
                 for step in steps:
                     sample = step()
                     samples.append(sample)

@@ -141,7 +141,9 @@ def _load(path: str, map_location: Any, weights_only: bool | None, mmap: bool | 
         del data
     with DirectReader(path, config=config, on_read=verifier.on_read if verifier else None) as reader:
         try:
-            result = torch.load(reader, map_location=map_location, weights_only=weights_only, **pickle_load_args)
+            # (torch's stub asks IO[bytes]; an io.RawIOBase file, as reader is, is not one to typeshed)
+            result = torch.load(reader, map_location=map_location, weights_only=weights_only,  # type: ignore[arg-type]
+                                **pickle_load_args)
         except Exception as e:
             if reader.error is not None:  # what torch reports then is a consequence, not the cause
                 raise reader.error from e

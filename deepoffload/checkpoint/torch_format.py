@@ -95,7 +95,9 @@ def write_records(records: list[Record], sink: DirectWriter, checksum: bool) -> 
     ahead = CrcAhead(records) if checksum else None
     try:
         filler = CrcFiller(sink, ahead) if checksum else None
-        writer = torch._C.PyTorchFileWriter(filler or sink, False, torch.serialization._get_storage_alignment())
+        # (torch's stub asks IO[bytes]; an io.RawIOBase file, as both sinks are, is not one to typeshed)
+        writer = torch._C.PyTorchFileWriter(filler or sink, False,  # type: ignore[call-overload]
+                                            torch.serialization._get_storage_alignment())
         try:
             for name, data, nbytes in records:
                 if sink.error is not None:

@@ -90,7 +90,8 @@ def load_from_memory(data: torch.Tensor, map_location: Any, weights_only: bool, 
     source.seek(0)
     args = dict(pickle_load_args)
     args.setdefault("encoding", "utf-8")
-    with ts._open_zipfile_reader(source) as archive:
+    # (torch's stub asks IO[bytes]; a binary file object of io's, as source is, is not one to typeshed)
+    with ts._open_zipfile_reader(source) as archive:  # type: ignore[arg-type]
         if ts._is_torchscript_zip(archive):
             return False, None
         unpickler = ts._weights_only_unpickler if weights_only else (pickle_module or pickle)

@@ -72,9 +72,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not chunk_set:  # a small model's state in ~16 chunks: the staging buffers stay a small part of it
         config = config.replace(chunk_bytes=min(config.chunk_bytes, max(1 << 20, state_estimate(args) // 16)))
-    config = config.replace(folder=args.path or config.folder or os.getcwd(), keep_files=args.keep or config.keep_files)
-    if not os.path.isdir(config.folder):  # as bench and tune: never create (and leave) a folder the user mistyped
-        print(f"deepoffload demo: {config.folder} is not an existing folder; choose another folder with --path "
+    folder = args.path or config.folder or os.getcwd()
+    config = config.replace(folder=folder, keep_files=args.keep or config.keep_files)
+    if not os.path.isdir(folder):  # as bench and tune: never create (and leave) a folder the user mistyped
+        print(f"deepoffload demo: {folder} is not an existing folder; choose another folder with --path "
               f"(or create it)")
         return 1
     try:  # before any progress bar: a first use builds the op and says so on its own line

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import cast
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"max_memory: {limit / 1e6:.1f} MB; the process now: {process / 1e6:.1f} MB; left for the forward's "
           f"activations: {fitted.forward_bytes / 1e6:.1f} MB")
     print(f"chosen: prefetch {fitted.plan.prefetch}, {fitted.plan.state_chunks} optimizer buffers, "
-          f"{fitted.plan.resident_bytes / 1e6:.1f} MB of blocks kept in memory")
+          f"{cast(int, fitted.plan.resident_bytes) / 1e6:.1f} MB of blocks kept in memory")  # fit() sets it
     for what, nbytes in fitted.plan.parts():
         print(f"  {what}: {nbytes / 1e6:.1f} MB")
     print(f"expected peak: {fitted.expected_peak_bytes / 1e6:.1f} MB of {limit / 1e6:.1f} MB")

@@ -34,6 +34,8 @@ class TinyLM(nn.Module):
     """Token and position embeddings, pre-norm transformer blocks (torch's own encoder layer with a causal mask),
     a final norm and an output projection."""
 
+    mask: torch.Tensor  # a buffer (register_buffer below), which nn.Module's __getattr__ types as Tensor | Module
+
     def __init__(self, size: ModelSize):
         super().__init__()
         self.size = size

@@ -309,7 +309,7 @@ class CheckpointReader:
                     self._check_unchanged(span.path, identities[span.path])  # not replaced before the op opened it
                 inflight -= span.end - span.start
                 yield span, start, buffer
-                if pooled is not None:
+                if pooled is not None and pool is not None:  # (a pooled buffer came from pool)
                     pool.append(pooled)
         finally:  # the caller stopped early or a read failed: let reads in flight finish before their buffers go
             for _, _, _, request, _ in queue:
@@ -382,6 +382,8 @@ class CheckpointReader:
         target = self._target(entry.name, entry.dtype, dtype)
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=target)
+        if buffer is None:  # only a span of empty tensors reads nothing: the header holds each entry in its file
+            raise CheckpointError(f"{entry.path}: no bytes were read for {entry.name!r} ({entry.nbytes} bytes)")
         raw = buffer[entry.start - start:entry.end - start]
         if (entry.start - start) % element_size(entry.dtype):  # the format does not align tensors: copy to view
             raw = raw.clone()

@@ -186,7 +186,8 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
     metadata = _checked_metadata(metadata)
     remove_dead_temporaries(folder, prefix)
     own = handle is None
-    handle = AsyncIOHandle() if own else handle
+    if handle is None:
+        handle = AsyncIOHandle()
     tag = temporary_name(prefix, "partial")
     try:
         shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
@@ -233,7 +234,8 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
         position += nbytes
     header_bytes = -(-len(encode_header(layout, metadata)) // PAGE) * PAGE
     own = handle is None
-    handle = AsyncIOHandle() if own else handle
+    if handle is None:
+        handle = AsyncIOHandle()
     remove_dead_temporaries(path.parent, path.name)
     try:
         tag = temporary_name(path.name)

@@ -24,7 +24,7 @@ import threading
 import types
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import Any, Mapping
 
 from ..errors import UnsupportedError
 
@@ -220,7 +220,7 @@ def enable() -> None:
         _saved.insert(0, (None, children.ENV, children.mark_children(), _CHILDREN))
 
 
-def _patch_accelerator(replacements: dict[str, type]) -> None:
+def _patch_accelerator(replacements: Mapping[str, type]) -> None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

@@ -17,10 +17,11 @@ import math
 import operator
 import mmap
 import os
+import sys
 import threading
 import warnings
 import weakref
-from typing import Sequence
+from typing import Sequence, SupportsIndex, cast
 
 import torch
 
@@ -31,7 +32,7 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in for writ
 MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the pages of a range now (clean file pages leave the page cache)
 HUGE_PAGE = 2 << 20  # buffers at least this large start on this boundary and ask for transparent huge pages
 
-if os.name == "posix":
+if sys.platform != "win32":  # (os.name == "posix"; mypy checks only the branch for the platform it runs on)
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     _kernel32 = None
 else:
@@ -47,7 +48,7 @@ def _numel(shape_or_numel: int | Sequence[int]) -> tuple[int, tuple[int, ...]]:
         if isinstance(s, bool) or not hasattr(type(s), "__index__"):
             raise TypeError(f"aligned_empty: expected a size (int) or a shape (sequence of ints), got "
                             f"{shape_or_numel!r}")
-        return operator.index(s)
+        return operator.index(cast(SupportsIndex, s))  # its type has __index__: checked above
 
     if isinstance(shape_or_numel, (str, bytes)) or not isinstance(shape_or_numel, Sequence):
         shape: tuple[int, ...] = (dim(shape_or_numel),)

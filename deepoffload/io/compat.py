@@ -11,6 +11,7 @@ import contextlib
 import threading
 import weakref
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ DS_SINGLE_SUBMIT, DS_OVERLAP_EVENTS = False, False
 O_DIRECT_ALIGNMENT = 512  # DeepSpeed's get_alignment() is this times intra_op_parallelism
 MIN_IO_BLOCK = 4096       # smaller block sizes are accepted and reported, IO uses this
 
-_MISSING = object()
+_MISSING: Any = object()  # the default of arguments of any type that DeepSpeed requires: "not given"
 
 # Buffers from new_cpu_locked_tensor, like DeepSpeed's process-wide pinned-tensor manager: start address -> bytes.
 _managed_lock = threading.Lock()
@@ -72,7 +73,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive number of bytes, got {block_size!r}")
         self._block_size = block_size
-        settings = dict(block_size=max(block_size, MIN_IO_BLOCK), queue_depth=queue_depth,
+        settings: dict[str, object] = dict(block_size=max(block_size, MIN_IO_BLOCK), queue_depth=queue_depth,
                         single_submit=single_submit, overlap_events=overlap_events,
                         intra_op_parallelism=intra_op_parallelism)
         if engine is not None:

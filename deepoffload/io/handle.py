@@ -16,7 +16,7 @@ import threading
 import warnings
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 import torch
 
@@ -257,7 +257,7 @@ class AsyncIOHandle:
         An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``). A write that fails
         (full disk, validation) to a path that did not exist before the call leaves no file there (do not write the
         same new path from another thread meanwhile)."""
-        new = isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file)
+        new = file if isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file) else None
         try:
             if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
                 nbytes = self._device_stager().write(tensor, file, offset, truncate=truncate, fsync=fsync)
@@ -266,9 +266,9 @@ class AsyncIOHandle:
             if validate:
                 _validate(tensor, file, offset)
         except OSError:
-            if new:
+            if new is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(file)
+                    os.unlink(new)
             raise
         return nbytes
 
@@ -295,7 +295,8 @@ class AsyncIOHandle:
             try:
                 fd = os.dup(fd)
             except OSError as e:
-                raise os_error(e.errno, "open", path, offset, f"descriptor {path[4:-1]} is not usable") from None
+                err = cast(int, e.errno)  # os.dup's OSError always carries its errno
+                raise os_error(err, "open", path, offset, f"descriptor {path[4:-1]} is not usable") from None
         try:
             with self._pending_lock:
                 if self._native is None:  # first use in a forked child
@@ -408,7 +409,7 @@ def _validate(tensor: torch.Tensor, file: FileRef, offset: int) -> None:
     nbytes = expected.numel()
     if isinstance(file, int):
         data = os.pread(file, nbytes, offset)
-        path = f"<fd {file}>"
+        path: str | bytes = f"<fd {file}>"
     else:
         path = os.fspath(file)
         with open(path, "rb") as f:

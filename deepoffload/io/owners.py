@@ -103,7 +103,7 @@ def temporary_name(target: str, kind: str = "tmp") -> str:
     return f".{target}.{kind}-{process_token()}-{uuid.uuid4().hex[:8]}"
 
 
-def remove_dead_temporaries(folder: str | os.PathLike, target: str) -> list[Path]:
+def remove_dead_temporaries(folder: str | os.PathLike[str], target: str) -> list[Path]:
     """Remove the temporaries of ``target`` in ``folder`` left by processes that are no longer alive; return them."""
     removed = []
     with contextlib.suppress(OSError):
@@ -122,7 +122,7 @@ def run_folder_prefix(rank: int) -> str:
     return f"deepoffload-rank{rank}-{process_token()}-"
 
 
-def remove_dead_run_folders(base: str | os.PathLike) -> list[Path]:
+def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
     """Remove the per-run swap folders in ``base`` of processes that are no longer alive (folders kept on purpose
     hold a ``KEPT`` file and stay); return them."""
     removed = []

@@ -39,7 +39,7 @@ class DeviceStager:
         self._lock = threading.Lock()
         self._pool: StagingPool | None = None
         self._pool_for: accelerator.Accelerator | None = None
-        self._streams: dict[torch.device, object] = {}
+        self._streams: dict[torch.device, torch.Stream | None] = {}
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> int:
         """Read ``tensor``'s bytes from ``offset`` of ``file`` into it; return the bytes read. On error (an
@@ -96,10 +96,10 @@ class DeviceStager:
                              f"through AsyncIOHandle directly")
         return acc
 
-    def _setup(self, acc: accelerator.Accelerator, device: torch.device) -> tuple[StagingPool, object]:
+    def _setup(self, acc: accelerator.Accelerator, device: torch.device) -> tuple[StagingPool, torch.Stream | None]:
         """The pool of two host buffers (allocated on first use, page-locked for ``acc``) and the side stream for
         ``device``, which waits for the device's current stream."""
-        if self._pool_for is not acc:
+        if self._pool is None or self._pool_for is not acc:  # (no pool yet: no accelerator either)
             self._pool, self._pool_for, self._streams = StagingPool(self.chunk_bytes, keep=2), acc, {}
         if device not in self._streams:
             self._streams[device] = acc.new_stream(device)
