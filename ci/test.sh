@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the test dependencies, lints (ruff, configured in pyproject.toml) and runs the whole suite (slow tests
+# Installs the test dependencies, lints (ruff, configured in pyproject.toml), type-checks (mypy) and runs the whole suite (slow tests
 # included), as docs/development.md says; then the core tests again under `python -O` (library code must not rely on assert,
 # which tests/test_no_assert.py checks statically; pytest still rewrites the tests' own asserts and conftest's into
 # real checks, so they are not vacuous there), the op-level tests under ASan/UBSan, and the documentation site
@@ -30,6 +30,7 @@ phase() {
 }
 
 phase "lint (ruff)" python -m ruff check .
+phase "types (mypy)" python -m mypy  # deepoffload/ and op_builder/, configured in pyproject.toml
 # Two workers (pytest-xdist), each file on one of them: most slow tests wait on compilers, children and the disk,
 # so this halves the phase on two cores (measured 763 s against 1476-1735 s in one process).
 phase "full suite" python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 \

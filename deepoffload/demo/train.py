@@ -98,8 +98,7 @@ def run_demo(model_size: str, steps: int, optimizer: str, config: SwapConfig,
     reference, offloaded_model = build_model(model_size), build_model(model_size)
     data = SyntheticText(reference.size)
     in_memory = make(reference.parameters())
-    # (OffloadedOptimizer's annotation says an optimizer or a class; it builds from any callable, as this)
-    offloaded = OffloadedOptimizer(make, offloaded_model.parameters(), config)  # type: ignore[arg-type]
+    offloaded = OffloadedOptimizer(make, offloaded_model.parameters(), config)
     result = DemoResult(parameters=sum(p.numel() for p in reference.parameters()), steps=steps,
                         folder=offloaded.swapper.folder)
     try:

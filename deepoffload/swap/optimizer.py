@@ -78,8 +78,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     matches the in-memory optimizer run with the same thread count. Process-wide while the step runs.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer | type, params: Iterable | None = None,
-                 config: SwapConfig | None = None, *, max_memory: int | str | None = None, **kwargs: Any):
+    def __init__(self, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
+                 params: Iterable | None = None, config: SwapConfig | None = None, *,
+                 max_memory: int | str | None = None, **kwargs: Any):
         if isinstance(optimizer, torch.optim.Optimizer):
             if params is not None or kwargs:
                 raise TypeError("OffloadedOptimizer: pass either an optimizer instance, or an optimizer class with "

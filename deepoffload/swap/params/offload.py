@@ -68,13 +68,10 @@ class ParameterOffload:
         rest_config = config.replace(chunk_bytes=self.plan.rest_chunk_bytes, buffer_count=STATE_CHUNKS)
         block_optimizer = rest_optimizer = None
         if optimizer is not None:
-            # (OffloadedOptimizer's annotation says an optimizer or a class; it builds from any callable, as this)
             masters = [m for b in self.blocks for m in b.masters if m.requires_grad]
-            block_optimizer = (OffloadedOptimizer(optimizer, masters, state_config)  # type: ignore[arg-type]
-                               if masters else None)
+            block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
             rest = [p for p in self.rest if p.requires_grad]
-            rest_optimizer = (OffloadedOptimizer(optimizer, rest, rest_config)  # type: ignore[arg-type]
-                              if rest else None)
+            rest_optimizer = OffloadedOptimizer(optimizer, rest, rest_config) if rest else None
         self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
         # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
         self._optimizing = optimizer is not None
