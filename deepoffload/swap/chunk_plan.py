@@ -85,3 +85,14 @@ class ChunkPlanner:
             self._plans.clear()
         self._plans[key] = chunks
         return chunks
+
+
+def index_ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    parts: list[list[int]] = []  # [first, last] of each run
+    for i in indices:
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "none"

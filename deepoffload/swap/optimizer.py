@@ -30,28 +30,17 @@ import torch
 
 from ..io.handle import wait_each
 from .backward_steps import _BackwardSteps
-from .chunk_plan import ChunkPlanner, _Chunk
+from .chunk_plan import ChunkPlanner, _Chunk, index_ranges
 from .config import SwapConfig
 from .ddp import refuse_step_in_backward_under_ddp
 from .interrupts import deferred
 from .memory import parse_bytes, process_bytes
 from .optimizer_budget import fit_buffers
-from .optimizer_state import _holds_stored, _storable, restore, write_back, write_copy
+from .optimizer_state import _holds_stored, _storable, read_stored, restore, write_back, write_copy
 from .pool import trim_heap
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
 from .torch_optim import _WRAPPED, UNSUPPORTED, _check_no_step_hooks, _intra_op_threads, _requires_closure, \
     _unhooked_step
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
-    parts: list[list[int]] = []  # [first, last] of each run
-    for i in indices:
-        if parts and parts[-1][1] == i - 1:
-            parts[-1][1] = i
-        else:
-            parts.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -259,13 +248,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         position = {id(p): i for i, p in enumerate(self._params())}
         done = sorted(position[id(p)] for chunk in chunks[:stepped] for p in chunk)
         rest = sorted(position[id(p)] for chunk in chunks[stepped:] for p in chunk)
-        note = (f"OffloadedOptimizer.step stopped: parameters {_ranges(done)} (positions in param_groups order) "
-                f"were fully stepped, their state stored or kept in memory; parameters {_ranges(rest)} were not "
+        note = (f"OffloadedOptimizer.step stopped: parameters {index_ranges(done)} (positions in param_groups order) "
+                f"were fully stepped, their state stored or kept in memory; parameters {index_ranges(rest)} were not "
                 f"stepped and their state is as before the step")
         if failed_inside:
             failing = sorted(position[id(p)] for p in chunks[stepped])
-            note += (f" (the wrapped optimizer raised while stepping {_ranges(failing)}: they are as it left them; "
-                     f"torch's optimizers check their inputs before changing anything)")
+            note += (f" (the wrapped optimizer raised while stepping {index_ranges(failing)}: they are as it left "
+                     f"them; torch's optimizers check their inputs before changing anything)")
         if hasattr(error, "add_note"):
             error.add_note(note)
 
@@ -418,25 +407,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for p in params:  # state the user reset since it was stored
             if self.swapper.has(self._name(p)) and not _holds_stored(self.optimizer.state.get(p)):
                 self.swapper.discard(self._name(p))
-        chunks = self._chunks([p for p in params if self.swapper.has(self._name(p))])
-        reads: list[SwapIn] = []
-        try:
-            for k, chunk in enumerate(chunks):  # chunk by chunk, the next one read meanwhile
-                while len(reads) < 2 and k + len(reads) < len(chunks):
-                    reads.append(self._read(chunks[k + len(reads)]))
-                read = reads.pop(0)
-                try:
-                    by_name = chunk.by_name
-                    for name, tensors in read.wait().items():
-                        values = state.setdefault(index[id(by_name[name])], {})
-                        for key, value in tensors.items():  # a tensor the user put in memory since wins
-                            if key not in values:
-                                values[key] = value.clone()
-                finally:
-                    read.release()
-        finally:
-            for read in reads:
-                read.release()
+        read_stored(self._chunks([p for p in params if self.swapper.has(self._name(p))]), self._read, index, state)
         result["state"] = state
         return result
 

@@ -4,7 +4,7 @@ moving a chunk's state between the optimizer and the swapper."""
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -162,3 +162,28 @@ def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
             if values.get(key) is tensors[key]:
                 values[key] = tensors[key] = view
     return write
+
+
+def read_stored(chunks: list[_Chunk], read: Callable[[_Chunk], SwapIn], index: dict[int, int],
+                state: dict[int, dict[str, Any]]) -> None:
+    """Copy the stored state of ``chunks`` into ``state`` (a ``state_dict()["state"]``: parameter position -> its
+    state; ``index``: id(parameter) -> position), chunk by chunk with the next one read meanwhile (``read(chunk)``
+    starts a chunk's read). A tensor already in ``state`` (put in memory by the user since it was stored) wins."""
+    reads: list[SwapIn] = []
+    try:
+        for k, chunk in enumerate(chunks):
+            while len(reads) < 2 and k + len(reads) < len(chunks):
+                reads.append(read(chunks[k + len(reads)]))
+            pending = reads.pop(0)
+            try:
+                by_name = chunk.by_name
+                for name, tensors in pending.wait().items():
+                    values = state.setdefault(index[id(by_name[name])], {})
+                    for key, value in tensors.items():
+                        if key not in values:
+                            values[key] = value.clone()
+            finally:
+                pending.release()
+    finally:
+        for pending in reads:
+            pending.release()
