@@ -44,8 +44,10 @@ def prebuild_config():
         import torch
         from torch.utils.cpp_extension import BuildExtension, include_paths
     except ImportError:
-        sys.exit("deepoffload: prebuilding ops needs torch installed first; then install with "
-                 "`pip install --no-build-isolation .`")
+        sys.exit(
+            "deepoffload: prebuilding ops needs torch installed first; then install with "
+            "`pip install --no-build-isolation .`"
+        )
     import op_builder
     from op_builder.builder import CXX_PROBE, python_abi
 
@@ -53,21 +55,25 @@ def prebuild_config():
     results = builder.probe_results(use_cache=False)
     if not results[CXX_PROBE.name].ok:
         r = results[CXX_PROBE.name]
-        sys.exit(f"deepoffload: DEEPOFFLOAD_BUILD_AIO was requested but the async_io op cannot be built here: "
-                 f"{r.reason}\n  " + "\n  ".join(r.output_tail))
+        sys.exit(
+            f"deepoffload: DEEPOFFLOAD_BUILD_AIO was requested but the async_io op cannot be built here: "
+            f"{r.reason}\n  " + "\n  ".join(r.output_tail)
+        )
     cflags, ldflags = builder.build_flags(results)
     sources = [str(p.relative_to(ROOT)) for p in builder.source_files()]
     info = {
         "torch": torch.__version__,
         "python": python_abi(),
         "deepoffload": __version__,
-        "ops": {builder.NAME: {
-            "module": builder.MODULE,
-            "engines": builder.engines(results),
-            "cflags": cflags,
-            "ldflags": ldflags,
-            "probes": {name: r.to_json() for name, r in results.items()},
-        }},
+        "ops": {
+            builder.NAME: {
+                "module": builder.MODULE,
+                "engines": builder.engines(results),
+                "cflags": cflags,
+                "ldflags": ldflags,
+                "probes": {name: r.to_json() for name, r in results.items()},
+            }
+        },
     }
 
     class BuildWithInfo(BuildExtension):
@@ -79,8 +85,14 @@ def prebuild_config():
 
     # A plain Extension, not CppExtension: the op uses pybind11 (from torch's headers) and no torch library, and
     # CppExtension would link libc10/libtorch, which then must be loaded (import torch) before the op can be.
-    extension = Extension(f"deepoffload._ops.{builder.MODULE}", sources, include_dirs=include_paths(),
-                          extra_compile_args=cflags, extra_link_args=ldflags, language="c++")
+    extension = Extension(
+        f"deepoffload._ops.{builder.MODULE}",
+        sources,
+        include_dirs=include_paths(),
+        extra_compile_args=cflags,
+        extra_link_args=ldflags,
+        language="c++",
+    )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildWithInfo.with_options(use_ninja=True)}}
 
 
@@ -90,8 +102,12 @@ def _children_hook() -> dict:
     path = ROOT / "deepoffload" / "integrations" / "deepspeed_children.py"
     values = {}
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
-                and node.targets[0].id in ("PTH_NAME", "PTH_LINE"):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id in ("PTH_NAME", "PTH_LINE")
+        ):
             values[node.targets[0].id] = ast.literal_eval(node.value)
     return values
 
@@ -126,8 +142,10 @@ setup(
         "deepoffload.csrc",
     ],
     package_dir={"deepoffload": "deepoffload", "deepoffload.op_builder": "op_builder", "deepoffload.csrc": "csrc"},
-    package_data={"deepoffload.csrc": ["aio/*.cpp", "aio/*.h"],
-                  "deepoffload._ops": ["build_info.json", "deepoffload_aio.pyi"],
-                  "deepoffload": ["py.typed"]},
+    package_data={
+        "deepoffload.csrc": ["aio/*.cpp", "aio/*.h"],
+        "deepoffload._ops": ["build_info.json", "deepoffload_aio.pyi"],
+        "deepoffload": ["py.typed"],
+    },
     **cmdclass(),
 )

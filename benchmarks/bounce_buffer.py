@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from deepoffload.bench.measure import OPS, make_buffer, scratch_file, time_transfer
-from deepoffload.diagnostics import direct_io_works
-from deepoffload.bench.sizes import format_size, parse_size
-from deepoffload.io.handle import AsyncIOHandle
-
 from common import ratio_row, run_main
+
+from deepoffload.bench.measure import OPS, make_buffer, scratch_file, time_transfer
+from deepoffload.bench.sizes import format_size, parse_size
+from deepoffload.diagnostics import direct_io_works
+from deepoffload.io.handle import AsyncIOHandle
 
 
 def main() -> int:
@@ -32,12 +32,14 @@ def main() -> int:
         handle.write(buffers["pinned"], path)  # lay the file out
         for r in range(args.rounds):
             for op in OPS:
-                for kind in (("pinned", "unaligned") if r % 2 == 0 else ("unaligned", "pinned")):
+                for kind in ("pinned", "unaligned") if r % 2 == 0 else ("unaligned", "pinned"):
                     gbps[kind, op].append(time_transfer(handle, op, buffers[kind], path, direct).gbps)
-        print(f"bounce buffer: {format_size(args.size)} per transfer, engine {handle.engine}, "
-              f"{handle.config.block_size}-byte blocks, queue depth {handle.config.queue_depth}, "
-              f"{'O_DIRECT' if direct else 'buffered'}, "
-              f"{args.rounds} rounds interleaved; GB/s = 1e9 bytes/s")
+        print(
+            f"bounce buffer: {format_size(args.size)} per transfer, engine {handle.engine}, "
+            f"{handle.config.block_size}-byte blocks, queue depth {handle.config.queue_depth}, "
+            f"{'O_DIRECT' if direct else 'buffered'}, "
+            f"{args.rounds} rounds interleaved; GB/s = 1e9 bytes/s"
+        )
     print(f"{'op':<7}{'unaligned GB/s':>14}{'aligned GB/s':>16}{'unaligned/aligned':>19}   per-round ratios")
     for op in OPS:
         print(ratio_row(f"{op:<7}", gbps["unaligned", op], gbps["pinned", op], (14, 16, 19)))

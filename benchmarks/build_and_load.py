@@ -49,14 +49,23 @@ def main() -> None:
             timed([sys.executable, "-m", "deepoffload", "report"], env)  # warms the self-test folder
             seconds, _ = timed([sys.executable, "-m", "deepoffload", "report"], env)
             report.append(seconds)
-        print(f"round {r + 1}: cold build {cold[-1]:.1f} s, warm load {warm[-1] * 1000:.0f} ms, "
-              f"report {report[-1]:.2f} s", flush=True)
-    print(f"median cold JIT build (process wall, incl. probes and import): {statistics.median(cold):.1f} s "
-          f"(target <= 20 s; reference 238 s: {238 / statistics.median(cold):.1f}x faster)")
-    print(f"median warm load after import torch: {statistics.median(warm) * 1000:.0f} ms "
-          f"(target <= 300 ms; reference 4.9 s)")
-    print(f"median warm `deepoffload report` wall time: {statistics.median(report):.2f} s "
-          f"(target <= 1.5 s; reference 3.9 s)")
+        print(
+            f"round {r + 1}: cold build {cold[-1]:.1f} s, warm load {warm[-1] * 1000:.0f} ms, "
+            f"report {report[-1]:.2f} s",
+            flush=True,
+        )
+    print(
+        f"median cold JIT build (process wall, incl. probes and import): {statistics.median(cold):.1f} s "
+        f"(target <= 20 s; reference 238 s: {238 / statistics.median(cold):.1f}x faster)"
+    )
+    print(
+        f"median warm load after import torch: {statistics.median(warm) * 1000:.0f} ms "
+        f"(target <= 300 ms; reference 4.9 s)"
+    )
+    print(
+        f"median warm `deepoffload report` wall time: {statistics.median(report):.2f} s "
+        f"(target <= 1.5 s; reference 3.9 s)"
+    )
 
 
 if __name__ == "__main__":

@@ -34,15 +34,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from common import MEMORY_STATES, run_main, settle_memory, write_json
 
 import deepoffload
 from deepoffload.bench.measure import BenchError, evict, scratch_file, time_transfer
+from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.checkpoint import api as checkpoint_api
 from deepoffload.checkpoint.torch_format import record, snapshot
 from deepoffload.io.buffers import aligned_empty
-from deepoffload.bench.sizes import format_size, parse_size
-
-from common import MEMORY_STATES, run_main, settle_memory, write_json
 
 
 def training_state(nbytes: int) -> dict:
@@ -85,7 +84,7 @@ def fsync_path(path: Path) -> None:
 
 
 def evict_tree(path: Path) -> None:
-    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+    for p in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]:
         evict(p)
 
 
@@ -98,34 +97,44 @@ def deepspeed_fast_writer(config: dict) -> tuple[Callable[[Path], object] | None
         import importlib.machinery
         import importlib.util
 
-        from torch.utils.cpp_extension import _get_build_directory
-
         import deepspeed.io.fast_file_writer as ffw
+        from torch.utils.cpp_extension import _get_build_directory
     except Exception as e:  # noqa: BLE001 - any import failure means: not available here
         return None, f"DeepSpeed is not importable ({e})"
     so = Path(_get_build_directory("async_io", False)) / "async_io.so"
     pin = Path(_get_build_directory("pin_memory", False)) / "pin_memory.so"  # async_io links against its symbols
     if not so.is_file() or not pin.is_file():
-        return None, (f"DeepSpeed's async_io op is not built ({so} or {pin} missing; build it once with "
-                      f"python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()', "
-                      f"which takes minutes)")
+        return None, (
+            f"DeepSpeed's async_io op is not built ({so} or {pin} missing; build it once with "
+            f"python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()', "
+            f"which takes minutes)"
+        )
     ctypes.CDLL(str(pin), mode=ctypes.RTLD_GLOBAL)
     loader = importlib.machinery.ExtensionFileLoader("async_io", str(so))
     spec = importlib.util.spec_from_file_location("async_io", str(so), loader=loader)
     op = importlib.util.module_from_spec(spec)
     loader.exec_module(op)
-    handle = op.aio_handle(config.get("block_size", 1 << 20), config.get("queue_depth", 8), False, True,
-                           config.get("intra_op_parallelism", 1))
-    buffer = torch.zeros(64 << 20, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() else \
-        deepoffload.aligned_empty(64 << 20)
+    handle = op.aio_handle(
+        config.get("block_size", 1 << 20),
+        config.get("queue_depth", 8),
+        False,
+        True,
+        config.get("intra_op_parallelism", 1),
+    )
+    buffer = (
+        torch.zeros(64 << 20, dtype=torch.uint8).pin_memory()
+        if torch.cuda.is_available()
+        else deepoffload.aligned_empty(64 << 20)
+    )
 
     class _NoUtilsOp:  # FastFileWriter loads DeepSpeed's utils op only for save_torch_storage_object_list
         def load(self):
             return self
 
         def cast_to_byte_tensor(self, *args):
-            raise RuntimeError("DeepSpeed's utils op is not built; torch.save through FastFileWriter.write "
-                               "does not use it")
+            raise RuntimeError(
+                "DeepSpeed's utils op is not built; torch.save through FastFileWriter.write does not use it"
+            )
 
     ffw.UtilsBuilder = _NoUtilsOp
 
@@ -151,8 +160,12 @@ def main() -> int:
     parser.add_argument("--size", type=parse_size, default="1G", help="state-dict bytes (default 1G)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--core", action="store_true", help="only deepoffload, torch and DeepSpeed")
-    parser.add_argument("--memory", choices=MEMORY_STATES, default="recycled",
-                        help="free memory's state before each load (see benchmarks/common.py settle_memory)")
+    parser.add_argument(
+        "--memory",
+        choices=MEMORY_STATES,
+        default="recycled",
+        help="free memory's state before each load (see benchmarks/common.py settle_memory)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/plot.py)")
     args = parser.parse_args()
     import safetensors.torch as st
@@ -182,30 +195,44 @@ def main() -> int:
         fsync_path(p)
 
     def dcp_target():
-        return {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
-                "optimizer": {"state": {i: {k: torch.empty_like(v) for k, v in s.items()}
-                                        for i, s in state["optimizer"]["state"].items()},
-                              "param_groups": state["optimizer"]["param_groups"]}, "epoch": 0}
+        return {
+            "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+            "optimizer": {
+                "state": {
+                    i: {k: torch.empty_like(v) for k, v in s.items()} for i, s in state["optimizer"]["state"].items()
+                },
+                "param_groups": state["optimizer"]["param_groups"],
+            },
+            "epoch": 0,
+        }
 
     saves: dict[str, tuple[Callable[[Path], object], str]] = {
         "deepoffload.save": (lambda p: deepoffload.save(state, p), "ours.pt"),
         "deepoffload.save checksum=False": (lambda p: deepoffload.save(state, p, checksum=False), "nocrc.pt"),
         "torch.save + fsync": (torch_save, "torch.pt"),
         "safetensors save_file + fsync": (safetensors_save, "st.safetensors"),
-        "deepoffload.dcp writer": (lambda p: dcp.save(state, storage_writer=odcp.FileSystemWriter(p), no_dist=True),
-                                   "dcp-ours"),
-        "DCP FileSystemWriter": (lambda p: dcp.save(state, storage_writer=dcp.FileSystemWriter(p), no_dist=True),
-                                 "dcp-theirs"),
+        "deepoffload.dcp writer": (
+            lambda p: dcp.save(state, storage_writer=odcp.FileSystemWriter(p), no_dist=True),
+            "dcp-ours",
+        ),
+        "DCP FileSystemWriter": (
+            lambda p: dcp.save(state, storage_writer=dcp.FileSystemWriter(p), no_dist=True),
+            "dcp-theirs",
+        ),
     }
     loads: dict[str, tuple[Callable[[Path], object], str]] = {
         "deepoffload.load": (lambda p: deepoffload.load(p), "ours.pt"),
         "torch.load": (lambda p: torch.load(p), "torch.pt"),
         "torch.load mmap=True (+touch)": (lambda p: touch(torch.load(p, mmap=True)), "torch.pt"),
         "safetensors load_file": (lambda p: st.load_file(p), "st.safetensors"),
-        "deepoffload.dcp reader": (lambda p: dcp.load(dcp_target(), storage_reader=odcp.FileSystemReader(p),
-                                                      no_dist=True), "dcp-theirs"),
-        "DCP FileSystemReader": (lambda p: dcp.load(dcp_target(), storage_reader=dcp.FileSystemReader(p),
-                                                    no_dist=True), "dcp-theirs"),
+        "deepoffload.dcp reader": (
+            lambda p: dcp.load(dcp_target(), storage_reader=odcp.FileSystemReader(p), no_dist=True),
+            "dcp-theirs",
+        ),
+        "DCP FileSystemReader": (
+            lambda p: dcp.load(dcp_target(), storage_reader=dcp.FileSystemReader(p), no_dist=True),
+            "dcp-theirs",
+        ),
     }
     if ds_save is not None:
         saves["DeepSpeed FastFileWriter"] = (ds_save, "ds.pt")
@@ -243,6 +270,7 @@ def main() -> int:
             return real_snapshot(*a)
         finally:
             inside.append(time.perf_counter() - start)
+
     warnings.filterwarnings("ignore", "torch.distributed is disabled")
     warnings.filterwarnings("ignore", "Detected an existing checkpoint")
     try:
@@ -253,7 +281,7 @@ def main() -> int:
             handle.write(raw, raw_path)  # the file the raw reads read, written before the first of them
             for r in range(args.rounds):
                 order = list(saves)
-                order = order[r % len(order):] + order[:r % len(order)]
+                order = order[r % len(order) :] + order[: r % len(order)]
                 for name in order:
                     run, file = saves[name]
                     start = time.perf_counter()
@@ -262,7 +290,7 @@ def main() -> int:
                     evict_tree(folder / file)
                 seconds["raw op write"].append(time_transfer(handle, "write", raw, raw_path, True).seconds)
                 order = list(loads)
-                order = order[r % len(order):] + order[:r % len(order)]
+                order = order[r % len(order) :] + order[: r % len(order)]
                 for name in order:
                     run, file = loads[name]
                     evict_tree(folder / file)
@@ -294,49 +322,83 @@ def main() -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
-    print(f"checkpoint: {format_size(nbytes)} state dict ({len(flat)} tensors, model + AdamW), {args.rounds} rounds "
-          f"interleaved, cold cache, free memory {args.memory} before each load, saves include fsync; "
-          f"GB/s = 1e9 bytes/s; ratio = median of per-round "
-          f"ratios deepoffload/method (time of method / time of ours)")
-    for group, ours in ((list(saves) + ["raw op write"], "deepoffload.save"),
-                        (list(loads) + ["raw op read"], "deepoffload.load")):
+    print(
+        f"checkpoint: {format_size(nbytes)} state dict ({len(flat)} tensors, model + AdamW), {args.rounds} rounds "
+        f"interleaved, cold cache, free memory {args.memory} before each load, saves include fsync; "
+        f"GB/s = 1e9 bytes/s; ratio = median of per-round "
+        f"ratios deepoffload/method (time of method / time of ours)"
+    )
+    for group, ours in (
+        (list(saves) + ["raw op write"], "deepoffload.save"),
+        (list(loads) + ["raw op read"], "deepoffload.load"),
+    ):
         print(f"{'method':<34}{'GB/s':>8}{'ours/this':>11}   per-round ratios")
         for name in group:
             ratios = [b / a for a, b in zip(seconds[ours], seconds[name])]
-            print(f"{name:<34}{nbytes / statistics.median(seconds[name]) / 1e9:8.3f}{statistics.median(ratios):11.2f}"
-                  f"   " + " ".join(f"{x:.2f}" for x in ratios))
-        pairs = ([("deepoffload.dcp writer", "DCP FileSystemWriter")] if ours == "deepoffload.save" else
-                 [("deepoffload.dcp reader", "DCP FileSystemReader")])
+            print(
+                f"{name:<34}{nbytes / statistics.median(seconds[name]) / 1e9:8.3f}{statistics.median(ratios):11.2f}"
+                f"   " + " ".join(f"{x:.2f}" for x in ratios)
+            )
+        pairs = (
+            [("deepoffload.dcp writer", "DCP FileSystemWriter")]
+            if ours == "deepoffload.save"
+            else [("deepoffload.dcp reader", "DCP FileSystemReader")]
+        )
         for a, b in pairs:
             if a in seconds and seconds[a]:
                 ratios = [y / x for x, y in zip(seconds[a], seconds[b])]
                 print(f"  {a} / {b}: {statistics.median(ratios):.2f}")
-        raws, baseline = ((("raw op write", DURABLE), "torch.save + fsync") if ours == "deepoffload.save" else
-                          (("raw op read", FRESH), "torch.load"))
+        raws, baseline = (
+            (("raw op write", DURABLE), "torch.save + fsync")
+            if ours == "deepoffload.save"
+            else (("raw op read", FRESH), "torch.load")
+        )
         for raw in raws:
             bound = [b / r for r, b in zip(seconds[raw], seconds[baseline])]
             ours_vs_raw = [r / o for r, o in zip(seconds[raw], seconds[ours])]
-            print(f"  bound: {baseline} / {raw} = {statistics.median(bound):.2f} (per round "
-                  + " ".join(f"{x:.2f}" for x in bound) + f"); {ours} speed / its speed = "
-                  f"{statistics.median(ours_vs_raw):.2f} (per round " + " ".join(f"{x:.2f}" for x in ours_vs_raw)
-                  + ")")
+            print(
+                f"  bound: {baseline} / {raw} = {statistics.median(bound):.2f} (per round "
+                + " ".join(f"{x:.2f}" for x in bound)
+                + f"); {ours} speed / its speed = "
+                f"{statistics.median(ours_vs_raw):.2f} (per round " + " ".join(f"{x:.2f}" for x in ours_vs_raw) + ")"
+            )
             if raw == DURABLE:  # the target: a save at 0.9 of the least any durable writer must do
                 verdict = "meets" if statistics.median(ours_vs_raw) >= SAVE_TARGET else "misses"
                 print(f"  target: {ours} speed >= {SAVE_TARGET} x {DURABLE}: {verdict} it")
     if args.json:
-        write_json(args.json, "checkpoint", f"Checkpoints: {format_size(nbytes)} state dict, time of the method / "
-                   "time of deepoffload's", json_results(seconds, [
-                       (list(saves) + ["raw op write"], "deepoffload.save"),
-                       (list(loads) + ["raw op read"], "deepoffload.load")]))
-    print("save_async blocked s per round (the first call allocates its arena): " + " ".join(f"{b:.3f}" for b in
-                                                                                              blocked))
-    print("  of which its snapshot copy: " + " ".join(f"{b:.3f}" for b in inside) + "; the rest (pickling, waiting, "
-          "allocating): " + " ".join(f"{b - c:.3f}" for b, c in zip(blocked, inside)))
-    print("  the same snapshot copy alone, into new memory: " + " ".join(f"{b:.3f}" for b in snap)
-          + "; into the arena save_async keeps: " + " ".join(f"{b:.3f}" for b in kept)
-          + "; cloning every tensor: " + " ".join(f"{b:.3f}" for b in copy))
-    print("  blocked / snapshot into kept arena, per round: " + " ".join(f"{b / c:.2f}" for b, c in zip(blocked, kept))
-          + "; blocked / snapshot into new memory: " + " ".join(f"{b / c:.2f}" for b, c in zip(blocked, snap)))
+        write_json(
+            args.json,
+            "checkpoint",
+            f"Checkpoints: {format_size(nbytes)} state dict, time of the method / time of deepoffload's",
+            json_results(
+                seconds,
+                [
+                    (list(saves) + ["raw op write"], "deepoffload.save"),
+                    (list(loads) + ["raw op read"], "deepoffload.load"),
+                ],
+            ),
+        )
+    print(
+        "save_async blocked s per round (the first call allocates its arena): " + " ".join(f"{b:.3f}" for b in blocked)
+    )
+    print(
+        "  of which its snapshot copy: " + " ".join(f"{b:.3f}" for b in inside) + "; the rest (pickling, waiting, "
+        "allocating): " + " ".join(f"{b - c:.3f}" for b, c in zip(blocked, inside))
+    )
+    print(
+        "  the same snapshot copy alone, into new memory: "
+        + " ".join(f"{b:.3f}" for b in snap)
+        + "; into the arena save_async keeps: "
+        + " ".join(f"{b:.3f}" for b in kept)
+        + "; cloning every tensor: "
+        + " ".join(f"{b:.3f}" for b in copy)
+    )
+    print(
+        "  blocked / snapshot into kept arena, per round: "
+        + " ".join(f"{b / c:.2f}" for b, c in zip(blocked, kept))
+        + "; blocked / snapshot into new memory: "
+        + " ".join(f"{b / c:.2f}" for b, c in zip(blocked, snap))
+    )
     return 0
 
 
@@ -350,8 +412,14 @@ def json_results(seconds: dict[str, list[float]], groups: list[tuple[list[str], 
             if name == ours or not seconds[name]:
                 continue
             ratios = [b / a for a, b in zip(seconds[ours], seconds[name])]
-            results.append({"label": f"{name} / {ours}", "value": round(statistics.median(ratios), 3),
-                            "bound": targets.get(name), "per_round": [round(r, 3) for r in ratios]})
+            results.append(
+                {
+                    "label": f"{name} / {ours}",
+                    "value": round(statistics.median(ratios), 3),
+                    "bound": targets.get(name),
+                    "per_round": [round(r, 3) for r in ratios],
+                }
+            )
     return results
 
 

@@ -35,15 +35,14 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from common import MEMORY_STATES, ratio_row, run_main, settle_memory
 
 from deepoffload.bench.measure import BenchError, evict, scratch_file, time_transfer
-from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.formats import CheckpointReader, load_file, save_sharded
 from deepoffload.io.buffers import aligned_empty
 from deepoffload.io.handle import AsyncIOHandle
-
-from common import MEMORY_STATES, ratio_row, run_main, settle_memory
 
 # A transformer block's worth of sizes in bytes (fp16 7B-like rows, scaled down): big and small tensors mixed.
 TENSOR_BYTES = (32 << 20, 32 << 20, 8 << 20, 8 << 20, 88 << 20, 88 << 20, 88 << 20, 8 << 10, 8 << 10)
@@ -58,8 +57,11 @@ def make_checkpoint(folder: Path, total: int, shard_bytes: int) -> tuple[list[Pa
         nbytes = min(TENSOR_BYTES[i % len(TENSOR_BYTES)], total - written)
         nbytes -= nbytes % 2
         start = (i * 4099) % (pattern.numel() - nbytes) if nbytes < pattern.numel() else 0
-        data = pattern[start:start + nbytes] if nbytes <= pattern.numel() else pattern.repeat(
-            -(-nbytes // pattern.numel()))[:nbytes]
+        data = (
+            pattern[start : start + nbytes]
+            if nbytes <= pattern.numel()
+            else pattern.repeat(-(-nbytes // pattern.numel()))[:nbytes]
+        )
         tensors[f"model.layers.{i // len(TENSOR_BYTES)}.w{i % len(TENSOR_BYTES)}"] = data.clone().view(torch.bfloat16)
         written += nbytes
         i += 1
@@ -114,8 +116,9 @@ def copy_into(destinations: dict[str, torch.Tensor], state) -> tuple:
     return ()
 
 
-def print_table(title: str, gbps: dict[str, list[float]], ours: str, others: Sequence[str],
-                bounds: Sequence[tuple[str, str]]) -> None:
+def print_table(
+    title: str, gbps: dict[str, list[float]], ours: str, others: Sequence[str], bounds: Sequence[tuple[str, str]]
+) -> None:
     print(title)
     print(f"{'loader':<25}{'GB/s (median)':>14}   per round")
     for name, values in gbps.items():
@@ -133,15 +136,26 @@ def print_table(title: str, gbps: dict[str, list[float]], ours: str, others: Seq
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", default=None, help="folder on the storage to measure (default: a temporary "
-                                                     "folder in the current directory)")
+    parser.add_argument(
+        "--path",
+        default=None,
+        help="folder on the storage to measure (default: a temporary folder in the current directory)",
+    )
     parser.add_argument("--size", type=parse_size, default=parse_size("1G"), help="checkpoint bytes (default 1G)")
     parser.add_argument("--shard-size", type=parse_size, default=parse_size("256M"), help="max bytes per shard")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--part", choices=("new", "into", "both"), default="both",
-                        help="load into new memory (what each loader returns), into existing tensors, or both")
-    parser.add_argument("--memory", choices=MEMORY_STATES, default="recycled",
-                        help="free memory's state before each load (see benchmarks/common.py settle_memory)")
+    parser.add_argument(
+        "--part",
+        choices=("new", "into", "both"),
+        default="both",
+        help="load into new memory (what each loader returns), into existing tensors, or both",
+    )
+    parser.add_argument(
+        "--memory",
+        choices=MEMORY_STATES,
+        default="recycled",
+        help="free memory's state before each load (see benchmarks/common.py settle_memory)",
+    )
     args = parser.parse_args()
     from safetensors.torch import load_file as st_load_file
 
@@ -198,47 +212,57 @@ def main() -> int:
             torch_state = lambda: torch.load(torch_file, mmap=True, weights_only=True)  # noqa: E731
             runs = {"raw read": lambda: time_transfer(handle, "read", buffer, raw_path, direct).seconds}
             if args.part != "into":
-                runs.update({
-                    "deepoffload": lambda: timed(shards, lambda: load_file(folder).values(), args.memory, nbytes),
-                    "safetensors": lambda: timed(shards, lambda: safetensors_state().values(), args.memory, nbytes),
-                    "torch.load": lambda: timed([torch_file], lambda: torch_state().values(), args.memory, nbytes),
-                    "raw read, fresh": raw_read_fresh,
-                    "raw read, faulted ahead": raw_read_faulted_ahead,
-                    "fresh memory": fresh_memory,
-                })
+                runs.update(
+                    {
+                        "deepoffload": lambda: timed(shards, lambda: load_file(folder).values(), args.memory, nbytes),
+                        "safetensors": lambda: timed(shards, lambda: safetensors_state().values(), args.memory, nbytes),
+                        "torch.load": lambda: timed([torch_file], lambda: torch_state().values(), args.memory, nbytes),
+                        "raw read, fresh": raw_read_fresh,
+                        "raw read, faulted ahead": raw_read_faulted_ahead,
+                        "fresh memory": fresh_memory,
+                    }
+                )
             if args.part != "new":
-                runs.update({
-                    "deepoffload, into": lambda: timed(shards, read_into, args.memory, nbytes),
-                    "safetensors, into": lambda: timed(shards, into(safetensors_state), args.memory, nbytes),
-                    "torch.load, into": lambda: timed([torch_file], into(torch_state), args.memory, nbytes),
-                })
+                runs.update(
+                    {
+                        "deepoffload, into": lambda: timed(shards, read_into, args.memory, nbytes),
+                        "safetensors, into": lambda: timed(shards, into(safetensors_state), args.memory, nbytes),
+                        "torch.load, into": lambda: timed([torch_file], into(torch_state), args.memory, nbytes),
+                    }
+                )
             order = list(runs)
             times: dict[str, list[float]] = {name: [] for name in order}
             for r in range(args.rounds):
-                for name in order[r % len(order):] + order[:r % len(order)]:
+                for name in order[r % len(order) :] + order[: r % len(order)]:
                     times[name].append(runs[name]())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gbps = {name: [nbytes / s / 1e9 for s in values] for name, values in times.items()}
-    print(f"checkpoint: {format_size(nbytes)} of bf16 tensors, {len(shards)} safetensors shards and one torch.save "
-          f"file; cold cache; {args.rounds} interleaved rounds; O_DIRECT: {direct}; free memory {args.memory} before "
-          f"each load")
+    print(
+        f"checkpoint: {format_size(nbytes)} of bf16 tensors, {len(shards)} safetensors shards and one torch.save "
+        f"file; cold cache; {args.rounds} interleaved rounds; O_DIRECT: {direct}; free memory {args.memory} before "
+        f"each load"
+    )
     print()
     raw = {"raw read": gbps["raw read"]}
     if args.part != "into":
-        new = ("deepoffload", "safetensors", "torch.load", "raw read, fresh", "raw read, faulted ahead",
-               "fresh memory")
-        print_table("into new memory (each loader's own tensors, every page touched after the load):",
-                    {**{n: gbps[n] for n in new}, **raw}, "deepoffload",
-                    ("safetensors", "torch.load", "raw read", "raw read, fresh", "raw read, faulted ahead"),
-                    [(bound, other) for bound in ("raw read", "raw read, fresh") for other in ("safetensors",
-                                                                                              "torch.load")])
+        new = ("deepoffload", "safetensors", "torch.load", "raw read, fresh", "raw read, faulted ahead", "fresh memory")
+        print_table(
+            "into new memory (each loader's own tensors, every page touched after the load):",
+            {**{n: gbps[n] for n in new}, **raw},
+            "deepoffload",
+            ("safetensors", "torch.load", "raw read", "raw read, fresh", "raw read, faulted ahead"),
+            [(bound, other) for bound in ("raw read", "raw read, fresh") for other in ("safetensors", "torch.load")],
+        )
     if args.part != "new":
         into_names = ("deepoffload, into", "safetensors, into", "torch.load, into")
-        print_table("into existing tensors (a model's parameters, as load_state_dict fills them):",
-                    {**{n: gbps[n] for n in into_names}, **raw}, "deepoffload, into",
-                    ("safetensors, into", "torch.load, into", "raw read"),
-                    [("raw read", other) for other in ("safetensors, into", "torch.load, into")])
+        print_table(
+            "into existing tensors (a model's parameters, as load_state_dict fills them):",
+            {**{n: gbps[n] for n in into_names}, **raw},
+            "deepoffload, into",
+            ("safetensors, into", "torch.load, into", "raw read"),
+            [("raw read", other) for other in ("safetensors, into", "torch.load, into")],
+        )
     return 0
 
 

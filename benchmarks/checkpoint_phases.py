@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-
 from checkpoint import training_state
 from common import run_main
+
 from deepoffload.bench.measure import evict
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.checkpoint import api, streams, torch_format
@@ -57,6 +57,7 @@ def main() -> int:
                     current[key] = current.get(key, 0.0) + time.perf_counter() - start
                     if cpu:
                         current[key + " cpu"] = current.get(key + " cpu", 0.0) + time.thread_time() - thread
+
         patched.append((owner, name, real))
         setattr(owner, name, run)
 
@@ -72,8 +73,7 @@ def main() -> int:
     totals: dict[str, list[float]] = {mode: [] for mode in phases}
     try:
         for r in range(args.rounds):
-            for mode in (["preallocated", "not preallocated"] if r % 2 == 0 else
-                         ["not preallocated", "preallocated"]):
+            for mode in ["preallocated", "not preallocated"] if r % 2 == 0 else ["not preallocated", "preallocated"]:
                 streams._preallocate = real_preallocate if mode == "preallocated" else (lambda fd, n: False)
                 current.clear()
                 start = time.perf_counter()
@@ -86,16 +86,20 @@ def main() -> int:
         for owner, name, real in reversed(patched):
             setattr(owner, name, real)
     nbytes = (folder / "s.pt").stat().st_size
-    print(f"save: {format_size(nbytes)} file, {args.rounds} rounds; seconds per save (wait: for staging buffers' "
-          f"writes, in the write phase and in close)")
+    print(
+        f"save: {format_size(nbytes)} file, {args.rounds} rounds; seconds per save (wait: for staging buffers' "
+        f"writes, in the write phase and in close)"
+    )
     keys = ["write", "write cpu", "crc", "wait", "close", "truncate", "fsync", "rename", "folder fsync"]
     for mode, rows in phases.items():
         print(f"  {mode}")
         print("    " + f"{'total':>7}" + "".join(f"{k:>13}" for k in keys))
         for total, row in zip(totals[mode], rows):
             print("    " + f"{total:7.2f}" + "".join(f"{row.get(k, 0.0):13.3f}" for k in keys))
-        print(f"    median total {statistics.median(totals[mode]):.2f} s = "
-              f"{nbytes / statistics.median(totals[mode]) / 1e9:.3f} GB/s")
+        print(
+            f"    median total {statistics.median(totals[mode]):.2f} s = "
+            f"{nbytes / statistics.median(totals[mode]) / 1e9:.3f} GB/s"
+        )
 
     path = folder / "s.pt"
     huge = mmap.MADV_HUGEPAGE if hasattr(mmap, "MADV_HUGEPAGE") else None
@@ -109,19 +113,24 @@ def main() -> int:
             finally:
                 if huge is not None:
                     mmap.MADV_HUGEPAGE = huge
+
         return run
 
     def stream():
         with streams.DirectReader(path) as reader:
             return torch.load(reader)
 
-    loaders = {"whole file, huge pages (shipped)": whole(True), "whole file, ordinary pages": whole(False),
-               "read-ahead stream": stream, "torch.load": lambda: torch.load(path)}
+    loaders = {
+        "whole file, huge pages (shipped)": whole(True),
+        "whole file, ordinary pages": whole(False),
+        "read-ahead stream": stream,
+        "torch.load": lambda: torch.load(path),
+    }
     seconds: dict[str, list[float]] = {name: [] for name in loaders}
     try:
         for r in range(args.rounds):
             names = list(loaders)
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 evict(path)
                 gc.collect()
                 start = time.perf_counter()
@@ -132,8 +141,11 @@ def main() -> int:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"load: {args.rounds} rounds interleaved, cold cache; GB/s per round, median")
     for name, values in seconds.items():
-        print(f"  {name:<34}" + " ".join(f"{nbytes / s / 1e9:5.2f}" for s in values)
-              + f"   median {nbytes / statistics.median(values) / 1e9:.2f}")
+        print(
+            f"  {name:<34}"
+            + " ".join(f"{nbytes / s / 1e9:5.2f}" for s in values)
+            + f"   median {nbytes / statistics.median(values) / 1e9:.2f}"
+        )
     return 0
 
 

@@ -39,8 +39,10 @@ def ratio_row(label: str, numerator: Sequence[float], denominator: Sequence[floa
     ``widths``: columns of the two medians and the ratio."""
     ratios = [a / b for a, b in zip(numerator, denominator)]
     a, b, r = widths
-    return (f"{label}{statistics.median(numerator):{a}.3f}{statistics.median(denominator):{b}.3f}"
-            f"{statistics.median(ratios):{r}.3f}   " + " ".join(f"{x:.2f}" for x in ratios))
+    return (
+        f"{label}{statistics.median(numerator):{a}.3f}{statistics.median(denominator):{b}.3f}"
+        f"{statistics.median(ratios):{r}.3f}   " + " ".join(f"{x:.2f}" for x in ratios)
+    )
 
 
 def run_main(name: str, main: Callable[[], int]) -> None:

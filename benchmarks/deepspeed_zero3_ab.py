@@ -78,25 +78,43 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     op = deepspeed.ops.op_builder.AsyncIOBuilder().load()
     load_s = time.perf_counter() - t0
-    aio = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 1, "single_submit": False,
-           "overlap_events": True}
-    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_force_ds_cpu_optimizer": False, "aio": aio,
-           "steps_per_print": 10**9,
-           "zero_optimization": {
-               "stage": 3, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
-               "stage3_max_live_parameters": 3_000_000, "stage3_param_persistence_threshold": 0,
-               "offload_optimizer": {"device": "nvme", "nvme_path": args.path, "pin_memory": True,
-                                     "buffer_count": 4},
-               "offload_param": {"device": "nvme", "nvme_path": args.path, "pin_memory": True, "buffer_count": 8,
-                                 "buffer_size": args.buffer_numel, "max_in_cpu": 0}}}
+    aio = {
+        "block_size": 1 << 20,
+        "queue_depth": 32,
+        "intra_op_parallelism": 1,
+        "single_submit": False,
+        "overlap_events": True,
+    }
+    cfg = {
+        "train_micro_batch_size_per_gpu": 8,
+        "zero_force_ds_cpu_optimizer": False,
+        "aio": aio,
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_live_parameters": 3_000_000,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.path, "pin_memory": True, "buffer_count": 4},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": args.path,
+                "pin_memory": True,
+                "buffer_count": 8,
+                "buffer_size": args.buffer_numel,
+                "max_in_cpu": 0,
+            },
+        },
+    }
     deepspeed.init_distributed(dist_backend="gloo")
     width = args.width
     with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(args.layers)],
-                                    torch.nn.Linear(width, 1))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-4),
-                                      config=cfg)
+        model = torch.nn.Sequential(
+            *[torch.nn.Linear(width, width) for _ in range(args.layers)], torch.nn.Linear(width, 1)
+        )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-4), config=cfg)
     gen = torch.Generator().manual_seed(1)
     losses, times = [], []
     for _ in range(args.steps):
@@ -110,22 +128,54 @@ def child(args: argparse.Namespace) -> None:
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-    print(json.dumps({"losses": losses, "times": times, "params_sha256": hashlib.sha256(flat.numpy()).hexdigest(),
-                      "load_s": load_s, "op": getattr(op, "__file__", type(op).__name__),
-                      "handle": type(engine.optimizer.optimizer_swapper.aio_handle).__module__, "layout": layout}))
+    print(
+        json.dumps(
+            {
+                "losses": losses,
+                "times": times,
+                "params_sha256": hashlib.sha256(flat.numpy()).hexdigest(),
+                "load_s": load_s,
+                "op": getattr(op, "__file__", type(op).__name__),
+                "handle": type(engine.optimizer.optimizer_swapper.aio_handle).__module__,
+                "layout": layout,
+            }
+        )
+    )
 
 
 def run(args: argparse.Namespace, variant: str, env_extra: dict[str, str]) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", **env_extra}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        **env_extra,
+    }
     with tempfile.TemporaryDirectory(dir=args.path) as folder:
-        cmd = [sys.executable, __file__, "--child", "--path", folder, "--steps", str(args.steps), "--width",
-               str(args.width), "--layers", str(args.layers), "--buffer-numel", str(args.buffer_numel)]
-        proc = subprocess.run(cmd + (["--ours"] if variant != "deepspeed" else []), capture_output=True, text=True,
-                              env=env, timeout=3600)
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--path",
+            folder,
+            "--steps",
+            str(args.steps),
+            "--width",
+            str(args.width),
+            "--layers",
+            str(args.layers),
+            "--buffer-numel",
+            str(args.buffer_numel),
+        ]
+        proc = subprocess.run(
+            cmd + (["--ours"] if variant != "deepspeed" else []), capture_output=True, text=True, env=env, timeout=3600
+        )
     if proc.returncode:
         sys.exit(f"{variant} run failed:\n{proc.stderr[-4000:]}")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
@@ -169,18 +219,25 @@ def main() -> None:
     ratios = [statistics.median(y["times"][1:]) / statistics.median(x["times"][1:]) for x, y in zip(a, b)]
     layout = b[0]["layout"]
     moved = sum(layout.values()) or 1
-    print(f"ZeRO-3, optimizer state and parameters on NVMe: {args.layers + 1} layers of width {args.width}, "
-          f"{args.steps} steps x {args.rounds} rounds, interleaved {a_name} / {b_name}")
+    print(
+        f"ZeRO-3, optimizer state and parameters on NVMe: {args.layers + 1} layers of width {args.width}, "
+        f"{args.steps} steps x {args.rounds} rounds, interleaved {a_name} / {b_name}"
+    )
     print(f"op/handle: {a_name} {a[0]['op']} ({a[0]['handle']}); {b_name} {b[0]['op']} ({b[0]['handle']})")
     print(f"losses and final parameters bit-identical: {'yes' if identical else 'NO'}")
-    print(f"step time {b_name} / {a_name} (median of rounds, steps after the first): {statistics.median(ratios):.3f} "
-          f"(per round: {', '.join(f'{r:.3f}' for r in ratios)}; median step {a_name} "
-          f"{statistics.median(t for x in a for t in x['times'][1:]):.3f} s, {b_name} "
-          f"{statistics.median(t for y in b for t in y['times'][1:]):.3f} s)")
-    print(f"first use, load of the op in the first run: {a_name} {a[0]['load_s']:.1f} s, "
-          f"{b_name} {b[0]['load_s']:.1f} s")
-    print(f"bytes our handles moved, by buffer address: page-aligned {layout['page'] / moved:.0%}, 1 KiB-aligned "
-          f"only {layout['kib'] / moved:.0%}, other {layout['other'] / moved:.0%} ({moved / 1e6:.0f} MB)")
+    print(
+        f"step time {b_name} / {a_name} (median of rounds, steps after the first): {statistics.median(ratios):.3f} "
+        f"(per round: {', '.join(f'{r:.3f}' for r in ratios)}; median step {a_name} "
+        f"{statistics.median(t for x in a for t in x['times'][1:]):.3f} s, {b_name} "
+        f"{statistics.median(t for y in b for t in y['times'][1:]):.3f} s)"
+    )
+    print(
+        f"first use, load of the op in the first run: {a_name} {a[0]['load_s']:.1f} s, {b_name} {b[0]['load_s']:.1f} s"
+    )
+    print(
+        f"bytes our handles moved, by buffer address: page-aligned {layout['page'] / moved:.0%}, 1 KiB-aligned "
+        f"only {layout['kib'] / moved:.0%}, other {layout['other'] / moved:.0%} ({moved / 1e6:.0f} MB)"
+    )
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 
 import torch
+from common import ratio_row, run_main
 
 from deepoffload.bench.measure import BenchError, evict, make_buffer, scratch_file
-from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.io.handle import AsyncIOHandle
 from deepoffload.io.staging import DEFAULT_CHUNK_BYTES, DeviceStager
-
-from common import ratio_row, run_main
 
 VARIANTS = ("staged", "disk", "torch.load", "h2d copy", "staged write", "disk write")
 
@@ -52,8 +51,11 @@ def main() -> int:
     on_device = host.to(device)
     target = torch.empty_like(on_device)
     gbps: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    with scratch_file(args.path, args.size) as raw, scratch_file(args.path, args.size, spare=1 << 20) as saved, \
-            AsyncIOHandle(engine=args.engine) as handle:
+    with (
+        scratch_file(args.path, args.size) as raw,
+        scratch_file(args.path, args.size, spare=1 << 20) as saved,
+        AsyncIOHandle(engine=args.engine) as handle,
+    ):
         stager = DeviceStager(handle, chunk_bytes=args.chunk)
         handle.write(host, raw)
         torch.save(host.clone(), saved)  # a plain tensor (not a view of the pinned mapping)
@@ -74,11 +76,16 @@ def main() -> int:
         def write_disk() -> None:
             handle.write(host, raw, truncate=False, fsync=not direct)
 
-        runs = {"staged": (read_staged, raw), "disk": (read_disk, raw), "torch.load": (load, saved),
-                "h2d copy": (lambda: target.copy_(host), None), "staged write": (write_staged, None),
-                "disk write": (write_disk, None)}
+        runs = {
+            "staged": (read_staged, raw),
+            "disk": (read_disk, raw),
+            "torch.load": (load, saved),
+            "h2d copy": (lambda: target.copy_(host), None),
+            "staged write": (write_staged, None),
+            "disk write": (write_disk, None),
+        }
         for r in range(args.rounds):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
             for variant in order:
                 run, evicted = runs[variant]
                 if evicted is not None:
@@ -87,14 +94,19 @@ def main() -> int:
                 gbps[variant].append(args.size / timed(run) / 1e9)
                 if variant in ("staged", "torch.load", "h2d copy") and not torch.equal(target, on_device):
                     raise BenchError(f"{variant}: the bytes on the device differ from the file's")
-        print(f"device staging: {format_size(args.size)} to/from {device.type}, engine {handle.engine}, "
-              f"{format_size(stager.chunk_bytes)} host buffers x2, {'O_DIRECT' if direct else 'buffered'}, "
-              f"{args.rounds} rounds interleaved; GB/s = 1e9 bytes/s; folder {Path(args.path).resolve()}")
+        print(
+            f"device staging: {format_size(args.size)} to/from {device.type}, engine {handle.engine}, "
+            f"{format_size(stager.chunk_bytes)} host buffers x2, {'O_DIRECT' if direct else 'buffered'}, "
+            f"{args.rounds} rounds interleaved; GB/s = 1e9 bytes/s; folder {Path(args.path).resolve()}"
+        )
     print("median GB/s: " + ", ".join(f"{v} {statistics.median(x):.3f}" for v, x in gbps.items()))
     print(f"{'':<24}{'A GB/s':>10}{'B GB/s':>10}{'A/B':>8}   per-round ratios")
-    for label, a, b in (("staged / disk read", "staged", "disk"), ("staged / torch.load", "staged", "torch.load"),
-                        ("staged / h2d copy", "staged", "h2d copy"), ("staged / disk write", "staged write",
-                                                                       "disk write")):
+    for label, a, b in (
+        ("staged / disk read", "staged", "disk"),
+        ("staged / torch.load", "staged", "torch.load"),
+        ("staged / h2d copy", "staged", "h2d copy"),
+        ("staged / disk write", "staged write", "disk write"),
+    ):
         print(ratio_row(f"{label:<24}", gbps[a], gbps[b], (10, 10, 8)))
     return 0
 

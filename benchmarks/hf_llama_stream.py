@@ -51,10 +51,22 @@ warnings.filterwarnings("ignore")
 SEQ, BATCH, STEPS = 32, 2, 3
 
 
-FULL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=8)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2)  # --tiny: a smoke run (tests/test_benchmarks.py)
+FULL = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)  # --tiny: a smoke run (tests/test_benchmarks.py)
 SIZE = dict(FULL)
 
 
@@ -112,24 +124,48 @@ def training(folder: str, rounds: int) -> list[dict]:
     results: dict[str, list] = {"memory": [], "streamed": []}
     for r in range(rounds):
         for variant in ("memory", "streamed") if r % 2 == 0 else ("streamed", "memory"):
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--folder", folder,
-                                  *(["--tiny"] if SIZE == TINY else [])],
-                                 capture_output=True, text=True, check=True,
-                                 env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    variant,
+                    "--folder",
+                    folder,
+                    *(["--tiny"] if SIZE == TINY else []),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"},
+            ).stdout
             results[variant].append(json.loads(out.strip().splitlines()[-1]))
     step = {v: [statistics.median(x["seconds"]) for x in rs] for v, rs in results.items()}
     rss = {v: [x["rss"] / 2**20 for x in rs] for v, rs in results.items()}
     ratios = [s / m for s, m in zip(step["streamed"], step["memory"])]
-    print(f"training step (batch {BATCH} x {SEQ} tokens, Adam): in memory {statistics.median(step['memory']):.3f} s, "
-          f"streamed {statistics.median(step['streamed']):.3f} s, streamed/memory {statistics.median(ratios):.2f} "
-          f"({' '.join(f'{x:.2f}' for x in ratios)})")
-    print(f"peak RSS while training: in memory {statistics.median(rss['memory']):.0f} MiB, streamed "
-          f"{statistics.median(rss['streamed']):.0f} MiB, streamed/memory "
-          f"{statistics.median(rss['streamed']) / statistics.median(rss['memory']):.2f}")
-    return [{"label": "training step streamed / in memory", "value": round(statistics.median(ratios), 3),
-             "higher_is_better": False, "per_round": [round(x, 3) for x in ratios]},
-            {"label": "peak RSS training streamed / in memory", "higher_is_better": False,
-             "value": round(statistics.median(rss["streamed"]) / statistics.median(rss["memory"]), 3)}]
+    print(
+        f"training step (batch {BATCH} x {SEQ} tokens, Adam): in memory {statistics.median(step['memory']):.3f} s, "
+        f"streamed {statistics.median(step['streamed']):.3f} s, streamed/memory {statistics.median(ratios):.2f} "
+        f"({' '.join(f'{x:.2f}' for x in ratios)})"
+    )
+    print(
+        f"peak RSS while training: in memory {statistics.median(rss['memory']):.0f} MiB, streamed "
+        f"{statistics.median(rss['streamed']):.0f} MiB, streamed/memory "
+        f"{statistics.median(rss['streamed']) / statistics.median(rss['memory']):.2f}"
+    )
+    return [
+        {
+            "label": "training step streamed / in memory",
+            "value": round(statistics.median(ratios), 3),
+            "higher_is_better": False,
+            "per_round": [round(x, 3) for x in ratios],
+        },
+        {
+            "label": "peak RSS training streamed / in memory",
+            "higher_is_better": False,
+            "value": round(statistics.median(rss["streamed"]) / statistics.median(rss["memory"]), 3),
+        },
+    ]
 
 
 def inference(folder: str, rounds: int) -> list[dict]:
@@ -145,11 +181,18 @@ def inference(folder: str, rounds: int) -> list[dict]:
     ours = build()
     offload = offload_parameters(ours, f"{folder}/ours")
     theirs = build()
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
-                  **{f"model.layers.{i}": "disk" for i in range(8)}}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+        **{f"model.layers.{i}": "disk" for i in range(8)},
+    }
     theirs = dispatch_model(theirs, device_map=device_map, main_device="cpu", offload_dir=f"{folder}/accelerate")
-    timings: dict[str, dict[str, list[float]]] = {"deepoffload": {"forward": [], "generate": []},
-                                                  "accelerate": {"forward": [], "generate": []}}
+    timings: dict[str, dict[str, list[float]]] = {
+        "deepoffload": {"forward": [], "generate": []},
+        "accelerate": {"forward": [], "generate": []},
+    }
     models = {"deepoffload": ours, "accelerate": theirs}
     with torch.no_grad():
         for r in range(rounds):
@@ -167,12 +210,21 @@ def inference(folder: str, rounds: int) -> list[dict]:
     for what in ("forward", "generate"):
         a, b = timings["deepoffload"][what], timings["accelerate"][what]
         ratios = [x / y for x, y in zip(a, b)]
-        print(f"{what:8s} ({SEQ} tokens{', +20 new' if what == 'generate' else ''}): deepoffload "
-              f"{statistics.median(a):.3f} s, accelerate disk offload {statistics.median(b):.3f} s, "
-              f"deepoffload/accelerate {statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+        print(
+            f"{what:8s} ({SEQ} tokens{', +20 new' if what == 'generate' else ''}): deepoffload "
+            f"{statistics.median(a):.3f} s, accelerate disk offload {statistics.median(b):.3f} s, "
+            f"deepoffload/accelerate {statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})"
+        )
         label = "forward" if what == "forward" else "generate(20)"
-        results.append({"label": f"{label} / accelerate disk offload", "value": round(statistics.median(ratios), 3),
-                        "bound": 1.0, "higher_is_better": False, "per_round": [round(x, 3) for x in ratios]})
+        results.append(
+            {
+                "label": f"{label} / accelerate disk offload",
+                "value": round(statistics.median(ratios), 3),
+                "bound": 1.0,
+                "higher_is_better": False,
+                "per_round": [round(x, 3) for x in ratios],
+            }
+        )
     offload.close(restore=False)
     return results
 
@@ -190,10 +242,16 @@ def budget(folder: str, rounds: int) -> None:
     for resident in (0, 4, 8):
         ours = build()
         offload = offload_parameters(ours, f"{folder}/ours-{resident}", max_resident_bytes=resident * layer_bytes)
-        device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
-                      **{f"model.layers.{i}": "cpu" if i < resident else "disk" for i in range(8)}}
-        theirs = dispatch_model(build(), device_map=device_map, main_device="cpu",
-                                offload_dir=f"{folder}/accelerate-{resident}")
+        device_map = {
+            "model.embed_tokens": "cpu",
+            "model.rotary_emb": "cpu",
+            "model.norm": "cpu",
+            "lm_head": "cpu",
+            **{f"model.layers.{i}": "cpu" if i < resident else "disk" for i in range(8)},
+        }
+        theirs = dispatch_model(
+            build(), device_map=device_map, main_device="cpu", offload_dir=f"{folder}/accelerate-{resident}"
+        )
         models = {"deepoffload": ours, "accelerate": theirs}
         timings: dict[str, list[float]] = {"deepoffload": [], "accelerate": []}
         with torch.no_grad():
@@ -206,9 +264,11 @@ def budget(folder: str, rounds: int) -> None:
                         print(f"{name}: outputs differ from the in-memory model", file=sys.stderr)
         a, b = timings["deepoffload"], timings["accelerate"]
         ratios = [x / y for x, y in zip(a, b)]
-        print(f"generate(20), {resident} of 8 layers resident ({resident * layer_bytes / 1e6:.0f} MB): deepoffload "
-              f"{statistics.median(a):.3f} s, accelerate {statistics.median(b):.3f} s, deepoffload/accelerate "
-              f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+        print(
+            f"generate(20), {resident} of 8 layers resident ({resident * layer_bytes / 1e6:.0f} MB): deepoffload "
+            f"{statistics.median(a):.3f} s, accelerate {statistics.median(b):.3f} s, deepoffload/accelerate "
+            f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})"
+        )
         offload.close(restore=False)
 
 
@@ -220,15 +280,16 @@ def train_budget(folder: str, rounds: int, mode: str) -> None:
     for resident in (0, 4, 8):
         model = build().train()
         layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-        offload = offload_parameters(model, f"{folder}/train-{resident}", optimizer=adam, mode=mode,
-                                     max_resident_bytes=resident * layer_bytes)
+        offload = offload_parameters(
+            model, f"{folder}/train-{resident}", optimizer=adam, mode=mode, max_resident_bytes=resident * layer_bytes
+        )
         runs[resident] = (model, offload)
     times: dict[int, list[float]] = {k: [] for k in runs}
     losses: dict[int, list[float]] = {k: [] for k in runs}
     moved: dict[int, list[float]] = {k: [0, 0, 0, 0, 0.0] for k in runs}
     order = list(runs)
     for r in range(rounds + 1):  # round 0 warms up (first step allocates the optimizer state) and is not timed
-        for resident in order[r % 3:] + order[:r % 3]:
+        for resident in order[r % 3 :] + order[: r % 3]:
             model, offload = runs[resident]
             before = offload.stats
             start = time.perf_counter()
@@ -241,19 +302,22 @@ def train_budget(folder: str, rounds: int, mode: str) -> None:
             if r:
                 times[resident].append(elapsed)
                 after = offload.stats
-                for k, field in enumerate(("bytes_read", "bytes_written", "state_bytes_read", "state_bytes_written",
-                                           "io_wait_seconds")):
+                for k, field in enumerate(
+                    ("bytes_read", "bytes_written", "state_bytes_read", "state_bytes_written", "io_wait_seconds")
+                ):
                     moved[resident][k] += getattr(after, field) - getattr(before, field)
     if not losses[0] == losses[4] == losses[8]:
         print("losses differ between budgets", losses, file=sys.stderr)
     for resident in runs:
         ratios = [x / y for x, y in zip(times[resident], times[0])]
         read, written, state_read, state_written = (m / rounds / 1e6 for m in moved[resident][:4])
-        print(f"training step ({mode}), {resident} of 8 layers resident: {statistics.median(times[resident]):.3f} s, "
-              f"/budget 0 {statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}); per step: "
-              f"parameters and gradients read {read:.0f} MB, written {written:.0f} MB, waited on "
-              f"{moved[resident][4] / rounds:.3f} s; optimizer state read {state_read:.0f} MB, written "
-              f"{state_written:.0f} MB")
+        print(
+            f"training step ({mode}), {resident} of 8 layers resident: {statistics.median(times[resident]):.3f} s, "
+            f"/budget 0 {statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}); per step: "
+            f"parameters and gradients read {read:.0f} MB, written {written:.0f} MB, waited on "
+            f"{moved[resident][4] / rounds:.3f} s; optimizer state read {state_read:.0f} MB, written "
+            f"{state_written:.0f} MB"
+        )
     for _, offload in runs.values():
         offload.close(restore=False)
 
@@ -277,8 +341,13 @@ def serve(folder: str, rounds: int) -> None:
             with torch.device("meta"):
                 model = LlamaForCausalLM(reference.config).eval()
             start = time.perf_counter()
-            offload = offload_parameters(model, f"{folder}/{variant}", checkpoint=checkpoint,
-                                         init=model._init_weights, serve_from_checkpoint=variant == "served")
+            offload = offload_parameters(
+                model,
+                f"{folder}/{variant}",
+                checkpoint=checkpoint,
+                init=model._init_weights,
+                serve_from_checkpoint=variant == "served",
+            )
             timings[variant]["setup"].append(time.perf_counter() - start)
             written[variant] = offload.stats.bytes_written
             with torch.no_grad():
@@ -291,8 +360,10 @@ def serve(folder: str, rounds: int) -> None:
     for what in ("setup", "generate"):
         a, b = timings["served"][what], timings["copied"][what]
         ratios = [x / y for x, y in zip(a, b)]
-        print(f"{what:8s}: served {statistics.median(a):.3f} s, copied {statistics.median(b):.3f} s, served/copied "
-              f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})")
+        print(
+            f"{what:8s}: served {statistics.median(a):.3f} s, copied {statistics.median(b):.3f} s, served/copied "
+            f"{statistics.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)})"
+        )
     print(f"bytes written to the swap folder at setup: served {written['served']}, copied {written['copied']}")
 
 
@@ -300,13 +371,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default=None, help="where swap files go (default: a temp folder)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--part", choices=["training", "inference", "both", "budget", "train-budget", "serve"],
-                        default="both")
+    parser.add_argument(
+        "--part", choices=["training", "inference", "both", "budget", "train-budget", "serve"], default="both"
+    )
     parser.add_argument("--mode", choices=["fused", "grads"], default="fused", help="train-budget's training mode")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden size 64 (a smoke run)")
     parser.add_argument("--child", choices=["memory", "streamed"], help=argparse.SUPPRESS)
-    parser.add_argument("--json", metavar="PATH", help="--part training, inference or both: also write the ratios as "
-                        "JSON (benchmarks/plot.py)")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="--part training, inference or both: also write the ratios as JSON (benchmarks/plot.py)",
+    )
     args = parser.parse_args()
     if args.json and args.part not in ("training", "inference", "both"):
         parser.error("--json is written by --part training, inference or both")
@@ -322,8 +397,13 @@ def main() -> None:
     if args.part in ("inference", "both"):
         results += inference(folder, args.rounds)
     if args.json:
-        write_json(args.json, "hf_llama_stream", "Tiny HF Llama streamed from storage (hidden 512, 8 layers)", results,
-                   unit="time / time of the other (lower is better)")
+        write_json(
+            args.json,
+            "hf_llama_stream",
+            "Tiny HF Llama streamed from storage (hidden 512, 8 layers)",
+            results,
+            unit="time / time of the other (lower is better)",
+        )
     if args.part == "budget":
         budget(folder, args.rounds)
     if args.part == "train-budget":

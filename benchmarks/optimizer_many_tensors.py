@@ -72,8 +72,10 @@ def main() -> None:
     for name, value in m.items():
         print(f"  {name:10s} step: median {value * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:.1f} ms)")
     print(f"  offloaded / in memory: {m['offloaded'] / m['in memory']:.2f}x  (parameters identical: {identical})")
-    print(f"  files: {files}; on disk: {allocated:,} bytes for {state:,} bytes of state "
-          f"({allocated / state:.2f}x); close(): {closing:.3f} s")
+    print(
+        f"  files: {files}; on disk: {allocated:,} bytes for {state:,} bytes of state "
+        f"({allocated / state:.2f}x); close(): {closing:.3f} s"
+    )
 
 
 if __name__ == "__main__":

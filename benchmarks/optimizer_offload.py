@@ -98,9 +98,11 @@ def step_times(state_gb: float, rounds: int, folder: str) -> None:
         optimizer.step()  # first steps create the state
     any_offloaded = next(iter(offloaded.values()))[0]
     stored = any_offloaded.stored_bytes()
-    print(f"state: {stored:,} bytes of Adam state ({len(memory_params)} params of {TENSOR_NUMEL:,} fp32), "
-          f"chunks of {config.chunk_bytes:,} bytes, {config.buffer_count} buffers, engine {handle.engine}, "
-          f"torch intra-op threads {threads}")
+    print(
+        f"state: {stored:,} bytes of Adam state ({len(memory_params)} params of {TENSOR_NUMEL:,} fp32), "
+        f"chunks of {config.chunk_bytes:,} bytes, {config.buffer_count} buffers, engine {handle.engine}, "
+        f"torch intra-op threads {threads}"
+    )
     times: dict[str, list[float]] = {"in-memory step": [], **{name: [] for name in offloaded}, "IO only": []}
     for _ in range(rounds):
         start = time.perf_counter()
@@ -111,24 +113,29 @@ def step_times(state_gb: float, rounds: int, folder: str) -> None:
             optimizer.step()
             times[name].append(time.perf_counter() - start)
         times["IO only"].append(io_only(handle, any_offloaded.swapper.folder, stored, config.chunk_bytes))
-    same = {name: all(torch.equal(a, b) for a, b in zip(memory_params, params))
-            for name, (_, params) in offloaded.items()}
+    same = {
+        name: all(torch.equal(a, b) for a, b in zip(memory_params, params)) for name, (_, params) in offloaded.items()
+    }
     for optimizer, _ in offloaded.values():
         optimizer.close()
     handle.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     for name, values in times.items():
-        print(f"  {name:18s} median {med[name]:.3f} s, best {best[name]:.3f} s   runs: "
-              f"{', '.join(f'{v:.3f}' for v in values)}")
+        print(
+            f"  {name:18s} median {med[name]:.3f} s, best {best[name]:.3f} s   runs: "
+            f"{', '.join(f'{v:.3f}' for v in values)}"
+        )
     print(f"  IO only moves {2 * stored / 1e9:.2f} GB: {2 * stored / 1e9 / med['IO only']:.2f} GB/s (1e9 bytes/s)")
     bound = max(med["in-memory step"], med["IO only"])
     best_bound = max(best["in-memory step"], best["IO only"])
     for name in offloaded:
-        print(f"  {name}: / in-memory {med[name] / med['in-memory step']:.2f}, "
-              f"/ IO only {med[name] / med['IO only']:.2f}"
-              f", / max(in-memory, IO) {med[name] / bound:.2f} (target <= 1.15; best-of {best[name] / best_bound:.2f})"
-              f"; parameters identical to in-memory after {rounds + 1} steps: {same[name]}")
+        print(
+            f"  {name}: / in-memory {med[name] / med['in-memory step']:.2f}, "
+            f"/ IO only {med[name] / med['IO only']:.2f}"
+            f", / max(in-memory, IO) {med[name] / bound:.2f} (target <= 1.15; best-of {best[name] / best_bound:.2f})"
+            f"; parameters identical to in-memory after {rounds + 1} steps: {same[name]}"
+        )
 
 
 def rss_child(mode: str, state_gb: float, folder: str, numel: int) -> None:
@@ -167,18 +174,24 @@ def peak_rss(sizes: list[float], folder: str, numel: int) -> None:
     for state_gb in sizes:
         figures = {}
         for mode in ("in-memory", "offloaded"):
-            out = subprocess.run([sys.executable, __file__, "--rss-child", mode, str(state_gb), folder, str(numel)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--rss-child", mode, str(state_gb), folder, str(numel)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             figures[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         extra = {m: (f["peak"] - f["baseline"]) / 1e6 for m, f in figures.items()}
         state = param_count(int(state_gb * 1e9), numel) * 8 * numel / 1e6  # as make_params
         pool = figures["offloaded"]["pool"] / 1e6
         bound = extra["in-memory"] - state + 1.1 * pool
-        print(f"  state {state_gb:.2f} GB: in-memory +{extra['in-memory']:.0f} MB, "
-              f"offloaded +{extra['offloaded']:.0f} MB"
-              f" (peak {figures['offloaded']['peak'] / 1e6:.0f} MB vs {figures['in-memory']['peak'] / 1e6:.0f} MB);"
-              f" target: in-memory - state + 1.1 x pool = {extra['in-memory']:.0f} - {state:.0f} + 1.1 x {pool:.0f}"
-              f" = {bound:.0f} MB, offloaded / target {extra['offloaded'] / bound:.2f}")
+        print(
+            f"  state {state_gb:.2f} GB: in-memory +{extra['in-memory']:.0f} MB, "
+            f"offloaded +{extra['offloaded']:.0f} MB"
+            f" (peak {figures['offloaded']['peak'] / 1e6:.0f} MB vs {figures['in-memory']['peak'] / 1e6:.0f} MB);"
+            f" target: in-memory - state + 1.1 x pool = {extra['in-memory']:.0f} - {state:.0f} + 1.1 x {pool:.0f}"
+            f" = {bound:.0f} MB, offloaded / target {extra['offloaded'] / bound:.2f}"
+        )
 
 
 def main() -> None:
@@ -187,8 +200,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rss-sizes", default="0.25,1.0", help="state sizes (GB) for the peak RSS runs")
     parser.add_argument("--folder", default=tempfile.gettempdir(), help="where swap files go (a real disk)")
-    parser.add_argument("--rss-numel", type=int, default=TENSOR_NUMEL,
-                        help="elements per parameter in the peak RSS runs (16777216: state over chunk_bytes)")
+    parser.add_argument(
+        "--rss-numel",
+        type=int,
+        default=TENSOR_NUMEL,
+        help="elements per parameter in the peak RSS runs (16777216: state over chunk_bytes)",
+    )
     parser.add_argument("--rss-only", action="store_true", help="only the peak RSS runs, not the step times")
     parser.add_argument("--rss-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -39,9 +39,15 @@ def llama(hidden: int, layers: int, vocab: int):
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
-                                      max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -52,8 +58,9 @@ def mlp(width: int, layers: int):
     import torch
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
-                                  for _ in range(layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(layers)]
+    )
     x = torch.randn(64, width, generator=torch.Generator().manual_seed(0))
     return model, lambda m: m(x).square().mean()
 
@@ -90,10 +97,10 @@ def step_io(handle, opt, ahead: int, buffers: list) -> float:
                 request.wait()
                 free.append(buffer)
             e, buffer = extents[k + len(reads)], free.pop()
-            reads.append((handle.read_async(buffer[:e.nbytes], path, e.offset), buffer))
+            reads.append((handle.read_async(buffer[: e.nbytes], path, e.offset), buffer))
         request, buffer = reads.pop(0)
         request.wait()
-        writes.append((handle.write_async(buffer[:extent.nbytes], path, extent.offset, truncate=False), buffer))
+        writes.append((handle.write_async(buffer[: extent.nbytes], path, extent.offset, truncate=False), buffer))
         while writes and writes[0][0].done():
             request, buffer = writes.pop(0)
             request.wait()
@@ -144,6 +151,7 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
                 return step(*args, **kwargs)
             finally:
                 adamw[variant] = adamw.get(variant, 0.0) + time.perf_counter() - start
+
         return timed
 
     offloaded_variants = ["offloaded", "step_in_backward"]
@@ -173,8 +181,12 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
 
     for variant in runs:  # first steps create the state
         train_step(variant)
-    state = sum(t.numel() * t.element_size() for s in runs["in memory"][2].state.values() for t in s.values()
-                if torch.is_tensor(t))
+    state = sum(
+        t.numel() * t.element_size()
+        for s in runs["in memory"][2].state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
     offloaded = runs["offloaded"][2]
     ahead = max(1, config.buffer_count - 2)
     buffers = io_buffers(offloaded, ahead)
@@ -197,39 +209,69 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
                     train_step(variant)
                 wall = time.perf_counter() - start
                 cpu, (busy, steal) = cpu_seconds() - cpu, [b - a for a, b in zip((busy, steal), machine_seconds())]
-                samples[variant].append({"wall": wall, "adamw": adamw.get(variant, 0.0), "cpu": cpu, "steal": steal,
-                                         "others": max(0.0, busy - cpu)})
-    same = all(torch.equal(a, b) for a, b in zip(runs["in memory"][0].parameters(),
-                                                   runs["step_in_backward"][0].parameters()))
+                samples[variant].append(
+                    {
+                        "wall": wall,
+                        "adamw": adamw.get(variant, 0.0),
+                        "cpu": cpu,
+                        "steal": steal,
+                        "others": max(0.0, busy - cpu),
+                    }
+                )
+    same = all(
+        torch.equal(a, b) for a, b in zip(runs["in memory"][0].parameters(), runs["step_in_backward"][0].parameters())
+    )
     for variant in offloaded_variants:
         runs[variant][2].close()
     m = {v: {k: statistics.median(s[k] for s in rows) for k in rows[0]} for v, rows in samples.items()}
     wall = {v: [s["wall"] for s in rows] for v, rows in samples.items()}
     params = sum(p.numel() for p in runs["in memory"][0].parameters())
-    print(f"{name}: {params / 1e6:.1f}M parameters, {state / 1e6:.0f} MB of AdamW state, {rounds} rounds; "
-          f"medians per step, seconds")
-    print(f"  {'':24s}{'wall':>7s}{'AdamW':>7s}{'CPU':>7s}{'steal':>7s}{'others':>7s}   (CPU: this process, user + "
-          f"sys; steal: the machine's; others: the machine's other busy CPU)")
+    print(
+        f"{name}: {params / 1e6:.1f}M parameters, {state / 1e6:.0f} MB of AdamW state, {rounds} rounds; "
+        f"medians per step, seconds"
+    )
+    print(
+        f"  {'':24s}{'wall':>7s}{'AdamW':>7s}{'CPU':>7s}{'steal':>7s}{'others':>7s}   (CPU: this process, user + "
+        f"sys; steal: the machine's; others: the machine's other busy CPU)"
+    )
     for variant, f in m.items():
         print(f"  {variant:24s}" + "".join(f"{f[k]:7.2f}" for k in ("wall", "adamw", "cpu", "steal", "others")))
     bound = [max(a, b) for a, b in zip(wall["in memory"], wall["IO alone"])]
-    print(f"  the IO alongside costs the in-memory step {m[ALONGSIDE]['wall'] / m['in memory']['wall']:.2f}x "
-          f"(per round {' '.join(f'{a / b:.2f}' for a, b in zip(wall[ALONGSIDE], wall['in memory']))})")
+    print(
+        f"  the IO alongside costs the in-memory step {m[ALONGSIDE]['wall'] / m['in memory']['wall']:.2f}x "
+        f"(per round {' '.join(f'{a / b:.2f}' for a, b in zip(wall[ALONGSIDE], wall['in memory']))})"
+    )
     for variant in offloaded_variants:
         ratio = statistics.median(wall[variant]) / statistics.median(bound)
-        print(f"  {variant}: / max(in memory, IO alone) {ratio:.2f}x"
-              f" (target 1.15x), / in memory with the IO alongside "
-              f"{m[variant]['wall'] / m[ALONGSIDE]['wall']:.2f}x (per round "
-              f"{' '.join(f'{a / b:.2f}' for a, b in zip(wall[variant], wall[ALONGSIDE]))})")
+        print(
+            f"  {variant}: / max(in memory, IO alone) {ratio:.2f}x"
+            f" (target 1.15x), / in memory with the IO alongside "
+            f"{m[variant]['wall'] / m[ALONGSIDE]['wall']:.2f}x (per round "
+            f"{' '.join(f'{a / b:.2f}' for a, b in zip(wall[variant], wall[ALONGSIDE]))})"
+        )
     print(f"  step_in_backward parameters identical to in memory: {same}")
-    results = [{"label": f"{name}: in memory with the IO alongside / in memory",
-                "value": round(m[ALONGSIDE]["wall"] / m["in memory"]["wall"], 3), "higher_is_better": False}]
+    results = [
+        {
+            "label": f"{name}: in memory with the IO alongside / in memory",
+            "value": round(m[ALONGSIDE]["wall"] / m["in memory"]["wall"], 3),
+            "higher_is_better": False,
+        }
+    ]
     for variant in offloaded_variants:
         results += [
-            {"label": f"{name}: {variant} / in memory", "value": round(m[variant]["wall"] / m["in memory"]["wall"], 3),
-             "bound": 1.15, "higher_is_better": False},
-            {"label": f"{name}: {variant} / in memory with its IO alongside",
-             "value": round(m[variant]["wall"] / m[ALONGSIDE]["wall"], 3), "bound": 1.0, "higher_is_better": False}]
+            {
+                "label": f"{name}: {variant} / in memory",
+                "value": round(m[variant]["wall"] / m["in memory"]["wall"], 3),
+                "bound": 1.15,
+                "higher_is_better": False,
+            },
+            {
+                "label": f"{name}: {variant} / in memory with its IO alongside",
+                "value": round(m[variant]["wall"] / m[ALONGSIDE]["wall"], 3),
+                "bound": 1.0,
+                "higher_is_better": False,
+            },
+        ]
     return results
 
 
@@ -242,19 +284,34 @@ def main() -> None:
     parser.add_argument("--llama-vocab", type=int, default=8000)
     parser.add_argument("--mlp-width", type=int, default=1536)
     parser.add_argument("--mlp-layers", type=int, default=8)
-    parser.add_argument("--compute-threads", type=int, default=None,
-                        help="also both offloaded modes with this compute_threads (torch's intra-op threads)")
+    parser.add_argument(
+        "--compute-threads",
+        type=int,
+        default=None,
+        help="also both offloaded modes with this compute_threads (torch's intra-op threads)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/plot.py)")
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="overlap-", dir=args.folder or os.getcwd())
     try:
-        results = compare("tiny Llama", lambda: llama(args.llama_hidden, args.llama_layers, args.llama_vocab),
-                          args.rounds, folder, args.compute_threads)
-        results += compare("MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder,
-                           args.compute_threads)
+        results = compare(
+            "tiny Llama",
+            lambda: llama(args.llama_hidden, args.llama_layers, args.llama_vocab),
+            args.rounds,
+            folder,
+            args.compute_threads,
+        )
+        results += compare(
+            "MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder, args.compute_threads
+        )
         if args.json:
-            write_json(args.json, "optimizer_overlap", "Offloaded AdamW step / in-memory step", results,
-                       unit="step time / in-memory step time (lower is better)")
+            write_json(
+                args.json,
+                "optimizer_overlap",
+                "Offloaded AdamW step / in-memory step",
+                results,
+                unit="step time / in-memory step time (lower is better)",
+            )
     finally:
         import shutil
 

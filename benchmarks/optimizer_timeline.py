@@ -35,6 +35,7 @@ def now() -> float:
 def timed(category: str, fn, outer: bool = False):
     """``fn`` with its training-thread time added to ``category``; inner (not ``outer``) categories count only the
     outermost timed call among them."""
+
     def wrapper(*args, **kwargs):
         depth = 0 if outer else getattr(_depth, "n", 0)
         start = now()
@@ -48,6 +49,7 @@ def timed(category: str, fn, outer: bool = False):
             if depth == 0:
                 spans[category] += now() - start
                 events.append((start, f"{category} {1e3 * (now() - start):.1f} ms"))
+
     return wrapper
 
 
@@ -63,6 +65,7 @@ def instrument() -> None:
             transfers.append([kind, tensor.numel() * tensor.element_size(), now(), None, request])
             events.append((now(), f"submit {kind} {tensor.numel() * tensor.element_size() / 1e6:.0f} MB"))
             return request
+
         return wrapper
 
     cls = handle_module.AsyncIOHandle
@@ -117,14 +120,17 @@ def main() -> None:
     parser.add_argument("--folder", default=None)
     args = parser.parse_args()
     import torch
+    from optimizer_overlap import llama, mlp
 
     from deepoffload.swap.config import SwapConfig
     from deepoffload.swap.optimizer import OffloadedOptimizer
-    from optimizer_overlap import llama, mlp
 
     instrument()
-    model, loss_of = (mlp(args.mlp_width, args.mlp_layers) if args.model == "mlp"
-                      else llama(args.llama_hidden, args.llama_layers, args.llama_vocab))
+    model, loss_of = (
+        mlp(args.mlp_width, args.mlp_layers)
+        if args.model == "mlp"
+        else llama(args.llama_hidden, args.llama_layers, args.llama_vocab)
+    )
     folder = tempfile.mkdtemp(prefix="timeline-", dir=args.folder or os.getcwd())
     config = SwapConfig(folder=folder)
     if args.chunk_mb:
@@ -149,23 +155,30 @@ def main() -> None:
             continue
         total = end - start
         print(f"step {step}: {total * 1e3:.0f} ms")
-        inner = {k: v for k, v in spans.items() if k not in ("forward", "backward (incl. steps in it)", "step()")
-                 and not k.startswith("(")}
+        inner = {
+            k: v
+            for k, v in spans.items()
+            if k not in ("forward", "backward (incl. steps in it)", "step()") and not k.startswith("(")
+        }
         nested = {k: v for k, v in spans.items() if k.startswith("(")}
         outer = {k: spans[k] for k in ("forward", "backward (incl. steps in it)", "step()")}
         for k, v in outer.items():
             print(f"  {k:32s} {v * 1e3:7.0f} ms")
         for k, v in sorted(inner.items(), key=lambda kv: -kv[1]):
             print(f"    {k:30s} {v * 1e3:7.0f} ms")
-        print(f"    {'backward compute (rest)':30s} "
-              f"{(sum(outer.values()) - sum(inner.values()) - outer['forward']) * 1e3:7.0f} ms  (incl. Python)")
+        print(
+            f"    {'backward compute (rest)':30s} "
+            f"{(sum(outer.values()) - sum(inner.values()) - outer['forward']) * 1e3:7.0f} ms  (incl. Python)"
+        )
         for k, v in nested.items():
             print(f"    {k:30s} {v * 1e3:7.0f} ms")
         for kind in ("read", "write"):
             done = [(a, b if b is not None else end) for k, _, a, b, _ in transfers if k == kind]
             nbytes = sum(n for k, n, *_ in transfers if k == kind)
-            print(f"  disk {kind}s: {len(done)} of {nbytes / 1e6:.0f} MB, busy {busy(done) * 1e3:.0f} ms "
-                  f"({nbytes / 1e9 / max(busy(done), 1e-9):.2f} GB/s while busy)")
+            print(
+                f"  disk {kind}s: {len(done)} of {nbytes / 1e6:.0f} MB, busy {busy(done) * 1e3:.0f} ms "
+                f"({nbytes / 1e9 / max(busy(done), 1e-9):.2f} GB/s while busy)"
+            )
         both = [(a, b if b is not None else end) for _, _, a, b, _ in transfers]
         print(f"  disk busy (either): {busy(both) * 1e3:.0f} ms of {total * 1e3:.0f} ms")
         if args.events:

@@ -28,8 +28,9 @@ from torch import nn
 
 def make_model(width: int, depth: int, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                           for _ in range(depth)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(depth)]
+    )
 
 
 def adam(params):
@@ -91,13 +92,14 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
     streamed()
     after = offload.stats
     moved["read"] = after.bytes_read - before.bytes_read + after.state_bytes_read - before.state_bytes_read
-    moved["written"] = (after.bytes_written - before.bytes_written
-                        + after.state_bytes_written - before.state_bytes_written)
+    moved["written"] = (
+        after.bytes_written - before.bytes_written + after.state_bytes_written - before.state_bytes_written
+    )
     pure_io()
     times = {"in memory": [], "streamed": [], "pure IO": []}
     for step in range(steps):
         runs = [("in memory", in_memory), ("streamed", streamed), ("pure IO", pure_io)]
-        for name, run in runs[step % 3:] + runs[:step % 3]:
+        for name, run in runs[step % 3 :] + runs[: step % 3]:
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
@@ -105,14 +107,18 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
     io.close()
     median = {name: statistics.median(values) for name, values in times.items()}
     params = sum(p.numel() for p in reference.parameters())
-    print(f"model: {depth} blocks, {params:,} parameters ({params * 4 / 1e6:.0f} MB fp32), batch {batch}; a streamed "
-          f"step moves {moved['read'] / 1e6:.0f} MB in, {moved['written'] / 1e6:.0f} MB out (weights and Adam state)")
+    print(
+        f"model: {depth} blocks, {params:,} parameters ({params * 4 / 1e6:.0f} MB fp32), batch {batch}; a streamed "
+        f"step moves {moved['read'] / 1e6:.0f} MB in, {moved['written'] / 1e6:.0f} MB out (weights and Adam state)"
+    )
     for name, value in median.items():
         print(f"  {name:10s} median {value * 1e3:8.1f} ms over {steps} interleaved steps")
     bound = max(median["in memory"], median["pure IO"])
-    print(f"  streamed / max(compute, IO) = {median['streamed'] / bound:.2f} (target <= 1.2); "
-          f"streamed / in memory = {median['streamed'] / median['in memory']:.2f}; "
-          f"IO rate of pure IO: {(moved['read'] + moved['written']) / median['pure IO'] / 1e9:.2f} GB/s (1e9 B/s)")
+    print(
+        f"  streamed / max(compute, IO) = {median['streamed'] / bound:.2f} (target <= 1.2); "
+        f"streamed / in memory = {median['streamed'] / median['in memory']:.2f}; "
+        f"IO rate of pure IO: {(moved['read'] + moved['written']) / median['pure IO'] / 1e9:.2f} GB/s (1e9 B/s)"
+    )
 
 
 def rss_child(folder: str, width: int, depth: int, streamed: bool) -> None:
@@ -156,10 +162,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=None, help="where swap files go (default: a temp folder on /tmp)")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rss-child", nargs=3, type=int, metavar=("WIDTH", "DEPTH", "STREAMED"),
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--tiny", action="store_true", help="width 64, 2 blocks, one allocator setting (a smoke "
-                        "run)")
+    parser.add_argument(
+        "--rss-child", nargs=3, type=int, metavar=("WIDTH", "DEPTH", "STREAMED"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--tiny", action="store_true", help="width 64, 2 blocks, one allocator setting (a smoke run)")
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="param-offload-bench-", dir="/tmp")
     if args.rss_child:
@@ -181,13 +187,20 @@ def main() -> int:
             row = {}
             for streamed in (False, True):
                 child = ["--rss-child", str(width), str(depth), str(int(streamed))]
-                out = subprocess.run([sys.executable, __file__, "--folder", folder, *child], capture_output=True,
-                                     text=True, check=True, env=env)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--folder", folder, *child],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env=env,
+                )
                 row[streamed] = json.loads(out.stdout.strip().splitlines()[-1])
             params = depth * 2 * (width * 4 * width) + depth * (5 * width)
-            print(f"  {depth:2d} blocks ({params * 4 / 1e6:5.0f} MB of fp32 weights): peak in memory "
-                  f"{row[False]['peak_rss'] / 1e6:6.0f} MB, streamed {row[True]['peak_rss'] / 1e6:6.0f} MB (RSS before "
-                  f"the first step: {row[False]['start_rss'] / 1e6:.0f} MB and {row[True]['start_rss'] / 1e6:.0f} MB)")
+            print(
+                f"  {depth:2d} blocks ({params * 4 / 1e6:5.0f} MB of fp32 weights): peak in memory "
+                f"{row[False]['peak_rss'] / 1e6:6.0f} MB, streamed {row[True]['peak_rss'] / 1e6:6.0f} MB (RSS before "
+                f"the first step: {row[False]['start_rss'] / 1e6:.0f} MB and {row[True]['start_rss'] / 1e6:.0f} MB)"
+            )
     return 0
 
 

@@ -31,9 +31,14 @@ def render(data: dict) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(results) + 1.4), dpi=100)
     y = list(range(len(results)))[::-1]
     # green: the bound is met, red: not met, blue: no bound
-    colors = ["#1565c0" if r.get("bound") is None else
-              "#2e7d32" if (r["value"] >= r["bound"]) == r.get("higher_is_better", True) else "#c62828"
-              for r in results]
+    colors = [
+        "#1565c0"
+        if r.get("bound") is None
+        else "#2e7d32"
+        if (r["value"] >= r["bound"]) == r.get("higher_is_better", True)
+        else "#c62828"
+        for r in results
+    ]
     ax.barh(y, values, color=colors, height=0.6)
     for yi, r in zip(y, results):
         ax.text(r["value"], yi, f" {r['value']:.2f}", va="center", fontsize=8)
@@ -42,8 +47,10 @@ def render(data: dict) -> bytes:
     ax.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=8)
-    ax.set_xlabel(data.get("unit", "ratio") + "\nblack tick: the bound or target; green: met, red: not met, "
-                  "blue: no bound", fontsize=8)
+    ax.set_xlabel(
+        data.get("unit", "ratio") + "\nblack tick: the bound or target; green: met, red: not met, blue: no bound",
+        fontsize=8,
+    )
     title = textwrap.fill(data["title"], 90) + "\n" + textwrap.fill(f"{data['machine']}, {data['date']}", 90)
     ax.set_title(title, fontsize=8)
     ax.set_xlim(0, max(values + [r.get("bound") or 0 for r in results]) * 1.18)

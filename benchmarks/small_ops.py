@@ -18,15 +18,14 @@ import time
 from pathlib import Path
 
 import torch
+from common import run_main
 
 from deepoffload.bench.measure import OPS, BenchError, evict, make_buffer, scratch_file
-from deepoffload.diagnostics import direct_io_works
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.config import AioConfig
+from deepoffload.diagnostics import direct_io_works
 from deepoffload.io.handle import AsyncIOHandle
 from deepoffload.io.native import engine_status
-
-from common import run_main
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -62,17 +61,21 @@ def time_ops(handle: AsyncIOHandle, op: str, buffers: list[torch.Tensor], path: 
 def measure(engine: str, count: int, size: int, args: argparse.Namespace) -> None:
     """Prints, per op, the medians of the per-round throughput ratios small/large of both small-op variants."""
     large = make_buffer(count * size, "pinned")
-    variants = {"separate": [make_buffer(size, "pinned") for _ in range(count)],
-                "slices": [large[i * size:(i + 1) * size] for i in range(count)],
-                "large": [large]}
+    variants = {
+        "separate": [make_buffer(size, "pinned") for _ in range(count)],
+        "slices": [large[i * size : (i + 1) * size] for i in range(count)],
+        "large": [large],
+    }
     names = list(variants)
     ratios = {(op, name): [] for op in OPS for name in ("separate", "slices")}
-    with scratch_file(args.path, count * size) as path, \
-            AsyncIOHandle(engine=engine, intra_op_parallelism=args.threads) as handle:
+    with (
+        scratch_file(args.path, count * size) as path,
+        AsyncIOHandle(engine=engine, intra_op_parallelism=args.threads) as handle,
+    ):
         direct = direct_io_works(path)
         handle.write(large, path)  # lay the file out
         for r in range(args.rounds):
-            order = names[r % 3:] + names[:r % 3]
+            order = names[r % 3 :] + names[: r % 3]
             for op in OPS:
                 seconds = {name: time_ops(handle, op, variants[name], path, direct) for name in order}
                 for name in ("separate", "slices"):
@@ -87,8 +90,12 @@ def measure(engine: str, count: int, size: int, args: argparse.Namespace) -> Non
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", default=tempfile.gettempdir(), help="folder on the disk to measure")
-    parser.add_argument("--cases", type=parse_cases, default="64x8M,256x1M",
-                        help="COUNTxSIZE items: COUNT ops of SIZE bytes (default 64x8M,256x1M)")
+    parser.add_argument(
+        "--cases",
+        type=parse_cases,
+        default="64x8M,256x1M",
+        help="COUNTxSIZE items: COUNT ops of SIZE bytes (default 64x8M,256x1M)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="intra_op_parallelism (default 1)")
     parser.add_argument("--engines", default="all", help="comma-separated engine names, or 'all' that work here")
@@ -96,9 +103,11 @@ def main() -> int:
     status = engine_status()
     engines = [e for e, (ok, _) in status.items() if ok] if args.engines == "all" else args.engines.split(",")
     config = AioConfig()
-    print(f"small ops vs one op: block_size {config.block_size} bytes, queue depth {config.queue_depth}, "
-          f"intra_op_parallelism {args.threads}, {args.rounds} rounds interleaved; "
-          f"median of per-round throughput ratios small/large")
+    print(
+        f"small ops vs one op: block_size {config.block_size} bytes, queue depth {config.queue_depth}, "
+        f"intra_op_parallelism {args.threads}, {args.rounds} rounds interleaved; "
+        f"median of per-round throughput ratios small/large"
+    )
     for engine in engines:
         for count, size in args.cases:
             measure(engine, count, size, args)

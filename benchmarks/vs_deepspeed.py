@@ -35,21 +35,26 @@ def measure(args: argparse.Namespace) -> int:
     """Runs inside the reference interpreter: both handles, one buffer, interleaved."""
     _import_checkout()
     import torch
+    from common import ratio_row
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     from deepoffload.bench.measure import OPS, evict, scratch_file, time_transfer
-    from deepoffload.diagnostics import direct_io_works
     from deepoffload.bench.sizes import format_size
+    from deepoffload.diagnostics import direct_io_works
     from deepoffload.io.handle import AsyncIOHandle
-
-    from common import ratio_row
 
     block, depth = args.block_size, args.queue_depth
     reference = AsyncIOBuilder().load().aio_handle(block, depth, False, True, 1)
     buffer = reference.new_cpu_locked_tensor(args.size, torch.empty(0, dtype=torch.uint8))
     buffer.copy_(torch.randint(0, 256, (args.size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
-    ours = AsyncIOHandle(engine=args.engine, block_size=block, queue_depth=depth, intra_op_parallelism=1,
-                         single_submit=False, overlap_events=True)
+    ours = AsyncIOHandle(
+        engine=args.engine,
+        block_size=block,
+        queue_depth=depth,
+        intra_op_parallelism=1,
+        single_submit=False,
+        overlap_events=True,
+    )
 
     def timed_reference(op: str, path: Path) -> float:
         if op == "read":
@@ -67,15 +72,19 @@ def measure(args: argparse.Namespace) -> int:
         ours.write(buffer, path)  # lay the file out
         for r in range(args.rounds):
             for op in OPS:
-                steps = {"ours": lambda: time_transfer(ours, op, buffer, path, direct).gbps,
-                         "reference": lambda: timed_reference(op, path)}
-                for who in (("ours", "reference") if r % 2 == 0 else ("reference", "ours")):
+                steps = {
+                    "ours": lambda: time_transfer(ours, op, buffer, path, direct).gbps,
+                    "reference": lambda: timed_reference(op, path),
+                }
+                for who in ("ours", "reference") if r % 2 == 0 else ("reference", "ours"):
                     gbps[who, op].append(steps[who]())
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     ours.close()
-    print(f"ours ({ours.engine}) vs DeepSpeed 0.19.8 aio_handle: {format_size(args.size)} per transfer, "
-          f"{format_size(block)} blocks, queue depth {depth}, 1 thread, one shared page-locked buffer, "
-          f"{'O_DIRECT' if direct else 'buffered'}, {args.rounds} rounds interleaved; GB/s = 1e9 bytes/s")
+    print(
+        f"ours ({ours.engine}) vs DeepSpeed 0.19.8 aio_handle: {format_size(args.size)} per transfer, "
+        f"{format_size(block)} blocks, queue depth {depth}, 1 thread, one shared page-locked buffer, "
+        f"{'O_DIRECT' if direct else 'buffered'}, {args.rounds} rounds interleaved; GB/s = 1e9 bytes/s"
+    )
     print(f"{'op':<7}{'ours GB/s':>11}{'reference GB/s':>16}{'ours/reference':>16}   per-round ratios")
     for op in OPS:
         print(ratio_row(f"{op:<7}", gbps["ours", op], gbps["reference", op], (11, 16, 16)), flush=True)
@@ -84,8 +93,12 @@ def measure(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reference-python", required=True, metavar="PYTHON",
-                        help="python of a venv with deepspeed==0.19.8 and the same torch version as ours")
+    parser.add_argument(
+        "--reference-python",
+        required=True,
+        metavar="PYTHON",
+        help="python of a venv with deepspeed==0.19.8 and the same torch version as ours",
+    )
     parser.add_argument("--path", default=tempfile.gettempdir(), help="folder on the disk to measure")
     parser.add_argument("--size", default="1G", help="bytes per transfer (K/M/G suffixes; default 1G)")
     parser.add_argument("--block-size", default="1M")
@@ -96,8 +109,11 @@ def main() -> int:
     args = parser.parse_args()
     if not args.in_reference:  # re-run this script in the reference interpreter
         if not os.access(args.reference_python, os.X_OK):
-            print(f"vs_deepspeed: error: {args.reference_python} is not an executable python; create the reference "
-                  f"venv as this script's docstring says", file=sys.stderr)
+            print(
+                f"vs_deepspeed: error: {args.reference_python} is not an executable python; create the reference "
+                f"venv as this script's docstring says",
+                file=sys.stderr,
+            )
             return 1
         argv = [args.reference_python, str(Path(__file__).resolve()), *sys.argv[1:], "--in-reference"]
         return subprocess.run(argv).returncode

@@ -29,7 +29,8 @@ phase() {
   [[ $status -eq 0 ]] || failed=1
 }
 
-phase "lint (ruff)" python -m ruff check .
+lint() { python -m ruff check . && python -m ruff format --check .; }
+phase "lint (ruff check, ruff format --check)" lint
 phase "types (mypy)" python -m mypy  # deepoffload/ and op_builder/, configured in pyproject.toml
 # Two workers (pytest-xdist), each file on one of them: most slow tests wait on compilers, children and the disk,
 # so this halves the phase on two cores (measured 763 s against 1476-1735 s in one process).

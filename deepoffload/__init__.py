@@ -15,27 +15,49 @@ from .version import __version__
 
 _op_builder()  # deepoffload.op_builder, also in a bare source checkout
 
-__all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".errors": ["DeepOffloadError", "ConfigError", "ClosedError", "ChecksumError", "ValidationError",
-                "CheckpointError", "ResidencyError", "UnsupportedError", "StreamedParameterError"],
-    ".io.handle": ["AsyncIOHandle", "Request"],
-    ".pending": ["Pending"],
-    ".io.buffers": ["aligned_empty", "is_aligned", "is_pinned"],
-    ".config": ["AioConfig"],
-    ".swap.config": ["SwapConfig"],
-    ".swap.tensor_swapper": ["TensorSwapper", "SwapIn", "SwapOut"],
-    ".swap.optimizer": ["OffloadedOptimizer"],
-    ".swap.params": ["offload_parameters", "ParameterOffload", "OffloadStats", "find_blocks"],
-    ".swap.params.pretrained": ["from_pretrained"],
-    ".checkpoint.api": ["save", "save_async", "load"],
-    ".op_builder": ["BuildError"],
-}, eager=["__version__"])
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".errors": [
+            "DeepOffloadError",
+            "ConfigError",
+            "ClosedError",
+            "ChecksumError",
+            "ValidationError",
+            "CheckpointError",
+            "ResidencyError",
+            "UnsupportedError",
+            "StreamedParameterError",
+        ],
+        ".io.handle": ["AsyncIOHandle", "Request"],
+        ".pending": ["Pending"],
+        ".io.buffers": ["aligned_empty", "is_aligned", "is_pinned"],
+        ".config": ["AioConfig"],
+        ".swap.config": ["SwapConfig"],
+        ".swap.tensor_swapper": ["TensorSwapper", "SwapIn", "SwapOut"],
+        ".swap.optimizer": ["OffloadedOptimizer"],
+        ".swap.params": ["offload_parameters", "ParameterOffload", "OffloadStats", "find_blocks"],
+        ".swap.params.pretrained": ["from_pretrained"],
+        ".checkpoint.api": ["save", "save_async", "load"],
+        ".op_builder": ["BuildError"],
+    },
+    eager=["__version__"],
+)
 
 if TYPE_CHECKING:
     from .checkpoint.api import load, save, save_async
     from .config import AioConfig
-    from .errors import (CheckpointError, ChecksumError, ClosedError, ConfigError, DeepOffloadError, ResidencyError,
-                         StreamedParameterError, UnsupportedError, ValidationError)
+    from .errors import (
+        CheckpointError,
+        ChecksumError,
+        ClosedError,
+        ConfigError,
+        DeepOffloadError,
+        ResidencyError,
+        StreamedParameterError,
+        UnsupportedError,
+        ValidationError,
+    )
     from .io.buffers import aligned_empty, is_aligned, is_pinned
     from .io.handle import AsyncIOHandle, Request
     from .op_builder import BuildError

@@ -12,8 +12,9 @@ import sys
 from typing import Callable, Mapping, Sequence
 
 
-def lazy_exports(package: str, modules: Mapping[str, Sequence[str]],
-                 eager: Sequence[str] = ()) -> tuple[list[str], Callable[[str], object], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, modules: Mapping[str, Sequence[str]], eager: Sequence[str] = ()
+) -> tuple[list[str], Callable[[str], object], Callable[[], list[str]]]:
     """``(__all__, __getattr__, __dir__)`` for ``package``: ``modules`` maps a module (relative to ``package``, as
     ``".handle"``) to the names it provides; ``eager`` names are defined in the package itself. A name is imported
     on first access and then cached as a package attribute."""

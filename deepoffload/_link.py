@@ -23,12 +23,15 @@ def op_builder() -> ModuleType:
         folder = Path(__file__).resolve().parent.parent / "op_builder"
         spec = None
         if (folder / "__init__.py").is_file():
-            spec = importlib.util.spec_from_file_location(OP_BUILDER, folder / "__init__.py",
-                                                          submodule_search_locations=[str(folder)])
+            spec = importlib.util.spec_from_file_location(
+                OP_BUILDER, folder / "__init__.py", submodule_search_locations=[str(folder)]
+            )
         if spec is None or spec.loader is None:
-            raise ImportError(f"{OP_BUILDER} is not installed and there is no source checkout's op_builder/ at "
-                              f"{folder}; reinstall deepoffload (pip install deepoffload, or pip install -e . in a "
-                              f"checkout)")
+            raise ImportError(
+                f"{OP_BUILDER} is not installed and there is no source checkout's op_builder/ at "
+                f"{folder}; reinstall deepoffload (pip install deepoffload, or pip install -e . in a "
+                f"checkout)"
+            )
         module = importlib.util.module_from_spec(spec)
         sys.modules[OP_BUILDER] = module
         try:

@@ -22,9 +22,13 @@ ALIASES = {"thread_count": "intra_op_parallelism"}
 ENV_PREFIX = env.AIO_PREFIX
 
 
-UNITS = {"block_size": "bytes per IO request", "queue_depth": "requests in flight per thread",
-         "intra_op_parallelism": "threads sharing one transfer", "buffer_count": "staging buffers",
-         "chunk_bytes": "bytes of state per chunk"}
+UNITS = {
+    "block_size": "bytes per IO request",
+    "queue_depth": "requests in flight per thread",
+    "intra_op_parallelism": "threads sharing one transfer",
+    "buffer_count": "staging buffers",
+    "chunk_bytes": "bytes of state per chunk",
+}
 
 
 def _positive_int(key: str, value: Any) -> int:

@@ -56,8 +56,10 @@ class OpFileSystem(_dcp_fs.FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
         if "w" in mode or "a" in mode or "+" in mode:
             if mode not in ("wb", "w+b", "bw"):
-                raise ValueError(f"deepoffload.dcp: cannot open {path} with mode {mode!r}; only 'wb' (a new file, "
-                                 f"written front to back) is supported")
+                raise ValueError(
+                    f"deepoffload.dcp: cannot open {path} with mode {mode!r}; only 'wb' (a new file, "
+                    f"written front to back) is supported"
+                )
             # private until the save is complete; DCP fsyncs itself (sync_files)
             stream = DirectWriter(path, config=self.config, sync=False, mode=PRIVATE_MODE)
             try:
@@ -112,14 +114,19 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)
         if plan.storage_data is not None:  # each rank names its own files (no collectives): add a generation
-            plan = dataclasses.replace(plan, storage_data=_dcp_fs._StoragePrefix(
-                f"{plan.storage_data.prefix}{new_generation()}_"))
+            plan = dataclasses.replace(
+                plan, storage_data=_dcp_fs._StoragePrefix(f"{plan.storage_data.prefix}{new_generation()}_")
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         generation = new_generation()  # one for the whole save, chosen by the coordinator
-        return [dataclasses.replace(plan, storage_data=_dcp_fs._StoragePrefix(f"__{i}_{generation}_"))
-                if plan.storage_data is None else plan for i, plan in enumerate(plans)]
+        return [
+            dataclasses.replace(plan, storage_data=_dcp_fs._StoragePrefix(f"__{i}_{generation}_"))
+            if plan.storage_data is None
+            else plan
+            for i, plan in enumerate(plans)
+        ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         folder = Path(self.path)

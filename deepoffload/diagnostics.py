@@ -22,6 +22,7 @@ from .version import __version__
 
 CANNOT_CREATE = "cannot create a file there"
 
+
 # -- gathering ----------------------------------------------------------------------------------------------------
 def _first_line(cmd: list[str], any_status: bool = False) -> str | None:
     try:
@@ -107,8 +108,10 @@ def op_status(builder, results: dict) -> dict:
         except OSError:
             directory = None
     if prebuilt is not None and not builder.prebuilt_matches(prebuilt):
-        row["prebuilt_mismatch"] = (f"the prebuilt op was built for torch {prebuilt.get('torch')} "
-                                    f"({prebuilt.get('python')}); it will be built just in time instead")
+        row["prebuilt_mismatch"] = (
+            f"the prebuilt op was built for torch {prebuilt.get('torch')} "
+            f"({prebuilt.get('python')}); it will be built just in time instead"
+        )
     if builder.prebuilt_matches(prebuilt):
         row["built"] = "prebuilt"
     elif directory is not None:
@@ -199,16 +202,21 @@ def path_status(path: str) -> dict:
         return row
     usage = shutil.disk_usage(p)
     fstype, mount = filesystem(p)
-    row.update(free_bytes=usage.free, total_bytes=usage.total, filesystem=fstype, mount=mount,
-               writable=os.access(p, os.W_OK))
+    row.update(
+        free_bytes=usage.free, total_bytes=usage.total, filesystem=fstype, mount=mount, writable=os.access(p, os.W_OK)
+    )
     if row["writable"]:
         direct = direct_io(p)
         row.update(direct_io=direct.works, alignment=direct.alignment, direct_io_reason=direct.reason)
         if direct.reason.startswith(CANNOT_CREATE):
             row.update(writable=False, error=f"not a folder deepoffload can use ({fstype} filesystem): {direct.reason}")
     else:
-        row.update(direct_io=None, alignment=None, direct_io_reason="folder is not writable",
-                   error="not writable by this user: swap files cannot be created there")
+        row.update(
+            direct_io=None,
+            alignment=None,
+            direct_io_reason="folder is not writable",
+            error="not writable by this user: swap files cannot be created there",
+        )
     return row
 
 

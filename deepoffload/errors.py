@@ -72,5 +72,15 @@ def naming_target(error: OSError, target: str) -> OSError:
     return OSError(error.errno, f"cannot save {target}: {detail}", target)
 
 
-__all__ = ["BenchError", "CheckpointError", "ChecksumError", "ClosedError", "ConfigError", "DeepOffloadError",
-           "ResidencyError", "StreamedParameterError", "UnsupportedError", "ValidationError"]
+__all__ = [
+    "BenchError",
+    "CheckpointError",
+    "ChecksumError",
+    "ClosedError",
+    "ConfigError",
+    "DeepOffloadError",
+    "ResidencyError",
+    "StreamedParameterError",
+    "UnsupportedError",
+    "ValidationError",
+]

@@ -46,8 +46,7 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    generators = {"api": api_markdown, "cli": cli_markdown, "config": config_markdown,
-                  "residency": residency_markdown}
+    generators = {"api": api_markdown, "cli": cli_markdown, "config": config_markdown, "residency": residency_markdown}
     for name, make in generators.items():
         marker = f"<!-- generated: {name} -->"
         if marker in markdown:
@@ -145,8 +144,9 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 
 def config_markdown() -> str:
-    from deepoffload.config import ALIASES, AioConfig
     from deepoffload.op_builder import env
+
+    from deepoffload.config import ALIASES, AioConfig
     from deepoffload.swap.config import SWAP_ALIASES, SwapConfig
 
     def rows(cls, aliases, skip=()):
@@ -162,20 +162,31 @@ def config_markdown() -> str:
         return out
 
     aio_rows = rows(AioConfig, ALIASES)
-    env_rows = [(f"`{v.name}`", v.kind, f"`{v.default!r}`" if v.default not in (None, "") else "unset", v.meaning)
-                for v in env.VARIABLES.values()]
-    env_rows += [(f"`{env.AIO_PREFIX}{key.upper()}`", "config value", f"`{getattr(AioConfig(), key)!r}`",
-                  f"overrides the `{key}` key") for key in AioConfig.keys()]
-    return "\n".join([
-        "## Async-IO keys (`deepoffload.AioConfig`)\n",
-        _table(("key", "default", "meaning"), aio_rows),
-        "## Swapping keys (`deepoffload.SwapConfig`)\n",
-        "These take the async-IO keys above too, at top level or in an `aio` section.\n",
-        _table(("key", "default", "meaning"), rows(SwapConfig, SWAP_ALIASES, skip=("aio",))),
-        "## Environment variables\n",
-        "Every variable deepoffload reads (the table in `op_builder/env.py`, read through one parser).\n",
-        _table(("variable", "kind", "default", "meaning"), env_rows),
-    ])
+    env_rows = [
+        (f"`{v.name}`", v.kind, f"`{v.default!r}`" if v.default not in (None, "") else "unset", v.meaning)
+        for v in env.VARIABLES.values()
+    ]
+    env_rows += [
+        (
+            f"`{env.AIO_PREFIX}{key.upper()}`",
+            "config value",
+            f"`{getattr(AioConfig(), key)!r}`",
+            f"overrides the `{key}` key",
+        )
+        for key in AioConfig.keys()
+    ]
+    return "\n".join(
+        [
+            "## Async-IO keys (`deepoffload.AioConfig`)\n",
+            _table(("key", "default", "meaning"), aio_rows),
+            "## Swapping keys (`deepoffload.SwapConfig`)\n",
+            "These take the async-IO keys above too, at top level or in an `aio` section.\n",
+            _table(("key", "default", "meaning"), rows(SwapConfig, SWAP_ALIASES, skip=("aio",))),
+            "## Environment variables\n",
+            "Every variable deepoffload reads (the table in `op_builder/env.py`, read through one parser).\n",
+            _table(("variable", "kind", "default", "meaning"), env_rows),
+        ]
+    )
 
 
 def residency_markdown() -> str:
@@ -190,6 +201,12 @@ def residency_markdown() -> str:
             lines.append(f"    {source.name} --> {target.name}")
     lines.append(f"    {Residency.RESTORED.name} --> [*]")
     lines.append("```")
-    rows = [(f"`{r.name}`", r.value, ", ".join(f"`{t.name}`" for t in sorted(transitions[r], key=list(Residency).index))
-             or "(final)") for r in Residency]
+    rows = [
+        (
+            f"`{r.name}`",
+            r.value,
+            ", ".join(f"`{t.name}`" for t in sorted(transitions[r], key=list(Residency).index)) or "(final)",
+        )
+        for r in Residency
+    ]
     return "\n".join(lines) + "\n\n" + _table(("state", "meaning", "may move to"), rows)

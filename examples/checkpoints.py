@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         model, opt, state = training_state(args.width)
 
         # --8<-- [start:save]
-        deepoffload.save(state, f"{folder}/ckpt.pt")                  # instead of torch.save: the same bytes
-        loaded = deepoffload.load(f"{folder}/ckpt.pt", map_location="cpu")   # instead of torch.load
+        deepoffload.save(state, f"{folder}/ckpt.pt")  # instead of torch.save: the same bytes
+        loaded = deepoffload.load(f"{folder}/ckpt.pt", map_location="cpu")  # instead of torch.load
 
         future = deepoffload.save_async(state, f"{folder}/ckpt.pt")  # returns once the state is copied
         # ... train on meanwhile: the state may change now ...
-        future.result()                                               # the path, or the write's OSError
+        future.result()  # the path, or the write's OSError
         # --8<-- [end:save]
         checks["save/load round trip"] = equal(loaded, state)
         checks["torch.load reads save's file"] = equal(torch.load(f"{folder}/ckpt.pt", weights_only=False), state)
@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from deepoffload.formats import CheckpointReader, load_file, save_sharded
 
         save_sharded(model.state_dict().items(), f"{folder}/model", max_shard_bytes=model[0].weight.nbytes)
-        weights = load_file(f"{folder}/model")                        # every tensor, as a dict
-        with CheckpointReader(f"{folder}/model") as reader:           # headers validated, nothing read yet
-            reader.check(model.state_dict())                          # names and shapes, one error listing all
-            first = reader.read(["0.weight", "0.bias"], dtype=torch.bfloat16)   # only these are read
+        weights = load_file(f"{folder}/model")  # every tensor, as a dict
+        with CheckpointReader(f"{folder}/model") as reader:  # headers validated, nothing read yet
+            reader.check(model.state_dict())  # names and shapes, one error listing all
+            first = reader.read(["0.weight", "0.bias"], dtype=torch.bfloat16)  # only these are read
         # --8<-- [end:safetensors]
         checks["safetensors shards"] = equal(weights, model.state_dict())
         checks["read with dtype"] = equal(first["0.weight"], model[0].weight.detach().to(torch.bfloat16))

@@ -26,8 +26,16 @@ def single_process_environment() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_SIZE": "1",
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+    }.items():
         os.environ.setdefault(key, value)
 
 
@@ -40,10 +48,19 @@ def config(folder: str | None) -> dict:
     zero: dict = {"stage": 3}
     if folder is not None:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder, "pin_memory": True, "buffer_count": 4}
-    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
-            "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
-                    "overlap_events": True},
-            "zero_force_ds_cpu_optimizer": False, "steps_per_print": 1000}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": zero,
+        "aio": {
+            "block_size": 1 << 20,
+            "queue_depth": 8,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        },
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1000,
+    }
 
 
 def train(folder: str | None, width: int, steps: int) -> list[float]:
@@ -78,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepoffload.integrations.deepspeed as dso
 
-    dso.enable()        # DeepSpeed's swappers and fast checkpoint writer now run on deepoffload's op
+    dso.enable()  # DeepSpeed's swappers and fast checkpoint writer now run on deepoffload's op
     # --8<-- [end:quickstart]
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         # one CPU process: gloo alone communicates; DeepSpeed's CPU backend would build a shared-memory op for it

@@ -23,8 +23,15 @@ def write_tiny_model(folder: str) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
@@ -48,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(args.model)
-        with accelerate.init_empty_weights():          # parameters on "meta": no memory used
+        with accelerate.init_empty_weights():  # parameters on "meta": no memory used
             model = transformers.AutoModelForCausalLM.from_config(config)
-        off = deepoffload.offload_parameters(model, folder, checkpoint=args.model)   # block by block to storage
+        off = deepoffload.offload_parameters(model, folder, checkpoint=args.model)  # block by block to storage
         model.eval()
         # --8<-- [end:quickstart]
         if args.prompt:
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
         print(tokenizer.decode(out[0]) if args.prompt else f"generated ids: {out[0].tolist()}")
         print(f"streamed: {off.stats}")
-        off.close(restore=False)                        # nothing was trained: drop the swap files
+        off.close(restore=False)  # nothing was trained: drop the swap files
         if not args.tiny:
             return 0
         reference = transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()

@@ -17,8 +17,13 @@ import deepoffload
 
 def make_model(width: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-                               torch.nn.GELU(), torch.nn.Linear(width, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, 1),
+    )
 
 
 def batches(steps: int, width: int):
@@ -52,38 +57,40 @@ def main(argv: list[str] | None = None) -> int:
         folder = args.folder or scratch
         # --8<-- [start:quickstart]
         model = make_model(args.width)
-        opt = deepoffload.OffloadedOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3,
-                                             config=deepoffload.SwapConfig(folder=folder))
+        opt = deepoffload.OffloadedOptimizer(
+            torch.optim.AdamW, model.parameters(), lr=1e-3, config=deepoffload.SwapConfig(folder=folder)
+        )
         sched = torch.optim.lr_scheduler.StepLR(opt, 10)
         losses = train(model, opt, sched, batches(args.steps, args.width))  # each step reads, steps, writes back
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
-        deepoffload.save(state, f"{scratch}/ckpt.pt")   # opt.state_dict() holds the real state, read from storage
+        deepoffload.save(state, f"{scratch}/ckpt.pt")  # opt.state_dict() holds the real state, read from storage
         print(f"{opt.stored_bytes():,} bytes of optimizer state on storage")
-        opt.close()                                     # removes its swap files
+        opt.close()  # removes its swap files
         # --8<-- [end:quickstart]
 
         reference = make_model(args.width)
         plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         plain_sched = torch.optim.lr_scheduler.StepLR(plain, 10)
         expected = train(reference, plain, plain_sched, batches(args.steps, args.width))
-        same = losses == expected and all(torch.equal(a, b) for a, b in zip(model.parameters(),
-                                                                               reference.parameters()))
+        same = losses == expected and all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
         print(f"losses and parameters identical to training in memory: {'yes' if same else 'NO'}")
 
         # resume: load_state_dict writes the checkpoint's state back to storage
         state = deepoffload.load(f"{scratch}/ckpt.pt")
         resumed = make_model(args.width)
         resumed.load_state_dict(state["model"])
-        opt = deepoffload.OffloadedOptimizer(torch.optim.AdamW, resumed.parameters(), lr=1e-3,
-                                             config=deepoffload.SwapConfig(folder=folder))
+        opt = deepoffload.OffloadedOptimizer(
+            torch.optim.AdamW, resumed.parameters(), lr=1e-3, config=deepoffload.SwapConfig(folder=folder)
+        )
         opt.load_state_dict(state["optimizer"])
         sched = torch.optim.lr_scheduler.StepLR(opt, 10)
         sched.load_state_dict(state["scheduler"])
         more = train(resumed, opt, sched, batches(2, args.width))
         opt.close()
         more_expected = train(reference, plain, plain_sched, batches(2, args.width))
-        resumed_same = more == more_expected and all(torch.equal(a, b) for a, b in zip(resumed.parameters(),
-                                                                                        reference.parameters()))
+        resumed_same = more == more_expected and all(
+            torch.equal(a, b) for a, b in zip(resumed.parameters(), reference.parameters())
+        )
         print(f"resumed training identical to continuing in memory: {'yes' if resumed_same else 'NO'}")
     return 0 if same and resumed_same else 1
 

@@ -21,9 +21,15 @@ def make_model(layers: int, hidden: int):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -41,6 +47,7 @@ def streamed_trainer_class():
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
             pass
+
     # --8<-- [end:resume]
     return StreamedTrainer
 
@@ -49,8 +56,9 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def run(output_dir: str, swap_folder: str | None, steps: int, layers: int, hidden: int,
-        resume: str | None = None) -> list[torch.Tensor]:
+def run(
+    output_dir: str, swap_folder: str | None, steps: int, layers: int, hidden: int, resume: str | None = None
+) -> list[torch.Tensor]:
     """Train with the Trainer (streamed when ``swap_folder`` is given) and return the final parameters."""
     import transformers
 
@@ -58,12 +66,22 @@ def run(output_dir: str, swap_folder: str | None, steps: int, layers: int, hidde
     StreamedTrainer = streamed_trainer_class()
     # --8<-- [start:trainer]
     args = transformers.TrainingArguments(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, save_strategy="steps",
-        save_steps=steps // 2, max_grad_norm=0,   # streamed blocks: the Trainer cannot clip them (see the guide)
-        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        save_strategy="steps",
+        save_steps=steps // 2,
+        max_grad_norm=0,  # streamed blocks: the Trainer cannot clip them (see the guide)
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     if swap_folder is None:
-        trainer = transformers.Trainer(model, args, train_dataset=dataset(), optimizers=(adamw(model.parameters()),
-                                                                                         None))
+        trainer = transformers.Trainer(
+            model, args, train_dataset=dataset(), optimizers=(adamw(model.parameters()), None)
+        )
         trainer.train(resume_from_checkpoint=resume)
         return [p.detach().clone() for p in model.parameters()]
     # resuming: the checkpoint's weights are loaded block by block by offload_parameters(checkpoint=...), since
@@ -72,7 +90,7 @@ def run(output_dir: str, swap_folder: str | None, steps: int, layers: int, hidde
         trainer = StreamedTrainer(model, args, train_dataset=dataset(), **trainer_arguments(off))
         trainer.train(resume_from_checkpoint=resume)
     # --8<-- [end:trainer]
-    return [p.detach().clone() for p in model.parameters()]   # closing read the trained weights back
+    return [p.detach().clone() for p in model.parameters()]  # closing read the trained weights back
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     same = all(torch.equal(a, b) for a, b in zip(streamed, memory))
     same_resumed = all(torch.equal(a, b) for a, b in zip(resumed, streamed))
     print(f"streamed Trainer identical to the Trainer in memory: {'yes' if same else 'NO'}")
-    print(f"resumed from {half.rsplit('/', 1)[-1]}, identical to the uninterrupted run: "
-          f"{'yes' if same_resumed else 'NO'}")
+    print(
+        f"resumed from {half.rsplit('/', 1)[-1]}, identical to the uninterrupted run: {'yes' if same_resumed else 'NO'}"
+    )
     return 0 if same and same_resumed else 1
 
 

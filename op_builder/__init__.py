@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "AsyncIOBuilder": ".async_io",
-    "BuildError": ".builder", "OpBuilder": ".builder",
-    "Probe": ".probes", "ProbeResult": ".probes",
+    "BuildError": ".builder",
+    "OpBuilder": ".builder",
+    "Probe": ".probes",
+    "ProbeResult": ".probes",
     "Toolchain": ".toolchain",
 }
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe",
-           "ProbeResult", "Toolchain"]
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "BuildError", "OpBuilder", "Probe", "ProbeResult", "Toolchain"]
+
 
 def __getattr__(name: str) -> Any:
     if name == "ALL_OPS":

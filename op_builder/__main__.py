@@ -37,8 +37,11 @@ def _flags(args: argparse.Namespace) -> int:
         print(f"no working C++ compiler: {results[CXX_PROBE.name].reason}", file=sys.stderr)
         return 1
     cflags, ldflags = builder.build_flags(results)
-    parts = {"cflags": shlex.join(cflags), "ldflags": shlex.join(ldflags),
-             "engines": " ".join(builder.engines(results))}
+    parts = {
+        "cflags": shlex.join(cflags),
+        "ldflags": shlex.join(ldflags),
+        "engines": " ".join(builder.engines(results)),
+    }
     chosen = [key for key in parts if getattr(args, key)]
     if len(chosen) == 1:
         print(parts[chosen[0]])
@@ -56,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     flags.add_argument("--ldflags", action="store_true", help="print the link flags")
     flags.add_argument("--engines", action="store_true", help="print the engines such a build contains, best first")
     flags.add_argument("--warnings", action="store_true", help="print only the warning flags (no probing)")
-    flags.add_argument("--without", action="append", default=[], metavar="PROBE",
-                       help="treat this probe as failed (repeatable): libaio, io_pgetevents, liburing")
+    flags.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        metavar="PROBE",
+        help="treat this probe as failed (repeatable): libaio, io_pgetevents, liburing",
+    )
     args = parser.parse_args(argv)
     return _flags(args)
 

@@ -15,17 +15,26 @@ from .builder import CXX_PROBE, OpBuilder
 from .probes import Probe, ProbeResult, function_probe
 
 LIBAIO_PROBE = function_probe(
-    "libaio", "libaio.h",
+    "libaio",
+    "libaio.h",
     "io_context_t ctx = 0; struct iocb cb; struct iocb* cbs[1] = {&cb}; (void)io_submit(ctx, 1, cbs);",
-    ("aio",), "libaio (libaio.h, io_submit)")
+    ("aio",),
+    "libaio (libaio.h, io_submit)",
+)
 PGETEVENTS_PROBE = function_probe(
-    "io_pgetevents", "libaio.h",
+    "io_pgetevents",
+    "libaio.h",
     "io_context_t ctx = 0; struct io_event ev; (void)io_pgetevents(ctx, 1, 1, &ev, nullptr, nullptr);",
-    ("aio",), "io_pgetevents (libaio >= 0.3.112)")
+    ("aio",),
+    "io_pgetevents (libaio >= 0.3.112)",
+)
 URING_PROBE = function_probe(
-    "liburing", "liburing.h",
+    "liburing",
+    "liburing.h",
     "struct io_uring ring; (void)io_uring_queue_init(8, &ring, 0);",
-    ("uring",), "liburing (liburing.h, io_uring_queue_init)")
+    ("uring",),
+    "liburing (liburing.h, io_uring_queue_init)",
+)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ DEFAULT_BUILD_SECONDS = 20
 # The warnings of every build of the core (the JIT build, the prebuilt op, tests/native): it is clean under them.
 WARNING_FLAGS = ("-Wall", "-Wextra")
 
-CXX_PROBE = function_probe("cxx", "cstdio", "std::puts(\"\");", description="a working C++ compiler")
+CXX_PROBE = function_probe("cxx", "cstdio", 'std::puts("");', description="a working C++ compiler")
 
 _loaded: dict[str, ModuleType] = {}
 _load_lock = threading.Lock()
@@ -73,8 +73,7 @@ def package_version() -> str:
             continue
         if match:
             return match.group(1)
-    raise BuildError("deepoffload", [f"deepoffload's version.py was not found beside {HERE}"],
-                     "reinstall deepoffload")
+    raise BuildError("deepoffload", [f"deepoffload's version.py was not found beside {HERE}"], "reinstall deepoffload")
 
 
 def warn_once(key: str, message: str) -> None:
@@ -166,8 +165,15 @@ class OpBuilder:
         """A hash of everything that changes the binary: package, torch and Python versions, compiler, flags and
         the sources' bytes."""
         h = hashlib.sha256()
-        for part in (package_version(), torch_version(), python_abi(), self.toolchain.identity(), *cflags, "|",
-                     *ldflags):
+        for part in (
+            package_version(),
+            torch_version(),
+            python_abi(),
+            self.toolchain.identity(),
+            *cflags,
+            "|",
+            *ldflags,
+        ):
             h.update(part.encode() + b"\0")
         for src in sorted(self.all_source_files()):
             h.update(src.name.encode() + b"\0" + src.read_bytes())
@@ -230,17 +236,21 @@ class OpBuilder:
         if info is None:
             return None
         if not self.prebuilt_matches(info):
-            warn_once(f"prebuilt-{self.NAME}",
-                      f"deepoffload: the prebuilt {self.NAME} op was built for torch {info.get('torch')} "
-                      f"({info.get('python')}), this is torch {torch_version()} ({python_abi()}); "
-                      f"building it just in time instead")
+            warn_once(
+                f"prebuilt-{self.NAME}",
+                f"deepoffload: the prebuilt {self.NAME} op was built for torch {info.get('torch')} "
+                f"({info.get('python')}), this is torch {torch_version()} ({python_abi()}); "
+                f"building it just in time instead",
+            )
             return None
         try:
             library = Path(info["folder"]) / f"{self.MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
             return _import_extension(f"{PREBUILT_PACKAGE}.{self.MODULE}", library)
         except ImportError as e:
-            warn_once(f"prebuilt-{self.NAME}",
-                      f"deepoffload: the prebuilt {self.NAME} op does not load ({e}); building it just in time")
+            warn_once(
+                f"prebuilt-{self.NAME}",
+                f"deepoffload: the prebuilt {self.NAME} op does not load ({e}); building it just in time",
+            )
             return None
 
     def jit_load(self, verbose: bool = False) -> ModuleType:
@@ -257,8 +267,11 @@ class OpBuilder:
             return module
 
         def say_waiting() -> None:
-            print(f"deepoffload: waiting for another process that is building the {self.NAME} op in {directory}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"deepoffload: waiting for another process that is building the {self.NAME} op in {directory}",
+                file=sys.stderr,
+                flush=True,
+            )
 
         with exclusive_lock(directory.parent / f"{directory.name}.lock", on_wait=say_waiting):
             module = self._load_finished(directory)
@@ -288,8 +301,11 @@ class OpBuilder:
                 return _import_extension(self.MODULE, library)
         except (OSError, ValueError, KeyError, ImportError) as e:
             problem = f"it does not load: {e}"
-        warnings.warn(f"deepoffload: discarding the cached {self.NAME} build in {directory}: {problem}; "
-                      f"rebuilding", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"deepoffload: discarding the cached {self.NAME} build in {directory}: {problem}; rebuilding",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         record_path.unlink(missing_ok=True)
         return None
 
@@ -300,8 +316,12 @@ class OpBuilder:
             shutil.rmtree(directory)  # leftovers of a killed or failed build, torch's stale 'lock' file included
         directory.mkdir(parents=True)
         expected = _expected_build_seconds()
-        print(f"deepoffload: building the {self.NAME} op (first use for this torch and compiler; usually about "
-              f"{expected} s) in {directory}", file=sys.stderr, flush=True)
+        print(
+            f"deepoffload: building the {self.NAME} op (first use for this torch and compiler; usually about "
+            f"{expected} s) in {directory}",
+            file=sys.stderr,
+            flush=True,
+        )
         start = time.monotonic()
         env_before = os.environ.get("CXX")
         if self.toolchain.compiler and not self.toolchain.is_windows:
@@ -326,10 +346,19 @@ class OpBuilder:
                 os.environ["CXX"] = env_before
         seconds = time.monotonic() - start
         library = Path(module.__file__)
-        atomic_write_text(directory / "ready.json", json.dumps({
-            "library": library.name, "sha256": _sha256(library), "seconds": round(seconds, 1),
-            "cflags": cflags, "ldflags": ldflags,
-        }, indent=1))
+        atomic_write_text(
+            directory / "ready.json",
+            json.dumps(
+                {
+                    "library": library.name,
+                    "sha256": _sha256(library),
+                    "seconds": round(seconds, 1),
+                    "cflags": cflags,
+                    "ldflags": ldflags,
+                },
+                indent=1,
+            ),
+        )
         _record_build_seconds(seconds)
         return module
 
@@ -388,5 +417,7 @@ def build_hint(lines: list[str], platform: str = sys.platform) -> str:
         return "pip install ninja"
     if "python.h" in text:
         return "install the Python development headers (apt-get install python3-dev)"
-    return (f"check the compiler ({install_hint('cxx', platform)}); set CXX to choose another; "
-            f"run `deepoffload report` for what was found")
+    return (
+        f"check the compiler ({install_hint('cxx', platform)}); set CXX to choose another; "
+        f"run `deepoffload report` for what was found"
+    )

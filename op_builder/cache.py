@@ -72,8 +72,11 @@ def exclusive_lock(path: Path, on_wait=None) -> Iterator[None]:
 @contextlib.contextmanager
 def _windows_lock(path: Path, on_wait) -> Iterator[None]:
     if sys.platform != "win32":  # also tells mypy, which checks for the platform it runs on, that msvcrt is there
-        raise OSError(errno.ENOTSUP, f"the msvcrt lock is Windows' only, this is {sys.platform} (exclusive_lock "
-                      f"uses flock here)", str(path))
+        raise OSError(
+            errno.ENOTSUP,
+            f"the msvcrt lock is Windows' only, this is {sys.platform} (exclusive_lock uses flock here)",
+            str(path),
+        )
     import msvcrt
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -36,32 +36,50 @@ class Variable:
     meaning: str
 
 
-VARIABLES: dict[str, Variable] = {v.name: v for v in (
-    Variable("DEEPOFFLOAD_BUILD_OPS", "flag", False, "setup.py: prebuild every op into the package"),
-    Variable("DEEPOFFLOAD_BUILD_AIO", "flag", False, "setup.py: prebuild the async-IO op into the package"),
-    Variable("DEEPOFFLOAD_CACHE_DIR", "path", None, "probe results and just-in-time builds "
-             "(default $XDG_CACHE_HOME/deepoffload, else ~/.cache/deepoffload)"),
-    Variable("XDG_CACHE_HOME", "path", None, "the user's cache folder, when DEEPOFFLOAD_CACHE_DIR is unset"),
-    Variable("DEEPOFFLOAD_SANITIZE", "text", "", "build the op with these sanitizers (-fsanitize=, e.g. address)"),
-    Variable("RANK", "int", 0, "this process's rank (set by torchrun) when torch.distributed is not initialised"),
-    Variable("DEEPOFFLOAD_DEEPSPEED", "text", "", "1: a Python process calls deepoffload.integrations.deepspeed."
-             "enable() once it imports deepspeed (the installed deepoffload-deepspeed.pth reads it; enable() sets "
-             "it for child processes)"),
-    Variable("NO_COLOR", "text", "", "any value: command output has no colours"),
-    # the compiler and flags the probes and builds share (read together by op_builder.toolchain)
-    Variable("CXX", "text", "", "the C++ compiler (default c++, cl on Windows)"),
-    Variable("CPPFLAGS", "text", "", "C preprocessor flags for probes and builds"),
-    Variable("CFLAGS", "text", "", "compiler flags for probes and builds"),
-    Variable("CXXFLAGS", "text", "", "C++ compiler flags for probes and builds"),
-    Variable("LDFLAGS", "text", "", "linker flags for probes and builds (-L folders are also used for rpaths)"),
-    Variable("CPATH", "text", "", "extra include folders (read by the compiler itself)"),
-    Variable("LIBRARY_PATH", "text", "", "extra library folders (read by the compiler; also used for rpaths)"),
-    Variable("CONDA_PREFIX", "path", None, "an active conda environment: its include/ and lib/ are used"),
-    # torch's own, read as torch.load reads them so deepoffload.load resolves weights_only as torch.load does
-    Variable("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "text", "0", "torch.load's: weights_only=True forced (1, y, yes, true)"),
-    Variable("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "text", "0",
-             "torch.load's: weights_only=False unless asked for (1, y, yes, true)"),
-)}
+VARIABLES: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable("DEEPOFFLOAD_BUILD_OPS", "flag", False, "setup.py: prebuild every op into the package"),
+        Variable("DEEPOFFLOAD_BUILD_AIO", "flag", False, "setup.py: prebuild the async-IO op into the package"),
+        Variable(
+            "DEEPOFFLOAD_CACHE_DIR",
+            "path",
+            None,
+            "probe results and just-in-time builds (default $XDG_CACHE_HOME/deepoffload, else ~/.cache/deepoffload)",
+        ),
+        Variable("XDG_CACHE_HOME", "path", None, "the user's cache folder, when DEEPOFFLOAD_CACHE_DIR is unset"),
+        Variable("DEEPOFFLOAD_SANITIZE", "text", "", "build the op with these sanitizers (-fsanitize=, e.g. address)"),
+        Variable("RANK", "int", 0, "this process's rank (set by torchrun) when torch.distributed is not initialised"),
+        Variable(
+            "DEEPOFFLOAD_DEEPSPEED",
+            "text",
+            "",
+            "1: a Python process calls deepoffload.integrations.deepspeed."
+            "enable() once it imports deepspeed (the installed deepoffload-deepspeed.pth reads it; enable() sets "
+            "it for child processes)",
+        ),
+        Variable("NO_COLOR", "text", "", "any value: command output has no colours"),
+        # the compiler and flags the probes and builds share (read together by op_builder.toolchain)
+        Variable("CXX", "text", "", "the C++ compiler (default c++, cl on Windows)"),
+        Variable("CPPFLAGS", "text", "", "C preprocessor flags for probes and builds"),
+        Variable("CFLAGS", "text", "", "compiler flags for probes and builds"),
+        Variable("CXXFLAGS", "text", "", "C++ compiler flags for probes and builds"),
+        Variable("LDFLAGS", "text", "", "linker flags for probes and builds (-L folders are also used for rpaths)"),
+        Variable("CPATH", "text", "", "extra include folders (read by the compiler itself)"),
+        Variable("LIBRARY_PATH", "text", "", "extra library folders (read by the compiler; also used for rpaths)"),
+        Variable("CONDA_PREFIX", "path", None, "an active conda environment: its include/ and lib/ are used"),
+        # torch's own, read as torch.load reads them so deepoffload.load resolves weights_only as torch.load does
+        Variable(
+            "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "text", "0", "torch.load's: weights_only=True forced (1, y, yes, true)"
+        ),
+        Variable(
+            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",
+            "text",
+            "0",
+            "torch.load's: weights_only=False unless asked for (1, y, yes, true)",
+        ),
+    )
+}
 TOOLCHAIN = ("CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "CPATH", "LIBRARY_PATH", "CONDA_PREFIX")
 
 # DEEPOFFLOAD_AIO_<KEY> sets an async-IO config key; deepoffload.config lists the keys and parses them by their type

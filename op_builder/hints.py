@@ -9,14 +9,38 @@ from . import env
 
 # what provides each capability, per package manager
 PACKAGES = {
-    "cxx": {"apt": "g++", "dnf": "gcc-c++", "yum": "gcc-c++", "pacman": "gcc", "zypper": "gcc-c++",
-            "conda": "cxx-compiler"},
-    "libaio": {"apt": "libaio-dev", "dnf": "libaio-devel", "yum": "libaio-devel", "pacman": "libaio",
-               "zypper": "libaio-devel", "conda": "libaio"},
-    "io_pgetevents": {"apt": "libaio-dev", "dnf": "libaio-devel", "yum": "libaio-devel", "pacman": "libaio",
-                      "zypper": "libaio-devel", "conda": "libaio"},
-    "liburing": {"apt": "liburing-dev", "dnf": "liburing-devel", "yum": "liburing-devel", "pacman": "liburing",
-                 "zypper": "liburing-devel", "conda": "liburing"},
+    "cxx": {
+        "apt": "g++",
+        "dnf": "gcc-c++",
+        "yum": "gcc-c++",
+        "pacman": "gcc",
+        "zypper": "gcc-c++",
+        "conda": "cxx-compiler",
+    },
+    "libaio": {
+        "apt": "libaio-dev",
+        "dnf": "libaio-devel",
+        "yum": "libaio-devel",
+        "pacman": "libaio",
+        "zypper": "libaio-devel",
+        "conda": "libaio",
+    },
+    "io_pgetevents": {
+        "apt": "libaio-dev",
+        "dnf": "libaio-devel",
+        "yum": "libaio-devel",
+        "pacman": "libaio",
+        "zypper": "libaio-devel",
+        "conda": "libaio",
+    },
+    "liburing": {
+        "apt": "liburing-dev",
+        "dnf": "liburing-devel",
+        "yum": "liburing-devel",
+        "pacman": "liburing",
+        "zypper": "liburing-devel",
+        "conda": "liburing",
+    },
 }
 COMMANDS = {
     "apt": "apt-get install {pkg}",
@@ -31,10 +55,14 @@ NOTES = {
     "liburing": "optional: the io_uring engine; libaio and posix engines work without it",
     "libaio": "optional: the libaio engine; the posix engine works without it",
 }
-WINDOWS_CXX = ("install Visual Studio Build Tools (the 'Desktop development with C++' workload) and run from a "
-               "'x64 Native Tools' prompt; pip install ninja")
-FLAGS_HINT = ("if it is installed outside the system paths, set CFLAGS=-I<prefix>/include and "
-              "LDFLAGS=-L<prefix>/lib (or CPATH and LIBRARY_PATH)")
+WINDOWS_CXX = (
+    "install Visual Studio Build Tools (the 'Desktop development with C++' workload) and run from a "
+    "'x64 Native Tools' prompt; pip install ninja"
+)
+FLAGS_HINT = (
+    "if it is installed outside the system paths, set CFLAGS=-I<prefix>/include and "
+    "LDFLAGS=-L<prefix>/lib (or CPATH and LIBRARY_PATH)"
+)
 
 
 def package_manager(os_release: Path = Path("/etc/os-release"), environ: dict | None = None) -> str:
@@ -42,14 +70,16 @@ def package_manager(os_release: Path = Path("/etc/os-release"), environ: dict | 
     if env.get("CONDA_PREFIX", environ) is not None:
         return "conda"
     try:
-        fields = dict(
-            line.split("=", 1) for line in os_release.read_text().splitlines() if "=" in line
-        )
+        fields = dict(line.split("=", 1) for line in os_release.read_text().splitlines() if "=" in line)
     except OSError:
         return "apt"
     ids = " ".join(fields.get(k, "").strip('"').lower() for k in ("ID", "ID_LIKE"))
-    for words, manager in ((("debian", "ubuntu"), "apt"), (("fedora", "rhel", "centos"), "dnf"),
-                           (("arch",), "pacman"), (("suse",), "zypper")):
+    for words, manager in (
+        (("debian", "ubuntu"), "apt"),
+        (("fedora", "rhel", "centos"), "dnf"),
+        (("arch",), "pacman"),
+        (("suse",), "zypper"),
+    ):
         if any(w in ids for w in words):
             return manager
     return "apt"

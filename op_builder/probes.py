@@ -76,11 +76,25 @@ def run_probe(probe: Probe, toolchain: Toolchain) -> ProbeResult:
         src.write_text(probe.source)
         out = Path(tmp) / "probe"
         if toolchain.is_windows:  # MSVC: /Fe names the executable, libraries follow /link
-            cmd = [*toolchain.compiler.split(), *toolchain.cflags, str(src), f"/Fe{out}.exe", "/link",
-                   *toolchain.ldflags, *(f"{lib}.lib" for lib in probe.libraries)]
+            cmd = [
+                *toolchain.compiler.split(),
+                *toolchain.cflags,
+                str(src),
+                f"/Fe{out}.exe",
+                "/link",
+                *toolchain.ldflags,
+                *(f"{lib}.lib" for lib in probe.libraries),
+            ]
         else:
-            cmd = [*toolchain.compiler.split(), *toolchain.cflags, str(src), "-o", str(out), *toolchain.ldflags,
-                   *(f"-l{lib}" for lib in probe.libraries)]
+            cmd = [
+                *toolchain.compiler.split(),
+                *toolchain.cflags,
+                str(src),
+                "-o",
+                str(out),
+                *toolchain.ldflags,
+                *(f"-l{lib}" for lib in probe.libraries),
+            ]
         env = dict(os.environ)
         env.update(toolchain.env)
         try:

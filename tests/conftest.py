@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-os.environ.setdefault("DEEPOFFLOAD_CACHE_DIR",
-                      str(Path(tempfile.gettempdir()) / f"deepoffload-test-cache-{os.getuid()}"))
+os.environ.setdefault(
+    "DEEPOFFLOAD_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"deepoffload-test-cache-{os.getuid()}")
+)
 
 
 def _prebuilt_installed() -> bool:

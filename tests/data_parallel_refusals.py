@@ -46,12 +46,14 @@ def main() -> None:
     sharded = net()
     fully_shard(sharded)
     attempt(results, "fully_shard_then_offload", lambda: offload_parameters(sharded, folder, optimizer=adam))
-    attempt(results, "bad_data_parallel", lambda: offload_parameters(net(), folder, optimizer=adam,
-                                                                     data_parallel="yes"))
+    attempt(
+        results, "bad_data_parallel", lambda: offload_parameters(net(), folder, optimizer=adam, data_parallel="yes")
+    )
     with torch.device("meta"):
         meta = net()
-    attempt(results, "meta_without_checkpoint", lambda: offload_parameters(meta, folder, optimizer=adam,
-                                                                           data_parallel=True))
+    attempt(
+        results, "meta_without_checkpoint", lambda: offload_parameters(meta, folder, optimizer=adam, data_parallel=True)
+    )
     in_ddp = net()
     ddp = DistributedDataParallel(in_ddp)  # noqa: F841  (alive, as a training loop keeps it)
     optimizer = OffloadedOptimizer(torch.optim.Adam, list(in_ddp.parameters()), SwapConfig(folder=folder))
@@ -77,7 +79,9 @@ def main() -> None:
     attempt(results, "failed_setup", lambda: offload_parameters(failed, folder, optimizer=adam, data_parallel=True))
     BlockStore.offload_all = original
     results["hooks_left_after_failed_setup"] = [
-        len(failed._forward_pre_hooks), sum(len(p._post_accumulate_grad_hooks or {}) for p in failed.parameters())]
+        len(failed._forward_pre_hooks),
+        sum(len(p._post_accumulate_grad_hooks or {}) for p in failed.parameters()),
+    ]
     print(json.dumps(results))
     dist.destroy_process_group()
 

@@ -31,7 +31,8 @@ class Net(nn.Module):
         self.embed = nn.Linear(8, WIDTH)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
-            for _ in range(3))
+            for _ in range(3)
+        )
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x):
@@ -61,7 +62,7 @@ def train_ddp(rank: int, micro: int, clip: float | None) -> tuple[list[float], d
     data = batches(rank, STEPS * micro)
     losses = []
     for step in range(STEPS):
-        for x, y in data[step * micro:(step + 1) * micro]:
+        for x, y in data[step * micro : (step + 1) * micro]:
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()  # DDP reduces every backward (no no_sync), the accumulated grads included
             losses.append(loss.item())
@@ -72,19 +73,26 @@ def train_ddp(rank: int, micro: int, clip: float | None) -> tuple[list[float], d
     return losses, {k: v.clone() for k, v in model.module.state_dict().items()}
 
 
-def train_streamed(rank: int, mode: str, micro: int, clip: float | None, folder: Path,
-                   group) -> tuple[list[float], dict]:
+def train_streamed(
+    rank: int, mode: str, micro: int, clip: float | None, folder: Path, group
+) -> tuple[list[float], dict]:
     model = model_of(rank)  # data_parallel= broadcasts rank 0's values
     # grads mode: the first block held in memory (max_resident_bytes), its averaged gradients kept there too
-    off = offload_parameters(model, str(folder), mode=mode, optimizer=adam, data_parallel=group,
-                             max_resident_bytes=3000 if mode == "grads" else None)
+    off = offload_parameters(
+        model,
+        str(folder),
+        mode=mode,
+        optimizer=adam,
+        data_parallel=group,
+        max_resident_bytes=3000 if mode == "grads" else None,
+    )
     assert len(off.pinned) == (1 if mode == "grads" else 0), off.pinned
     runs = [p.name for p in folder.iterdir()]
     assert runs and all(name.startswith(f"deepoffload-rank{rank}-") for name in runs), runs
     data = batches(rank, STEPS * micro)
     losses = []
     for step in range(STEPS):
-        for x, y in data[step * micro:(step + 1) * micro]:
+        for x, y in data[step * micro : (step + 1) * micro]:
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             losses.append(loss.item())
@@ -111,8 +119,11 @@ def main() -> None:
             "state_equal": sorted(ref_state) == sorted(state)
             and all(torch.equal(ref_state[k], state[k]) for k in ref_state),
             "max_abs_diff": max(float((ref_state[k].float() - state[k].float()).abs().max()) for k in ref_state),
-            "moved": max(float((ref_state[k].float() - model_of(0).state_dict()[k].float()).abs().max())
-                         for k in ref_state if k.endswith("weight")),
+            "moved": max(
+                float((ref_state[k].float() - model_of(0).state_dict()[k].float()).abs().max())
+                for k in ref_state
+                if k.endswith("weight")
+            ),
             "left_in_swap_folder": sorted(p.name for p in folder.iterdir()),
         }
     # every rank holds the same trained parameters, as DDP keeps them (BatchNorm statistics are each rank's own)

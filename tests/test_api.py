@@ -28,9 +28,11 @@ def type_checking_names(package: str) -> set[str]:
 @pytest.mark.parametrize("package", LAZY_PACKAGES)
 def test_lazy_names_resolve_and_are_all_exported(package):
     # a fresh process: each name must import on first access, not because another test imported its module
-    code = (f"import {package} as p\n"
-            "missing = [n for n in p.__all__ if getattr(p, n, None) is None]\n"
-            "print(len(p.__all__), missing)")
+    code = (
+        f"import {package} as p\n"
+        "missing = [n for n in p.__all__ if getattr(p, n, None) is None]\n"
+        "print(len(p.__all__), missing)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
     assert int(out[0]) > 0 and out[1].strip() == "[]"
     module = importlib.import_module(package)
@@ -44,8 +46,10 @@ def test_lazy_names_resolve_and_are_all_exported(package):
 def test_import_is_cheap():
     """`import deepoffload` probes, compiles and loads nothing, and does not import torch: of the op builders only
     the package is imported (as ``deepoffload.op_builder``), not its builder or probes."""
-    code = ("import sys, deepoffload; print('torch' in sys.modules, "
-            "sorted(m for m in sys.modules if m.startswith('deepoffload.op_builder')))")
+    code = (
+        "import sys, deepoffload; print('torch' in sys.modules, "
+        "sorted(m for m in sys.modules if m.startswith('deepoffload.op_builder')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split(" ", 1) == ["False", "['deepoffload.op_builder']\n"]
 
@@ -63,10 +67,17 @@ def test_exceptions_share_one_base_and_keep_their_builtin_type():
 
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), deepoffload.DeepOffloadError), name
-    for name, builtin in [("ChecksumError", OSError), ("ValidationError", OSError), ("ConfigError", ValueError),
-                          ("CheckpointError", ValueError), ("ClosedError", ValueError), ("ClosedError", RuntimeError),
-                          ("ResidencyError", RuntimeError), ("UnsupportedError", RuntimeError),
-                          ("StreamedParameterError", RuntimeError)]:
+    for name, builtin in [
+        ("ChecksumError", OSError),
+        ("ValidationError", OSError),
+        ("ConfigError", ValueError),
+        ("CheckpointError", ValueError),
+        ("ClosedError", ValueError),
+        ("ClosedError", RuntimeError),
+        ("ResidencyError", RuntimeError),
+        ("UnsupportedError", RuntimeError),
+        ("StreamedParameterError", RuntimeError),
+    ]:
         assert issubclass(getattr(errors, name), builtin), name
     # the names the modules raised them from before still refer to the same classes
     from deepoffload.config import ConfigError
@@ -75,7 +86,11 @@ def test_exceptions_share_one_base_and_keep_their_builtin_type():
     from deepoffload.swap.tensor_swapper import ChecksumError
 
     assert (ConfigError, CheckpointError, ValidationError, ChecksumError) == (
-        errors.ConfigError, errors.CheckpointError, errors.ValidationError, errors.ChecksumError)
+        errors.ConfigError,
+        errors.CheckpointError,
+        errors.ValidationError,
+        errors.ChecksumError,
+    )
 
 
 def test_use_after_close_raises_closed_error(tmp_path):

@@ -26,10 +26,34 @@ TINY = {
     "engines_vs_fio.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
     "hf_llama_stream.py": ["--folder", "{folder}", "--tiny", "--rounds", "1"],
     "optimizer_many_tensors.py": ["--folder", "{folder}", "--params", "100", "--rounds", "1"],
-    "optimizer_offload.py": ["--folder", "{folder}", "--state-gb", "0.002", "--rounds", "1", "--rss-sizes", "0.002",
-                             "--rss-numel", "1024"],
-    "optimizer_overlap.py": ["--folder", "{folder}", "--rounds", "1", "--llama-hidden", "32", "--llama-layers", "1",
-                             "--llama-vocab", "128", "--mlp-width", "32", "--mlp-layers", "2"],
+    "optimizer_offload.py": [
+        "--folder",
+        "{folder}",
+        "--state-gb",
+        "0.002",
+        "--rounds",
+        "1",
+        "--rss-sizes",
+        "0.002",
+        "--rss-numel",
+        "1024",
+    ],
+    "optimizer_overlap.py": [
+        "--folder",
+        "{folder}",
+        "--rounds",
+        "1",
+        "--llama-hidden",
+        "32",
+        "--llama-layers",
+        "1",
+        "--llama-vocab",
+        "128",
+        "--mlp-width",
+        "32",
+        "--mlp-layers",
+        "2",
+    ],
     "optimizer_timeline.py": ["--folder", "{folder}", "--mlp-width", "64", "--mlp-layers", "2", "--steps", "1"],
     "param_offload.py": ["--folder", "{folder}", "--tiny", "--steps", "1"],
     "small_ops.py": ["--path", "{folder}", "--cases", "4x64K", "--rounds", "1"],
@@ -57,10 +81,19 @@ def test_script_runs_at_a_tiny_size(script, scratch, aio):
     if script in NEEDS_DEEPSPEED_OPS and os.environ.get("DEEPOFFLOAD_TEST_DEEPSPEED_OP") != "1":
         pytest.skip("set DEEPOFFLOAD_TEST_DEEPSPEED_OP=1 to run the scripts that build DeepSpeed's own ops (minutes)")
     args = [a.format(folder=scratch, python=sys.executable) for a in TINY[script]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "TMPDIR": str(scratch)}
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=scratch)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "TMPDIR": str(scratch),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=scratch,
+    )
     if script == "device_staging.py" and not has_accelerator():
         # without an accelerator the script must say so in one line, not fail half-way
         assert proc.returncode == 1 and "no accelerator" in proc.stderr, proc.stdout + proc.stderr

@@ -31,12 +31,18 @@ def run_ci(tmp_path: Path, fail_on: str = "") -> tuple[subprocess.CompletedProce
     (bindir / "python").write_text(FAKE_PYTHON)
     (bindir / "python").chmod(0o755)
     log = tmp_path / "calls.log"
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "CI_LOG": str(log), "FAIL_ON": fail_on,
-           "TMPDIR": str(tmp)}
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "CI_LOG": str(log),
+        "FAIL_ON": fail_on,
+        "TMPDIR": str(tmp),
+    }
     if shutil.which("g++") is None:
         pytest.skip("sanitize.sh needs g++ to find libasan")
-    proc = subprocess.run(["bash", str(REPO / "ci" / "test.sh"), "-k", "nothing"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(REPO / "ci" / "test.sh"), "-k", "nothing"], capture_output=True, text=True, env=env, timeout=120
+    )
     return proc, log.read_text().splitlines(), tmp
 
 
@@ -47,7 +53,7 @@ def test_every_phase_runs_when_one_fails(tmp_path):
     assert any("tests/io/test_handle.py tests/reliability" in c for c in calls), calls  # the sanitizer phase still ran
     out = proc.stdout
     assert "=== ci/test.sh: results" in out
-    results = out[out.index("=== ci/test.sh: results"):]
+    results = out[out.index("=== ci/test.sh: results") :]
     assert "full suite" in results and "core tests under python -O     FAILED (exit status 1)" in results
     sanitize = next(line for line in results.splitlines() if "sanitizers" in line)
     assert "FAILED" not in sanitize or "libasan" in proc.stderr
@@ -61,9 +67,9 @@ def test_all_phases_pass(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum("-m pytest" in c for c in calls) == 3
     assert calls[1] == "-m ruff check .", calls  # after the install: the lint phase
-    assert "lint (ruff)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results"):]
+    assert "lint (ruff check, ruff format --check)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results") :]
     assert any(c.startswith("-m mkdocs build --strict") for c in calls), calls
-    assert "docs (mkdocs build --strict)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results"):]
+    assert "docs (mkdocs build --strict)" in proc.stdout[proc.stdout.index("=== ci/test.sh: results") :]
     assert list(tmp.iterdir()) == []
 
 
@@ -78,8 +84,9 @@ def test_the_docs_phase_runs_and_reports_when_the_others_fail(tmp_path):
 def test_the_tree_passes_the_lint_ci_runs():
     """The same check as CI's lint phase (skipped where ruff, a test dependency, is not installed)."""
     pytest.importorskip("ruff")
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "."], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -88,16 +95,23 @@ def test_a_passing_test_run_leaves_no_scratch_files(tmp_path):
     1.5 GB of them)."""
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "test_big.py").write_text(textwrap.dedent("""
+    (tests / "test_big.py").write_text(
+        textwrap.dedent("""
         def test_writes(tmp_path):
             (tmp_path / "big.bin").write_bytes(b"x" * (1 << 20))
-    """))
+    """)
+    )
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
-                          cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp)},
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     left = [p for p in tmp.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in left) < 1 << 20, left

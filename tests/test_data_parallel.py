@@ -30,8 +30,13 @@ def free_port() -> int:
 
 
 def child_env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "OMP_NUM_THREADS": "1",
+    }
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -62,9 +67,24 @@ def check_ranks(out: Path, swap: Path, nodes: int) -> list[dict]:
 def test_two_ranks_equal_ddp_bit_for_bit(scratch):
     out, swap = scratch / "out", scratch / "swap"
     out.mkdir()
-    proc = subprocess.run(torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                                   str(free_port()), str(TESTS / "data_parallel_worker.py"), str(out), str(swap)),
-                          capture_output=True, text=True, env=child_env(), cwd=scratch, timeout=600)
+    proc = subprocess.run(
+        torchrun(
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(TESTS / "data_parallel_worker.py"),
+            str(out),
+            str(swap),
+        ),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=scratch,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     check_ranks(out, swap, nodes=1)
 
@@ -74,13 +94,33 @@ def test_two_nodes_equal_ddp_bit_for_bit(scratch):
     out, swap = scratch / "out", scratch / "swap"
     out.mkdir()
     port = free_port()
-    nodes = [subprocess.Popen(torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "deepoffload-x30",
-                                       "--local-addr", "127.0.0.1", str(TESTS / "data_parallel_worker.py"),
-                                       str(out), str(swap)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                              cwd=scratch)
-             for _ in range(2)]
+    nodes = [
+        subprocess.Popen(
+            torchrun(
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "deepoffload-x30",
+                "--local-addr",
+                "127.0.0.1",
+                str(TESTS / "data_parallel_worker.py"),
+                str(out),
+                str(swap),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            cwd=scratch,
+        )
+        for _ in range(2)
+    ]
     outputs = []
     try:
         for node in nodes:
@@ -96,8 +136,14 @@ def test_two_nodes_equal_ddp_bit_for_bit(scratch):
 @pytest.mark.slow  # a child imports torch.distributed and sets up gloo (about 8 s)
 def test_wrappings_that_cannot_hold_a_streamed_model_are_refused(scratch):
     env = {**child_env(), "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, str(TESTS / "data_parallel_refusals.py"), str(scratch / "swap")],
-                          capture_output=True, text=True, env=env, cwd=scratch, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "data_parallel_refusals.py"), str(scratch / "swap")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=scratch,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     for case in ("ddp_then_offload", "ddp_wrapper_offloaded", "offload_then_ddp"):
@@ -123,8 +169,14 @@ def test_data_parallel_needs_an_initialised_process_group(tmp_path):
 
 def test_buckets_keep_order_and_split_by_dtype_and_size(monkeypatch):
     monkeypatch.setattr(data_parallel, "BUCKET_BYTES", 64)
-    grads = [torch.zeros(4), torch.zeros(8), torch.zeros(8), torch.zeros(2, dtype=torch.float64),
-             torch.zeros(100), torch.zeros(1)]
+    grads = [
+        torch.zeros(4),
+        torch.zeros(8),
+        torch.zeros(8),
+        torch.zeros(2, dtype=torch.float64),
+        torch.zeros(100),
+        torch.zeros(1),
+    ]
     assert data_parallel._buckets(grads) == [[0, 1], [2], [3], [4], [5]]
 
 

@@ -20,13 +20,15 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,  # each child imports DeepSpeed (about 10 s)
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="deepspeed is not installed (pip install deepoffload[deepspeed])"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed is not installed (pip install deepoffload[deepspeed])",
+    ),
 ]
 UPSTREAM = Path(__file__).with_name("deepspeed_upstream")
 REPO = Path(__file__).resolve().parent.parent
 
-CONFTEST = '''
+CONFTEST = """
 import os
 import deepspeed
 import pytest
@@ -58,7 +60,7 @@ if os.environ.get("GIL_ON_CPU") == "1":
         module = request.module
         if hasattr(module, "_require_aio_cuda"):
             module._require_aio_cuda = lambda: None
-'''
+"""
 
 
 def run_upstream(folder: Path, names: list[str], gil_on_cpu: bool = False) -> dict[str, str]:
@@ -69,8 +71,14 @@ def run_upstream(folder: Path, names: list[str], gil_on_cpu: bool = False) -> di
         shutil.copy(UPSTREAM / f"{name}.py", folder / f"test_{name}.py")
     (folder / "conftest.py").write_text(CONFTEST)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "GIL_ON_CPU": "1" if gil_on_cpu else "0"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", str(folder)],
-                          capture_output=True, text=True, env=env, cwd=folder, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder,
+        timeout=600,
+    )
     outcomes = dict(re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", proc.stdout, re.M))
     assert outcomes and proc.returncode in (0, 5), proc.stdout[-4000:] + proc.stderr[-3000:]
     assert "tried to build or load its own op" not in proc.stdout

@@ -29,13 +29,15 @@ BLOCK = re.compile(r"(?:<!-- no-run: (?P<reason>[^>]*?) -->\n)?```python\n(?P<co
 def blocks(page: Path) -> list[tuple[int, str, str | None]]:
     """(line, code, no-run reason or None) of each python block of ``page``."""
     text = page.read_text()
-    return [(text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("reason"))
-            for m in BLOCK.finditer(text)]
+    return [
+        (text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("reason")) for m in BLOCK.finditer(text)
+    ]
 
 
 def runnable(page: Path) -> list[tuple[int, str]]:
-    return [(line, code) for line, code, reason in blocks(page)
-            if reason is None and not code.lstrip().startswith("--8<--")]
+    return [
+        (line, code) for line, code, reason in blocks(page) if reason is None and not code.lstrip().startswith("--8<--")
+    ]
 
 
 RUNNER = r"""
@@ -74,8 +76,15 @@ def test_every_python_block_runs_or_says_why_not():
 def test_python_blocks_run_as_printed(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     todo = [(str(page.relative_to(REPO)), line, code) for page in PAGES for line, code in runnable(page)]
-    proc = subprocess.run([sys.executable, "-c", RUNNER], cwd=tmp_path, input=json.dumps(todo), capture_output=True,
-                          text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        cwd=tmp_path,
+        input=json.dumps(todo),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-8000:]
 
 

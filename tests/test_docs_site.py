@@ -35,8 +35,9 @@ def test_the_reference_has_every_public_name(hooks):
 
 
 def test_the_config_page_has_every_key_and_variable(hooks):
-    from deepoffload import AioConfig, SwapConfig
     from deepoffload.op_builder import env
+
+    from deepoffload import AioConfig, SwapConfig
 
     text = hooks.config_markdown()
     for key in (*AioConfig.keys(), *SwapConfig.swap_keys()):
@@ -79,8 +80,10 @@ def test_every_note_gets_a_nav_entry_and_none_an_empty_section(hooks, tmp_path):
 def test_a_notes_link_outside_the_site_becomes_its_path(hooks, tmp_path):
     (tmp_path / "guides").mkdir()
     (tmp_path / "guides" / "io-handle.md").write_text("# x\n")
-    text = ("see [the test](../../tests/test_x.py), [the guide](../guides/io-handle.md#a), "
-            "[a site](https://example.org/x.py) and ![plot](../assets/p.png)")
+    text = (
+        "see [the test](../../tests/test_x.py), [the guide](../guides/io-handle.md#a), "
+        "[a site](https://example.org/x.py) and ![plot](../assets/p.png)"
+    )
     out = hooks._unlink_outside_docs(text, "notes/a.md", tmp_path)
     assert "the test (`../../tests/test_x.py`)" in out
     assert "[the guide](../guides/io-handle.md#a)" in out and "[a site](https://example.org/x.py)" in out
@@ -99,8 +102,9 @@ def test_every_benchmark_result_says_its_command_machine_and_date_and_plots(tmp_
     from common import write_json
 
     monkeypatch.setattr(sys, "argv", ["x", "--rounds", "1"])
-    write_json(str(tmp_path / "fresh.json"), "engines_vs_fio", "a title", [{"label": "a / b", "value": 1.2,
-                                                                           "bound": 0.95}])
+    write_json(
+        str(tmp_path / "fresh.json"), "engines_vs_fio", "a title", [{"label": "a / b", "value": 1.2, "bound": 0.95}]
+    )
     spec = importlib.util.spec_from_file_location("deepoffload_plot", REPO / "benchmarks" / "plot.py")
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)

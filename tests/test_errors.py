@@ -25,8 +25,12 @@ FORBIDDEN = {"Exception", "BaseException", "RuntimeError", "AssertionError", "En
 
 
 def library_files() -> list[Path]:
-    return sorted(p for folder in ("deepoffload", "op_builder") for p in (ROOT / folder).rglob("*.py")
-                  if not (p.is_relative_to(ROOT / "deepoffload" / "op_builder")))
+    return sorted(
+        p
+        for folder in ("deepoffload", "op_builder")
+        for p in (ROOT / folder).rglob("*.py")
+        if not (p.is_relative_to(ROOT / "deepoffload" / "op_builder"))
+    )
 
 
 def generic_errors(tree: ast.AST) -> list[tuple[int, str]]:
@@ -41,16 +45,23 @@ def generic_errors(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_the_scan_finds_generic_errors():
-    source = ("def f(x):\n    if x:\n        raise RuntimeError('a')\n    if x > 1:\n        raise Exception\n"
-              "    error = AssertionError('later')\n    raise ValueError(x) from error\n")
+    source = (
+        "def f(x):\n    if x:\n        raise RuntimeError('a')\n    if x > 1:\n        raise Exception\n"
+        "    error = AssertionError('later')\n    raise ValueError(x) from error\n"
+    )
     assert generic_errors(ast.parse(source)) == [(3, "RuntimeError"), (5, "Exception"), (6, "AssertionError")]
 
 
 def test_no_generic_builtin_error_is_raised():
-    found = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in library_files()
-             for line, name in generic_errors(ast.parse(path.read_text()))]
-    assert not found, ("raise a class of deepoffload.errors (keeping the built-in base, e.g. UnsupportedError for a "
-                       "refused pattern) instead of:\n" + "\n".join(found))
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in library_files()
+        for line, name in generic_errors(ast.parse(path.read_text()))
+    ]
+    assert not found, (
+        "raise a class of deepoffload.errors (keeping the built-in base, e.g. UnsupportedError for a "
+        "refused pattern) instead of:\n" + "\n".join(found)
+    )
 
 
 def defined_exceptions() -> list[tuple[str, str]]:
@@ -62,18 +73,27 @@ def defined_exceptions() -> list[tuple[str, str]]:
             parts = ("deepoffload", *parts)
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
+            if (
+                isinstance(node, ast.ClassDef)
+                and not node.name.startswith("_")
+                and any(
                     (getattr(base, "id", None) or getattr(base, "attr", "")).endswith(("Error", "Exception"))
-                    for base in node.bases):
+                    for base in node.bases
+                )
+            ):
                 found.append((module, node.name))
     return found
 
 
 def test_defined_exceptions_are_found():
     found = set(defined_exceptions())
-    assert {("deepoffload.errors", "StreamedParameterError"), ("deepoffload.op_builder.builder", "BuildError"),
-            ("deepoffload.op_builder.env", "EnvError"), ("deepoffload.checkpoint.torch_format", "ZipLayoutError"),
-            ("deepoffload.op_builder.errors", "DeepOffloadError")} <= found
+    assert {
+        ("deepoffload.errors", "StreamedParameterError"),
+        ("deepoffload.op_builder.builder", "BuildError"),
+        ("deepoffload.op_builder.env", "EnvError"),
+        ("deepoffload.checkpoint.torch_format", "ZipLayoutError"),
+        ("deepoffload.op_builder.errors", "DeepOffloadError"),
+    } <= found
 
 
 @pytest.mark.parametrize("module, name", defined_exceptions())
@@ -85,24 +105,31 @@ def test_every_defined_exception_is_in_the_family(module, name):
 
 
 def test_the_family_keeps_the_builtin_bases_callers_catch():
-    import deepoffload
-    from deepoffload.checkpoint.torch_format import ZipLayoutError
-    from deepoffload.errors import DeepOffloadError, StreamedParameterError, UnsupportedError
     from deepoffload.op_builder.builder import BuildError
     from deepoffload.op_builder.env import EnvError
     from deepoffload.op_builder.errors import DeepOffloadError as base
 
+    import deepoffload
+    from deepoffload.checkpoint.torch_format import ZipLayoutError
+    from deepoffload.errors import DeepOffloadError, StreamedParameterError, UnsupportedError
+
     assert DeepOffloadError is base is deepoffload.DeepOffloadError  # one base, also below deepoffload's layers
     assert deepoffload.BuildError is BuildError
-    for cls, builtin in [(BuildError, RuntimeError), (EnvError, ValueError), (ZipLayoutError, RuntimeError),
-                         (UnsupportedError, RuntimeError), (StreamedParameterError, RuntimeError)]:
+    for cls, builtin in [
+        (BuildError, RuntimeError),
+        (EnvError, ValueError),
+        (ZipLayoutError, RuntimeError),
+        (UnsupportedError, RuntimeError),
+        (StreamedParameterError, RuntimeError),
+    ]:
         assert issubclass(cls, DeepOffloadError) and issubclass(cls, builtin), cls
     assert issubclass(StreamedParameterError, UnsupportedError)
 
 
 def test_a_bad_environment_variable_is_a_deepoffload_error(monkeypatch):
-    from deepoffload.errors import DeepOffloadError
     from deepoffload.op_builder import env
+
+    from deepoffload.errors import DeepOffloadError
 
     monkeypatch.setenv("DEEPOFFLOAD_BUILD_AIO", "maybe")
     with pytest.raises(DeepOffloadError, match="DEEPOFFLOAD_BUILD_AIO"):

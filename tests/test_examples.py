@@ -16,10 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 pytestmark = pytest.mark.skipif(not EXAMPLES, reason="needs the source tree's examples/")
 
-NEEDS = {"hf_stream_generate.py": ["transformers", "accelerate"],
-         "trainer_streaming.py": ["transformers", "accelerate"],
-         "deepspeed_zero3.py": ["deepspeed"],
-         "checkpoints.py": ["safetensors"]}
+NEEDS = {
+    "hf_stream_generate.py": ["transformers", "accelerate"],
+    "trainer_streaming.py": ["transformers", "accelerate"],
+    "deepspeed_zero3.py": ["deepspeed"],
+    "checkpoints.py": ["safetensors"],
+}
 
 
 def test_there_are_at_least_five_examples_each_with_a_tiny_size_and_a_usage_line():
@@ -42,7 +44,13 @@ def test_example_runs_at_its_tiny_size(path, tmp_path):
     for module in NEEDS.get(path.name, []):
         pytest.importorskip(module)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(path), "--tiny", "--folder", str(tmp_path)], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(path), "--tiny", "--folder", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "NO" not in re.findall(r"\b(?:yes|NO)\b", proc.stdout) and "WRONG" not in proc.stdout, proc.stdout

@@ -29,7 +29,8 @@ def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
 
 def _type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _module_level_imports(body: list[ast.stmt]):
@@ -135,17 +136,23 @@ def _cycle_in(graph: dict[str, set[str]], group: set[str]) -> list[str]:
         node = min(n for n in graph[node] if n in group)
         path.append(node)
         if node in seen:
-            return path[path.index(node):]
+            return path[path.index(node) :]
         seen.add(node)
 
 
 def test_every_module_is_in_the_graph():
     modules = module_files()
-    assert {"deepoffload.io.handle", "deepoffload.io.staging", "deepoffload.op_builder.builder",
-            "deepoffload.swap.params.offload"} <= set(modules)
+    assert {
+        "deepoffload.io.handle",
+        "deepoffload.io.staging",
+        "deepoffload.op_builder.builder",
+        "deepoffload.swap.params.offload",
+    } <= set(modules)
     graph = import_graph(modules)
-    assert "deepoffload.io.handle" in graph["deepoffload.io.staging"] or \
-        "deepoffload.io.inputs" in graph["deepoffload.io.staging"]
+    assert (
+        "deepoffload.io.handle" in graph["deepoffload.io.staging"]
+        or "deepoffload.io.inputs" in graph["deepoffload.io.staging"]
+    )
     assert "deepoffload.op_builder.builder" in graph["deepoffload.op_builder.async_io"]
 
 
@@ -169,26 +176,50 @@ def write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-@pytest.mark.parametrize("files, expected", [
-    ({"deepoffload/io/a.py": "from .b import x\n", "deepoffload/io/b.py": "from . import a\n"},
-     [["deepoffload.io.a", "deepoffload.io.b", "deepoffload.io.a"]]),
-    ({"deepoffload/a.py": "import deepoffload.c\n", "deepoffload/c.py": "try:\n    from .a import y\nexcept "
-      "ImportError:\n    pass\n"}, [["deepoffload.a", "deepoffload.c", "deepoffload.a"]]),
-    ({"deepoffload/x/__init__.py": "from ..op_builder import builder\n",
-      "op_builder/builder.py": "from deepoffload.x import thing\n"},
-     [["deepoffload.op_builder.builder", "deepoffload.x", "deepoffload.op_builder.builder"]]),
-    ({"deepoffload/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n",
-      "deepoffload/b.py": "from .a import A\ndef f():\n    from .a import g\n"}, []),
-])
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        (
+            {"deepoffload/io/a.py": "from .b import x\n", "deepoffload/io/b.py": "from . import a\n"},
+            [["deepoffload.io.a", "deepoffload.io.b", "deepoffload.io.a"]],
+        ),
+        (
+            {
+                "deepoffload/a.py": "import deepoffload.c\n",
+                "deepoffload/c.py": "try:\n    from .a import y\nexcept ImportError:\n    pass\n",
+            },
+            [["deepoffload.a", "deepoffload.c", "deepoffload.a"]],
+        ),
+        (
+            {
+                "deepoffload/x/__init__.py": "from ..op_builder import builder\n",
+                "op_builder/builder.py": "from deepoffload.x import thing\n",
+            },
+            [["deepoffload.op_builder.builder", "deepoffload.x", "deepoffload.op_builder.builder"]],
+        ),
+        (
+            {
+                "deepoffload/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n",
+                "deepoffload/b.py": "from .a import A\ndef f():\n    from .a import g\n",
+            },
+            [],
+        ),
+    ],
+)
 def test_the_check_finds_a_cycle(tmp_path, files, expected):
     write(tmp_path, files)
     assert cycles(import_graph(module_files(tmp_path))) == expected
 
 
 def test_the_check_in_functions_finds_a_cycle_through_a_lazy_import(tmp_path):
-    write(tmp_path, {"deepoffload/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
-                                         "class A:\n    def f(self):\n        from .b import g\n",
-                     "deepoffload/b.py": "from .a import A\n"})
+    write(
+        tmp_path,
+        {
+            "deepoffload/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
+            "class A:\n    def f(self):\n        from .b import g\n",
+            "deepoffload/b.py": "from .a import A\n",
+        },
+    )
     modules = module_files(tmp_path)
     assert cycles(import_graph(modules)) == []
     assert cycles(import_graph(modules, in_functions=True)) == [["deepoffload.a", "deepoffload.b", "deepoffload.a"]]

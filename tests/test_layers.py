@@ -34,39 +34,47 @@ def test_op_builder_imports_nothing_from_deepoffload():
 
 
 def test_op_builder_exports_resolve():
-    out = child(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-                "import op_builder\n"
-                "print([n for n in op_builder.__all__ if getattr(op_builder, n, None) is None])\n")
+    out = child(
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+        "import op_builder\n"
+        "print([n for n in op_builder.__all__ if getattr(op_builder, n, None) is None])\n"
+    )
     assert out.strip() == "[]"
 
 
 def test_top_level_op_builder_of_a_checkout_loads_the_deepspeed_shaped_module_too():
     """One type from ``load()`` whichever package came first: the checkout's plain ``op_builder`` imports nothing
     from deepoffload until an op is loaded, then wraps it as ``deepoffload.op_builder`` does."""
-    out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
-                "import op_builder\n"
-                "before = any(k == 'deepoffload' or k.startswith('deepoffload.') for k in sys.modules)\n"
-                "m = op_builder.AsyncIOBuilder().load()\n"
-                "native = op_builder.AsyncIOBuilder().load_native()\n"
-                "print(op_builder.__file__, type(m).__name__, type(native).__name__, 'posix' in native.engines(),\n"
-                "      before)\n")
+    out = child(
+        NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import op_builder\n"
+        "before = any(k == 'deepoffload' or k.startswith('deepoffload.') for k in sys.modules)\n"
+        "m = op_builder.AsyncIOBuilder().load()\n"
+        "native = op_builder.AsyncIOBuilder().load_native()\n"
+        "print(op_builder.__file__, type(m).__name__, type(native).__name__, 'posix' in native.engines(),\n"
+        "      before)\n"
+    )
     path, kind, native_kind, has_posix, imported_before = out.split()
     assert path == str(ROOT / "op_builder" / "__init__.py")
     assert (kind, native_kind, has_posix, imported_before) == ("CompatModule", "module", "True", "False")
 
 
 def test_installed_op_builder_loads_the_deepspeed_shaped_module(tmp_path):
-    out = child("from deepoffload.op_builder import AsyncIOBuilder\n"
-                "m = AsyncIOBuilder().load()\n"
-                "print(type(m).__name__, type(m.aio_handle()).__name__, type(AsyncIOBuilder().load_native()).__name__)",
-                cwd=tmp_path)
+    out = child(
+        "from deepoffload.op_builder import AsyncIOBuilder\n"
+        "m = AsyncIOBuilder().load()\n"
+        "print(type(m).__name__, type(m.aio_handle()).__name__, type(AsyncIOBuilder().load_native()).__name__)",
+        cwd=tmp_path,
+    )
     assert out.split() == ["CompatModule", "aio_handle", "module"]
 
 
 def test_checkout_without_install_has_deepoffload_op_builder():
-    out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
-                "import deepoffload, deepoffload.op_builder as ob\n"
-                "print(deepoffload.__file__, ob.__file__, type(ob.AsyncIOBuilder().load()).__name__)\n")
+    out = child(
+        NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import deepoffload, deepoffload.op_builder as ob\n"
+        "print(deepoffload.__file__, ob.__file__, type(ob.AsyncIOBuilder().load()).__name__)\n"
+    )
     package, builder, kind = out.split()
     assert package == str(ROOT / "deepoffload" / "__init__.py")
     assert builder == str(ROOT / "op_builder" / "__init__.py")
@@ -75,8 +83,10 @@ def test_checkout_without_install_has_deepoffload_op_builder():
 
 @pytest.mark.parametrize("name", ["op_builder", "deepoffload.op_builder"])
 def test_version_read_by_op_builder_is_the_package_version(name):
-    out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
-                f"import importlib; b = importlib.import_module({name + '.builder'!r})\n"
-                "from deepoffload.version import __version__\n"
-                "print(b.package_version() == __version__)\n")
+    out = child(
+        NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"import importlib; b = importlib.import_module({name + '.builder'!r})\n"
+        "from deepoffload.version import __version__\n"
+        "print(b.package_version() == __version__)\n"
+    )
     assert out.strip() == "True"

@@ -24,6 +24,9 @@ def test_library_code_has_no_assert_or_debug_branches():
 
 def test_the_check_finds_an_assert(tmp_path):
     tree = ast.parse("def f(x):\n    assert x > 0\n    if __debug__:\n        pass\n")
-    kinds = [type(n).__name__ for n in ast.walk(tree) if isinstance(n, ast.Assert)
-             or (isinstance(n, ast.Name) and n.id == "__debug__")]
+    kinds = [
+        type(n).__name__
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assert) or (isinstance(n, ast.Name) and n.id == "__debug__")
+    ]
     assert kinds == ["Assert", "Name"]

@@ -36,8 +36,9 @@ def test_buffers_shrink_to_the_room_left_and_training_is_unchanged(scratch):
     fitted = fit_buffers(list(net.parameters()), limit, process, SwapConfig())
     assert fitted.buffer_count == 4 and MIN_BUFFERS <= fitted.buffer_count
     assert 4 * MiB < fitted.chunk_bytes <= 6 * MiB  # below the default 32 MiB, above the largest state
-    opt = OffloadedOptimizer(torch.optim.Adam, net.parameters(), config=SwapConfig(folder=str(scratch)),
-                             max_memory=64 << 30, lr=1e-2)
+    opt = OffloadedOptimizer(
+        torch.optim.Adam, net.parameters(), config=SwapConfig(folder=str(scratch)), max_memory=64 << 30, lr=1e-2
+    )
     assert opt.config.buffer_count == 4 and opt.config.chunk_bytes == 32 << 20  # room for the defaults
     plain = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for step in range(3):

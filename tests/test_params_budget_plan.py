@@ -6,14 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepoffload.swap.params.budget import (MIN_STATE_CHUNKS, READER_BYTES, SETUP_BLOCKS, MemoryPlan, fit,
-                                            parse_bytes)
+from deepoffload.swap.params.budget import MIN_STATE_CHUNKS, READER_BYTES, SETUP_BLOCKS, MemoryPlan, fit, parse_bytes
 
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("text,expected", [("6GB", 6 * 10**9), ("512MiB", 512 * MiB), ("1.5 GB", 1_500_000_000),
-                                           ("4096", 4096), ("2gib", 2 << 30), (123, 123)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("6GB", 6 * 10**9),
+        ("512MiB", 512 * MiB),
+        ("1.5 GB", 1_500_000_000),
+        ("4096", 4096),
+        ("2gib", 2 << 30),
+        (123, 123),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
@@ -51,8 +59,11 @@ def test_fit_chooses_the_deepest_prefetch_that_fits_and_keeps_blocks_with_the_re
 
 def test_fit_refuses_at_once_with_the_least_limit_that_works():
     plan = MemoryPlan(block_bytes=16 * MiB, rest_bytes=MiB, prefetch=1, training=True)
-    least = 200 * MiB + MemoryPlan(16 * MiB, MiB, prefetch=0, training=True,
-                                   state_chunks=MIN_STATE_CHUNKS).peak_bytes + 64 * MiB
+    least = (
+        200 * MiB
+        + MemoryPlan(16 * MiB, MiB, prefetch=0, training=True, state_chunks=MIN_STATE_CHUNKS).peak_bytes
+        + 64 * MiB
+    )
     with pytest.raises(MemoryError, match=f"the least that works is {least} bytes") as caught:
         fit(plan, least - 1, process=200 * MiB)
     assert "process now" in str(caught.value) and "largest block" in str(caught.value)
@@ -96,8 +107,9 @@ def test_optimizer_of_the_parameters_outside_blocks_gets_buffers_of_its_size(scr
     from deepoffload.swap.params import offload_parameters
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), *(nn.Linear(512, 512) if i else nn.Linear(8, 512) for i in range(3)),
-                          nn.Linear(512, 2))
+    model = nn.Sequential(
+        nn.Linear(4, 8), *(nn.Linear(512, 512) if i else nn.Linear(8, 512) for i in range(3)), nn.Linear(512, 2)
+    )
     off = offload_parameters(model, str(scratch), blocks=list(model)[1:4], optimizer=torch.optim.Adam)
     try:
         model(torch.randn(2, 4)).sum().backward()

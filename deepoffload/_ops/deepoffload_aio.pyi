@@ -43,8 +43,15 @@ def dio_alignment(path: str) -> tuple[int, int, bool]:
 _Result = tuple[int, str, str, int, str, bool]
 
 class Handle:
-    def __init__(self, engine: str = ..., block_size: int = ..., queue_depth: int = ..., single_submit: bool = ...,
-                 overlap_events: bool = ..., intra_op_parallelism: int = ...) -> None:
+    def __init__(
+        self,
+        engine: str = ...,
+        block_size: int = ...,
+        queue_depth: int = ...,
+        single_submit: bool = ...,
+        overlap_events: bool = ...,
+        intra_op_parallelism: int = ...,
+    ) -> None:
         """ValueError for a setting out of range, OSError (errno) when an engine or thread cannot start."""
     def submit(self, write: bool, ptr: int, nbytes: int, path: str, fd: int, offset: int, flags: int) -> int:
         """Queue a read or write of ``nbytes`` bytes at address ``ptr``; returns the op id. Never blocks on IO."""

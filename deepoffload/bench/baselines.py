@@ -28,7 +28,7 @@ def mmap_write(buffer: torch.Tensor, path: Path) -> Sample:
             f.truncate(nbytes)
         with mmap.mmap(f.fileno(), nbytes) as mapping:
             for offset in range(0, nbytes, SLICE_BYTES):
-                mapping[offset:offset + SLICE_BYTES] = source[offset:offset + SLICE_BYTES]
+                mapping[offset : offset + SLICE_BYTES] = source[offset : offset + SLICE_BYTES]
             mapping.flush()
     return Sample("mmap", "write", nbytes, time.perf_counter() - start, SLICE_BYTES)
 
@@ -42,7 +42,7 @@ def mmap_read(buffer: torch.Tensor, path: Path) -> Sample:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ) as mapping:
         with memoryview(mapping) as view:
             for offset in range(0, nbytes, SLICE_BYTES):
-                target[offset:offset + SLICE_BYTES] = view[offset:offset + SLICE_BYTES]
+                target[offset : offset + SLICE_BYTES] = view[offset : offset + SLICE_BYTES]
     return Sample("mmap", "read", nbytes, time.perf_counter() - start, SLICE_BYTES)
 
 

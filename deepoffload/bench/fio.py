@@ -10,8 +10,10 @@ from typing import Any
 
 from .measure import BenchError, Sample
 
-INSTALL_HINT = ("fio is not installed (or not on PATH): install it with `apt-get install fio` (Debian/Ubuntu), "
-                "`dnf install fio` (Fedora/RHEL) or `brew install fio`, or leave out --compare-fio")
+INSTALL_HINT = (
+    "fio is not installed (or not on PATH): install it with `apt-get install fio` (Debian/Ubuntu), "
+    "`dnf install fio` (Fedora/RHEL) or `brew install fio`, or leave out --compare-fio"
+)
 
 
 def fio_executable() -> str:
@@ -22,8 +24,9 @@ def fio_executable() -> str:
     return path
 
 
-def fio_command(fio: str, path: Path, op: str, nbytes: int, block_size: int, queue_depth: int,
-                threads: int) -> tuple[list[str], int]:
+def fio_command(
+    fio: str, path: Path, op: str, nbytes: int, block_size: int, queue_depth: int, threads: int
+) -> tuple[list[str], int]:
     """(argv, bytes moved) for one sequential ``op`` over the first ``nbytes`` of ``path`` with O_DIRECT and libaio.
 
     Like ``intra_op_parallelism``, ``threads`` jobs each take one contiguous part; each part is a whole number of
@@ -31,11 +34,25 @@ def fio_command(fio: str, path: Path, op: str, nbytes: int, block_size: int, que
     """
     per_job = nbytes // threads // block_size * block_size
     if per_job == 0:
-        raise BenchError(f"--size {nbytes} is too small to give each of {threads} fio jobs a {block_size}-byte "
-                         f"block; pass a larger --size")
-    argv = [fio, "--name=deepoffload-bench", f"--filename={path}", f"--rw={op}", f"--bs={block_size}",
-            f"--iodepth={queue_depth}", "--direct=1", "--ioengine=libaio", f"--numjobs={threads}",
-            f"--size={per_job}", f"--offset_increment={per_job}", "--group_reporting", "--output-format=json"]
+        raise BenchError(
+            f"--size {nbytes} is too small to give each of {threads} fio jobs a {block_size}-byte "
+            f"block; pass a larger --size"
+        )
+    argv = [
+        fio,
+        "--name=deepoffload-bench",
+        f"--filename={path}",
+        f"--rw={op}",
+        f"--bs={block_size}",
+        f"--iodepth={queue_depth}",
+        "--direct=1",
+        "--ioengine=libaio",
+        f"--numjobs={threads}",
+        f"--size={per_job}",
+        f"--offset_increment={per_job}",
+        "--group_reporting",
+        "--output-format=json",
+    ]
     return argv, per_job * threads
 
 
@@ -47,15 +64,15 @@ def parse_fio_json(text: str, op: str) -> float:
         data: Any = json.loads(text[start:]) if start >= 0 else None  # None (no JSON): a TypeError below
         bw = float(data["jobs"][0][op]["bw_bytes"])
     except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise BenchError(f"could not read fio's {op} throughput from its JSON output ({type(e).__name__}: {e})") \
-            from e
+        raise BenchError(f"could not read fio's {op} throughput from its JSON output ({type(e).__name__}: {e})") from e
     if bw <= 0:
         raise BenchError(f"fio reported no {op} throughput (bw_bytes={bw}); run it by hand to see why")
     return bw
 
 
-def run_fio(path: Path, op: str, nbytes: int, block_size: int, queue_depth: int, threads: int,
-            timeout_s: float = 600.0) -> Sample:
+def run_fio(
+    path: Path, op: str, nbytes: int, block_size: int, queue_depth: int, threads: int, timeout_s: float = 600.0
+) -> Sample:
     """Run fio once and return its transfer as a ``Sample`` (seconds = bytes / fio's reported throughput)."""
     argv, moved = fio_command(fio_executable(), path, op, nbytes, block_size, queue_depth, threads)
     try:

@@ -62,19 +62,21 @@ def make_buffer(nbytes: int, kind: str) -> torch.Tensor:
     if kind not in BUFFER_KINDS:
         raise ValueError(f"buffer kind must be one of {', '.join(BUFFER_KINDS)}, got {kind!r}")
     available = available_memory()
-    too_big = (f"the {nbytes}-byte test buffer (--size: one transfer is the whole file, held in memory) does not fit "
-               f"in memory")
+    too_big = (
+        f"the {nbytes}-byte test buffer (--size: one transfer is the whole file, held in memory) does not fit in memory"
+    )
     if available is not None and nbytes > available:
         raise BenchError(f"{too_big}: {available} bytes are available; pass a smaller --size")
     try:
         buffer = aligned_empty(nbytes) if kind == "pinned" else torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
     except (MemoryError, RuntimeError, OSError) as e:  # torch says "DefaultCPUAllocator: can't allocate memory"
         raise BenchError(f"{too_big} ({e}); pass a smaller --size") from e
-    pattern = torch.randint(0, 256, (min(nbytes, 1 << 20),), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(0))
+    pattern = torch.randint(
+        0, 256, (min(nbytes, 1 << 20),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     for offset in range(0, nbytes, pattern.numel()):
-        chunk = buffer[offset:offset + pattern.numel()]
-        chunk.copy_(pattern[:chunk.numel()])
+        chunk = buffer[offset : offset + pattern.numel()]
+        chunk.copy_(pattern[: chunk.numel()])
     return buffer
 
 
@@ -113,13 +115,17 @@ def scratch_file(folder: str | os.PathLike, nbytes: int, spare: int = 0) -> Iter
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except OSError as e:
         virtual = " (a virtual filesystem with no storage behind it)" if shutil.disk_usage(folder).total == 0 else ""
-        raise BenchError(f"cannot create a test file in {folder}{virtual}: {e.strerror}; pass --path a folder on "
-                         f"the storage you can write to") from e
+        raise BenchError(
+            f"cannot create a test file in {folder}{virtual}: {e.strerror}; pass --path a folder on "
+            f"the storage you can write to"
+        ) from e
     try:
         free = shutil.disk_usage(folder).free
         if free < nbytes + spare:
-            raise BenchError(f"not enough free space in {folder}: the test file needs {nbytes + spare} bytes, "
-                             f"{free} are free; pass a smaller --size or another --path")
+            raise BenchError(
+                f"not enough free space in {folder}: the test file needs {nbytes + spare} bytes, "
+                f"{free} are free; pass a smaller --size or another --path"
+            )
         yield path
     finally:
         with contextlib.suppress(FileNotFoundError):

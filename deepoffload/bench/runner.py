@@ -57,8 +57,7 @@ class BenchResult:
 
     def ratios(self, op: str, other: str = "fio") -> list[float]:
         """Per-loop ratio of our throughput to ``other``'s (loop i with loop i)."""
-        return [ours.gbps / theirs.gbps for ours, theirs in zip(self.series("deepoffload", op),
-                                                                 self.series(other, op))]
+        return [ours.gbps / theirs.gbps for ours, theirs in zip(self.series("deepoffload", op), self.series(other, op))]
 
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
@@ -108,8 +107,10 @@ def run(settings: BenchSettings, on_sample: Callable[[Sample], None] | None = No
     with scratch_file(s.folder, s.nbytes, spare) as path, AsyncIOHandle(s.config) as handle:
         direct = direct_io_works(path)
         if s.compare_fio and not direct:
-            raise BenchError(f"{s.folder} refuses O_DIRECT, so fio cannot run there with direct=1; leave out "
-                             f"--compare-fio or pass --path a folder on a real disk")
+            raise BenchError(
+                f"{s.folder} refuses O_DIRECT, so fio cannot run there with direct=1; leave out "
+                f"--compare-fio or pass --path a folder on a real disk"
+            )
         if s.baselines:  # torch.load needs a file torch.save wrote; everything else reads its first nbytes
             baselines.torch_save(buffer, path)
         else:
@@ -119,8 +120,9 @@ def run(settings: BenchSettings, on_sample: Callable[[Sample], None] | None = No
                 steps: list[Callable[[], Sample]] = [lambda: time_transfer(handle, op, buffer, path, direct)]
                 if s.compare_fio:
                     c = s.config
-                    steps.append(lambda: run_fio(path, op, s.nbytes, c.block_size, c.queue_depth,
-                                                 c.intra_op_parallelism))
+                    steps.append(
+                        lambda: run_fio(path, op, s.nbytes, c.block_size, c.queue_depth, c.intra_op_parallelism)
+                    )
                 if s.baselines:
                     steps.extend(functools.partial(f, buffer, path) for f in BASELINES[op])
                 for step in steps:

@@ -23,8 +23,12 @@ SCORE_DESCRIPTION = "combined read+write: harmonic mean of write and read GB/s (
 BLOCK_SIZES = tuple(1 << k for k in range(17, 24))  # 128 KiB .. 8 MiB
 QUEUE_DEPTHS = (4, 8, 16, 32, 64, 128)
 THREADS = (1, 2, 4)
-SUBMIT_MODES = ({"single_submit": False, "overlap_events": True}, {"single_submit": False, "overlap_events": False},
-                {"single_submit": True, "overlap_events": True}, {"single_submit": True, "overlap_events": False})
+SUBMIT_MODES = (
+    {"single_submit": False, "overlap_events": True},
+    {"single_submit": False, "overlap_events": False},
+    {"single_submit": True, "overlap_events": True},
+    {"single_submit": True, "overlap_events": False},
+)
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,18 @@ class Knob:
 
 def default_knobs(engines: Sequence[str], nbytes: int) -> tuple[Knob, ...]:
     """Block size (up to ``nbytes``), queue depth, threads, submit mode and ``engines``, in the order searched."""
+
     def ordered(name: str, key: str, values: Sequence[int]) -> Knob:
         return Knob(name, tuple({key: v} for v in values), True)
 
     blocks = [b for b in BLOCK_SIZES if b <= nbytes] or [BLOCK_SIZES[0]]
-    return (ordered("block_size", "block_size", blocks), ordered("queue_depth", "queue_depth", QUEUE_DEPTHS),
-            ordered("threads", "intra_op_parallelism", THREADS), Knob("submit", SUBMIT_MODES, False),
-            Knob("engine", tuple({"engine": e} for e in engines), False))
+    return (
+        ordered("block_size", "block_size", blocks),
+        ordered("queue_depth", "queue_depth", QUEUE_DEPTHS),
+        ordered("threads", "intra_op_parallelism", THREADS),
+        Knob("submit", SUBMIT_MODES, False),
+        Knob("engine", tuple({"engine": e} for e in engines), False),
+    )
 
 
 def combined_score(write_gbps: float, read_gbps: float) -> float:
@@ -99,9 +108,20 @@ class Search:
     ``search_share`` of it; the rest goes to re-measuring the ``leaders`` best configs up to ``repeats`` times each.
     """
 
-    def __init__(self, measure: Measure, start: AioConfig, knobs: Sequence[Knob], budget_s: float, *,
-                 clock: Callable[[], float] = time.monotonic, started: float | None = None, leaders: int = 3,
-                 repeats: int = 5, search_share: float = 0.7, on_trial: Callable[[Trial], None] | None = None):
+    def __init__(
+        self,
+        measure: Measure,
+        start: AioConfig,
+        knobs: Sequence[Knob],
+        budget_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        started: float | None = None,
+        leaders: int = 3,
+        repeats: int = 5,
+        search_share: float = 0.7,
+        on_trial: Callable[[Trial], None] | None = None,
+    ):
         if budget_s <= 0:
             raise ValueError(f"budget must be a positive number of seconds, got {budget_s}")
         self._measure = measure
@@ -177,7 +197,7 @@ class Search:
     def _repeat_leaders(self, found: AioConfig) -> None:
         """Measure ``found`` (where the descent ended) and the next best configs again, interleaved."""
         ranked = sorted(dict.fromkeys(t.config for t in self.trials), key=self._score, reverse=True)
-        leaders = list(dict.fromkeys([found, *ranked]))[:self._leaders]
+        leaders = list(dict.fromkeys([found, *ranked]))[: self._leaders]
         for _ in range(self._repeats):
             for config in leaders:  # interleaved: A B C A B C
                 if len(self._of(config)) < self._repeats:
@@ -209,6 +229,13 @@ class Search:
             best = leader
         best = self._leader()
         mine = self._of(best)
-        return SearchResult(best, statistics.median(t.write_gbps for t in mine),
-                            statistics.median(t.read_gbps for t in mine), self._score(best), self.trials,
-                            self._elapsed(), self._budget, stopped)
+        return SearchResult(
+            best,
+            statistics.median(t.write_gbps for t in mine),
+            statistics.median(t.read_gbps for t in mine),
+            self._score(best),
+            self.trials,
+            self._elapsed(),
+            self._budget,
+            stopped,
+        )

@@ -15,8 +15,10 @@ def parse_size(text: str) -> int:
     """
     match = _PATTERN.fullmatch(str(text))
     if match is None:
-        raise ValueError(f"not a size: {text!r}; use bytes with an optional K, M, G or T suffix (powers of 1024), "
-                         f"e.g. 4096, 512K, 1M, 1G")
+        raise ValueError(
+            f"not a size: {text!r}; use bytes with an optional K, M, G or T suffix (powers of 1024), "
+            f"e.g. 4096, 512K, 1M, 1G"
+        )
     nbytes = int(match.group(1)) * _UNITS[match.group(2).upper()]
     if nbytes <= 0:
         raise ValueError(f"size must be at least 1 byte, got {text!r}")

@@ -18,8 +18,16 @@ from ..io.buffers import aligned_empty
 from ..io.owners import PRIVATE_MODE, adopt_mode, remove_dead_temporaries, temporary_name
 from ..pending import PendingFuture
 from .streams import DirectReader, DirectWriter, shared_handle
-from .torch_format import (Record, ZipChecksums, not_a_checkpoint, record, remove_quietly, snapshot, snapshot_bytes,
-                           write_records)
+from .torch_format import (
+    Record,
+    ZipChecksums,
+    not_a_checkpoint,
+    record,
+    remove_quietly,
+    snapshot,
+    snapshot_bytes,
+    write_records,
+)
 from .whole_file import load_from_memory, read_whole, weights_only_default
 
 LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
@@ -30,8 +38,9 @@ _arena: torch.Tensor | None = None  # save_async's snapshot memory, kept for the
 _arena_pinned = False
 
 
-def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
-         config: AioConfig | None = None) -> None:
+def save(
+    obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True, config: AioConfig | None = None
+) -> None:
     """Write ``obj`` to ``path`` exactly as ``torch.save(obj, f)`` would write it to a file object, so
     ``torch.load`` reads it.
 
@@ -48,8 +57,9 @@ def save(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: b
     _write_file(records, path, checksum, sync, config)
 
 
-def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True,
-               config: AioConfig | None = None) -> PendingFuture[str]:
+def save_async(
+    obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True, config: AioConfig | None = None
+) -> PendingFuture[str]:
     """Like ``save``, but return as soon as ``obj`` has been copied to staging memory; the file is written on a
     background thread. The returned future (a ``concurrent.futures.Future`` that is also ``Pending``:
     ``wait(timeout=None)``, ``done()``, ``result(timeout=None)``) gives ``path`` once the file is in place, or raises
@@ -78,9 +88,16 @@ def save_async(obj: object, path: str | os.PathLike, *, checksum: bool = True, s
         return future
 
 
-def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: bool | None = None,
-         mmap: bool | None = None, checksum: bool = False, config: AioConfig | None = None,
-         **pickle_load_args: Any) -> Any:
+def load(
+    path: str | os.PathLike,
+    map_location: Any = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
+    checksum: bool = False,
+    config: AioConfig | None = None,
+    **pickle_load_args: Any,
+) -> Any:
     """Read a ``torch.save`` file (any, not only ours) and return what ``torch.load(path, map_location,
     weights_only=weights_only)`` returns; tensor bytes are read through the async-IO op.
 
@@ -107,8 +124,10 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
             if file_identity(os.stat(path)) == before:
                 return result
             del result
-        raise CheckpointError(f"cannot load {path}: it was replaced or rewritten while being read, "
-                              f"{LOAD_ATTEMPTS} times in a row; load it once its writer is done")
+        raise CheckpointError(
+            f"cannot load {path}: it was replaced or rewritten while being read, "
+            f"{LOAD_ATTEMPTS} times in a row; load it once its writer is done"
+        )
     except CheckpointError:
         raise  # already says what is wrong with the file (a guess from its first bytes would hide it)
     except Exception as e:
@@ -118,8 +137,15 @@ def load(path: str | os.PathLike, map_location: Any = None, *, weights_only: boo
         raise CheckpointError(f"cannot load {path}: {reason}") from e
 
 
-def _load(path: str, map_location: Any, weights_only: bool | None, mmap: bool | None, checksum: bool,
-          config: AioConfig | None, pickle_load_args: dict) -> Any:
+def _load(
+    path: str,
+    map_location: Any,
+    weights_only: bool | None,
+    mmap: bool | None,
+    checksum: bool,
+    config: AioConfig | None,
+    pickle_load_args: dict,
+) -> Any:
     if path.endswith(".safetensors"):  # as torch.load does since torch 2.10
         return _load_safetensors(path, map_location, checksum)
     verifier = ZipChecksums(path) if checksum else None
@@ -142,8 +168,12 @@ def _load(path: str, map_location: Any, weights_only: bool | None, mmap: bool | 
     with DirectReader(path, config=config, on_read=verifier.on_read if verifier else None) as reader:
         try:
             # (torch's stub asks IO[bytes]; an io.RawIOBase file, as reader is, is not one to typeshed)
-            result = torch.load(reader, map_location=map_location, weights_only=weights_only,  # type: ignore[arg-type]
-                                **pickle_load_args)
+            result = torch.load(
+                reader,  # type: ignore[arg-type]
+                map_location=map_location,
+                weights_only=weights_only,
+                **pickle_load_args,
+            )
         except Exception as e:
             if reader.error is not None:  # what torch reports then is a consequence, not the cause
                 raise reader.error from e
@@ -160,8 +190,10 @@ def _load_safetensors(path: str, map_location: Any, checksum: bool) -> dict[str,
     if checksum:
         raise ValueError(f"{path}: a safetensors file records no checksums to verify; load it with checksum=False")
     if isinstance(map_location, dict) or callable(map_location):
-        raise UnsupportedError(f"cannot load {path}: a safetensors file takes a device as map_location (as with "
-                               f"torch.load), not a {type(map_location).__name__}")
+        raise UnsupportedError(
+            f"cannot load {path}: a safetensors file takes a device as map_location (as with "
+            f"torch.load), not a {type(map_location).__name__}"
+        )
     tensors = load_file(path)
     if map_location is None or _on_cpu(map_location):
         return tensors
@@ -171,8 +203,10 @@ def _load_safetensors(path: str, map_location: Any, checksum: bool) -> dict[str,
 def _path_of(path: Any, verb: str) -> str:
     """``path`` as a string, or a ``TypeError`` saying that these functions take paths, not file objects."""
     if not isinstance(path, (str, bytes, os.PathLike)):
-        raise TypeError(f"deepoffload.{verb} takes a file path (str or os.PathLike), not {type(path).__name__}; "
-                        f"use torch.{verb} for file objects and buffers")
+        raise TypeError(
+            f"deepoffload.{verb} takes a file path (str or os.PathLike), not {type(path).__name__}; "
+            f"use torch.{verb} for file objects and buffers"
+        )
     return os.fsdecode(path)
 
 

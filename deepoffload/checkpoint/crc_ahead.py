@@ -15,8 +15,8 @@ import threading
 
 import torch
 
-from ..io.crc import crc32
 from ..errors import CheckpointError
+from ..io.crc import crc32
 
 AHEAD_MIN_BYTES = 1 << 20  # smaller records are checksummed as they are staged: a thread hop would cost more
 
@@ -41,9 +41,11 @@ class CrcAhead:
     digest. The records' memory must stay unchanged until ``close()``, which waits for the thread."""
 
     def __init__(self, records: list) -> None:
-        self._jobs = [(name, data.data_ptr(), nbytes) for name, data, nbytes in records
-                      if nbytes >= AHEAD_MIN_BYTES and isinstance(data, torch.UntypedStorage)
-                      and data.device.type == "cpu"]
+        self._jobs = [
+            (name, data.data_ptr(), nbytes)
+            for name, data, nbytes in records
+            if nbytes >= AHEAD_MIN_BYTES and isinstance(data, torch.UntypedStorage) and data.device.type == "cpu"
+        ]
         self._pending = {name: _Pending() for name, _, _ in self._jobs}
         self._stop = False
         self._thread = None

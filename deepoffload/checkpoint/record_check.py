@@ -35,11 +35,15 @@ class CheckedStorage:
         start, stop = index.start, index.stop
         record = self._records.get(start)
         if record is None:
-            raise CheckpointError(f"cannot load {self._path}: a storage is said to start at byte {start}, where no "
-                                  f"data record starts (the file is damaged or was crafted)")
+            raise CheckpointError(
+                f"cannot load {self._path}: a storage is said to start at byte {start}, where no "
+                f"data record starts (the file is damaged or was crafted)"
+            )
         name, size = record
         if stop - start != size:
-            raise CheckpointError(f"cannot load {self._path}: record {name} holds {size} bytes but the pickle "
-                                  f"claims {stop - start} for its storage (as torch.load, refused: the file is "
-                                  f"damaged or was crafted)")
+            raise CheckpointError(
+                f"cannot load {self._path}: record {name} holds {size} bytes but the pickle "
+                f"claims {stop - start} for its storage (as torch.load, refused: the file is "
+                f"damaged or was crafted)"
+            )
         return self._storage[index]

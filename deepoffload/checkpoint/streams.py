@@ -89,8 +89,15 @@ class DirectWriter(io.RawIOBase):
     raises and it is then finalized), and ``close()`` raises the first error; ``error`` holds it meanwhile.
     """
 
-    def __init__(self, path: str | os.PathLike, *, config: AioConfig | None = None, sync: bool = True,
-                 size_hint: int = 0, mode: int = 0o666):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        config: AioConfig | None = None,
+        sync: bool = True,
+        size_hint: int = 0,
+        mode: int = 0o666,
+    ):
         super().__init__()
         self.path = os.fspath(path)
         self.sync = sync
@@ -236,8 +243,13 @@ class DirectReader(SeekableReader):
     checksums); an exception it raises fails the read. ``error`` keeps the first exception a read raised.
     """
 
-    def __init__(self, path: str | os.PathLike, *, config: AioConfig | None = None,
-                 on_read: Callable[[int, memoryview], None] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        config: AioConfig | None = None,
+        on_read: Callable[[int, memoryview], None] | None = None,
+    ):
         super().__init__()
         self.path = os.fspath(path)
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))

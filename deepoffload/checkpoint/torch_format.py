@@ -21,9 +21,9 @@ from typing import Union
 import torch
 import torch.serialization
 
+from ..errors import ChecksumError, DeepOffloadError
 from ..io.buffers import aligned_empty
 from ..io.crc import crc32
-from ..errors import ChecksumError, DeepOffloadError
 from .crc_ahead import CrcAhead
 from .streams import DirectWriter
 
@@ -42,12 +42,15 @@ class _Recorder:
         self.records.append((name, data, nbytes))
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
-        raise ValueError("deepoffload.save cannot write checkpoints without data (torch.serialization.skip_data); "
-                         "use torch.save for that")
+        raise ValueError(
+            "deepoffload.save cannot write checkpoints without data (torch.serialization.skip_data); "
+            "use torch.save for that"
+        )
 
 
-def record(obj: object, pickle_module=pickle, pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL
-           ) -> list[Record]:
+def record(
+    obj: object, pickle_module=pickle, pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL
+) -> list[Record]:
     """The zip records ``torch.save(obj, f)`` would write, in its order; storages are referenced, not copied."""
     recorder = _Recorder()
     torch.serialization._save(obj, recorder, pickle_module, pickle_protocol, False)
@@ -78,8 +81,8 @@ def snapshot(records: list[Record], arena: torch.Tensor | None = None) -> list[R
             if offset + nbytes > arena.numel():
                 raise ValueError(f"snapshot: the arena of {arena.numel()} bytes is too small for the records")
             source = torch.empty(0, dtype=torch.uint8, device=data.device).set_(data, 0, (data.nbytes(),), (1,))
-            arena[offset:offset + data.nbytes()].copy_(source)
-            data = base[start + offset:start + offset + data.nbytes()]
+            arena[offset : offset + data.nbytes()].copy_(source)
+            data = base[start + offset : start + offset + data.nbytes()]
             offset += -(-nbytes // RECORD_ALIGNMENT) * RECORD_ALIGNMENT
         copied.append((name, data, nbytes))
     return copied
@@ -96,8 +99,11 @@ def write_records(records: list[Record], sink: DirectWriter, checksum: bool) -> 
     try:
         filler = CrcFiller(sink, ahead) if checksum else None
         # (torch's stub asks IO[bytes]; an io.RawIOBase file, as both sinks are, is not one to typeshed)
-        writer = torch._C.PyTorchFileWriter(filler or sink, False,  # type: ignore[call-overload]
-                                            torch.serialization._get_storage_alignment())
+        writer = torch._C.PyTorchFileWriter(
+            filler or sink,
+            False,  # type: ignore[call-overload]
+            torch.serialization._get_storage_alignment(),
+        )
         try:
             for name, data, nbytes in records:
                 if sink.error is not None:
@@ -192,7 +198,7 @@ class CrcFiller(io.RawIOBase):
                 if self._state == "data":
                     raise ZipLayoutError(self._describe("a header and data in one write"))
                 take = min(self._need - len(self._held), view.nbytes - done)
-                piece = view[done:done + take]
+                piece = view[done : done + take]
                 self._held += piece
                 done += take
                 if self._state == "local":
@@ -204,8 +210,12 @@ class CrcFiller(io.RawIOBase):
     def finish(self) -> None:
         """Check that the whole stream was understood and every record's CRC reached the central directory."""
         if self._state != "end" or self._patched != set(self.crcs):
-            raise ZipLayoutError(self._describe(f"a stream ending in state {self._state!r}, with central directory "
-                                                f"entries for {len(self._patched)} of {len(self.crcs)} records"))
+            raise ZipLayoutError(
+                self._describe(
+                    f"a stream ending in state {self._state!r}, with central directory "
+                    f"entries for {len(self._patched)} of {len(self.crcs)} records"
+                )
+            )
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _data(self, view: memoryview) -> bool:
@@ -270,13 +280,16 @@ class CrcFiller(io.RawIOBase):
             if len(held) == 30:
                 flags, method, crc, size, name_len, extra_len = struct.unpack_from("<HHxxxxII4xHH", held, 6)
                 if method != 0 or crc != 0 or not (flags & 0x8 or size == 0):  # bit 3: a descriptor follows
-                    raise ZipLayoutError(self._describe(f"a local header with flags {flags:#x}, method {method}, "
-                                                        f"CRC {crc:#x}, size {size}"))
+                    raise ZipLayoutError(
+                        self._describe(
+                            f"a local header with flags {flags:#x}, method {method}, CRC {crc:#x}, size {size}"
+                        )
+                    )
                 self._need = 30 + name_len + extra_len
                 if self._need > 30:
                     return
             name_len = struct.unpack_from("<H", held, 26)[0]
-            self._name = bytes(held[30:30 + name_len]).decode("utf-8")
+            self._name = bytes(held[30 : 30 + name_len]).decode("utf-8")
             if self._name in self.crcs:
                 raise ZipLayoutError(self._describe(f"the record name {self._name!r} twice"))
             if struct.unpack_from("<H", held, 6)[0] & 0x8:
@@ -291,7 +304,7 @@ class CrcFiller(io.RawIOBase):
             if self._need > 46:
                 return
         name_len = struct.unpack_from("<H", held, 28)[0]
-        name = bytes(held[46:46 + name_len]).decode("utf-8")
+        name = bytes(held[46 : 46 + name_len]).decode("utf-8")
         if name not in self.crcs or name in self._patched or struct.unpack_from("<I", held, 16)[0] != 0:
             raise ZipLayoutError(self._describe(f"a central directory entry for {name!r} that matches no record"))
         struct.pack_into("<I", held, 16, self.crcs[name])
@@ -300,9 +313,11 @@ class CrcFiller(io.RawIOBase):
         self._held, self._state, self._need = bytearray(), "signature", 4
 
     def _describe(self, what: str) -> str:
-        return (f"deepoffload.save cannot fill in the CRC-32 fields of {self.sink.path}: torch "
-                f"{torch.__version__}'s zip writer produced {what}, which it does not know. Save with "
-                f"checksum=False, or use torch.save")
+        return (
+            f"deepoffload.save cannot fill in the CRC-32 fields of {self.sink.path}: torch "
+            f"{torch.__version__}'s zip writer produced {what}, which it does not know. Save with "
+            f"checksum=False, or use torch.save"
+        )
 
 
 class ZipChecksums:
@@ -317,8 +332,10 @@ class ZipChecksums:
         try:
             archive = zipfile.ZipFile(path)
         except zipfile.BadZipFile as e:
-            raise ValueError(f"{path}: not a zip-format torch.save file, so it has no checksums to verify; load it "
-                             f"with checksum=False") from e
+            raise ValueError(
+                f"{path}: not a zip-format torch.save file, so it has no checksums to verify; load it "
+                f"with checksum=False"
+            ) from e
         self._records: dict[int, zipfile.ZipInfo] = {}
         with archive, open(path, "rb") as f:
             for info in archive.infolist():
@@ -328,10 +345,12 @@ class ZipChecksums:
                 self._records[info.header_offset + 30 + name_bytes + extra_bytes] = info
         unrecorded = [i.filename for i in self._records.values() if i.CRC == 0 and i.file_size > 0]
         if unrecorded:
-            raise ChecksumError(errno.EIO,
-                                f"{path}: no checksums were recorded (saved with checksum=False or with torch's "
-                                f"crc32 option off; first record without one: {unrecorded[0]}); load it with "
-                                f"checksum=False")
+            raise ChecksumError(
+                errno.EIO,
+                f"{path}: no checksums were recorded (saved with checksum=False or with torch's "
+                f"crc32 option off; first record without one: {unrecorded[0]}); load it with "
+                f"checksum=False",
+            )
         self._verified: set[int] = set()
 
     def on_read(self, offset: int, view: memoryview) -> None:
@@ -344,9 +363,11 @@ class ZipChecksums:
         """Check every record against ``data``, the whole file's bytes."""
         for offset, info in self._records.items():
             if offset + info.file_size > data.numel():
-                raise ChecksumError(errno.EIO,
-                                    f"{self.path}: record {info.filename} ends at byte {offset + info.file_size}, "
-                                    f"past the end of the file ({data.numel()} bytes): the checkpoint is truncated")
+                raise ChecksumError(
+                    errno.EIO,
+                    f"{self.path}: record {info.filename} ends at byte {offset + info.file_size}, "
+                    f"past the end of the file ({data.numel()} bytes): the checkpoint is truncated",
+                )
             if info.file_size:
                 piece = (ctypes.c_char * info.file_size).from_address(data.data_ptr() + offset)
                 self._check(info, crc32(piece))
@@ -363,9 +384,11 @@ class ZipChecksums:
 
     def _check(self, info: zipfile.ZipInfo, crc: int) -> None:
         if crc != info.CRC:
-            raise ChecksumError(errno.EIO,
-                                f"{self.path}: record {info.filename} ({info.file_size} bytes) has CRC-32 "
-                                f"{crc:#010x}, the file recorded {info.CRC:#010x}: the checkpoint is corrupted")
+            raise ChecksumError(
+                errno.EIO,
+                f"{self.path}: record {info.filename} ({info.file_size} bytes) has CRC-32 "
+                f"{crc:#010x}, the file recorded {info.CRC:#010x}: the checkpoint is corrupted",
+            )
 
 
 _PICKLE_STARTS = b"\x80LIJ\x8a"  # the first byte of a legacy-format file: the pickled magic number, any protocol
@@ -383,8 +406,14 @@ def not_a_checkpoint(path: str) -> str | None:
     if size == 0:
         return "the file is empty (0 bytes; an interrupted save or copy?)"
     if head.startswith(b"PK\x03\x04"):
-        return None if zipfile.is_zipfile(path) else ("it starts as a zip-format torch.save file but has no zip "
-                                                      "directory at its end: it is truncated or damaged")
+        return (
+            None
+            if zipfile.is_zipfile(path)
+            else (
+                "it starts as a zip-format torch.save file but has no zip "
+                "directory at its end: it is truncated or damaged"
+            )
+        )
     if len(head) == 10 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
         if path.endswith(".safetensors"):
             return None  # read as one: its own error stands

@@ -54,7 +54,7 @@ def read_whole(path: str, handle: AsyncIOHandle) -> torch.Tensor:
     requests = []
     try:
         for start in range(0, size, WHOLE_READ_CHUNK):
-            chunk = data[start:start + WHOLE_READ_CHUNK]
+            chunk = data[start : start + WHOLE_READ_CHUNK]
             prefault(chunk)
             requests.append(handle.read_async(chunk, path, start))
     finally:  # every read submitted finishes before its memory can go
@@ -78,8 +78,14 @@ def weights_only_default(weights_only: bool | None, pickle_module: Any) -> bool:
     return bool(weights_only)
 
 
-def load_from_memory(data: torch.Tensor, map_location: Any, weights_only: bool, pickle_module: Any,
-                     pickle_load_args: dict, path: str = "<memory>") -> tuple[bool, Any]:
+def load_from_memory(
+    data: torch.Tensor,
+    map_location: Any,
+    weights_only: bool,
+    pickle_module: Any,
+    pickle_load_args: dict,
+    path: str = "<memory>",
+) -> tuple[bool, Any]:
     """``(True, objects)`` from the zip-format ``torch.save`` bytes in ``data`` with storages sliced from it, or
     ``(False, None)`` when ``torch.load`` itself must handle the file (legacy format, TorchScript archive, or a
     weights-only refusal, whose message ``torch.load`` words). A storage that is not exactly its record's bytes

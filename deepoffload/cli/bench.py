@@ -35,11 +35,13 @@ def positive_int(text: str) -> int:
 def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     """--config and the async-IO knobs; ones given override the config file (or the defaults)."""
     parser.add_argument("--config", metavar="FILE", help="start from this aio JSON config (e.g. from `tune`)")
-    parser.add_argument("--block-size", type=size_argument, metavar="BYTES",
-                        help="bytes per IO request (K/M/G suffixes)")
+    parser.add_argument(
+        "--block-size", type=size_argument, metavar="BYTES", help="bytes per IO request (K/M/G suffixes)"
+    )
     parser.add_argument("--queue-depth", type=positive_int, metavar="N", help="requests in flight per thread")
-    parser.add_argument("--threads", type=positive_int, metavar="N", help="threads sharing one transfer "
-                        "(intra_op_parallelism)")
+    parser.add_argument(
+        "--threads", type=positive_int, metavar="N", help="threads sharing one transfer (intra_op_parallelism)"
+    )
     from ..config import ENGINES
 
     parser.add_argument("--engine", choices=ENGINES, help="async-IO engine")
@@ -49,26 +51,44 @@ def config_from_args(args: argparse.Namespace):
     from ..config import AioConfig
 
     base = AioConfig.from_json(args.config) if args.config else AioConfig.from_env()
-    overrides = {key: value for key, value in (("block_size", args.block_size), ("queue_depth", args.queue_depth),
-                                               ("intra_op_parallelism", args.threads), ("engine", args.engine))
-                 if value is not None}
+    overrides = {
+        key: value
+        for key, value in (
+            ("block_size", args.block_size),
+            ("queue_depth", args.queue_depth),
+            ("intra_op_parallelism", args.threads),
+            ("engine", args.engine),
+        )
+        if value is not None
+    }
     return AioConfig.from_dict(overrides, base=base)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to measure")
-    parser.add_argument("--size", type=size_argument, default="1G", metavar="BYTES",
-                        help="test file size = bytes per transfer (K/M/G suffixes, powers of 1024; default 1G)")
+    parser.add_argument(
+        "--size",
+        type=size_argument,
+        default="1G",
+        metavar="BYTES",
+        help="test file size = bytes per transfer (K/M/G suffixes, powers of 1024; default 1G)",
+    )
     add_knob_arguments(parser)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--read", dest="ops", action="store_const", const=("read",), help="reads only")
     which.add_argument("--write", dest="ops", action="store_const", const=("write",), help="writes only")
-    which.add_argument("--both", dest="ops", action="store_const", const=("write", "read"),
-                       help="writes and reads (default)")
-    parser.add_argument("--loops", type=positive_int, default=3, metavar="N",
-                        help="timed transfers per kind (default 3)")
-    parser.add_argument("--buffer", choices=("pinned", "unaligned"), default="pinned",
-                        help="pinned: page-aligned, page-locked (zero copy); unaligned: through bounce buffers")
+    which.add_argument(
+        "--both", dest="ops", action="store_const", const=("write", "read"), help="writes and reads (default)"
+    )
+    parser.add_argument(
+        "--loops", type=positive_int, default=3, metavar="N", help="timed transfers per kind (default 3)"
+    )
+    parser.add_argument(
+        "--buffer",
+        choices=("pinned", "unaligned"),
+        default="pinned",
+        help="pinned: page-aligned, page-locked (zero copy); unaligned: through bounce buffers",
+    )
     parser.add_argument("--compare-fio", action="store_true", help="run fio interleaved with ours, print ours/fio")
     parser.add_argument("--baselines", action="store_true", help="also time mmap and torch.save/torch.load+fsync")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -90,13 +110,24 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..bench.runner import BenchSettings, run as run_bench
+    from ..bench.runner import BenchSettings
+    from ..bench.runner import run as run_bench
 
-    settings = BenchSettings(folder=Path(args.path), nbytes=args.size, config=config_from_args(args),
-                             ops=args.ops or ("write", "read"), loops=args.loops, buffer=args.buffer,
-                             compare_fio=args.compare_fio, baselines=args.baselines)
-    progress = None if args.json else (lambda s: print(f"  {s.op:5} {s.tool:11} {s.gbps:7.3f} GB/s",
-                                                       file=sys.stderr, flush=True))
+    settings = BenchSettings(
+        folder=Path(args.path),
+        nbytes=args.size,
+        config=config_from_args(args),
+        ops=args.ops or ("write", "read"),
+        loops=args.loops,
+        buffer=args.buffer,
+        compare_fio=args.compare_fio,
+        baselines=args.baselines,
+    )
+    progress = (
+        None
+        if args.json
+        else (lambda s: print(f"  {s.op:5} {s.tool:11} {s.gbps:7.3f} GB/s", file=sys.stderr, flush=True))
+    )
     result = run_bench(settings, progress)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -128,12 +159,18 @@ def format_table(report: dict) -> str:
         for tool, data in entry.items():
             if tool.startswith("ratio_vs_"):
                 continue
-            lines.append(f"  {tool:<16}" + "".join(f"{g:9.3f}" for g in data["gbps"])
-                         + f"{data['median_gbps']:9.3f}{_seconds(data['median_seconds_per_request']):>14}"
-                         + f"{_seconds(data['median_seconds_per_transfer']):>14}")
+            lines.append(
+                f"  {tool:<16}"
+                + "".join(f"{g:9.3f}" for g in data["gbps"])
+                + f"{data['median_gbps']:9.3f}{_seconds(data['median_seconds_per_request']):>14}"
+                + f"{_seconds(data['median_seconds_per_transfer']):>14}"
+            )
         for key, data in entry.items():
             if key.startswith("ratio_vs_"):
                 name = "ours/" + key.removeprefix("ratio_vs_")
-                lines.append(f"  {name:<16}" + "".join(f"{r:9.3f}" for r in data["per_loop"])
-                             + f"{data['median']:9.3f}  (median of per-loop ratios)")
+                lines.append(
+                    f"  {name:<16}"
+                    + "".join(f"{r:9.3f}" for r in data["per_loop"])
+                    + f"{data['median']:9.3f}  (median of per-loop ratios)"
+                )
     return "\n".join(lines)

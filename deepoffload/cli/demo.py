@@ -15,18 +15,28 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "rmsprop", "adafactor")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
-    parser.add_argument("--model-size", choices=SIZES, default="small",
-                        help="tiny (0.1M params), small (5M, default), medium (34M), large (185M)")
+    parser.add_argument(
+        "--model-size",
+        choices=SIZES,
+        default="small",
+        help="tiny (0.1M params), small (5M, default), medium (34M), large (185M)",
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="default: adam")
-    parser.add_argument("--path", default=None,
-                        help="folder for the swap files, e.g. on an NVMe (default: a temporary folder in the current "
-                             "directory, removed at the end)")
-    parser.add_argument("--config", default=None, metavar="JSON",
-                        help="swap/aio settings file (e.g. written by `deepoffload tune`)")
+    parser.add_argument(
+        "--path",
+        default=None,
+        help="folder for the swap files, e.g. on an NVMe (default: a temporary folder in the current "
+        "directory, removed at the end)",
+    )
+    parser.add_argument(
+        "--config", default=None, metavar="JSON", help="swap/aio settings file (e.g. written by `deepoffload tune`)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the swap files for inspection")
-    parser.add_argument("--stream-layers", action="store_true",
-                        help="stream the model's blocks from storage too (parameter offload; own built-in model, "
-                             "Adam; try --steps 10)")
+    parser.add_argument(
+        "--stream-layers",
+        action="store_true",
+        help="stream the model's blocks from storage too (parameter offload; own built-in model, Adam; try --steps 10)",
+    )
 
 
 def state_estimate(args: argparse.Namespace) -> int:
@@ -43,15 +53,21 @@ def _mb(nbytes: float) -> str:
 def _overhead_text(result) -> str:
     ratios = result.step_overheads
     if not ratios:
-        return ("not compared: the only step creates the optimizer state, which in memory costs nothing to read; "
-                "run --steps 3 or more")
+        return (
+            "not compared: the only step creates the optimizer state, which in memory costs nothing to read; "
+            "run --steps 3 or more"
+        )
     if len(ratios) == 1:
-        return (f"overhead {100 * ratios[0]:+.1f}% against in memory (one step compared, the second; a single "
-                f"step is noisy: run more --steps)")
+        return (
+            f"overhead {100 * ratios[0]:+.1f}% against in memory (one step compared, the second; a single "
+            f"step is noisy: run more --steps)"
+        )
     low, high = result.overhead_spread
     spread = "middle half of the steps" if len(ratios) >= 4 else "range"
-    return (f"overhead {100 * result.overhead:+.1f}% against in memory (median of {len(ratios)} per-step ratios, "
-            f"the two runs interleaved, first step excluded; {spread} {100 * low:+.1f}% to {100 * high:+.1f}%)")
+    return (
+        f"overhead {100 * result.overhead:+.1f}% against in memory (median of {len(ratios)} per-step ratios, "
+        f"the two runs interleaved, first step excluded; {spread} {100 * low:+.1f}% to {100 * high:+.1f}%)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,8 +91,7 @@ def run(args: argparse.Namespace) -> int:
     folder = args.path or config.folder or os.getcwd()
     config = config.replace(folder=folder, keep_files=args.keep or config.keep_files)
     if not os.path.isdir(folder):  # as bench and tune: never create (and leave) a folder the user mistyped
-        print(f"deepoffload demo: {folder} is not an existing folder; choose another folder with --path "
-              f"(or create it)")
+        print(f"deepoffload demo: {folder} is not an existing folder; choose another folder with --path (or create it)")
         return 1
     try:  # before any progress bar: a first use builds the op and says so on its own line
         from ..io.native import native
@@ -89,17 +104,21 @@ def run(args: argparse.Namespace) -> int:
         from ..demo.stream import report_stream
 
         return report_stream(args.steps, config)
-    print(f"deepoffload demo: {args.model_size} model, {args.optimizer}, {args.steps} steps, optimizer state on "
-          f"storage under {config.folder} (engine {config.aio.engine}, chunks of {_mb(config.chunk_bytes)}); "
-          f"the same model trains in memory alongside "
-          f"for comparison")
+    print(
+        f"deepoffload demo: {args.model_size} model, {args.optimizer}, {args.steps} steps, optimizer state on "
+        f"storage under {config.folder} (engine {config.aio.engine}, chunks of {_mb(config.chunk_bytes)}); "
+        f"the same model trains in memory alongside "
+        f"for comparison"
+    )
     bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
 
     def progress(step: int, result) -> None:
         bar.update(1)
-        bar.set_postfix(loss=f"{result.losses_offloaded[-1]:.4f}",
-                        step_ms=f"{1e3 * result.step_seconds_offloaded[-1]:.0f}",
-                        io=f"{result.io_gb_per_s:.2f} GB/s")
+        bar.set_postfix(
+            loss=f"{result.losses_offloaded[-1]:.4f}",
+            step_ms=f"{1e3 * result.step_seconds_offloaded[-1]:.0f}",
+            io=f"{result.io_gb_per_s:.2f} GB/s",
+        )
 
     try:
         result = run_demo(args.model_size, args.steps, args.optimizer, config, progress)
@@ -110,24 +129,37 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     saved = result.state_bytes_on_storage - result.staging_bytes
     print(f"parameters:                 {result.parameters:,}")
-    print(f"optimizer state on storage: {result.state_bytes_on_storage:,} bytes ({_mb(result.state_bytes_on_storage)})"
-          f"; in memory it takes {result.state_bytes_memory:,} bytes")
+    print(
+        f"optimizer state on storage: {result.state_bytes_on_storage:,} bytes ({_mb(result.state_bytes_on_storage)})"
+        f"; in memory it takes {result.state_bytes_memory:,} bytes"
+    )
     if saved > 0:
-        print(f"memory saved:               {_mb(saved)} (state not in RAM, minus {_mb(result.staging_bytes)} of "
-              f"staging buffers)")
+        print(
+            f"memory saved:               {_mb(saved)} (state not in RAM, minus {_mb(result.staging_bytes)} of "
+            f"staging buffers)"
+        )
     else:
-        print(f"memory saved:               none: this model's state ({_mb(result.state_bytes_on_storage)}) is "
-              f"smaller than the staging buffers ({_mb(result.staging_bytes)}); offloading pays off for states much "
-              f"larger than the buffers (try --model-size small)")
-    over = "the only step, which writes the state and reads nothing" if result.steps == 1 else \
-        "the offloaded optimizer steps after the first"
-    print(f"IO:                         {_mb(result.bytes_moved)} moved at {result.io_gb_per_s:.2f} GB/s "
-          f"(1e9 bytes/s, over {over})")
+        print(
+            f"memory saved:               none: this model's state ({_mb(result.state_bytes_on_storage)}) is "
+            f"smaller than the staging buffers ({_mb(result.staging_bytes)}); offloading pays off for states much "
+            f"larger than the buffers (try --model-size small)"
+        )
+    over = (
+        "the only step, which writes the state and reads nothing"
+        if result.steps == 1
+        else "the offloaded optimizer steps after the first"
+    )
+    print(
+        f"IO:                         {_mb(result.bytes_moved)} moved at {result.io_gb_per_s:.2f} GB/s "
+        f"(1e9 bytes/s, over {over})"
+    )
     print(f"step time:                  {_overhead_text(result)}")
     match = result.losses_match and result.params_match
-    print(f"losses matched exactly:     {'yes' if match else 'NO'} (final loss {result.losses_offloaded[-1]:.6f}; "
-          f"{len(result.losses_offloaded)} steps compared bit for bit, final parameters "
-          f"{'identical' if result.params_match else 'DIFFERENT'})")
+    print(
+        f"losses matched exactly:     {'yes' if match else 'NO'} (final loss {result.losses_offloaded[-1]:.6f}; "
+        f"{len(result.losses_offloaded)} steps compared bit for bit, final parameters "
+        f"{'identical' if result.params_match else 'DIFFERENT'})"
+    )
     if args.keep:
         print(f"swap files kept in {result.folder}")
     return 0 if match else 1

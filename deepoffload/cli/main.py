@@ -18,8 +18,10 @@ COMMANDS = {
     "demo": ("deepoffload.cli.demo", "train a small language model with its optimizer state on storage"),
     "plan": ("deepoffload.cli.plan", "what streaming a checkpoint's model keeps in memory under a limit"),
 }
-DESCRIPTION = ("Move PyTorch tensors and optimizer state between memory and fast storage. "
-               "Start with `deepoffload report`, then `deepoffload demo`.")
+DESCRIPTION = (
+    "Move PyTorch tensors and optimizer state between memory and fast storage. "
+    "Start with `deepoffload report`, then `deepoffload demo`."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

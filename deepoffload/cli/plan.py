@@ -16,8 +16,9 @@ from typing import cast
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a .safetensors file, a sharded folder with its index, or a torch.save file")
-    parser.add_argument("--max-memory", required=True, metavar="N",
-                        help="the process's memory limit: bytes, or e.g. 6GB, 512MiB")
+    parser.add_argument(
+        "--max-memory", required=True, metavar="N", help="the process's memory limit: bytes, or e.g. 6GB, 512MiB"
+    )
     parser.add_argument("--prefetch", type=int, default=1, help="the most blocks read ahead (default: 1)")
     parser.add_argument("--train", action="store_true", help="with an optimizer (Adam-like state buffers)")
 
@@ -56,32 +57,45 @@ def run(args: argparse.Namespace) -> int:
             sizes = {}
             for name in reader.names():
                 shape, dtype = reader.shape_dtype(name)
-                sizes[name] = round_up(math.prod(shape) * torch.empty((), dtype=dtype).element_size(),
-                                       TENSOR_ALIGNMENT)
+                sizes[name] = round_up(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), TENSOR_ALIGNMENT)
     except (CheckpointError, OSError) as e:
         print(f"deepoffload plan: {e}", file=sys.stderr)
         return 1
     blocks, rest = blocks_of(sizes)
     if not blocks:
-        print(f"deepoffload plan: {args.checkpoint}: no blocks (names with a numbered part such as layers.0.)",
-              file=sys.stderr)
+        print(
+            f"deepoffload plan: {args.checkpoint}: no blocks (names with a numbered part such as layers.0.)",
+            file=sys.stderr,
+        )
         return 1
     if args.train:
         import torch._dynamo  # noqa: F401  (what a torch optimizer's construction imports)
-    plan = MemoryPlan(round_up(max(blocks.values())), rest, args.prefetch, training=args.train, resident_bytes=None,
-                      reader_bytes=READER_BYTES)
+    plan = MemoryPlan(
+        round_up(max(blocks.values())),
+        rest,
+        args.prefetch,
+        training=args.train,
+        resident_bytes=None,
+        reader_bytes=READER_BYTES,
+    )
     process = process_bytes()
-    print(f"checkpoint: {args.checkpoint}: {len(blocks)} blocks, {sum(blocks.values()) / 1e6:.1f} MB in blocks, "
-          f"{rest / 1e6:.1f} MB outside")
+    print(
+        f"checkpoint: {args.checkpoint}: {len(blocks)} blocks, {sum(blocks.values()) / 1e6:.1f} MB in blocks, "
+        f"{rest / 1e6:.1f} MB outside"
+    )
     try:
         fitted = fit(plan, limit, process)
     except MemoryError as e:
         print(f"does not fit: {e}")
         return 1
-    print(f"max_memory: {limit / 1e6:.1f} MB; the process now: {process / 1e6:.1f} MB; left for the forward's "
-          f"activations: {fitted.forward_bytes / 1e6:.1f} MB")
-    print(f"chosen: prefetch {fitted.plan.prefetch}, {fitted.plan.state_chunks} optimizer buffers, "
-          f"{cast(int, fitted.plan.resident_bytes) / 1e6:.1f} MB of blocks kept in memory")  # fit() sets it
+    print(
+        f"max_memory: {limit / 1e6:.1f} MB; the process now: {process / 1e6:.1f} MB; left for the forward's "
+        f"activations: {fitted.forward_bytes / 1e6:.1f} MB"
+    )
+    print(
+        f"chosen: prefetch {fitted.plan.prefetch}, {fitted.plan.state_chunks} optimizer buffers, "
+        f"{cast(int, fitted.plan.resident_bytes) / 1e6:.1f} MB of blocks kept in memory"
+    )  # fit() sets it
     for what, nbytes in fitted.plan.parts():
         print(f"  {what}: {nbytes / 1e6:.1f} MB")
     print(f"expected peak: {fitted.expected_peak_bytes / 1e6:.1f} MB of {limit / 1e6:.1f} MB")

@@ -58,13 +58,20 @@ def render(report: dict, style: Style) -> str:
     op_rows = []
     for op in report["ops"]:
         if op["engines"]:
-            engines = ", ".join(e if s["ok"] else f"{e} ({style.bad('fails self-test')})"
-                                for e, s in op["engines"].items())
+            engines = ", ".join(
+                e if s["ok"] else f"{e} ({style.bad('fails self-test')})" for e, s in op["engines"].items()
+            )
         else:
             engines = ", ".join(op["engines_buildable"]) + style.dim(" (when built)")
-        op_rows.append([op["name"], yes(op["installed"]), yes(op["compatible"]),
-                        op["built"] and ("prebuilt" if op["built"] == "prebuilt" else "yes (cache)") or "not yet",
-                        engines])
+        op_rows.append(
+            [
+                op["name"],
+                yes(op["installed"]),
+                yes(op["compatible"]),
+                op["built"] and ("prebuilt" if op["built"] == "prebuilt" else "yes (cache)") or "not yet",
+                engines,
+            ]
+        )
     out.append(_table(op_rows, ["op", "prebuilt", "compatible", "built", "engines"]))
     for op in report["ops"]:
         out.append("")
@@ -89,23 +96,35 @@ def render(report: dict, style: Style) -> str:
         if not op["built"] and op["compatible"]:
             out.append(style.dim("the op builds on first use (or prebuild it: see docs/concepts/building.md)"))
     out.append("")
-    out.append(_table([[k, str(v) if v is not None else style.dim("not found")]
-                       for k, v in report["versions"].items()], ["version", "value"]))
+    out.append(
+        _table(
+            [[k, str(v) if v is not None else style.dim("not found")] for k, v in report["versions"].items()],
+            ["version", "value"],
+        )
+    )
     if "path" in report:
         p = report["path"]
         out.append("")
         if "error" in p:
             out.append(style.bad(f"{p['path']}: {p['error']}"))
         else:
-            direct = (style.ok(f"yes, alignment {p['alignment']} bytes") if p["direct_io"]
-                      else style.bad(f"no ({p['direct_io_reason']})"))
-            out.append(_table([
-                ["folder", p["path"]],
-                ["filesystem", f"{p['filesystem']} (mounted at {p['mount']})"],
-                ["free", f"{p['free_bytes'] / 1e9:.1f} GB of {p['total_bytes'] / 1e9:.1f} GB"],
-                ["writable", yes(p["writable"])],
-                ["O_DIRECT", direct],
-            ], ["path check", "value"]))
+            direct = (
+                style.ok(f"yes, alignment {p['alignment']} bytes")
+                if p["direct_io"]
+                else style.bad(f"no ({p['direct_io_reason']})")
+            )
+            out.append(
+                _table(
+                    [
+                        ["folder", p["path"]],
+                        ["filesystem", f"{p['filesystem']} (mounted at {p['mount']})"],
+                        ["free", f"{p['free_bytes'] / 1e9:.1f} GB of {p['total_bytes'] / 1e9:.1f} GB"],
+                        ["writable", yes(p["writable"])],
+                        ["O_DIRECT", direct],
+                    ],
+                    ["path check", "value"],
+                )
+            )
     return "\n".join(out)
 
 

@@ -22,14 +22,31 @@ PLOT_HINT = "--plot needs matplotlib, which is not installed: pip install matplo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to tune for")
-    parser.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
-                        help="wall-clock budget, setup included; no trial starts that would end after it (default 60)")
-    parser.add_argument("--output", default="aio.json", metavar="FILE",
-                        help="where to write the best config as aio JSON (default aio.json)")
-    parser.add_argument("--size", type=size_argument, default="256M", metavar="BYTES",
-                        help="bytes per trial transfer and test-file size (K/M/G suffixes; default 256M)")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw throughput against block size and queue depth per "
-                        "engine (needs matplotlib)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="wall-clock budget, setup included; no trial starts that would end after it (default 60)",
+    )
+    parser.add_argument(
+        "--output",
+        default="aio.json",
+        metavar="FILE",
+        help="where to write the best config as aio JSON (default aio.json)",
+    )
+    parser.add_argument(
+        "--size",
+        type=size_argument,
+        default="256M",
+        metavar="BYTES",
+        help="bytes per trial transfer and test-file size (K/M/G suffixes; default 256M)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw throughput against block size and queue depth per engine (needs matplotlib)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,10 +92,10 @@ def _run(args: argparse.Namespace, started: float) -> int:
     from tqdm import tqdm
 
     from ..bench.measure import make_buffer, round_trip, scratch_file
-    from ..diagnostics import direct_io_works
-    from ..bench.sizes import format_size
     from ..bench.search import SCORE_DESCRIPTION, Search, default_knobs
+    from ..bench.sizes import format_size
     from ..config import AioConfig
+    from ..diagnostics import direct_io_works
     from ..io.native import engine_status, resolve_engine
 
     engines = [name for name, (ok, _) in engine_status().items() if ok]
@@ -88,31 +105,49 @@ def _run(args: argparse.Namespace, started: float) -> int:
     with scratch_file(args.path, args.size) as path:
         direct = direct_io_works(path)
         round_trip(start, buffer, path, direct)  # lays the file out (untimed for the search)
-        with tqdm(total=round(args.budget, 1), unit="s", desc="tuning", file=sys.stderr,
-                  bar_format="{desc}: {bar} {n:.1f}/{total:.1f} s{postfix}") as bar:
+        with tqdm(
+            total=round(args.budget, 1),
+            unit="s",
+            desc="tuning",
+            file=sys.stderr,
+            bar_format="{desc}: {bar} {n:.1f}/{total:.1f} s{postfix}",
+        ) as bar:
+
             def progress(trial) -> None:
                 bar.n = min(round(time.monotonic() - started, 1), bar.total)
                 bar.set_postfix_str(f"{len(search.trials)} trials, last {trial.score:.2f} GB/s")
 
             setup_s = time.monotonic() - started
-            search = Search(lambda c: round_trip(c, buffer, path, direct), start, default_knobs(engines, args.size),
-                            args.budget, started=started, on_trial=progress)
+            search = Search(
+                lambda c: round_trip(c, buffer, path, direct),
+                start,
+                default_knobs(engines, args.size),
+                args.budget,
+                started=started,
+                on_trial=progress,
+            )
             result = search.run()
     config = result.best.to_dict()
     Path(args.output).write_text(json.dumps(config, indent=2) + "\n")  # first: printing fails when piped to head
     print(format_trials(result, direct))
     print(f"\noptimised for {SCORE_DESCRIPTION}")
     print(f"best: {json.dumps(config)}")
-    print(f"      write {result.best_write_gbps:.3f} GB/s, read {result.best_read_gbps:.3f} GB/s, score "
-          f"{result.best_score:.3f} GB/s (medians of {sum(t.config == result.best for t in result.trials)} trials)")
-    print(f"wrote {args.output}; {len(result.trials)} trial{'s' if len(result.trials) != 1 else ''} in "
-          f"{result.elapsed_s:.1f} s of a {result.budget_s:g} s budget ({result.stopped})")
+    print(
+        f"      write {result.best_write_gbps:.3f} GB/s, read {result.best_read_gbps:.3f} GB/s, score "
+        f"{result.best_score:.3f} GB/s (medians of {sum(t.config == result.best for t in result.trials)} trials)"
+    )
+    print(
+        f"wrote {args.output}; {len(result.trials)} trial{'s' if len(result.trials) != 1 else ''} in "
+        f"{result.elapsed_s:.1f} s of a {result.budget_s:g} s budget ({result.stopped})"
+    )
     if result.elapsed_s > result.budget_s:
         trial_s = (result.elapsed_s - setup_s) / max(1, len(result.trials))
-        print(f"the budget was too short to search: setup (loading torch and the op, self-tests, writing the "
-              f"{format_size(args.size)} test file) took {setup_s:.1f} s and one trial {trial_s:.1f} s, and one trial "
-              f"always runs so that there is a config to write; pass --budget "
-              f"{math.ceil(setup_s + 10 * trial_s)} or more for a search")
+        print(
+            f"the budget was too short to search: setup (loading torch and the op, self-tests, writing the "
+            f"{format_size(args.size)} test file) took {setup_s:.1f} s and one trial {trial_s:.1f} s, and one trial "
+            f"always runs so that there is a config to write; pass --budget "
+            f"{math.ceil(setup_s + 10 * trial_s)} or more for a search"
+        )
     if args.plot:
         plot(result, args.plot)
         print(f"plotted {args.plot}")
@@ -120,25 +155,29 @@ def _run(args: argparse.Namespace, started: float) -> int:
 
 
 def format_trials(result, direct: bool) -> str:
-    from ..bench.sizes import format_size
-
     import statistics
+
+    from ..bench.sizes import format_size
 
     runs: dict = {}
     for t in result.trials:
         runs.setdefault(t.config, []).append(t.score)
-    lines = [f"trials ({'O_DIRECT' if direct else 'buffered'}; GB/s = 1e9 bytes/s; score = one trial; median = "
-             f"the config's median score over its n trials; * = best: the highest median among configs measured "
-             f"more than once, so one lucky trial does not win)",
-             f"{'#':>3} {'phase':<7} {'engine':<9} {'block':>8} {'qd':>4} {'thr':>3} {'single':>6} {'overlap':>7} "
-             f"{'write':>7} {'read':>7} {'score':>7} {'median':>7} {'n':>2}"]
+    lines = [
+        f"trials ({'O_DIRECT' if direct else 'buffered'}; GB/s = 1e9 bytes/s; score = one trial; median = "
+        f"the config's median score over its n trials; * = best: the highest median among configs measured "
+        f"more than once, so one lucky trial does not win)",
+        f"{'#':>3} {'phase':<7} {'engine':<9} {'block':>8} {'qd':>4} {'thr':>3} {'single':>6} {'overlap':>7} "
+        f"{'write':>7} {'read':>7} {'score':>7} {'median':>7} {'n':>2}",
+    ]
     for i, t in enumerate(result.trials, 1):
         c = t.config
         mark = "*" if c == result.best else " "
-        lines.append(f"{i:>3} {t.phase:<7} {c.engine:<9} {format_size(c.block_size):>8} {c.queue_depth:>4} "
-                     f"{c.intra_op_parallelism:>3} {str(c.single_submit):>6} {str(c.overlap_events):>7} "
-                     f"{t.write_gbps:7.3f} {t.read_gbps:7.3f} {t.score:7.3f} {statistics.median(runs[c]):7.3f} "
-                     f"{len(runs[c]):>2}{mark}")
+        lines.append(
+            f"{i:>3} {t.phase:<7} {c.engine:<9} {format_size(c.block_size):>8} {c.queue_depth:>4} "
+            f"{c.intra_op_parallelism:>3} {str(c.single_submit):>6} {str(c.overlap_events):>7} "
+            f"{t.write_gbps:7.3f} {t.read_gbps:7.3f} {t.score:7.3f} {statistics.median(runs[c]):7.3f} "
+            f"{len(runs[c]):>2}{mark}"
+        )
     return "\n".join(lines)
 
 

@@ -41,8 +41,9 @@ class TinyLM(nn.Module):
         self.size = size
         self.embed = nn.Embedding(size.vocab, size.width)
         self.position = nn.Parameter(torch.randn(size.context, size.width) * 0.02)
-        layer = nn.TransformerEncoderLayer(size.width, size.heads, 4 * size.width, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            size.width, size.heads, 4 * size.width, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, size.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(size.width)
         self.head = nn.Linear(size.width, size.vocab)

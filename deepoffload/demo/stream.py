@@ -63,8 +63,9 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run_stream_demo(steps: int, config: SwapConfig, prefetch: int = 1,
-                    progress: Callable[[int, StreamResult], None] | None = None) -> StreamResult:
+def run_stream_demo(
+    steps: int, config: SwapConfig, prefetch: int = 1, progress: Callable[[int, StreamResult], None] | None = None
+) -> StreamResult:
     """Train ``STREAM_SIZE`` for ``steps`` Adam steps in memory and streamed (alternating which goes first)."""
     make = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
     reference = build_model(STREAM_SIZE)
@@ -76,8 +77,9 @@ def run_stream_demo(steps: int, config: SwapConfig, prefetch: int = 1,
         save_sharded(reference.state_dict(), checkpoint, max_shard_bytes=16 << 20)
         with torch.device("meta"):
             model = TinyLM(STREAM_SIZE)
-        offload = offload_parameters(model, prefetch=prefetch, optimizer=make, config=config,
-                                     checkpoint=checkpoint, init=_causal_mask)
+        offload = offload_parameters(
+            model, prefetch=prefetch, optimizer=make, config=config, checkpoint=checkpoint, init=_causal_mask
+        )
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)
     try:
@@ -110,9 +112,11 @@ def run_stream_demo(steps: int, config: SwapConfig, prefetch: int = 1,
                 progress(step, result)
         stats = offload.stats
         result.memory_state_bytes = 2 * _tensor_bytes(reference.parameters()) + sum(
-            _tensor_bytes(v for v in s.values() if isinstance(v, torch.Tensor)) for s in optimizer.state.values())
-        result.streamed_resident_bytes = (stats.peak_bytes + stats.peak_grad_bytes + stats.staging_bytes
-                                          + 2 * _tensor_bytes(offload.rest))  # rest: weights and gradients
+            _tensor_bytes(v for v in s.values() if isinstance(v, torch.Tensor)) for s in optimizer.state.values()
+        )
+        result.streamed_resident_bytes = (
+            stats.peak_bytes + stats.peak_grad_bytes + stats.staging_bytes + 2 * _tensor_bytes(offload.rest)
+        )  # rest: weights and gradients
         result.stored_bytes = offload.store.stored_bytes() + sum(o.stored_bytes() for o in offload.optimizers)
         result.bytes_moved = stats.bytes_read + stats.bytes_written + stats.state_bytes_read + stats.state_bytes_written
         state = offload.state_dict()
@@ -130,10 +134,12 @@ def report_stream(steps: int, config: SwapConfig) -> int:
     """Run the demo with a progress bar and print its figures; exit code 0 when losses and parameters match."""
     from tqdm import tqdm
 
-    print(f"deepoffload demo --stream-layers: {STREAM_SIZE.layers}-block transformer built on the meta device and "
-          f"loaded block by block from a safetensors checkpoint, Adam, {steps} steps; block "
-          f"weights and all optimizer state on storage under {config.folder}, streamed one block ahead (fused "
-          f"optimizer step in backward); the same model trains in memory alongside for comparison")
+    print(
+        f"deepoffload demo --stream-layers: {STREAM_SIZE.layers}-block transformer built on the meta device and "
+        f"loaded block by block from a safetensors checkpoint, Adam, {steps} steps; block "
+        f"weights and all optimizer state on storage under {config.folder}, streamed one block ahead (fused "
+        f"optimizer step in backward); the same model trains in memory alongside for comparison"
+    )
     bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
 
     def progress(step: int, result: StreamResult) -> None:
@@ -150,11 +156,15 @@ def report_stream(steps: int, config: SwapConfig) -> int:
     match = result.losses_match and result.params_match
     print(f"parameters:              {result.parameters:,}")
     print(f"in memory:               {_mb(result.memory_state_bytes)} of weights, gradients and Adam state")
-    print(f"streamed, peak resident: {_mb(result.streamed_resident_bytes)} (block weights and gradients at their "
-          f"peak, staging buffers, the rest of the model): {result.ratio:.1f}x less")
+    print(
+        f"streamed, peak resident: {_mb(result.streamed_resident_bytes)} (block weights and gradients at their "
+        f"peak, staging buffers, the rest of the model): {result.ratio:.1f}x less"
+    )
     print(f"on storage:              {_mb(result.stored_bytes)}; {_mb(result.bytes_moved)} moved")
     print(f"time:                    {result.seconds_streamed:.1f} s streamed, {result.seconds_memory:.1f} s in memory")
-    print(f"losses matched exactly:  {'yes' if match else 'NO'} ({len(result.losses_streamed)} steps compared bit "
-          f"for bit, final loss {result.losses_streamed[-1]:.6f}; final parameters "
-          f"{'identical' if result.params_match else 'DIFFERENT'})")
+    print(
+        f"losses matched exactly:  {'yes' if match else 'NO'} ({len(result.losses_streamed)} steps compared bit "
+        f"for bit, final loss {result.losses_streamed[-1]:.6f}; final parameters "
+        f"{'identical' if result.params_match else 'DIFFERENT'})"
+    )
     return 0 if match else 1

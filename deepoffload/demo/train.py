@@ -63,8 +63,9 @@ class DemoResult:
     def step_overheads(self) -> list[float]:
         """Per step after the first (which creates the state): offloaded step time over the in-memory step's, minus
         1. The two runs alternate which goes first each step, so each ratio compares steps taken side by side."""
-        return [off / mem - 1 for off, mem in zip(self.step_seconds_offloaded[1:], self.step_seconds_memory[1:])
-                if mem > 0]
+        return [
+            off / mem - 1 for off, mem in zip(self.step_seconds_offloaded[1:], self.step_seconds_memory[1:]) if mem > 0
+        ]
 
     @property
     def overhead(self) -> float | None:
@@ -85,12 +86,21 @@ class DemoResult:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
-def run_demo(model_size: str, steps: int, optimizer: str, config: SwapConfig,
-             progress: Callable[[int, DemoResult], None] | None = None) -> DemoResult:
+def run_demo(
+    model_size: str,
+    steps: int,
+    optimizer: str,
+    config: SwapConfig,
+    progress: Callable[[int, DemoResult], None] | None = None,
+) -> DemoResult:
     """Train ``model_size`` for ``steps`` steps both ways, alternating which goes first each step."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
@@ -99,13 +109,16 @@ def run_demo(model_size: str, steps: int, optimizer: str, config: SwapConfig,
     data = SyntheticText(reference.size)
     in_memory = make(reference.parameters())
     offloaded = OffloadedOptimizer(make, offloaded_model.parameters(), config)
-    result = DemoResult(parameters=sum(p.numel() for p in reference.parameters()), steps=steps,
-                        folder=offloaded.swapper.folder)
+    result = DemoResult(
+        parameters=sum(p.numel() for p in reference.parameters()), steps=steps, folder=offloaded.swapper.folder
+    )
     try:
         for step in range(steps):
             tokens = data.batch()
-            runs = [(reference, in_memory, result.losses_memory, result.step_seconds_memory),
-                    (offloaded_model, offloaded, result.losses_offloaded, result.step_seconds_offloaded)]
+            runs = [
+                (reference, in_memory, result.losses_memory, result.step_seconds_memory),
+                (offloaded_model, offloaded, result.losses_offloaded, result.step_seconds_offloaded),
+            ]
             for model, opt, losses, seconds in runs[:: 1 if step % 2 == 0 else -1]:
                 start = time.perf_counter()
                 loss = model.loss(tokens)
@@ -118,15 +131,17 @@ def run_demo(model_size: str, steps: int, optimizer: str, config: SwapConfig,
                     result.optimizer_seconds_offloaded.append(end - before_step)
                 losses.append(loss.item())
                 seconds.append(end - start)
-            result.bytes_moved_per_step.append(offloaded.swapper.bytes_read + offloaded.swapper.bytes_written
-                                               - result.bytes_moved)
+            result.bytes_moved_per_step.append(
+                offloaded.swapper.bytes_read + offloaded.swapper.bytes_written - result.bytes_moved
+            )
             if progress is not None:
                 progress(step, result)
         result.state_bytes_memory = _state_bytes(in_memory)
         result.state_bytes_on_storage = offloaded.stored_bytes()
         result.staging_bytes = offloaded.swapper.pool.held_bytes()
-        result.params_match = all(torch.equal(a, b) for a, b in zip(reference.parameters(),
-                                                                     offloaded_model.parameters()))
+        result.params_match = all(
+            torch.equal(a, b) for a, b in zip(reference.parameters(), offloaded_model.parameters())
+        )
     finally:
         offloaded.close()
     return result

@@ -10,11 +10,14 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports
 
-__all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".header": ["CheckpointError", "DTYPES"],
-    ".reader": ["CheckpointReader", "KeyReport", "load_file"],
-    ".writer": ["save_sharded", "save_file"],
-})
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".header": ["CheckpointError", "DTYPES"],
+        ".reader": ["CheckpointReader", "KeyReport", "load_file"],
+        ".writer": ["save_sharded", "save_file"],
+    },
+)
 
 if TYPE_CHECKING:
     from .header import DTYPES, CheckpointError

@@ -60,14 +60,19 @@ def write_index(path: Path, weight_map: dict[str, str], total_bytes: int, genera
     """Write and fsync the index document to the new temporary file ``path`` (created ``0600``)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     with open(fd, "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total_bytes, "generation": generation}, "weight_map": weight_map}, f,
-                  indent=2, ensure_ascii=False)
+        json.dump(
+            {"metadata": {"total_size": total_bytes, "generation": generation}, "weight_map": weight_map},
+            f,
+            indent=2,
+            ensure_ascii=False,
+        )
         f.flush()
         os.fsync(f.fileno())
 
 
-def commit(folder: Path, prefix: str, temporaries: list[Path], index_temporary: Path | None,
-           generation: str) -> list[Path]:
+def commit(
+    folder: Path, prefix: str, temporaries: list[Path], index_temporary: Path | None, generation: str
+) -> list[Path]:
     """Switch ``folder`` to the save whose synced shards are ``temporaries`` (and, for several, whose synced index
     is ``index_temporary``) as the module docstring says; return the shards' final paths."""
     names = shard_names(prefix, len(temporaries), generation)

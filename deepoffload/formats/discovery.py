@@ -25,8 +25,9 @@ def _find_index(folder: Path) -> Path | None:
         return folder / INDEX_NAME
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
-        raise CheckpointError(f"{folder}: several safetensors index files ({', '.join(p.name for p in indexes)}); "
-                              f"pass the one to load")
+        raise CheckpointError(
+            f"{folder}: several safetensors index files ({', '.join(p.name for p in indexes)}); pass the one to load"
+        )
     return indexes[0] if indexes else None
 
 
@@ -37,10 +38,13 @@ def _read_index(index: Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{index}: cannot read the safetensors index: {e}") from None
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in weight_map.items()):
-        raise CheckpointError(f"{index}: not a safetensors index: expected an object with a 'weight_map' of "
-                              f"tensor name -> shard file name")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index}: not a safetensors index: expected an object with a 'weight_map' of "
+            f"tensor name -> shard file name"
+        )
     for shard in set(weight_map.values()):
         if shard in ("", ".", "..") or "/" in shard or "\\" in shard:
             raise CheckpointError(f"{index}: shard name {shard!r} is not a file name in the index's folder")
@@ -57,14 +61,18 @@ def _open_sharded(index: Path) -> list[Header]:
         path = index.parent / shard
         if not path.is_file():
             names = sorted(by_shard[shard])
-            raise CheckpointError(f"{index}: shard {shard} is missing (it should hold {len(names)} tensors, e.g. "
-                                  f"{names[0]!r}); the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{index}: shard {shard} is missing (it should hold {len(names)} tensors, e.g. "
+                f"{names[0]!r}); the checkpoint is incomplete"
+            )
         header = read_header(path)
         listed, stored = by_shard[shard], set(header.entries)
         if listed != stored:
-            raise CheckpointError(f"{index} and its shard {shard} disagree: listed but not in the shard: "
-                                  f"{sorted(listed - stored)[:10]}; in the shard but not listed: "
-                                  f"{sorted(stored - listed)[:10]}")
+            raise CheckpointError(
+                f"{index} and its shard {shard} disagree: listed but not in the shard: "
+                f"{sorted(listed - stored)[:10]}; in the shard but not listed: "
+                f"{sorted(stored - listed)[:10]}"
+            )
         headers.append(header)
     return headers
 
@@ -73,10 +81,14 @@ def load_torch(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot load it as a torch.save state dict (read with mmap=True, "
-                              f"weights_only=True): {e}") from None
-    if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                            for k, v in state.items())):
-        raise CheckpointError(f"{path}: a torch.save checkpoint must hold a flat dict of name -> tensor "
-                              f"(a state_dict); got {type(state).__name__}")
+        raise CheckpointError(
+            f"{path}: cannot load it as a torch.save state dict (read with mmap=True, weights_only=True): {e}"
+        ) from None
+    if not (
+        isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+    ):
+        raise CheckpointError(
+            f"{path}: a torch.save checkpoint must hold a flat dict of name -> tensor "
+            f"(a state_dict); got {type(state).__name__}"
+        )
     return state

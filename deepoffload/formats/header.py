@@ -27,24 +27,40 @@ INT64_MAX = 2**63 - 1  # torch's sizes and strides are signed 64-bit
 METADATA_KEY = "__metadata__"
 
 # safetensors dtype name -> torch dtype, for the dtypes this torch has (fp8 and unsigned ints are recent).
-DTYPES: dict[str, torch.dtype] = {name: dtype for name, dtype in (
-    ("F64", torch.float64), ("F32", torch.float32), ("F16", torch.float16), ("BF16", torch.bfloat16),
-    ("I64", torch.int64), ("I32", torch.int32), ("I16", torch.int16), ("I8", torch.int8), ("U8", torch.uint8),
-    ("BOOL", torch.bool), ("C64", torch.complex64),
-    ("U64", getattr(torch, "uint64", None)), ("U32", getattr(torch, "uint32", None)),
-    ("U16", getattr(torch, "uint16", None)),
-    ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)), ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
-    ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
-    ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
-) if dtype is not None}
+DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name, dtype in (
+        ("F64", torch.float64),
+        ("F32", torch.float32),
+        ("F16", torch.float16),
+        ("BF16", torch.bfloat16),
+        ("I64", torch.int64),
+        ("I32", torch.int32),
+        ("I16", torch.int16),
+        ("I8", torch.int8),
+        ("U8", torch.uint8),
+        ("BOOL", torch.bool),
+        ("C64", torch.complex64),
+        ("U64", getattr(torch, "uint64", None)),
+        ("U32", getattr(torch, "uint32", None)),
+        ("U16", getattr(torch, "uint16", None)),
+        ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
+        ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
+        ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
+        ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+    )
+    if dtype is not None
+}
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def check_little_endian() -> None:
     """safetensors (and the byte views used here) are little-endian; refuse to run where they would be wrong."""
     if sys.byteorder != "little":
-        raise UnsupportedError("deepoffload.formats reads and writes checkpoint bytes as-is and needs a little-endian "
-                               f"host; this one is {sys.byteorder}-endian: use safetensors' own reader here")
+        raise UnsupportedError(
+            "deepoffload.formats reads and writes checkpoint bytes as-is and needs a little-endian "
+            f"host; this one is {sys.byteorder}-endian: use safetensors' own reader here"
+        )
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -100,6 +116,7 @@ def _is_int(value: object) -> bool:
 def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     """Validate and parse a safetensors file from its first bytes ``raw`` (at least the length field and the whole
     header) and its total size. Raises ``CheckpointError`` naming ``path`` and what is wrong."""
+
     def bad(reason: str) -> CheckpointError:
         return CheckpointError(f"{path}: not a valid safetensors file: {reason}")
 
@@ -113,7 +130,7 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     if len(raw) < 8 + length:
         raise ValueError(f"parse_header needs the first {8 + length} bytes, got {len(raw)}")
     try:
-        text = raw[8:8 + length].decode("utf-8")
+        text = raw[8 : 8 + length].decode("utf-8")
         if not text.startswith("{"):
             raise ValueError("the header does not start with '{'")
         header = json.loads(text, object_pairs_hook=_no_duplicates)
@@ -122,8 +139,7 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     if not isinstance(header, dict):
         raise bad("the header is not a JSON object")
     metadata = header.pop(METADATA_KEY, None)
-    if metadata is not None and not (isinstance(metadata, dict)
-                                     and all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise bad(f"{METADATA_KEY} must be an object of strings")
     data_start = 8 + length
     data_bytes = file_size - data_start
@@ -133,21 +149,30 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
             raise bad(f"tensor {name!r}: expected exactly the keys dtype, shape, data_offsets, got {info!r:.200}")
         dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype_name not in DTYPES:
-            raise bad(f"tensor {name!r}: dtype {dtype_name!r} is unknown or not supported by this torch "
-                      f"(known: {', '.join(DTYPES)})")
+            raise bad(
+                f"tensor {name!r}: dtype {dtype_name!r} is unknown or not supported by this torch "
+                f"(known: {', '.join(DTYPES)})"
+            )
         if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
             raise bad(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r:.200}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end, "
-                      f"got {offsets!r:.200}")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise bad(
+                f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}"
+            )
         if math.prod(max(size, 1) for size in shape) > INT64_MAX:  # a zero size would hide it from the product
             raise bad(f"tensor {name!r}: shape {shape!r:.200} overflows 64-bit sizes and strides")
         dtype = DTYPES[dtype_name]
         nbytes = math.prod(shape) * element_size(dtype)
         if offsets[1] - offsets[0] != nbytes:
-            raise bad(f"tensor {name!r}: {dtype_name} of shape {shape} takes {nbytes} bytes but data_offsets "
-                      f"{offsets} span {offsets[1] - offsets[0]}")
+            raise bad(
+                f"tensor {name!r}: {dtype_name} of shape {shape} takes {nbytes} bytes but data_offsets "
+                f"{offsets} span {offsets[1] - offsets[0]}"
+            )
         if offsets[1] > data_bytes:
             raise bad(f"tensor {name!r}: data_offsets {offsets} run past the {data_bytes}-byte data region")
         spans.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
@@ -160,10 +185,14 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
             raise bad(f"{begin - position} bytes before tensor {name!r} (data offset {position}) belong to no tensor")
         position, previous = end, name
     if position != data_bytes:
-        raise bad(f"the tensors end at data offset {position} but the data region is {data_bytes} bytes "
-                  f"(truncated or trailing bytes)")
-    entries = {name: TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
-               for begin, end, name, dtype, shape in spans}
+        raise bad(
+            f"the tensors end at data offset {position} but the data region is {data_bytes} bytes "
+            f"(truncated or trailing bytes)"
+        )
+    entries = {
+        name: TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
+        for begin, end, name, dtype, shape in spans
+    }
     return Header(path, entries, metadata, data_start, file_size)
 
 
@@ -186,8 +215,11 @@ def read_header(path: str | os.PathLike) -> Header:
     return dataclasses.replace(parse_header(raw, file_size, path), identity=file_identity(stat))
 
 
-def encode_header(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], int, int]],
-                  metadata: Mapping[str, str] | None, reserve: int = 0) -> bytes:
+def encode_header(
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], int, int]],
+    metadata: Mapping[str, str] | None,
+    reserve: int = 0,
+) -> bytes:
     """The 8-byte length and JSON header for ``tensors`` (name -> (dtype, shape, data begin, data end)), padded with
     spaces (which the format allows) to ``reserve`` bytes when given, else to a multiple of 8. Raises
     ``ValueError`` if it does not fit in ``reserve``."""

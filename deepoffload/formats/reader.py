@@ -71,8 +71,10 @@ def _expected_shape_dtype(name: str, value: object) -> tuple[tuple[int, ...], to
         return tuple(int(s) for s in value[0]), value[1]
     if isinstance(value, (tuple, list, torch.Size)):
         return tuple(int(s) for s in value), None
-    raise TypeError(f"expected[{name!r}]: give a tensor (a meta tensor will do), a shape, or (shape, dtype); got "
-                    f"{type(value).__name__}")
+    raise TypeError(
+        f"expected[{name!r}]: give a tensor (a meta tensor will do), a shape, or (shape, dtype); got "
+        f"{type(value).__name__}"
+    )
 
 
 def _convertible(stored: torch.dtype, target: torch.dtype) -> bool:
@@ -89,8 +91,15 @@ class CheckpointReader:
     the span's memory (at most ``span_bytes``, or that one tensor's size) alive; ``clone()`` it to drop the rest.
     """
 
-    def __init__(self, path: str | os.PathLike, *, handle: AsyncIOHandle | None = None, span_bytes: int = 64 << 20,
-                 inflight_bytes: int = 256 << 20, gap_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        handle: AsyncIOHandle | None = None,
+        span_bytes: int = 64 << 20,
+        inflight_bytes: int = 256 << 20,
+        gap_bytes: int = 1 << 20,
+    ):
         check_little_endian()
         for key, value in (("span_bytes", span_bytes), ("inflight_bytes", inflight_bytes)):
             if not isinstance(value, int) or value < READ_ALIGNMENT:
@@ -118,8 +127,10 @@ class CheckpointReader:
                 self._headers = [read_header(path / SINGLE_NAME)]
                 self.format = "safetensors"
             else:
-                raise CheckpointError(f"{path}: no {INDEX_NAME} or {SINGLE_NAME} in this folder; pass a "
-                                      f".safetensors file, a folder of sharded safetensors, or a torch.save file")
+                raise CheckpointError(
+                    f"{path}: no {INDEX_NAME} or {SINGLE_NAME} in this folder; pass a "
+                    f".safetensors file, a folder of sharded safetensors, or a torch.save file"
+                )
         elif not path.exists():
             raise CheckpointError(f"{path}: no such checkpoint file or folder")
         elif path.name.endswith(".index.json"):
@@ -134,9 +145,11 @@ class CheckpointReader:
                 self._headers = [read_header(path)]
             except CheckpointError as e:
                 if path.suffix in (".pt", ".pth", ".bin"):
-                    raise CheckpointError(f"{e}; as a torch.save file it is not in torch's zip format (saved with "
-                                          f"_use_new_zipfile_serialization=False?): re-save it with torch.save "
-                                          f"defaults") from None
+                    raise CheckpointError(
+                        f"{e}; as a torch.save file it is not in torch's zip format (saved with "
+                        f"_use_new_zipfile_serialization=False?): re-save it with torch.save "
+                        f"defaults"
+                    ) from None
                 raise
             self.format = "safetensors"
         if self._headers:
@@ -215,8 +228,10 @@ class CheckpointReader:
             return dtype if stored.is_floating_point and dtype.is_floating_point else stored
         target = dtype.get(name, stored)
         if not _convertible(stored, target):
-            raise CheckpointError(f"{self.path}: tensor {name!r} is stored as {stored}; converting it to {target} "
-                                  f"would not be exact (only floating point converts to floating point)")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is stored as {stored}; converting it to {target} "
+                f"would not be exact (only floating point converts to floating point)"
+            )
         return target
 
     def _select(self, names: Iterable[str] | None) -> list[str]:
@@ -228,8 +243,9 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: no tensors named {absent[:20]}")
         return wanted
 
-    def iter_tensors(self, names: Iterable[str] | None = None, dtype: DtypeSpec = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(
+        self, names: Iterable[str] | None = None, dtype: DtypeSpec = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for ``names`` (default: all), in storage order, reading ahead. ``dtype``: one
         dtype for every floating point tensor, or name -> dtype. Each tensor is read once its turn comes; at most
         ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are copied out of torch's
@@ -270,7 +286,7 @@ class CheckpointReader:
         pooled = None
         if pool is not None and end - start <= self._pool_buffer_bytes:
             pooled = pool.pop() if pool else aligned_empty(self._pool_buffer_bytes, pin=False, prefault=True)
-            buffer = pooled[:end - start]
+            buffer = pooled[: end - start]
         else:  # faulted in here, while earlier spans are read, rather than page by page inside the read
             buffer = aligned_empty(end - start, pin=False)
             began = time.perf_counter()
@@ -284,8 +300,9 @@ class CheckpointReader:
     def _pool_buffer_bytes(self) -> int:
         return self.span_bytes + 2 * READ_ALIGNMENT  # a span of span_bytes, widened to the alignment at both ends
 
-    def _spans(self, selected: list[str], pool: list[torch.Tensor] | None, split: frozenset[str] = frozenset()
-               ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
+    def _spans(
+        self, selected: list[str], pool: list[torch.Tensor] | None, split: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
         """Yield (span, first byte read, buffer) for the spans covering ``selected`` (``split``: see ``_plan``),
         each once its read is done, reading ahead up to ``inflight_bytes``. With ``pool``, buffers come from it and
         go back to it once the caller resumes the generator (so the caller must be done with a buffer by then)."""
@@ -296,8 +313,9 @@ class CheckpointReader:
         inflight, next_span = 0, 0
         try:
             while next_span < len(spans) or queue:
-                while next_span < len(spans) and (not queue or inflight + spans[next_span].end - spans[next_span].start
-                                                  <= self.inflight_bytes):
+                while next_span < len(spans) and (
+                    not queue or inflight + spans[next_span].end - spans[next_span].start <= self.inflight_bytes
+                ):
                     span = spans[next_span]
                     self._check_unchanged(span.path, identities[span.path])
                     queue.append((span, *self._submit(span, file_sizes, pool)))
@@ -328,8 +346,10 @@ class CheckpointReader:
             now = None
         if now != identity:
             what = "was removed" if now is None else "was replaced or rewritten"
-            raise CheckpointError(f"{path} {what} after this reader read its header (the tensors' offsets may no "
-                                  f"longer hold them); open a new CheckpointReader to read the file as it is now")
+            raise CheckpointError(
+                f"{path} {what} after this reader read its header (the tensors' offsets may no "
+                f"longer hold them); open a new CheckpointReader to read the file as it is now"
+            )
 
     def _iter_safetensors(self, selected: list[str], dtype: DtypeSpec) -> Iterator[tuple[str, torch.Tensor]]:
         for span, start, buffer in self._spans(selected, None):
@@ -384,7 +404,7 @@ class CheckpointReader:
             return torch.empty(entry.shape, dtype=target)
         if buffer is None:  # only a span of empty tensors reads nothing: the header holds each entry in its file
             raise CheckpointError(f"{entry.path}: no bytes were read for {entry.name!r} ({entry.nbytes} bytes)")
-        raw = buffer[entry.start - start:entry.end - start]
+        raw = buffer[entry.start - start : entry.end - start]
         if (entry.start - start) % element_size(entry.dtype):  # the format does not align tensors: copy to view
             raw = raw.clone()
         tensor = raw.view(entry.dtype).view(entry.shape)
@@ -416,9 +436,15 @@ class CheckpointReader:
         return f"CheckpointReader({str(self.path)!r}, format={self.format!r}, tensors={len(self)})"
 
 
-def load_file(path: str | os.PathLike, *, dtype: DtypeSpec = None, names: Iterable[str] | None = None,
-              expected: Expected | None = None, strict: bool = True,
-              handle: AsyncIOHandle | None = None) -> dict[str, torch.Tensor]:
+def load_file(
+    path: str | os.PathLike,
+    *,
+    dtype: DtypeSpec = None,
+    names: Iterable[str] | None = None,
+    expected: Expected | None = None,
+    strict: bool = True,
+    handle: AsyncIOHandle | None = None,
+) -> dict[str, torch.Tensor]:
     """Load a checkpoint (any layout ``CheckpointReader`` opens) into ``{name: tensor}``. With ``expected``, first
     check its names and shapes (see ``CheckpointReader.check``)."""
     with CheckpointReader(path, handle=handle) as reader:

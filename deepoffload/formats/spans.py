@@ -23,8 +23,9 @@ class _Span:
     piece: tuple[int, int] | None = None
 
 
-def plan_spans(entries: list[TensorEntry], span_bytes: int, gap_bytes: int,
-               split: frozenset[str] = frozenset()) -> list[_Span]:
+def plan_spans(
+    entries: list[TensorEntry], span_bytes: int, gap_bytes: int, split: frozenset[str] = frozenset()
+) -> list[_Span]:
     """Spans covering ``entries`` (in storage order: file by file, by offset): neighbours closer than ``gap_bytes``
     share a span of at most ``span_bytes``; tensors named in ``split`` that are larger than a span are read in
     pieces of at most a span each."""
@@ -34,8 +35,13 @@ def plan_spans(entries: list[TensorEntry], span_bytes: int, gap_bytes: int,
             spans.extend(pieces(entry, span_bytes))
             continue
         last = spans[-1] if spans else None
-        if (last is not None and last.piece is None and last.path == entry.path
-                and entry.start - last.end <= gap_bytes and entry.end - last.start <= span_bytes):
+        if (
+            last is not None
+            and last.piece is None
+            and last.path == entry.path
+            and entry.start - last.end <= gap_bytes
+            and entry.end - last.start <= span_bytes
+        ):
             last.end = max(last.end, entry.end)
             last.entries.append(entry)
         else:
@@ -50,7 +56,14 @@ def pieces(entry: TensorEntry, span_bytes: int) -> list[_Span]:
     shift = entry.start % READ_ALIGNMENT if entry.start % element_size(entry.dtype) == 0 else 0
     bounds = [0, *range(step - shift, entry.nbytes, step), entry.nbytes]
     size = element_size(entry.dtype)
-    return [_Span(entry.path, entry.start + lo, entry.start + hi,
-                  [dataclasses.replace(entry, start=entry.start + lo, end=entry.start + hi,
-                                       shape=((hi - lo) // size,))], (lo, hi))
-            for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    return [
+        _Span(
+            entry.path,
+            entry.start + lo,
+            entry.start + hi,
+            [dataclasses.replace(entry, start=entry.start + lo, end=entry.start + hi, shape=((hi - lo) // size,))],
+            (lo, hi),
+        )
+        for lo, hi in zip(bounds, bounds[1:])
+        if hi > lo
+    ]

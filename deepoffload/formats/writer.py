@@ -46,8 +46,9 @@ def _entry_bytes(name: str, dtype: torch.dtype, shape: tuple[int, ...], begin: i
 class _ShardFile:
     """One shard being written to a temporary file: its header reservation, its entries and its staging."""
 
-    def __init__(self, path: Path, header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle,
-                 staging: StagingPool):
+    def __init__(
+        self, path: Path, header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle, staging: StagingPool
+    ):
         self.path, self.header_bytes, self.handle = path, header_bytes, handle
         self.metadata = dict(metadata)
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
@@ -59,8 +60,10 @@ class _ShardFile:
 
     def fits_header(self, name: str, tensor: torch.Tensor) -> bool:
         end = self.data_bytes + tensor.numel() * tensor.element_size()
-        return 8 + self.json_bytes + _entry_bytes(name, tensor.dtype, tuple(tensor.shape), self.data_bytes, end) \
+        return (
+            8 + self.json_bytes + _entry_bytes(name, tensor.dtype, tuple(tensor.shape), self.data_bytes, end)
             <= self.header_bytes
+        )
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -83,8 +86,9 @@ class _ShardFile:
         self.handle.write(block, self.path, 0, truncate=False, fsync=True)
         size = os.stat(self.path).st_size
         if size != self.header_bytes + self.data_bytes:  # the writes above leave exactly this; never ship less
-            raise OSError(f"{self.path}: expected {self.header_bytes + self.data_bytes} bytes after writing, "
-                          f"found {size}")
+            raise OSError(
+                f"{self.path}: expected {self.header_bytes + self.data_bytes} bytes after writing, found {size}"
+            )
 
     def abandon(self) -> None:
         self.writer.close()  # waits for the writes in flight; their errors no longer matter
@@ -92,10 +96,11 @@ class _ShardFile:
             self.path.unlink()
 
 
-def _items(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-           ) -> Iterator[tuple[str, torch.Tensor]]:
+def _items(
+    tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[str] = set()
-    for item in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+    for item in tensors.items() if isinstance(tensors, Mapping) else tensors:
         if not (isinstance(item, tuple) and len(item) == 2):
             raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
         name, tensor = item
@@ -107,8 +112,10 @@ def _items(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tens
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in DTYPE_NAMES:
-            raise ValueError(f"{name!r}: safetensors has no dtype for {tensor.dtype} (supported: "
-                             f"{', '.join(str(d) for d in DTYPE_NAMES)})")
+            raise ValueError(
+                f"{name!r}: safetensors has no dtype for {tensor.dtype} (supported: "
+                f"{', '.join(str(d) for d in DTYPE_NAMES)})"
+            )
         if tensor.device.type == "meta":
             raise ValueError(f"{name!r} is on the meta device and has no values to save; materialize it first")
         if tensor.layout != torch.strided:
@@ -119,31 +126,41 @@ def _items(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tens
 def _checked_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str]:
     """``metadata`` (default ``DEFAULT_METADATA``), refused unless it maps strings to strings as the format needs."""
     metadata = DEFAULT_METADATA if metadata is None else metadata
-    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                    for k, v in metadata.items()):
+    if not isinstance(metadata, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise ValueError(f"metadata must map strings to strings, got {metadata!r}")
     return metadata
 
 
-def _write_shards(items: Iterator[tuple[str, torch.Tensor]], folder: Path, tag: str, max_shard_bytes: float,
-                  header_bytes: int, metadata: Mapping[str, str], handle: AsyncIOHandle,
-                  staging_bytes: int) -> list[_ShardFile]:
+def _write_shards(
+    items: Iterator[tuple[str, torch.Tensor]],
+    folder: Path,
+    tag: str,
+    max_shard_bytes: float,
+    header_bytes: int,
+    metadata: Mapping[str, str],
+    handle: AsyncIOHandle,
+    staging_bytes: int,
+) -> list[_ShardFile]:
     staging = StagingPool(staging_bytes, keep=2, pin=False)  # two buffers, passed from shard to shard
     shards: list[_ShardFile] = []
     current: _ShardFile | None = None
     try:
         for name, tensor in items:
             nbytes = tensor.numel() * tensor.element_size()
-            if current is not None and (current.data_bytes + nbytes > max_shard_bytes
-                                        or not current.fits_header(name, tensor)):
+            if current is not None and (
+                current.data_bytes + nbytes > max_shard_bytes or not current.fits_header(name, tensor)
+            ):
                 if not current.fits_header(name, tensor):
                     header_bytes *= 2
                 current.finish()
                 current = None
             if current is None:
                 while True:  # a fresh shard: make sure even this one entry fits its header
-                    current = _ShardFile(folder / f"{tag}-{len(shards) + 1:05d}", header_bytes, metadata,
-                                         handle, staging)
+                    current = _ShardFile(
+                        folder / f"{tag}-{len(shards) + 1:05d}", header_bytes, metadata, handle, staging
+                    )
                     shards.append(current)
                     if current.fits_header(name, tensor):
                         break
@@ -161,10 +178,17 @@ def _write_shards(items: Iterator[tuple[str, torch.Tensor]], folder: Path, tag: 
     return shards
 
 
-def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                 folder: str | os.PathLike, *, max_shard_bytes: int = 5 * 10**9, prefix: str = "model",
-                 metadata: Mapping[str, str] | None = None, handle: AsyncIOHandle | None = None,
-                 header_bytes: int = 64 << 10, staging_bytes: int = 16 << 20) -> list[Path]:
+def save_sharded(
+    tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    folder: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+    prefix: str = "model",
+    metadata: Mapping[str, str] | None = None,
+    handle: AsyncIOHandle | None = None,
+    header_bytes: int = 64 << 10,
+    staging_bytes: int = 16 << 20,
+) -> list[Path]:
     """Write ``tensors`` (a mapping or an iterator of ``(name, tensor)``, consumed once, one tensor at a time) into
     ``folder`` as safetensors shards of at most ``max_shard_bytes`` of data each (a larger tensor gets a shard of
     its own): ``{prefix}.safetensors``, or ``{prefix}-00001-of-0000N-<generation>.safetensors`` and the index
@@ -190,8 +214,9 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
         handle = AsyncIOHandle()
     tag = temporary_name(prefix, "partial")
     try:
-        shards = _write_shards(_items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle,
-                               staging_bytes)
+        shards = _write_shards(
+            _items(tensors), folder, tag, max_shard_bytes, header_bytes, metadata, handle, staging_bytes
+        )
     except OSError as e:
         raise naming_target(e, str(folder)) from e
     finally:
@@ -215,8 +240,13 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torc
         raise
 
 
-def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
-              metadata: Mapping[str, str] | None = None, handle: AsyncIOHandle | None = None) -> Path:
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    handle: AsyncIOHandle | None = None,
+) -> Path:
     """Write the mapping ``tensors`` into the one safetensors file ``path`` (replaced only once complete)."""
     if not isinstance(tensors, Mapping):
         raise TypeError("save_file takes a mapping of name -> tensor; to stream an iterator use save_sharded")
@@ -239,8 +269,9 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, *,
     remove_dead_temporaries(path.parent, path.name)
     try:
         tag = temporary_name(path.name)
-        (shard,) = _write_shards(_items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle,
-                                 16 << 20)
+        (shard,) = _write_shards(
+            _items(tensors), path.parent, tag, float("inf"), header_bytes, metadata, handle, 16 << 20
+        )
     except OSError as e:
         raise naming_target(e, str(path)) from e
     finally:

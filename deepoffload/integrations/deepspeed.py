@@ -26,10 +26,9 @@ import warnings
 from types import ModuleType
 from typing import Any, Mapping
 
-from ..errors import UnsupportedError
-
 import torch
 
+from ..errors import UnsupportedError
 from . import deepspeed_env as children
 
 # Modules that bind AsyncIOBuilder / GDSBuilder at import time; imported by enable() so they are patched.
@@ -89,9 +88,11 @@ class GDSBuilder(AsyncIOBuilder):
         return False
 
     def load(self, verbose: bool = True):
-        raise UnsupportedError("deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
-                               "\"use_gds\": false in the aio config, or call "
-                               "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op")
+        raise UnsupportedError(
+            "deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
+            '"use_gds": false in the aio config, or call '
+            "deepoffload.integrations.deepspeed.disable() to use DeepSpeed's own GDS op"
+        )
 
 
 class PinMemoryBuilder(AsyncIOBuilder):
@@ -136,8 +137,9 @@ NVME_RESUME_WARNING = (
     "load and only copies the checkpoint's swap files back, so the parameters are restored (where this engine's "
     "parameter ids are the saving engine's, as in a fresh process building the same model; otherwise it keeps its "
     "initial parameters) but the optimizer's moments and step count are not: Adam restarts from zero. Where the "
-    "optimizer state must survive a resume, keep it off NVMe (offload_optimizer device \"cpu\" or none); otherwise "
-    "accept the restart.")
+    'optimizer state must survive a resume, keep it off NVMe (offload_optimizer device "cpu" or none); otherwise '
+    "accept the restart."
+)
 
 
 def warn_on_nvme_optimizer_resume(load_checkpoint):
@@ -152,8 +154,9 @@ def warn_on_nvme_optimizer_resume(load_checkpoint):
         result = load_checkpoint(self, *args, **kwargs)
         arguments = signature.bind(self, *args, **kwargs)
         arguments.apply_defaults()
-        asked = arguments.arguments.get("load_optimizer_states", True) \
-            and not arguments.arguments.get("load_module_only", False)
+        asked = arguments.arguments.get("load_optimizer_states", True) and not arguments.arguments.get(
+            "load_module_only", False
+        )
         load_path = result[0] if isinstance(result, tuple) and result else None
         if load_path is not None and asked and self.zero_nvme_offload_optimizer():
             warnings.warn(NVME_RESUME_WARNING.format(load_path=load_path), UserWarning, stacklevel=2)
@@ -179,8 +182,11 @@ def _patch_item(mapping: dict, key: str, value: Any) -> None:
 
 
 def _deepspeed_modules() -> list[ModuleType]:
-    return [m for name, m in list(sys.modules.items())
-            if m is not None and (name == "deepspeed" or name.startswith("deepspeed."))]
+    return [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == "deepspeed" or name.startswith("deepspeed."))
+    ]
 
 
 def enable() -> None:
@@ -189,8 +195,9 @@ def enable() -> None:
     try:
         import deepspeed  # noqa: F401
     except ImportError as e:
-        raise ImportError("deepoffload.integrations.deepspeed needs DeepSpeed: pip install deepoffload[deepspeed]") \
-            from e
+        raise ImportError(
+            "deepoffload.integrations.deepspeed needs DeepSpeed: pip install deepoffload[deepspeed]"
+        ) from e
     with _lock:
         if _saved:
             return
@@ -199,8 +206,11 @@ def enable() -> None:
                 importlib.import_module(name)
             except Exception:  # an optional part of DeepSpeed that cannot import here has nothing to patch
                 pass
-        replacements = {"AsyncIOBuilder": AsyncIOBuilder, "GDSBuilder": GDSBuilder,
-                        "PinMemoryBuilder": PinMemoryBuilder}
+        replacements = {
+            "AsyncIOBuilder": AsyncIOBuilder,
+            "GDSBuilder": GDSBuilder,
+            "PinMemoryBuilder": PinMemoryBuilder,
+        }
         for module in _deepspeed_modules():
             for attribute, ours in replacements.items():
                 current = module.__dict__.get(attribute)

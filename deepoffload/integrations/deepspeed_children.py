@@ -21,8 +21,10 @@ from .deepspeed_env import ENV, mark_children, unmark_children  # noqa: F401 (re
 PTH_NAME = "deepoffload-deepspeed.pth"
 # The .pth line: cheap and inert unless the variable is "1" (site runs lines that start with "import"). A plain
 # literal: setup.py reads it (and PTH_NAME) from this file's syntax tree, without importing the package.
-PTH_LINE = ("import os; os.environ.get('DEEPOFFLOAD_DEEPSPEED') == '1' and "
-            "__import__('deepoffload.integrations.deepspeed_children', fromlist=['install']).install()")
+PTH_LINE = (
+    "import os; os.environ.get('DEEPOFFLOAD_DEEPSPEED') == '1' and "
+    "__import__('deepoffload.integrations.deepspeed_children', fromlist=['install']).install()"
+)
 
 _lock = threading.Lock()
 _finder: _EnableAfterImport | None = None

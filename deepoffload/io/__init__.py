@@ -9,10 +9,13 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports
 
-__all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".handle": ["AsyncIOHandle", "Request", "ValidationError"],
-    ".buffers": ["aligned_empty", "is_aligned", "is_pinned"],
-})
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".handle": ["AsyncIOHandle", "Request", "ValidationError"],
+        ".buffers": ["aligned_empty", "is_aligned", "is_pinned"],
+    },
+)
 
 if TYPE_CHECKING:
     from .buffers import aligned_empty, is_aligned, is_pinned

@@ -45,9 +45,12 @@ def warn_unpinned(device_type: str, reason: str) -> None:
         if _warned_unpinned:
             return
         _warned_unpinned = True
-    warnings.warn(f"deepoffload: cannot page-lock host memory for the {device_type} accelerator ({reason}); using "
-                  f"ordinary memory, which is correct but makes device copies synchronous", RuntimeWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"deepoffload: cannot page-lock host memory for the {device_type} accelerator ({reason}); using "
+        f"ordinary memory, which is correct but makes device copies synchronous",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 class Accelerator:

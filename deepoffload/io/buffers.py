@@ -14,8 +14,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-import operator
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -46,8 +46,9 @@ _warned_memlock = False
 def _numel(shape_or_numel: int | Sequence[int]) -> tuple[int, tuple[int, ...]]:
     def dim(s: object) -> int:
         if isinstance(s, bool) or not hasattr(type(s), "__index__"):
-            raise TypeError(f"aligned_empty: expected a size (int) or a shape (sequence of ints), got "
-                            f"{shape_or_numel!r}")
+            raise TypeError(
+                f"aligned_empty: expected a size (int) or a shape (sequence of ints), got {shape_or_numel!r}"
+            )
         return operator.index(cast(SupportsIndex, s))  # its type has __index__: checked above
 
     if isinstance(shape_or_numel, (str, bytes)) or not isinstance(shape_or_numel, Sequence):
@@ -65,17 +66,25 @@ def _lock_pages(address: int, nbytes: int) -> bool:
     if _libc is not None:
         if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0:
             return True
-        reason = (f"{os.strerror(ctypes.get_errno())}; RLIMIT_MEMLOCK is probably too small (raise it with "
-                  f"`ulimit -l unlimited` or in limits.conf)")
+        reason = (
+            f"{os.strerror(ctypes.get_errno())}; RLIMIT_MEMLOCK is probably too small (raise it with "
+            f"`ulimit -l unlimited` or in limits.conf)"
+        )
     else:
         if _kernel32.VirtualLock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)):
             return True
-        reason = (f"Windows error {ctypes.get_last_error()}; the process working-set quota is probably too "
-                  f"small (SetProcessWorkingSetSize)")
+        reason = (
+            f"Windows error {ctypes.get_last_error()}; the process working-set quota is probably too "
+            f"small (SetProcessWorkingSetSize)"
+        )
     if not _warned_memlock:
         _warned_memlock = True
-        warnings.warn(f"deepoffload: cannot page-lock {nbytes} bytes ({reason}); using unlocked buffers, which "
-                      f"still work but may be slower", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"deepoffload: cannot page-lock {nbytes} bytes ({reason}); using unlocked buffers, which "
+            f"still work but may be slower",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return False
 
 
@@ -124,8 +133,13 @@ def prefault(tensor: torch.Tensor) -> None:
         _prefault(start, (tensor.data_ptr() + nbytes - start + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
 
 
-def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torch.uint8, alignment: int = 0,
-                  pin: bool = True, prefault: bool = False) -> torch.Tensor:
+def aligned_empty(
+    shape_or_numel: int | Sequence[int],
+    dtype: torch.dtype = torch.uint8,
+    alignment: int = 0,
+    pin: bool = True,
+    prefault: bool = False,
+) -> torch.Tensor:
     """An uninitialised CPU tensor whose data (and, for memory this maps, its storage) starts on an
     ``alignment``-byte boundary (0 = the page size).
 
@@ -148,7 +162,7 @@ def aligned_empty(shape_or_numel: int | Sequence[int], dtype: torch.dtype = torc
         pinned = acc.pinned_empty(nbytes + alignment)  # None (warned once): the mapping below, unregistered
         if pinned is not None:
             skip = (-pinned.data_ptr()) % alignment
-            return pinned[skip:skip + nbytes].view(dtype).view(shape)
+            return pinned[skip : skip + nbytes].view(dtype).view(shape)
     huge = os.name == "posix" and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
     if huge:
         alignment = max(alignment, HUGE_PAGE)

@@ -24,7 +24,7 @@ from .inputs import FileRef, check_tensor
 DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_INTRA_OP_PARALLELISM = 1 << 20, 128, 1
 DS_SINGLE_SUBMIT, DS_OVERLAP_EVENTS = False, False
 O_DIRECT_ALIGNMENT = 512  # DeepSpeed's get_alignment() is this times intra_op_parallelism
-MIN_IO_BLOCK = 4096       # smaller block sizes are accepted and reported, IO uses this
+MIN_IO_BLOCK = 4096  # smaller block sizes are accepted and reported, IO uses this
 
 _MISSING: Any = object()  # the default of arguments of any type that DeepSpeed requires: "not given"
 
@@ -67,15 +67,26 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     of asynchronous operations that completed (0 when none were pending). ``engine`` (not in DeepSpeed) picks one of
     deepoffload's engines; by default ``DEEPOFFLOAD_AIO_ENGINE`` or ``auto``."""
 
-    def __init__(self, block_size: int = DS_BLOCK_SIZE, queue_depth: int = DS_QUEUE_DEPTH,
-                 single_submit: bool = DS_SINGLE_SUBMIT, overlap_events: bool = DS_OVERLAP_EVENTS,
-                 intra_op_parallelism: int = DS_INTRA_OP_PARALLELISM, *, engine: str | None = None):
+    def __init__(
+        self,
+        block_size: int = DS_BLOCK_SIZE,
+        queue_depth: int = DS_QUEUE_DEPTH,
+        single_submit: bool = DS_SINGLE_SUBMIT,
+        overlap_events: bool = DS_OVERLAP_EVENTS,
+        intra_op_parallelism: int = DS_INTRA_OP_PARALLELISM,
+        *,
+        engine: str | None = None,
+    ):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive number of bytes, got {block_size!r}")
         self._block_size = block_size
-        settings: dict[str, object] = dict(block_size=max(block_size, MIN_IO_BLOCK), queue_depth=queue_depth,
-                        single_submit=single_submit, overlap_events=overlap_events,
-                        intra_op_parallelism=intra_op_parallelism)
+        settings: dict[str, object] = dict(
+            block_size=max(block_size, MIN_IO_BLOCK),
+            queue_depth=queue_depth,
+            single_submit=single_submit,
+            overlap_events=overlap_events,
+            intra_op_parallelism=intra_op_parallelism,
+        )
         if engine is not None:
             settings["engine"] = engine
         self._handle = AsyncIOHandle(AioConfig.from_dict(settings, base=AioConfig.from_env()))
@@ -106,49 +117,89 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         return O_DIRECT_ALIGNMENT * self._handle.config.intra_op_parallelism
 
     # transfers
-    def read(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *,
-             fd: int | None = None) -> int:
-        return self._transfer(False, buffer, _file(filename, fd, "read"), _required(validate, "validate", "read"),
-                              False, file_offset)
+    def read(
+        self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *, fd: int | None = None
+    ) -> int:
+        return self._transfer(
+            False, buffer, _file(filename, fd, "read"), _required(validate, "validate", "read"), False, file_offset
+        )
 
-    def write(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *,
-              fd: int | None = None) -> int:
-        return self._transfer(True, buffer, _file(filename, fd, "write"), _required(validate, "validate", "write"),
-                              False, file_offset)
+    def write(
+        self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *, fd: int | None = None
+    ) -> int:
+        return self._transfer(
+            True, buffer, _file(filename, fd, "write"), _required(validate, "validate", "write"), False, file_offset
+        )
 
-    def pread(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, async_op=_MISSING,
-              file_offset: int = 0, *, fd: int | None = None, **kwargs) -> int:
-        return self._transfer(False, buffer, _file(filename, fd, "pread"), _required(validate, "validate", "pread"),
-                              _async_flag(async_op, kwargs, "pread"), file_offset)
+    def pread(
+        self,
+        buffer: torch.Tensor,
+        filename=_MISSING,
+        validate=_MISSING,
+        async_op=_MISSING,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        **kwargs,
+    ) -> int:
+        return self._transfer(
+            False,
+            buffer,
+            _file(filename, fd, "pread"),
+            _required(validate, "validate", "pread"),
+            _async_flag(async_op, kwargs, "pread"),
+            file_offset,
+        )
 
-    def pwrite(self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, async_op=_MISSING,
-               file_offset: int = 0, *, fd: int | None = None, **kwargs) -> int:
-        return self._transfer(True, buffer, _file(filename, fd, "pwrite"), _required(validate, "validate", "pwrite"),
-                              _async_flag(async_op, kwargs, "pwrite"), file_offset)
+    def pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename=_MISSING,
+        validate=_MISSING,
+        async_op=_MISSING,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+        **kwargs,
+    ) -> int:
+        return self._transfer(
+            True,
+            buffer,
+            _file(filename, fd, "pwrite"),
+            _required(validate, "validate", "pwrite"),
+            _async_flag(async_op, kwargs, "pwrite"),
+            file_offset,
+        )
 
-    def sync_pread(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
-                   fd: int | None = None) -> int:
+    def sync_pread(
+        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
+    ) -> int:
         return self._transfer(False, buffer, _file(filename, fd, "sync_pread"), False, False, file_offset)
 
-    def sync_pwrite(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
-                    fd: int | None = None) -> int:
+    def sync_pwrite(
+        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
+    ) -> int:
         return self._transfer(True, buffer, _file(filename, fd, "sync_pwrite"), False, False, file_offset)
 
-    def async_pread(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
-                    fd: int | None = None) -> int:
+    def async_pread(
+        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
+    ) -> int:
         return self._transfer(False, buffer, _file(filename, fd, "async_pread"), False, True, file_offset)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *,
-                     fd: int | None = None) -> int:
+    def async_pwrite(
+        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
+    ) -> int:
         return self._transfer(True, buffer, _file(filename, fd, "async_pwrite"), False, True, file_offset)
 
-    def _transfer(self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool,
-                  file_offset: int) -> int:
+    def _transfer(
+        self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool, file_offset: int
+    ) -> int:
         with self._mutex:
             return self._transfer_locked(write, buffer, file, validate, async_op, file_offset)
 
-    def _transfer_locked(self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool,
-                         file_offset: int) -> int:
+    def _transfer_locked(
+        self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool, file_offset: int
+    ) -> int:
         if async_op:
             if write:
                 self._handle.write_async(buffer, file, file_offset, truncate=False)
@@ -173,8 +224,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             return self._handle.wait_all()
 
     # buffers
-    def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = _MISSING,
-                              **kwargs) -> torch.Tensor:
+    def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = _MISSING, **kwargs) -> torch.Tensor:
         """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype. DeepSpeed spells
         the argument ``example_tenosr``; ``example_tensor`` is accepted too."""
         if "example_tensor" in kwargs and example_tenosr is _MISSING:
@@ -262,8 +312,15 @@ def _forget_managed(address: int) -> None:
         _managed.pop(address, None)
 
 
-def aio_read(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
-             overlap_events: bool, validate: bool) -> int:
+def aio_read(
+    buffer: torch.Tensor,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
     """DeepSpeed's module-level read of a whole file into ``buffer``; returns 0. The file must be exactly
     ``buffer``'s size (DeepSpeed asserts this; here it is a ``ValueError``)."""
     import os
@@ -272,14 +329,22 @@ def aio_read(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: 
     size = os.stat(filename).st_size
     nbytes = buffer.numel() * buffer.element_size()
     if size != nbytes:
-        raise ValueError(f"aio_read: '{filename}' has {size} bytes but the buffer has {nbytes}; pass a buffer of "
-                         f"the file's size")
+        raise ValueError(
+            f"aio_read: '{filename}' has {size} bytes but the buffer has {nbytes}; pass a buffer of the file's size"
+        )
     aio_handle(block_size, queue_depth, single_submit, overlap_events, 1).read(buffer, filename, validate)
     return 0
 
 
-def aio_write(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
-              overlap_events: bool, validate: bool) -> int:
+def aio_write(
+    buffer: torch.Tensor,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
     """DeepSpeed's module-level write of ``buffer`` at offset 0 of ``filename`` (no truncation); returns 0."""
     aio_handle(block_size, queue_depth, single_submit, overlap_events, 1).write(buffer, filename, validate)
     return 0

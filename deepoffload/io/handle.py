@@ -46,8 +46,16 @@ class Request(Pending[int]):
     """One asynchronous transfer (``Pending``): ``wait(timeout=None)`` returns the bytes moved or raises ``OSError``;
     ``done()`` polls."""
 
-    def __init__(self, handle: "AsyncIOHandle", op_id: int, nbytes: int, path: str,
-                 keep_alive: tuple, finish: Callable[[], None] | None, owned_fd: int = -1):
+    def __init__(
+        self,
+        handle: "AsyncIOHandle",
+        op_id: int,
+        nbytes: int,
+        path: str,
+        keep_alive: tuple,
+        finish: Callable[[], None] | None,
+        owned_fd: int = -1,
+    ):
         self._handle = weakref.ref(handle)
         self._native = handle._native
         self._op_id = op_id
@@ -98,7 +106,8 @@ class Request(Pending[int]):
         if self._generation != _fork_generation:  # a forked child holding a copy of the parent's request
             raise UnsupportedError(
                 f"the transfer of {self.nbytes} bytes to/from {self.path} was started by process "
-                f"{self._pid} before it forked; it runs there, and only that process can wait for it")
+                f"{self._pid} before it forked; it runs there, and only that process can wait for it"
+            )
 
     def _collect(self, deadline: float | None) -> None:
         results: list = []
@@ -159,8 +168,12 @@ def _warn_buffered(path: str) -> None:
     folder = str(Path(path).parent)
     if folder not in _warned_buffered:
         _warned_buffered.add(folder)
-        warnings.warn(f"deepoffload: the filesystem of {folder} refuses O_DIRECT; using buffered IO there "
-                      f"(correct, but through the page cache)", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"deepoffload: the filesystem of {folder} refuses O_DIRECT; using buffered IO there "
+            f"(correct, but through the page cache)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 class AsyncIOHandle:
@@ -181,8 +194,9 @@ class AsyncIOHandle:
         c = self.config
         for key, limit in (("block_size", INT64_MAX), ("queue_depth", INT32_MAX), ("intra_op_parallelism", INT32_MAX)):
             if getattr(c, key) > limit:  # the native op would refuse it with an unreadable TypeError
-                raise ValueError(f"{key}={getattr(c, key)} is out of range; use a value like the default "
-                                 f"({getattr(AioConfig, key)})")
+                raise ValueError(
+                    f"{key}={getattr(c, key)} is out of range; use a value like the default ({getattr(AioConfig, key)})"
+                )
         self._native = self._new_native()
         self._pending: dict[int, Request] = {}
         self._pending_lock = threading.Lock()
@@ -192,8 +206,9 @@ class AsyncIOHandle:
 
     def _new_native(self):
         c = self.config
-        return native().Handle(self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events,
-                               c.intra_op_parallelism)
+        return native().Handle(
+            self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events, c.intra_op_parallelism
+        )
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the native handle's threads stayed in the parent (and its locks may be held), so it is
@@ -225,8 +240,9 @@ class AsyncIOHandle:
             finish = lambda: acc.synchronize(acc.copy(tensor.view(-1), target.view(-1), None))  # noqa: E731
         return self._submit(False, target, file, offset, 0, (tensor, target), finish)
 
-    def write_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None,
-                    fsync: bool = False) -> Request:
+    def write_async(
+        self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None, fsync: bool = False
+    ) -> Request:
         """Start writing ``tensor``'s bytes at ``offset`` of ``file``. ``truncate`` (default: ``offset == 0``)
         cuts the file to end where this write ends; ``fsync`` makes the data durable before the request
         completes."""
@@ -251,8 +267,16 @@ class AsyncIOHandle:
             _validate(tensor, file, offset)
         return nbytes
 
-    def write(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False,
-              truncate: bool | None = None, fsync: bool = False) -> int:
+    def write(
+        self,
+        tensor: torch.Tensor,
+        file: FileRef,
+        offset: int = 0,
+        *,
+        validate: bool = False,
+        truncate: bool | None = None,
+        fsync: bool = False,
+    ) -> int:
         """Write synchronously; return the bytes written. ``validate`` re-reads the file and compares.
         An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``). A write that fails
         (full disk, validation) to a path that did not exist before the call leaves no file there (do not write the
@@ -281,8 +305,16 @@ class AsyncIOHandle:
                 self._stager = DeviceStager(self)
             return self._stager
 
-    def _submit(self, write: bool, buffer: torch.Tensor, file: FileRef, offset: int, flags: int, keep_alive: tuple,
-                finish: Callable[[], None] | None) -> Request:
+    def _submit(
+        self,
+        write: bool,
+        buffer: torch.Tensor,
+        file: FileRef,
+        offset: int,
+        flags: int,
+        keep_alive: tuple,
+        finish: Callable[[], None] | None,
+    ) -> Request:
         if self._closed:
             raise ClosedError("this AsyncIOHandle is closed")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
@@ -369,9 +401,11 @@ class AsyncIOHandle:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"AsyncIOHandle(engine={self.engine!r}, block_size={c.block_size}, queue_depth={c.queue_depth}, "
-                f"intra_op_parallelism={c.intra_op_parallelism}, single_submit={c.single_submit}, "
-                f"overlap_events={c.overlap_events})")
+        return (
+            f"AsyncIOHandle(engine={self.engine!r}, block_size={c.block_size}, queue_depth={c.queue_depth}, "
+            f"intra_op_parallelism={c.intra_op_parallelism}, single_submit={c.single_submit}, "
+            f"overlap_events={c.overlap_events})"
+        )
 
 
 def wait_each(transfers: Iterable) -> OSError | None:
@@ -415,10 +449,12 @@ def _validate(tensor: torch.Tensor, file: FileRef, offset: int) -> None:
         with open(path, "rb") as f:
             f.seek(offset)
             data = f.read(nbytes)
-    if len(data) != nbytes or (nbytes and not torch.equal(expected,
-                                                          torch.frombuffer(bytearray(data), dtype=torch.uint8))):
-        raise ValidationError(errno.EIO, f"validation failed: the {nbytes} bytes at offset {offset} differ from "
-                                         f"the tensor's", path)
+    if len(data) != nbytes or (
+        nbytes and not torch.equal(expected, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    ):
+        raise ValidationError(
+            errno.EIO, f"validation failed: the {nbytes} bytes at offset {offset} differ from the tensor's", path
+        )
 
 
 _fork_generation = 0  # incremented in each forked child: a Request from an earlier generation is the parent's

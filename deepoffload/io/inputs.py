@@ -22,15 +22,20 @@ def check_tensor(tensor: object, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_quantized:
-        raise ValueError(f"{what}: quantized tensors ({tensor.dtype}) keep their scale and zero point outside "
-                         f"their bytes; pass tensor.int_repr() (and save q_scale()/q_zero_point()) or "
-                         f"tensor.dequantize() instead")
+        raise ValueError(
+            f"{what}: quantized tensors ({tensor.dtype}) keep their scale and zero point outside "
+            f"their bytes; pass tensor.int_repr() (and save q_scale()/q_zero_point()) or "
+            f"tensor.dequantize() instead"
+        )
     if tensor.layout != torch.strided:
-        raise ValueError(f"{what}: sparse tensors ({tensor.layout}) have no single byte buffer; pass "
-                         f"tensor.to_dense() instead")
+        raise ValueError(
+            f"{what}: sparse tensors ({tensor.layout}) have no single byte buffer; pass tensor.to_dense() instead"
+        )
     if tensor.is_conj() or tensor.is_neg():  # a lazy view: its bytes in memory are not its values
-        raise ValueError(f"{what}: the tensor is a lazy conjugate/negative view whose memory holds other values; "
-                         f"pass tensor.resolve_conj().resolve_neg() (a copy) instead")
+        raise ValueError(
+            f"{what}: the tensor is a lazy conjugate/negative view whose memory holds other values; "
+            f"pass tensor.resolve_conj().resolve_neg() (a copy) instead"
+        )
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: the tensor is not contiguous; pass tensor.contiguous() (a copy) instead")
     acc = accelerator.current()

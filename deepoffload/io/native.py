@@ -53,8 +53,10 @@ def resolve_engine(requested: str) -> str:
             failures.append(f"{engine}: {reason}")
         raise OSError(f"no async-IO engine works here ({'; '.join(failures)})")
     if requested not in compiled:
-        raise ValueError(f"engine {requested!r} is not in this build (compiled in: {', '.join(compiled)}); "
-                         f"install its library and rebuild, or use engine='auto' (see `deepoffload report`)")
+        raise ValueError(
+            f"engine {requested!r} is not in this build (compiled in: {', '.join(compiled)}); "
+            f"install its library and rebuild, or use engine='auto' (see `deepoffload report`)"
+        )
     ok, reason = self_test(requested)
     if not ok:
         raise OSError(f"engine {requested!r} fails its self-test here: {reason}; use engine='auto'")

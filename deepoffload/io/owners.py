@@ -41,7 +41,7 @@ def start_time(pid: int) -> int:
     except OSError:
         return 0
     try:  # the command name (field 2) may hold spaces and parentheses: count fields after its last ')'
-        return int(text[text.rindex(b")") + 2:].split()[19])
+        return int(text[text.rindex(b")") + 2 :].split()[19])
     except (ValueError, IndexError):
         return 0
 
@@ -51,8 +51,10 @@ def host_id() -> str:
     global _host
     if _host is None:
         parts = [socket.gethostname()]
-        for read in (lambda: open("/proc/sys/kernel/random/boot_id", encoding="ascii").read().strip(),
-                     lambda: os.readlink("/proc/self/ns/pid")):
+        for read in (
+            lambda: open("/proc/sys/kernel/random/boot_id", encoding="ascii").read().strip(),
+            lambda: os.readlink("/proc/self/ns/pid"),
+        ):
             try:
                 parts.append(read())
             except OSError:

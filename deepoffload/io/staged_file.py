@@ -31,8 +31,12 @@ class StagingPool:
     at most ``keep`` idle ones are kept. ``pin``: page-locked (see ``aligned_empty``). Thread-safe."""
 
     def __init__(self, buffer_bytes: int, keep: int, *, pin: bool = True):
-        if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes <= 0 \
-                or buffer_bytes % PAGE_SIZE:
+        if (
+            isinstance(buffer_bytes, bool)
+            or not isinstance(buffer_bytes, int)
+            or buffer_bytes <= 0
+            or buffer_bytes % PAGE_SIZE
+        ):
             raise ValueError(f"buffer_bytes must be a positive multiple of {PAGE_SIZE}, got {buffer_bytes!r}")
         self.buffer_bytes, self.keep, self.pin = buffer_bytes, keep, pin
         self._idle: list[torch.Tensor] = []
@@ -99,7 +103,7 @@ class StagedWriter:
         self._raise()
         if not self._filling:
             self._next_buffer()
-        return self._buffers[self._current][self._fill:]
+        return self._buffers[self._current][self._fill :]
 
     def commit(self, nbytes: int) -> None:
         """Count ``nbytes`` bytes of ``reserve()`` as filled."""
@@ -116,9 +120,10 @@ class StagedWriter:
                 if index != self._current:
                     self._wait(index)
             self._raise()
-        buffer = self._buffers[self._current][:self._fill]
-        self._requests[self._current] = self.handle.write_async(buffer, self.file, self.offset, truncate=truncate,
-                                                                fsync=fsync)
+        buffer = self._buffers[self._current][: self._fill]
+        self._requests[self._current] = self.handle.write_async(
+            buffer, self.file, self.offset, truncate=truncate, fsync=fsync
+        )
         self.offset += self._fill
         self._fill = 0
         self._filling = False
@@ -182,8 +187,9 @@ class StagedReader:
     valid until the window moves past it. A chunk whose read failed is dropped, so its bytes are never served.
     """
 
-    def __init__(self, handle: AsyncIOHandle, file: FileRef, start: int, end: int, *, pool: StagingPool,
-                 depth: int = 2):
+    def __init__(
+        self, handle: AsyncIOHandle, file: FileRef, start: int, end: int, *, pool: StagingPool, depth: int = 2
+    ):
         self.handle, self.file, self.start, self.end, self.pool, self.depth = handle, file, start, end, pool, depth
         self.chunk_bytes = pool.buffer_bytes
         self.chunk_count = -(-(end - start) // self.chunk_bytes)
@@ -213,7 +219,7 @@ class StagedReader:
                 del self._chunks[index]  # maybe still in flight: its request keeps the buffer alive
                 raise
             chunk[1] = None
-        return chunk[0][:chunk[2]]
+        return chunk[0][: chunk[2]]
 
     def close(self) -> None:
         """Wait for every read in flight and return the buffers to the pool."""

@@ -54,13 +54,14 @@ class DeviceStager:
                 for k in range(reader.chunk_count):
                     host = reader.get(k)  # chunk k is in a host buffer; chunk k+1 is being read into the other
                     start = k * self.chunk_bytes
-                    _copy(acc, dst[start:start + host.numel()], host, stream)
+                    _copy(acc, dst[start : start + host.numel()], host, stream)
             finally:
                 reader.close()  # waits for any read still in flight
         return nbytes
 
-    def write(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None,
-              fsync: bool = False) -> int:
+    def write(
+        self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None, fsync: bool = False
+    ) -> int:
         """Write ``tensor``'s bytes at ``offset`` of ``file``; return the bytes written. ``truncate`` (default:
         ``offset == 0``) cuts the file to end where this write ends; ``fsync`` makes it durable before returning.
         The tensor is only read, so it is intact whatever happens."""
@@ -77,7 +78,7 @@ class DeviceStager:
                 for start in range(0, nbytes, self.chunk_bytes):
                     length = min(self.chunk_bytes, nbytes - start)
                     host = writer.reserve()[:length]  # waits for the write of chunk k-2 that used this buffer
-                    _copy(acc, host, src[start:start + length], stream)  # chunk k-1 is being written
+                    _copy(acc, host, src[start : start + length], stream)  # chunk k-1 is being written
                     writer.commit(length)
                     last = start + length == nbytes  # the last chunk carries the truncation and the fsync
                     writer.submit(truncate=truncate and last, fsync=fsync and last)
@@ -92,8 +93,10 @@ class DeviceStager:
         check_tensor(tensor, what)
         acc = accelerator.current()
         if not acc.is_device_tensor(tensor):
-            raise ValueError(f"{what}: DeviceStager moves {acc.name} tensors; a tensor on {tensor.device} goes "
-                             f"through AsyncIOHandle directly")
+            raise ValueError(
+                f"{what}: DeviceStager moves {acc.name} tensors; a tensor on {tensor.device} goes "
+                f"through AsyncIOHandle directly"
+            )
         return acc
 
     def _setup(self, acc: accelerator.Accelerator, device: torch.device) -> tuple[StagingPool, torch.Stream | None]:

@@ -29,8 +29,9 @@ class _BackwardSteps:
         self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
         self.error: OSError | None = None
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                        for p in optimizer._params() if p.requires_grad]
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for p in optimizer._params() if p.requires_grad
+        ]
         self._plan()
 
     def _plan(self) -> None:
@@ -47,8 +48,7 @@ class _BackwardSteps:
         a staging buffer is free (no waiting for a write to free one)."""
         opt = self.optimizer
         ahead = max(1, opt.config.buffer_count - 2)
-        while self.next < len(self.chunks) and len(opt._prefetched) < ahead \
-                and (wait or opt.swapper.pool.available()):
+        while self.next < len(self.chunks) and len(opt._prefetched) < ahead and (wait or opt.swapper.pool.available()):
             chunk = self.chunks[self.next]
             self.next += 1
             if len(self.ready[self.next - 1]) < len(chunk):
@@ -56,9 +56,11 @@ class _BackwardSteps:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if id(param) in self.stepped:
-            raise UnsupportedError("OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
-                                   "accumulation?); each parameter already stepped with the first backward's gradient. "
-                                   "Call step() after every backward, or opt.step_in_backward(False)")
+            raise UnsupportedError(
+                "OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
+                "accumulation?); each parameter already stepped with the first backward's gradient. "
+                "Call step() after every backward, or opt.step_in_backward(False)"
+            )
         k = self.index.get(id(param))
         if k is None:
             return
@@ -114,24 +116,38 @@ class _BackwardSteps:
         """``step()``: check the gradients used were not changed since, step what is left, wait for the writes,
         plan the next backward."""
         opt = self.optimizer
-        changed = [p for p in opt._params() if id(p) in self.stepped and (p.grad is None or
-                                                                        p.grad._version != self.stepped[id(p)])]
+        changed = [
+            p
+            for p in opt._params()
+            if id(p) in self.stepped and (p.grad is None or p.grad._version != self.stepped[id(p)])
+        ]
         try:
             if changed:
                 refuse_step_in_backward_under_ddp(changed)  # DDP built after step_in_backward() replaced them
-                raise UnsupportedError(f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
-                                       f"parameter(s) changed after backward stepped them (gradient clipping, "
-                                       f"GradScaler unscaling, zero_grad before step?); those parameters took their "
-                                       f"step with the unchanged gradients. Turn step_in_backward off to clip or "
-                                       f"scale gradients")
+                raise UnsupportedError(
+                    f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
+                    f"parameter(s) changed after backward stepped them (gradient clipping, "
+                    f"GradScaler unscaling, zero_grad before step?); those parameters took their "
+                    f"step with the unchanged gradients. Turn step_in_backward off to clip or "
+                    f"scale gradients"
+                )
             state, entries = opt.optimizer.state, self.entries
-            reset = [p for p in opt._params() if id(p) in entries and (state.get(p) is not entries[id(p)] or (
-                type(entries[id(p)]) is _StoredState and entries[id(p)].cleared))]
+            reset = [
+                p
+                for p in opt._params()
+                if id(p) in entries
+                and (
+                    state.get(p) is not entries[id(p)]
+                    or (type(entries[id(p)]) is _StoredState and entries[id(p)].cleared)
+                )
+            ]
             if reset:
-                raise UnsupportedError(f"OffloadedOptimizer.step_in_backward: the state of {len(reset)} parameter(s) "
-                                       f"was reset (opt.state replaced or cleared, an entry deleted, replaced or "
-                                       f"cleared) after backward stepped them with the state before; the reset applies "
-                                       f"from the next step. Reset state before backward, or turn step_in_backward off")
+                raise UnsupportedError(
+                    f"OffloadedOptimizer.step_in_backward: the state of {len(reset)} parameter(s) "
+                    f"was reset (opt.state replaced or cleared, an entry deleted, replaced or "
+                    f"cleared) after backward stepped them with the state before; the reset applies "
+                    f"from the next step. Reset state before backward, or turn step_in_backward off"
+                )
             rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
             with _intra_op_threads(opt._compute_threads):
                 opt._run(opt._chunks(rest), opt._step_chunk)

@@ -66,8 +66,12 @@ class ChunkPlanner:
         # parameters beside it, e.g. its bias, travel in its chunk rather than taking a buffer of their own), and
         # chunks fill them.
         largest = max(estimates, default=0)
-        budget = max(1, owner.config.chunk_bytes - PAGE_SIZE, owner.swapper.pool.buffer_bytes - PAGE_SIZE,
-                     largest + largest // 16 if largest > owner.config.chunk_bytes - PAGE_SIZE else 0)
+        budget = max(
+            1,
+            owner.config.chunk_bytes - PAGE_SIZE,
+            owner.swapper.pool.buffer_bytes - PAGE_SIZE,
+            largest + largest // 16 if largest > owner.config.chunk_bytes - PAGE_SIZE else 0,
+        )
         chunks: list[_Chunk] = []
         size = fullest = 0
         for param, nbytes in zip(params, estimates):

@@ -82,8 +82,10 @@ class SwapConfig:
             elif key in aio_keys:
                 aio[key] = value
             else:
-                raise ConfigError(f"unknown swap config key {key!r}; accepted: "
-                                  f"{', '.join(cls.swap_keys() + tuple(SWAP_ALIASES) + aio_keys + ('aio',))}")
+                raise ConfigError(
+                    f"unknown swap config key {key!r}; accepted: "
+                    f"{', '.join(cls.swap_keys() + tuple(SWAP_ALIASES) + aio_keys + ('aio',))}"
+                )
         for key, value in section.items():
             if key in aio:
                 raise ConfigError(f"{key}: given both at top level and in the aio section")

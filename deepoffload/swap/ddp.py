@@ -43,12 +43,15 @@ STEP_IN_BACKWARD_REASON = (
     "only when backward ends, so a chunk stepped inside backward would step with this rank's own, unaveraged "
     "gradients and the ranks would drift apart. Call step() after backward (DDP's gradients are averaged by then), "
     "or stream the model with offload_parameters(..., data_parallel=True), which averages each block's gradients "
-    "inside its backward")
+    "inside its backward"
+)
 
 
 def refuse_step_in_backward_under_ddp(params: Iterable[torch.Tensor]) -> None:
     """Raise UnsupportedError (a RuntimeError) when a DistributedDataParallel holds one of ``params``
     (``step_in_backward`` cannot wait for DDP's averages)."""
     if ddp_holding(params) is not None:
-        raise UnsupportedError(f"OffloadedOptimizer.step_in_backward(): these parameters are in a "
-                               f"DistributedDataParallel model: {STEP_IN_BACKWARD_REASON}")
+        raise UnsupportedError(
+            f"OffloadedOptimizer.step_in_backward(): these parameters are in a "
+            f"DistributedDataParallel model: {STEP_IN_BACKWARD_REASON}"
+        )

@@ -45,15 +45,22 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
     _make_base(base)
     kind = memory_backed(base)
     if kind is not None:
-        warnings.warn(f"swap folder {base} is on {kind}, which keeps files in memory: offloading there saves no "
-                      f"memory; pass a folder on a disk (SwapConfig(folder=...) or path=)", UserWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"swap folder {base} is on {kind}, which keeps files in memory: offloading there saves no "
+            f"memory; pass a folder on a disk (SwapConfig(folder=...) or path=)",
+            UserWarning,
+            stacklevel=3,
+        )
     try:
         remove_dead_run_folders(base)
         folder = tempfile.mkdtemp(prefix=run_folder_prefix(current_rank() if rank is None else rank), dir=base)
     except OSError as e:
-        raise OSError(e.errno, f"cannot create a swap folder in {base} ({e.strerror}); choose a writable folder "
-                               f"with `folder=` (or --path)", base) from e
+        raise OSError(
+            e.errno,
+            f"cannot create a swap folder in {base} ({e.strerror}); choose a writable folder "
+            f"with `folder=` (or --path)",
+            base,
+        ) from e
     with _owned_lock:
         _owned[folder] = os.getpid()
     return folder
@@ -70,12 +77,20 @@ def _make_base(base: str) -> None:
         if not os.path.isdir(base):
             raise NotADirectoryError(errno.ENOTDIR, f"swap folder {base} exists and is not a folder", base) from None
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"cannot create a swap folder at {base}: its parent "
-                                f"{os.path.dirname(os.path.abspath(base))} does not exist (only the last part of "
-                                f"the path is created; check the path, or create the parent first)", base) from None
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"cannot create a swap folder at {base}: its parent "
+            f"{os.path.dirname(os.path.abspath(base))} does not exist (only the last part of "
+            f"the path is created; check the path, or create the parent first)",
+            base,
+        ) from None
     except OSError as e:
-        raise OSError(e.errno, f"cannot create a swap folder at {base} ({e.strerror}); choose a writable folder with "
-                               f"`folder=` (or --path)", base) from e
+        raise OSError(
+            e.errno,
+            f"cannot create a swap folder at {base} ({e.strerror}); choose a writable folder with "
+            f"`folder=` (or --path)",
+            base,
+        ) from e
 
 
 def memory_backed(folder: str) -> str | None:

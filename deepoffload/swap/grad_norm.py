@@ -22,8 +22,10 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_
 def check_clip_args(max_norm: object, norm_type: object) -> None:
     """Raise ValueError for a ``max_norm`` that is not a number >= 0 or a ``norm_type`` that is not a number."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
-        raise ValueError(f"clip_grad_norm={max_norm!r}: expected the largest allowed gradient norm, a number >= 0 "
-                         f"(None: no clipping)")
+        raise ValueError(
+            f"clip_grad_norm={max_norm!r}: expected the largest allowed gradient norm, a number >= 0 "
+            f"(None: no clipping)"
+        )
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or math.isnan(norm_type):
         raise ValueError(f"norm_type={norm_type!r}: expected the order of the norm, a number (2.0, math.inf, ...)")
 

@@ -23,16 +23,20 @@ def deferred() -> Iterator[None]:
     """Hold back SIGINT until the block ends, then raise ``KeyboardInterrupt``; a second SIGINT raises at once.
     Only in the main thread and only over Python's default handler (a handler the program installed is left to do
     its own thing)."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     noted: list[int] = []
 
     def note(signum: int, frame) -> None:
         if noted:
-            raise KeyboardInterrupt("second Ctrl-C: raised inside deepoffload's bookkeeping, whose state may now "
-                                    "be inconsistent; restart from the last checkpoint")
+            raise KeyboardInterrupt(
+                "second Ctrl-C: raised inside deepoffload's bookkeeping, whose state may now "
+                "be inconsistent; restart from the last checkpoint"
+            )
         noted.append(signum)
 
     signal.signal(signal.SIGINT, note)

@@ -7,8 +7,18 @@ import re
 
 from .pool import trim_heap
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
 
 
 def parse_bytes(value: int | str, what: str = "max_memory") -> int:
@@ -24,8 +34,10 @@ def parse_bytes(value: int | str, what: str = "max_memory") -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS:
-        raise ValueError(f"{what}={value!r}: expected bytes such as '6GB', '6000MB' or '512MiB' (units: "
-                         f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        raise ValueError(
+            f"{what}={value!r}: expected bytes such as '6GB', '6000MB' or '512MiB' (units: "
+            f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
     nbytes = int(float(match.group(1)) * _UNITS[unit])
     if nbytes <= 0:
         raise ValueError(f"{what}={value!r}: expected a positive number of bytes")

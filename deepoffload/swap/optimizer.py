@@ -39,8 +39,14 @@ from .optimizer_budget import fit_buffers
 from .optimizer_state import _holds_stored, _storable, read_stored, restore, write_back, write_copy
 from .pool import trim_heap
 from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
-from .torch_optim import _WRAPPED, UNSUPPORTED, _check_no_step_hooks, _intra_op_threads, _requires_closure, \
-    _unhooked_step
+from .torch_optim import (
+    _WRAPPED,
+    UNSUPPORTED,
+    _check_no_step_hooks,
+    _intra_op_threads,
+    _requires_closure,
+    _unhooked_step,
+)
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -67,35 +73,50 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     matches the in-memory optimizer run with the same thread count. Process-wide while the step runs.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
-                 params: Iterable | None = None, config: SwapConfig | None = None, *,
-                 max_memory: int | str | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
+        params: Iterable | None = None,
+        config: SwapConfig | None = None,
+        *,
+        max_memory: int | str | None = None,
+        **kwargs: Any,
+    ):
         if isinstance(optimizer, torch.optim.Optimizer):
             if params is not None or kwargs:
-                raise TypeError("OffloadedOptimizer: pass either an optimizer instance, or an optimizer class with "
-                                "params and its keyword arguments, not both")
+                raise TypeError(
+                    "OffloadedOptimizer: pass either an optimizer instance, or an optimizer class with "
+                    "params and its keyword arguments, not both"
+                )
             inner = optimizer
         elif callable(optimizer):
             if params is None:
-                raise TypeError(f"OffloadedOptimizer: building {getattr(optimizer, '__name__', optimizer)!r} needs "
-                                f"params")
+                raise TypeError(
+                    f"OffloadedOptimizer: building {getattr(optimizer, '__name__', optimizer)!r} needs params"
+                )
             inner = optimizer(params, **kwargs)
             if not isinstance(inner, torch.optim.Optimizer):
-                raise TypeError(f"OffloadedOptimizer: {optimizer!r} built a {type(inner).__name__}, not a "
-                                f"torch.optim.Optimizer")
+                raise TypeError(
+                    f"OffloadedOptimizer: {optimizer!r} built a {type(inner).__name__}, not a torch.optim.Optimizer"
+                )
         else:
-            raise TypeError(f"OffloadedOptimizer: expected a torch.optim.Optimizer instance or class, got "
-                            f"{optimizer!r}")
+            raise TypeError(
+                f"OffloadedOptimizer: expected a torch.optim.Optimizer instance or class, got {optimizer!r}"
+            )
         if isinstance(inner, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer: the optimizer is already offloaded")
         if isinstance(inner, UNSUPPORTED) or _requires_closure(inner):
-            raise TypeError(f"OffloadedOptimizer: {type(inner).__name__}.step requires a closure (it evaluates the "
-                            f"loss inside its step, across all parameters), so it cannot step in chunks; use an "
-                            f"optimizer whose step works without a closure")
+            raise TypeError(
+                f"OffloadedOptimizer: {type(inner).__name__}.step requires a closure (it evaluates the "
+                f"loss inside its step, across all parameters), so it cannot step in chunks; use an "
+                f"optimizer whose step works without a closure"
+            )
         if getattr(inner, _WRAPPED, False):
-            raise TypeError(f"OffloadedOptimizer: this {type(inner).__name__} is already wrapped by an "
-                            f"OffloadedOptimizer, which moved its tensor state to storage; use that wrapper (or build "
-                            f"a new optimizer: wrapping it again would silently restart its state)")
+            raise TypeError(
+                f"OffloadedOptimizer: this {type(inner).__name__} is already wrapped by an "
+                f"OffloadedOptimizer, which moved its tensor state to storage; use that wrapper (or build "
+                f"a new optimizer: wrapping it again would silently restart its state)"
+            )
         _check_no_step_hooks(inner)
         config = config or SwapConfig()
         if max_memory is not None:  # before anything is wrapped or stored
@@ -141,8 +162,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             delattr(self.optimizer, _WRAPPED)
         except BaseException as failed:
             if hasattr(error, "add_note"):
-                error.add_note(f"OffloadedOptimizer: the state already stored could not be read back into the "
-                               f"{type(self.optimizer).__name__} ({failed!r}); build a new optimizer")
+                error.add_note(
+                    f"OffloadedOptimizer: the state already stored could not be read back into the "
+                    f"{type(self.optimizer).__name__} ({failed!r}); build a new optimizer"
+                )
         finally:
             try:
                 self.swapper.close()
@@ -179,8 +202,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @compute_threads.setter
     def compute_threads(self, count: int | None) -> None:
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise ValueError(f"compute_threads: expected a positive number of threads or None (torch's setting), "
-                             f"got {count!r}")
+            raise ValueError(
+                f"compute_threads: expected a positive number of threads or None (torch's setting), got {count!r}"
+            )
         self._compute_threads = count
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -242,19 +266,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._backward.close()
             self._backward = None
 
-    def _note_stopped(self, error: BaseException, chunks: list[_Chunk], stepped: int,
-                      failed_inside: bool) -> None:
+    def _note_stopped(self, error: BaseException, chunks: list[_Chunk], stepped: int, failed_inside: bool) -> None:
         """Say on ``error`` which parameters the interrupted step changed and which it did not."""
         position = {id(p): i for i, p in enumerate(self._params())}
         done = sorted(position[id(p)] for chunk in chunks[:stepped] for p in chunk)
         rest = sorted(position[id(p)] for chunk in chunks[stepped:] for p in chunk)
-        note = (f"OffloadedOptimizer.step stopped: parameters {index_ranges(done)} (positions in param_groups order) "
-                f"were fully stepped, their state stored or kept in memory; parameters {index_ranges(rest)} were not "
-                f"stepped and their state is as before the step")
+        note = (
+            f"OffloadedOptimizer.step stopped: parameters {index_ranges(done)} (positions in param_groups order) "
+            f"were fully stepped, their state stored or kept in memory; parameters {index_ranges(rest)} were not "
+            f"stepped and their state is as before the step"
+        )
         if failed_inside:
             failing = sorted(position[id(p)] for p in chunks[stepped])
-            note += (f" (the wrapped optimizer raised while stepping {index_ranges(failing)}: they are as it left "
-                     f"them; torch's optimizers check their inputs before changing anything)")
+            note += (
+                f" (the wrapped optimizer raised while stepping {index_ranges(failing)}: they are as it left "
+                f"them; torch's optimizers check their inputs before changing anything)"
+            )
         if hasattr(error, "add_note"):
             error.add_note(note)
 
@@ -459,9 +486,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.close()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("OffloadedOptimizer cannot be pickled, copied or deep-copied (torch.save(opt) included): "
-                        "its tensor state lives in swap files this object owns. Save opt.state_dict() (the real "
-                        "state, read from storage) and load it with load_state_dict() into a new OffloadedOptimizer")
+        raise TypeError(
+            "OffloadedOptimizer cannot be pickled, copied or deep-copied (torch.save(opt) included): "
+            "its tensor state lives in swap files this object owns. Save opt.state_dict() (the real "
+            "state, read from storage) and load it with load_state_dict() into a new OffloadedOptimizer"
+        )
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.optimizer!r}, folder={self.swapper.folder!r})"

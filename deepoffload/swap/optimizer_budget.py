@@ -32,11 +32,13 @@ def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config
     room = limit - fixed
     if room < MIN_BUFFERS * need_chunk:
         least = fixed + MIN_BUFFERS * need_chunk
-        raise MemoryError(f"max_memory={limit} bytes ({limit / 1e6:.1f} MB) is too small for this optimizer: the "
-                          f"least that works is {least} bytes ({least / 1e6:.1f} MB): the process now "
-                          f"{process / 1e6:.1f} MB + gradients {grads / 1e6:.1f} MB + {TEMPORARIES} x the largest "
-                          f"parameter {largest / 1e6:.1f} MB (temporaries) + {MIN_BUFFERS} staging buffers of "
-                          f"{need_chunk / 1e6:.1f} MB (its state) + {FORWARD_BYTES / 1e6:.1f} MB for the forward")
+        raise MemoryError(
+            f"max_memory={limit} bytes ({limit / 1e6:.1f} MB) is too small for this optimizer: the "
+            f"least that works is {least} bytes ({least / 1e6:.1f} MB): the process now "
+            f"{process / 1e6:.1f} MB + gradients {grads / 1e6:.1f} MB + {TEMPORARIES} x the largest "
+            f"parameter {largest / 1e6:.1f} MB (temporaries) + {MIN_BUFFERS} staging buffers of "
+            f"{need_chunk / 1e6:.1f} MB (its state) + {FORWARD_BYTES / 1e6:.1f} MB for the forward"
+        )
     count = max(MIN_BUFFERS, min(config.buffer_count, room // need_chunk))
     chunk = max(need_chunk, min(config.chunk_bytes, room // count // 4096 * 4096))
     return config.replace(buffer_count=count, chunk_bytes=chunk)

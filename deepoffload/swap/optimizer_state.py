@@ -19,8 +19,12 @@ if TYPE_CHECKING:
 def _storable(value: Any) -> bool:
     """A tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse momentum
     for sparse gradients) stay in memory."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized \
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and not value.is_quantized
         and not value.is_meta
+    )
 
 
 class _StoredState(dict):
@@ -41,9 +45,11 @@ class _StoredState(dict):
 
     def __missing__(self, key: Any) -> Any:
         if key in self.offloaded and not self.cleared:
-            raise KeyError(f"{key!r}: this tensor of the parameter's optimizer state is on storage between steps "
-                           f"(an OffloadedOptimizer keeps only non-tensor state in memory); read it from "
-                           f"opt.state_dict() (copies of all the state)")
+            raise KeyError(
+                f"{key!r}: this tensor of the parameter's optimizer state is on storage between steps "
+                f"(an OffloadedOptimizer keeps only non-tensor state in memory); read it from "
+                f"opt.state_dict() (copies of all the state)"
+            )
         raise KeyError(key)
 
 
@@ -60,8 +66,11 @@ def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
     one. A copy on storage would stop sharing its memory, so it stays in memory."""
     value = values[key]
     base = value._base
-    return (base is not None and any(other is base for other in values.values())) or id(value) in bases \
-        or _references(values, key) > _ALONE + 1  # (+1: ``value`` here)
+    return (
+        (base is not None and any(other is base for other in values.values()))
+        or id(value) in bases
+        or _references(values, key) > _ALONE + 1
+    )  # (+1: ``value`` here)
 
 
 def _holds_stored(values: Any) -> TypeGuard[_StoredState]:
@@ -88,8 +97,9 @@ def restore(optimizer: torch.optim.Optimizer, chunk: _Chunk, read: SwapIn) -> No
             values.update(tensors)
 
 
-def write_back(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk,
-               staged: SwapIn) -> SwapOut | None:
+def write_back(
+    optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk, staged: SwapIn
+) -> SwapOut | None:
     """The common case, cheaply: every parameter's state holds exactly the tensors read (stepped in place,
     none added, replaced or removed), so the read's buffer is written back as it is. None otherwise."""
     read = staged.wait()
@@ -116,8 +126,14 @@ def write_back(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
     return swapper.write_back(staged, on_done=drop)
 
 
-def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk, staged: SwapIn,
-               names: dict[int, str], loading: bool) -> SwapOut:
+def write_copy(
+    optimizer: torch.optim.Optimizer,
+    swapper: TensorSwapper,
+    chunk: _Chunk,
+    staged: SwapIn,
+    names: dict[int, str],
+    loading: bool,
+) -> SwapOut:
     """Store a chunk's state as it is after its step (tensors added, replaced or removed); ``names``: id(param) ->
     its name in ``swapper``; ``loading``: the state was just loaded (its tensors may still be the caller's)."""
     state = optimizer.state
@@ -132,8 +148,11 @@ def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
             views = read.get(name, {})
             bases = {id(v._base) for v in tensors.values() if v._base is not None}
             del tensors
-            tensors = {k: values[k] for k in list(values) if _storable(values[k])
-                       and (values[k] is views.get(k) or not _shares_memory(values, k, bases))}
+            tensors = {
+                k: values[k]
+                for k in list(values)
+                if _storable(values[k]) and (values[k] is views.get(k) or not _shares_memory(values, k, bases))
+            }
         if tensors:
             written[p] = tensors
             if not _holds_stored(values):
@@ -150,7 +169,7 @@ def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
 
     if len(written) < len(chunk):
         for param, name in zip(chunk, chunk.names):  # state that disappeared (or was never there) leaves
-            if param not in written:                 # nothing behind on storage
+            if param not in written:  # nothing behind on storage
                 swapper.discard(name)
     write = swapper.swap_out({names[id(p)]: t for p, t in written.items()}, on_done=drop, staged=staged)
     # The staging buffer now holds the bytes: the state's own tensors (e.g. made in ordinary memory by the
@@ -164,8 +183,9 @@ def write_copy(optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: 
     return write
 
 
-def read_stored(chunks: list[_Chunk], read: Callable[[_Chunk], SwapIn], index: dict[int, int],
-                state: dict[int, dict[str, Any]]) -> None:
+def read_stored(
+    chunks: list[_Chunk], read: Callable[[_Chunk], SwapIn], index: dict[int, int], state: dict[int, dict[str, Any]]
+) -> None:
     """Copy the stored state of ``chunks`` into ``state`` (a ``state_dict()["state"]``: parameter position -> its
     state; ``index``: id(parameter) -> position), chunk by chunk with the next one read meanwhile (``read(chunk)``
     starts a chunk's read). A tensor already in ``state`` (put in memory by the user since it was stored) wins."""

@@ -107,14 +107,24 @@ class PackedLayout:
         self.swapper = swapper
         self.pack = pack
 
-    def swap_out(self, groups: Groups, layout: dict, buffer: torch.Tensor, buffers: list[torch.Tensor],
-                 on_done: Callable[[], None] | None) -> SwapOut:
+    def swap_out(
+        self,
+        groups: Groups,
+        layout: dict,
+        buffer: torch.Tensor,
+        buffers: list[torch.Tensor],
+        on_done: Callable[[], None] | None,
+    ) -> SwapOut:
         """All groups in one extent of the pack file (theirs, in place, when it holds exactly them), one request."""
         swapper = self.swapper
         members, start = {}, 0
         for group, entries in layout.items():
-            span = round_up(max((offset + local.numel() * local.element_size()
-                                 for local, _, offset in entries.values()), default=0), PACKED_ALIGNMENT)
+            span = round_up(
+                max(
+                    (offset + local.numel() * local.element_size() for local, _, offset in entries.values()), default=0
+                ),
+                PACKED_ALIGNMENT,
+            )
             members[group] = (start, span)
             start += span
         total = round_up(start)
@@ -129,10 +139,19 @@ class PackedLayout:
         for group, entries in layout.items():
             begin, _ = members[group]
             records[group], _ = swapper._stage(group, entries, buffer, begin, self.pack.path, extent.offset + begin)
-        requests = [swapper.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] \
-            if total else []
-        write = SwapOut(swapper, requests, records, buffers, tuple(groups.values()), on_done, extent,
-                        shifts=dict.fromkeys(records, -extent.offset))
+        requests = (
+            [swapper.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] if total else []
+        )
+        write = SwapOut(
+            swapper,
+            requests,
+            records,
+            buffers,
+            tuple(groups.values()),
+            on_done,
+            extent,
+            shifts=dict.fromkeys(records, -extent.offset),
+        )
         for group in records:
             swapper._writing[group] = write
         swapper._pending_out.append(write)
@@ -145,13 +164,17 @@ class PackedLayout:
         swapper = self.swapper
         names = list(groups)
         extent = swapper._extents.get(names[0]) if names else None
-        if extent is None or extent.names != names or len(extent.live) != len(names) \
-                or list(staged._layout) != names or not all(staged.views_of_buffer(g, groups[g]) for g in names):
+        if (
+            extent is None
+            or extent.names != names
+            or len(extent.live) != len(names)
+            or list(staged._layout) != names
+            or not all(staged.views_of_buffer(g, groups[g]) for g in names)
+        ):
             return None
         return self.write_back(extent, staged, on_done, tuple(groups.values()))
 
-    def write_back(self, extent: Extent, staged: SwapIn, on_done: Callable[[], None] | None,
-                   sources: tuple) -> SwapOut:
+    def write_back(self, extent: Extent, staged: SwapIn, on_done: Callable[[], None] | None, sources: tuple) -> SwapOut:
         """Write ``staged``'s buffer (a read of all of ``extent``) back over ``extent``, keeping the records."""
         swapper = self.swapper
         names = extent.names
@@ -166,10 +189,13 @@ class PackedLayout:
         if swapper.config.checksum:
             for group in names:
                 start = staged._layout[group][0]
-                records[group] = {key: dataclasses.replace(r, checksum=_hash(
-                    buffer[start + r.offset:start + r.offset + r.nbytes]) if r.nbytes else 0)
-                    for key, r in records[group].items()}
-        request = swapper.handle.write_async(buffer[:extent.nbytes], self.pack.path, extent.offset, truncate=False)
+                records[group] = {
+                    key: dataclasses.replace(
+                        r, checksum=_hash(buffer[start + r.offset : start + r.offset + r.nbytes]) if r.nbytes else 0
+                    )
+                    for key, r in records[group].items()
+                }
+        request = swapper.handle.write_async(buffer[: extent.nbytes], self.pack.path, extent.offset, truncate=False)
         write = SwapOut(swapper, [request], records, [buffer], sources, on_done, extent, rewrite=True)
         writing = swapper._writing
         for group in names:
@@ -208,7 +234,7 @@ class PackedLayout:
         layout = {group: (-extent.offset, records[group]) for group in groups}
         cached = extent.views
         buffer = swapper._acquire(extent.nbytes, prefer=cached[0] if cached is not None else None)
-        request = swapper.handle.read_async(buffer[:extent.nbytes], self.pack.path, extent.offset)
+        request = swapper.handle.read_async(buffer[: extent.nbytes], self.pack.path, extent.offset)
         read = SwapIn(swapper, [request], layout, buffer, extent)
         reading = swapper._reading
         for group in groups:

@@ -87,10 +87,13 @@ class BufferPool:
         except (OSError, MemoryError) as e:
             if isinstance(e, OSError) and e.errno != errno.ENOMEM:
                 raise  # e.g. a page-locking failure, whose own message says what to do
-            raise OSError(errno.ENOMEM, f"cannot allocate a {nbytes}-byte swap staging buffer (staging buffers are "
-                                        f"SwapConfig.chunk_bytes each, or as large as the largest tensor swapped; up "
-                                        f"to buffer_count={self.count} of them): lower chunk_bytes or buffer_count, "
-                                        f"or free memory") from e
+            raise OSError(
+                errno.ENOMEM,
+                f"cannot allocate a {nbytes}-byte swap staging buffer (staging buffers are "
+                f"SwapConfig.chunk_bytes each, or as large as the largest tensor swapped; up "
+                f"to buffer_count={self.count} of them): lower chunk_bytes or buffer_count, "
+                f"or free memory",
+            ) from e
 
     def fit(self, nbytes: int) -> None:
         """Pooled buffers hold at least ``nbytes`` (rounded up to the page size) from now on: smaller free ones are

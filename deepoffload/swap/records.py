@@ -49,8 +49,12 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     """A DTensor's local shard and its (mesh, placements, shape, stride); other tensors as they are."""
     if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
         dtensor = cast("DTensor", tensor)  # (only DTensor has both)
-        return dtensor.to_local(), (dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape),
-                                    dtensor.stride())
+        return dtensor.to_local(), (
+            dtensor.device_mesh,
+            tuple(dtensor.placements),
+            tuple(dtensor.shape),
+            dtensor.stride(),
+        )
     return tensor, None
 
 
@@ -58,8 +62,10 @@ def _checked(group: str, key: str, tensor: object) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"swap_out: {group}/{key} is a {type(tensor).__name__}, not a tensor")
     if tensor.is_sparse or tensor.is_quantized:
-        raise ValueError(f"swap_out: {group}/{key} is sparse or quantized and has no single byte buffer; swap "
-                         f"tensor.to_dense() or tensor.dequantize() instead")
+        raise ValueError(
+            f"swap_out: {group}/{key} is sparse or quantized and has no single byte buffer; swap "
+            f"tensor.to_dense() or tensor.dequantize() instead"
+        )
     return tensor
 
 

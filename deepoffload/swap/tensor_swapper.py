@@ -32,11 +32,18 @@ from .pool import PAGE_SIZE, BufferPool, round_up
 from .records import TENSOR_ALIGNMENT, SwapRecord, _checked, _group_span, _hash, _identity, _local
 from .transfers import SwapIn, SwapOut
 
-__all__ = ["ChecksumError", "Groups", "PACKED_ALIGNMENT", "SwapIn", "SwapOut", "SwapRecord", "TENSOR_ALIGNMENT",
-           "TensorSwapper"]
+__all__ = [
+    "ChecksumError",
+    "Groups",
+    "PACKED_ALIGNMENT",
+    "SwapIn",
+    "SwapOut",
+    "SwapRecord",
+    "TENSOR_ALIGNMENT",
+    "TensorSwapper",
+]
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
-
 
 
 class TensorSwapper:
@@ -108,11 +115,17 @@ class TensorSwapper:
         files = {r.file for r in records.values()}
         base = min((r.offset for r in records.values()), default=0)
         end = max((r.offset + r.nbytes for r in records.values()), default=0)
-        if len(files) != 1 or end - base != sum(r.nbytes for r in records.values()) \
-                or any(r.offset % r.dtype.itemsize or r.checksum is not None or r.dtensor is not None
-                       for r in records.values()):
-            raise ValueError(f"group {group!r}: map_group needs tensors back to back in one file, each at an offset "
-                             f"that is a multiple of its element size, without checksums or DTensor shards")
+        if (
+            len(files) != 1
+            or end - base != sum(r.nbytes for r in records.values())
+            or any(
+                r.offset % r.dtype.itemsize or r.checksum is not None or r.dtensor is not None for r in records.values()
+            )
+        ):
+            raise ValueError(
+                f"group {group!r}: map_group needs tensors back to back in one file, each at an offset "
+                f"that is a multiple of its element size, without checksums or DTensor shards"
+            )
         identity = _identity(next(iter(files))) if files else ()
         self._records[group] = records
         self._mapped[group] = identity
@@ -129,13 +142,18 @@ class TensorSwapper:
         except FileNotFoundError:
             same = False
         if not same:
-            raise ChecksumError(errno.EIO, f"group {group!r} is served from {file}, which was replaced, rewritten or "
-                                           f"removed since it was mapped: its values may differ from those checked "
-                                           f"then; map it (offload_parameters) again", file)
+            raise ChecksumError(
+                errno.EIO,
+                f"group {group!r} is served from {file}, which was replaced, rewritten or "
+                f"removed since it was mapped: its values may differ from those checked "
+                f"then; map it (offload_parameters) again",
+                file,
+            )
 
     # -- transfers ------------------------------------------------------------------------------------------
-    def swap_out(self, groups: Groups, on_done: Callable[[], None] | None = None,
-                 staged: SwapIn | None = None) -> SwapOut:
+    def swap_out(
+        self, groups: Groups, on_done: Callable[[], None] | None = None, staged: SwapIn | None = None
+    ) -> SwapOut:
         """Start writing each group's tensors to its file; keep the tensors until the write is done.
 
         ``on_done`` runs once all are written, before any staging buffer is reused: drop your references to the
@@ -152,8 +170,11 @@ class TensorSwapper:
             self._check_group(group)
             if group in self._mapped:
                 file = next(iter(self._records[group].values())).file
-                raise PermissionError(errno.EACCES, f"group {group!r} is served read-only from {file} "
-                                                    f"(map_group): it cannot be written", file)
+                raise PermissionError(
+                    errno.EACCES,
+                    f"group {group!r} is served read-only from {file} (map_group): it cannot be written",
+                    file,
+                )
             self._wait_writing(group)
             if group in self._reading:  # its file is about to be rewritten: let the read finish first
                 self._reading[group]._wait_io()
@@ -180,7 +201,7 @@ class TensorSwapper:
             group_records, span = self._stage(group, entries, buffer, start, file, 0)
             records[group], shifts[group] = group_records, start
             if span:
-                requests.append(self.handle.write_async(buffer[start:start + span], file))
+                requests.append(self.handle.write_async(buffer[start : start + span], file))
             else:
                 open(file, "wb").close()
             start += span
@@ -190,25 +211,27 @@ class TensorSwapper:
         self._pending_out.append(write)
         return write
 
-    def _stage(self, group: str, entries: dict, buffer: torch.Tensor, start: int, file: str,
-               base: int) -> tuple[dict[str, SwapRecord], int]:
+    def _stage(
+        self, group: str, entries: dict, buffer: torch.Tensor, start: int, file: str, base: int
+    ) -> tuple[dict[str, SwapRecord], int]:
         """Copy a group's tensors into ``buffer`` from ``start`` (unless already there) and zero its padding;
         return its records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned)."""
         group_records, end = {}, 0
         checksum = None
         for key, (local, spec, offset) in entries.items():
             nbytes = local.numel() * local.element_size()
-            region = buffer[start + offset:start + offset + nbytes]
+            region = buffer[start + offset : start + offset + nbytes]
             if nbytes and region.data_ptr() != local.data_ptr():
                 region.view(local.dtype).view(local.shape).copy_(local)
             if self.config.checksum:
                 checksum = _hash(region)
-            group_records[key] = SwapRecord(key, local.dtype, tuple(local.shape), nbytes, file, base + offset,
-                                            local.device, checksum, spec)
+            group_records[key] = SwapRecord(
+                key, local.dtype, tuple(local.shape), nbytes, file, base + offset, local.device, checksum, spec
+            )
             end = offset + nbytes
         span = round_up(end, self._group_alignment)
         if span > end:
-            buffer[start + end:start + span].zero_()  # no stale bytes in the file's padding
+            buffer[start + end : start + span].zero_()  # no stale bytes in the file's padding
         return group_records, span
 
     def write_back(self, staged: SwapIn, on_done: Callable[[], None] | None = None) -> SwapOut | None:
@@ -218,8 +241,14 @@ class TensorSwapper:
         ``on_done`` as for ``swap_out``."""
         self._check_open()
         extent, packed = staged._extent, self._packed
-        if extent is None or packed is None or staged._buffer is None or self._extents.get(extent.names[0]) is not \
-                extent or len(extent.live) != len(extent.names) or list(staged._layout) != extent.names:
+        if (
+            extent is None
+            or packed is None
+            or staged._buffer is None
+            or self._extents.get(extent.names[0]) is not extent
+            or len(extent.live) != len(extent.names)
+            or list(staged._layout) != extent.names
+        ):
             return None
         return packed.write_back(extent, staged, on_done, tuple(staged.wait().values()))
 
@@ -257,15 +286,22 @@ class TensorSwapper:
             layout[group] = (total - base, records)  # buffer position of a tensor: this + its record's offset
             if span:
                 file = next(iter(records.values())).file
-                if spans and spans[-1][0] == file and spans[-1][1] + spans[-1][3] == base \
-                        and spans[-1][2] + spans[-1][3] == total:  # adjacent on storage and in the buffer:
+                if (
+                    spans
+                    and spans[-1][0] == file
+                    and spans[-1][1] + spans[-1][3] == base
+                    and spans[-1][2] + spans[-1][3] == total
+                ):  # adjacent on storage and in the buffer:
                     spans[-1] = (*spans[-1][:3], spans[-1][3] + length)  # one request
                 else:
                     spans.append((file, base, total, length))
             total += span
         buffer = self._acquire(total) if total else None
-        requests = [self.handle.read_async(buffer[start:start + span], file, offset)
-                    for file, offset, start, span in spans] if buffer is not None else []  # (no spans without bytes)
+        requests = (
+            [self.handle.read_async(buffer[start : start + span], file, offset) for file, offset, start, span in spans]
+            if buffer is not None
+            else []
+        )  # (no spans without bytes)
         read = SwapIn(self, requests, layout, buffer)
         for group in layout:
             self._reading[group] = read
@@ -326,8 +362,12 @@ class TensorSwapper:
 
     @staticmethod
     def _check_group(group: str) -> None:
-        if not isinstance(group, str) or not group or not all(c.isalnum() or c in "-_." for c in group) \
-                or group.startswith("."):
+        if (
+            not isinstance(group, str)
+            or not group
+            or not all(c.isalnum() or c in "-_." for c in group)
+            or group.startswith(".")
+        ):
             raise ValueError(f"group name {group!r}: use letters, digits, '-', '_' and '.' (it names a file)")
 
     def _wait_writing(self, group: str) -> None:
@@ -365,8 +405,9 @@ class TensorSwapper:
             end = 0
             for local, _, offset in entries.values():
                 nbytes = local.numel() * local.element_size()
-                if nbytes and (local.device.type != "cpu" or not local.is_contiguous()
-                               or local.data_ptr() != base + start + offset):
+                if nbytes and (
+                    local.device.type != "cpu" or not local.is_contiguous() or local.data_ptr() != base + start + offset
+                ):
                     return False
                 end = offset + nbytes
             start += round_up(end, alignment)

@@ -22,8 +22,11 @@ def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
         return False
     params = list(signature.parameters.values())[1:]  # after self
     first = params[0] if params else None
-    return (first is not None and first.default is inspect.Parameter.empty
-            and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD))
+    return (
+        first is not None
+        and first.default is inspect.Parameter.empty
+        and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD)
+    )
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
@@ -37,10 +40,11 @@ def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
 
 def _check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
-        raise TypeError("OffloadedOptimizer: the wrapped optimizer has step hooks of its own, which would not run; "
-                        "register them on the OffloadedOptimizer (opt.register_step_pre_hook / "
-                        "register_step_post_hook) instead")
-
+        raise TypeError(
+            "OffloadedOptimizer: the wrapped optimizer has step hooks of its own, which would not run; "
+            "register them on the OffloadedOptimizer (opt.register_step_pre_hook / "
+            "register_step_post_hook) instead"
+        )
 
 
 @contextlib.contextmanager

@@ -22,9 +22,18 @@ class SwapOut(Pending[int]):
     records are in force and the staging buffer is released; on failure it raises the first ``OSError`` and the
     caller's tensors stay its own (nothing was freed)."""
 
-    def __init__(self, swapper: "TensorSwapper", requests: list[Request], records: dict[str, dict[str, SwapRecord]],
-                 buffers: list[torch.Tensor], sources: tuple, on_done: Callable[[], None] | None,
-                 extent: Extent | None = None, rewrite: bool = False, shifts: dict[str, int] | None = None):
+    def __init__(
+        self,
+        swapper: "TensorSwapper",
+        requests: list[Request],
+        records: dict[str, dict[str, SwapRecord]],
+        buffers: list[torch.Tensor],
+        sources: tuple,
+        on_done: Callable[[], None] | None,
+        extent: Extent | None = None,
+        rewrite: bool = False,
+        shifts: dict[str, int] | None = None,
+    ):
         self._swapper = swapper
         self._shifts = shifts or {}  # group -> its tensors' position in the staging buffer less their file offset
         self._rewrite = rewrite  # the groups' records stay as they are (same sizes, same place)
@@ -58,8 +67,11 @@ class SwapOut(Pending[int]):
                 view = typed.get(r.dtype)
                 if view is None:
                     view = typed[r.dtype] = buffer.view(r.dtype)
-                views[group][key] = view.as_strided(r.shape, _contiguous_strides(r.shape),
-                                                    view.storage_offset() + (r.offset + shift) // r.dtype.itemsize)
+                views[group][key] = view.as_strided(
+                    r.shape,
+                    _contiguous_strides(r.shape),
+                    view.storage_offset() + (r.offset + shift) // r.dtype.itemsize,
+                )
         self._sources = ()
         return views
 
@@ -111,8 +123,14 @@ class SwapIn(Pending[dict]):
     of one pooled buffer (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is
     called."""
 
-    def __init__(self, swapper: "TensorSwapper", requests: list[Request], layout: dict[str, tuple[int, dict]],
-                 buffer: torch.Tensor | None, extent: Extent | None = None):
+    def __init__(
+        self,
+        swapper: "TensorSwapper",
+        requests: list[Request],
+        layout: dict[str, tuple[int, dict]],
+        buffer: torch.Tensor | None,
+        extent: Extent | None = None,
+    ):
         self._swapper = swapper
         self._extent = extent  # packed: the one extent read whole (its views may be reused), else None
         self._requests = requests
@@ -135,8 +153,10 @@ class SwapIn(Pending[dict]):
             tensors = self._cached_views()
             if tensors is None:
                 typed: dict = {}
-                tensors = {group: {key: self._restore(start, record, typed) for key, record in records.items()}
-                           for group, (start, records) in self._layout.items()}
+                tensors = {
+                    group: {key: self._restore(start, record, typed) for key, record in records.items()}
+                    for group, (start, records) in self._layout.items()
+                }
                 self._cache_views(tensors)
             self._tensors = tensors
         return self._tensors
@@ -168,8 +188,10 @@ class SwapIn(Pending[dict]):
         if mine is None or mine.keys() != tensors.keys():
             return False
         records = self._layout[group][1]
-        return all(tensors[key] is value and records[key].dtensor is None and records[key].device.type == "cpu"
-                   for key, value in mine.items())
+        return all(
+            tensors[key] is value and records[key].dtensor is None and records[key].device.type == "cpu"
+            for key, value in mine.items()
+        )
 
     def _wait_io(self) -> OSError | None:
         """Finish the reads (the files may be rewritten after this); return the first error (kept for later)."""
@@ -195,20 +217,28 @@ class SwapIn(Pending[dict]):
             position = start + record.offset
             buffer = self._buffer
             if buffer is None:
-                raise ClosedError(f"{record.key!r}: this read's buffer was released or handed to a write before "
-                                  f"wait() made its tensors")
+                raise ClosedError(
+                    f"{record.key!r}: this read's buffer was released or handed to a write before "
+                    f"wait() made its tensors"
+                )
             if record.checksum is not None:
-                region = buffer[position:position + record.nbytes]
+                region = buffer[position : position + record.nbytes]
                 if _hash(region) != record.checksum:
                     self.release()
-                    raise ChecksumError(errno.EIO, f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at "
-                                                   f"offset {record.offset}): the swap file was changed or corrupted",
-                                        record.file)
+                    raise ChecksumError(
+                        errno.EIO,
+                        f"checksum mismatch for {record.key!r} ({record.nbytes} bytes at "
+                        f"offset {record.offset}): the swap file was changed or corrupted",
+                        record.file,
+                    )
             view = typed.get(record.dtype)
             if view is None:
                 view = typed[record.dtype] = buffer.view(record.dtype)
-            local = view.as_strided(record.shape, _contiguous_strides(record.shape),
-                                    view.storage_offset() + position // record.dtype.itemsize)
+            local = view.as_strided(
+                record.shape,
+                _contiguous_strides(record.shape),
+                view.storage_offset() + position // record.dtype.itemsize,
+            )
         if record.device.type != "cpu":
             local = local.to(record.device)
         if record.dtensor is None:

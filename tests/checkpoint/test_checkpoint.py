@@ -28,8 +28,10 @@ def assert_same(a, b, where="obj"):
         assert a.device == b.device and a.storage_offset() == b.storage_offset(), where
         if a.is_quantized:
             a, b = a.int_repr(), b.int_repr()
-        assert torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() and a.is_contiguous() else a,
-                           b.reshape(-1).view(torch.uint8) if b.numel() and b.is_contiguous() else b), where
+        assert torch.equal(
+            a.reshape(-1).view(torch.uint8) if a.numel() and a.is_contiguous() else a,
+            b.reshape(-1).view(torch.uint8) if b.numel() and b.is_contiguous() else b,
+        ), where
     elif isinstance(a, dict):
         assert list(a) == list(b), where
         for key in a:
@@ -51,19 +53,36 @@ def training_state(seed=0, width=64):
         model(torch.randn(5, width)).sum().backward()
         opt.step()
         sched.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "rng": torch.get_rng_state(), "step": 3, "note": "epoch 1"}
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "step": 3,
+        "note": "epoch 1",
+    }
 
 
 def odd_tensors():
     base = torch.arange(24, dtype=torch.float32)
     return {
-        "bool": torch.tensor([True, False, True]), "int8": torch.arange(-5, 5, dtype=torch.int8),
-        "uint16": torch.arange(7).to(torch.uint16), "f16": torch.randn(5).half(), "bf16": torch.randn(5).bfloat16(),
-        "f8": torch.randn(6).to(torch.float8_e4m3fn), "c64": torch.randn(4, dtype=torch.complex64),
-        "f64": torch.randn(3, dtype=torch.float64), "scalar": torch.tensor(2.5), "empty": torch.empty(0),
-        "empty2d": torch.empty(3, 0, dtype=torch.int64), "base": base, "view": base[3:9], "matrix": base.view(4, 6),
-        "transposed": base.view(4, 6).t(), "strided": base[::5], "same": base,
+        "bool": torch.tensor([True, False, True]),
+        "int8": torch.arange(-5, 5, dtype=torch.int8),
+        "uint16": torch.arange(7).to(torch.uint16),
+        "f16": torch.randn(5).half(),
+        "bf16": torch.randn(5).bfloat16(),
+        "f8": torch.randn(6).to(torch.float8_e4m3fn),
+        "c64": torch.randn(4, dtype=torch.complex64),
+        "f64": torch.randn(3, dtype=torch.float64),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0),
+        "empty2d": torch.empty(3, 0, dtype=torch.int64),
+        "base": base,
+        "view": base[3:9],
+        "matrix": base.view(4, 6),
+        "transposed": base.view(4, 6).t(),
+        "strided": base[::5],
+        "same": base,
     }
 
 
@@ -101,8 +120,15 @@ def test_restored_training_continues_identically(scratch):
             opt.zero_grad()
             sched.step()
             if step == 1 and resume_from is None:
-                deepoffload.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                  "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}, scratch / "r.pt")
+                deepoffload.save(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(),
+                        "rng": torch.get_rng_state(),
+                    },
+                    scratch / "r.pt",
+                )
         return model.weight.detach().clone()
 
     # the first run trains steps 0..3 and checkpoints after step 1; the second resumes there and runs steps 2..3
@@ -135,8 +161,11 @@ def test_large_tensors_span_several_staging_buffers(scratch, monkeypatch):
     monkeypatch.setattr(streams, "STAGING_BYTES", 1 * MiB)
     monkeypatch.setattr(streams, "DIRECT_READ_MIN", 4096)
     g = torch.Generator().manual_seed(3)
-    obj = {"big": torch.randn(3 * MiB // 4 + 17, generator=g), "small": torch.randn(10, generator=g),
-           "mid": torch.randint(0, 255, (MiB + 4097,), dtype=torch.uint8, generator=g)}
+    obj = {
+        "big": torch.randn(3 * MiB // 4 + 17, generator=g),
+        "small": torch.randn(10, generator=g),
+        "mid": torch.randint(0, 255, (MiB + 4097,), dtype=torch.uint8, generator=g),
+    }
     deepoffload.save(obj, scratch / "big.pt")
     expected = io.BytesIO()
     torch.save(obj, expected)
@@ -170,8 +199,11 @@ def test_mmap_argument_behaves_as_in_torch_load(scratch):
 
 
 def test_file_objects_are_refused_with_a_message_saying_what_to_use(scratch):
-    for call in (lambda: deepoffload.save({}, io.BytesIO()), lambda: deepoffload.save_async({}, io.BytesIO()),
-                 lambda: deepoffload.load(io.BytesIO(b"PK"))):
+    for call in (
+        lambda: deepoffload.save({}, io.BytesIO()),
+        lambda: deepoffload.save_async({}, io.BytesIO()),
+        lambda: deepoffload.load(io.BytesIO(b"PK")),
+    ):
         with pytest.raises(TypeError, match=r"takes a file path \(str or os.PathLike\), not BytesIO; use torch\."):
             call()
 
@@ -182,13 +214,16 @@ def test_files_that_are_not_checkpoints_raise_naming_the_file_and_why(scratch):
     deepoffload.save({"t": torch.ones(1000)}, scratch / "good.pt")
     whole = (scratch / "good.pt").read_bytes()
     (scratch / "empty.pt").write_bytes(b"")
-    (scratch / "cut.pt").write_bytes(whole[:len(whole) // 2])
+    (scratch / "cut.pt").write_bytes(whole[: len(whole) // 2])
     (scratch / "text.pt").write_text("not a checkpoint\n")
     safetensors_torch = pytest.importorskip("safetensors.torch")
     safetensors_torch.save_file({"t": torch.ones(3)}, scratch / "w.pt")
-    cases = {"empty.pt": "the file is empty", "cut.pt": "no zip directory at its end: it is truncated or damaged",
-             "text.pt": "neither a zip-format nor a legacy torch.save file",
-             "w.pt": "safetensors file: read it with deepoffload.formats.load_file"}
+    cases = {
+        "empty.pt": "the file is empty",
+        "cut.pt": "no zip directory at its end: it is truncated or damaged",
+        "text.pt": "neither a zip-format nor a legacy torch.save file",
+        "w.pt": "safetensors file: read it with deepoffload.formats.load_file",
+    }
     for name, why in cases.items():
         for kwargs in ({}, {"checksum": True}, {"map_location": {"cpu": "cpu"}}, {"mmap": True}):
             with pytest.raises(deepoffload.CheckpointError, match=why) as info:
@@ -201,10 +236,17 @@ def test_a_safetensors_path_loads_as_torch_load_loads_it(scratch):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     tensors = {"w": torch.randn(4, 3), "i": torch.arange(5)}
     safetensors_torch.save_file(tensors, scratch / "m.safetensors")
-    for kwargs in ({}, {"map_location": "cpu"}, {"map_location": torch.device("cpu")}, {"mmap": True},
-                   {"weights_only": True}):
-        ours, theirs = deepoffload.load(scratch / "m.safetensors", **kwargs), torch.load(scratch / "m.safetensors",
-                                                                                           **kwargs)
+    for kwargs in (
+        {},
+        {"map_location": "cpu"},
+        {"map_location": torch.device("cpu")},
+        {"mmap": True},
+        {"weights_only": True},
+    ):
+        ours, theirs = (
+            deepoffload.load(scratch / "m.safetensors", **kwargs),
+            torch.load(scratch / "m.safetensors", **kwargs),
+        )
         assert list(ours) == list(theirs)
         for name in tensors:
             assert ours[name].device == theirs[name].device and ours[name].dtype == theirs[name].dtype
@@ -248,8 +290,7 @@ def test_a_file_replaced_while_it_is_read_is_read_again_not_mixed(scratch, monke
 
 
 def test_quantized_and_sparse_tensors(scratch):
-    obj = {"q": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.qint8),
-           "sparse": torch.eye(4).to_sparse()}
+    obj = {"q": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.qint8), "sparse": torch.eye(4).to_sparse()}
     deepoffload.save(obj, scratch / "q.pt")
     loaded = deepoffload.load(scratch / "q.pt", weights_only=False)
     assert torch.equal(loaded["q"].int_repr(), obj["q"].int_repr()) and loaded["q"].q_scale() == obj["q"].q_scale()
@@ -434,7 +475,7 @@ def test_reader_returns_the_files_bytes_for_any_read_order(scratch, monkeypatch)
             reader.seek(start)
             got = reader.readinto(out)
             assert got == max(0, min(length, 1_000_003 - start))
-            assert bytes(out[:got]) == data[start:start + got].numpy().tobytes()
+            assert bytes(out[:got]) == data[start : start + got].numpy().tobytes()
 
 
 def test_reader_reads_each_byte_once_when_headers_are_read_before_data(scratch, monkeypatch):
@@ -455,6 +496,7 @@ def test_reader_reads_each_byte_once_when_headers_are_read_before_data(scratch, 
         def counting(self, tensor, *args, _real=real, **kwargs):
             requested.append(tensor.numel())
             return _real(self, tensor, *args, **kwargs)
+
         monkeypatch.setattr(handle_class, name, counting)
     with streams.DirectReader(scratch / "f.bin") as reader:
         for start in range(0, data.numel(), item):
@@ -462,7 +504,7 @@ def test_reader_reads_each_byte_once_when_headers_are_read_before_data(scratch, 
                 out = bytearray(length)
                 reader.seek(offset)
                 assert reader.readinto(out) == length
-                assert out == data[offset:offset + length].numpy().tobytes()
+                assert out == data[offset : offset + length].numpy().tobytes()
     assert sum(requested) == data.numel(), requested
 
 
@@ -470,9 +512,11 @@ def test_pending_async_save_completes_before_the_interpreter_exits(scratch):
     import subprocess
     import sys
 
-    code = ("import torch, deepoffload\n"
-            "g = torch.Generator().manual_seed(0)\n"
-            f"deepoffload.save_async({{'w': torch.randn(8_000_000, generator=g)}}, {str(scratch / 'exit.pt')!r})\n")
+    code = (
+        "import torch, deepoffload\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        f"deepoffload.save_async({{'w': torch.randn(8_000_000, generator=g)}}, {str(scratch / 'exit.pt')!r})\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     expected = torch.randn(8_000_000, generator=torch.Generator().manual_seed(0))
@@ -535,6 +579,7 @@ def test_records_that_look_like_zip_descriptors_are_saved_exactly(scratch):
 
 class _Sink:
     """Stands in for DirectWriter under CrcFiller: keeps the bytes."""
+
     path = "sink"
     error = None
 
@@ -583,7 +628,7 @@ def test_a_zip_stream_it_does_not_know_is_refused(damage):
         at = stream.index(b"PK\x01\x02")
         stream[at + 46] ^= 0x20  # the first entry's name no longer matches its record
     else:
-        del stream[stream.index(b"PK\x01\x02"):]
+        del stream[stream.index(b"PK\x01\x02") :]
     filler = CrcFiller(_Sink())
     with pytest.raises(ZipLayoutError, match="checksum=False"):
         filler.write(stream)
@@ -706,6 +751,7 @@ def test_a_child_forked_during_an_async_save_saves_on_its_own(scratch, monkeypat
     pid = os.fork()
     if pid == 0:  # the child: exit status 0 only if its own save completed in time
         import signal
+
         signal.alarm(30)
         try:
             api._write_file = write  # the child's save is not held

@@ -40,10 +40,19 @@ def data():
 
 def train(output_dir, max_steps, resume=None):
     torch.manual_seed(0)
-    args = transformers.TrainingArguments(output_dir=str(output_dir), max_steps=max_steps, save_steps=2,
-                                          per_device_train_batch_size=4, learning_rate=0.05, report_to=[],
-                                          use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0,
-                                          dataloader_num_workers=0)
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=max_steps,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=0.05,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+    )
     trainer = FastCheckpointTrainer(model=Tiny(), args=args, train_dataset=data())
     trainer.train(resume_from_checkpoint=resume)
     return trainer.model.linear.weight.detach().clone()

@@ -13,9 +13,14 @@ from deepoffload.checkpoint import crc_ahead
 
 def test_records_checksummed_ahead_give_exactly_torch_saves_bytes(scratch, monkeypatch):
     g = torch.Generator().manual_seed(0)
-    obj = {"big": torch.randn(1 << 19, generator=g), "odd": torch.randn(300_001, generator=g),
-           "small": torch.randn(10, generator=g), "view": torch.arange(1 << 20, dtype=torch.int16)[5:],
-           "empty": torch.empty(0), "meta": {"step": 3}}
+    obj = {
+        "big": torch.randn(1 << 19, generator=g),
+        "odd": torch.randn(300_001, generator=g),
+        "small": torch.randn(10, generator=g),
+        "view": torch.arange(1 << 20, dtype=torch.int16)[5:],
+        "empty": torch.empty(0),
+        "meta": {"step": 3},
+    }
     used = []
     get = crc_ahead.CrcAhead.get
 

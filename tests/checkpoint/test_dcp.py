@@ -72,9 +72,11 @@ def worker(rank: int, folder: str, store: str) -> None:
         dcp.save(state, storage_writer=ours.FileSystemWriter(os.path.join(folder, "ours")))
         dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(folder, "theirs")))
         result = {}
-        for name, reader in (("theirs_reads_ours", dcp.FileSystemReader(os.path.join(folder, "ours"))),
-                             ("ours_reads_theirs", ours.FileSystemReader(os.path.join(folder, "theirs"))),
-                             ("ours_reads_ours", ours.FileSystemReader(os.path.join(folder, "ours")))):
+        for name, reader in (
+            ("theirs_reads_ours", dcp.FileSystemReader(os.path.join(folder, "ours"))),
+            ("ours_reads_theirs", ours.FileSystemReader(os.path.join(folder, "theirs"))),
+            ("ours_reads_ours", ours.FileSystemReader(os.path.join(folder, "ours"))),
+        ):
             fresh, fresh_optimizer = build(1)  # other weights, and optimizer state to overwrite
             train(fresh, fresh_optimizer, rank, steps=1)
             fresh_model_sd, fresh_optim_sd = get_state_dict(fresh, fresh_optimizer)
@@ -183,10 +185,9 @@ def test_single_process_save_and_load_go_through_the_op(tmp_path, monkeypatch):
 def test_disk_full_reaches_dcp_save(small_fs):
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from deepoffload.dcp import FileSystemWriter
-
-    from torch.distributed.checkpoint.api import CheckpointException
 
     folder = small_fs(8 << 20, "ext4")
     with pytest.raises(CheckpointException) as info:

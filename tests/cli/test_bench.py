@@ -20,7 +20,7 @@ from deepoffload.bench.measure import BenchError
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.cli.main import main
 
-FAKE_FIO = r'''#!{python}
+FAKE_FIO = r"""#!{python}
 import json, os, sys
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 with open(os.environ["FAKE_FIO_LOG"], "a") as log:
@@ -33,7 +33,7 @@ job = {{"jobname": args["name"], "read": {{"bw_bytes": 0, "io_bytes": 0}}, "writ
 job[args["rw"]] = {{"bw_bytes": bw, "io_bytes": int(args["size"]) * int(args["numjobs"])}}
 print("note: both iodepth >= 1 and synchronous I/O engine are selected")  # fio prints warnings before the JSON
 print(json.dumps({{"fio version": "fio-3.33", "jobs": [job]}}, indent=2))
-'''
+"""
 
 
 @pytest.fixture
@@ -67,8 +67,18 @@ def error_line(capsys, argv) -> str:
 
 
 # -- sizes ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text,nbytes", [("4096", 4096), ("512K", 512 << 10), ("1m", 1 << 20), ("1G", 1 << 30),
-                                         ("2GiB", 2 << 30), (" 3 MB ", 3 << 20), ("1T", 1 << 40)])
+@pytest.mark.parametrize(
+    "text,nbytes",
+    [
+        ("4096", 4096),
+        ("512K", 512 << 10),
+        ("1m", 1 << 20),
+        ("1G", 1 << 30),
+        ("2GiB", 2 << 30),
+        (" 3 MB ", 3 << 20),
+        ("1T", 1 << 40),
+    ],
+)
 def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
 
@@ -122,8 +132,22 @@ def test_table_output_labels_units(aio, scratch, capsys):
 
 
 def test_unaligned_buffer_and_odd_size(aio, scratch, capsys):
-    code = main(["bench", "--path", str(scratch), "--size", "1000003", "--block-size", "256K", "--loops", "1",
-                 "--buffer", "unaligned", "--json"])
+    code = main(
+        [
+            "bench",
+            "--path",
+            str(scratch),
+            "--size",
+            "1000003",
+            "--block-size",
+            "256K",
+            "--loops",
+            "1",
+            "--buffer",
+            "unaligned",
+            "--json",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     report = json.loads(out.out)
@@ -153,8 +177,7 @@ def test_baselines_side_by_side(aio, scratch, capsys):
 
 # -- fio -----------------------------------------------------------------------------------------------------------
 def test_compare_fio_ratio_and_same_settings(aio, scratch, capsys, fake_fio):
-    report = bench_json(capsys, scratch, "--compare-fio", "--block-size", "1M", "--queue-depth", "16", "--threads",
-                        "2")
+    report = bench_json(capsys, scratch, "--compare-fio", "--block-size", "1M", "--queue-depth", "16", "--threads", "2")
     for op in ("write", "read"):
         entry = report["results"][op]
         assert entry["fio"]["gbps"] == pytest.approx([1.25, 1.25])
@@ -166,8 +189,13 @@ def test_compare_fio_ratio_and_same_settings(aio, scratch, capsys, fake_fio):
     files = {c["filename"] for c in calls}
     assert len(files) == 1 and Path(files.pop()).parent == scratch
     for call in calls:
-        assert (call["bs"], call["iodepth"], call["direct"], call["ioengine"], call["numjobs"]) == \
-               ("1048576", "16", "1", "libaio", "2")
+        assert (call["bs"], call["iodepth"], call["direct"], call["ioengine"], call["numjobs"]) == (
+            "1048576",
+            "16",
+            "1",
+            "libaio",
+            "2",
+        )
         assert int(call["size"]) * 2 == 4 << 20 and call["offset_increment"] == call["size"]
         assert call["output-format"] == "json"
     assert list(scratch.iterdir()) == []
@@ -229,8 +257,12 @@ def unwritable_folder(tmp_path):
         yield folder
         folder.chmod(0o700)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(folder)],
-                      capture_output=True).returncode == 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(folder)], capture_output=True
+        ).returncode
+        == 0
+    ):
         yield folder
         subprocess.run(["umount", str(folder)], check=True)
         return

@@ -22,14 +22,20 @@ def run_with_reader_gone(argv: list[str]) -> subprocess.CompletedProcess:
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return subprocess.run([sys.executable, "-m", "deepoffload", *argv], stdout=write_end, stderr=subprocess.PIPE,
-                              text=True, timeout=240)
+        return subprocess.run(
+            [sys.executable, "-m", "deepoffload", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=240,
+        )
     finally:
         os.close(write_end)
 
 
-@pytest.mark.parametrize("command", ["report", "report --json", "bench --size 1M --loops 1",
-                                     "bench --size 1M --loops 1 --json"])
+@pytest.mark.parametrize(
+    "command", ["report", "report --json", "bench --size 1M --loops 1", "bench --size 1M --loops 1 --json"]
+)
 def test_reader_gone_stops_quietly(aio, scratch, command):
     argv = command.split() + (["--path", str(scratch)] if command.startswith("bench") else [])
     result = run_with_reader_gone(argv)
@@ -40,8 +46,9 @@ def test_reader_gone_stops_quietly(aio, scratch, command):
 
 def test_tune_writes_its_config_even_when_the_reader_left(aio, scratch):
     output = scratch / "aio.json"
-    result = run_with_reader_gone(["tune", "--path", str(scratch), "--size", "1M", "--budget", "3",
-                                   "--output", str(output)])
+    result = run_with_reader_gone(
+        ["tune", "--path", str(scratch), "--size", "1M", "--budget", "3", "--output", str(output)]
+    )
     assert result.returncode == 141 and "Traceback" not in result.stderr, result.stderr
     assert set(json.loads(output.read_text())) >= {"block_size", "queue_depth", "engine"}
 
@@ -60,8 +67,20 @@ def test_size_beyond_memory_says_so(scratch, capsys, command):
     if available is None:
         pytest.skip("no /proc/meminfo here")
     size = str(2 * available)
-    assert main([command, "--path", str(scratch), "--size", size, "--output" if command == "tune" else "--loops",
-                 str(scratch / "a.json") if command == "tune" else "1"]) == 1
+    assert (
+        main(
+            [
+                command,
+                "--path",
+                str(scratch),
+                "--size",
+                size,
+                "--output" if command == "tune" else "--loops",
+                str(scratch / "a.json") if command == "tune" else "1",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert f"the {size}-byte test buffer" in err and "does not fit in memory" in err and "smaller --size" in err
     assert list(scratch.iterdir()) == []
@@ -81,7 +100,8 @@ def test_ctrl_c_inside_the_torch_save_baseline_is_an_interrupt(scratch, monkeypa
                 raise KeyboardInterrupt
             return n
 
-    monkeypatch.setattr(baselines, "open", lambda path, mode: InterruptedFile(path, mode.replace("b", "")),
-                        raising=False)
+    monkeypatch.setattr(
+        baselines, "open", lambda path, mode: InterruptedFile(path, mode.replace("b", "")), raising=False
+    )
     with pytest.raises(KeyboardInterrupt):
         baselines.torch_save(torch.zeros(1 << 20, dtype=torch.uint8), scratch / "baseline.pt")

@@ -40,32 +40,64 @@ def test_filesystem_is_the_longest_mount_containing_the_path(tmp_path):
 
 
 def test_gathering_gives_json_data_without_importing_torch(tmp_path):
-    code = ("import json, sys; from deepoffload import diagnostics; "
-            f"d = diagnostics.gather({str(tmp_path)!r}); json.dumps(d); print('torch' in sys.modules)")
+    code = (
+        "import json, sys; from deepoffload import diagnostics; "
+        f"d = diagnostics.gather({str(tmp_path)!r}); json.dumps(d); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 SAMPLE = {
     "versions": {"deepoffload": "9.9", "torch": "2.x", "libaio": None},
-    "ops": [{
-        "name": "async_io", "installed": False, "compatible": True, "engines_buildable": ["libaio", "posix"],
-        "built": "/cache/build/async_io-1", "auto_engine": "posix",
-        "engines": {"libaio": {"ok": False, "reason": "io_setup: EAGAIN"}, "posix": {"ok": True, "reason": ""}},
-        "probes": {"cxx": {"status": "ok", "reason": "", "output_tail": [], "hint": ""},
-                   "liburing": {"status": "missing", "reason": "liburing.h: No such file", "output_tail": [],
-                                "hint": "apt-get install liburing-dev"}},
-    }],
-    "path": {"path": "/data", "free_bytes": 5_000_000_000, "total_bytes": 10_000_000_000, "filesystem": "xfs",
-             "mount": "/data", "writable": True, "direct_io": True, "alignment": 4096, "direct_io_reason": ""},
+    "ops": [
+        {
+            "name": "async_io",
+            "installed": False,
+            "compatible": True,
+            "engines_buildable": ["libaio", "posix"],
+            "built": "/cache/build/async_io-1",
+            "auto_engine": "posix",
+            "engines": {"libaio": {"ok": False, "reason": "io_setup: EAGAIN"}, "posix": {"ok": True, "reason": ""}},
+            "probes": {
+                "cxx": {"status": "ok", "reason": "", "output_tail": [], "hint": ""},
+                "liburing": {
+                    "status": "missing",
+                    "reason": "liburing.h: No such file",
+                    "output_tail": [],
+                    "hint": "apt-get install liburing-dev",
+                },
+            },
+        }
+    ],
+    "path": {
+        "path": "/data",
+        "free_bytes": 5_000_000_000,
+        "total_bytes": 10_000_000_000,
+        "filesystem": "xfs",
+        "mount": "/data",
+        "writable": True,
+        "direct_io": True,
+        "alignment": 4096,
+        "direct_io_reason": "",
+    },
 }
 
 
 def test_rendering_shows_every_fact_of_the_data():
     text = report.render(json.loads(json.dumps(SAMPLE)), report.Style(False))
-    for fact in ("libaio (fails self-test)", "posix", "yes (cache)", "liburing: apt-get install liburing-dev",
-                 "engine 'auto' selects: posix", "libaio self-test failed: io_setup: EAGAIN", "xfs (mounted at /data)",
-                 "5.0 GB of 10.0 GB", "yes, alignment 4096 bytes", "9.9"):
+    for fact in (
+        "libaio (fails self-test)",
+        "posix",
+        "yes (cache)",
+        "liburing: apt-get install liburing-dev",
+        "engine 'auto' selects: posix",
+        "libaio self-test failed: io_setup: EAGAIN",
+        "xfs (mounted at /data)",
+        "5.0 GB of 10.0 GB",
+        "yes, alignment 4096 bytes",
+        "9.9",
+    ):
         assert fact in text, fact
     assert "\033[" not in text
     assert report.usable(SAMPLE)

@@ -12,13 +12,17 @@ import pytest
 from deepoffload import diagnostics
 from deepoffload.cli import report
 from deepoffload.cli.main import main
-
 from tests.conftest import without_prebuilt_op
 
 
 def run_report(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deepoffload", "report", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "deepoffload", "report", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_json_report_describes_the_op(aio, scratch):
@@ -48,11 +52,28 @@ def test_text_report_has_table_and_no_colour_when_piped(aio):
 
 
 def test_colour_only_on_a_terminal_and_no_color_respected():
-    data = {"versions": {"x": "1"}, "ops": [{
-        "name": "async_io", "installed": False, "compatible": True, "engines_buildable": ["posix"], "built": None,
-        "engines": {}, "auto_engine": None,
-        "probes": {"liburing": {"status": "missing", "reason": "fatal error: liburing.h: No such file",
-                                "output_tail": [], "hint": "apt-get install liburing-dev"}}}]}
+    data = {
+        "versions": {"x": "1"},
+        "ops": [
+            {
+                "name": "async_io",
+                "installed": False,
+                "compatible": True,
+                "engines_buildable": ["posix"],
+                "built": None,
+                "engines": {},
+                "auto_engine": None,
+                "probes": {
+                    "liburing": {
+                        "status": "missing",
+                        "reason": "fatal error: liburing.h: No such file",
+                        "output_tail": [],
+                        "hint": "apt-get install liburing-dev",
+                    }
+                },
+            }
+        ],
+    }
     coloured = report.render(data, report.Style(True))
     plain = report.render(data, report.Style(False))
     assert "\033[31m" in coloured and "\033[" not in plain
@@ -63,8 +84,9 @@ def test_colour_only_on_a_terminal_and_no_color_respected():
 def test_missing_pieces_show_reason_and_hint(tmp_path):
     sysroot = tmp_path / "empty"
     sysroot.mkdir()
-    proc = run_report("--json", env={"CFLAGS": f"--sysroot={sysroot}",
-                                     "DEEPOFFLOAD_CACHE_DIR": str(tmp_path / "cache")})
+    proc = run_report(
+        "--json", env={"CFLAGS": f"--sysroot={sysroot}", "DEEPOFFLOAD_CACHE_DIR": str(tmp_path / "cache")}
+    )
     data = json.loads(proc.stdout)
     probe = data["ops"][0]["probes"]["libaio"]
     assert probe["status"] == "missing" and probe["reason"] and "libaio" in probe["hint"]
@@ -115,9 +137,16 @@ def test_usable_path_passes(aio, scratch, capsys):
 @pytest.mark.parametrize("built", [False, True])
 def test_report_does_not_import_torch(aio, tmp_path, built):
     """torch takes over a second to import; the report loads the built op without it and never builds."""
-    code = ("import sys; from deepoffload import diagnostics; d = diagnostics.gather(); "
-            "print('torch' in sys.modules, bool(d['ops'][0]['engines']))")
+    code = (
+        "import sys; from deepoffload import diagnostics; d = diagnostics.gather(); "
+        "print('torch' in sys.modules, bool(d['ops'][0]['engines']))"
+    )
     cache = os.environ["DEEPOFFLOAD_CACHE_DIR"] if built else str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "DEEPOFFLOAD_CACHE_DIR": cache})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DEEPOFFLOAD_CACHE_DIR": cache},
+    )
     assert proc.stdout.split() == ["False", str(built)], proc.stderr

@@ -14,8 +14,8 @@ import pytest
 import torch  # noqa: F401  (imported here so the budget test times the search, not this import)
 
 from deepoffload.bench.search import Knob, Search, combined_score, default_knobs
-from deepoffload.config import AioConfig
 from deepoffload.cli.main import main
+from deepoffload.config import AioConfig
 
 START = AioConfig(engine="io_uring")
 ENGINES = ("io_uring", "libaio", "posix")
@@ -39,9 +39,14 @@ class FakeDisk:
         self.calls.append(config)
         if config == self.lucky and self.calls.count(config) == 1:
             return 100.0, 100.0  # one lucky measurement, then the truth
-        penalty = ((math.log2(config.block_size) - 18) ** 2 + (math.log2(config.queue_depth) - 3) ** 2
-                   + (config.intra_op_parallelism - 2) ** 2 + config.single_submit + (not config.overlap_events)
-                   + (config.engine != "libaio"))
+        penalty = (
+            (math.log2(config.block_size) - 18) ** 2
+            + (math.log2(config.queue_depth) - 3) ** 2
+            + (config.intra_op_parallelism - 2) ** 2
+            + config.single_submit
+            + (not config.overlap_events)
+            + (config.engine != "libaio")
+        )
         return 4.0 / (1 + penalty), 2.0 / (1 + penalty)
 
 
@@ -108,8 +113,9 @@ def test_knobs_fit_the_transfer_and_start_outside_the_lists():
     odd = AioConfig(block_size=3 << 20, queue_depth=5, engine="posix")
     assert knobs["queue_depth"].index(odd) is None
     disk = FakeDisk()
-    result = Search(disk.measure, odd, [Knob("engine", ({"engine": "posix"}, {"engine": "libaio"}), False)], 100,
-                    clock=disk.clock).run()
+    result = Search(
+        disk.measure, odd, [Knob("engine", ({"engine": "posix"}, {"engine": "libaio"}), False)], 100, clock=disk.clock
+    ).run()
     assert result.best == dataclasses.replace(odd, engine="libaio")
 
 
@@ -136,8 +142,9 @@ def test_tune_within_budget_and_output_loads_unchanged(aio, scratch, tmp_path, c
 def test_plot_without_matplotlib_fails_before_measuring(scratch, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     output = tmp_path / "aio.json"
-    code = main(["tune", "--path", str(scratch), "--budget", "30", "--output", str(output), "--plot",
-                 str(tmp_path / "p.png")])
+    code = main(
+        ["tune", "--path", str(scratch), "--budget", "30", "--output", str(output), "--plot", str(tmp_path / "p.png")]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "pip install matplotlib" in err
     assert not output.exists() and list(scratch.iterdir()) == []
@@ -146,14 +153,32 @@ def test_plot_without_matplotlib_fails_before_measuring(scratch, tmp_path, capsy
 def test_plot(aio, scratch, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     picture = tmp_path / "p.png"
-    code = main(["tune", "--path", str(scratch), "--budget", "2", "--size", "4M", "--output",
-                 str(tmp_path / "aio.json"), "--plot", str(picture)])
+    code = main(
+        [
+            "tune",
+            "--path",
+            str(scratch),
+            "--budget",
+            "2",
+            "--size",
+            "4M",
+            "--output",
+            str(tmp_path / "aio.json"),
+            "--plot",
+            str(picture),
+        ]
+    )
     assert code == 0 and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv,message", [(["--budget", "0"], "positive number of seconds"),
-                                          (["--budget", "-2"], "positive number of seconds"),
-                                          (["--output", "/nonexistent-folder/aio.json"], "cannot write")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--budget", "0"], "positive number of seconds"),
+        (["--budget", "-2"], "positive number of seconds"),
+        (["--output", "/nonexistent-folder/aio.json"], "cannot write"),
+    ],
+)
 def test_bad_arguments(scratch, capsys, argv, message):
     assert main(["tune", "--path", str(scratch), *argv]) == 1
     assert message in capsys.readouterr().err
@@ -162,8 +187,10 @@ def test_bad_arguments(scratch, capsys, argv, message):
 def test_not_a_folder(aio, scratch, tmp_path, capsys):
     a_file = scratch / "file"
     a_file.write_bytes(b"x")
-    assert main(["tune", "--path", str(a_file), "--budget", "5", "--size", "1M",
-                 "--output", str(tmp_path / "aio.json")]) == 1
+    assert (
+        main(["tune", "--path", str(a_file), "--budget", "5", "--size", "1M", "--output", str(tmp_path / "aio.json")])
+        == 1
+    )
     assert "is not an existing folder" in capsys.readouterr().err
 
 
@@ -191,12 +218,29 @@ def test_output_check_leaves_no_file(tmp_path):
 
 
 def test_budget_shorter_than_setup_says_why(aio, scratch, tmp_path, capsys):
-    assert main(["tune", "--path", str(scratch), "--budget", "0.001", "--size", "1M", "--output",
-                 str(tmp_path / "aio.json")]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--path",
+                str(scratch),
+                "--budget",
+                "0.001",
+                "--size",
+                "1M",
+                "--output",
+                str(tmp_path / "aio.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "1 trial in " in out and "of a 0.001 s budget" in out
-    assert re.search(r"the budget was too short to search: setup .* took [\d.]+ s and one trial [\d.]+ s, and one "
-                     r"trial always runs .*; pass --budget \d+ or more", out)
+    assert re.search(
+        r"the budget was too short to search: setup .* took [\d.]+ s and one trial [\d.]+ s, and one "
+        r"trial always runs .*; pass --budget \d+ or more",
+        out,
+    )
 
 
 def test_best_marker_agrees_with_the_table():
@@ -206,9 +250,14 @@ def test_best_marker_agrees_with_the_table():
     from deepoffload.cli.tune import format_trials
 
     best, lucky, other = AioConfig(queue_depth=8), AioConfig(queue_depth=64), AioConfig(queue_depth=4)
-    trials = [Trial(best, 0.919, 0.919, 1, "search"), Trial(lucky, 1.5, 1.5, 1, "search"),
-              Trial(other, 1.2, 1.2, 1, "search"), Trial(best, 1.7, 1.7, 1, "repeat"),
-              Trial(other, 1.0, 1.0, 1, "repeat"), Trial(best, 1.6, 1.6, 1, "repeat")]
+    trials = [
+        Trial(best, 0.919, 0.919, 1, "search"),
+        Trial(lucky, 1.5, 1.5, 1, "search"),
+        Trial(other, 1.2, 1.2, 1, "search"),
+        Trial(best, 1.7, 1.7, 1, "repeat"),
+        Trial(other, 1.0, 1.0, 1, "repeat"),
+        Trial(best, 1.6, 1.6, 1, "repeat"),
+    ]
     table = format_trials(SearchResult(best, 1.6, 1.6, 1.6, trials, 3.0, 10.0, "converged"), True)
     rows = [line.split() for line in table.splitlines()[2:]]
     starred = [r for r in rows if r[-1].endswith("*")]

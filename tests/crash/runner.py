@@ -33,6 +33,7 @@ BOUNDARIES = ("replace", "rename", "fsync", "unlink")
 
 def interpose(kill_at: int, counter: list[int]) -> None:
     """Count boundaries in this (child) process; SIGKILL it just before the ``kill_at``-th (0: never)."""
+
     def boundary() -> None:
         counter[0] += 1
         if counter[0] == kill_at:
@@ -42,6 +43,7 @@ def interpose(kill_at: int, counter: list[int]) -> None:
         def wrapper(*args, **kwargs):
             boundary()
             return function(*args, **kwargs)
+
         return wrapper
 
     for name in BOUNDARIES:
@@ -123,10 +125,14 @@ def run(request: dict) -> None:
             raise RuntimeError(f"{scenario}: the clean second save failed")
         total, seconds = json.loads(counts.read_text())
         clean = listing(new)
-        points = list(range(1, total + 1)) if request["points"] == "all" else \
-            sorted({1 + (total * (2 * i + 1)) // (2 * request["points"]) for i in range(request["points"])})
-        kills = [("point", p) for p in points] + [("after", round(rng.uniform(0, seconds), 4))
-                                                    for _ in range(request.get("random", 0))]
+        points = (
+            list(range(1, total + 1))
+            if request["points"] == "all"
+            else sorted({1 + (total * (2 * i + 1)) // (2 * request["points"]) for i in range(request["points"])})
+        )
+        kills = [("point", p) for p in points] + [
+            ("after", round(rng.uniform(0, seconds), 4)) for _ in range(request.get("random", 0))
+        ]
         for i, (kind, at) in enumerate(kills):
             work = base / f"{scenario}-{i}"
             shutil.copytree(old, work, symlinks=True)
@@ -147,10 +153,22 @@ def run(request: dict) -> None:
                 after_next = "the next save failed"
             else:
                 after_next = verdict(scenario, work, old, new)
-            print(json.dumps({"scenario": scenario, "kind": kind, "at": at, "total": total, "killed": was_killed,
-                              "after_kill": after_kill, "after_next": after_next,
-                              "left_behind": sorted(set(listing(work)) - set(clean)),
-                              "missing": sorted(set(clean) - set(listing(work)))}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "scenario": scenario,
+                        "kind": kind,
+                        "at": at,
+                        "total": total,
+                        "killed": was_killed,
+                        "after_kill": after_kill,
+                        "after_next": after_next,
+                        "left_behind": sorted(set(listing(work)) - set(clean)),
+                        "missing": sorted(set(clean) - set(listing(work))),
+                    }
+                ),
+                flush=True,
+            )
             shutil.rmtree(work)
 
 

@@ -100,8 +100,9 @@ def budget_act(work: Path, version: int) -> None:
     import deepoffload
 
     model = _block_model(version)
-    off = deepoffload.offload_parameters(model, str(work / "swap"), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                                         max_resident_bytes=1 << 30)
+    off = deepoffload.offload_parameters(
+        model, str(work / "swap"), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), max_resident_bytes=1 << 30
+    )
     try:
         for _ in range(2):
             model(torch.ones(2, 32)).sum().backward()
@@ -117,8 +118,12 @@ def optimizer_act(work: Path, version: int) -> None:
     import deepoffload
 
     model = _block_model(version)
-    opt = deepoffload.OffloadedOptimizer(torch.optim.Adam, model.parameters(), lr=0.01,
-                                         config=deepoffload.SwapConfig(folder=str(work / "swap"), pin=False))
+    opt = deepoffload.OffloadedOptimizer(
+        torch.optim.Adam,
+        model.parameters(),
+        lr=0.01,
+        config=deepoffload.SwapConfig(folder=str(work / "swap"), pin=False),
+    )
     try:
         for _ in range(2):
             model(torch.ones(2, 32)).sum().backward()
@@ -170,8 +175,13 @@ SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] 
 def same(a: Any, b: Any) -> bool:
     """Deep equality of loaded checkpoints (tensors bit for bit)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

@@ -20,8 +20,9 @@ RUNNER = Path(__file__).with_name("runner.py")
 def kill_everywhere(base: Path, scenarios: list[str], points, random: int, timeout: int) -> list[dict]:
     request = {"scenarios": scenarios, "base": str(base), "points": points, "random": random, "seed": 27}
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(RUNNER), json.dumps(request)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    done = subprocess.run(
+        [sys.executable, str(RUNNER), json.dumps(request)], capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert {r["scenario"] for r in results} == set(scenarios), done.stderr[-4000:]

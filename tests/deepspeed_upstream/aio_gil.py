@@ -7,10 +7,9 @@ import os
 import sys
 import threading
 
+import deepspeed
 import pytest
 import torch
-
-import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -123,7 +122,7 @@ def test_concurrent_blocking_reads_on_shared_handle(tmp_path, use_pinned_memory)
         except Exception as error:
             errors.append(error)
 
-    readers = [threading.Thread(target=run_read, args=(index, ), daemon=True) for index in range(2)]
+    readers = [threading.Thread(target=run_read, args=(index,), daemon=True) for index in range(2)]
     for reader in readers:
         reader.start()
     start.wait()

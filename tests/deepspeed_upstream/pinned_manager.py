@@ -3,13 +3,13 @@
 
 # DeepSpeed Team
 
+import deepspeed
 import pytest
 import torch
-import deepspeed
 from deepspeed.ops.op_builder import AsyncIOBuilder
 
 if not deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]:
-    pytest.skip('Skip tests since async-io is not compatible', allow_module_level=True)
+    pytest.skip("Skip tests since async-io is not compatible", allow_module_level=True)
 
 BLOCK_SIZE = 1024
 QUEUE_DEPTH = 2
@@ -54,8 +54,9 @@ def test_pin_handle_buffer_recognized_by_aio_handle():
     # Buffers allocated via the standalone pin_memory op must share the same
     # process-wide manager as async_io, so aio_handle.is_pinned sees them.
     from deepspeed.ops.op_builder import PinMemoryBuilder
+
     if not deepspeed.ops.__compatible_ops__.get(PinMemoryBuilder.NAME, True):
-        pytest.skip('Skip tests since pin_memory is not compatible')
+        pytest.skip("Skip tests since pin_memory is not compatible")
 
     pin_handle = PinMemoryBuilder().load().pin_handle()
     aio_handle = _new_handle()
@@ -70,8 +71,9 @@ def test_pin_handle_buffer_recognized_by_aio_handle():
 
 def test_aio_handle_buffer_recognized_by_pin_handle():
     from deepspeed.ops.op_builder import PinMemoryBuilder
+
     if not deepspeed.ops.__compatible_ops__.get(PinMemoryBuilder.NAME, True):
-        pytest.skip('Skip tests since pin_memory is not compatible')
+        pytest.skip("Skip tests since pin_memory is not compatible")
 
     pin_handle = PinMemoryBuilder().load().pin_handle()
     aio_handle = _new_handle()

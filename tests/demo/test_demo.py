@@ -27,8 +27,11 @@ def test_demo_tiny_prints_the_summary(scratch, capsys):
     # step 1 writes the state; steps 2 and 3 read and write it; each parameter's file ends on a 4 KiB page
     state, pages = adam_state_bytes("tiny"), len(list(build_model("tiny").parameters())) * 4096
     assert moved and 5 * state / 1e6 - 0.05 <= float(moved.group(1)) <= 5 * (state + pages) / 1e6 + 0.05
-    assert re.search(r"step time: +overhead [+-][\d.]+% against in memory \(median of 2 per-step ratios, the two "
-                     r"runs interleaved, first step excluded; range [+-][\d.]+% to [+-][\d.]+%\)", out)
+    assert re.search(
+        r"step time: +overhead [+-][\d.]+% against in memory \(median of 2 per-step ratios, the two "
+        r"runs interleaved, first step excluded; range [+-][\d.]+% to [+-][\d.]+%\)",
+        out,
+    )
     assert "losses matched exactly:     yes" in out and "final parameters identical" in out
     assert [name for name in os.listdir(scratch) if name.startswith("deepoffload-")] == []
 
@@ -36,8 +39,25 @@ def test_demo_tiny_prints_the_summary(scratch, capsys):
 def test_demo_keep_and_config(scratch, capsys, tmp_path):
     config = tmp_path / "aio.json"
     config.write_text(json.dumps({"block_size": 262144, "queue_depth": 8, "engine": "posix"}))
-    assert main(["demo", "--steps", "1", "--model-size", "tiny", "--optimizer", "sgd", "--path", str(scratch),
-                 "--config", str(config), "--keep"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--steps",
+                "1",
+                "--model-size",
+                "tiny",
+                "--optimizer",
+                "sgd",
+                "--path",
+                str(scratch),
+                "--config",
+                str(config),
+                "--keep",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "engine posix" in out
     kept = [name for name in os.listdir(scratch) if name.startswith("deepoffload-rank0-")]

@@ -39,10 +39,13 @@ def test_stream_demo_summary(tiny_model, scratch, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 0, out
     assert on_meta == [True]
-    assert "6-block transformer built on the meta device and loaded block by block from a safetensors checkpoint, " \
-           "Adam, 3 steps" in out
-    assert re.search(r"losses matched exactly:\s+yes \(3 steps compared bit for bit, .*final parameters identical\)",
-                     out), out
+    assert (
+        "6-block transformer built on the meta device and loaded block by block from a safetensors checkpoint, "
+        "Adam, 3 steps" in out
+    )
+    assert re.search(
+        r"losses matched exactly:\s+yes \(3 steps compared bit for bit, .*final parameters identical\)", out
+    ), out
     in_memory = megabytes(r"in memory:\s+([\d.]+) MB of weights, gradients and Adam state", out)
     resident = megabytes(r"streamed, peak resident:\s+([\d.]+) MB", out)
     ratio = megabytes(r"the rest of the model\): ([\d.]+)x less", out)

@@ -34,8 +34,11 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bits (NaN payloads included)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    )
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -78,8 +81,15 @@ def test_reads_mixed_file_with_odd_offsets(scratch):
 def test_reads_hf_sharded_folder_written_by_transformers(scratch):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(scratch / "hf", max_shard_size="100KB")
     assert (scratch / "hf" / "model.safetensors.index.json").is_file()
@@ -100,8 +110,9 @@ def test_sharded_round_trip_against_safetensors(scratch):
     assert count >= 4
     index = json.loads((scratch / "ck" / "model.safetensors.index.json").read_text())
     generation = index["metadata"]["generation"]
-    assert [p.name for p in paths] == [f"model-{i:05d}-of-{count:05d}-{generation}.safetensors"
-                                       for i in range(1, count + 1)]
+    assert [p.name for p in paths] == [
+        f"model-{i:05d}-of-{count:05d}-{generation}.safetensors" for i in range(1, count + 1)
+    ]
     assert index["metadata"]["total_size"] == total
     assert set(index["weight_map"]) == set(tensors)
     reference = {}
@@ -158,9 +169,16 @@ def test_empty_save_and_empty_tensors(scratch):
 def test_transformers_from_pretrained_reads_our_shards(scratch):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(config)
     config.save_pretrained(scratch)
     state = model.state_dict()
@@ -185,11 +203,14 @@ def test_streams_from_a_generator_one_tensor_at_a_time(scratch):
 
 
 # -- writer errors ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad, message", [
-    ({"m": torch.empty(3, device="meta")}, "meta device"),
-    ({"c": torch.zeros(2, dtype=torch.complex128)}, "no dtype"),
-    ({"__metadata__": torch.zeros(2)}, "other than"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"m": torch.empty(3, device="meta")}, "meta device"),
+        ({"c": torch.zeros(2, dtype=torch.complex128)}, "no dtype"),
+        ({"__metadata__": torch.zeros(2)}, "other than"),
+    ],
+)
 def test_writer_refuses_bad_tensors_and_leaves_no_file(scratch, bad, message):
     save_sharded({"keep": torch.ones(4)}, scratch)
     before = sorted(os.listdir(scratch))
@@ -227,11 +248,16 @@ class CountingHandle(AsyncIOHandle):
 
 
 def test_reads_only_the_requested_block(scratch):
-    blocks = {f"layers.{b}.{w}": random_tensor((256, 256), torch.float32, b * 10 + i)
-              for b in range(4) for i, w in enumerate(("q", "k", "v"))}
+    blocks = {
+        f"layers.{b}.{w}": random_tensor((256, 256), torch.float32, b * 10 + i)
+        for b in range(4)
+        for i, w in enumerate(("q", "k", "v"))
+    }
     save_sharded(blocks, scratch, max_shard_bytes=1 << 20)
-    with CountingHandle() as handle, CheckpointReader(scratch, handle=handle, span_bytes=1 << 20,
-                                                      gap_bytes=0) as reader:
+    with (
+        CountingHandle() as handle,
+        CheckpointReader(scratch, handle=handle, span_bytes=1 << 20, gap_bytes=0) as reader,
+    ):
         names = [n for n in reader.names() if n.startswith("layers.2.")]
         got = reader.read(names)
         assert_same(got, {n: blocks[n] for n in names})
@@ -246,8 +272,12 @@ def test_reads_only_the_requested_block(scratch):
 def test_read_ahead_bounded_and_spans_split(scratch):
     tensors = {f"w{i}": random_tensor((1 << 14,), torch.float32, i) for i in range(16)}  # 64 KiB each
     save_file(tensors, scratch / "m.safetensors")
-    with CountingHandle() as handle, CheckpointReader(scratch / "m.safetensors", handle=handle,
-                                                      span_bytes=128 << 10, inflight_bytes=256 << 10) as reader:
+    with (
+        CountingHandle() as handle,
+        CheckpointReader(
+            scratch / "m.safetensors", handle=handle, span_bytes=128 << 10, inflight_bytes=256 << 10
+        ) as reader,
+    ):
         generator = reader.iter_tensors()
         next(generator)
         assert handle.read_bytes <= (256 << 10) + 8192  # two spans of two tensors, not the whole file
@@ -339,26 +369,34 @@ def raw_file(path: Path, header: object, data: bytes = b"", length: int | None =
 F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
 
-@pytest.mark.parametrize("header, data, length, message", [
-    ({"a": F32_2}, b"\0" * 8, 10**9, "exceeds the limit"),
-    ({"a": F32_2}, b"\0" * 8, 5000, "past the end"),
-    (b"[1, 2]", b"", None, "JSON object"),
-    (b"{not json", b"", None, "JSON object"),
-    (b'{"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": {"dtype": "F32", "shape": [0], '
-     b'"data_offsets": [0, 0]}}', b"", None, "duplicate key"),
-    (b"\xff\xfe", b"", None, "JSON object"),
-    ({"a": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "dtype 'F99' is unknown"),
-    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "takes 12 bytes"),
-    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative"),
-    ({"a": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None, "begin <= end"),
-    ({"a": F32_2}, b"\0" * 4, None, "run past"),
-    ({"a": F32_2}, b"\0" * 12, None, "trailing"),
-    ({"a": F32_2, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "overlap"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "belong to no tensor"),
-    ({"a": {**F32_2, "extra": 1}}, b"\0" * 8, None, "exactly the keys"),
-    ({"__metadata__": {"k": 1}, "a": F32_2}, b"\0" * 8, None, "object of strings"),
-])
+@pytest.mark.parametrize(
+    "header, data, length, message",
+    [
+        ({"a": F32_2}, b"\0" * 8, 10**9, "exceeds the limit"),
+        ({"a": F32_2}, b"\0" * 8, 5000, "past the end"),
+        (b"[1, 2]", b"", None, "JSON object"),
+        (b"{not json", b"", None, "JSON object"),
+        (
+            b'{"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": {"dtype": "F32", "shape": [0], '
+            b'"data_offsets": [0, 0]}}',
+            b"",
+            None,
+            "duplicate key",
+        ),
+        (b"\xff\xfe", b"", None, "JSON object"),
+        ({"a": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "dtype 'F99' is unknown"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "takes 12 bytes"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative"),
+        ({"a": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None, "begin <= end"),
+        ({"a": F32_2}, b"\0" * 4, None, "run past"),
+        ({"a": F32_2}, b"\0" * 12, None, "trailing"),
+        ({"a": F32_2, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "overlap"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "belong to no tensor"),
+        ({"a": {**F32_2, "extra": 1}}, b"\0" * 8, None, "exactly the keys"),
+        ({"__metadata__": {"k": 1}, "a": F32_2}, b"\0" * 8, None, "object of strings"),
+    ],
+)
 def test_malformed_headers_are_clear_errors(scratch, header, data, length, message):
     path = raw_file(scratch / "bad.safetensors", header, data, length)
     with pytest.raises(CheckpointError, match=message) as info:
@@ -424,8 +462,10 @@ def test_full_and_read_only_disks_name_the_checkpoint_and_keep_the_earlier_save(
     save_file(old, folder / "x.safetensors")
     save_sharded(old, folder / "sh")
     big = {f"w{i}": torch.randn(1 << 18) for i in range(10)}  # 10 MiB: does not fit
-    for save, target in ((lambda: save_file(big, folder / "x.safetensors"), folder / "x.safetensors"),
-                         (lambda: save_sharded(big, folder / "sh", max_shard_bytes=2 << 20), folder / "sh")):
+    for save, target in (
+        (lambda: save_file(big, folder / "x.safetensors"), folder / "x.safetensors"),
+        (lambda: save_sharded(big, folder / "sh", max_shard_bytes=2 << 20), folder / "sh"),
+    ):
         with pytest.raises(OSError) as info:
             save()
         assert info.value.errno == errno.ENOSPC and info.value.filename == str(target), info.value
@@ -495,22 +535,27 @@ print("refused")
 def test_fuzzed_headers_never_read_wrong(scratch, data):
     """Any mutation of a valid file either is refused with CheckpointError or reads exactly what safetensors
     reads."""
-    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int16),
-               "c": torch.tensor(True)}
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.tensor([1, 2], dtype=torch.int16),
+        "c": torch.tensor(True),
+    }
     layout, position = {}, 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
         layout[name] = (t.dtype, tuple(t.shape), position, position + n)
         position += n
-    raw = bytearray(encode_header(layout, {"format": "pt"}) + b"".join(
-        t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values()))
+    raw = bytearray(
+        encode_header(layout, {"format": "pt"})
+        + b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values())
+    )
     for _ in range(data.draw(st.integers(1, 4))):
         kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
         at = data.draw(st.integers(0, len(raw) - 1))
         if kind == "flip":
             raw[at] = data.draw(st.integers(0, 255))
         elif kind == "cut":
-            del raw[at:at + data.draw(st.integers(1, 8))]
+            del raw[at : at + data.draw(st.integers(1, 8))]
         else:
             raw[at:at] = data.draw(st.binary(min_size=1, max_size=8))
         if len(raw) < 2:
@@ -527,8 +572,11 @@ def test_fuzzed_headers_never_read_wrong(scratch, data):
 def test_read_into_reuses_its_buffers_block_after_block(scratch, monkeypatch):
     from deepoffload.formats import reader as reader_module
 
-    blocks = {f"layers.{b}.{w}": random_tensor((300, 257), torch.float32, b * 10 + i)
-              for b in range(4) for i, w in enumerate(("q", "k"))}
+    blocks = {
+        f"layers.{b}.{w}": random_tensor((300, 257), torch.float32, b * 10 + i)
+        for b in range(4)
+        for i, w in enumerate(("q", "k"))
+    }
     blocks["odd"] = random_tensor((3,), torch.int8)  # leaves the next tensors at offsets floats do not divide
     blocks.update({f"layers.4.{w}": random_tensor((5, 7), torch.float32, 99 + i) for i, w in enumerate("qk")})
     save_file(blocks, scratch / "m.safetensors")
@@ -569,16 +617,22 @@ def test_read_into_fills_tensors_larger_than_a_span_through_its_buffers(scratch,
     tensors = {"a.small": random_tensor((1000,), torch.float32, 1)}
     if misaligned:
         tensors["a.odd"] = random_tensor((3,), torch.int8)  # the next tensors start at offsets floats do not divide
-    tensors.update({"b.big": random_tensor((700, 301), torch.float32, 2),  # 842,800 bytes: 6.4 spans of 128 KiB
-                    "c.big16": random_tensor((150_001,), torch.bfloat16, 3),
-                    "d.tail": random_tensor((5,), torch.float32, 4)})
+    tensors.update(
+        {
+            "b.big": random_tensor((700, 301), torch.float32, 2),  # 842,800 bytes: 6.4 spans of 128 KiB
+            "c.big16": random_tensor((150_001,), torch.bfloat16, 3),
+            "d.tail": random_tensor((5,), torch.float32, 4),
+        }
+    )
     save_file(tensors, scratch / "m.safetensors")
     span = 128 << 10
     allocations = []
     real = reader_module.aligned_empty
     monkeypatch.setattr(reader_module, "aligned_empty", lambda *a, **k: allocations.append(a[0]) or real(*a, **k))
-    with CountingHandle() as handle, CheckpointReader(scratch / "m.safetensors", handle=handle, span_bytes=span,
-                                                      inflight_bytes=2 * span) as reader:
+    with (
+        CountingHandle() as handle,
+        CheckpointReader(scratch / "m.safetensors", handle=handle, span_bytes=span, inflight_bytes=2 * span) as reader,
+    ):
         out = {n: torch.full(t.shape, -1, dtype=t.dtype) for n, t in tensors.items() if n != "a.odd"}
         reader.read_into(out)
         assert_same(out, {n: tensors[n] for n in out})
@@ -602,5 +656,6 @@ def test_public_names_resolve_and_import_is_cheap():
     for name in formats.__all__:
         assert getattr(formats, name) is not None, name
     code = "import sys, deepoffload.formats; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.split() == ["False"]
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == [
+        "False"
+    ]

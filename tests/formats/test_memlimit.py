@@ -57,8 +57,9 @@ def test_checkpoint_larger_than_the_limit_loads_inside_it(scratch, aio):
 
     def tensors():  # generated one at a time, so the parent never holds the checkpoint either
         for i in range(count):
-            t = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32,
-                              generator=torch.Generator().manual_seed(i)).view(torch.float32)
+            t = torch.randint(
+                -(2**31), 2**31 - 1, (numel,), dtype=torch.int32, generator=torch.Generator().manual_seed(i)
+            ).view(torch.float32)
             sums[f"layers.{i}.weight"] = checksum(t)
             yield f"layers.{i}.weight", t
 

@@ -43,15 +43,23 @@ def op(request):
 
 def handle(op, single_submit: bool = True, overlap_events: bool = True):
     h = op.aio_handle(BLOCK, QUEUE_DEPTH, single_submit, overlap_events, THREADS)
-    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
-            h.get_intra_op_parallelism()) == (BLOCK, QUEUE_DEPTH, single_submit, overlap_events, THREADS)
+    assert (
+        h.get_block_size(),
+        h.get_queue_depth(),
+        h.get_single_submit(),
+        h.get_overlap_events(),
+        h.get_intra_op_parallelism(),
+    ) == (BLOCK, QUEUE_DEPTH, single_submit, overlap_events, THREADS)
     return h
 
 
 def buffer(h, locked: bool, nbytes: int = IO_SIZE, fill: bytes | None = None) -> torch.Tensor:
     """A uint8 tensor: page-locked by the handle, or plain memory; holding ``fill`` if given."""
-    t = (h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8)) if locked
-         else torch.empty(nbytes, dtype=torch.uint8))
+    t = (
+        h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+        if locked
+        else torch.empty(nbytes, dtype=torch.uint8)
+    )
     if fill is not None:
         t.copy_(torch.frombuffer(bytearray(fill), dtype=torch.uint8))
     return t
@@ -155,6 +163,6 @@ def test_read_piece_by_piece_at_offsets(op, scratch, partitions):
     for blocks in partitions:
         piece = dst.narrow(0, 0, blocks * BLOCK)
         assert h.sync_pread(piece, str(path), offset) == 1
-        assert bytes(piece.numpy()) == data[offset:offset + blocks * BLOCK]
+        assert bytes(piece.numpy()) == data[offset : offset + blocks * BLOCK]
         offset += blocks * BLOCK
     h.free_cpu_locked_tensor(dst)

@@ -19,8 +19,10 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,  # each child imports DeepSpeed (about 10 s) and starts its engines
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="deepspeed is not installed (pip install deepoffload[deepspeed])"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed is not installed (pip install deepoffload[deepspeed])",
+    ),
 ]
 CHILD = Path(__file__).resolve().parents[1] / "support" / "deepspeed_child.py"
 
@@ -34,11 +36,27 @@ def free_port() -> int:
 def run_child(mode: str, folder: Path, steps: int = 3, op: str = "deepoffload") -> dict:
     """Runs tests/support/deepspeed_child.py MODE in a child process, on deepoffload's op or (``op="deepspeed"``, built
     already) on DeepSpeed's own; returns its JSON result."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1",
-           "LOCAL_SIZE": "1", "DEEPOFFLOAD_CHILD_OP": op}
-    proc = subprocess.run([sys.executable, str(CHILD), mode, str(folder), str(steps)], capture_output=True,
-                          text=True, env=env, cwd=folder, timeout=600)
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+        "LOCAL_SIZE": "1",
+        "DEEPOFFLOAD_CHILD_OP": op,
+    }
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), mode, str(folder), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stdout[-3000:]
@@ -119,8 +137,10 @@ def test_resume_equals_deepspeeds_own_op(resumed, scratch):
     if os.environ.get("DEEPOFFLOAD_TEST_DEEPSPEED_OP") != "1":  # a build cached for another venv is rebuilt: minutes
         pytest.skip("set DEEPOFFLOAD_TEST_DEEPSPEED_OP=1 to compare with DeepSpeed's own async_io op")
     if not deepspeeds_op_is_built():
-        pytest.skip("DeepSpeed's async_io op is not built here (it takes minutes: build it with "
-                    "python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()')")
+        pytest.skip(
+            "DeepSpeed's async_io op is not built here (it takes minutes: build it with "
+            "python -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()')"
+        )
     theirs = resume(scratch, op="deepspeed")
     assert theirs["handle_types"] != resumed["handle_types"]  # DeepSpeed's op really ran
     ignore = ("handle_types", "mode", "fresh_process_load_warnings", "same_process_load_warnings")
@@ -128,8 +148,9 @@ def test_resume_equals_deepspeeds_own_op(resumed, scratch):
     # the only difference: enable()'s warning, which DeepSpeed's own op run (no enable()) does not get
     for name in ("fresh_process", "same_process"):
         assert not any(m.startswith("DeepSpeed resumed") for m in theirs[f"{name}_load_warnings"])
-        assert [m for m in resumed[f"{name}_load_warnings"] if not m.startswith("DeepSpeed resumed")] == \
-            theirs[f"{name}_load_warnings"]
+        assert [m for m in resumed[f"{name}_load_warnings"] if not m.startswith("DeepSpeed resumed")] == theirs[
+            f"{name}_load_warnings"
+        ]
 
 
 def test_fast_checkpoint_writer_saves_and_resumes(scratch):
@@ -174,14 +195,24 @@ out["env_restored"] = "DEEPOFFLOAD_DEEPSPEED" not in os.environ
 out["accelerator_restored"] = get_accelerator().get_op_builder("AsyncIOBuilder") is original
 print(json.dumps(out))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"}, cwd=scratch)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        cwd=scratch,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["swapper"] and out["writer"] and out["ops_aio"] and out["accelerator"]
     assert out["still_theirs"] == []  # every module that bound DeepSpeed's builders now binds ours
-    assert {"deepspeed.nvme.ds_aio_handle", "deepspeed.nvme.perf_run_sweep", "deepspeed.ops.op_builder",
-            "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper"} <= set(out["patched"]), out["patched"]
+    assert {
+        "deepspeed.nvme.ds_aio_handle",
+        "deepspeed.nvme.perf_run_sweep",
+        "deepspeed.ops.op_builder",
+        "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
+    } <= set(out["patched"]), out["patched"]
     assert out["handle"] == "deepoffload.io.compat"
     assert "GPUDirect Storage" in out["gds"] and "use_gds" in out["gds"]
     assert out["restored"] and out["accelerator_restored"]

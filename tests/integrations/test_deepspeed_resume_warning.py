@@ -24,8 +24,16 @@ class Engine:
         return self.nvme
 
 
-def original(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-             load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+def original(
+    self,
+    load_dir,
+    tag=None,
+    load_module_strict=True,
+    load_optimizer_states=True,
+    load_lr_scheduler_states=True,
+    load_module_only=False,
+    custom_load_fn=None,
+):
     """DeepSpeed's signature; returns (None, None) where no checkpoint is found, as DeepSpeed's does."""
     self.calls.append((load_dir, tag, load_optimizer_states, load_module_only))
     return (None, None) if load_dir == "missing" else (f"{load_dir}/{tag}", {"client": 1})
@@ -52,13 +60,16 @@ def test_warns_once_after_the_load_when_nvme_optimizer_state_is_asked_for():
     assert call(engine, "ckpt", "t", True, True)[1] == messages  # the same asked for positionally
 
 
-@pytest.mark.parametrize("nvme, args, kwargs", [
-    (False, ("ckpt", "t"), {}),  # optimizer state not on NVMe: DeepSpeed loads it
-    (True, ("ckpt", "t"), {"load_optimizer_states": False}),
-    (True, ("ckpt", "t", True, False), {}),  # load_optimizer_states=False positionally
-    (True, ("ckpt", "t"), {"load_module_only": True}),
-    (True, ("missing",), {}),  # nothing loaded
-])
+@pytest.mark.parametrize(
+    "nvme, args, kwargs",
+    [
+        (False, ("ckpt", "t"), {}),  # optimizer state not on NVMe: DeepSpeed loads it
+        (True, ("ckpt", "t"), {"load_optimizer_states": False}),
+        (True, ("ckpt", "t", True, False), {}),  # load_optimizer_states=False positionally
+        (True, ("ckpt", "t"), {"load_module_only": True}),
+        (True, ("missing",), {}),  # nothing loaded
+    ],
+)
 def test_no_warning_otherwise(nvme, args, kwargs):
     engine = Engine(nvme)
     result, messages = call(engine, *args, **kwargs)

@@ -33,7 +33,7 @@ def deepspeed_binding() -> str:
 
 def parse_binding(text: str) -> tuple[dict[str, list[list[tuple[str, str | None]]]], list[str]]:
     """({method: [overload arguments [(name, default or None)]]}, module functions) from DeepSpeed's binding."""
-    body = text[text.index("PYBIND11_MODULE"):]
+    body = text[text.index("PYBIND11_MODULE") :]
     functions = re.findall(r'm\.def\("(\w+)"', body)
     methods: dict[str, list[list[tuple[str, str | None]]]] = {}
     for chunk in body.split(".def(")[1:]:
@@ -75,7 +75,7 @@ def test_every_method_keyword_and_default_of_deepspeeds_binding():
             if "async" in names:  # a Python keyword: positional, or "async" through **kwargs
                 assert any(p.kind == inspect.Parameter.VAR_KEYWORD for p in ours.values()), name
                 names = [n if n != "async" else "async_op" for n in names]
-            assert positional[:len(names)] == names, (name, positional, names)
+            assert positional[: len(names)] == names, (name, positional, names)
             for arg, default in args:
                 arg = {"async": "async_op", "fd": "filename"}.get(arg, arg)
                 if default is not None:
@@ -84,8 +84,13 @@ def test_every_method_keyword_and_default_of_deepspeeds_binding():
 
 def test_constructor_defaults_are_deepspeeds():
     h = aio_handle()
-    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
-            h.get_intra_op_parallelism()) == (1 << 20, 128, False, False, 1)
+    assert (
+        h.get_block_size(),
+        h.get_queue_depth(),
+        h.get_single_submit(),
+        h.get_overlap_events(),
+        h.get_intra_op_parallelism(),
+    ) == (1 << 20, 128, False, False, 1)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -108,8 +113,7 @@ def test_small_and_odd_block_sizes_are_accepted(scratch, block_size):
 
 
 def test_calls_as_deepspeed_code_makes_them(scratch):
-    h = aio_handle(block_size=1048576, queue_depth=8, single_submit=False, overlap_events=True,
-                   intra_op_parallelism=3)
+    h = aio_handle(block_size=1048576, queue_depth=8, single_submit=False, overlap_events=True, intra_op_parallelism=3)
     buf = h.new_cpu_locked_tensor(1_000_001, torch.empty(0, dtype=torch.float16))
     assert buf.dtype == torch.float16 and buf.numel() == 1_000_001 and h.is_pinned(buf)
     buf.copy_(torch.randn(1_000_001))
@@ -161,7 +165,7 @@ def test_descriptor_overloads(scratch):
     path = scratch / "fd"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        assert h.async_pwrite(data[:150_000].clone(), fd, 0) == 0                       # positional
+        assert h.async_pwrite(data[:150_000].clone(), fd, 0) == 0  # positional
         assert h.async_pwrite(buffer=data[150_000:].clone(), fd=fd, file_offset=600_000) == 0  # keywords
         assert h.wait() == 2
     finally:
@@ -176,12 +180,18 @@ def test_descriptor_overloads(scratch):
     with pytest.raises(TypeError, match="either filename or fd"):
         h.async_pwrite(data, str(path), fd=3)
     # Every other read/write call takes a descriptor too (DeepSpeed: only async_pwrite), by keyword or position.
-    writes = [lambda b, fd: h.sync_pwrite(b, fd=fd), lambda b, fd: h.write(b, fd=fd, validate=False),
-              lambda b, fd: h.pwrite(b, fd=fd, validate=False, async_op=False),
-              lambda b, fd: h.sync_pwrite(b, fd, 0)]
-    reads = [lambda b, fd: h.sync_pread(b, fd=fd), lambda b, fd: h.read(b, fd=fd, validate=False),
-             lambda b, fd: h.pread(b, fd=fd, validate=False, async_op=False),
-             lambda b, fd: h.async_pread(b, fd, 0) + h.wait()]
+    writes = [
+        lambda b, fd: h.sync_pwrite(b, fd=fd),
+        lambda b, fd: h.write(b, fd=fd, validate=False),
+        lambda b, fd: h.pwrite(b, fd=fd, validate=False, async_op=False),
+        lambda b, fd: h.sync_pwrite(b, fd, 0),
+    ]
+    reads = [
+        lambda b, fd: h.sync_pread(b, fd=fd),
+        lambda b, fd: h.read(b, fd=fd, validate=False),
+        lambda b, fd: h.pread(b, fd=fd, validate=False, async_op=False),
+        lambda b, fd: h.async_pread(b, fd, 0) + h.wait(),
+    ]
     for i, (write, read) in enumerate(zip(writes, reads)):
         data = torch.full((5000,), i, dtype=torch.int32)
         fd = os.open(scratch / f"fd{i}", os.O_RDWR | os.O_CREAT, 0o644)
@@ -261,8 +271,11 @@ def test_errors_raise_where_deepspeed_returns_minus_one(scratch):
 def test_tensors_it_cannot_transfer_exactly_are_refused(scratch):
     h = aio_handle()
     path = str(scratch / "refused")
-    cases = [(torch.ones(4, 4).t(), "contiguous"), (torch.eye(3).to_sparse(), "sparse"),
-             (torch.ones(4, dtype=torch.complex64).conj(), "resolve_conj")]
+    cases = [
+        (torch.ones(4, 4).t(), "contiguous"),
+        (torch.eye(3).to_sparse(), "sparse"),
+        (torch.ones(4, dtype=torch.complex64).conj(), "resolve_conj"),
+    ]
     for tensor, fix in cases:
         with pytest.raises(ValueError, match=fix):
             h.sync_pwrite(tensor, path)

@@ -83,8 +83,12 @@ def test_offloaded_optimizer_on_device_parameters_matches_in_memory_adam(scratch
             offloaded.step()
         assert all(torch.equal(a, b) for a, b in zip(reference, params))
         state = offloaded.state_dict()["state"]
-        assert all(v.device.type == DEVICE.type or v.dim() == 0 for s in state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor)), "the state comes back on the parameters' device"
+        assert all(
+            v.device.type == DEVICE.type or v.dim() == 0
+            for s in state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ), "the state comes back on the parameters' device"
 
 
 def test_parameter_streaming_of_a_model_on_the_device(scratch):
@@ -95,15 +99,19 @@ def test_parameter_streaming_of_a_model_on_the_device(scratch):
     reference, model = build_model(size).to(DEVICE), build_model(size).to(DEVICE)
     tokens = SyntheticText(size, 0).batch()[:, :-1].to(DEVICE)
     with offload_parameters(model, str(scratch), prefetch=1) as offload:
-        assert all(b.state is Residency.ON_STORAGE and p.device.type == DEVICE.type for b in offload.blocks
-                   for p in b.module.parameters())
+        assert all(
+            b.state is Residency.ON_STORAGE and p.device.type == DEVICE.type
+            for b in offload.blocks
+            for p in b.module.parameters()
+        )
         with torch.no_grad():
             assert torch.equal(model(tokens), reference(tokens))
     trained, ref = build_model(size).to(DEVICE), build_model(size).to(DEVICE)
     optimizer = torch.optim.Adam(ref.parameters(), lr=1e-2)
     data = SyntheticText(size)
-    with offload_parameters(trained, str(scratch), mode="grads",
-                            optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2)) as offload:
+    with offload_parameters(
+        trained, str(scratch), mode="grads", optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2)
+    ) as offload:
         for _ in range(2):
             batch = data.batch().to(DEVICE)
             optimizer.zero_grad()

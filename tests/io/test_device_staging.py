@@ -73,8 +73,8 @@ def test_write_at_an_offset_keeps_what_is_before_and_after(fake, stager, scratch
     values = payload(2 * CHUNK + 5, seed=2)
     stager.write(fake.to_device(values), path, 1000)
     raw = path.read_bytes()
-    assert raw[:1000] == b"a" * 1000 and raw[1000:1000 + values.numel()] == values.numpy().tobytes()
-    assert raw[1000 + values.numel():] == b"a" * (5 * CHUNK - 1000 - values.numel()), "no truncation by default"
+    assert raw[:1000] == b"a" * 1000 and raw[1000 : 1000 + values.numel()] == values.numpy().tobytes()
+    assert raw[1000 + values.numel() :] == b"a" * (5 * CHUNK - 1000 - values.numel()), "no truncation by default"
     check_log(fake.log)
 
 
@@ -136,7 +136,7 @@ def test_failed_read_names_path_and_offset_and_leaves_nothing_in_flight(fake, st
     check_log(fake.log)
     small = fake.empty_like(torch.empty(CHUNK + 1, dtype=torch.uint8))
     stager.read(small, path)  # the stager is usable again
-    assert torch.equal(small, payload(2 * CHUNK + 100)[:CHUNK + 1])
+    assert torch.equal(small, payload(2 * CHUNK + 100)[: CHUNK + 1])
 
 
 def test_failed_write_names_the_path_and_leaves_the_device_tensor_intact(fake, stager, handle, scratch):

@@ -55,10 +55,30 @@ def traced(aio, tmp_path_factory) -> tuple[int, dict, dict[str, list[tuple[int, 
         pytest.skip(f"{folder}: the file system does not support O_DIRECT")
     trace = folder / "trace.txt"
     try:
-        proc = subprocess.run(["strace", "-f", "-qq", "--seccomp-bpf", "-o", str(trace), "-e",
-                               "trace=pread64,pwrite64", "-e", "raw=pread64,pwrite64", sys.executable, "-c", CHILD,
-                               str(folder), "1024:1048576", "4:1048576", "0:1024"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                "strace",
+                "-f",
+                "-qq",
+                "--seccomp-bpf",
+                "-o",
+                str(trace),
+                "-e",
+                "trace=pread64,pwrite64",
+                "-e",
+                "raw=pread64,pwrite64",
+                sys.executable,
+                "-c",
+                CHILD,
+                str(folder),
+                "1024:1048576",
+                "4:1048576",
+                "0:1024",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         text = trace.read_text() if trace.exists() else ""
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -45,8 +45,14 @@ def test_round_trips_match_python_file_io(aio, scratch, engine, threads):
         pytest.skip(f"{engine} is not usable here: {engine_status().get(engine, (False, 'not compiled in'))[1]}")
     gen = torch.Generator().manual_seed(threads)
     for single_submit, overlap in itertools.product([False, True], [False, True]):
-        with AsyncIOHandle(engine=engine, block_size=65536, queue_depth=8, intra_op_parallelism=threads,
-                           single_submit=single_submit, overlap_events=overlap) as h:
+        with AsyncIOHandle(
+            engine=engine,
+            block_size=65536,
+            queue_depth=8,
+            intra_op_parallelism=threads,
+            single_submit=single_submit,
+            overlap_events=overlap,
+        ) as h:
             for nbytes, offset, kind in itertools.product(SIZES, OFFSETS, ["pinned", "aligned", "unaligned"]):
                 path = scratch / f"f-{nbytes}-{offset}-{kind}"
                 data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
@@ -64,8 +70,9 @@ def test_round_trips_match_python_file_io(aio, scratch, engine, threads):
                 assert torch.equal(dst, data), (engine, threads, single_submit, overlap, nbytes, offset, kind)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool,
-                                   torch.complex64, torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.complex64, torch.int64]
+)
 def test_any_dtype_and_shape(handle, scratch, dtype):
     t = (torch.randn(3, 5, 7) * 100).to(dtype)
     path = scratch / "t.bin"
@@ -280,13 +287,13 @@ import torch, deepoffload
 from deepoffload.op_builder import AsyncIOBuilder
 h = AsyncIOBuilder().load().aio_handle(1048576, 8, False, True, 1)
 assert h.wait() == 0
-open({str(scratch / 's')!r}, 'wb').write(b'x' * 100)
+open({str(scratch / "s")!r}, 'wb').write(b'x' * 100)
 try:
-    h.sync_pread(torch.empty(1000, dtype=torch.uint8), {str(scratch / 's')!r})
+    h.sync_pread(torch.empty(1000, dtype=torch.uint8), {str(scratch / "s")!r})
 except OSError as e:
     print('OSError', e.errno)
 big = torch.zeros(64 << 20, dtype=torch.uint8)
-h.async_pwrite(big, {str(scratch / 'b')!r})
+h.async_pwrite(big, {str(scratch / "b")!r})
 print('exiting with an operation in flight')
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -359,9 +366,11 @@ def _huge_kib(address: int) -> int:
     return 0
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-                    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
-                    reason="no transparent huge pages on this system")
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+    reason="no transparent huge pages on this system",
+)
 def test_large_buffers_ask_for_huge_pages():
     """The kernel either backs the buffer with huge pages or records that it tried and fell back."""
     fallbacks = _vmstat("thp_fault_fallback")

@@ -37,8 +37,12 @@ def test_nul_byte_in_path_is_refused_like_open(handle, scratch, name):
 
 def test_bytes_and_pathlike_paths_work_like_open(handle, scratch):
     t = torch.arange(100_000, dtype=torch.float64)
-    for path in (os.fsencode(scratch / "a.bin"), BytesPath(os.fsencode(scratch / "b.bin")), scratch / "c.bin",
-                 os.fsencode(scratch) + b"/\xff\xfe-not-utf8.bin"):
+    for path in (
+        os.fsencode(scratch / "a.bin"),
+        BytesPath(os.fsencode(scratch / "b.bin")),
+        scratch / "c.bin",
+        os.fsencode(scratch) + b"/\xff\xfe-not-utf8.bin",
+    ):
         assert handle.write(t, path) == t.nbytes
         back = torch.empty_like(t)
         assert handle.read(back, path, validate=True) == t.nbytes
@@ -111,4 +115,3 @@ def test_environment_variable_typo_fails_the_first_handle(monkeypatch, aio):
     monkeypatch.setenv("DEEPOFFLOAD_AIO_BLOCKSIZE", "4096")
     with pytest.raises(ConfigError, match="DEEPOFFLOAD_AIO_BLOCK_SIZE"):
         AsyncIOHandle()
-

@@ -96,7 +96,7 @@ def test_reader_serves_chunks_and_reads_ahead(handle, scratch, start, length):
             assert all(reader.holds(i) for i in range(k, min(k + 3, reader.chunk_count)))
     finally:
         reader.close()
-    assert got == data[start:start + length]
+    assert got == data[start : start + length]
     assert [c[1] for c in recording.calls] == list(range(start, start + length, BUFFER)), "each chunk read once"
     check_log(log)
 

@@ -34,8 +34,21 @@ SAVE_STAGING = 2 * 16 * MiB  # save_sharded's two staging buffers
 SAVE_SMALL_FILES = 1 * MiB  # the index and the shards' headers, written through the page cache the group is charged
 OPTIMIZER_POOL = 4  # SwapConfig's default buffer_count
 OPTIMIZER_TEMPORARIES = 3  # Adam's step on the largest parameter: gradient, and two temporaries of its size
-ENTRIES = ("load_safetensors", "load_sharded", "load_torch", "train_fused", "train_grads", "train_budget",
-           "train_max_memory", "generate", "save", "state_dict", "checkpoint_save", "checkpoint_load", "optimizer_step")
+ENTRIES = (
+    "load_safetensors",
+    "load_sharded",
+    "load_torch",
+    "train_fused",
+    "train_grads",
+    "train_budget",
+    "train_max_memory",
+    "generate",
+    "save",
+    "state_dict",
+    "checkpoint_save",
+    "checkpoint_load",
+    "optimizer_step",
+)
 
 
 @dataclass
@@ -53,8 +66,9 @@ class Measured:
         return self.base + self.library + self.user
 
 
-def child(entry: str, shape: str, folder: Path, limit: int | None, max_memory: int | None = None
-          ) -> memlimit.LimitedRun:
+def child(
+    entry: str, shape: str, folder: Path, limit: int | None, max_memory: int | None = None
+) -> memlimit.LimitedRun:
     """Run one workload; confined to ``limit`` bytes, or unconfined (None); ``max_memory``: the workload's
     offload_parameters(max_memory=) (train_max_memory)."""
     for name in ("swap", "saved", "saved.pt"):
@@ -75,7 +89,7 @@ def _drop_cached(folder: Path) -> None:
     """Evict the checkpoints from the page cache, so that a child reading them is charged for what it keeps cached
     (the worst case) whatever ran before."""
     for name in workloads.CHECKPOINTS.values():
-        for path in ([folder / name] if (folder / name).is_file() else sorted((folder / name).glob("*"))):
+        for path in [folder / name] if (folder / name).is_file() else sorted((folder / name).glob("*")):
             if path.is_file():
                 fd = os.open(path, os.O_RDONLY)
                 try:
@@ -92,8 +106,13 @@ def needs(entry: str) -> str | None:
 def build_op() -> None:
     """Build the op (or find it built) unconfined, in a child with the workloads' environment: a confined child must
     not be charged for, or killed by, the compiler it would otherwise start on first use."""
-    proc = subprocess.run([sys.executable, "-c", "from op_builder import AsyncIOBuilder; AsyncIOBuilder().load()"],
-                          capture_output=True, text=True, env=_env(), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from op_builder import AsyncIOBuilder; AsyncIOBuilder().load()"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     if proc.returncode:
         raise RuntimeError(f"building the op failed: {proc.stderr[-2000:]}")
 
@@ -102,8 +121,13 @@ def prepare(shape: str, folder: Path, kinds: list[str]) -> None:
     """Write the checkpoints of ``kinds`` that ``folder`` lacks (in a child: this process never holds them)."""
     kinds = [k for k in kinds if k is not None and not (folder / workloads.CHECKPOINTS[k]).exists()]
     if kinds:
-        proc = subprocess.run([sys.executable, str(HERE / "workloads.py"), "prepare", shape, str(folder), *kinds],
-                              capture_output=True, text=True, env=_env(), timeout=600)
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "workloads.py"), "prepare", shape, str(folder), *kinds],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=600,
+        )
         if proc.returncode:
             raise RuntimeError(f"preparing {kinds} ({shape}) failed: {proc.stderr[-2000:]}")
 
@@ -131,14 +155,26 @@ def baseline(folder: Path, kind: str = "imports") -> int:
 def stated(entry: str, sizes: dict) -> tuple[int, int]:
     """(what the library holds, what the user's code holds) for ``entry``, from the model's sizes (bytes)."""
     block, rest, total, largest = sizes["block_span"], sizes["rest_bytes"], sizes["param_bytes"], sizes["largest"]
-    plan = MemoryPlan(block_bytes=block, rest_bytes=rest, prefetch=1, training=entry.startswith("train_"),
-                      resident_bytes=sizes.get("resident_bytes", 0))
+    plan = MemoryPlan(
+        block_bytes=block,
+        rest_bytes=rest,
+        prefetch=1,
+        training=entry.startswith("train_"),
+        resident_bytes=sizes.get("resident_bytes", 0),
+    )
     if entry == "train_max_memory":  # about the least limit max_memory= accepts: the process, the least plan, the
         # forward; 16 MiB more: the process at the call holds a little more than after its imports (the model on meta)
         least = replace(plan, prefetch=0, state_chunks=MIN_STATE_CHUNKS, resident_bytes=0)
         return least.peak_bytes + 16 * MiB, FIT_FORWARD_BYTES
-    if entry in ("load_safetensors", "load_sharded", "load_torch", "train_fused", "train_grads", "train_budget",
-                 "generate"):
+    if entry in (
+        "load_safetensors",
+        "load_sharded",
+        "load_torch",
+        "train_fused",
+        "train_grads",
+        "train_budget",
+        "generate",
+    ):
         return plan.peak_bytes, FORWARD_BYTES
     if entry == "save":  # a block's copy, the writer's staging and its small files on top of the streaming plan
         return plan.peak_bytes + block + SAVE_STAGING + SAVE_SMALL_FILES, FORWARD_BYTES
@@ -154,8 +190,9 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
     raise ValueError(entry)
 
 
-def measure(entry: str, shape: str, folder: Path, base: int, compare: bool = False
-            ) -> tuple[Measured, memlimit.LimitedRun]:
+def measure(
+    entry: str, shape: str, folder: Path, base: int, compare: bool = False
+) -> tuple[Measured, memlimit.LimitedRun]:
     """Run ``entry`` confined to its bound + 10% (train_max_memory: to its bound, which it is given as max_memory=);
     with ``compare``, also unconfined, and check that both results (outputs, losses, tokens, files) are equal."""
     library, user = stated(entry, workloads.sizes(entry, shape))
@@ -171,8 +208,9 @@ def measure(entry: str, shape: str, folder: Path, base: int, compare: bool = Fal
             raise RuntimeError(f"{entry} ({shape}) failed unconfined: {free.stderr[-3000:]}")
         expected = json.loads(free.stdout.splitlines()[-1])["result"]
         if result != expected:
-            raise AssertionError(f"{entry} ({shape}): the confined result {result} differs from the unconfined "
-                                 f"{expected}")
+            raise AssertionError(
+                f"{entry} ({shape}): the confined result {result} differs from the unconfined {expected}"
+            )
     return Measured(entry, shape, base, library, user, run.peak_bytes, result), run
 
 
@@ -183,8 +221,9 @@ def main(shapes: list[str]) -> None:
     if reason:
         raise SystemExit(reason)
     build_op()
-    print("| entry point | tensors | after imports | library (stated) | user (stated) | bound | peak | "
-          "peak - imports |")
+    print(
+        "| entry point | tensors | after imports | library (stated) | user (stated) | bound | peak | peak - imports |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape in shapes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("DEEPOFFLOAD_TEST_DIR")) as tmp:
@@ -196,9 +235,12 @@ def main(shapes: list[str]) -> None:
                 prepare(shape, folder, [needs(entry)])
                 m, run = measure(entry, shape, folder, bases[imports(entry)], compare=True)
                 peak = "killed" if run.returncode else f"{m.peak / MiB:.0f} MiB"
-                print(f"| {entry} | {shape} | {m.base / MiB:.0f} MiB | {m.library / MiB:.0f} MiB | "
-                      f"{m.user / MiB:.0f} MiB | {m.bound / MiB:.0f} MiB | {peak} | "
-                      f"{(m.peak - m.base) / MiB:.0f} MiB |", flush=True)
+                print(
+                    f"| {entry} | {shape} | {m.base / MiB:.0f} MiB | {m.library / MiB:.0f} MiB | "
+                    f"{m.user / MiB:.0f} MiB | {m.bound / MiB:.0f} MiB | {peak} | "
+                    f"{(m.peak - m.base) / MiB:.0f} MiB |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

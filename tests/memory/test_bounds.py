@@ -11,8 +11,12 @@ from .bounds import memlimit
 
 reason = memlimit.unavailable()
 pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
-CASES = [(entry, shape) for shape in ("large", "small") for entry in bounds.ENTRIES
-         if not (entry == "generate" and shape == "small")]
+CASES = [
+    (entry, shape)
+    for shape in ("large", "small")
+    for entry in bounds.ENTRIES
+    if not (entry == "generate" and shape == "small")
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,9 @@ def prepared(tmp_path_factory):
 def test_entry_point_holds_its_stated_bound(entry, shape, prepared):
     folder, base = prepared(entry, shape)
     measured, run = bounds.measure(entry, shape, folder, base)
-    assert run.returncode == 0 and run.oom_kills == 0, f"{entry} ({shape}) under {measured.bound * 1.1:.0f} " \
-                                                       f"bytes: {run}"
-    assert run.peak_bytes is not None and run.peak_bytes <= measured.bound, \
+    assert run.returncode == 0 and run.oom_kills == 0, (
+        f"{entry} ({shape}) under {measured.bound * 1.1:.0f} bytes: {run}"
+    )
+    assert run.peak_bytes is not None and run.peak_bytes <= measured.bound, (
         f"{entry} ({shape}): peak {run.peak_bytes} bytes over its stated bound {measured.bound} ({measured})"
+    )

@@ -55,12 +55,17 @@ def tensors():
         yield name, torch.randn(shape, generator=torch.Generator().manual_seed(i)) / shape[-1] ** 0.5
 """
 
-PREPARE = MODEL + """
+PREPARE = (
+    MODEL
+    + """
 from deepoffload.formats import save_sharded
 save_sharded(tensors(), sys.argv[1], max_shard_bytes=512 << 20)
 """
+)
 
-RUN = MODEL + """
+RUN = (
+    MODEL
+    + """
 from deepoffload.swap.params import offload_parameters
 
 with torch.device("meta"):
@@ -84,6 +89,7 @@ print(json.dumps({"losses": losses, "tokens": tokens, "prefetch": off.plan.prefe
                   "resident": off.plan.resident_bytes}))
 off.close(restore=False)
 """
+)
 
 reason = memlimit.unavailable()
 if reason is None and not os.environ.get("DEEPOFFLOAD_SCALE_TEST"):
@@ -106,5 +112,3 @@ def test_model_8x_the_limit_trains_and_generates_inside_it(scratch):
     inside, outside = json.loads(limited.stdout.splitlines()[-1]), json.loads(free.stdout.splitlines()[-1])
     assert inside["losses"] == outside["losses"] and inside["tokens"] == outside["tokens"], (inside, outside)
     assert len(set(inside["losses"])) == 2  # the step changed the model
-
-

@@ -21,14 +21,30 @@ SHAPES = {  # width, tensors per block, blocks
     "small": (128, 64, 8),
 }
 STEPS = 2
-CHECKPOINTS = {"safetensors": "model.safetensors", "sharded": "sharded", "torch": "model.pt",
-               "llama": "llama.safetensors"}
+CHECKPOINTS = {
+    "safetensors": "model.safetensors",
+    "sharded": "sharded",
+    "torch": "model.pt",
+    "llama": "llama.safetensors",
+}
 # the checkpoint each entry point reads (None: none)
-NEEDS = {"load_sharded": "sharded", "load_torch": "torch", "generate": "llama", "checkpoint_save": None,
-         "checkpoint_load": "torch", "optimizer_step": None}
+NEEDS = {
+    "load_sharded": "sharded",
+    "load_torch": "torch",
+    "generate": "llama",
+    "checkpoint_save": None,
+    "checkpoint_load": "torch",
+    "optimizer_step": None,
+}
 # the imports-only child that measures the process after the imports of each entry point (default "imports")
-IMPORTS = {"generate": "imports_hf", "train_fused": "imports_optim", "train_grads": "imports_optim",
-           "train_budget": "imports_optim", "optimizer_step": "imports_optim", "train_max_memory": "imports_optim"}
+IMPORTS = {
+    "generate": "imports_hf",
+    "train_fused": "imports_optim",
+    "train_grads": "imports_optim",
+    "train_budget": "imports_optim",
+    "optimizer_step": "imports_optim",
+    "train_max_memory": "imports_optim",
+}
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
 
 
@@ -36,8 +52,9 @@ class Tower(nn.Module):
     def __init__(self, width: int, pieces: int, depth: int):
         super().__init__()
         self.inp = nn.Linear(16, width)
-        self.layers = nn.ModuleList(nn.Sequential(*(nn.Linear(width, width) for _ in range(pieces)), nn.Tanh())
-                                    for _ in range(depth))
+        self.layers = nn.ModuleList(
+            nn.Sequential(*(nn.Linear(width, width) for _ in range(pieces)), nn.Tanh()) for _ in range(depth)
+        )
         self.out = nn.Linear(width, 4)
 
     def forward(self, x):
@@ -55,8 +72,15 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=8,
-                       num_key_value_heads=8, vocab_size=1024, max_position_embeddings=64)
+    return LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=1024,
+        max_position_embeddings=64,
+    )
 
 
 def sizes(entry: str, shape: str) -> dict:
@@ -78,10 +102,12 @@ def sizes(entry: str, shape: str) -> dict:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     params = list(model.parameters())
     rest = [t for t in params + list(model.buffers()) if id(t) not in in_blocks]
-    found = {"param_bytes": sum(t.numel() * t.element_size() for t in params),
-             "block_span": max(span(b.parameters()) for b in blocks),
-             "largest": max(t.numel() * t.element_size() for t in params),
-             "rest_bytes": sum(t.numel() * t.element_size() for t in rest)}
+    found = {
+        "param_bytes": sum(t.numel() * t.element_size() for t in params),
+        "block_span": max(span(b.parameters()) for b in blocks),
+        "largest": max(t.numel() * t.element_size() for t in params),
+        "rest_bytes": sum(t.numel() * t.element_size() for t in rest),
+    }
     if entry == "train_budget":
         found["resident_bytes"] = RESIDENT_BLOCKS * found["block_span"]
     return found
@@ -126,8 +152,7 @@ def offloaded(shape: str, folder: str, checkpoint: str = "model.safetensors", **
 
     with torch.device("meta"):
         model = Tower(*SHAPES[shape])
-    off = offload_parameters(model, os.path.join(folder, "swap"), checkpoint=os.path.join(folder, checkpoint),
-                             **kwargs)
+    off = offload_parameters(model, os.path.join(folder, "swap"), checkpoint=os.path.join(folder, checkpoint), **kwargs)
     return model, off
 
 
@@ -152,8 +177,9 @@ def run(entry: str, shape: str, folder: str) -> dict:
     if entry == "sizes":
         return {name: sizes(name, shape) for name in sys.argv[4:]}
     if entry in ("imports", "imports_optim"):
-        import deepoffload.swap.params  # noqa: F401
         import deepoffload.formats  # noqa: F401
+        import deepoffload.swap.params  # noqa: F401
+
         if entry == "imports_optim":  # a torch optimizer's first construction imports torch._dynamo: about 65 MiB
             torch.optim.Adam([nn.Parameter(torch.zeros(1))])
         return out
@@ -163,6 +189,7 @@ def run(entry: str, shape: str, folder: str) -> dict:
         from transformers import LlamaForCausalLM  # noqa: F401
 
         import deepoffload.swap.params  # noqa: F401
+
         return out
     if entry.startswith("load_"):
         model, off = offloaded(shape, folder, CHECKPOINTS[NEEDS.get(entry, "safetensors")])
@@ -170,8 +197,11 @@ def run(entry: str, shape: str, folder: str) -> dict:
             out["result"] = model(batch(0)[0]).sum().item()
         off.close(restore=False)
     elif entry.startswith("train_"):
-        kwargs = {"train_fused": {}, "train_grads": {"mode": "grads"},
-                  "train_max_memory": {"max_memory": os.environ.get("MAX_MEMORY")}}.get(entry, {})
+        kwargs = {
+            "train_fused": {},
+            "train_grads": {"mode": "grads"},
+            "train_max_memory": {"max_memory": os.environ.get("MAX_MEMORY")},
+        }.get(entry, {})
         model, off = offloaded(shape, folder, optimizer=adam, **kwargs)
         if entry == "train_budget":
             off.set_max_resident_bytes(sizes(entry, shape)["resident_bytes"])
@@ -185,8 +215,9 @@ def run(entry: str, shape: str, folder: str) -> dict:
 
         with accelerate.init_empty_weights():  # buffers (rotary inv_freq) in memory, parameters on meta
             model = LlamaForCausalLM(llama_config())
-        off = offload_parameters(model, os.path.join(folder, "swap"),
-                                 checkpoint=os.path.join(folder, "llama.safetensors"))
+        off = offload_parameters(
+            model, os.path.join(folder, "swap"), checkpoint=os.path.join(folder, "llama.safetensors")
+        )
         prompt = torch.arange(1, 9).unsqueeze(0)
         out["result"] = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
         off.close(restore=False)
@@ -210,13 +241,14 @@ def run(entry: str, shape: str, folder: str) -> dict:
             state = deepoffload.load(os.path.join(folder, "model.pt"))
             out["result"] = digest(state.values())
     elif entry == "optimizer_step":
-        from deepoffload.swap.optimizer import OffloadedOptimizer
         from deepoffload.swap.config import SwapConfig
+        from deepoffload.swap.optimizer import OffloadedOptimizer
 
         torch.manual_seed(0)
         model = Tower(*SHAPES[shape])
-        opt = OffloadedOptimizer(torch.optim.Adam, model.parameters(),
-                                 config=SwapConfig(folder=os.path.join(folder, "swap")), lr=1e-3)
+        opt = OffloadedOptimizer(
+            torch.optim.Adam, model.parameters(), config=SwapConfig(folder=os.path.join(folder, "swap")), lr=1e-3
+        )
         losses = []
         for step in range(STEPS):
             x, y = batch(step)

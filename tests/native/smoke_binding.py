@@ -3,6 +3,7 @@
 Usage: python tests/native/smoke_binding.py [directory-on-a-real-disk]
 Exits non-zero on failure. Uses only ctypes buffers, no tensors.
 """
+
 import ctypes
 import os
 import signal
@@ -24,12 +25,17 @@ def build(out_dir: str) -> None:
     from op_builder.async_io import AsyncIOBuilder  # the JIT build's probes and flags
 
     cflags, ldflags = AsyncIOBuilder().build_flags()
-    sources = [os.path.join(SRC, f) for f in sorted(os.listdir(SRC))
-               if f.endswith(".cpp") and not f.endswith("_windows.cpp")]
+    sources = [
+        os.path.join(SRC, f) for f in sorted(os.listdir(SRC)) if f.endswith(".cpp") and not f.endswith("_windows.cpp")
+    ]
     includes = ["-I" + p for p in ext.include_paths()[:1]] + ["-I" + sysconfig.get_paths()["include"]]
-    cmd = (["g++", *cflags, "-Werror", "-shared", "-fPIC", "-pthread", "-DTORCH_EXTENSION_NAME=" + NAME]
-           + includes + sources + ["-o", os.path.join(out_dir, NAME + sysconfig.get_config_var("EXT_SUFFIX"))]
-           + ldflags)
+    cmd = (
+        ["g++", *cflags, "-Werror", "-shared", "-fPIC", "-pthread", "-DTORCH_EXTENSION_NAME=" + NAME]
+        + includes
+        + sources
+        + ["-o", os.path.join(out_dir, NAME + sysconfig.get_config_var("EXT_SUFFIX"))]
+        + ldflags
+    )
     subprocess.run(cmd, check=True)
 
 
@@ -54,8 +60,18 @@ def main() -> int:
         check(engines[-1] == "posix", f"engines() = {engines}")
         feats = m.build_features()
         check(set(feats) == {"engines", "reap"} and feats["engines"] == engines, f"build_features() = {feats}")
-        check(m.DEFAULTS == {"engine": "posix", "block_size": 1 << 20, "queue_depth": 32, "single_submit": False,
-                             "overlap_events": True, "intra_op_parallelism": 1}, f"DEFAULTS = {m.DEFAULTS}")
+        check(
+            m.DEFAULTS
+            == {
+                "engine": "posix",
+                "block_size": 1 << 20,
+                "queue_depth": 32,
+                "single_submit": False,
+                "overlap_events": True,
+                "intra_op_parallelism": 1,
+            },
+            f"DEFAULTS = {m.DEFAULTS}",
+        )
         h = m.Handle()
         check({k: getattr(h, k) for k in m.DEFAULTS} == m.DEFAULTS, "Handle() takes DEFAULTS")
         h.close()
@@ -68,8 +84,14 @@ def main() -> int:
         except FileNotFoundError:
             check(True, "dio_alignment(missing) raises FileNotFoundError")
         for bad in (dict(engine="nope"), dict(block_size=0), dict(queue_depth=0), dict(intra_op_parallelism=0)):
-            args = dict(engine="posix", block_size=1 << 20, queue_depth=8, single_submit=False,
-                        overlap_events=True, intra_op_parallelism=1)
+            args = dict(
+                engine="posix",
+                block_size=1 << 20,
+                queue_depth=8,
+                single_submit=False,
+                overlap_events=True,
+                intra_op_parallelism=1,
+            )
             args.update(bad)
             try:
                 m.Handle(**args)
@@ -89,8 +111,11 @@ def main() -> int:
                 ok, reason = m.self_test(engine, work)
                 check(ok, f"self_test({engine}) = {(ok, reason)}")
                 h = m.Handle(engine, 1 << 16, 8, False, True, 2)
-                check((h.engine, h.block_size, h.queue_depth, h.single_submit, h.overlap_events, h.intra_op_parallelism)
-                      == (engine, 1 << 16, 8, False, True, 2), f"{engine} properties")
+                check(
+                    (h.engine, h.block_size, h.queue_depth, h.single_submit, h.overlap_events, h.intra_op_parallelism)
+                    == (engine, 1 << 16, 8, False, True, 2),
+                    f"{engine} properties",
+                )
                 for rnd in range(20):
                     dst = bytearray(n)
                     wid = h.submit(True, address(src), n, path, -1, 777, m.TRUNCATE)

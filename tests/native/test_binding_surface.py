@@ -52,7 +52,7 @@ def stub_args(fn: ast.FunctionDef) -> list[str]:
 def native_args(fn) -> list[str]:
     """Argument names from pybind11's signature line, e.g. ``submit(self: m.Handle, write: bool, ...) -> int``."""
     signature = fn.__doc__.strip().splitlines()[0]
-    inside = signature[signature.index("(") + 1:signature.rindex(")")]
+    inside = signature[signature.index("(") + 1 : signature.rindex(")")]
     return [n for n in re.findall(r"(?:^|, )(\w+):", inside) if n != "self"]
 
 
@@ -71,8 +71,9 @@ def test_stub_argument_names_match(module, stub):
     for name, fn in functions.items():
         assert stub_args(fn) == native_args(getattr(module, name)), name
     for fn in stub_class(stub, "Handle").body:
-        if isinstance(fn, ast.FunctionDef) and not any(isinstance(d, ast.Name) and d.id == "property"
-                                                       for d in fn.decorator_list):
+        if isinstance(fn, ast.FunctionDef) and not any(
+            isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list
+        ):
             assert stub_args(fn) == native_args(getattr(module.Handle, fn.name)), f"Handle.{fn.name}"
 
 

@@ -25,8 +25,21 @@ def _compiler() -> str:
 
 def test_planning_unit_tests(tmp_path):
     exe = tmp_path / "test_plan"
-    subprocess.run([*_compiler().split(), "-O1", "-std=c++17", "-Wall", "-Wextra", "-Werror",
-                    str(REPO / "csrc/aio/plan.cpp"), str(HERE / "test_plan.cpp"), "-o", str(exe)], check=True)
+    subprocess.run(
+        [
+            *_compiler().split(),
+            "-O1",
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            str(REPO / "csrc/aio/plan.cpp"),
+            str(HERE / "test_plan.cpp"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("0 failed") and "FAIL" not in proc.stdout
@@ -35,15 +48,21 @@ def test_planning_unit_tests(tmp_path):
 @pytest.mark.slow
 def test_build_and_run_script(tmp_path):
     _compiler()
-    proc = subprocess.run(["bash", str(HERE / "build_and_run.sh"), str(tmp_path)], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(HERE / "build_and_run.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().endswith(" 0 failed")
 
 
 def op_builder_main(*args: str, module: str = "op_builder") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, "flags", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, "flags", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_flags_command_prints_the_builders_flags():
@@ -55,8 +74,11 @@ def test_flags_command_prints_the_builders_flags():
     cflags, ldflags = builder.build_flags(results)
     proc = op_builder_main()
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [f"cflags: {shlex.join(cflags)}", f"ldflags: {shlex.join(ldflags)}",
-                                        f"engines: {' '.join(builder.engines(results))}"]
+    assert proc.stdout.splitlines() == [
+        f"cflags: {shlex.join(cflags)}",
+        f"ldflags: {shlex.join(ldflags)}",
+        f"engines: {' '.join(builder.engines(results))}",
+    ]
     assert shlex.split(op_builder_main("--cflags").stdout) == cflags
     assert shlex.split(op_builder_main("--ldflags").stdout) == ldflags
     assert set(WARNING_FLAGS) <= set(cflags)

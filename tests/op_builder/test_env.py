@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from deepoffload.op_builder import env
 from deepoffload.op_builder.async_io import ENGINE_NAMES, ENGINES, AsyncIOBuilder
 from deepoffload.op_builder.probes import ProbeResult
@@ -19,8 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # reads of os.environ that are not settings: builder.py saves and restores CXX around torch's build, probes pass the
 # whole environment to the compiler they run, deepspeed_children sets DEEPOFFLOAD_DEEPSPEED for child processes and
 # restores it (its one reader is the line of the installed .pth, which cannot import anything first)
-NOT_SETTINGS = {"op_builder/builder.py", "op_builder/probes.py", "deepoffload/integrations/deepspeed_children.py",
-                "deepoffload/integrations/deepspeed_env.py"}
+NOT_SETTINGS = {
+    "op_builder/builder.py",
+    "op_builder/probes.py",
+    "deepoffload/integrations/deepspeed_children.py",
+    "deepoffload/integrations/deepspeed_env.py",
+}
 
 
 def environ_reads(path: Path) -> list[int]:
@@ -47,8 +50,19 @@ def test_only_the_env_module_reads_the_environment():
     assert offenders == {}
 
 
-@pytest.mark.parametrize("text,value", [("1", True), ("true", True), (" Yes ", True), ("ON", True), ("0", False),
-                                         ("false", False), ("no", False), ("off", False)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("1", True),
+        ("true", True),
+        (" Yes ", True),
+        ("ON", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
 def test_one_flag_parser(text, value):
     assert env.parse("X", "flag", text) is value
 
@@ -75,8 +89,14 @@ def test_values_defaults_and_paths(monkeypatch, tmp_path):
 
 
 def test_setup_py_refuses_a_flag_it_cannot_parse():
-    proc = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "DEEPOFFLOAD_BUILD_AIO": "maybe"}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DEEPOFFLOAD_BUILD_AIO": "maybe"},
+        timeout=120,
+    )
     assert proc.returncode != 0 and "DEEPOFFLOAD_BUILD_AIO='maybe'" in proc.stderr
 
 

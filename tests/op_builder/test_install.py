@@ -17,7 +17,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,15 +24,17 @@ BUILDING = "deepoffload: building the async_io op"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (REPO / "setup.py").exists(),
-                       reason="builds wheels from the source tree, which is not here"),
+    pytest.mark.skipif(
+        not (REPO / "setup.py").exists(), reason="builds wheels from the source tree, which is not here"
+    ),
 ]
 
 
 def source_copy(dest: Path) -> Path:
     if (REPO / ".git").exists():
-        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                               text=True, check=True).stdout.split()
+        files = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.split()
     else:
         files = [str(p.relative_to(REPO)) for p in REPO.rglob("*") if p.is_file()]
     for name in files:
@@ -49,8 +50,13 @@ def build_wheel(tmp: Path, prebuild: bool) -> Path:
     env.pop("DEEPOFFLOAD_BUILD_OPS", None)
     env["DEEPOFFLOAD_BUILD_AIO"] = "1" if prebuild else "0"
     out = tmp / "dist"
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
-                           str(src)], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = out.glob("deepoffload-*.whl")
     return wheel
@@ -60,12 +66,20 @@ def fresh_venv(tmp: Path, wheel: Path) -> Path:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     torch_site = str(Path(torch.__file__).resolve().parent.parent)
     Path(purelib, "_deepoffload_test_torch.pth").write_text(torch_site + "\n")
-    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                           "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return venv
 
@@ -73,8 +87,9 @@ def fresh_venv(tmp: Path, wheel: Path) -> Path:
 def run_in(venv: Path, code: str, tmp: Path, cache: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["DEEPOFFLOAD_CACHE_DIR"] = str(cache)
-    return subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp, capture_output=True, text=True,
-                          env=env, timeout=600)
+    return subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], cwd=tmp, capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 USE_OP = """
@@ -110,8 +125,13 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     assert not any(n.endswith(".so") for n in names), "a plain install compiles nothing"
     # the PEP 621 metadata of pyproject.toml, the license and the typing marker reach the wheel
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    for line in ("License: Apache-2.0", "Requires-Python: >=3.11", "Requires-Dist: torch>=2.13",
-                 "Classifier: Typing :: Typed", "Provides-Extra: docs"):
+    for line in (
+        "License: Apache-2.0",
+        "Requires-Python: >=3.11",
+        "Requires-Dist: torch>=2.13",
+        "Classifier: Typing :: Typed",
+        "Provides-Extra: docs",
+    ):
         assert line in metadata.splitlines(), line
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names) and "deepoffload/py.typed" in names
     from deepoffload.integrations import deepspeed_children as children
@@ -124,8 +144,13 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     proc = use_op(venv, run_dir, tmp_path / "cache")
     assert str(venv) in proc.stdout.split("PACKAGE ")[1], "deepoffload came from the fresh venv"
     assert proc.stderr.count(BUILDING) == 1
-    report = subprocess.run([str(venv / "bin" / "deepoffload"), "report", "--json"], capture_output=True, text=True,
-                            env={**os.environ, "DEEPOFFLOAD_CACHE_DIR": str(tmp_path / "cache")}, cwd=run_dir)
+    report = subprocess.run(
+        [str(venv / "bin" / "deepoffload"), "report", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DEEPOFFLOAD_CACHE_DIR": str(tmp_path / "cache")},
+        cwd=run_dir,
+    )
     assert report.returncode == 0 and json.loads(report.stdout)["ops"][0]["built"]
 
 
@@ -140,12 +165,17 @@ def test_prebuilt_wheel_loads_without_compiling_and_falls_back_on_torch_mismatch
     proc = use_op(venv, run_dir, tmp_path / "cache")
     assert BUILDING not in proc.stderr, "the prebuilt op loads without compiling"
     assert "/_ops/deepoffload_aio" in proc.stdout.split("MODULE ")[1].splitlines()[0]
-    bare = run_in(venv, "import sys; from deepoffload.op_builder import AsyncIOBuilder; "
-                        "m = AsyncIOBuilder().load_native(); print(m.__file__, 'torch' in sys.modules)",
-                  run_dir, tmp_path / "cache")
+    bare = run_in(
+        venv,
+        "import sys; from deepoffload.op_builder import AsyncIOBuilder; "
+        "m = AsyncIOBuilder().load_native(); print(m.__file__, 'torch' in sys.modules)",
+        run_dir,
+        tmp_path / "cache",
+    )
     assert bare.returncode == 0 and BUILDING not in bare.stderr and "does not load" not in bare.stderr, bare.stderr
-    assert "/_ops/deepoffload_aio" in bare.stdout and bare.stdout.split()[-1] == "False", \
+    assert "/_ops/deepoffload_aio" in bare.stdout and bare.stdout.split()[-1] == "False", (
         "the prebuilt op loads without torch (it links none of torch's libraries)"
+    )
     (info_path,) = venv.glob("lib/python*/site-packages/deepoffload/_ops/build_info.json")
     info = json.loads(info_path.read_text())
     assert info["torch"] == torch.__version__ and "async_io" in info["ops"]
@@ -159,8 +189,23 @@ def test_prebuilt_wheel_loads_without_compiling_and_falls_back_on_torch_mismatch
 def test_requested_prebuild_without_a_compiler_fails_the_install(tmp_path):
     src = source_copy(tmp_path / "src")
     env = {**os.environ, "DEEPOFFLOAD_BUILD_AIO": "1", "CXX": "deepoffload-no-such-compiler"}
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                           str(tmp_path / "dist"), str(src)], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "cannot be built here" in proc.stdout + proc.stderr
     assert not list((tmp_path / "dist").glob("*.whl")) if (tmp_path / "dist").exists() else True

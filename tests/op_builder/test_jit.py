@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from deepoffload.op_builder import AsyncIOBuilder
 from deepoffload.op_builder.builder import CSRC
 
@@ -31,8 +30,14 @@ pytestmark = pytest.mark.slow
 
 def loader(cache: Path, csrc: Path = CSRC, **popen) -> subprocess.Popen:
     env = {**os.environ, "DEEPOFFLOAD_CACHE_DIR": str(cache)}
-    return subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, str(csrc)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-c", LOAD_SCRIPT, str(csrc)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def load_in_subprocess(cache: Path, csrc: Path = CSRC, timeout: float = 300) -> tuple[str, str]:

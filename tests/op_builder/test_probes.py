@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from deepoffload.op_builder import AsyncIOBuilder, Toolchain
 from deepoffload.op_builder import probes as probes_mod
 from deepoffload.op_builder.probes import Probe, function_probe, run_probe, run_probes
@@ -92,15 +91,15 @@ def test_ldflags_reach_probe_and_build_with_rpath(tmp_path):
     src.write_text("int dprobe_answer(void) { return 42; }\n")
     subprocess.run(["cc", "-shared", "-fPIC", str(src), "-o", str(libdir / "libdprobe.so")], check=True)
     probe = function_probe("dprobe", "dprobe.h", "(void)dprobe_answer();", ("dprobe",))
-    probe = Probe(probe.name, 'extern "C" {\n' + probe.source.replace("int main", "}\nint main", 1),
-                  probe.libraries)
+    probe = Probe(probe.name, 'extern "C" {\n' + probe.source.replace("int main", "}\nint main", 1), probe.libraries)
     assert not run_probe(probe, toolchain()).ok
     tc = toolchain(CFLAGS=f"-I{incdir}", LDFLAGS=f"-L{libdir}")
     assert run_probe(probe, tc).ok
     assert tc.rpath_flags("dprobe") == [f"-Wl,-rpath,{libdir}"]
     # the same user flags reach the real build's command line
-    cflags, ldflags = AsyncIOBuilder(toolchain=tc).build_flags({n: probes_mod.ProbeResult(n, False) for n in
-                                                                ("cxx", "libaio", "io_pgetevents", "liburing")})
+    cflags, ldflags = AsyncIOBuilder(toolchain=tc).build_flags(
+        {n: probes_mod.ProbeResult(n, False) for n in ("cxx", "libaio", "io_pgetevents", "liburing")}
+    )
     assert f"-I{incdir}" in cflags and f"-L{libdir}" in ldflags
 
 
@@ -118,8 +117,9 @@ def test_cache_is_reused_and_invalidated_by_flags(cache, monkeypatch):
     builder = AsyncIOBuilder(toolchain=toolchain())
     first = run_probes(builder.probes(), builder.toolchain)
     calls = []
-    monkeypatch.setattr(probes_mod, "run_probe",
-                        lambda p, t: calls.append(p.name) or probes_mod.ProbeResult(p.name, True))
+    monkeypatch.setattr(
+        probes_mod, "run_probe", lambda p, t: calls.append(p.name) or probes_mod.ProbeResult(p.name, True)
+    )
     again = run_probes(builder.probes(), builder.toolchain)
     assert calls == [] and again == first, "a warm probe run must not compile anything"
     flagged = toolchain(CFLAGS="-DDEEPOFFLOAD_SOMETHING=1")
@@ -132,8 +132,12 @@ def test_cache_is_reused_and_invalidated_by_flags(cache, monkeypatch):
 def test_feature_selection_follows_probes():
     builder = AsyncIOBuilder(toolchain=toolchain())
     R = probes_mod.ProbeResult
-    only_old_libaio = {"cxx": R("cxx", True), "libaio": R("libaio", True), "io_pgetevents": R("io_pgetevents", False),
-                       "liburing": R("liburing", False)}
+    only_old_libaio = {
+        "cxx": R("cxx", True),
+        "libaio": R("libaio", True),
+        "io_pgetevents": R("io_pgetevents", False),
+        "liburing": R("liburing", False),
+    }
     cflags, ldflags = builder.feature_flags(only_old_libaio)
     assert "-DDEEPOFFLOAD_HAVE_LIBAIO=1" in cflags and "-laio" in ldflags
     assert "-DDEEPOFFLOAD_HAVE_PGETEVENTS=1" not in cflags, "an older libaio reaps with io_getevents, no failure"
@@ -146,7 +150,8 @@ def test_feature_selection_follows_probes():
 
 def test_release_flags_are_optimised_and_portable():
     cflags, _ = AsyncIOBuilder(toolchain=toolchain()).build_flags(
-        {n: probes_mod.ProbeResult(n, True) for n in ("cxx", "libaio", "io_pgetevents", "liburing")})
+        {n: probes_mod.ProbeResult(n, True) for n in ("cxx", "libaio", "io_pgetevents", "liburing")}
+    )
     assert "-O2" in cflags or "-O3" in cflags
     assert not any("march=native" in f for f in cflags)
 
@@ -164,4 +169,4 @@ def test_msvc_probe_command_line(monkeypatch):
     assert run_probe(Probe("x", "int main(){return 0;}", ("aio",)), tc).ok
     (cmd,) = seen
     assert cmd[0] == "cl" and "/O2" in cmd and any(a.startswith("/Fe") for a in cmd)
-    assert cmd[cmd.index("/link") + 1:] == ["aio.lib"] and "-o" not in cmd
+    assert cmd[cmd.index("/link") + 1 :] == ["aio.lib"] and "-o" not in cmd

@@ -17,13 +17,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from deepoffload import diagnostics
-from deepoffload.cli import report
 from deepoffload.op_builder import AsyncIOBuilder, Toolchain
 from deepoffload.op_builder.builder import SANITIZE_ENV, build_hint
 from deepoffload.op_builder.hints import install_hint
 from deepoffload.op_builder.probes import ProbeResult
+
+from deepoffload import diagnostics
+from deepoffload.cli import report
 
 REPO = Path(__file__).resolve().parents[2]
 MINGW = "x86_64-w64-mingw32-g++-posix"  # GCC 12's MinGW has std::thread only with the posix thread model
@@ -139,13 +139,15 @@ def wine_env(tmp_path_factory) -> dict[str, str]:
     hello.write_text('#include <cstdio>\nint main() { std::puts("wine works"); return 0; }\n')
     subprocess.run([MINGW, "-static", str(hello), "-o", str(work / "hello.exe")], check=True, timeout=BUILD_TIMEOUT_S)
     try:  # the first start creates the prefix (about 15 s)
-        proc = subprocess.run(["wine", str(work / "hello.exe")], env=env, capture_output=True, text=True,
-                              timeout=WINE_TIMEOUT_S)
+        proc = subprocess.run(
+            ["wine", str(work / "hello.exe")], env=env, capture_output=True, text=True, timeout=WINE_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         pytest.skip(f"Wine did not start a trivial program within {WINE_TIMEOUT_S} s")
     if proc.returncode != 0 or "wine works" not in proc.stdout:
-        pytest.skip(f"Wine cannot start a trivial program here (exit {proc.returncode}): "
-                    f"{_tail(proc.stderr + proc.stdout, 3)}")
+        pytest.skip(
+            f"Wine cannot start a trivial program here (exit {proc.returncode}): {_tail(proc.stderr + proc.stdout, 3)}"
+        )
     return env
 
 
@@ -153,16 +155,20 @@ def wine_env(tmp_path_factory) -> dict[str, str]:
 def windows_programs(wine_env, tmp_path_factory) -> Path:
     """test_core.exe and test_windows.exe, cross-compiled once per test run."""
     out = tmp_path_factory.mktemp("windows-exe")
-    proc = subprocess.run([str(REPO / "tests/native/build_windows.sh"), str(out)], env={**wine_env, "RUN": "0"},
-                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    proc = subprocess.run(
+        [str(REPO / "tests/native/build_windows.sh"), str(out)],
+        env={**wine_env, "RUN": "0"},
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"MinGW build failed:\n{_tail(proc.stdout + proc.stderr, 40)}"
     return out
 
 
 def _run_under_wine(env: dict[str, str], exe: Path, *args: str) -> tuple[int, int, str]:
     """(passed, failed, output) of a native test program run under Wine."""
-    proc = subprocess.run(["wine", str(exe), *args], env=env, capture_output=True, text=True,
-                          timeout=WINE_TIMEOUT_S)
+    proc = subprocess.run(["wine", str(exe), *args], env=env, capture_output=True, text=True, timeout=WINE_TIMEOUT_S)
     output = proc.stdout + proc.stderr
     m = re.search(r"(\d+) passed, (\d+) failed", output)
     assert m, f"{exe.name} did not finish (exit {proc.returncode}):\n{_tail(output)}"
@@ -196,7 +202,8 @@ def test_windows_specifics_under_wine(windows_programs, wine_env, tmp_path):
 def test_disk_full_under_wine(windows_programs, wine_env, tmp_path, small_fs):
     """An 8 MiB write to a 1 MiB volume fails with ENOSPC carrying the Windows code, and the program goes on."""
     volume = small_fs(1 << 20, "tmpfs")
-    passed, failed, output = _run_under_wine(wine_env, windows_programs / "test_windows.exe",
-                                             _unix_to_wine(tmp_path), _unix_to_wine(volume))
+    passed, failed, output = _run_under_wine(
+        wine_env, windows_programs / "test_windows.exe", _unix_to_wine(tmp_path), _unix_to_wine(volume)
+    )
     assert failed == 0, "\n".join(line for line in output.splitlines() if line.startswith("FAIL"))
     assert "skip: no small volume" not in output and passed > 20

@@ -44,9 +44,20 @@ def run_python(aio) -> Callable[..., subprocess.CompletedProcess]:
     """Run ``code`` in a fresh interpreter (same environment, the op already built); ``prefix`` is prepended to
     the command (e.g. ``setpriv`` to drop a capability). Returns the finished process."""
 
-    def run(code: str, *, prefix: tuple[str, ...] = (), timeout: float = 120,
-            env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-        return subprocess.run([*prefix, sys.executable, "-c", code, *args], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, **(env or {})})
+    def run(
+        code: str,
+        *,
+        prefix: tuple[str, ...] = (),
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*prefix, sys.executable, "-c", code, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
 
     return run

@@ -45,6 +45,7 @@ def test_eight_threads_share_one_handle(aio, scratch):
     shared = scratch / "shared.bin"
     slot = 1 << 20
     with AsyncIOHandle(block_size=65536, queue_depth=8, intra_op_parallelism=2) as h:
+
         def work(i: int) -> None:
             tensors = [random_bytes(50_000 + 37_123 * k + i, seed=100 * i + k) for k in range(PER_THREAD)]
             writes = [h.write_async(t, scratch / f"t{i}-{k}") for k, t in enumerate(tensors)]
@@ -69,8 +70,12 @@ def test_eight_threads_share_one_handle(aio, scratch):
 def test_four_handles_with_transfers_in_flight_at_once(engines, scratch):
     """Four handles (cycling over the usable engines, with different settings) each with several transfers
     submitted before any is waited for; waited in reverse order, from different threads."""
-    settings = [dict(block_size=4096, queue_depth=1), dict(block_size=65536, queue_depth=4, single_submit=True),
-                dict(intra_op_parallelism=3, overlap_events=False), dict(intra_op_parallelism=4, queue_depth=64)]
+    settings = [
+        dict(block_size=4096, queue_depth=1),
+        dict(block_size=65536, queue_depth=4, single_submit=True),
+        dict(intra_op_parallelism=3, overlap_events=False),
+        dict(intra_op_parallelism=4, queue_depth=64),
+    ]
     handles = [AsyncIOHandle(engine=engine, **kw) for engine, kw in zip(itertools.cycle(engines), settings)]
     try:
         tensors = [random_bytes(3 * 1024 * 1024 + 777 * i, seed=i) for i in range(12)]

@@ -17,26 +17,41 @@ from hypothesis import strategies as st
 from deepoffload import AioConfig, AsyncIOHandle, aligned_empty
 from deepoffload.config import ALIASES, ConfigError
 
-DTYPES = [torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.int32,
-          torch.float64, torch.int64, torch.complex64, torch.complex128]
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.bool,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.int32,
+    torch.float64,
+    torch.int64,
+    torch.complex64,
+    torch.complex128,
+]
 MAX_BYTES = 3 << 20
-QUICK = settings(max_examples=25, deadline=None, derandomize=True,
-                 suppress_health_check=[HealthCheck.function_scoped_fixture])
+QUICK = settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 THOROUGH = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 # Sizes and offsets near the boundaries that matter (page, block, shard cuts) as well as anywhere.
-near_pages = st.builds(lambda pages, delta: max(0, pages * 4096 + delta), st.integers(0, MAX_BYTES // 4096),
-                       st.integers(-3, 3))
+near_pages = st.builds(
+    lambda pages, delta: max(0, pages * 4096 + delta), st.integers(0, MAX_BYTES // 4096), st.integers(-3, 3)
+)
 byte_counts = st.one_of(st.integers(0, 64), near_pages, st.integers(0, MAX_BYTES))
 offsets = st.one_of(st.just(0), near_pages.filter(lambda n: n <= 1 << 20), st.integers(0, 1 << 20))
 
-settings_strategy = st.fixed_dictionaries({
-    "block_size": st.one_of(st.sampled_from([4096, 4097, 65536, 1 << 20]), st.integers(4096, 4 << 20)),
-    "queue_depth": st.integers(1, 64),
-    "intra_op_parallelism": st.integers(1, 6),
-    "single_submit": st.booleans(),
-    "overlap_events": st.booleans(),
-})
+settings_strategy = st.fixed_dictionaries(
+    {
+        "block_size": st.one_of(st.sampled_from([4096, 4097, 65536, 1 << 20]), st.integers(4096, 4 << 20)),
+        "queue_depth": st.integers(1, 64),
+        "intra_op_parallelism": st.integers(1, 6),
+        "single_submit": st.booleans(),
+        "overlap_events": st.booleans(),
+    }
+)
 
 
 @st.composite
@@ -66,8 +81,13 @@ def make_tensor(kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def random_tensor(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    raw = torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(seed))
+    raw = torch.randint(
+        0,
+        256,
+        (numel * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(seed),
+    )
     if dtype == torch.bool:
         raw = raw & 1  # only 0 and 1 are valid bools
     return raw.view(dtype)
@@ -82,8 +102,9 @@ def fuzz_dir(tmp_path_factory):
 def check_round_trip(engine: str, config: dict, t: dict, folder) -> None:
     path = folder / f"rt-{engine}"
     nbytes = t["numel"] * torch.empty((), dtype=t["dtype"]).element_size()
-    before = {"none": b"", "shorter": os.urandom(t["offset"] // 2),
-              "longer": os.urandom(t["offset"] + nbytes + 5000)}[t["prefix"]]
+    before = {"none": b"", "shorter": os.urandom(t["offset"] // 2), "longer": os.urandom(t["offset"] + nbytes + 5000)}[
+        t["prefix"]
+    ]
     path.write_bytes(before)
     data = random_tensor(t["numel"], t["dtype"], t["seed"])
     src = make_tensor(t["buffer"], t["numel"], t["dtype"])
@@ -92,13 +113,14 @@ def check_round_trip(engine: str, config: dict, t: dict, folder) -> None:
         assert h.write(src, path, t["offset"], truncate=t["truncate"]) == nbytes
         truncated = t["offset"] == 0 if t["truncate"] is None else t["truncate"]
         end = t["offset"] + nbytes
-        expected = before[:t["offset"]].ljust(t["offset"], b"\0") + data.view(torch.uint8).numpy().tobytes()
+        expected = before[: t["offset"]].ljust(t["offset"], b"\0") + data.view(torch.uint8).numpy().tobytes()
         if not truncated:
             expected += before[end:]
         if nbytes == 0 and not truncated:  # like pwrite: writing nothing past the end does not extend the file
             expected = before
-        assert path.read_bytes() == expected, "the file holds exactly: what was before the offset, the tensor, and " \
-                                              "(without truncate) what was after it"
+        assert path.read_bytes() == expected, (
+            "the file holds exactly: what was before the offset, the tensor, and (without truncate) what was after it"
+        )
         back = make_tensor(t["buffer"], t["numel"], t["dtype"])
         back.view(torch.uint8).fill_(0xA5)
         assert h.read(back, path, t["offset"]) == nbytes
@@ -130,8 +152,11 @@ BAD_CALLS = {
     "non-contiguous": (lambda h, d: h.write(torch.empty(8, 8).t(), d / "x"), ValueError, "contiguous"),
     "sparse": (lambda h, d: h.write(torch.eye(3).to_sparse(), d / "x"), ValueError, "sparse"),
     "sparse CSR": (lambda h, d: h.read(torch.eye(3).to_sparse_csr(), d / "x"), ValueError, "sparse"),
-    "conjugate view": (lambda h, d: h.write(torch.ones(4, dtype=torch.complex64).conj(), d / "x"), ValueError,
-                       "resolve_conj"),
+    "conjugate view": (
+        lambda h, d: h.write(torch.ones(4, dtype=torch.complex64).conj(), d / "x"),
+        ValueError,
+        "resolve_conj",
+    ),
     "negative view": (lambda h, d: h.read(torch._neg_view(torch.ones(4)), d / "x"), ValueError, "resolve_neg"),
     "meta tensor": (lambda h, d: h.write(torch.empty(4, device="meta"), d / "x"), ValueError, "meta"),
     "float file": (lambda h, d: h.write(torch.empty(4), 2.0), TypeError, "path or a file descriptor"),
@@ -164,17 +189,26 @@ def test_bad_arguments_raise_clear_python_errors(handle, scratch, case):
     assert torch.equal(back, t) and handle.pending() == 0
 
 
-BAD_SETTINGS = [("block_size", v) for v in (0, 1, 4095, (1 << 30) + 1, 2**63, 2**70)] + \
-    [("queue_depth", v) for v in (0, 32769, 2**31, 2**40)] + \
-    [("intra_op_parallelism", v) for v in (0, 257, 2**31, 2**64)] + \
-    [("single_submit", 1), ("overlap_events", "yes"), ("engine", "fastest"), ("block_size", 4096.0),
-     ("queue_depth", True), ("thread_count", -1)]
+BAD_SETTINGS = (
+    [("block_size", v) for v in (0, 1, 4095, (1 << 30) + 1, 2**63, 2**70)]
+    + [("queue_depth", v) for v in (0, 32769, 2**31, 2**40)]
+    + [("intra_op_parallelism", v) for v in (0, 257, 2**31, 2**64)]
+    + [
+        ("single_submit", 1),
+        ("overlap_events", "yes"),
+        ("engine", "fastest"),
+        ("block_size", 4096.0),
+        ("queue_depth", True),
+        ("thread_count", -1),
+    ]
+)
 
 
 @pytest.mark.parametrize("key,value", BAD_SETTINGS)
 def test_out_of_range_settings_raise_value_errors_naming_the_key(aio, key, value):
-    with pytest.raises(ValueError, match=ALIASES.get(key, key) if key != "intra_op_parallelism" else
-                       "intra_op_parallelism|threads") as info:
+    with pytest.raises(
+        ValueError, match=ALIASES.get(key, key) if key != "intra_op_parallelism" else "intra_op_parallelism|threads"
+    ) as info:
         AsyncIOHandle(**{key: value})
     assert repr(value)[:20] in str(info.value) or str(value)[:20] in str(info.value), str(info.value)
 
@@ -194,9 +228,15 @@ def test_an_engine_that_cannot_start_raises_oserror_with_errno(engines):
     assert info.value.errno and "io_setup" in str(info.value) and "aio-max-nr" in str(info.value)
 
 
-config_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                          st.text(max_size=8), st.lists(st.integers(), max_size=2),
-                          st.dictionaries(st.text(), st.integers(), max_size=2))
+config_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(), st.integers(), max_size=2),
+)
 config_keys = st.one_of(st.sampled_from(AioConfig.keys() + tuple(ALIASES)), st.text(max_size=12))
 
 
@@ -219,8 +259,11 @@ def test_random_config_dicts_give_a_config_or_a_config_error(values):
 @given(values=st.dictionaries(st.sampled_from(AioConfig.keys() + tuple(ALIASES)), config_values, max_size=4))
 def test_random_settings_give_a_working_handle_or_a_clear_error(engines, fuzz_dir, values):
     values = {k: v for k, v in values.items() if k != "engine" or v != "windows"}
-    if any(isinstance(v, int) and not isinstance(v, bool) and v > 4096 for k, v in values.items()
-           if ALIASES.get(k, k) in ("queue_depth", "intra_op_parallelism")):
+    if any(
+        isinstance(v, int) and not isinstance(v, bool) and v > 4096
+        for k, v in values.items()
+        if ALIASES.get(k, k) in ("queue_depth", "intra_op_parallelism")
+    ):
         values = {k: v for k, v in values.items() if ALIASES.get(k, k) == "block_size" or not isinstance(v, int)}
     try:
         h = AsyncIOHandle(**values)

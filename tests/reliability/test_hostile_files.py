@@ -36,8 +36,13 @@ def run_child(engine: str, folder, body: str, prelude: str = "") -> subprocess.C
     """Run the case in a fresh interpreter in its own session; on timeout the whole session is killed, so a hung
     grandchild (a forked child, a pool worker) does not outlive the test."""
     code = PRELUDE + prelude + textwrap.dedent(body)
-    proc = subprocess.Popen([sys.executable, "-c", code, engine, str(folder)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, engine, str(folder)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -60,7 +65,10 @@ def engine(request, engines) -> str:
 
 
 def test_fifo_path_is_refused_not_hung(aio, engine, tmp_path):
-    run_child(engine, tmp_path, """
+    run_child(
+        engine,
+        tmp_path,
+        """
         fifo = os.path.join(folder, "fifo")
         os.mkfifo(fifo)
         with AsyncIOHandle(engine=engine) as h:
@@ -72,11 +80,15 @@ def test_fifo_path_is_refused_not_hung(aio, engine, tmp_path):
             ok = os.path.join(folder, "ok.bin")  # later operations on the handle are not stuck behind it
             assert h.write(t, ok) == 8192
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_pipe_and_socket_descriptors_are_refused_not_hung(aio, engine, tmp_path):
-    run_child(engine, tmp_path, """
+    run_child(
+        engine,
+        tmp_path,
+        """
         r, w = os.pipe()
         a, b = socket.socketpair()
         with AsyncIOHandle(engine=engine) as h:
@@ -86,11 +98,15 @@ def test_pipe_and_socket_descriptors_are_refused_not_hung(aio, engine, tmp_path)
             expect_errno(lambda: h.read(t, a.fileno()), errno.ESPIPE)
             expect_errno(lambda: h.write(t, b.fileno()), errno.ESPIPE)
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_unix_socket_path_is_refused(aio, engine, tmp_path):
-    run_child(engine, tmp_path, """
+    run_child(
+        engine,
+        tmp_path,
+        """
         path = os.path.join(folder, "sock")
         s = socket.socket(socket.AF_UNIX)
         s.bind(path)
@@ -100,11 +116,15 @@ def test_unix_socket_path_is_refused(aio, engine, tmp_path):
             expect_errno(lambda: h.read(t, path), errno.ESPIPE)
             expect_errno(lambda: h.write(t, path), errno.ESPIPE)
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_character_devices_behave_like_files(aio, engine, tmp_path):
-    run_child(engine, tmp_path, """
+    run_child(
+        engine,
+        tmp_path,
+        """
         with AsyncIOHandle(engine=engine) as h:
             t = torch.arange(100_003, dtype=torch.float32)
             assert h.write(t, "/dev/null") == t.nbytes                    # no truncate of a device (was EINVAL)
@@ -117,11 +137,15 @@ def test_character_devices_behave_like_files(aio, engine, tmp_path):
             expect_errno(lambda: h.read(z, "/dev/null"), errno.ENODATA)  # an empty file: nothing to read
             expect_errno(lambda: h.write(t, "/dev/full"), errno.ENOSPC)
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_unaligned_read_into_read_only_memory_raises_not_crashes(aio, engine, tmp_path):
-    run_child(engine, tmp_path, """
+    run_child(
+        engine,
+        tmp_path,
+        """
         warnings.simplefilter("ignore")  # torch.frombuffer warns that the buffer is not writable
         n = 4 << 20
         src = os.path.join(folder, "src.bin")
@@ -138,7 +162,8 @@ def test_unaligned_read_into_read_only_memory_raises_not_crashes(aio, engine, tm
             ok = torch.empty(n + 1, dtype=torch.uint8)[1:]   # and writable misaligned memory still works
             assert h.read(ok, src) == n and bytes(ok.numpy()) == ro[:n]
         print("OK")
-    """)
+    """,
+    )
 
 
 FORK_PRELUDE = """
@@ -159,7 +184,11 @@ def child(fn):
 
 
 def test_handle_used_in_forked_child_works(aio, engine, tmp_path):
-    run_child(engine, tmp_path, prelude=FORK_PRELUDE, body="""
+    run_child(
+        engine,
+        tmp_path,
+        prelude=FORK_PRELUDE,
+        body="""
         h = AsyncIOHandle(engine=engine)
         t = torch.arange(1 << 20, dtype=torch.int32)
         h.write(t, os.path.join(folder, "parent.bin"))
@@ -179,11 +208,16 @@ def test_handle_used_in_forked_child_works(aio, engine, tmp_path):
         assert h.read(torch.empty_like(t), os.path.join(folder, "child.bin")) == t.nbytes  # parent unaffected
         h.close()
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_child_exiting_while_parent_has_transfers_in_flight_does_not_hang(aio, engine, tmp_path):
-    run_child(engine, tmp_path, prelude=FORK_PRELUDE, body="""
+    run_child(
+        engine,
+        tmp_path,
+        prelude=FORK_PRELUDE,
+        body="""
         h = AsyncIOHandle(engine=engine)
         big = torch.ones(32 << 20, dtype=torch.uint8)
         reqs = [h.write_async(big, os.path.join(folder, f"w{i}.bin")) for i in range(4)]
@@ -205,11 +239,15 @@ def test_child_exiting_while_parent_has_transfers_in_flight_does_not_hang(aio, e
         for r in reqs:
             assert r.wait() == big.nbytes
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_multiprocessing_fork_workers_use_a_global_handle(aio, tmp_path):
-    run_child("posix", tmp_path, """
+    run_child(
+        "posix",
+        tmp_path,
+        """
         import multiprocessing as mp
         h = AsyncIOHandle()
         h.write(torch.arange(1000, dtype=torch.int64), os.path.join(folder, "base.bin"))
@@ -229,4 +267,5 @@ def test_multiprocessing_fork_workers_use_a_global_handle(aio, tmp_path):
                 h.read(t, os.path.join(folder, f"out{i}.bin"))
                 assert torch.equal(t, torch.arange(1000) + i)
             print("OK")
-    """)
+    """,
+    )

@@ -109,9 +109,11 @@ def test_no_descriptor_leaks_from_many_handles_and_failing_transfers(engines, sc
         for engine, threads, k in itertools.product(engines, (1, 3), range(rounds)):
             h = AsyncIOHandle(engine=engine, intra_op_parallelism=threads, block_size=65536, queue_depth=4)
             h.write(small, scratch / "ok")
-            failing = [h.read_async(torch.empty(4096, dtype=torch.uint8), short),  # past the end
-                       h.read_async(torch.empty(10), scratch / "nope" / "x"),  # missing folder
-                       h.write_async(torch.empty(10), scratch)]  # a folder, not a file
+            failing = [
+                h.read_async(torch.empty(4096, dtype=torch.uint8), short),  # past the end
+                h.read_async(torch.empty(10), scratch / "nope" / "x"),  # missing folder
+                h.write_async(torch.empty(10), scratch),
+            ]  # a folder, not a file
             for r in failing:
                 with pytest.raises(OSError):
                     r.wait()

@@ -97,12 +97,17 @@ def dead_pid() -> int:
 def test_the_next_save_removes_what_dead_writers_left_and_nothing_of_live_ones(scratch):
     pid = dead_pid()
     host = owners.host_id()
-    dead = [scratch / f".ckpt.pt.tmp-{pid}.{owners.start_time(os.getpid())}.{host}-0123abcd",
-            scratch / f".model.partial-{pid}.0.{host}-0123abcd-00001",
-            scratch / f".model.partial-{pid}.0.{host}-0123abcd-index"]
-    live = [scratch / owners.temporary_name("ckpt.pt"), scratch / (owners.temporary_name("model", "partial") + "-1"),
-            scratch / f".other.pt.tmp-{pid}.0.{host}-0123abcd",  # a dead writer's, but of another file
-            scratch / f".ckpt.pt.tmp-{pid}.0.0badc0de-0123abcd"]  # another host's (or container's): not judged here
+    dead = [
+        scratch / f".ckpt.pt.tmp-{pid}.{owners.start_time(os.getpid())}.{host}-0123abcd",
+        scratch / f".model.partial-{pid}.0.{host}-0123abcd-00001",
+        scratch / f".model.partial-{pid}.0.{host}-0123abcd-index",
+    ]
+    live = [
+        scratch / owners.temporary_name("ckpt.pt"),
+        scratch / (owners.temporary_name("model", "partial") + "-1"),
+        scratch / f".other.pt.tmp-{pid}.0.{host}-0123abcd",  # a dead writer's, but of another file
+        scratch / f".ckpt.pt.tmp-{pid}.0.0badc0de-0123abcd",
+    ]  # another host's (or container's): not judged here
     for path in dead + live:
         path.write_bytes(b"x" * 100)
     deepoffload.save(TENSORS, scratch / "ckpt.pt")

@@ -37,7 +37,8 @@ def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
 
 def same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]) for i in a)
+        a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]) for i in a
+    )
 
 
 @pytest.mark.parametrize("kind", ["ext4", "tmpfs"])
@@ -59,10 +60,12 @@ def test_disk_full_during_swap_out_loses_nothing_and_the_run_continues_identical
         assert all(torch.equal(a, b) for a, b in zip(params, reference)), "every parameter took its step"
         resident = [p for p in params if "exp_avg" in offloaded.state.get(p, {})]
         stored = [p for p in params if offloaded.swapper.records(offloaded._name(p))]
-        assert resident and stored and len(resident) + len(stored) == len(params), \
+        assert resident and stored and len(resident) + len(stored) == len(params), (
             "each parameter's state is either safely on storage or still in memory"
-        assert same_state(offloaded.state_dict()["state"], plain.state_dict()["state"]), \
+        )
+        assert same_state(offloaded.state_dict()["state"], plain.state_dict()["state"]), (
             "the state on storage and in memory is exactly the step's"
+        )
         os.unlink(filler)  # space freed: the same optimizer carries on
         for step in (2, 3):
             set_grads(reference, step), set_grads(params, step)
@@ -114,8 +117,9 @@ def test_killed_mid_step_resumes_from_the_last_checkpoint_identically(aio, scrat
     # the cue lands in step 3 or 4 (reading, stepping or writing optimizer state, or saving the checkpoint), or at
     # the second stop; never after the run (a kill sent on reading "STEP 2" alone could arrive after it had finished
     # under load).
-    victim = subprocess.Popen(command + ["gated"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    victim = subprocess.Popen(
+        command + ["gated"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     for line in victim.stdout:
         if line.startswith("STEP 2"):
             victim.stdin.write("go\n")

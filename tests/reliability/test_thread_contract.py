@@ -75,9 +75,12 @@ def test_state_dict_from_another_thread_during_step_waits_for_the_step(scratch):
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(2000)) for _ in range(24)]
-    opt = deepoffload.OffloadedOptimizer(torch.optim.Adam, params, lr=0.01,
-                                         config=deepoffload.SwapConfig(folder=str(scratch), pin=False,
-                                                                       chunk_bytes=64 << 10))
+    opt = deepoffload.OffloadedOptimizer(
+        torch.optim.Adam,
+        params,
+        lr=0.01,
+        config=deepoffload.SwapConfig(folder=str(scratch), pin=False, chunk_bytes=64 << 10),
+    )
     steps, errors, snapshots = 15, [], []
 
     def train():

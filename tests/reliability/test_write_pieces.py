@@ -17,8 +17,9 @@ from deepoffload import AsyncIOHandle, aligned_empty
 from deepoffload.io.compat import aio_handle
 from deepoffload.io.native import engine_status
 
-QUICK = settings(max_examples=30, deadline=None, derandomize=True,
-                 suppress_health_check=[HealthCheck.function_scoped_fixture])
+QUICK = settings(
+    max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 THOROUGH = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SURFACES = ["deepspeed-path", "deepspeed-fd", "native-pieces", "native-whole-file-first"]
 
@@ -55,8 +56,9 @@ def check_layout(folder, case) -> None:
     engines = usable_engines()
     engine = engines[case["engine_index"] % len(engines)]
     path = str(folder / f"pieces-{case['order_seed']}")
-    prior = torch.randint(0, 256, (case["prior"],), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(case["order_seed"] + 1))
+    prior = torch.randint(
+        0, 256, (case["prior"],), dtype=torch.uint8, generator=torch.Generator().manual_seed(case["order_seed"] + 1)
+    )
     with open(path, "wb") as f:
         f.write(prior.numpy().tobytes())
     order = list(case["pieces"])
@@ -73,21 +75,21 @@ def check_layout(folder, case) -> None:
 
     end = max(b for _, b in order)
     expected = torch.zeros(max(end, case["prior"]), dtype=torch.uint8)
-    expected[:case["prior"]] = prior
+    expected[: case["prior"]] = prior
     gen = torch.Generator().manual_seed(case["order_seed"])
     buffers = []
     for a, b in order:
         data = torch.randint(1, 256, (b - a,), dtype=torch.uint8, generator=gen)
-        buf = (torch.empty(b - a + 1, dtype=torch.uint8)[1:] if case["unaligned"]
-               else aligned_empty(b - a, torch.uint8))
+        buf = torch.empty(b - a + 1, dtype=torch.uint8)[1:] if case["unaligned"] else aligned_empty(b - a, torch.uint8)
         buf.copy_(data)
         buffers.append(buf)
         expected[a:b] = data
     if surface == "native-whole-file-first" and order[0][0] == 0:
         expected = expected[:end]  # the whole-file write cuts what was there before, never the pieces
 
-    settings_ = dict(block_size=case["block_size"], queue_depth=case["queue_depth"],
-                     intra_op_parallelism=case["threads"])
+    settings_ = dict(
+        block_size=case["block_size"], queue_depth=case["queue_depth"], intra_op_parallelism=case["threads"]
+    )
     if surface.startswith("deepspeed"):
         h = aio_handle(**settings_, engine=engine)
         fd = os.open(path, os.O_WRONLY) if surface == "deepspeed-fd" else None
@@ -100,8 +102,10 @@ def check_layout(folder, case) -> None:
                 os.close(fd)
     else:
         with AsyncIOHandle(engine=engine, **{**settings_, "block_size": max(4096, case["block_size"])}) as h:
-            requests = [h.write_async(buf, path, a, truncate=False if surface == "native-pieces" else None)
-                        for (a, _), buf in zip(order, buffers)]
+            requests = [
+                h.write_async(buf, path, a, truncate=False if surface == "native-pieces" else None)
+                for (a, _), buf in zip(order, buffers)
+            ]
             for r in requests:
                 r.wait()
     with open(path, "rb") as f:
@@ -170,7 +174,7 @@ def test_whole_file_write_keeps_writes_running_alongside(scratch):
     path.write_bytes(b"x" * (3 << 20))
     n = 1 << 20
     with AsyncIOHandle(intra_op_parallelism=2) as h:
-        a = h.write_async(torch.full((n,), 1, dtype=torch.uint8), path)          # truncates: whole-file write
-        b = h.write_async(torch.full((n,), 2, dtype=torch.uint8), path, n)       # piece: kept
+        a = h.write_async(torch.full((n,), 1, dtype=torch.uint8), path)  # truncates: whole-file write
+        b = h.write_async(torch.full((n,), 2, dtype=torch.uint8), path, n)  # piece: kept
         a.wait(), b.wait()
     assert path.read_bytes() == b"\x01" * n + b"\x02" * n

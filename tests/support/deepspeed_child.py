@@ -17,9 +17,8 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
 import deepspeed
+import torch
 from deepspeed.ops.op_builder.builder import OpBuilder
 
 
@@ -48,22 +47,45 @@ def make_model() -> torch.nn.Module:
 
 
 def config(folder: str | None, offload_param: bool) -> dict:
-    aio = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 2, "single_submit": False,
-           "overlap_events": True}
+    aio = {
+        "block_size": 1 << 20,
+        "queue_depth": 8,
+        "intra_op_parallelism": 2,
+        "single_submit": False,
+        "overlap_events": True,
+    }
     zero = {"stage": 3}
     if folder is not None:  # None: ZeRO-3 in memory, the reference
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder, "pin_memory": True, "buffer_count": 4}
     if offload_param:
-        zero["offload_param"] = {"device": "nvme", "nvme_path": folder, "pin_memory": True, "buffer_count": 8,
-                                 "buffer_size": 1 << 19, "max_in_cpu": 0}
-        zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0, stage3_max_live_parameters=500_000,
-                    stage3_param_persistence_threshold=0)
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-            "aio": aio, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 1000, "wall_clock_breakdown": False}
+        zero["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": folder,
+            "pin_memory": True,
+            "buffer_count": 8,
+            "buffer_size": 1 << 19,
+            "max_in_cpu": 0,
+        }
+        zero.update(
+            stage3_max_reuse_distance=0,
+            stage3_prefetch_bucket_size=0,
+            stage3_max_live_parameters=500_000,
+            stage3_param_persistence_threshold=0,
+        )
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "aio": aio,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1000,
+        "wall_clock_breakdown": False,
+    }
 
 
-def engine_for(folder: str | None, offload_param: bool, fast_writer: bool = False,
-               initial: list[torch.Tensor] | None = None):
+def engine_for(
+    folder: str | None, offload_param: bool, fast_writer: bool = False, initial: list[torch.Tensor] | None = None
+):
     """A ZeRO-3 engine (optimizer state on NVMe under ``folder`` unless it is None; parameters too with
     ``offload_param``) on the model of make_model(), or with the parameter values ``initial``."""
     cfg = config(folder, offload_param)
@@ -160,12 +182,15 @@ def _save_and_resume(engine, saved: list[torch.Tensor], folder: str) -> dict:
     out = {"ids": sorted(str(g.ds_id) for g in engine.optimizer.fp32_partitioned_groups_flat)}
     torch.save(saved, folder + "/saved.pt")
     engine.save_checkpoint(folder + "/ckpt", tag="t")
-    swapped = [p for p in Path(folder, "ckpt", "t", "offloaded_tensors").rglob("*.tensor.swp")
-               if "gradient" not in p.name and "-" not in p.name]
+    swapped = [
+        p
+        for p in Path(folder, "ckpt", "t", "offloaded_tensors").rglob("*.tensor.swp")
+        if "gradient" not in p.name and "-" not in p.name
+    ]
     out["fp32_files"] = len(swapped)
     flat = torch.cat([p.reshape(-1) for p in saved])
     data = torch.frombuffer(bytearray(swapped[0].read_bytes()), dtype=torch.float32) if swapped else None
-    out["fp32_in_checkpoint_equal"] = data is not None and torch.equal(data[:flat.numel()], flat)
+    out["fp32_in_checkpoint_equal"] = data is not None and torch.equal(data[: flat.numel()], flat)
     out["state_files"] = sum(1 for p in Path(folder, "ckpt").rglob("exp_avg*.tensor.swp") if p.stat().st_size)
     out["losses_after_save"] = train(engine, 3, seed=7)
     torch.save(full_params(engine), folder + "/after.pt")
@@ -175,9 +200,9 @@ def _save_and_resume(engine, saved: list[torch.Tensor], folder: str) -> dict:
 
 def _resume(folder: str, name: str) -> dict:
     """Builds an engine with its optimizer state on NVMe (own swap folder), loads the checkpoint ``resume_save``
-    wrote, and compares its parameters and 3 further steps with those of the engine that saved it, and with ZeRO-3
-    in memory started from the saved parameters with a fresh Adam (no moments, step 0); records the UserWarnings
-``load_checkpoint`` emitted."""
+        wrote, and compares its parameters and 3 further steps with those of the engine that saved it, and with ZeRO-3
+        in memory started from the saved parameters with a fresh Adam (no moments, step 0); records the UserWarnings
+    ``load_checkpoint`` emitted."""
     engine = engine_for(f"{folder}/{name}", False)
     ids = sorted(str(g.ds_id) for g in engine.optimizer.fp32_partitioned_groups_flat)
     with warnings.catch_warnings(record=True) as caught:  # enable()'s warning that Adam restarts
@@ -189,14 +214,20 @@ def _resume(folder: str, name: str) -> dict:
     state_entries = len(engine.optimizer.optimizer.state)  # Adam's moments and step count, as loaded
     losses = train(engine, 3, seed=7)
     params = full_params(engine)
-    out = {"ids": ids, "load_warnings": load_warnings, "params_restored": restored,
-           "optimizer_state_entries": state_entries, "losses": losses,
-           "params_equal_continued": all(torch.equal(a, b) for a, b in zip(after, params))}
+    out = {
+        "ids": ids,
+        "load_warnings": load_warnings,
+        "params_restored": restored,
+        "optimizer_state_entries": state_entries,
+        "losses": losses,
+        "params_equal_continued": all(torch.equal(a, b) for a, b in zip(after, params)),
+    }
     if restored:
         fresh = engine_for(None, False, initial=saved)
         out["losses_fresh_adam"] = train(fresh, 3, seed=7)
-        out["params_max_abs_diff_fresh_adam"] = max(float((a - b).abs().max())
-                                                    for a, b in zip(params, full_params(fresh)))
+        out["params_max_abs_diff_fresh_adam"] = max(
+            float((a - b).abs().max()) for a, b in zip(params, full_params(fresh))
+        )
     return {f"{name}_{key}": value for key, value in out.items()}
 
 
@@ -207,24 +238,42 @@ def fast_writer(folder: str) -> dict:
     if not torch.cuda.is_available():  # DeepSpeed's factory calls Tensor.pin_memory(), which CPU-only torch refuses
         torch.Tensor.pin_memory = lambda self, device=None: self
 
-    aio = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 2, "single_submit": False,
-           "overlap_events": True, "use_gds": False}
-    writer = {"type": "FAST", "io_buffer_size": 1 << 16, "io_buffer_double": True, "io_multiplier": 1,
-              "show_statistics": False}
+    aio = {
+        "block_size": 1 << 20,
+        "queue_depth": 8,
+        "intra_op_parallelism": 2,
+        "single_submit": False,
+        "overlap_events": True,
+        "use_gds": False,
+    }
+    writer = {
+        "type": "FAST",
+        "io_buffer_size": 1 << 16,
+        "io_buffer_double": True,
+        "io_multiplier": 1,
+        "show_statistics": False,
+    }
     import types
 
     factory = CheckpointWriterFactory(writer, aio, types.SimpleNamespace(global_rank=0, rank=0, world_size=1))
     torch.manual_seed(3)
-    state = {"a": torch.randn(100_003), "b": torch.arange(77, dtype=torch.int16), "c": [torch.randn(5, 7)] * 2,
-             "d": "text"}
+    state = {
+        "a": torch.randn(100_003),
+        "b": torch.arange(77, dtype=torch.int16),
+        "c": [torch.randn(5, 7)] * 2,
+        "d": "text",
+    }
     results = {"handle_type": type(factory._dnvme_handle).__module__}
     path = folder + "/fast.pt"
     torch.save(state, factory.create_writer(path, False))
     factory.release_writer()
     loaded = torch.load(path, weights_only=False)
-    results["loaded_equal"] = (torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
-                               and all(torch.equal(x, y) for x, y in zip(loaded["c"], state["c"]))
-                               and loaded["d"] == "text")
+    results["loaded_equal"] = (
+        torch.equal(loaded["a"], state["a"])
+        and torch.equal(loaded["b"], state["b"])
+        and all(torch.equal(x, y) for x, y in zip(loaded["c"], state["c"]))
+        and loaded["d"] == "text"
+    )
     return results
 
 

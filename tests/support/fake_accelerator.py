@@ -141,8 +141,11 @@ class RecordingHandle:
     def write_async(self, tensor, file, offset=0, *, truncate=None, fsync=False):
         self._log.append(("io", "write", *self._host(tensor)))
         self.calls.append(("write", offset, tensor.numel(), truncate, fsync))
-        return RecordingRequest(self._handle.write_async(tensor, file, offset, truncate=truncate, fsync=fsync),
-                                self._log, self._host(tensor))
+        return RecordingRequest(
+            self._handle.write_async(tensor, file, offset, truncate=truncate, fsync=fsync),
+            self._log,
+            self._host(tensor),
+        )
 
     def write(self, *args, **kwargs):
         return self._handle.write(*args, **kwargs)

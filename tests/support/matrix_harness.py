@@ -39,8 +39,13 @@ LOOPS = ("plain", "trainer", "accelerate", "lora")
 FEATURES = ("optimizer", "fused", "grads", "half", "serve")
 STEPS = 3
 LR = 1e-2
-LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"], "t5": ["q", "v"], "mixtral": ["q_proj", "v_proj"],
-                "plain": ["fc"]}
+LORA_TARGETS = {
+    "llama": ["q_proj", "v_proj"],
+    "gpt2": ["c_attn"],
+    "t5": ["q", "v"],
+    "mixtral": ["q_proj", "v_proj"],
+    "plain": ["fc"],
+}
 
 
 # -- models -----------------------------------------------------------------------------------------------------
@@ -76,13 +81,22 @@ class PlainModel(nn.Module):
 def build(name: str, device: str | None = None) -> nn.Module:
     """The tiny model ``name`` (random weights from seed 0; on ``device`` "meta": built without memory)."""
     import transformers as T
-    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64)
+
+    small = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     makers: dict[str, Callable[[], nn.Module]] = {
         "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**small)),
         "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
-        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                                              num_heads=4, decoder_start_token_id=0)),
+        "t5": lambda: T.T5ForConditionalGeneration(
+            T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+        ),
         "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)),
         "plain": PlainModel,
     }
@@ -125,12 +139,18 @@ class Setup:
         elif feature == "optimizer":
             if precision == "compute_bf16":
                 raise NotApplicable("compute_dtype= is an offload_parameters() option")
-            self.optimizer = OffloadedOptimizer(torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad],
-                                                SwapConfig(folder=str(folder)), lr=LR)
+            self.optimizer = OffloadedOptimizer(
+                torch.optim.AdamW,
+                [p for p in model.parameters() if p.requires_grad],
+                SwapConfig(folder=str(folder)),
+                lr=LR,
+            )
         else:
-            options: dict[str, Any] = dict(mode="fused" if feature == "fused" else "grads",
-                                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-                                           compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None)
+            options: dict[str, Any] = dict(
+                mode="fused" if feature == "fused" else "grads",
+                optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+                compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None,
+            )
             if feature == "half":
                 blocks = find_blocks(model)
                 size = sum(p.numel() * p.element_size() for _, b in blocks for p in b.parameters())
@@ -141,12 +161,14 @@ class Setup:
             self.off = offload_parameters(model, str(folder / "swap"), **options)
             if loop == "lora" and feature == "serve":  # a served model exists only offloaded: LoRA comes after
                 self.model = _lora(model, name)
-            self.optimizer = StreamedOptimizer(self.off, clip_grad_norm=1.0 if loop == "accelerate" and
-                                               self.off.mode == "grads" else None)
+            self.optimizer = StreamedOptimizer(
+                self.off, clip_grad_norm=1.0 if loop == "accelerate" and self.off.mode == "grads" else None
+            )
 
     def _served(self, model: nn.Module) -> nn.Module:
         """The same model built on meta, to load from a safetensors checkpoint of ``model`` and serve from it."""
         from deepoffload.formats.writer import save_sharded
+
         seen, state = set(), {}
         for key, tensor in model.state_dict(keep_vars=True).items():
             if id(tensor) not in seen:
@@ -168,12 +190,14 @@ class Setup:
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         if self.off is not None:
-            names = [[b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters) if m.requires_grad],
-                     [n for n, p in self.off._rest_named if p.requires_grad]]
-            optimizers = [o for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names)
-                          if o is not None]
-            names = [ns for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names)
-                     if o is not None]
+            names = [
+                [b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters) if m.requires_grad],
+                [n for n, p in self.off._rest_named if p.requires_grad],
+            ]
+            optimizers = [
+                o for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names) if o is not None
+            ]
+            names = [ns for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names) if o is not None]
         else:
             by_id = {id(p): n for n, p in self.model.named_parameters()}
             optimizers = [self.optimizer]
@@ -184,13 +208,15 @@ class Setup:
             order = [i for g in sd["param_groups"] for i in g["params"]]
             for index, name in zip(order, ns):
                 if index in sd["state"]:
-                    out[name] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                 for k, v in sd["state"][index].items()}
+                    out[name] = {
+                        k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd["state"][index].items()
+                    }
         return out
 
 
 def _lora(model: nn.Module, name: str) -> nn.Module:
     import peft
+
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[name], lora_dropout=0.1))
 
 
@@ -209,14 +235,16 @@ def _compute_bf16_in_memory(model: nn.Module) -> nn.Module:
     from torch.utils import _pytree as pytree
 
     from deepoffload.swap.params.residency import own_dtype_parameters
+
     for _, block in find_blocks(model):
         own = own_dtype_parameters(block, torch.bfloat16)
         forward = block.forward
 
         def run(*args, _block=block, _forward=forward, _own=own, **kwargs):
             flat = pytree.tree_leaves((args, kwargs))
-            outer = next((x.dtype for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()),
-                         torch.bfloat16)
+            outer = next(
+                (x.dtype for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.bfloat16
+            )
 
             def cast(x, to, only=None):
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only):
@@ -293,6 +321,7 @@ def accelerate_loop(setup: Setup) -> list[float]:
     model in grads mode clips with ``StreamedOptimizer(clip_grad_norm=)`` instead (its gradients are on storage)."""
     import accelerate
     from accelerate.state import AcceleratorState, GradientState
+
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     precision = {"bf16": "bf16", "fp16": "fp16"}.get(setup.precision, "no")
@@ -321,14 +350,28 @@ def trainer_loop(setup: Setup) -> list[float]:
     """transformers' Trainer: 3 steps saving a checkpoint at step 2, then a fresh setup resumed from it; the
     losses logged by both runs."""
     import transformers
+
     data = [batch(setup.name, k) for k in range(STEPS)]
     dataset = [{k: v[i] for k, v in b.items()} for b in data for i in range(2)]
 
     def trainer(s: Setup, out: Path) -> transformers.Trainer:
         args = transformers.TrainingArguments(
-            output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=LR, save_steps=2,
-            save_strategy="steps", logging_steps=1, report_to=[], max_grad_norm=0.0, seed=0, use_cpu=True,
-            bf16=s.precision == "bf16", fp16=s.precision == "fp16", disable_tqdm=True, dataloader_num_workers=0)
+            output_dir=str(out),
+            max_steps=STEPS,
+            per_device_train_batch_size=2,
+            learning_rate=LR,
+            save_steps=2,
+            save_strategy="steps",
+            logging_steps=1,
+            report_to=[],
+            max_grad_norm=0.0,
+            seed=0,
+            use_cpu=True,
+            bf16=s.precision == "bf16",
+            fp16=s.precision == "fp16",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
         kwargs = trainer_arguments(s.off) if s.off is not None else {"optimizers": (s.optimizer, None)}
         return transformers.Trainer(model=s.model, args=args, train_dataset=dataset, **kwargs)
 
@@ -466,15 +509,19 @@ def _identical(a: Any, b: Any) -> bool:
 
 def _rounding(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and a.is_floating_point():
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-4, atol=1e-5,
-                                                                                     equal_nan=True)
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+        )
     return _identical(a, b)
 
 
 def _compare(got: Run, expected: Run, equal: Callable[[Any, Any], bool]) -> str | None:
     """What differs between the two runs (None: nothing)."""
-    if not all(equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(got.losses, expected.losses)) or \
-            len(got.losses) != len(expected.losses):
+    if not all(equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(got.losses, expected.losses)) or len(
+        got.losses
+    ) != len(expected.losses):
         return f"losses {got.losses} != {expected.losses}"
     bad = [k for k, v in expected.state.items() if k not in got.state or not equal(v, got.state[k])]
     if bad:
@@ -500,14 +547,17 @@ def _first_line(error: BaseException) -> str:
 def _from_deepoffload(error: BaseException) -> bool:
     """A refusal of deepoffload's own (raised in its code, saying what to use instead), not a crash elsewhere."""
     import traceback
+
     inner = error
     while inner.__cause__ is not None:
         inner = inner.__cause__
-    raised_here = any(f"{os.sep}deepoffload{os.sep}" in frame.filename
-                      for frame in traceback.extract_tb(inner.__traceback__)[-3:])
+    raised_here = any(
+        f"{os.sep}deepoffload{os.sep}" in frame.filename for frame in traceback.extract_tb(inner.__traceback__)[-3:]
+    )
     text = str(inner).lower()
-    return raised_here and any(w in text for w in ("use ", "pass ", "instead", "before ", "set ", "without ",
-                                                   "freeze ", "call "))
+    return raised_here and any(
+        w in text for w in ("use ", "pass ", "instead", "before ", "set ", "without ", "freeze ", "call ")
+    )
 
 
 def cells():
@@ -515,29 +565,38 @@ def cells():
 
 
 def support_matrix(results: dict[tuple, Outcome]) -> str:
-    lines = ["# Support matrix", "",
-             "Generated by `python tests/support/matrix_harness.py --write docs/support-matrix.md` (the differential "
-             "matrix of `tests/swap/params/test_params_matrix.py`): each cell trains a tiny model for 3 steps in "
-             "memory and with deepoffload on the "
-             "same batches and seeds. **identical**: losses, parameters, buffers and optimizer state bit-identical; "
-             "**rounding**: equal within rounding only, for the reason given below; **not exact**: the same "
-             "cause amplified beyond rounding (a known limitation of that model, see its message); "
-             "**refused**: deepoffload raises before the first step, saying what to use instead; **in-memory fails "
-             "too**: the training loop itself refuses the combination on this machine; **not applicable**: the "
-             "combination has no meaning; **not run**: the run that wrote this file did not reach it.", "",
-             "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `offload_parameters(mode=...)`; "
-             "`half` = grads mode with half the blocks resident (`max_resident_bytes`); `serve` = "
-             "`serve_from_checkpoint=True` (inference; training refused). Loops: `plain` (hand-written), `trainer` "
-             "(transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
-             "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
-             "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = `compute_dtype=torch.bfloat16`. On a CPU "
-             "(where this matrix runs) accelerate, and the `Trainer` through it, ignore fp16 (no autocast, no "
-             "scaler): their fp16 rows train in fp32; on an accelerator they use fp16 autocast with a `GradScaler`, "
-             "which streamed training refuses as the plain-loop fp16 rows show.", ""]
+    lines = [
+        "# Support matrix",
+        "",
+        "Generated by `python tests/support/matrix_harness.py --write docs/support-matrix.md` (the differential "
+        "matrix of `tests/swap/params/test_params_matrix.py`): each cell trains a tiny model for 3 steps in "
+        "memory and with deepoffload on the "
+        "same batches and seeds. **identical**: losses, parameters, buffers and optimizer state bit-identical; "
+        "**rounding**: equal within rounding only, for the reason given below; **not exact**: the same "
+        "cause amplified beyond rounding (a known limitation of that model, see its message); "
+        "**refused**: deepoffload raises before the first step, saying what to use instead; **in-memory fails "
+        "too**: the training loop itself refuses the combination on this machine; **not applicable**: the "
+        "combination has no meaning; **not run**: the run that wrote this file did not reach it.",
+        "",
+        "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `offload_parameters(mode=...)`; "
+        "`half` = grads mode with half the blocks resident (`max_resident_bytes`); `serve` = "
+        "`serve_from_checkpoint=True` (inference; training refused). Loops: `plain` (hand-written), `trainer` "
+        "(transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
+        "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
+        "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = `compute_dtype=torch.bfloat16`. On a CPU "
+        "(where this matrix runs) accelerate, and the `Trainer` through it, ignore fp16 (no autocast, no "
+        "scaler): their fp16 rows train in fp32; on an accelerator they use fp16 autocast with a `GradScaler`, "
+        "which streamed training refuses as the plain-loop fp16 rows show.",
+        "",
+    ]
     refusals: dict[str, int] = {}
     for model in MODELS:
-        lines += [f"## {model}", "", "| precision | loop | " + " | ".join(FEATURES) + " |",
-                  "| --- | --- | " + " | ".join("---" for _ in FEATURES) + " |"]
+        lines += [
+            f"## {model}",
+            "",
+            "| precision | loop | " + " | ".join(FEATURES) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in FEATURES) + " |",
+        ]
         for precision, loop in itertools.product(PRECISIONS, LOOPS):
             row = []
             for feature in FEATURES:

@@ -147,8 +147,14 @@ class MemoryCgroup:
         self.path.rmdir()
 
 
-def run_limited(argv: Sequence[str], limit_bytes: int, *, timeout: float = 600, env: dict | None = None,
-                cwd: str | os.PathLike | None = None) -> LimitedRun:
+def run_limited(
+    argv: Sequence[str],
+    limit_bytes: int,
+    *,
+    timeout: float = 600,
+    env: dict | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> LimitedRun:
     """Run ``argv`` confined to ``limit_bytes`` of memory (its page cache counts too under v1); return what it did.
     Raises OSError where no memory cgroup can be made (see ``unavailable``)."""
     with MemoryCgroup(limit_bytes) as group:

@@ -3,15 +3,19 @@
 
 def reference_step(optimizer):
     """One step of a plain torch optimizer, then zero its gradients."""
+
     def step():
         optimizer.step()
         optimizer.zero_grad()
+
     return step
 
 
 def offload_step(offload):
     """One step of a streamed model's optimizer (``offload_parameters(...)``), then zero its gradients."""
+
     def step():
         offload.step()
         offload.zero_grad()
+
     return step

@@ -34,8 +34,14 @@ def counted(swapper, name):
 
 def groups_of(count: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return {f"p{i}": {"m": torch.randn(32, generator=gen), "v": torch.rand(32, generator=gen),
-                      "step": torch.tensor(float(i))} for i in range(count)}
+    return {
+        f"p{i}": {
+            "m": torch.randn(32, generator=gen),
+            "v": torch.rand(32, generator=gen),
+            "step": torch.tensor(float(i)),
+        }
+        for i in range(count)
+    }
 
 
 def test_many_groups_one_file_one_request_each_way(swapper):
@@ -86,8 +92,9 @@ def test_same_groups_rewrite_in_place_others_move_and_the_file_shrinks(swapper):
 def test_failed_write_frees_its_extent_and_drops_the_records(swapper, monkeypatch):
     swapper.swap_out(groups_of(3)).wait()
     real = swapper.handle.write_async
-    monkeypatch.setattr(swapper.handle, "write_async",
-                        lambda tensor, file, *a, **k: real(tensor, "/nonexistent-folder/x.swp", *a, **k))
+    monkeypatch.setattr(
+        swapper.handle, "write_async", lambda tensor, file, *a, **k: real(tensor, "/nonexistent-folder/x.swp", *a, **k)
+    )
     with pytest.raises(OSError):
         swapper.swap_out({"p1": {"m": torch.ones(4096)}}).wait()
     monkeypatch.undo()
@@ -104,8 +111,10 @@ def test_random_sequences_match_a_model_and_extents_never_overlap(swapper, seed)
         op = rng.random()
         chosen = rng.sample(names, rng.randint(1, 5))
         if op < 0.5:
-            batch = {n: {f"t{k}": torch.randn(rng.choice([0, 1, 7, 300, 3000])) for k in range(rng.randint(0, 3))}
-                     for n in chosen}
+            batch = {
+                n: {f"t{k}": torch.randn(rng.choice([0, 1, 7, 300, 3000])) for k in range(rng.randint(0, 3))}
+                for n in chosen
+            }
             write = swapper.swap_out(batch)
             if rng.random() < 0.5:
                 write.wait()
@@ -123,8 +132,9 @@ def test_random_sequences_match_a_model_and_extents_never_overlap(swapper, seed)
                 swapper.discard(name)
                 model.pop(name, None)
         swapper.wait_all()
-        spans = sorted((e.offset, e.offset + e.nbytes) for e in {id(e): e for e in swapper._extents.values()}.values()
-                       if e.nbytes)
+        spans = sorted(
+            (e.offset, e.offset + e.nbytes) for e in {id(e): e for e in swapper._extents.values()}.values() if e.nbytes
+        )
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "extents overlap"
         live = sum(end - start for start, end in spans)
         assert swapper.pack.end == live + swapper.pack.free_bytes()

@@ -10,20 +10,37 @@ import os
 import pytest
 import torch
 
-from deepoffload.swap.pool import trim_heap
 from deepoffload.swap.config import SwapConfig
+from deepoffload.swap.pool import trim_heap
 from deepoffload.swap.tensor_swapper import ChecksumError, TensorSwapper
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (3, 1, 4, 5), (1000003,)]
 
 
 def sample(dtype, shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     high = 2 if dtype == torch.bool else 256  # every byte pattern, except bools other than 0 and 1
-    raw = torch.randint(0, high, (torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=g)
+    raw = torch.randint(
+        0,
+        high,
+        (torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=g,
+    )
     return raw.view(dtype).view(shape)
 
 
@@ -44,8 +61,12 @@ def test_round_trip_every_dtype_and_shape(swapper, dtype):
     swapper.swap_out({"g": tensors}).wait()
     for key, record in swapper.records("g").items():
         t = tensors[key]
-        assert (record.key, record.dtype, record.shape, record.nbytes) == (key, dtype, tuple(t.shape),
-                                                                            t.numel() * t.element_size())
+        assert (record.key, record.dtype, record.shape, record.nbytes) == (
+            key,
+            dtype,
+            tuple(t.shape),
+            t.numel() * t.element_size(),
+        )
         assert record.offset % 64 == 0 and record.file.endswith("g.swp")
     read = swapper.swap_in(["g"])
     back = read.wait()["g"]
@@ -63,7 +84,7 @@ def test_buffers_that_start_inside_their_storage(scratch, monkeypatch):
 
     def offset_buffer(nbytes, dtype=torch.uint8, alignment=0, pin=True):
         whole = original(nbytes + 3 * 4096, dtype, alignment, pin)
-        made.append(whole[3 * 4096:])
+        made.append(whole[3 * 4096 :])
         return made[-1]
 
     monkeypatch.setattr(pool, "aligned_empty", offset_buffer)
@@ -222,10 +243,12 @@ def test_files_removed_at_interpreter_exit(scratch):
     import subprocess
     import sys
 
-    code = ("import torch; from deepoffload.swap.tensor_swapper import TensorSwapper;"
-            "from deepoffload.swap.config import SwapConfig;"
-            f"s = TensorSwapper(SwapConfig(folder={str(scratch)!r}));"
-            "s.swap_out({'g': {'t': torch.ones(3)}}).wait(); print(s.folder)")
+    code = (
+        "import torch; from deepoffload.swap.tensor_swapper import TensorSwapper;"
+        "from deepoffload.swap.config import SwapConfig;"
+        f"s = TensorSwapper(SwapConfig(folder={str(scratch)!r}));"
+        "s.swap_out({'g': {'t': torch.ones(3)}}).wait(); print(s.folder)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     folder = out.stdout.strip()
     assert folder.startswith(str(scratch)) and not os.path.exists(folder)

@@ -84,15 +84,26 @@ repeat), ``training`` (fused and grads modes, clipping), ``api`` (``offload_para
 ``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model
 built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage),
 ``data_parallel`` (``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and
-FSDP2 around a streamed model, refused). """
+FSDP2 around a streamed model, refused)."""
 
 from .api import offload_parameters
 from .blocks import find_blocks
 from .offload import MODES, OptimizerFactory, ParameterOffload
-from .stats import OffloadStats
 from .placeholders import StreamedParameter
 from .residency import Residency, ResidencyError
+from .stats import OffloadStats
 from .trainer import StreamedOptimizer, trainer_arguments
 
-__all__ = ["MODES", "OffloadStats", "OptimizerFactory", "ParameterOffload", "Residency", "ResidencyError",
-           "StreamedOptimizer", "StreamedParameter", "find_blocks", "offload_parameters", "trainer_arguments"]
+__all__ = [
+    "MODES",
+    "OffloadStats",
+    "OptimizerFactory",
+    "ParameterOffload",
+    "Residency",
+    "ResidencyError",
+    "StreamedOptimizer",
+    "StreamedParameter",
+    "find_blocks",
+    "offload_parameters",
+    "trainer_arguments",
+]

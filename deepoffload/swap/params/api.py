@@ -11,22 +11,32 @@ from torch import nn
 
 from ..config import SwapConfig
 from .blocks import find_blocks
-from .data_parallel import process_group
 from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, fit, parse_bytes, process_bytes
+from .data_parallel import process_group
 from .materialize import Init, Materializer, check_arguments, has_meta
 from .offload import MODES, OptimizerFactory, ParameterOffload, _check_budget
 from .wrappers import refuse_wrapped
 
 
-def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Sequence[nn.Module] | None = None,
-                       prefetch: int = 1, mode: str = "fused", optimizer: OptimizerFactory | None = None,
-                       compute_dtype: torch.dtype | None = None, config: SwapConfig | None = None,
-                       checkpoint: str | os.PathLike | None = None, init: Init | None = None,
-                       dtype: torch.dtype | None = None, strict: bool = True,
-                       max_resident_bytes: int | None = None,
-                       serve_from_checkpoint: bool = False,
-                       data_parallel: bool | torch.distributed.ProcessGroup = False,
-                       max_memory: int | str | None = None) -> ParameterOffload:
+def offload_parameters(
+    module: nn.Module,
+    path: str | None = None,
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+    prefetch: int = 1,
+    mode: str = "fused",
+    optimizer: OptimizerFactory | None = None,
+    compute_dtype: torch.dtype | None = None,
+    config: SwapConfig | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    init: Init | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    max_resident_bytes: int | None = None,
+    serve_from_checkpoint: bool = False,
+    data_parallel: bool | torch.distributed.ProcessGroup = False,
+    max_memory: int | str | None = None,
+) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
     path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
@@ -82,11 +92,12 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected a number of blocks, 0 or more")
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
-        raise ValueError(f"compute_dtype={compute_dtype!r}: expected a floating-point torch.dtype, e.g. "
-                         f"torch.bfloat16")
+        raise ValueError(f"compute_dtype={compute_dtype!r}: expected a floating-point torch.dtype, e.g. torch.bfloat16")
     if optimizer is not None and not callable(optimizer):
-        raise TypeError("optimizer=: expected a factory taking a list of parameters (e.g. a torch.optim class or a "
-                        f"lambda), got {type(optimizer).__name__}")
+        raise TypeError(
+            "optimizer=: expected a factory taking a list of parameters (e.g. a torch.optim class or a "
+            f"lambda), got {type(optimizer).__name__}"
+        )
     names = {id(m): name for name, m in module.named_modules()}
     if blocks is None:
         chosen = find_blocks(module)
@@ -97,36 +108,58 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
                 raise ValueError(f"blocks=: {type(block).__name__} is not a submodule of the module")
             chosen.append((names[id(block)], block))
     if not chosen:
-        raise ValueError("offload_parameters: no blocks with parameters found (no nn.ModuleList/nn.Sequential "
-                         "children); pass blocks=[...] explicitly")
+        raise ValueError(
+            "offload_parameters: no blocks with parameters found (no nn.ModuleList/nn.Sequential "
+            "children); pass blocks=[...] explicitly"
+        )
     if any(b.__dict__.get("forward") is not None for _, b in chosen):
         raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")
     check_arguments(checkpoint, init, dtype, strict)
     if not isinstance(serve_from_checkpoint, bool):
         raise TypeError(f"serve_from_checkpoint=: expected True or False, got {serve_from_checkpoint!r}")
     if serve_from_checkpoint and checkpoint is None:
-        raise ValueError("serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
-                         "the blocks' parameters from")
+        raise ValueError(
+            "serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
+            "the blocks' parameters from"
+        )
     _check_budget(max_resident_bytes)  # before any block is made or read
     config = config or SwapConfig()
     if path is not None:
         config = config.replace(folder=path)
     materializer = None
     if data_parallel is not False and has_meta(module) and (checkpoint is None or not strict):
-        raise ValueError("data_parallel= with a model on the meta device needs checkpoint= and strict=True: values "
-                         "made by init= (random) would differ between the ranks. Build the model in memory (its "
-                         "values are taken from the first rank, as DDP does) or load it from one checkpoint")
+        raise ValueError(
+            "data_parallel= with a model on the meta device needs checkpoint= and strict=True: values "
+            "made by init= (random) would differ between the ranks. Build the model in memory (its "
+            "values are taken from the first rank, as DDP does) or load it from one checkpoint"
+        )
     if checkpoint is not None or has_meta(module):
-        materializer = Materializer(module, [name for name, _ in chosen], checkpoint=checkpoint, init=init,
-                                    dtype=dtype, strict=strict, serve=serve_from_checkpoint)
+        materializer = Materializer(
+            module,
+            [name for name, _ in chosen],
+            checkpoint=checkpoint,
+            init=init,
+            dtype=dtype,
+            strict=strict,
+            serve=serve_from_checkpoint,
+        )
     elif init is not None or dtype is not None:
-        raise ValueError("init= and dtype= apply to tensors on the meta device, and this module has none: "
-                         "initialize or convert it before offload_parameters()")
+        raise ValueError(
+            "init= and dtype= apply to tensors on the meta device, and this module has none: "
+            "initialize or convert it before offload_parameters()"
+        )
     state_chunks = STATE_CHUNKS
     if max_memory is not None:
         try:
-            fitted = fit_limit(module, chosen, max_memory, prefetch=prefetch, training=optimizer is not None,
-                               reading=checkpoint is not None, max_resident_bytes=max_resident_bytes)
+            fitted = fit_limit(
+                module,
+                chosen,
+                max_memory,
+                prefetch=prefetch,
+                training=optimizer is not None,
+                reading=checkpoint is not None,
+                max_resident_bytes=max_resident_bytes,
+            )
         except BaseException:
             if materializer is not None:
                 materializer.undo()
@@ -134,18 +167,35 @@ def offload_parameters(module: nn.Module, path: str | None = None, *, blocks: Se
         prefetch, state_chunks = fitted.plan.prefetch, fitted.plan.state_chunks
         max_resident_bytes = fitted.plan.resident_bytes or None
     try:
-        return ParameterOffload(module, chosen, prefetch=prefetch, mode=mode, optimizer=optimizer,
-                                compute_dtype=compute_dtype, config=config, materializer=materializer,
-                                max_resident_bytes=max_resident_bytes, data_parallel=data_parallel,
-                                state_chunks=state_chunks)
+        return ParameterOffload(
+            module,
+            chosen,
+            prefetch=prefetch,
+            mode=mode,
+            optimizer=optimizer,
+            compute_dtype=compute_dtype,
+            config=config,
+            materializer=materializer,
+            max_resident_bytes=max_resident_bytes,
+            data_parallel=data_parallel,
+            state_chunks=state_chunks,
+        )
     except BaseException:
         if materializer is not None:
             materializer.undo()
         raise
 
 
-def fit_limit(module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], max_memory: int | str, *, prefetch: int,
-              training: bool, reading: bool, max_resident_bytes: int | None) -> Fitted:
+def fit_limit(
+    module: nn.Module,
+    blocks: Sequence[tuple[str, nn.Module]],
+    max_memory: int | str,
+    *,
+    prefetch: int,
+    training: bool,
+    reading: bool,
+    max_resident_bytes: int | None,
+) -> Fitted:
     """The settings for ``max_memory`` (see ``offload_parameters``), from the blocks' sizes (their tensors may be
     on meta) and this process's memory now."""
     from .residency import nbytes, span
@@ -155,6 +205,12 @@ def fit_limit(module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], max_me
         import torch._dynamo  # noqa: F401
     in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
     rest = nbytes(p for p in module.parameters() if id(p) not in in_blocks) + nbytes(module.buffers())
-    plan = MemoryPlan(max(span(b.parameters()) for _, b in blocks), rest, prefetch, training=training,
-                      resident_bytes=max_resident_bytes, reader_bytes=READER_BYTES if reading else 0)
+    plan = MemoryPlan(
+        max(span(b.parameters()) for _, b in blocks),
+        rest,
+        prefetch,
+        training=training,
+        resident_bytes=max_resident_bytes,
+        reader_bytes=READER_BYTES if reading else 0,
+    )
     return fit(plan, limit, process_bytes())

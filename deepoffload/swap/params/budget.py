@@ -32,6 +32,7 @@ TRAINING_BLOCKS = 3  # a block's gradients, its compute copy or Adam's temporari
 INFERENCE_BLOCKS = 1  # a block's outputs and temporaries while it computes (at most its size for these models)
 FORWARD_BYTES = 64 << 20  # left by ``fit`` for the activations of the user's forward when not told otherwise
 
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What ``offload_parameters`` holds at most (bytes), from the sizes of the model and the settings."""
@@ -80,18 +81,33 @@ class MemoryPlan:
 
     def parts(self) -> list[tuple[str, int]]:
         """(what, bytes) for printing."""
-        rows = [("largest block (B)", self.block_bytes), ("outside blocks (R)", self.rest_bytes),
-                (f"setup: R + reader + {SETUP_BLOCKS} B", self.setup_bytes),
-                (f"staging: (prefetch {self.prefetch} + 2) B", self.staging_bytes)]
+        rows = [
+            ("largest block (B)", self.block_bytes),
+            ("outside blocks (R)", self.rest_bytes),
+            (f"setup: R + reader + {SETUP_BLOCKS} B", self.setup_bytes),
+            (f"staging: (prefetch {self.prefetch} + 2) B", self.staging_bytes),
+        ]
         if self.training:
-            rows.append((f"optimizer state buffers: {self.state_chunks} B + {STATE_CHUNKS} x min(B, R)",
-                         self.optimizer_bytes))
-        rows += [("working: " + (f"{TRAINING_BLOCKS} B (gradients, temporaries)" if self.training else
-                                 f"{INFERENCE_BLOCKS} B (outputs, temporaries)"), self.working_bytes),
-                 ("kept in memory (max_resident_bytes)", self.resident_bytes or 0),
-                 ("running: " + ("2 R" if self.training else "R") + " + staging + optimizer + working + kept",
-                  self.run_bytes),
-                 ("peak (max of setup and running)", self.peak_bytes)]
+            rows.append(
+                (f"optimizer state buffers: {self.state_chunks} B + {STATE_CHUNKS} x min(B, R)", self.optimizer_bytes)
+            )
+        rows += [
+            (
+                "working: "
+                + (
+                    f"{TRAINING_BLOCKS} B (gradients, temporaries)"
+                    if self.training
+                    else f"{INFERENCE_BLOCKS} B (outputs, temporaries)"
+                ),
+                self.working_bytes,
+            ),
+            ("kept in memory (max_resident_bytes)", self.resident_bytes or 0),
+            (
+                "running: " + ("2 R" if self.training else "R") + " + staging + optimizer + working + kept",
+                self.run_bytes,
+            ),
+            ("peak (max of setup and running)", self.peak_bytes),
+        ]
         return rows
 
 
@@ -109,8 +125,9 @@ class Fitted:
         return self.process_bytes + self.plan.peak_bytes + self.forward_bytes
 
 
-def fit(plan: MemoryPlan, limit: int, process: int, forward: int = FORWARD_BYTES,
-        prefetch: int | None = None) -> Fitted:
+def fit(
+    plan: MemoryPlan, limit: int, process: int, forward: int = FORWARD_BYTES, prefetch: int | None = None
+) -> Fitted:
     """The plan with the most prefetch (up to ``prefetch``, default the plan's) and optimizer buffers, and then the
     most bytes of blocks kept in memory (up to ``plan.resident_bytes``; None: as many as fit, less a tenth of the
     limit kept free), that keeps ``process + plan.peak_bytes + forward`` within ``limit`` bytes; raises ``MemoryError``
@@ -121,11 +138,13 @@ def fit(plan: MemoryPlan, limit: int, process: int, forward: int = FORWARD_BYTES
     if least.peak_bytes > room:
         need = process + least.peak_bytes + forward
         parts = "; ".join(f"{what} {nbytes / 1e6:.1f} MB" for what, nbytes in least.parts())
-        raise MemoryError(f"max_memory={limit} bytes ({limit / 1e6:.1f} MB) cannot hold this model: the least that "
-                          f"works is {need} bytes ({need / 1e6:.1f} MB): the process now {process / 1e6:.1f} MB + "
-                          f"the offload's own {least.peak_bytes / 1e6:.1f} MB ({parts}) + {forward / 1e6:.1f} MB "
-                          f"for the forward's activations. Raise max_memory, or use smaller blocks (the largest "
-                          f"block is held {SETUP_BLOCKS}x while loading)")
+        raise MemoryError(
+            f"max_memory={limit} bytes ({limit / 1e6:.1f} MB) cannot hold this model: the least that "
+            f"works is {need} bytes ({need / 1e6:.1f} MB): the process now {process / 1e6:.1f} MB + "
+            f"the offload's own {least.peak_bytes / 1e6:.1f} MB ({parts}) + {forward / 1e6:.1f} MB "
+            f"for the forward's activations. Raise max_memory, or use smaller blocks (the largest "
+            f"block is held {SETUP_BLOCKS}x while loading)"
+        )
     chosen = least
     for chunks in range(MIN_STATE_CHUNKS, STATE_CHUNKS + 1):
         for depth in range(0, want + 1):
@@ -136,4 +155,3 @@ def fit(plan: MemoryPlan, limit: int, process: int, forward: int = FORWARD_BYTES
     resident = plan.resident_bytes if plan.resident_bytes is not None else spare
     chosen = replace(chosen, resident_bytes=max(0, min(resident, spare)))
     return Fitted(chosen, limit, process, forward)
-

@@ -35,14 +35,17 @@ def process_group(data_parallel: object):
     """The process group ``data_parallel=`` names (None for the default group) or raises; not called for
     ``data_parallel=False``."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise UnsupportedError("offload_parameters(..., data_parallel=...): torch.distributed is not initialized: call "
-                           "torch.distributed.init_process_group() first (torchrun sets its environment)")
+        raise UnsupportedError(
+            "offload_parameters(..., data_parallel=...): torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group() first (torchrun sets its environment)"
+        )
     if data_parallel is True:
         return None
     if isinstance(data_parallel, dist.ProcessGroup):
         return data_parallel
-    raise TypeError(f"data_parallel=: expected True, False or a torch.distributed.ProcessGroup, got "
-                    f"{type(data_parallel).__name__}")
+    raise TypeError(
+        f"data_parallel=: expected True, False or a torch.distributed.ProcessGroup, got {type(data_parallel).__name__}"
+    )
 
 
 def _buckets(grads: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -73,18 +76,21 @@ class GradientAverager:
         """The averages of ``named`` gradients, in order (None where no rank has one)."""
         return self.start(named, where)()
 
-    def start(self, named: Sequence[tuple[str, torch.Tensor | None]], where: str
-              ) -> Callable[[], list[torch.Tensor | None]]:
+    def start(
+        self, named: Sequence[tuple[str, torch.Tensor | None]], where: str
+    ) -> Callable[[], list[torch.Tensor | None]]:
         """Checks which gradients exist on every rank and starts averaging them; returns the call that waits for
         the averages (``average``'s result). The gradients are copied into the buckets here: they may be freed."""
         present = torch.tensor([g is not None for _, g in named], dtype=torch.int32)
         dist.all_reduce(present, group=self.group)
         uneven = [name for (name, _), count in zip(named, present.tolist()) if 0 < count < self.world]
         if uneven:
-            raise UnsupportedError(f"{where}: the gradients of {', '.join(uneven[:5])} exist on some ranks but not on "
-                               f"others: the ranks ran different computations, so they cannot be averaged as "
-                               f"DistributedDataParallel would. Every rank must use the same parameters in each "
-                               f"backward")
+            raise UnsupportedError(
+                f"{where}: the gradients of {', '.join(uneven[:5])} exist on some ranks but not on "
+                f"others: the ranks ran different computations, so they cannot be averaged as "
+                f"DistributedDataParallel would. Every rank must use the same parameters in each "
+                f"backward"
+            )
         grads = [g for _, g in named if g is not None]
         averaged: list[torch.Tensor] = [None] * len(grads)  # type: ignore[list-item]
         scale = 1.0 / self.world
@@ -94,7 +100,7 @@ class GradientAverager:
             flat = torch.empty(sum(g.numel() for g in members), dtype=members[0].dtype, device=members[0].device)
             offset = 0
             for g in members:  # DDP: mul_out(bucket_view, grad, 1 / world_size)
-                torch.mul(g.reshape(-1), scale, out=flat[offset:offset + g.numel()])
+                torch.mul(g.reshape(-1), scale, out=flat[offset : offset + g.numel()])
                 offset += g.numel()
             flats.append(flat)
             works.append(dist.all_reduce(flat, group=self.group, async_op=True))
@@ -107,7 +113,7 @@ class GradientAverager:
                 work.wait()
                 offset = 0
                 for k, shape, numel in bucket:
-                    averaged[k] = flat[offset:offset + numel].view(shape)
+                    averaged[k] = flat[offset : offset + numel].view(shape)
                     offset += numel
             it = iter(averaged)
             return [next(it) if has else None for has in has_grad]
@@ -140,8 +146,7 @@ class DataParallel:
         self.rest = list(rest)
         self.rest_names = list(rest_names)
         self._queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._rest_ready) for p in self.rest
-                         if p.requires_grad]
+        self._handles = [p.register_post_accumulate_grad_hook(self._rest_ready) for p in self.rest if p.requires_grad]
         self._handles.append(module.register_forward_pre_hook(self._broadcast_buffers))
 
     def average_block(self, block, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -182,4 +187,3 @@ class DataParallel:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-

@@ -24,21 +24,27 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
         for name, param in zip(block.names, block.params):
             moved = fn(param.data)
             if moved.device != param.device:
-                raise ValueError(f"this would move the streamed parameter {block.qualified(name)} from "
-                                 f"{param.device} to {moved.device}, but its values live on storage and stream to "
-                                 f"{param.device}: move the model before offload_parameters() (blocks then stream to "
-                                 f"that device)")
+                raise ValueError(
+                    f"this would move the streamed parameter {block.qualified(name)} from "
+                    f"{param.device} to {moved.device}, but its values live on storage and stream to "
+                    f"{param.device}: move the model before offload_parameters() (blocks then stream to "
+                    f"that device)"
+                )
             changes = changes or moved.dtype != param.dtype
         if not changes:
             continue
         if block.compute_dtype is not None:
-            raise ValueError(f"this would convert the streamed parameters of block {block.prefix}, which compute "
-                             f"with compute_dtype={block.compute_dtype} copies of their stored values: convert the "
-                             f"model before offload_parameters(), or change compute_dtype= instead")
+            raise ValueError(
+                f"this would convert the streamed parameters of block {block.prefix}, which compute "
+                f"with compute_dtype={block.compute_dtype} copies of their stored values: convert the "
+                f"model before offload_parameters(), or change compute_dtype= instead"
+            )
         if block.served:
-            raise ValueError(f"this would convert the parameters of block {block.prefix}, served read-only from the "
-                             f"checkpoint {block.served} (serve_from_checkpoint=True): pass dtype= to "
-                             f"offload_parameters() or offload without serve_from_checkpoint=")
+            raise ValueError(
+                f"this would convert the parameters of block {block.prefix}, served read-only from the "
+                f"checkpoint {block.served} (serve_from_checkpoint=True): pass dtype= to "
+                f"offload_parameters() or offload without serve_from_checkpoint="
+            )
         todo.append(block)
     return todo
 

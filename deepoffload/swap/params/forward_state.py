@@ -55,19 +55,28 @@ def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
     # torch.backends.cudnn and .mkldnn (unseen by type checkers), absent from older torch; getattr gives None there,
     # whose fp32_precision raises AttributeError below, so the flag is skipped as before
     owners: tuple[tuple[Callable[[], Any], str], ...] = (
-        (lambda: b, "backends"), (lambda: b.cuda.matmul, "cuda.matmul"), (lambda: b.cudnn, "cudnn"),
-        (lambda: getattr(b.cudnn, "conv", None), "cudnn.conv"), (lambda: b.cudnn.rnn, "cudnn.rnn"),
-        (lambda: b.mkldnn, "mkldnn"), (lambda: getattr(b.mkldnn, "matmul", None), "mkldnn.matmul"),
+        (lambda: b, "backends"),
+        (lambda: b.cuda.matmul, "cuda.matmul"),
+        (lambda: b.cudnn, "cudnn"),
+        (lambda: getattr(b.cudnn, "conv", None), "cudnn.conv"),
+        (lambda: b.cudnn.rnn, "cudnn.rnn"),
+        (lambda: b.mkldnn, "mkldnn"),
+        (lambda: getattr(b.mkldnn, "matmul", None), "mkldnn.matmul"),
         (lambda: getattr(b.mkldnn, "conv", None), "mkldnn.conv"),
-        (lambda: getattr(b.mkldnn, "rnn", None), "mkldnn.rnn"))
+        (lambda: getattr(b.mkldnn, "rnn", None), "mkldnn.rnn"),
+    )
     for owner, path in owners:
         candidates.append((f"{path}.fp32_precision", *_attribute(owner, "fp32_precision")))
     for owner, path, names in (
-            (lambda: b.cuda.matmul, "cuda.matmul", ("allow_tf32", "allow_fp16_reduced_precision_reduction",
-                                                    "allow_bf16_reduced_precision_reduction")),
-            (lambda: b.cudnn, "cudnn", ("enabled", "benchmark", "deterministic", "allow_tf32")),
-            (lambda: b.mkldnn, "mkldnn", ("enabled",)),
-            (lambda: b.opt_einsum, "opt_einsum", ("enabled",))):
+        (
+            lambda: b.cuda.matmul,
+            "cuda.matmul",
+            ("allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"),
+        ),
+        (lambda: b.cudnn, "cudnn", ("enabled", "benchmark", "deterministic", "allow_tf32")),
+        (lambda: b.mkldnn, "mkldnn", ("enabled",)),
+        (lambda: b.opt_einsum, "opt_einsum", ("enabled",)),
+    ):
         for name in names:
             candidates.append((f"{path}.{name}", *_attribute(owner, name)))
     for kind in ("flash", "mem_efficient", "math", "cudnn"):
@@ -77,9 +86,14 @@ def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
             candidates.append((f"cuda.{kind}_sdp", getter, setter))
     candidates += [
         ("float32_matmul_precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-        ("deterministic_algorithms",
-         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
-         lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
+        (
+            "deterministic_algorithms",
+            lambda: (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
+        ),
         ("default_dtype", torch.get_default_dtype, torch.set_default_dtype),
         ("default_device", torch.get_default_device, torch.set_default_device),
     ]
@@ -122,9 +136,15 @@ class ForwardState:
     def capture(cls, tensors: Sequence[torch.Tensor]) -> "ForwardState":
         device_type = _device_type(tensors)
         devices, device_rng = get_device_states(*tensors)
-        return cls(autocast=_autocast_now(), autocast_cache=torch.is_autocast_cache_enabled(),
-                   cpu_rng=torch.get_rng_state(), devices=devices, device_rng=device_rng, device_type=device_type,
-                   settings=tuple(getter() for _, getter, _ in flags()))
+        return cls(
+            autocast=_autocast_now(),
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            cpu_rng=torch.get_rng_state(),
+            devices=devices,
+            device_rng=device_rng,
+            device_type=device_type,
+            settings=tuple(getter() for _, getter, _ in flags()),
+        )
 
     @property
     def autocast_enabled(self) -> dict[str, torch.dtype]:
@@ -141,8 +161,9 @@ class ForwardState:
             now = dict((d, (e, t)) for d, e, t in _autocast_now())
             for device_type, enabled, dtype in self.autocast:
                 if enabled or now[device_type][0]:  # (not entered when off both then and now)
-                    stack.enter_context(torch.amp.autocast(device_type, dtype=dtype, enabled=enabled,
-                                                           cache_enabled=self.autocast_cache))
+                    stack.enter_context(
+                        torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
+                    )
             stack.enter_context(torch.enable_grad())
             yield
 

@@ -36,9 +36,11 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
         if not values:
             return
         if block.served:
-            raise UnsupportedError(f"load_state_dict: block {block.prefix} is served read-only from the checkpoint "
-                               f"{block.served} (serve_from_checkpoint=True), which is never written: offload "
-                               f"without serve_from_checkpoint= to load other values")
+            raise UnsupportedError(
+                f"load_state_dict: block {block.prefix} is served read-only from the checkpoint "
+                f"{block.served} (serve_from_checkpoint=True), which is never written: offload "
+                f"without serve_from_checkpoint= to load other values"
+            )
         with internal():
             write(store, block, values)
         for name in values:

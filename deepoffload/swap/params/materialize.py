@@ -55,8 +55,9 @@ def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 def hf_init(module: nn.Module) -> Init | None:
     """A Hugging Face ``PreTrainedModel``'s own ``_init_weights`` (None for other modules)."""
-    is_hf = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-                for c in type(module).__mro__)
+    is_hf = any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__
+    )
     init = getattr(module, "_init_weights", None)
     return init if is_hf and callable(init) else None
 
@@ -78,8 +79,17 @@ class Materializer:
     serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
     file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only)."""
 
-    def __init__(self, module: nn.Module, block_prefixes: list[str], *, checkpoint: str | os.PathLike | None,
-                 init: Init | None, dtype: torch.dtype | None, strict: bool, serve: bool = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        block_prefixes: list[str],
+        *,
+        checkpoint: str | os.PathLike | None,
+        init: Init | None,
+        dtype: torch.dtype | None,
+        strict: bool,
+        serve: bool = False,
+    ):
         self.module = module
         self.serve = serve
         self.init = init if init is not None else hf_init(module)
@@ -94,12 +104,15 @@ class Materializer:
         _tie_hf_weights(module)
         if checkpoint is not None:
             # read_into keeps at most inflight + one span of buffers (budget.READER_BYTES), whatever the model's size
-            self.reader = CheckpointReader(checkpoint, span_bytes=READER_SPAN_BYTES,
-                                           inflight_bytes=READER_INFLIGHT_BYTES)
+            self.reader = CheckpointReader(
+                checkpoint, span_bytes=READER_SPAN_BYTES, inflight_bytes=READER_INFLIGHT_BYTES
+            )
             try:
                 if serve and not self.reader.format.startswith("safetensors"):
-                    raise ValueError(f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
-                                     f"read where they lie); {checkpoint} is a {self.reader.format} file")
+                    raise ValueError(
+                        f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
+                        f"read where they lie); {checkpoint} is a {self.reader.format} file"
+                    )
                 self.report = self._check(self.reader, strict)
             except BaseException:
                 self.reader.close()
@@ -122,7 +135,7 @@ class Materializer:
         expected = {}
         for names in aliases.values():
             present = [n for n in names if n in reader]
-            for name in (present or names):
+            for name in present or names:
                 t = state[name]
                 expected[name] = (tuple(t.shape), self._target_dtype(t))
         try:
@@ -130,11 +143,13 @@ class Materializer:
         except CheckpointError as e:
             if "missing:" not in str(e) or not type(self.module).__module__.startswith("transformers"):
                 raise
-            raise CheckpointError(f"{e}. Note: transformers renames or merges some models' tensors when loading "
-                                  f"(GPT-NeoX's embed_out is lm_head, Mixtral's and Qwen2-MoE's per-expert weights "
-                                  f"become experts.gate_up_proj / down_proj) and save_pretrained() writes the old "
-                                  f"names; checkpoint= reads the model's own state_dict() names and converts none: "
-                                  f"use a checkpoint in those names (off.save() writes them)") from None
+            raise CheckpointError(
+                f"{e}. Note: transformers renames or merges some models' tensors when loading "
+                f"(GPT-NeoX's embed_out is lm_head, Mixtral's and Qwen2-MoE's per-expert weights "
+                f"become experts.gate_up_proj / down_proj) and save_pretrained() writes the old "
+                f"names; checkpoint= reads the model's own state_dict() names and converts none: "
+                f"use a checkpoint in those names (off.save() writes them)"
+            ) from None
 
     def _replace_meta_parameters(self) -> None:
         replaced: dict[int, nn.Parameter] = {}
@@ -143,8 +158,9 @@ class Materializer:
                 if param is None or not param.is_meta:
                     continue
                 if id(param) not in replaced:
-                    new = nn.Parameter(_placeholder(param.shape, self._target_dtype(param)),
-                                       requires_grad=param.requires_grad)
+                    new = nn.Parameter(
+                        _placeholder(param.shape, self._target_dtype(param)), requires_grad=param.requires_grad
+                    )
                     replaced[id(param)] = new
                     self._todo.add(id(new))
                     self._placeholders.add(id(new))
@@ -196,9 +212,11 @@ class Materializer:
         modules owning a tensor that needs one and the checkpoint lacks, then read what the checkpoint has."""
         reader = self.reader
         loaded = {n: t for _, tensors in owners for n, t in tensors.items() if reader is not None and n in reader}
-        needy = [(m, tensors) for m, tensors in owners
-                 if any((id(t) in self._todo or id(t) in self._initialized) and n not in loaded
-                        for n, t in tensors.items())]
+        needy = [
+            (m, tensors)
+            for m, tensors in owners
+            if any((id(t) in self._todo or id(t) in self._initialized) and n not in loaded for n, t in tensors.items())
+        ]
         if needy:
             self._initialize(needy, loaded)
         if loaded and reader is not None:  # (loaded is empty without a reader)
@@ -214,10 +232,12 @@ class Materializer:
         again = {n for _, tensors in needy for n, t in tensors.items() if id(t) in self._initialized}
         integers = [n for n, t in unset.items() if not t.is_floating_point()]
         if integers:
-            raise ValueError(f"{integers[:10]}: integer tensors on the meta device that "
-                             f"{'the checkpoint lacks' if self.reader else 'have no checkpoint'}; no initializer "
-                             f"can be checked for them: build the model with its buffers in memory (accelerate's "
-                             f"init_empty_weights() keeps them) or load a checkpoint holding them")
+            raise ValueError(
+                f"{integers[:10]}: integer tensors on the meta device that "
+                f"{'the checkpoint lacks' if self.reader else 'have no checkpoint'}; no initializer "
+                f"can be checked for them: build the model with its buffers in memory (accelerate's "
+                f"init_empty_weights() keeps them) or load a checkpoint holding them"
+            )
         kept = {}  # tensors that already had values in a module being initialized: keep them
         for _, tensors in needy:
             for n, t in tensors.items():
@@ -242,10 +262,12 @@ class Materializer:
         left = [n for n, t in unset.items() if torch.isnan(t).any()]
         if left:
             how = "init= left them unset" if self.init is not None else "their modules have no reset_parameters()"
-            raise ValueError(f"{left[:10]}: on the meta device and without a value ({how}"
-                             f"{'; the checkpoint lacks them' if self.reader else ''}); pass init= a function "
-                             f"that initializes each module (e.g. a Hugging Face model's _init_weights), or a "
-                             f"checkpoint= holding them")
+            raise ValueError(
+                f"{left[:10]}: on the meta device and without a value ({how}"
+                f"{'; the checkpoint lacks them' if self.reader else ''}); pass init= a function "
+                f"that initializes each module (e.g. a Hugging Face model's _init_weights), or a "
+                f"checkpoint= holding them"
+            )
 
     def _walk(self, blocks: dict[str, Block]) -> Iterator[tuple[str, nn.Module, Block | None]]:
         """(name, module, its Block or None), children before parents; a block is one item."""
@@ -283,12 +305,16 @@ class Materializer:
             entry = self.reader.location(block.qualified(name))
             if entry is None or entry.dtype != master.dtype or tuple(entry.shape) != tuple(master.shape):
                 return None
-            records[name] = SwapRecord(name, entry.dtype, tuple(entry.shape), entry.nbytes, str(entry.path),
-                                       entry.start, torch.device("cpu"))
+            records[name] = SwapRecord(
+                name, entry.dtype, tuple(entry.shape), entry.nbytes, str(entry.path), entry.start, torch.device("cpu")
+            )
         base = min((r.offset for r in records.values()), default=0)
         end = max((r.offset + r.nbytes for r in records.values()), default=0)
-        if len({r.file for r in records.values()}) != 1 or end - base != sum(r.nbytes for r in records.values()) \
-                or any(r.offset % r.dtype.itemsize for r in records.values()):
+        if (
+            len({r.file for r in records.values()}) != 1
+            or end - base != sum(r.nbytes for r in records.values())
+            or any(r.offset % r.dtype.itemsize for r in records.values())
+        ):
             return None
         return records
 
@@ -309,8 +335,10 @@ class Materializer:
                     block.clear_data()
                     block.move(Residency.ON_STORAGE)
                     continue
-                owners = [(m, self._make(m, qualified, transient=True))
-                          for qualified, m in self._post_order(module, prefix + ".")]
+                owners = [
+                    (m, self._make(m, qualified, transient=True))
+                    for qualified, m in self._post_order(module, prefix + ".")
+                ]
                 for master, param in zip(block.masters, block.params):
                     if master is not param:
                         master.data = param.data  # the walk filled the parameters; the masters are what is stored
@@ -342,13 +370,19 @@ class Materializer:
     def _finish(store, block: Block) -> None:
         write, block.write = block.write, None
         if write is None:
-            raise ResidencyError(f"block {block.prefix}: no write of its parameters is in flight (a bookkeeping bug "
-                                 f"in deepoffload; please report it)")
+            raise ResidencyError(
+                f"block {block.prefix}: no write of its parameters is in flight (a bookkeeping bug "
+                f"in deepoffload; please report it)"
+            )
         try:
             write.wait()
         except OSError as e:
-            raise OSError(e.errno, f"writing the parameters of block {block.prefix} to storage failed "
-                                   f"({e.strerror}); nothing was offloaded", e.filename) from e
+            raise OSError(
+                e.errno,
+                f"writing the parameters of block {block.prefix} to storage failed "
+                f"({e.strerror}); nothing was offloaded",
+                e.filename,
+            ) from e
         block.clear_data()
         block.move(Residency.ON_STORAGE)
         trim_heap()  # what reading the block freed (conversions, the reader's own tensors) goes back to the system
@@ -366,8 +400,10 @@ def _tie_hf_weights(module: nn.Module) -> None:
 
 def check_arguments(checkpoint, init, dtype, strict) -> None:
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
-        raise TypeError(f"checkpoint=: expected a path (a .safetensors file, a sharded folder with its index, or a "
-                        f"torch.save file), got {type(checkpoint).__name__}")
+        raise TypeError(
+            f"checkpoint=: expected a path (a .safetensors file, a sharded folder with its index, or a "
+            f"torch.save file), got {type(checkpoint).__name__}"
+        )
     if init is not None and not callable(init):
         raise TypeError(f"init=: expected a function called with each module, got {type(init).__name__}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -42,10 +42,21 @@ class ParameterOffload:
     reports ``stats``. Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()``
     ends offloading (by default reading the parameters back into memory first)."""
 
-    def __init__(self, module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, prefetch: int, mode: str,
-                 optimizer: OptimizerFactory | None, compute_dtype: torch.dtype | None, config: SwapConfig,
-                 materializer: Materializer | None = None, max_resident_bytes: int | None = None,
-                 data_parallel: object = False, state_chunks: int = STATE_CHUNKS):
+    def __init__(
+        self,
+        module: nn.Module,
+        blocks: Sequence[tuple[str, nn.Module]],
+        *,
+        prefetch: int,
+        mode: str,
+        optimizer: OptimizerFactory | None,
+        compute_dtype: torch.dtype | None,
+        config: SwapConfig,
+        materializer: Materializer | None = None,
+        max_resident_bytes: int | None = None,
+        data_parallel: object = False,
+        state_chunks: int = STATE_CHUNKS,
+    ):
         self.module = module
         self.prefetch = prefetch
         self.mode = mode
@@ -58,9 +69,15 @@ class ParameterOffload:
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
         self._rest_named = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
         rest_bytes = nbytes(self.rest) + nbytes(module.buffers())
-        self.plan = MemoryPlan(self.store.block_span, rest_bytes, prefetch, training=optimizer is not None,
-                               state_chunks=state_chunks, resident_bytes=max_resident_bytes or 0,
-                               reader_bytes=READER_BYTES if materializer is not None and materializer.reader else 0)
+        self.plan = MemoryPlan(
+            self.store.block_span,
+            rest_bytes,
+            prefetch,
+            training=optimizer is not None,
+            state_chunks=state_chunks,
+            resident_bytes=max_resident_bytes or 0,
+            reader_bytes=READER_BYTES if materializer is not None and materializer.reader else 0,
+        )
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
         # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes.
         # The parameters outside blocks get buffers of their own size when smaller (they grow to their largest chunk)
@@ -76,8 +93,7 @@ class ParameterOffload:
         # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
         self._optimizing = optimizer is not None
         self._stepped_ids = self._optimized_ids()
-        self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer,
-                                             rest_optimizer)
+        self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer, rest_optimizer)
         self._token = torch.empty(0, requires_grad=True)
         self._shared = SharedInputs()  # tensors passed to several blocks: their gradients summed as in memory
         self._closed = False
@@ -145,19 +161,25 @@ class ParameterOffload:
             for name, param in zip(block.names, block.params):
                 other = owner.setdefault(id(param), block.qualified(name))
                 if other != block.qualified(name):
-                    raise ValueError(f"parameter {block.qualified(name)} is the same tensor as {other} in another "
-                                     f"block: shared parameters must stay in memory; choose blocks= without them")
+                    raise ValueError(
+                        f"parameter {block.qualified(name)} is the same tensor as {other} in another "
+                        f"block: shared parameters must stay in memory; choose blocks= without them"
+                    )
         prefixes = tuple(b.prefix + "." for b in self.blocks)
         for name, param in self.module.named_parameters(remove_duplicate=False):
             if id(param) in owner and not name.startswith(prefixes):
-                raise ValueError(f"parameter {name} (outside the blocks) is the same tensor as {owner[id(param)]} "
-                                 f"in a block: shared parameters must stay in memory; choose blocks= without it")
+                raise ValueError(
+                    f"parameter {name} (outside the blocks) is the same tensor as {owner[id(param)]} "
+                    f"in a block: shared parameters must stay in memory; choose blocks= without it"
+                )
 
     # -- running blocks (the ``Streamer`` that ``Recompute`` talks to) ---------------------------------------
     def _run(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
         if self._closed:
-            raise ClosedError(f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
-                               f"without restore=True, so they are gone; close(restore=True) keeps them")
+            raise ClosedError(
+                f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
+                f"without restore=True, so they are gone; close(restore=True) keeps them"
+            )
         self._structure.check(block, rest=block.index == 0)  # parameters added or replaced since offloading
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -217,19 +239,22 @@ class ParameterOffload:
             raise StreamedParameterError(
                 f"block {block.prefix}: backward through a forward made before the block's last "
                 f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
-                f"Run validation under torch.no_grad(), and backward each forward before step()")
+                f"Run validation under torch.no_grad(), and backward each forward before step()"
+            )
         if block.trainable and block.served:
             raise StreamedParameterError(
                 f"block {block.prefix}: backward would train parameters that are served read-only "
                 f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
                 f"written: offload without serve_from_checkpoint= to train, or freeze them "
-                f"(requires_grad_(False))")
+                f"(requires_grad_(False))"
+            )
         self._check_unfrozen(block)
         if block.trainable and self._block_optimizer is None:
             raise StreamedParameterError(
                 f"block {block.prefix}: backward needs gradients of its parameters but "
                 f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
-                f"parameters (requires_grad_(False))")
+                f"parameters (requires_grad_(False))"
+            )
         if last and call.nested and self.training.defers_nested:
             last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
@@ -240,8 +265,9 @@ class ParameterOffload:
         holds it, so it would never step (in memory, an optimizer made over ``model.parameters()`` would step it)."""
         if not self._optimizing:
             return
-        named = [(block.qualified(n), m) for n, p, m in zip(block.names, block.params, block.masters)
-                 if p.requires_grad]
+        named = [
+            (block.qualified(n), m) for n, p, m in zip(block.names, block.params, block.masters) if p.requires_grad
+        ]
         named += [(n, p) for n, p in self._rest_named if p.requires_grad]
         for name, param in named:
             if id(param) not in self._stepped_ids:
@@ -251,7 +277,8 @@ class ParameterOffload:
                     f"parameter {name} was frozen when offload_parameters() made the optimizers and "
                     f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
                     f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
-                    f"parameter gets no gradient and is not stepped), or offload again")
+                    f"parameter gets no gradient and is not stepped), or offload again"
+                )
 
     def _optimized_ids(self) -> set[int]:
         return {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
@@ -346,14 +373,20 @@ class ParameterOffload:
             state_written += optimizer.swapper.bytes_written
         store = self.store
         return OffloadStats(
-            bytes_read=store.bytes_read, bytes_written=store.bytes_written,
-            state_bytes_read=state_read, state_bytes_written=state_written,
-            io_wait_seconds=store.io_wait, optimizer_seconds=self.training.optimizer_seconds,
-            resident_bytes=store.resident_bytes(), peak_bytes=store.peak,
-            grad_bytes=store.grad_bytes, peak_grad_bytes=store.peak_grad,
+            bytes_read=store.bytes_read,
+            bytes_written=store.bytes_written,
+            state_bytes_read=state_read,
+            state_bytes_written=state_written,
+            io_wait_seconds=store.io_wait,
+            optimizer_seconds=self.training.optimizer_seconds,
+            resident_bytes=store.resident_bytes(),
+            peak_bytes=store.peak,
+            grad_bytes=store.grad_bytes,
+            peak_grad_bytes=store.peak_grad,
             block_bytes=max((b.nbytes + b.compute_nbytes for b in self.blocks), default=0),
             rest_bytes=nbytes(self.rest),
-            staging_bytes=store.staging_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers))
+            staging_bytes=store.staging_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers),
+        )
 
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
@@ -403,8 +436,10 @@ class ParameterOffload:
             self.training.finish_writes()
             self.store.wait_writes()
             # a pinned block's memory is its own: it becomes the parameters' (no copy)
-            values = [block.master_tensors() if block.state is Residency.PINNED else self.store.read_copy(block)
-                      for block in self.blocks]
+            values = [
+                block.master_tensors() if block.state is Residency.PINNED else self.store.read_copy(block)
+                for block in self.blocks
+            ]
         try:
             if restore:
                 for block, tensors in zip(self.blocks, values):

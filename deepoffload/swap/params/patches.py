@@ -22,6 +22,7 @@ Run = Callable[[Block, Callable, tuple, dict], Any]  # runs a block's forward wi
 def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
     """``forward`` with its floating-point tensor arguments cast to ``dtype`` and its ``dtype`` outputs cast back
     to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16)."""
+
     def cast(x: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only):
             return x.to(to)
@@ -40,8 +41,7 @@ class ModulePatches:
     """The patches on ``module`` and its ``blocks``: ``stream`` and ``guard_moves`` put them on, ``remove`` takes
     them off. ``run`` is called for every call of a streamed block."""
 
-    def __init__(self, module: nn.Module, blocks: list[Block], store: BlockStore, run: Run,
-                 moved: Callable[[], None]):
+    def __init__(self, module: nn.Module, blocks: list[Block], store: BlockStore, run: Run, moved: Callable[[], None]):
         """``moved`` is called after blocks were converted to another dtype."""
         self.module, self.blocks, self.store, self.run, self.moved = module, blocks, store, run, moved
         self.patched: list[tuple[nn.Module, str, Callable]] = []
@@ -73,6 +73,7 @@ class ModulePatches:
     def _block_state_dict_start(block: Block) -> Callable:
         def hook(module, prefix, keep_vars) -> None:
             block.exporting += 1  # its parameters' detach() is allowed until the post hook replaces the results
+
         return hook
 
     def _block_state_dict(self, block: Block) -> Callable:
@@ -85,6 +86,7 @@ class ModulePatches:
             for name, tensor in copies.items():
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = tensor
+
         return hook
 
     def guard_moves(self) -> None:

@@ -48,12 +48,39 @@ if TYPE_CHECKING:
 _local = threading.local()
 
 # attributes and methods that tell nothing about the values and change none of them
-_METADATA = frozenset({
-    "dtype", "device", "layout", "requires_grad", "requires_grad_", "grad_fn", "retains_grad", "is_cuda", "is_cpu",
-    "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps", "is_floating_point",
-    "is_complex", "is_signed", "element_size", "itemsize", "get_device", "names", "name", "register_hook",
-    "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks", "_is_view",
-})
+_METADATA = frozenset(
+    {
+        "dtype",
+        "device",
+        "layout",
+        "requires_grad",
+        "requires_grad_",
+        "grad_fn",
+        "retains_grad",
+        "is_cuda",
+        "is_cpu",
+        "is_meta",
+        "is_sparse",
+        "is_quantized",
+        "is_mkldnn",
+        "is_nested",
+        "is_xpu",
+        "is_mps",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "element_size",
+        "itemsize",
+        "get_device",
+        "names",
+        "name",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+        "_is_view",
+    }
+)
 _SHAPE = frozenset({"shape", "size", "numel", "nelement", "dim", "ndim", "ndimension"})
 
 
@@ -77,10 +104,12 @@ def internal() -> Iterator[None]:
 
 def internal_call(method: Callable) -> Callable:
     """``method`` run inside ``internal()``."""
+
     @functools.wraps(method)
     def run(*args, **kwargs):
         with internal():
             return method(*args, **kwargs)
+
     return run
 
 
@@ -119,8 +148,10 @@ class StreamedParameter(nn.Parameter):
     # narrower than Tensor.__repr__(self, *, tensor_contents=None), as nn.Parameter's own is: repr() passes nothing
     def __repr__(self) -> str:  # type: ignore[override]
         block, name = self._streamed
-        return (f"StreamedParameter(shape={tuple(block.shapes[block.names.index(name)])}, dtype={self.dtype}, "
-                f"{block.qualified(name)} {block.state.value})")
+        return (
+            f"StreamedParameter(shape={tuple(block.shapes[block.names.index(name)])}, dtype={self.dtype}, "
+            f"{block.qualified(name)} {block.state.value})"
+        )
 
 
 class GradsAwayParameter(nn.Parameter):
@@ -218,8 +249,11 @@ def _check(func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         return False, None
     if attribute == "is_leaf" and isinstance(target, StreamedParameter):
         raise StreamedParameterError(_message(target, "an optimizer over it", "optimizer"))
-    written = _streamed_in([target]) if attribute == "data" or (attribute.endswith("_") and
-                                                              not attribute.startswith("__")) else []
+    written = (
+        _streamed_in([target])
+        if attribute == "data" or (attribute.endswith("_") and not attribute.startswith("__"))
+        else []
+    )
     if written:
         raise StreamedParameterError(_message(written[0], f"{attribute} on it", "write"))
     if attribute == "detach" and isinstance(target, StreamedParameter) and target._streamed[0].exporting:
@@ -236,31 +270,43 @@ def _message(param: StreamedParameter, what: str, kind: str) -> str:
     if wrapper is not None:
         return wrapper_message(wrapper, where)
     if block.discarded:
-        return (f"{where} and its values were discarded by close(restore=False), so {what} would see no weights; "
-                f"close(restore=True) (the default) keeps them")
+        return (
+            f"{where} and its values were discarded by close(restore=False), so {what} would see no weights; "
+            f"close(restore=True) (the default) keeps them"
+        )
     if kind == "read":
-        return (f"{where} and its values are on storage now (the parameter holds a 0-element placeholder), so "
-                f"{what} would see no weights. Copying or saving parameters one by one ({{n: p.detach().clone() for "
-                f"n, p in model.named_parameters()}}, torch.save of parameters, EMA copies, parameters_to_vector) "
-                f"cannot work on a streamed model: use model.state_dict() (the real weights, read one block at a "
-                f"time; save_pretrained uses it too), or off.close() to have them in memory again")
+        return (
+            f"{where} and its values are on storage now (the parameter holds a 0-element placeholder), so "
+            f"{what} would see no weights. Copying or saving parameters one by one ({{n: p.detach().clone() for "
+            f"n, p in model.named_parameters()}}, torch.save of parameters, EMA copies, parameters_to_vector) "
+            f"cannot work on a streamed model: use model.state_dict() (the real weights, read one block at a "
+            f"time; save_pretrained uses it too), or off.close() to have them in memory again"
+        )
     if kind == "write":
-        return (f"{where}: {what} would change values that live on storage and are read again before each use, so "
-                f"the change would be lost. Load weights with model.load_state_dict() (it writes to storage), or "
-                f"change them (nn.init, p.data = ...) before offload_parameters() or after off.close()")
+        return (
+            f"{where}: {what} would change values that live on storage and are read again before each use, so "
+            f"the change would be lost. Load weights with model.load_state_dict() (it writes to storage), or "
+            f"change them (nn.init, p.data = ...) before offload_parameters() or after off.close()"
+        )
     if kind == "copy":
-        return (f"{where}: {what} of a streamed model or parameter would keep streaming through this model's "
-                f"offload. Copy the weights with model.state_dict() (e.g. into a fresh model with "
-                f"load_state_dict) or copy the model before offload_parameters()")
-    return (f"{where}: {what} (a torch.optim optimizer built over model.parameters() after offloading) would never "
-            f"see the streamed blocks' gradients, which offload_parameters steps itself. Pass optimizer=<factory> "
-            f"to offload_parameters(...) and call off.step(); an optimizer for other parameters must leave out "
-            f"StreamedParameter instances")
+        return (
+            f"{where}: {what} of a streamed model or parameter would keep streaming through this model's "
+            f"offload. Copy the weights with model.state_dict() (e.g. into a fresh model with "
+            f"load_state_dict) or copy the model before offload_parameters()"
+        )
+    return (
+        f"{where}: {what} (a torch.optim optimizer built over model.parameters() after offloading) would never "
+        f"see the streamed blocks' gradients, which offload_parameters steps itself. Pass optimizer=<factory> "
+        f"to offload_parameters(...) and call off.step(); an optimizer for other parameters must leave out "
+        f"StreamedParameter instances"
+    )
 
 
 def _grad_message(param: StreamedParameter, where: str) -> str:
     block, name = param._streamed
-    return (f"parameter {block.qualified(name)} is streamed by offload_parameters(): its gradient is {where} until "
-            f"off.step(), so p.grad would say None. This is what torch.nn.utils.clip_grad_norm_(model.parameters()), "
-            f"gradient logging, model.zero_grad() or an optimizer over model.parameters() read: clip with "
-            f"off.step(clip_grad_norm=...) in mode=\"grads\", and zero with off.zero_grad()")
+    return (
+        f"parameter {block.qualified(name)} is streamed by offload_parameters(): its gradient is {where} until "
+        f"off.step(), so p.grad would say None. This is what torch.nn.utils.clip_grad_norm_(model.parameters()), "
+        f"gradient logging, model.zero_grad() or an optimizer over model.parameters() read: clip with "
+        f'off.step(clip_grad_norm=...) in mode="grads", and zero with off.zero_grad()'
+    )

@@ -17,6 +17,7 @@ from .offload import ParameterOffload
 
 def _model_class(config: Any, model_class: Any) -> Any:
     import transformers
+
     if model_class is not None:
         return model_class
     for name in getattr(config, "architectures", None) or ():
@@ -34,8 +35,9 @@ def _build(model_class: Any, config: Any) -> nn.Module:
     return model_class(config)
 
 
-def from_pretrained(folder: str | os.PathLike, /, model_class: Any = None, *, dtype: torch.dtype | None = None,
-                    **options: Any) -> tuple[nn.Module, ParameterOffload]:
+def from_pretrained(
+    folder: str | os.PathLike, /, model_class: Any = None, *, dtype: torch.dtype | None = None, **options: Any
+) -> tuple[nn.Module, ParameterOffload]:
     """Build the model of ``folder`` from its ``config.json`` on the ``meta`` device and load its weights
     streamed (``offload_parameters(model, checkpoint=folder, ...)``); return the model (in eval mode, as
     ``from_pretrained`` returns it) and its ``ParameterOffload``.
@@ -47,6 +49,7 @@ def from_pretrained(folder: str | os.PathLike, /, model_class: Any = None, *, dt
         ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ...); ``checkpoint`` is
         ``folder``, and non-persistent buffers (rotary ``inv_freq``) are computed by the model's ``_init_weights``."""
     from transformers import AutoConfig
+
     folder = Path(folder)
     if "checkpoint" in options:
         raise TypeError("from_pretrained: the checkpoint is the folder given; pass no checkpoint=")

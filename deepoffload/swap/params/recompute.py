@@ -75,6 +75,7 @@ class BlockCall:
 class _Saved:
     """A tensor the autograd graph saved (weakly referenced: it dies with the graph). ``stale``: the graph outlived
     the block's forward (see ``Recompute.forward``); unpacking it, i.e. back-propagating through it, raises."""
+
     __slots__ = ("tensor", "stale", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
@@ -90,6 +91,7 @@ def _unpack(holder: _Saved) -> torch.Tensor:
 
 def _watched(saved: list) -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks that record a weak reference to each tensor the graph built meanwhile saves."""
+
     def pack(tensor: torch.Tensor) -> _Saved:
         holder = _Saved(tensor.detach())  # (a saved output holding its own grad_fn would make a reference cycle)
         saved.append(weakref.ref(holder))
@@ -116,13 +118,15 @@ def check_loss_scaling(block: Block, state: ForwardState) -> None:
     block's gradients never sit in memory for it (fused mode steps the block inside its backward)."""
     half = [d for d, dtype in state.autocast_enabled.items() if dtype == torch.float16]
     if half and block.trainable:
-        raise ValueError(f"block {block.prefix}: training streamed blocks under torch.autocast({half[0]!r}, "
-                         f"dtype=torch.float16) is not supported: fp16 needs a GradScaler, which must unscale and "
-                         f"check every gradient for inf/NaN before any parameter steps, and streamed blocks' "
-                         f"gradients are stepped or stored block by block. Use bfloat16 instead "
-                         f"(torch.autocast(dtype=torch.bfloat16), TrainingArguments(bf16=True), "
-                         f"Accelerator(mixed_precision=\"bf16\")), or compute_dtype=torch.bfloat16; fp16 autocast "
-                         f"works for inference (torch.no_grad()) and for frozen blocks")
+        raise ValueError(
+            f"block {block.prefix}: training streamed blocks under torch.autocast({half[0]!r}, "
+            f"dtype=torch.float16) is not supported: fp16 needs a GradScaler, which must unscale and "
+            f"check every gradient for inf/NaN before any parameter steps, and streamed blocks' "
+            f"gradients are stepped or stored block by block. Use bfloat16 instead "
+            f"(torch.autocast(dtype=torch.bfloat16), TrainingArguments(bf16=True), "
+            f'Accelerator(mixed_precision="bf16")), or compute_dtype=torch.bfloat16; fp16 autocast '
+            f"works for inference (torch.no_grad()) and for frozen blocks"
+        )
 
 
 class Recompute(torch.autograd.Function):
@@ -153,11 +157,13 @@ class Recompute(torch.autograd.Function):
             del flat  # the graph (and its views of the parameters) goes before the parameters are released
             stale = [h for h in (ref() for ref in saved) if h is not None]
             if stale:
-                problem = (f"block {block.prefix}: a tensor computed inside it outlives its forward other than as "
-                           f"its output (e.g. transformers recording router logits or attention weights with hooks: "
-                           f"output_router_logits=True, output_attentions=True); a backward through it would reach "
-                           f"the block's parameters after they are released or stepped, so its gradients would be "
-                           f"wrong. Train with those outputs off, or keep this module in memory (blocks= without it)")
+                problem = (
+                    f"block {block.prefix}: a tensor computed inside it outlives its forward other than as "
+                    f"its output (e.g. transformers recording router logits or attention weights with hooks: "
+                    f"output_router_logits=True, output_attentions=True); a backward through it would reach "
+                    f"the block's parameters after they are released or stepped, so its gradients would be "
+                    f"wrong. Train with those outputs off, or keep this module in memory (blocks= without it)"
+                )
                 if block.module.training:
                     raise ValueError(problem)
                 for holder in stale:  # eval mode (a validation forward without no_grad): only its backward raises
@@ -183,13 +189,15 @@ class Recompute(torch.autograd.Function):
                     given = as_given(inputs, call.was_leaf)
                     flat, _ = pytree.tree_flatten(call.run(given))
                 n = len(call.out_positions)
-                pairs = [(flat[i], g) for i, g in zip(call.out_positions, grads[:n])
-                         if g is not None and flat[i].requires_grad]
+                pairs = [
+                    (flat[i], g)
+                    for i, g in zip(call.out_positions, grads[:n])
+                    if g is not None and flat[i].requires_grad
+                ]
                 # the gradient summed by later blocks for an input passed on to them: made last, so the engine adds
                 # it into the input's gradient first, then this block's own uses (see shared_inputs)
                 with torch.enable_grad():
-                    pairs += [(given[k].view_as(given[k]), g) for k, g in zip(call.chained, grads[n:])
-                              if g is not None]
+                    pairs += [(given[k].view_as(given[k]), g) for k, g in zip(call.chained, grads[n:]) if g is not None]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 del flat, pairs, given

@@ -48,8 +48,9 @@ class Residency(enum.Enum):
 TRANSITIONS: dict[Residency, frozenset[Residency]] = {
     Residency.ON_STORAGE: frozenset({Residency.READING, Residency.RESTORED}),
     Residency.READING: frozenset({Residency.RESIDENT, Residency.ON_STORAGE}),
-    Residency.RESIDENT: frozenset({Residency.ON_STORAGE, Residency.WRITING, Residency.KEPT, Residency.RESTORED,
-                                   Residency.PINNED}),
+    Residency.RESIDENT: frozenset(
+        {Residency.ON_STORAGE, Residency.WRITING, Residency.KEPT, Residency.RESTORED, Residency.PINNED}
+    ),
     Residency.WRITING: frozenset({Residency.ON_STORAGE, Residency.KEPT}),
     Residency.KEPT: frozenset({Residency.WRITING, Residency.RESTORED}),
     Residency.PINNED: frozenset({Residency.WRITING, Residency.RESTORED, Residency.ON_STORAGE}),
@@ -95,13 +96,18 @@ class Block:
         self.params = [p for _, p in named]
         own = own_dtype_parameters(module, compute_dtype)
         # a parameter computing in another dtype than its master's gets a compute copy; the others are their master
-        self.masters = [p if compute_dtype is None or id(p) in own else
-                        nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in self.params]
+        self.masters = [
+            p if compute_dtype is None or id(p) in own else nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            for p in self.params
+        ]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.compute_dtype = compute_dtype
         self.nbytes = nbytes(self.masters)
-        self.compute_nbytes = sum(p.numel() * torch.empty(0, dtype=compute_dtype).element_size()
-                                  for p, m in zip(self.params, self.masters) if m is not p)
+        self.compute_nbytes = sum(
+            p.numel() * torch.empty(0, dtype=compute_dtype).element_size()
+            for p, m in zip(self.params, self.masters)
+            if m is not p
+        )
         self.state = Residency.RESIDENT  # until offload_parameters has written it (see ``written_out``)
         self.read: SwapIn | None = None
         self.write: SwapOut | None = None
@@ -131,8 +137,10 @@ class Block:
     # -- state ------------------------------------------------------------------------------------------------
     def move(self, to: Residency) -> None:
         if to not in TRANSITIONS[self.state]:
-            raise ResidencyError(f"block {self.prefix}: its parameters cannot go from {self.state.value} to "
-                                 f"{to.value} (a bookkeeping bug in deepoffload; please report it)")
+            raise ResidencyError(
+                f"block {self.prefix}: its parameters cannot go from {self.state.value} to "
+                f"{to.value} (a bookkeeping bug in deepoffload; please report it)"
+            )
         self.state = to
 
     @property
@@ -198,24 +206,33 @@ class Block:
 
     def changed(self) -> list[str]:
         """Names of the parameters changed since ``record_versions``."""
-        return [name for name, p, seen in zip(self.names, self.params, self.seen)
-                if (p._version, p.data_ptr(), p.dtype, p.device) != seen]
+        return [
+            name
+            for name, p, seen in zip(self.names, self.params, self.seen)
+            if (p._version, p.data_ptr(), p.dtype, p.device) != seen
+        ]
 
     def unwritable(self, names: list[str]) -> dict[str, str]:
         """Of the changed ``names``, those whose values cannot be written to storage exactly, with the reason."""
         if self.served:
-            return {name: f"its block is served read-only from the checkpoint {self.served} "
-                          f"(serve_from_checkpoint=True)" for name in names}
+            return {
+                name: f"its block is served read-only from the checkpoint {self.served} (serve_from_checkpoint=True)"
+                for name in names
+            }
         reasons = {}
         for name in names:
             k = self.names.index(name)
             param, master, (_, _, dtype, device) = self.params[k], self.masters[k], self.seen[k]
             if master is not param:
-                reasons[name] = (f"it is a {self.compute_dtype} compute copy of {master.dtype} master values "
-                                 f"(compute_dtype=), and the masters are what is stored")
+                reasons[name] = (
+                    f"it is a {self.compute_dtype} compute copy of {master.dtype} master values "
+                    f"(compute_dtype=), and the masters are what is stored"
+                )
             elif tuple(param.shape) != self.shapes[k] or param.dtype != dtype or param.device != device:
-                reasons[name] = (f"it is now {tuple(param.shape)} {param.dtype} on {param.device}, but stored as "
-                                 f"{self.shapes[k]} {dtype} on {device}")
+                reasons[name] = (
+                    f"it is now {tuple(param.shape)} {param.dtype} on {param.device}, but stored as "
+                    f"{self.shapes[k]} {dtype} on {device}"
+                )
         return reasons
 
     def clear_data(self) -> None:

@@ -63,9 +63,11 @@ def check_caches(block_name: str, flat: list) -> list[object]:
         bad = [layer for part in parts for layer in getattr(part, "layers", ()) if not _rebinding_layer(layer)]
         if bad or any(not hasattr(part, "layers") or _nested(part) for part in parts):
             what = type(bad[0]).__name__ if bad else type(cache).__name__
-            raise ValueError(f"block {block_name}: a {what} is passed to it in a forward with gradients enabled; its "
-                             f"backward recomputes the block, which would update that cache a second time. Use a "
-                             f"DynamicCache, or use_cache=False when training")
+            raise ValueError(
+                f"block {block_name}: a {what} is passed to it in a forward with gradients enabled; its "
+                f"backward recomputes the block, which would update that cache a second time. Use a "
+                f"DynamicCache, or use_cache=False when training"
+            )
     return caches
 
 

@@ -69,8 +69,11 @@ class BlockStore:
         try:
             write.wait()
         except OSError as e:
-            raise OSError(e.errno, f"offloading the parameters of block {block.prefix} failed ({e.strerror}); the "
-                                   f"module is unchanged", e.filename) from e
+            raise OSError(
+                e.errno,
+                f"offloading the parameters of block {block.prefix} failed ({e.strerror}); the module is unchanged",
+                e.filename,
+            ) from e
 
     # -- reads and releases -----------------------------------------------------------------------------------
     def start_read(self, block: Block) -> None:
@@ -80,9 +83,11 @@ class BlockStore:
         self.wait_write(block)
         records = self.swapper.records(block.group)
         if len(records) != len(block.names):
-            raise ResidencyError(f"block {block.prefix}: nothing valid on storage for its parameters "
-                                 f"{', '.join(block.qualified(n) for n in block.names[:3])}... (an earlier write "
-                                 f"failed and the copy in memory is gone)")
+            raise ResidencyError(
+                f"block {block.prefix}: nothing valid on storage for its parameters "
+                f"{', '.join(block.qualified(n) for n in block.names[:3])}... (an earlier write "
+                f"failed and the copy in memory is gone)"
+            )
         try:
             block.read = self.swapper.swap_in([block.group])
         except OSError as e:
@@ -98,8 +103,10 @@ class BlockStore:
             block.move(Residency.RESIDENT)  # raises: nothing is being read
         read = block.read
         if read is None:
-            raise ResidencyError(f"block {block.prefix}: its parameters are {block.state.value} but no read is in "
-                                 f"flight (a bookkeeping bug in deepoffload; please report it)")
+            raise ResidencyError(
+                f"block {block.prefix}: its parameters are {block.state.value} but no read is in "
+                f"flight (a bookkeeping bug in deepoffload; please report it)"
+            )
         start = time.perf_counter()
         try:
             tensors = read.wait()[block.group]
@@ -117,11 +124,14 @@ class BlockStore:
         names = ", ".join(block.qualified(n) for n in block.names)
         path = error.filename or next(iter(self.swapper.records(block.group).values())).file
         if error.errno == errno.ENOENT:
-            return FileNotFoundError(errno.ENOENT, f"the swap file of parameter {block.qualified(block.names[0])} "
-                                                   f"(block {block.prefix}: {names}) is missing; it was deleted while "
-                                                   f"offloaded, so these parameters are lost", path)
-        return OSError(error.errno, f"reading parameters {names} (block {block.prefix}) failed: {error.strerror}",
-                       path)
+            return FileNotFoundError(
+                errno.ENOENT,
+                f"the swap file of parameter {block.qualified(block.names[0])} "
+                f"(block {block.prefix}: {names}) is missing; it was deleted while "
+                f"offloaded, so these parameters are lost",
+                path,
+            )
+        return OSError(error.errno, f"reading parameters {names} (block {block.prefix}) failed: {error.strerror}", path)
 
     def release(self, block: Block, keep_changes: bool = True) -> None:
         """Drop ``block``'s memory if storage holds its values (READING or RESIDENT); other states are kept.
@@ -161,10 +171,12 @@ class BlockStore:
             raise self._lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
         if all(block.masters[block.names.index(name)] is not block.params[block.names.index(name)] for name in lost):
             block.refresh_compute()
-            raise self._lost_change(block, lost, "it was dropped and the parameter holds the cast of its master "
-                                                 "values again")
-        raise self._lost_change(block, lost, "it is left in place: give the parameter back a tensor of its stored "
-                                             "shape, dtype and device")
+            raise self._lost_change(
+                block, lost, "it was dropped and the parameter holds the cast of its master values again"
+            )
+        raise self._lost_change(
+            block, lost, "it is left in place: give the parameter back a tensor of its stored shape, dtype and device"
+        )
 
     def check_kept_values(self, block: Block) -> None:
         """Before a block in memory is computed with, stepped or copied (no release checks a pinned one):
@@ -193,7 +205,8 @@ class BlockStore:
             f"parameter {block.qualified(name)} was changed in place while its block was in memory "
             f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
             f"forward), but {reason}, so the change cannot be written to storage: {outcome}. Change "
-            f"or load weights before offload_parameters() or after off.close()")
+            f"or load weights before offload_parameters() or after off.close()"
+        )
 
     def pin(self, block: Block) -> None:
         """Make ``block`` resident for good (until ``unpin``): its memory leaves the staging pool, no release drops
@@ -273,8 +286,10 @@ class BlockStore:
             return
         write = block.write
         if write is None:
-            raise ResidencyError(f"block {block.prefix}: its parameters are {block.state.value} but no write is in "
-                                 f"flight (a bookkeeping bug in deepoffload; please report it)")
+            raise ResidencyError(
+                f"block {block.prefix}: its parameters are {block.state.value} but no write is in "
+                f"flight (a bookkeeping bug in deepoffload; please report it)"
+            )
         start = time.perf_counter()
         try:
             write.wait()
@@ -282,8 +297,12 @@ class BlockStore:
             block.set_data(block.written)  # the bytes stay in memory, where they are the only valid copy
             block.write, block.written = None, {}
             block.move(Residency.KEPT)
-            raise OSError(e.errno, f"writing the parameters of block {block.prefix} failed ({e.strerror}); they "
-                                   f"stay in memory; free space and call flush()", e.filename) from e
+            raise OSError(
+                e.errno,
+                f"writing the parameters of block {block.prefix} failed ({e.strerror}); they "
+                f"stay in memory; free space and call flush()",
+                e.filename,
+            ) from e
         else:  # (interrupted, e.g. by Ctrl-C: still WRITING with its write, which the next wait collects)
             block.write, block.written = None, {}
             block.move(Residency.ON_STORAGE)
@@ -309,7 +328,8 @@ class BlockStore:
             raise StreamedParameterError(
                 f"block {block.prefix}: its parameters are served read-only from the checkpoint "
                 f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
-                f"serve_from_checkpoint= to change or train them")
+                f"serve_from_checkpoint= to change or train them"
+            )
         self.wait_writes()
         staged, block.read = block.read, None
         try:

@@ -13,8 +13,10 @@ from torch import nn
 from ...errors import UnsupportedError
 from .residency import Block
 
-ORDER = ("make such changes (resize_token_embeddings, get_peft_model, add_module, replacing modules) before "
-         "offload_parameters(), or close() the offload, change the model and offload it again")
+ORDER = (
+    "make such changes (resize_token_embeddings, get_peft_model, add_module, replacing modules) before "
+    "offload_parameters(), or close() the offload, change the model and offload it again"
+)
 
 
 def _identities(named) -> dict[str, int]:
@@ -34,22 +36,27 @@ class Structure:
     def _rest(self) -> dict[str, int]:
         if self.whole:
             return {}
-        return _identities((n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
-                           if not n.startswith(self.prefixes))
+        return _identities(
+            (n, p) for n, p in self.module.named_parameters(remove_duplicate=False) if not n.startswith(self.prefixes)
+        )
 
     def check(self, block: Block, rest: bool) -> None:
         """Raise if ``block``'s parameters (and with ``rest`` those outside the blocks) differ from those at
         offloading."""
         now = _identities(block.module.named_parameters(remove_duplicate=False))
         if now != self.blocks[block.index]:
-            raise UnsupportedError(f"block {block.prefix}: {_difference(self.blocks[block.index], now, block.prefix)} "
-                               f"after offload_parameters(), so it would not be streamed or stepped with the block "
-                               f"(a silently untrained or lost parameter): {ORDER}")
+            raise UnsupportedError(
+                f"block {block.prefix}: {_difference(self.blocks[block.index], now, block.prefix)} "
+                f"after offload_parameters(), so it would not be streamed or stepped with the block "
+                f"(a silently untrained or lost parameter): {ORDER}"
+            )
         if rest:
             now = self._rest()
             if now != self.rest:
-                raise UnsupportedError(f"{_difference(self.rest, now, '')} after offload_parameters(), so no optimizer "
-                                   f"made there would step it (its gradient would pile up, untrained): {ORDER}")
+                raise UnsupportedError(
+                    f"{_difference(self.rest, now, '')} after offload_parameters(), so no optimizer "
+                    f"made there would step it (its gradient would pile up, untrained): {ORDER}"
+                )
 
 
 def _difference(then: dict[str, int], now: dict[str, int], prefix: str) -> str:
@@ -64,11 +71,18 @@ def _difference(then: dict[str, int], now: dict[str, int], prefix: str) -> str:
     moved = [n for n in added if now[n] in old_names]
     added = [n for n in added if n not in moved]
     removed = [n for n in removed if then[n] not in {now[m] for m in moved}]
-    parts = [f"parameter {full(old_names[now[moved[0]]])} was moved to {full(moved[0])}"
-             + (f" ({len(moved) - 1} more moved)" if len(moved) > 1 else "")] if moved else []
+    parts = (
+        [
+            f"parameter {full(old_names[now[moved[0]]])} was moved to {full(moved[0])}"
+            + (f" ({len(moved) - 1} more moved)" if len(moved) > 1 else "")
+        ]
+        if moved
+        else []
+    )
     for names, what in ((replaced, "replaced"), (added, "added"), (removed, "removed")):
         if names:
             shown = ", ".join(full(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            parts.append(f"parameter{'s' if len(names) > 1 else ''} {shown} {'were' if len(names) > 1 else 'was'} "
-                         f"{what}")
+            parts.append(
+                f"parameter{'s' if len(names) > 1 else ''} {shown} {'were' if len(names) > 1 else 'was'} {what}"
+            )
     return "; ".join(parts)

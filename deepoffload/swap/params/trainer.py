@@ -30,8 +30,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
         if not offload.optimizers:
             raise ValueError("StreamedOptimizer: offload_parameters() got no optimizer=; pass one to train")
         if clip_grad_norm is not None and offload.mode != "grads":
-            raise ValueError("StreamedOptimizer(clip_grad_norm=...): clipping needs offload_parameters(..., "
-                             "mode=\"grads\")")
+            raise ValueError(
+                'StreamedOptimizer(clip_grad_norm=...): clipping needs offload_parameters(..., mode="grads")'
+            )
         # not Optimizer.__init__: the parameters and their state belong to offload's optimizers
         self.offload, self.clip_grad_norm = offload, clip_grad_norm
         self.defaults = dict(offload.optimizers[0].defaults)
@@ -62,8 +63,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
     # returns offload.step()'s gradient norm (a tensor, or None), not a closure's loss: closures are refused
     def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor | None:  # type: ignore[override]
         if closure is not None:
-            raise ValueError("StreamedOptimizer.step(closure): closures are not supported (blocks step inside "
-                             "backward in fused mode)")
+            raise ValueError(
+                "StreamedOptimizer.step(closure): closures are not supported (blocks step inside "
+                "backward in fused mode)"
+            )
         return self.offload.step(clip_grad_norm=self.clip_grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -77,8 +80,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         states = state_dict.get("optimizers")
         if not isinstance(states, list) or len(states) != len(self.offload.optimizers):
-            raise ValueError("StreamedOptimizer.load_state_dict: expected the state_dict() of a StreamedOptimizer "
-                             "over the same offload_parameters() setup")
+            raise ValueError(
+                "StreamedOptimizer.load_state_dict: expected the state_dict() of a StreamedOptimizer "
+                "over the same offload_parameters() setup"
+            )
         for optimizer, state in zip(self.offload.optimizers, states):
             optimizer.load_state_dict(state)
 
@@ -95,13 +100,17 @@ def trainer_arguments(offload: ParameterOffload, clip_grad_norm: float | None = 
     class StreamingCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             if args.max_grad_norm and args.max_grad_norm > 0:
-                raise ValueError(f"Trainer max_grad_norm={args.max_grad_norm} with streamed blocks: the Trainer "
-                                 f"would clip only the gradients in memory, not the streamed blocks'. Set "
-                                 f"TrainingArguments(max_grad_norm=0) and, to clip, use mode=\"grads\" and "
-                                 f"trainer_arguments(offload, clip_grad_norm=...)")
+                raise ValueError(
+                    f"Trainer max_grad_norm={args.max_grad_norm} with streamed blocks: the Trainer "
+                    f"would clip only the gradients in memory, not the streamed blocks'. Set "
+                    f'TrainingArguments(max_grad_norm=0) and, to clip, use mode="grads" and '
+                    f"trainer_arguments(offload, clip_grad_norm=...)"
+                )
             if args.gradient_accumulation_steps > 1 and offload.mode == "fused":
-                raise ValueError("Trainer gradient_accumulation_steps > 1 needs offload_parameters(..., "
-                                 "mode=\"grads\"): in fused mode each block steps inside its backward")
+                raise ValueError(
+                    "Trainer gradient_accumulation_steps > 1 needs offload_parameters(..., "
+                    'mode="grads"): in fused mode each block steps inside its backward'
+                )
             # the Trainer logs a gradient norm over model.parameters() before each step: the streamed blocks'
             # gradients read None there (that logged norm covers the parameters in memory only)
             for block in offload.blocks:

@@ -43,8 +43,15 @@ class Training:
     name = ""
     defers_nested = False  # calls back-propagated in nested passes (reentrant checkpoint) step in step()
 
-    def __init__(self, module: nn.Module, store: BlockStore, prefetch: int, rest: list[nn.Parameter],
-                 block_optimizer: OffloadedOptimizer | None, rest_optimizer: OffloadedOptimizer | None):
+    def __init__(
+        self,
+        module: nn.Module,
+        store: BlockStore,
+        prefetch: int,
+        rest: list[nn.Parameter],
+        block_optimizer: OffloadedOptimizer | None,
+        rest_optimizer: OffloadedOptimizer | None,
+    ):
         self.module, self.store, self.prefetch, self.rest = module, store, prefetch, rest
         self.block_optimizer, self.rest_optimizer = block_optimizer, rest_optimizer
         self.optimizer_seconds = 0.0
@@ -84,9 +91,11 @@ class Training:
         """The blocks' optimizer, to step or prefetch for the trainable ``block`` (``ParameterOffload`` refuses a
         trainable block's backward when there is none)."""
         if self.block_optimizer is None:
-            raise StreamedParameterError(f"block {block.prefix}: its parameters are trained but offload_parameters() "
-                                         f"got no optimizer=: pass optimizer= to train, or freeze the parameters "
-                                         f"(requires_grad_(False))")
+            raise StreamedParameterError(
+                f"block {block.prefix}: its parameters are trained but offload_parameters() "
+                f"got no optimizer=: pass optimizer= to train, or freeze the parameters "
+                f"(requires_grad_(False))"
+            )
         return self.block_optimizer
 
     def step_block(self, block: Block, grads: dict[str, torch.Tensor]) -> None:
@@ -112,8 +121,11 @@ class Training:
     def block_grads(block: Block, consume: bool = True) -> dict[str, torch.Tensor]:
         """The block's in-memory gradients in the master dtype (``param.grad`` added to any kept after a failed
         write; with ``consume`` the block holds none of those kept afterwards)."""
-        grads = {name: (param.grad if param is master else param.grad.to(master.dtype))
-                 for name, param, master in zip(block.names, block.params, block.masters) if param.grad is not None}
+        grads = {
+            name: (param.grad if param is master else param.grad.to(master.dtype))
+            for name, param, master in zip(block.names, block.params, block.masters)
+            if param.grad is not None
+        }
         kept = block.grads
         if consume:
             block.grads = {}
@@ -136,16 +148,19 @@ class Fused(Training):
         if not (last and block.trainable):
             return
         if accumulating():
-            raise UnsupportedError(f"block {block.prefix}: accelerate accumulates gradients here (Accelerator("
-                               f"gradient_accumulation_steps>1) inside accelerator.accumulate(), before its step), but "
-                               f"in fused mode each block steps inside its backward. Use offload_parameters(..., "
-                               f"mode=\"grads\") to accumulate gradients")
+            raise UnsupportedError(
+                f"block {block.prefix}: accelerate accumulates gradients here (Accelerator("
+                f"gradient_accumulation_steps>1) inside accelerator.accumulate(), before its step), but "
+                f"in fused mode each block steps inside its backward. Use offload_parameters(..., "
+                f'mode="grads") to accumulate gradients'
+            )
         if block.stepped:
             raise StreamedParameterError(
                 f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
                 f"accumulation, or a second loss): each block steps inside its backward, so the "
                 f"second pass would step it again. Call step() after each backward, or use "
-                f"offload_parameters(..., mode=\"grads\") to accumulate gradients")
+                f'offload_parameters(..., mode="grads") to accumulate gradients'
+            )
         self.stepping_optimizer(block).prefetch(m for m in block.masters if m.requires_grad)
 
     def after_backward(self, block: Block) -> None:
@@ -170,9 +185,11 @@ class Fused(Training):
 
     def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[None, None]:
         if clip_grad_norm is not None:
-            raise ValueError("step(clip_grad_norm=...): clipping by the global gradient norm is impossible in "
-                             "fused mode (each block already stepped inside backward, before the other blocks' "
-                             "gradients existed); use offload_parameters(..., mode=\"grads\") to clip")
+            raise ValueError(
+                "step(clip_grad_norm=...): clipping by the global gradient norm is impossible in "
+                "fused mode (each block already stepped inside backward, before the other blocks' "
+                'gradients existed); use offload_parameters(..., mode="grads") to clip'
+            )
         deferred = [b for b in self.store.blocks if b.deferred]
         for k, block in enumerate(deferred):
             block.deferred = False
@@ -214,9 +231,10 @@ class Grads(Training):
             try:
                 stored = self.store.timed_wait(read)[block.grad_group]
                 # copies out of the staging buffer of those without a new gradient in this pass
-                grads = {**{name: t.clone() for name, t in stored.items() if name not in grads},
-                         **{name: torch.add(stored[name], grad) if name in stored else grad
-                            for name, grad in grads.items()}}
+                grads = {
+                    **{name: t.clone() for name, t in stored.items() if name not in grads},
+                    **{name: torch.add(stored[name], grad) if name in stored else grad for name, grad in grads.items()},
+                }
             finally:
                 read.release()
         if self.average_start is None:
@@ -240,16 +258,16 @@ class Grads(Training):
                 write = self.store.write_grads(block, grads)
                 block.grads_stored = True
                 self.grad_writes.append((block, write, grads))
-            self.store.grad_bytes = (sum(nbytes(b.grads.values()) for b in self.store.blocks)
-                                     + self._bytes_in_flight())
+            self.store.grad_bytes = sum(nbytes(b.grads.values()) for b in self.store.blocks) + self._bytes_in_flight()
             self.store.note_peak()
             for param in block.params:
                 param.grad = None
 
     def _bytes_in_flight(self) -> int:
         """Gradient bytes being written, or being averaged across the ranks."""
-        return (sum(nbytes(g.values()) for _, _, g in self.grad_writes)
-                + (self.averaging[3] if self.averaging is not None else 0))
+        return sum(nbytes(g.values()) for _, _, g in self.grad_writes) + (
+            self.averaging[3] if self.averaging is not None else 0
+        )
 
     def finish_writes(self) -> None:
         averaging, self.averaging = self.averaging, None
@@ -266,9 +284,12 @@ class Grads(Training):
                 write.wait()
             except OSError as e:
                 block.grads = grads  # the bytes on storage are unknown now: memory holds the only copy
-                error = error or OSError(e.errno, f"writing the gradients of block {block.prefix} failed "
-                                                  f"({e.strerror}); they stay in memory and step() uses them",
-                                         e.filename)
+                error = error or OSError(
+                    e.errno,
+                    f"writing the gradients of block {block.prefix} failed "
+                    f"({e.strerror}); they stay in memory and step() uses them",
+                    e.filename,
+                )
             finally:
                 self.store.io_wait += time.perf_counter() - start
         self.store.grad_bytes = sum(nbytes(b.grads.values()) for b in self.store.blocks)
@@ -287,12 +308,19 @@ class Grads(Training):
         self.finish_writes()
         for block in self.store.blocks:
             self.store.release(block)
-        return [b for b in self.store.blocks if self.store.has_stored_grads(b) or b.grads
-                or any(p.grad is not None for p in b.params)]
+        return [
+            b
+            for b in self.store.blocks
+            if self.store.has_stored_grads(b) or b.grads or any(p.grad is not None for p in b.params)
+        ]
 
-    def stream_grads(self, todo: list[Block], start_also: Callable[[Block], None] | None = None,
-                     prepare: Callable[[Block], None] | None = None, discard: bool = False
-                     ) -> Iterator[tuple[Block, dict[str, torch.Tensor]]]:
+    def stream_grads(
+        self,
+        todo: list[Block],
+        start_also: Callable[[Block], None] | None = None,
+        prepare: Callable[[Block], None] | None = None,
+        discard: bool = False,
+    ) -> Iterator[tuple[Block, dict[str, torch.Tensor]]]:
         """Yield each block of ``todo`` with its gradients (master dtype), read from storage ``prefetch`` blocks
         ahead (pooled staging buffers, valid until the next block is asked for) or, after a failed write dropped
         the file, taken from memory. ``start_also(block)`` starts the block's other reads along with its
@@ -355,6 +383,7 @@ class Grads(Training):
 
     def _step_streamed(self, todo: list[Block], coefficient: torch.Tensor | None) -> None:
         """Weights and gradients in, (clip), step, weights out, block by block (``prefetch`` ahead)."""
+
         def start_also(block: Block) -> None:
             self.store.start_read(block)
             self.stepping_optimizer(block).prefetch(m for m in block.masters if m.requires_grad)

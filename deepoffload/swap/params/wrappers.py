@@ -17,17 +17,21 @@ from torch import nn
 
 from ..ddp import ddp_class, ddp_holding
 
-DDP_ADVICE = ("streamed blocks step (fused mode) or write their gradients away (grads mode) inside their backward, "
-              "before DistributedDataParallel would reduce them, so the ranks would drift apart: do not wrap the "
-              "model in DistributedDataParallel; pass offload_parameters(model, ..., data_parallel=True) (or a "
-              "ProcessGroup), which averages each block's gradients across the ranks inside its backward, as DDP "
-              "does")
-FSDP_ADVICE = ("FSDP2 (fully_shard) gathers sharded parameters it owns before each forward, and streaming fills a "
-               "block's parameters from storage just before it runs: the two cannot hold the same parameters. Use "
-               "offload_parameters(model, ..., data_parallel=True) (each rank streams the whole model from its own "
-               "storage), FSDP2 with deepoffload's OffloadedOptimizer (optimizer state on storage, parameters sharded "
-               "in memory), or DeepSpeed ZeRO-3 with offload_param on NVMe through "
-               "deepoffload.integrations.deepspeed.enable()")
+DDP_ADVICE = (
+    "streamed blocks step (fused mode) or write their gradients away (grads mode) inside their backward, "
+    "before DistributedDataParallel would reduce them, so the ranks would drift apart: do not wrap the "
+    "model in DistributedDataParallel; pass offload_parameters(model, ..., data_parallel=True) (or a "
+    "ProcessGroup), which averages each block's gradients across the ranks inside its backward, as DDP "
+    "does"
+)
+FSDP_ADVICE = (
+    "FSDP2 (fully_shard) gathers sharded parameters it owns before each forward, and streaming fills a "
+    "block's parameters from storage just before it runs: the two cannot hold the same parameters. Use "
+    "offload_parameters(model, ..., data_parallel=True) (each rank streams the whole model from its own "
+    "storage), FSDP2 with deepoffload's OffloadedOptimizer (optimizer state on storage, parameters sharded "
+    "in memory), or DeepSpeed ZeRO-3 with offload_param on NVMe through "
+    "deepoffload.integrations.deepspeed.enable()"
+)
 
 _DDP_FILE = ("torch", "nn", "parallel", "distributed.py")
 _FSDP_DIR = ("torch", "distributed", "fsdp")
@@ -36,7 +40,7 @@ _FSDP_DIR = ("torch", "distributed", "fsdp")
 def _path_has(filename: str, parts: tuple[str, ...]) -> bool:
     pieces = filename.replace("\\", "/").split("/")
     n = len(parts)
-    return any(tuple(pieces[i:i + n]) == parts for i in range(len(pieces) - n + 1))
+    return any(tuple(pieces[i : i + n]) == parts for i in range(len(pieces) - n + 1))
 
 
 def wrapper_in_stack() -> str | None:
@@ -69,5 +73,6 @@ def refuse_wrapped(module: nn.Module) -> None:
     if dtensor is not None:
         for name, param in module.named_parameters():
             if isinstance(param, dtensor):
-                raise ValueError(f"offload_parameters(): parameter {name} is sharded by FSDP2 (fully_shard): "
-                                 f"{FSDP_ADVICE}")
+                raise ValueError(
+                    f"offload_parameters(): parameter {name} is sharded by FSDP2 (fully_shard): {FSDP_ADVICE}"
+                )

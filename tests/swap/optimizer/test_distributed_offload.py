@@ -25,8 +25,9 @@ def build(wrap: str):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
     if wrap == "fsdp":
         for layer in (model[0], model[2], model[4]):
             fully_shard(layer)
@@ -65,18 +66,24 @@ def worker(rank: int, wrap: str, folder: str, store: str, results: str) -> None:
         plain_model = build(wrap)
         plain_losses = train(plain_model, torch.optim.AdamW(plain_model.parameters(), lr=0.01, amsgrad=True), rank)
         model = build(wrap)
-        optimizer = OffloadedOptimizer(torch.optim.AdamW, model.parameters(), SwapConfig(folder=folder,
-                                       chunk_bytes=4096), lr=0.01, amsgrad=True)
+        optimizer = OffloadedOptimizer(
+            torch.optim.AdamW, model.parameters(), SwapConfig(folder=folder, chunk_bytes=4096), lr=0.01, amsgrad=True
+        )
         losses = train(model, optimizer, rank)
         weight = next(model.parameters())
         record = optimizer.swapper.records(optimizer._name(weight))["exp_avg"]
         local_shape = tuple(weight.to_local().shape) if hasattr(weight, "to_local") else tuple(weight.shape)
         same_params = all(torch.equal(full(a), full(b)) for a, b in zip(plain_model.parameters(), model.parameters()))
-        result = {"losses_match": losses == plain_losses, "params_match": same_params,
-                  "folder": optimizer.swapper.folder,
-                  "stored_shape": list(record.shape), "local_shape": list(local_shape),
-                  "dtensor": record.dtensor is not None, "stored_bytes": optimizer.stored_bytes(),
-                  "losses": losses}
+        result = {
+            "losses_match": losses == plain_losses,
+            "params_match": same_params,
+            "folder": optimizer.swapper.folder,
+            "stored_shape": list(record.shape),
+            "local_shape": list(local_shape),
+            "dtensor": record.dtensor is not None,
+            "stored_bytes": optimizer.stored_bytes(),
+            "losses": losses,
+        }
         optimizer.close()
         with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)

@@ -38,8 +38,9 @@ def offloaded(folder):
     from deepoffload.swap.optimizer import OffloadedOptimizer
 
     model, groups = make()
-    optimizer = OffloadedOptimizer(torch.optim.AdamW, groups, SwapConfig(folder=folder, chunk_bytes=4096),
-                                   lr=0.01, amsgrad=True)
+    optimizer = OffloadedOptimizer(
+        torch.optim.AdamW, groups, SwapConfig(folder=folder, chunk_bytes=4096), lr=0.01, amsgrad=True
+    )
     return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
 
 
@@ -48,8 +49,15 @@ def phase(name: str, folder: str, checkpoint: str) -> None:
     model, optimizer, scheduler = offloaded(folder)
     if name == "before":
         losses = train(model, optimizer, scheduler, 0, STEPS_BEFORE)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "losses": losses}, checkpoint)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "losses": losses,
+            },
+            checkpoint,
+        )
     else:
         saved = torch.load(checkpoint)
         model.load_state_dict(saved["model"])

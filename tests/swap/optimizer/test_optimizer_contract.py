@@ -40,8 +40,12 @@ def test_pickle_deepcopy_and_torch_save_refuse_at_once(config):
     with OffloadedOptimizer(torch.optim.Adam, params, config, lr=0.01) as opt:
         set_grads(params, 0)
         opt.step()
-        for attempt in (lambda: pickle.dumps(opt), lambda: copy.deepcopy(opt), lambda: copy.copy(opt),
-                        lambda: torch.save(opt, io.BytesIO())):
+        for attempt in (
+            lambda: pickle.dumps(opt),
+            lambda: copy.deepcopy(opt),
+            lambda: copy.copy(opt),
+            lambda: torch.save(opt, io.BytesIO()),
+        ):
             with pytest.raises(TypeError, match=r"state_dict\(\)"):
                 attempt()
         torch.save(opt.state_dict(), io.BytesIO())  # what the message says to do works
@@ -51,10 +55,12 @@ def test_step_hooks_fire_once_per_step_with_the_wrapper(config):
     params = make_params()
     opt = OffloadedOptimizer(torch.optim.Adam, params, config, lr=0.01)
     seen = []
-    handles = [register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("global-pre", o))),
-               register_optimizer_step_post_hook(lambda o, a, k: seen.append(("global-post", o))),
-               opt.register_step_pre_hook(lambda o, a, k: seen.append(("pre", o))),
-               opt.register_step_post_hook(lambda o, a, k: seen.append(("post", o)))]
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("global-pre", o))),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append(("global-post", o))),
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(("pre", o))),
+        opt.register_step_post_hook(lambda o, a, k: seen.append(("post", o))),
+    ]
     try:
         for step in range(2):
             set_grads(params, step)
@@ -118,6 +124,7 @@ def test_closure_requiring_optimizers_are_refused_at_construction(config):
 
 def test_sparse_gradients_with_momentum_step_fully_and_identically(config):
     """SGD keeps a sparse momentum for sparse gradients: it stays in memory, the rest is stored."""
+
     def build():
         torch.manual_seed(0)
         return torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 8)
@@ -132,8 +139,9 @@ def test_sparse_gradients_with_momentum_step_fully_and_identically(config):
     ref_emb, ref_lin = build()
     run(ref_emb, ref_lin, torch.optim.SGD([*ref_emb.parameters(), *ref_lin.parameters()], lr=0.1, momentum=0.9))
     emb, lin = build()
-    with OffloadedOptimizer(torch.optim.SGD, [*emb.parameters(), *lin.parameters()], config, lr=0.1,
-                            momentum=0.9) as opt:
+    with OffloadedOptimizer(
+        torch.optim.SGD, [*emb.parameters(), *lin.parameters()], config, lr=0.1, momentum=0.9
+    ) as opt:
         run(emb, lin, opt)
         assert opt.state[emb.weight]["momentum_buffer"].is_sparse
         assert opt.swapper.has(opt._name(lin.weight))

@@ -14,8 +14,14 @@ PARAMS, NUMEL = 48, 1 << 20  # 48 fp32 parameters of 4 MiB: 400 MB of Adam momen
 CHUNK = 8 << 20
 
 
-def child(mode: str, folder: str, count: str = str(PARAMS), numel: str = str(NUMEL), chunk: str = str(CHUNK),
-          buffers: str = "3") -> None:
+def child(
+    mode: str,
+    folder: str,
+    count: str = str(PARAMS),
+    numel: str = str(NUMEL),
+    chunk: str = str(CHUNK),
+    buffers: str = "3",
+) -> None:
     import torch
 
     from deepoffload.swap.config import SwapConfig
@@ -43,8 +49,18 @@ def child(mode: str, folder: str, count: str = str(PARAMS), numel: str = str(NUM
         optimizer.step()
     stored = optimizer.stored_bytes() if mode == "offloaded" else 0
     pool = optimizer.swapper.pool.held_bytes() if mode == "offloaded" else 0
-    print(json.dumps({"baseline": baseline, "after": rss("VmRSS:"), "first_peak": first_peak,
-                      "peak": rss("VmHWM:"), "stored": stored, "pool": pool}))
+    print(
+        json.dumps(
+            {
+                "baseline": baseline,
+                "after": rss("VmRSS:"),
+                "first_peak": first_peak,
+                "peak": rss("VmHWM:"),
+                "stored": stored,
+                "pool": pool,
+            }
+        )
+    )
 
 
 # glibc's malloc raises its mmap threshold each time a large block is freed, after which large tensors come from the
@@ -55,8 +71,14 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131
 
 
 def measure(mode: str, folder, *args: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, mode, str(folder), *map(str, args)], capture_output=True,
-                         text=True, check=True, timeout=600, env={**os.environ, **MALLOC_ENV})
+    out = subprocess.run(
+        [sys.executable, __file__, mode, str(folder), *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+        env={**os.environ, **MALLOC_ENV},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

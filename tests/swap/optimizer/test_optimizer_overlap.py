@@ -49,8 +49,13 @@ def train(model, optimizer, steps: int = 6, inputs: int = 24) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
-                                  lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    ],
+)
 def test_bit_identical_to_the_plain_optimizer(config, make):
     reference = mlp()
     expected = train(reference, make(reference.parameters()))
@@ -92,8 +97,15 @@ def test_accumulation_and_changed_gradients_are_refused(config):
 
 def test_tiny_llama_bit_identical(config):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
     def build():
         torch.manual_seed(0)
@@ -113,8 +125,9 @@ def test_tiny_llama_bit_identical(config):
     reference = build()
     expected = run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3))
     model = build()
-    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config.replace(chunk_bytes=64 << 10),
-                            lr=1e-3) as opt:
+    with OffloadedOptimizer(
+        torch.optim.AdamW, model.parameters(), config.replace(chunk_bytes=64 << 10), lr=1e-3
+    ) as opt:
         opt.step_in_backward()
         assert run(model, opt) == expected
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))

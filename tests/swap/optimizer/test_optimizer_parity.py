@@ -38,13 +38,14 @@ OPTIMIZERS = {
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 8),
-                               torch.nn.LayerNorm(8))
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 8), torch.nn.LayerNorm(8))
 
 
 def param_groups(model):
-    return [{"params": list(model[0].parameters())},
-            {"params": list(model[2].parameters()) + list(model[3].parameters()), "lr": 0.003}]
+    return [
+        {"params": list(model[0].parameters())},
+        {"params": list(model[2].parameters()) + list(model[3].parameters()), "lr": 0.003},
+    ]
 
 
 def train(model, optimizer, steps=STEPS, start=0, closure=False):
@@ -166,8 +167,11 @@ def test_state_of_other_shape_and_dtype_round_trips(config):
         weight = model[0].weight
         records = optimizer.swapper.records(optimizer._name(weight))
         assert {k: (r.dtype, r.shape) for k, r in records.items()} == {
-            "count": (torch.int64, ()), "scale": (torch.float64, (48,)), "q": (torch.int8, (48, 16)),
-            "history": (torch.bfloat16, (3, 2))}
+            "count": (torch.int64, ()),
+            "scale": (torch.float64, (48,)),
+            "q": (torch.int8, (48, 16)),
+            "history": (torch.bfloat16, (3, 2)),
+        }
         assert isinstance(optimizer.state[weight]["norm"], float)  # non-tensor state stays in memory
         full = optimizer.state_dict()
     assert_same(reference, model)
@@ -201,8 +205,7 @@ def test_state_dict_is_the_real_state_and_loads_back(config):
         # load the plain optimizer's state into a fresh offloaded one: both continue identically
         other_model = make_model()
         other_model.load_state_dict(reference.state_dict())
-        with OffloadedOptimizer(torch.optim.AdamW, param_groups(other_model), config, lr=0.01,
-                                amsgrad=True) as other:
+        with OffloadedOptimizer(torch.optim.AdamW, param_groups(other_model), config, lr=0.01, amsgrad=True) as other:
             other.load_state_dict(theirs)
             assert [v for s in other.state.values() for v in s.values() if isinstance(v, torch.Tensor)] == []
             assert other.stored_bytes() == optimizer.stored_bytes()
@@ -264,6 +267,7 @@ def test_failed_write_keeps_state_in_memory_and_raises(config, monkeypatch):
 def test_many_small_parameters_reuse_plans_and_stay_identical(config):
     """Hundreds of tiny parameters over several chunks: plans and views are reused between steps, yet a change of
     which parameters have gradients, a new param group and a state_dict round trip all give the plain results."""
+
     def params(seed):
         gen = torch.Generator().manual_seed(seed)
         return [torch.nn.Parameter(torch.randn(5, generator=gen)) for _ in range(300)]
@@ -300,6 +304,7 @@ def test_many_small_parameters_reuse_plans_and_stay_identical(config):
 def test_parameters_larger_than_a_chunk_reuse_pooled_buffers(config, in_backward):
     """A parameter whose state exceeds chunk_bytes steps from a pooled buffer grown to its size, the same buffers
     in every later step (a fresh buffer per step faults its pages in during the read), with the plain results."""
+
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Tanh(), torch.nn.Linear(60, 30))

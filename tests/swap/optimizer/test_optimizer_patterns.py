@@ -77,14 +77,20 @@ def _clear_entry(model, opt):
     opt.state[model[0].weight].clear()
 
 
-RESETS = {"new mapping": _new_mapping, "mapping cleared": _clear_mapping, "entry deleted": _delete_entry,
-          "entry replaced": _replace_entry, "entry cleared": _clear_entry}
+RESETS = {
+    "new mapping": _new_mapping,
+    "mapping cleared": _clear_mapping,
+    "entry deleted": _delete_entry,
+    "entry replaced": _replace_entry,
+    "entry cleared": _clear_entry,
+}
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "step_in_backward"])
 @pytest.mark.parametrize("reset", RESETS)
 def test_resetting_state_restarts_it_as_in_memory(reset, in_backward, config):
     """Before: the state stored on disk was read back over the reset one, so the reset was silently ignored."""
+
     def between(step, model, opt):
         if step == 2:
             RESETS[reset](model, opt)
@@ -105,6 +111,7 @@ def test_resetting_state_restarts_it_as_in_memory(reset, in_backward, config):
 
 def test_a_state_tensor_set_by_hand_is_used_not_the_stored_one(config):
     """Before: the stored exp_avg was read back over the one set by hand."""
+
     def between(step, model, opt):
         if step == 1:
             opt.state[model[0].weight]["exp_avg"] = torch.full_like(model[0].weight, 0.5)
@@ -156,8 +163,9 @@ def test_state_on_meta_stays_in_memory_and_the_rest_is_stored(config):
         assert opt.stored_bytes() > 0
         assert all(set(values) == {"shape"} and values["shape"].is_meta for values in opt.state.values())
         saved = opt.state_dict()
-        assert saved["state"][0]["shape"].is_meta and torch.equal(saved["state"][0]["momentum"],
-                                                                   plain.state_dict()["state"][0]["momentum"])
+        assert saved["state"][0]["shape"].is_meta and torch.equal(
+            saved["state"][0]["momentum"], plain.state_dict()["state"][0]["momentum"]
+        )
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

@@ -17,8 +17,15 @@ STEPS = 6
 
 
 def tiny_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -37,8 +44,10 @@ class Tokens(torch.utils.data.Dataset):
 
 def run(folder, offload_folder=None, resume=None, max_steps=STEPS):
     model = tiny_llama()
-    groups = [{"params": [p for n, p in model.named_parameters() if p.dim() > 1], "weight_decay": 0.1},
-              {"params": [p for n, p in model.named_parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if p.dim() <= 1], "weight_decay": 0.0},
+    ]
     if offload_folder is None:
         optimizer = torch.optim.AdamW(groups, lr=3e-3)
     else:  # small chunks: each step walks many chunks
@@ -46,9 +55,19 @@ def run(folder, offload_folder=None, resume=None, max_steps=STEPS):
         optimizer = OffloadedOptimizer(torch.optim.AdamW, groups, config, lr=3e-3)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 2, STEPS)
     args = transformers.TrainingArguments(
-        output_dir=str(folder), max_steps=max_steps, per_device_train_batch_size=4, logging_steps=1,
-        save_strategy="steps", save_steps=3, report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
-        disable_tqdm=True, max_grad_norm=1.0)
+        output_dir=str(folder),
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=3,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_grad_norm=1.0,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(optimizer, scheduler))
     trainer.train(resume_from_checkpoint=resume)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

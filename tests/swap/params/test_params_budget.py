@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.support.models import ModelSize, SyntheticText, build_model
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.residency import Residency
+from tests.support.models import ModelSize, SyntheticText, build_model
 
 SIZE = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
 STEPS = 3
@@ -96,9 +96,16 @@ def states_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("mode, clip, compute_dtype", [("fused", None, None), ("grads", None, None),
-                                                       ("grads", 0.05, None), ("fused", None, torch.bfloat16),
-                                                       ("grads", None, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "mode, clip, compute_dtype",
+    [
+        ("fused", None, None),
+        ("grads", None, None),
+        ("grads", 0.05, None),
+        ("fused", None, torch.bfloat16),
+        ("grads", None, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("share", ["whole", "half"])
 def test_budget_training_equals_in_memory_and_pinned_blocks_never_move(scratch, mode, clip, compute_dtype, share):
     # the reference: in memory for fp32; for compute_dtype the streamed model without budget (whose equality to an
@@ -108,15 +115,17 @@ def test_budget_training_equals_in_memory_and_pinned_blocks_never_move(scratch, 
         expected_state = reference.state_dict()
     else:
         model = build_model(SIZE)
-        with offload_parameters(model, str(scratch / "ref"), mode=mode, optimizer=adam,
-                                compute_dtype=compute_dtype) as off:
+        with offload_parameters(
+            model, str(scratch / "ref"), mode=mode, optimizer=adam, compute_dtype=compute_dtype
+        ) as off:
             expected_losses = train_streamed(off, model, SyntheticText(SIZE), STEPS, clip)
             expected_state = off.state_dict()
     model = build_model(SIZE)
     per_block = block_bytes(model) + (block_bytes(model) // 2 if compute_dtype is not None else 0)
     budget = SIZE.layers * per_block if share == "whole" else SIZE.layers // 2 * per_block
-    off = offload_parameters(model, str(scratch / "run"), mode=mode, optimizer=adam, compute_dtype=compute_dtype,
-                             max_resident_bytes=budget)
+    off = offload_parameters(
+        model, str(scratch / "run"), mode=mode, optimizer=adam, compute_dtype=compute_dtype, max_resident_bytes=budget
+    )
     try:
         pinned = set(range(SIZE.layers if share == "whole" else SIZE.layers // 2))
         assert off.pinned == pinned
@@ -330,8 +339,14 @@ def test_loading_into_a_pinned_compute_copy_sets_its_masters(scratch, mode, then
     # which the masters cannot take (then refused at the next use); the block's load hook sets the masters (fp32,
     # exact) and casts the copies again
     model, data = build_model(SIZE), SyntheticText(SIZE)
-    with offload_parameters(model, str(scratch), optimizer=adam, mode=mode, compute_dtype=torch.bfloat16,
-                            max_resident_bytes=10 * SIZE.layers * block_bytes(model)) as off:
+    with offload_parameters(
+        model,
+        str(scratch),
+        optimizer=adam,
+        mode=mode,
+        compute_dtype=torch.bfloat16,
+        max_resident_bytes=10 * SIZE.layers * block_bytes(model),
+    ) as off:
         assert off.pinned == {0, 1, 2, 3}
         if then == "step":
             model.loss(data.batch()).backward()
@@ -387,8 +402,9 @@ def test_a_write_wait_interrupted_by_a_signal_handler_is_collected_by_the_next_w
     # the block WRITING: every later wait failed with AttributeError
     expected_losses, reference = train_in_memory(steps=3)
     model, data = build_model(SIZE), SyntheticText(SIZE)
-    with offload_parameters(model, str(scratch), optimizer=adam,
-                            max_resident_bytes=SIZE.layers * block_bytes(model)) as off:
+    with offload_parameters(
+        model, str(scratch), optimizer=adam, max_resident_bytes=SIZE.layers * block_bytes(model)
+    ) as off:
         losses = train_streamed(off, model, data, 2)
         block = off.blocks[0]
         off.store.write_back(block)  # as unpinning starts it

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from tests.support.models import ModelSize, SyntheticText, build_model
 from deepoffload.swap import grad_norm
 from deepoffload.swap.params import offload_parameters
+from tests.support.models import ModelSize, SyntheticText, build_model
 
 SIZE = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
 BITES, NEVER = 0.05, 1e6  # max_norm: below every step's gradient norm here / far above it
@@ -98,9 +98,17 @@ def test_fused_mode_refuses_to_clip(scratch):
         assert offload.step() is None  # without clipping the step goes on
 
 
-@pytest.mark.parametrize("max_norm, norm_type, match", [
-    (-1.0, 2.0, "clip_grad_norm=-1.0"), (math.nan, 2.0, "clip_grad_norm=nan"), ("1", 2.0, "clip_grad_norm='1'"),
-    (True, 2.0, "clip_grad_norm=True"), (1.0, "2", "norm_type='2'"), (1.0, math.nan, "norm_type=nan")])
+@pytest.mark.parametrize(
+    "max_norm, norm_type, match",
+    [
+        (-1.0, 2.0, "clip_grad_norm=-1.0"),
+        (math.nan, 2.0, "clip_grad_norm=nan"),
+        ("1", 2.0, "clip_grad_norm='1'"),
+        (True, 2.0, "clip_grad_norm=True"),
+        (1.0, "2", "norm_type='2'"),
+        (1.0, math.nan, "norm_type=nan"),
+    ],
+)
 def test_bad_clip_arguments(scratch, max_norm, norm_type, match):
     model = build_model(SIZE)
     with offload_parameters(model, str(scratch), mode="grads", optimizer=adam) as offload:
@@ -119,8 +127,11 @@ def test_grad_norm_split_anywhere_matches_torch(norm_type):
     for p, g in zip(params, grads):
         p.grad = g.clone()
     expected = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type)
-    norms = grad_norm.tensor_norms(grads[:1], norm_type) + grad_norm.tensor_norms(grads[1:4], norm_type) + \
-        grad_norm.tensor_norms(grads[4:], norm_type)
+    norms = (
+        grad_norm.tensor_norms(grads[:1], norm_type)
+        + grad_norm.tensor_norms(grads[1:4], norm_type)
+        + grad_norm.tensor_norms(grads[4:], norm_type)
+    )
     total = grad_norm.total_norm(norms, norm_type)
     coefficient = grad_norm.clip_coefficient(0.5, total)
     grad_norm.scale_(grads[:2], coefficient)

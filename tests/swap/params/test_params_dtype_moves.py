@@ -11,8 +11,13 @@ import torch
 from deepoffload.swap.params import offload_parameters
 from tests.swap.params.test_params_forward_state import Net, sgd
 
-MOVES = {"to-bf16": lambda m: m.to(torch.bfloat16), "half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(),
-         "double": lambda m: m.double(), "to-dtype-kw": lambda m: m.to(dtype=torch.float16)}
+MOVES = {
+    "to-bf16": lambda m: m.to(torch.bfloat16),
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "double": lambda m: m.double(),
+    "to-dtype-kw": lambda m: m.to(dtype=torch.float16),
+}
 
 
 @pytest.mark.parametrize("budget", [None, "half"])

@@ -58,9 +58,11 @@ def test_bf16_autocast_trains_like_in_memory(scratch, mode):
 
     expected = train(ref, ref_step, dtype=torch.bfloat16)
     with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as off:
+
         def off_step():
             off.step()
             off.zero_grad()
+
         assert train(model, off_step, dtype=torch.bfloat16) == expected
         assert set(seen) == {torch.bfloat16}  # forward and recompute alike
         state = off.state_dict()
@@ -98,8 +100,13 @@ def test_recompute_restores_kernel_settings_and_puts_back_the_callers(scratch):
 
 def test_captured_settings_cover_autocast_and_kernel_flags():
     names = {name for name, _, _ in flags()}
-    assert {"float32_matmul_precision", "deterministic_algorithms", "default_dtype", "mkldnn.enabled",
-            "cudnn.deterministic"} <= names
+    assert {
+        "float32_matmul_precision",
+        "deterministic_algorithms",
+        "default_dtype",
+        "mkldnn.enabled",
+        "cudnn.deterministic",
+    } <= names
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         state = ForwardState.capture([torch.zeros(1)])
     assert state.autocast_enabled == {"cpu": torch.bfloat16} and state.autocast_cache is False

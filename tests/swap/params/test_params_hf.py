@@ -19,15 +19,23 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 
 def llama(attention: str = "sdpa"):
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      attn_implementation=attention)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=attention,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def gpt2(attention: str = "sdpa"):
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64,
-                                     attn_implementation=attention)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64, attn_implementation=attention
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -77,9 +85,16 @@ def train(model, step, ids, steps: int = 3) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("name, attention, mode", [("llama", "sdpa", "fused"), ("llama", "eager", "fused"),
-                                                   ("llama", "sdpa", "grads"), ("gpt2", "sdpa", "fused"),
-                                                   ("gpt2", "eager", "grads")])
+@pytest.mark.parametrize(
+    "name, attention, mode",
+    [
+        ("llama", "sdpa", "fused"),
+        ("llama", "eager", "fused"),
+        ("llama", "sdpa", "grads"),
+        ("gpt2", "sdpa", "fused"),
+        ("gpt2", "eager", "grads"),
+    ],
+)
 def test_training_with_defaults_is_bit_identical(scratch, name, attention, mode):
     """model.train() with the config's defaults: use_cache on (a DynamicCache filled during the forward, which
     recomputation must not fill twice), dropout on for GPT-2."""
@@ -156,8 +171,10 @@ def test_save_pretrained_holds_the_trained_weights(scratch, tmp_path, name):
     with offload_parameters(model, str(scratch), optimizer=adam) as offload:
         train(model, offload_step(offload), ids, steps=2), train(reference, reference_step(optimizer), ids, steps=2)
         model.save_pretrained(tmp_path / "saved")
-        assert all(isinstance(p, StreamedParameter) for p in model.base_model.get_submodule(
-            "layers" if name == "llama" else "h").parameters())  # still streamed: the checkpoint was read from storage
+        assert all(
+            isinstance(p, StreamedParameter)
+            for p in model.base_model.get_submodule("layers" if name == "llama" else "h").parameters()
+        )  # still streamed: the checkpoint was read from storage
         assert offload.stats.resident_bytes == 0
     loaded = type(reference).from_pretrained(tmp_path / "saved")
     assert states_equal(loaded.state_dict(), reference.state_dict())
@@ -177,18 +194,29 @@ def test_trainer_streams_the_blocks(scratch, tmp_path):
         return torch.optim.AdamW(params, lr=1e-2)
 
     def arguments(**overrides):
-        settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, max_grad_norm=0,
-                        report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0)
+        settings = dict(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            max_steps=3,
+            max_grad_norm=0,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            seed=0,
+            dataloader_num_workers=0,
+        )
         return transformers.TrainingArguments(**{**settings, **overrides})
 
-    transformers.Trainer(reference, arguments(), train_dataset=data, optimizers=(adamw(reference.parameters()), None)
-                         ).train()
+    transformers.Trainer(
+        reference, arguments(), train_dataset=data, optimizers=(adamw(reference.parameters()), None)
+    ).train()
     with offload_parameters(model, str(scratch), optimizer=adamw) as offload:
         transformers.Trainer(model, arguments(), train_dataset=data, **trainer_arguments(offload)).train()
         assert states_equal(model.state_dict(), reference.state_dict())
         with pytest.raises(ValueError, match="max_grad_norm"):
-            transformers.Trainer(model, arguments(max_grad_norm=1.0), train_dataset=data,
-                                 **trainer_arguments(offload)).train()
+            transformers.Trainer(
+                model, arguments(max_grad_norm=1.0), train_dataset=data, **trainer_arguments(offload)
+            ).train()
 
 
 @pytest.mark.parametrize("mode, accumulation", [("fused", 1), ("grads", 2)])
@@ -202,8 +230,15 @@ def test_trainer_with_a_resident_budget_evaluation_and_checkpoints(scratch, tmp_
 
     def build():
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        config = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         return transformers.LlamaForCausalLM(config)
 
     generator = torch.Generator().manual_seed(3)
@@ -215,21 +250,38 @@ def test_trainer_with_a_resident_budget_evaluation_and_checkpoints(scratch, tmp_
 
     def train(model, folder, **extra):
         args = transformers.TrainingArguments(
-            output_dir=str(folder), per_device_train_batch_size=2, per_device_eval_batch_size=2,
-            gradient_accumulation_steps=accumulation, max_steps=4, max_grad_norm=0, logging_steps=1,
-            eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
-            seed=0, dataloader_num_workers=0, disable_tqdm=True)
+            output_dir=str(folder),
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=2,
+            gradient_accumulation_steps=accumulation,
+            max_steps=4,
+            max_grad_norm=0,
+            logging_steps=1,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
         trainer = transformers.Trainer(model, args, train_dataset=data, eval_dataset=held_out, **extra)
         trainer.train()
-        return [(entry["step"], entry.get("loss"), entry.get("eval_loss")) for entry in trainer.state.log_history
-                if "loss" in entry or "eval_loss" in entry]
+        return [
+            (entry["step"], entry.get("loss"), entry.get("eval_loss"))
+            for entry in trainer.state.log_history
+            if "loss" in entry or "eval_loss" in entry
+        ]
 
     reference = build()
     expected = train(reference, tmp_path / "memory", optimizers=(adamw(reference.parameters()), None))
     model = build()
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adamw,
-                            max_resident_bytes=2 * layer_bytes) as offload:
+    with offload_parameters(
+        model, str(scratch), mode=mode, optimizer=adamw, max_resident_bytes=2 * layer_bytes
+    ) as offload:
         assert offload.pinned == {0, 1}
         logged = train(model, tmp_path / "streamed", **trainer_arguments(offload))
         assert offload.pinned == {0, 1}
@@ -254,8 +306,12 @@ def test_compute_dtype_bf16_on_a_float32_model(scratch):
 
         def cast_forward(*args, _inner=inner, **kwargs):
             def to(dtype, only=None):
-                return lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and (
-                    only is None or x.dtype == only) else x
+                return lambda x: (
+                    x.to(dtype)
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only)
+                    else x
+                )
+
             args, kwargs = pytree.tree_map(to(torch.bfloat16), (args, kwargs))
             return pytree.tree_map(to(torch.float32, torch.bfloat16), _inner(*args, **kwargs))
 

@@ -19,8 +19,7 @@ def test_meta_model_loads_its_own_folder_without_init(scratch, name):
     ref = build(name).eval()
     ref.save_pretrained(scratch / "ckpt")
     model = build(name, "meta").eval()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt"), \
-            torch.no_grad():
+    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt"), torch.no_grad():
         buffers = dict(ref.named_buffers())
         assert [n for n, b in model.named_buffers() if not torch.equal(b, buffers[n])] == []
         assert torch.equal(model(**batch(name, 0)).logits, ref(**batch(name, 0)).logits)
@@ -29,6 +28,7 @@ def test_meta_model_loads_its_own_folder_without_init(scratch, name):
 @pytest.mark.parametrize("name, shard", [("llama", "20KB"), ("t5", None)])
 def test_from_pretrained_builds_on_meta_and_loads_streamed(scratch, name, shard):
     import deepoffload
+
     ref = build(name).eval()
     ref.save_pretrained(scratch / "ckpt", **({"max_shard_size": shard} if shard else {}))
     model, off = deepoffload.from_pretrained(scratch / "ckpt", path=str(scratch / "swap"), prefetch=0)
@@ -40,5 +40,6 @@ def test_from_pretrained_builds_on_meta_and_loads_streamed(scratch, name, shard)
 
 def test_from_pretrained_refuses_a_folder_without_config(scratch):
     import deepoffload
+
     with pytest.raises(FileNotFoundError, match="config.json"):
         deepoffload.from_pretrained(scratch)

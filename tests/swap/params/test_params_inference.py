@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.models import ModelSize, SyntheticText, build_model
 from deepoffload.swap.params import Residency, find_blocks, offload_parameters
+from tests.support.models import ModelSize, SyntheticText, build_model
 
 SIZE = ModelSize(vocab=64, width=32, layers=5, heads=2, context=16, batch=3)
 
@@ -122,8 +122,7 @@ offload.close()
 def test_rss_falls_with_offload_and_stays_bounded_while_streaming(scratch):
     """In a fresh process: RSS depends on what the allocator kept from earlier tests (glibc raises its mmap
     threshold after large frees and then keeps freed memory), which this test must not inherit."""
-    proc = subprocess.run([sys.executable, "-c", RSS_CHILD, str(scratch)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", RSS_CHILD, str(scratch)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     model_bytes, fell, grew, block_bytes, peak_bytes, equal = proc.stdout.split()
     model_bytes, fell, grew, block_bytes, peak_bytes = map(int, (model_bytes, fell, grew, block_bytes, peak_bytes))

@@ -23,8 +23,9 @@ def test_inference_mode_before_between_and_after_training(scratch, mode, budget,
     budget = {"none": None, "half": size // 2, "all": 2 * size}[budget]
     opt = sgd(ref.parameters())
     x = torch.randn(4, 16)
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd, max_resident_bytes=budget,
-                            compute_dtype=compute_dtype) as off:
+    with offload_parameters(
+        model, str(scratch), mode=mode, optimizer=sgd, max_resident_bytes=budget, compute_dtype=compute_dtype
+    ) as off:
         for k in range(3):
             with torch.inference_mode():
                 torch.manual_seed(k)

@@ -17,6 +17,7 @@ def test_accelerate_accumulation_in_fused_mode_is_refused_before_any_block_steps
     with the weights already changed by half a step."""
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
+
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     torch.manual_seed(0)
@@ -26,7 +27,7 @@ def test_accelerate_accumulation_in_fused_mode_is_refused_before_any_block_steps
         accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
         model = accelerator.prepare(model)
         try:
-            with accelerator.accumulate(model), pytest.raises(RuntimeError, match="accumulate.*mode=\"grads\""):
+            with accelerator.accumulate(model), pytest.raises(RuntimeError, match='accumulate.*mode="grads"'):
                 accelerator.backward(model(torch.randn(4, 16)).mean())
         finally:
             AcceleratorState._reset_state(True)
@@ -51,12 +52,15 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
-@pytest.mark.parametrize("mode, budget, compute_dtype", [
-    ("fused", None, None), ("grads", "half", None), ("fused", "all", torch.bfloat16), ("grads", None, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "mode, budget, compute_dtype",
+    [("fused", None, None), ("grads", "half", None), ("fused", "all", torch.bfloat16), ("grads", None, torch.bfloat16)],
+)
 def test_load_state_dict_resumes_bit_identically(scratch, mode, budget, compute_dtype):
     """load_state_dict was refused on a streamed model (copy_ on a placeholder), so resuming was impossible; now
     the loaded values go to the blocks' storage (or their masters in memory) and training resumes exactly."""
     from deepoffload.swap.params import StreamedOptimizer
+
     torch.manual_seed(0)
     initial = Net()
     size = sum(p.numel() * p.element_size() for p in initial.layers.parameters())
@@ -64,8 +68,14 @@ def test_load_state_dict_resumes_bit_identically(scratch, mode, budget, compute_
 
     def setup(folder):
         model = copy.deepcopy(initial)
-        off = offload_parameters(model, str(scratch / folder), mode=mode, optimizer=adam, compute_dtype=compute_dtype,
-                                 max_resident_bytes=budget)
+        off = offload_parameters(
+            model,
+            str(scratch / folder),
+            mode=mode,
+            optimizer=adam,
+            compute_dtype=compute_dtype,
+            max_resident_bytes=budget,
+        )
         return model, off
 
     model, off = setup("whole")
@@ -101,6 +111,7 @@ def test_load_state_dict_reports_missing_and_mis_shaped_entries_as_in_memory(scr
 
 def test_served_blocks_refuse_a_load(scratch):
     from deepoffload.formats.writer import save_sharded
+
     torch.manual_seed(0)
     ref = Net()
     save_sharded({k: v.detach() for k, v in ref.state_dict().items()}, scratch / "ckpt")
@@ -120,25 +131,35 @@ def test_resize_token_embeddings_after_offloading_is_refused_at_the_next_forward
     """The resized head was in no optimizer: never stepped, its gradient piling up, no error."""
     pytest.importorskip("transformers")
     from tests.support.matrix_harness import build
+
     model = build("llama")
     ids = torch.randint(3, 64, (2, 6))
     with offload_parameters(model, str(scratch), optimizer=adam):
         model.resize_token_embeddings(80)
-        _refused_next_forward(model, r"lm_head\.weight.* replaced after offload_parameters\(\).*before "
-                                     r"offload_parameters\(\)", ids)
+        _refused_next_forward(
+            model,
+            r"lm_head\.weight.* replaced after offload_parameters\(\).*before "
+            r"offload_parameters\(\)",
+            ids,
+        )
 
 
 def test_get_peft_model_after_offloading_is_refused_at_the_next_forward(scratch):
     """The backward failed with "The size of tensor a (64) must match the size of tensor b (0)"."""
     peft = pytest.importorskip("peft")
     from tests.support.matrix_harness import build
+
     model = build("llama")
     ids = torch.randint(3, 64, (2, 6))
     with offload_parameters(model, str(scratch), optimizer=adam):
         wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
-        _refused_next_forward(wrapped, r"block model\.layers\.0: parameter .*q_proj\.weight was moved to .*"
-                                       r"base_layer.*lora_A.* were added.* after offload_parameters\(\).*"
-                                       r"get_peft_model.* before", ids)
+        _refused_next_forward(
+            wrapped,
+            r"block model\.layers\.0: parameter .*q_proj\.weight was moved to .*"
+            r"base_layer.*lora_A.* were added.* after offload_parameters\(\).*"
+            r"get_peft_model.* before",
+            ids,
+        )
 
 
 @pytest.mark.parametrize("change", ["replace", "add", "outside"])

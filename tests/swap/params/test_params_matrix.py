@@ -28,8 +28,10 @@ def pairwise() -> list[tuple[str, str, str, str]]:
     todo = {(i, a, j, b) for i, j in itertools.combinations(range(4), 2) for a in axes[i] for b in axes[j]}
     chosen = []
     while todo:
-        best = max(itertools.product(*axes), key=lambda c: sum(
-            (i, c[i], j, c[j]) in todo for i, j in itertools.combinations(range(4), 2)))
+        best = max(
+            itertools.product(*axes),
+            key=lambda c: sum((i, c[i], j, c[j]) in todo for i, j in itertools.combinations(range(4), 2)),
+        )
         chosen.append(best)
         todo -= {(i, best[i], j, best[j]) for i, j in itertools.combinations(range(4), 2)}
     return chosen
@@ -55,17 +57,25 @@ def check(cell, folder) -> harness.Outcome:
     return outcome
 
 
-@pytest.mark.parametrize("cell", [("llama", "bf16", "plain", "fused"), ("plain", "fp32", "plain", "grads"),
-                                  ("gpt2", "fp16", "plain", "fused"), ("llama", "fp32", "plain", "serve")],
-                         ids="-".join)
+@pytest.mark.parametrize(
+    "cell",
+    [
+        ("llama", "bf16", "plain", "fused"),
+        ("plain", "fp32", "plain", "grads"),
+        ("gpt2", "fp16", "plain", "fused"),
+        ("llama", "fp32", "plain", "serve"),
+    ],
+    ids="-".join,
+)
 def test_fast_cells(scratch, cell):
     check(cell, scratch)
 
 
 def test_the_pairwise_cover_covers_every_pair():
     cells = pairwise()
-    for (i, axis_i), (j, axis_j) in itertools.combinations(enumerate((harness.MODELS, harness.PRECISIONS,
-                                                                      harness.LOOPS, harness.FEATURES)), 2):
+    for (i, axis_i), (j, axis_j) in itertools.combinations(
+        enumerate((harness.MODELS, harness.PRECISIONS, harness.LOOPS, harness.FEATURES)), 2
+    ):
         assert {(c[i], c[j]) for c in cells} == set(itertools.product(axis_i, axis_j))
     assert len(cells) < 40
 

@@ -50,7 +50,9 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
 """
 
-CHILD = MODEL + """
+CHILD = (
+    MODEL
+    + """
 import json, sys
 from deepoffload.swap.params import offload_parameters
 
@@ -70,13 +72,15 @@ off.save(saved, max_shard_bytes=64 << 20)
 off.close(restore=False)
 print(json.dumps(losses))
 """
+)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(reason is not None, reason=reason or "")
 def test_larger_than_memory_model_loads_trains_and_saves_inside_the_limit(scratch):
-    from deepoffload.formats import CheckpointReader
     from safetensors.torch import save_file
+
+    from deepoffload.formats import CheckpointReader
 
     space: dict = {}
     exec(MODEL, space)
@@ -88,9 +92,19 @@ def test_larger_than_memory_model_loads_trains_and_saves_inside_the_limit(scratc
     save_file(model.state_dict(), str(scratch / "model.safetensors"))
     assert (scratch / "model.safetensors").stat().st_size > limit
 
-    run = memlimit.run_limited([sys.executable, "-c", CHILD, str(scratch / "model.safetensors"),
-                                str(scratch / "swap"), str(scratch / "saved")], limit, timeout=300,
-                               env={**os.environ, **MALLOC_ENV})
+    run = memlimit.run_limited(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(scratch / "model.safetensors"),
+            str(scratch / "swap"),
+            str(scratch / "saved"),
+        ],
+        limit,
+        timeout=300,
+        env={**os.environ, **MALLOC_ENV},
+    )
     assert run.returncode == 0 and run.oom_kills == 0, run
     assert run.peak_bytes is None or run.peak_bytes <= limit
 

@@ -34,9 +34,10 @@ class Net(nn.Module):
     def __init__(self, layers: int = 3, width: int = 16):
         super().__init__()
         self.emb = nn.Embedding(10, width)
-        self.layers = nn.ModuleList(Attention(width) if i % 2 else nn.Sequential(nn.Linear(width, width),
-                                                                                  nn.LayerNorm(width))
-                                    for i in range(layers))
+        self.layers = nn.ModuleList(
+            Attention(width) if i % 2 else nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
+            for i in range(layers)
+        )
         self.head = nn.Linear(width, 10)
 
     def forward(self, x):
@@ -47,8 +48,15 @@ class Net(nn.Module):
 
 
 def llama_config(layers: int = 3):
-    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
 
 def meta_llama(layers: int = 3):
@@ -103,6 +111,7 @@ def test_hf_init_weights_gives_initialize_weights_values(scratch):
 def write_checkpoint(kind: str, state: dict, folder):
     if kind == "safetensors":
         from safetensors.torch import save_file
+
         save_file(state, str(folder / "model.safetensors"))
         return folder / "model.safetensors"
     if kind == "sharded":
@@ -119,8 +128,13 @@ def test_loads_a_checkpoint_and_trains_like_in_memory(scratch, kind):
     reference = transformers.LlamaForCausalLM(llama_config())
     path = write_checkpoint(kind, reference.state_dict(), scratch)
     model = meta_llama()
-    off = offload_parameters(model, str(scratch / "swap"), checkpoint=path, init=model._init_weights,
-                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    off = offload_parameters(
+        model,
+        str(scratch / "swap"),
+        checkpoint=path,
+        init=model._init_weights,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    )
     assert off.load_report == ([], [])
     with torch.no_grad():
         assert torch.equal(model(tokens()).logits, reference(tokens()).logits)
@@ -140,8 +154,9 @@ def test_dtype_converts_what_is_loaded(scratch):
     reference = transformers.LlamaForCausalLM(llama_config())
     path = write_checkpoint("safetensors", reference.state_dict(), scratch)
     model = meta_llama()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=path, init=model._init_weights,
-                            dtype=torch.bfloat16):
+    with offload_parameters(
+        model, str(scratch / "swap"), checkpoint=path, init=model._init_weights, dtype=torch.bfloat16
+    ):
         state = model.state_dict()
         assert state["model.layers.1.mlp.up_proj.weight"].dtype == torch.bfloat16
         expected = {k: v.to(torch.bfloat16) for k, v in reference.state_dict().items()}
@@ -168,8 +183,9 @@ def test_key_problems_are_listed_and_the_model_is_left_on_meta(scratch):
     state["model.norm.weight"] = torch.ones(32)
     path = write_checkpoint("safetensors", state, scratch)
     torch.manual_seed(3)
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=path, init=model._init_weights,
-                            strict=False) as off:
+    with offload_parameters(
+        model, str(scratch / "swap"), checkpoint=path, init=model._init_weights, strict=False
+    ) as off:
         assert off.load_report == (["model.layers.2.mlp.down_proj.weight"], ["model.extra"])
         loaded = model.state_dict()
         initialized = loaded["model.layers.2.mlp.down_proj.weight"]
@@ -210,8 +226,13 @@ def test_at_most_a_few_blocks_are_in_memory_while_made(scratch):
 
     def counting_init(module):
         with internal():  # look at the storage behind streamed parameters, which user code is refused
-            with_memory = sum(any(p.numel() and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
-                                  for p in layer.parameters()) for layer in model.layers)
+            with_memory = sum(
+                any(
+                    p.numel() and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
+                    for p in layer.parameters()
+                )
+                for layer in model.layers
+            )
         made.append(with_memory)
         (getattr(module, "reset_parameters", None) or module._reset_parameters)()
 
@@ -237,6 +258,7 @@ def test_save_without_residency_loads_in_safetensors_and_transformers(scratch):
     with CheckpointReader(scratch / "saved") as reader:
         assert equal_states(reader.read(), reference.state_dict())
     from safetensors.torch import load_file
+
     loaded = {}
     for shard in shards:
         loaded.update(load_file(str(shard)))
@@ -275,8 +297,13 @@ def test_resident_budget_trains_like_in_memory(scratch, mode):
     model = transformers.LlamaForCausalLM(llama_config(layers=4))
     model.load_state_dict(reference.state_dict())
     block_bytes = sum(p.numel() * 4 for p in reference.model.layers[0].parameters())
-    off = offload_parameters(model, str(scratch), mode=mode, max_resident_bytes=2 * block_bytes,
-                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    off = offload_parameters(
+        model,
+        str(scratch),
+        mode=mode,
+        max_resident_bytes=2 * block_bytes,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    )
     assert off.pinned == frozenset({0, 1})
     optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for i in range(3):
@@ -293,8 +320,12 @@ def test_meta_build_with_compute_dtype_matches_the_offloaded_in_memory_model(scr
     reference = transformers.LlamaForCausalLM(llama_config())
     path = write_checkpoint("safetensors", reference.state_dict(), scratch)
     model = meta_llama()
-    with offload_parameters(reference, str(scratch / "a"), compute_dtype=torch.bfloat16), \
-            offload_parameters(model, str(scratch / "b"), checkpoint=path, init=model._init_weights,
-                               compute_dtype=torch.bfloat16), torch.no_grad():
+    with (
+        offload_parameters(reference, str(scratch / "a"), compute_dtype=torch.bfloat16),
+        offload_parameters(
+            model, str(scratch / "b"), checkpoint=path, init=model._init_weights, compute_dtype=torch.bfloat16
+        ),
+        torch.no_grad(),
+    ):
         assert torch.equal(model(tokens()).logits, reference(tokens()).logits)
         assert equal_states(model.state_dict(), reference.state_dict())

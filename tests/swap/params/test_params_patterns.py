@@ -35,8 +35,15 @@ class Unit(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, width: int = 16, depth: int = 3, dropout: float = 0.0, order: tuple[int, ...] | None = None,
-                 wrap: str | None = None, norm: type = nn.BatchNorm1d):
+    def __init__(
+        self,
+        width: int = 16,
+        depth: int = 3,
+        dropout: float = 0.0,
+        order: tuple[int, ...] | None = None,
+        wrap: str | None = None,
+        norm: type = nn.BatchNorm1d,
+    ):
         super().__init__()
         self.embed = nn.Linear(4, width)
         self.blocks = nn.ModuleList([Unit(width, dropout, norm) for _ in range(depth)])
@@ -78,11 +85,25 @@ def train(model: nn.Module, step, x: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("mode", ["fused", "grads"])
-@pytest.mark.parametrize("kwargs", [dict(dropout=0.2), dict(order=(0, 1, 0, 2)), dict(wrap="non-reentrant"),
-                                    dict(wrap="reentrant"), dict(order=(0, 1, 0, 2), wrap="non-reentrant"),
-                                    dict(order=(0, 1, 0, 2), wrap="reentrant")],
-                         ids=["bn-dropout", "order-0-1-0", "checkpoint", "checkpoint-reentrant",
-                              "checkpoint-0-1-0", "checkpoint-reentrant-0-1-0"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(dropout=0.2),
+        dict(order=(0, 1, 0, 2)),
+        dict(wrap="non-reentrant"),
+        dict(wrap="reentrant"),
+        dict(order=(0, 1, 0, 2), wrap="non-reentrant"),
+        dict(order=(0, 1, 0, 2), wrap="reentrant"),
+    ],
+    ids=[
+        "bn-dropout",
+        "order-0-1-0",
+        "checkpoint",
+        "checkpoint-reentrant",
+        "checkpoint-0-1-0",
+        "checkpoint-reentrant-0-1-0",
+    ],
+)
 def test_training_bit_identical_with_side_effects(scratch, mode, kwargs):
     """BatchNorm statistics and num_batches_tracked advance once per forward; dropout masks match; blocks called
     out of order or inside torch.utils.checkpoint step once per step (a block called twice inside a reentrant
@@ -193,8 +214,11 @@ def test_close_without_restore_is_explicit(scratch):
         model(batches(1)[0])
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.bfloat16),
-                                     lambda m: m.blocks.to(torch.float64)], ids=["half", "double", "to", "submodule"])
+@pytest.mark.parametrize(
+    "convert",
+    [lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.bfloat16), lambda m: m.blocks.to(torch.float64)],
+    ids=["half", "double", "to", "submodule"],
+)
 def test_dtype_moves_of_streamed_blocks_convert_them_as_in_memory(scratch, convert):
     reference, model = pair()
     with offload_parameters(model, str(scratch)):

@@ -29,14 +29,18 @@ def streamed(scratch):
     offload.close()
 
 
-@pytest.mark.parametrize("idiom", [
-    lambda m: {n: p.detach().clone() for n, p in m.named_parameters()},
-    lambda m: torch.save({n: p for n, p in m.named_parameters()}, io.BytesIO()),
-    lambda m: [p.data for p in m.parameters()],
-    lambda m: [p.clone() for p in m.parameters()],
-    lambda m: torch.nn.utils.parameters_to_vector(m.parameters()),
-    lambda m: [p.sum().item() for p in m.parameters()],
-], ids=["detach-clone", "torch-save", "data", "clone", "parameters_to_vector", "sum"])
+@pytest.mark.parametrize(
+    "idiom",
+    [
+        lambda m: {n: p.detach().clone() for n, p in m.named_parameters()},
+        lambda m: torch.save({n: p for n, p in m.named_parameters()}, io.BytesIO()),
+        lambda m: [p.data for p in m.parameters()],
+        lambda m: [p.clone() for p in m.parameters()],
+        lambda m: torch.nn.utils.parameters_to_vector(m.parameters()),
+        lambda m: [p.sum().item() for p in m.parameters()],
+    ],
+    ids=["detach-clone", "torch-save", "data", "clone", "parameters_to_vector", "sum"],
+)
 def test_reading_parameters_one_by_one_is_refused(streamed, idiom):
     _, model, _ = streamed
     with pytest.raises(StreamedParameterError, match=r"blocks\.0\..* is streamed.*model\.state_dict\(\)|p\.data"):
@@ -52,11 +56,20 @@ def test_state_dict_is_the_way_to_copy_and_save(streamed, tmp_path):
 def test_parameter_counts_and_shapes_are_the_stored_ones(streamed):
     reference, model, _ = streamed
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters())
-    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == \
-        sum(p.numel() for p in reference.parameters())
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == sum(
+        p.numel() for p in reference.parameters()
+    )
     for p, r in zip(model.parameters(), reference.parameters()):
-        assert (p.shape, p.size(), p.size(-1), p.dim(), p.ndim, p.nelement(), p.dtype, p.device) == \
-            (r.shape, r.size(), r.size(-1), r.dim(), r.ndim, r.nelement(), r.dtype, r.device)
+        assert (p.shape, p.size(), p.size(-1), p.dim(), p.ndim, p.nelement(), p.dtype, p.device) == (
+            r.shape,
+            r.size(),
+            r.size(-1),
+            r.dim(),
+            r.ndim,
+            r.nelement(),
+            r.dtype,
+            r.device,
+        )
     assert "StreamedParameter" in repr(model.blocks[0].linear.weight)  # printing does not raise
 
 
@@ -133,8 +146,9 @@ def test_close_gives_plain_parameters_back(streamed):
     reference, model, offload = streamed
     offload.close()
     assert not any(isinstance(p, StreamedParameter) for p in model.parameters())
-    assert states_equal({n: p.detach().clone() for n, p in model.named_parameters()},
-                        dict(reference.named_parameters()))
+    assert states_equal(
+        {n: p.detach().clone() for n, p in model.named_parameters()}, dict(reference.named_parameters())
+    )
     copy.deepcopy(model)
 
 
@@ -144,7 +158,6 @@ def test_parameters_after_close_without_restore_say_so(scratch):
     offload.close(restore=False)
     with pytest.raises(StreamedParameterError, match=r"discarded by close\(restore=False\)"):
         model.blocks[0].linear.weight.detach()
-
 
 
 def _resident(model: nn.Module) -> list[str]:
@@ -186,8 +199,9 @@ def test_a_write_to_a_compute_dtype_copy_is_refused_not_dropped(scratch):
     stored exactly, so releasing the block raises naming it (the stored values stay), and so does close()."""
     reference, model = pair()
     x = batches(1)[0]
-    offload = offload_parameters(model, str(scratch), mode="grads", optimizer=adam, compute_dtype=torch.bfloat16,
-                                 prefetch=len(model.blocks))
+    offload = offload_parameters(
+        model, str(scratch), mode="grads", optimizer=adam, compute_dtype=torch.bfloat16, prefetch=len(model.blocks)
+    )
     with torch.no_grad():
         model(x)
     params = dict(model.named_parameters())

@@ -19,8 +19,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 
 def llama_config(layers: int = 3):
-    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
 
 def meta_llama(layers: int = 3):
@@ -67,10 +74,17 @@ def test_served_blocks_equal_the_copied_path_and_write_nothing(scratch, referenc
     before = digest(checkpoint)
     ids = tokens()
     copied_model, served_model = meta_llama(), meta_llama()
-    with offload(copied_model, str(scratch / "copied"), checkpoint=checkpoint,
-                            compute_dtype=compute_dtype) as copied, \
-            offload(served_model, str(scratch / "served"), checkpoint=checkpoint,
-                               compute_dtype=compute_dtype, serve_from_checkpoint=True) as served, torch.no_grad():
+    with (
+        offload(copied_model, str(scratch / "copied"), checkpoint=checkpoint, compute_dtype=compute_dtype) as copied,
+        offload(
+            served_model,
+            str(scratch / "served"),
+            checkpoint=checkpoint,
+            compute_dtype=compute_dtype,
+            serve_from_checkpoint=True,
+        ) as served,
+        torch.no_grad(),
+    ):
         assert copied.stats.bytes_written > 0 and all(b.served is None for b in copied.blocks)
         assert served.stats.bytes_written == 0 and swap_files(served) == []
         assert all(b.served == str(checkpoint) for b in served.blocks)
@@ -79,8 +93,10 @@ def test_served_blocks_equal_the_copied_path_and_write_nothing(scratch, referenc
             assert {r.file for r in records.values()} == {str(checkpoint)}
         assert any(r.offset % 512 for b in served.blocks for r in served.store.swapper.records(b.group).values())
         assert torch.equal(served_model(ids).logits, copied_model(ids).logits)
-        assert torch.equal(served_model.generate(ids, max_new_tokens=4, do_sample=False),
-                           copied_model.generate(ids, max_new_tokens=4, do_sample=False))
+        assert torch.equal(
+            served_model.generate(ids, max_new_tokens=4, do_sample=False),
+            copied_model.generate(ids, max_new_tokens=4, do_sample=False),
+        )
         assert served.stats.bytes_read > 0 and served.stats.bytes_written == 0
         state = served.state_dict()
         assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
@@ -93,8 +109,7 @@ def test_sharded_checkpoint_serves_the_blocks_inside_one_shard(scratch, referenc
     save_sharded(reference.state_dict(), folder, max_shard_bytes=60_000)
     ids = tokens()
     model = meta_llama()
-    with offload(model, str(scratch / "swap"), checkpoint=folder, serve_from_checkpoint=True) as off, \
-            torch.no_grad():
+    with offload(model, str(scratch / "swap"), checkpoint=folder, serve_from_checkpoint=True) as off, torch.no_grad():
         served = [b for b in off.blocks if b.served is not None]
         assert served and all(b.served.startswith(str(folder)) for b in served)
         assert off.stats.bytes_written == sum(span(b.masters) for b in off.blocks if b.served is None) > 0
@@ -104,8 +119,12 @@ def test_sharded_checkpoint_serves_the_blocks_inside_one_shard(scratch, referenc
 def test_budget_pins_served_blocks_and_unpins_them_without_a_write(scratch, reference, checkpoint):
     ids = tokens()
     model = meta_llama()
-    with offload(model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True,
-                            max_resident_bytes=1 << 30) as off, torch.no_grad():
+    with (
+        offload(
+            model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True, max_resident_bytes=1 << 30
+        ) as off,
+        torch.no_grad(),
+    ):
         assert off.pinned == {0, 1, 2}
         setup = off.stats.bytes_read
         assert torch.equal(model(ids).logits, reference(ids).logits)
@@ -149,8 +168,13 @@ def test_training_a_served_block_is_refused_and_the_checkpoint_is_unchanged(scra
     before = digest(checkpoint)
     ids = tokens()
     model = meta_llama().train()
-    with offload(model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True,
-                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)) as off:
+    with offload(
+        model,
+        str(scratch / "swap"),
+        checkpoint=checkpoint,
+        serve_from_checkpoint=True,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+    ) as off:
         loss = model(ids, labels=ids).loss
         with pytest.raises(RuntimeError, match="served read-only from the checkpoint .*serve_from_checkpoint"):
             loss.backward()
@@ -162,8 +186,12 @@ def test_a_changed_served_block_is_dropped_with_an_error(scratch, reference, che
     before = digest(checkpoint)
     ids = tokens()
     model = meta_llama()
-    with offload(model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True,
-                            max_resident_bytes=1 << 30) as off, torch.no_grad():
+    with (
+        offload(
+            model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True, max_resident_bytes=1 << 30
+        ) as off,
+        torch.no_grad(),
+    ):
         model.model.layers[0].mlp.up_proj.weight.mul_(2)
         with pytest.raises(RuntimeError, match="up_proj.weight was changed in place.*served read-only.*dropped"):
             off.set_max_resident_bytes(0)
@@ -183,10 +211,13 @@ def test_serving_needs_a_safetensors_checkpoint(scratch, reference):
 def test_blocks_converted_to_another_dtype_are_copied(scratch, reference, checkpoint):
     ids = tokens()
     model, copied = meta_llama(), meta_llama()
-    with offload(model, str(scratch / "a"), checkpoint=checkpoint, serve_from_checkpoint=True,
-                            dtype=torch.bfloat16) as off, \
-            offload(copied, str(scratch / "b"), checkpoint=checkpoint, dtype=torch.bfloat16), \
-            torch.no_grad():
+    with (
+        offload(
+            model, str(scratch / "a"), checkpoint=checkpoint, serve_from_checkpoint=True, dtype=torch.bfloat16
+        ) as off,
+        offload(copied, str(scratch / "b"), checkpoint=checkpoint, dtype=torch.bfloat16),
+        torch.no_grad(),
+    ):
         assert all(b.served is None for b in off.blocks) and off.stats.bytes_written > 0
         assert torch.equal(model(ids).logits, copied(ids).logits)
 
@@ -201,8 +232,10 @@ def test_map_group_reads_tensors_where_they_lie_and_never_writes_there(scratch):
     path = scratch / "foreign.bin"
     path.write_bytes(data)
     cpu = torch.device("cpu")
-    records = {"a": SwapRecord("a", a.dtype, (1000,), 4000, str(path), 4108, cpu),
-               "b": SwapRecord("b", b.dtype, (300,), 600, str(path), 8108, cpu)}
+    records = {
+        "a": SwapRecord("a", a.dtype, (1000,), 4000, str(path), 4108, cpu),
+        "b": SwapRecord("b", b.dtype, (300,), 600, str(path), 8108, cpu),
+    }
     with TensorSwapper(SwapConfig(folder=str(scratch / "swap"))) as swapper:
         swapper.map_group("g", records)
         assert swapper.mapped("g")

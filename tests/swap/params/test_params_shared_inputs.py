@@ -79,6 +79,7 @@ def test_shared_inputs_train_bit_identical_to_memory(scratch, mode, autocast):
     expected = run(ref, ref_step, autocast)
     blocks = [*model.encoder, *model.decoder]
     with offload_parameters(model, str(scratch), blocks=blocks, mode=mode, optimizer=adam) as off:
+
         def off_step():
             off.step()
             off.zero_grad()

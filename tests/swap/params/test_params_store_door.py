@@ -24,14 +24,20 @@ def reaches_past_the_store(tree: ast.AST) -> list[int]:
 
 
 def test_the_check_sees_a_reach_past_the_store():
-    source = ("from ..tensor_swapper import TensorSwapper\n"
-              "def f(self, store, optimizer):\n"
-              "    store.swapper.close(); self.store.swapper.discard('g'); self.swapper.records('g')\n"
-              "    return optimizer.swapper.bytes_read\n")
+    source = (
+        "from ..tensor_swapper import TensorSwapper\n"
+        "def f(self, store, optimizer):\n"
+        "    store.swapper.close(); self.store.swapper.discard('g'); self.swapper.records('g')\n"
+        "    return optimizer.swapper.bytes_read\n"
+    )
     assert reaches_past_the_store(ast.parse(source)) == [1, 3, 3, 3]
 
 
 def test_only_the_block_store_holds_the_swapper():
-    found = [f"{path.name}:{line}" for path in sorted(PARAMS.glob("*.py")) if path.name != "store.py"
-             for line in reaches_past_the_store(ast.parse(path.read_text()))]
+    found = [
+        f"{path.name}:{line}"
+        for path in sorted(PARAMS.glob("*.py"))
+        if path.name != "store.py"
+        for line in reaches_past_the_store(ast.parse(path.read_text()))
+    ]
     assert not found, "go through BlockStore's methods instead: " + ", ".join(found)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.models import ModelSize, SyntheticText, build_model
 from deepoffload.swap.params import offload_parameters
+from tests.support.models import ModelSize, SyntheticText, build_model
 
 SIZE = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
 OPTIMIZERS = {

@@ -20,8 +20,15 @@ from tests.support.stepping import offload_step, reference_step  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 T = transformers
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def config(name: str):
@@ -32,25 +39,72 @@ def config(name: str):
         "qwen2": (T.Qwen2ForCausalLM, lambda: T.Qwen2Config(**SMALL)),
         "gemma2": (T.Gemma2ForCausalLM, lambda: T.Gemma2Config(**SMALL, head_dim=8)),
         "phi3": (T.Phi3ForCausalLM, lambda: T.Phi3Config(**SMALL, pad_token_id=0)),
-        "opt": (T.OPTForCausalLM, lambda: T.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                                        num_attention_heads=4, max_position_embeddings=64,
-                                                        word_embed_proj_dim=32)),
-        "gpt-neox": (T.GPTNeoXForCausalLM, lambda: T.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                                   num_hidden_layers=2, num_attention_heads=4,
-                                                                   max_position_embeddings=64, rotary_pct=0.5)),
-        "mixtral": (T.MixtralForCausalLM, lambda: T.MixtralConfig(**SMALL, num_local_experts=4,
-                                                                  num_experts_per_tok=2)),
-        "qwen2-moe": (T.Qwen2MoeForCausalLM, lambda: T.Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
-                                                                      moe_intermediate_size=16,
-                                                                      shared_expert_intermediate_size=32)),
-        "t5": (T.T5ForConditionalGeneration, lambda: T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64,
-                                                                num_layers=2, num_heads=4, decoder_start_token_id=0)),
-        "bart": (T.BartForConditionalGeneration, lambda: T.BartConfig(
-            vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
-        "bert": (T.BertForMaskedLM, lambda: T.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                                         num_attention_heads=4, intermediate_size=64,
-                                                         max_position_embeddings=64)),
+        "opt": (
+            T.OPTForCausalLM,
+            lambda: T.OPTConfig(
+                vocab_size=64,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                word_embed_proj_dim=32,
+            ),
+        ),
+        "gpt-neox": (
+            T.GPTNeoXForCausalLM,
+            lambda: T.GPTNeoXConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                rotary_pct=0.5,
+            ),
+        ),
+        "mixtral": (T.MixtralForCausalLM, lambda: T.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2-moe": (
+            T.Qwen2MoeForCausalLM,
+            lambda: T.Qwen2MoeConfig(
+                **SMALL,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+            ),
+        ),
+        "t5": (
+            T.T5ForConditionalGeneration,
+            lambda: T.T5Config(
+                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+            ),
+        ),
+        "bart": (
+            T.BartForConditionalGeneration,
+            lambda: T.BartConfig(
+                vocab_size=64,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_position_embeddings=64,
+            ),
+        ),
+        "bert": (
+            T.BertForMaskedLM,
+            lambda: T.BertConfig(
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=64,
+            ),
+        ),
     }[name]
 
 
@@ -127,8 +181,12 @@ def test_sharded_save_pretrained_checkpoint_loads_like_in_memory(scratch, name, 
             offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights)
         return
     model = empty(name, how).eval()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights,
-                            strict=False) as off, torch.no_grad():
+    with (
+        offload_parameters(
+            model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights, strict=False
+        ) as off,
+        torch.no_grad(),
+    ):
         assert off.load_report == ([], [])
         assert tied_groups(model) == tied_groups(ref)
         buffers = dict(ref.named_buffers())
@@ -148,6 +206,7 @@ def test_sharded_save_pretrained_checkpoint_loads_like_in_memory(scratch, name, 
 def save_unique(model, folder) -> None:
     """The model's state in its own names, each shared tensor once (what off.save writes)."""
     from deepoffload.formats.writer import save_sharded
+
     seen, state = set(), {}
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in seen:
@@ -156,12 +215,24 @@ def save_unique(model, folder) -> None:
     save_sharded(state, folder, max_shard_bytes=50_000)
 
 
-@pytest.mark.parametrize("name, mode, half", [
-    ("llama-tied", "fused", False), ("llama-tied", "grads", True), ("mistral", "fused", True),
-    ("qwen2", "grads", False), ("gemma2", "fused", False), ("gemma2", "grads", True), ("phi3", "fused", True),
-    ("opt", "grads", True), ("gpt-neox", "fused", False), ("mixtral", "fused", True), ("mixtral", "grads", False),
-    ("qwen2-moe", "grads", True),
-    ("bert", "fused", True)])
+@pytest.mark.parametrize(
+    "name, mode, half",
+    [
+        ("llama-tied", "fused", False),
+        ("llama-tied", "grads", True),
+        ("mistral", "fused", True),
+        ("qwen2", "grads", False),
+        ("gemma2", "fused", False),
+        ("gemma2", "grads", True),
+        ("phi3", "fused", True),
+        ("opt", "grads", True),
+        ("gpt-neox", "fused", False),
+        ("mixtral", "fused", True),
+        ("mixtral", "grads", False),
+        ("qwen2-moe", "grads", True),
+        ("bert", "fused", True),
+    ],
+)
 def test_trains_generates_and_saves_like_in_memory(scratch, name, mode, half):
     """Built by accelerate, loaded, 3 Adam steps with the models' defaults (dropout, use_cache) bit-identical to
     in memory; generate with the KV cache; off.save() loads in from_pretrained equal to the trained model."""
@@ -169,8 +240,9 @@ def test_trains_generates_and_saves_like_in_memory(scratch, name, mode, half):
     save_unique(ref, scratch / "ckpt")
     model = empty(name, "accelerate").train()
     budget = sum(p.numel() * p.element_size() for p in ref.parameters()) // 2 if half else None
-    off = offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", mode=mode, optimizer=adam,
-                             max_resident_bytes=budget)
+    off = offload_parameters(
+        model, str(scratch / "swap"), checkpoint=scratch / "ckpt", mode=mode, optimizer=adam, max_resident_bytes=budget
+    )
     assert bool(off.pinned) == half
     for streamed, in_memory in train_both(model, off, ref, adam(ref.parameters()), 3):
         assert streamed.loss.item() == in_memory.loss.item()
@@ -245,8 +317,16 @@ def test_forward_with_gradients_is_bit_identical(scratch, name):
         off.step()
 
 
-@pytest.mark.parametrize("name, how", [("llama-tied", "meta"), ("gemma2", "accelerate"), ("bert", "accelerate"),
-                                       ("mistral", "meta"), ("mixtral", "meta")])
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("llama-tied", "meta"),
+        ("gemma2", "accelerate"),
+        ("bert", "accelerate"),
+        ("mistral", "meta"),
+        ("mixtral", "meta"),
+    ],
+)
 def test_fresh_init_gives_initialize_weights_values(scratch, name, how):
     """init=model._init_weights without a checkpoint: the values of transformers' initialize_weights() with the
     same seed, tied weights included (each module holding them initializes them again; the last one's values stay)."""
@@ -284,8 +364,12 @@ def test_serve_from_a_sharded_save_pretrained_checkpoint(scratch, name):
     ref = reference(name).eval()
     ref.save_pretrained(scratch / "ckpt", safe_serialization=True, max_shard_size="50KB")
     model = empty(name, "accelerate").eval()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt",
-                            serve_from_checkpoint=True) as off, torch.no_grad():
+    with (
+        offload_parameters(
+            model, str(scratch / "swap"), checkpoint=scratch / "ckpt", serve_from_checkpoint=True
+        ) as off,
+        torch.no_grad(),
+    ):
         served = [b for b in off.blocks if b.served]
         assert served  # blocks split over two shards are copied
         copied = sum(-(-b.nbytes // 4096) * 4096 for b in off.blocks if not b.served)  # whole pages
@@ -307,8 +391,9 @@ def test_router_logits_recorded_inside_blocks_are_refused_in_training(scratch, b
     size = sum(p.numel() * p.element_size() for p in ref.parameters()) if budget else None
     ids = tokens()
     with offload_parameters(model, str(scratch), mode="grads", optimizer=adam, max_resident_bytes=size) as off:
-        with pytest.raises(ValueError, match="model.layers.0: a tensor computed inside it outlives.*"
-                                             "output_router_logits=True"):
+        with pytest.raises(
+            ValueError, match="model.layers.0: a tensor computed inside it outlives.*output_router_logits=True"
+        ):
             model(ids, labels=ids, output_router_logits=True)
         with torch.no_grad():
             out = model(ids, output_router_logits=True)
@@ -361,8 +446,12 @@ def test_dtype_bf16_on_meta_equals_from_pretrained_in_bf16(scratch, name):
     ref.save_pretrained(scratch / "ckpt", safe_serialization=True, max_shard_size="50KB")
     expected = type(ref).from_pretrained(scratch / "ckpt", dtype=torch.bfloat16).eval()
     model = empty(name, "meta").eval()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights,
-                            dtype=torch.bfloat16), torch.no_grad():
+    with (
+        offload_parameters(
+            model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights, dtype=torch.bfloat16
+        ),
+        torch.no_grad(),
+    ):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
         assert model.model.rotary_emb.inv_freq.dtype == torch.float32
         assert torch.equal(model.model.rotary_emb.inv_freq, expected.model.rotary_emb.inv_freq)
