@@ -216,6 +216,6 @@ print(json.dumps(out))
     assert out["handle"] == "deepoffload.io.compat"
     assert "GPUDirect Storage" in out["gds"] and "use_gds" in out["gds"]
     assert out["restored"] and out["accelerator_restored"]
-    # children enable themselves (tests/test_deepspeed_children.py); DeepSpeed's pin_memory op is ours too
+    # children enable themselves (tests/integrations/test_deepspeed_children.py); DeepSpeed's pin_memory op is ours too
     assert out["env_for_children"] == "1" and out["env_restored"]
     assert out["pin"] == "deepoffload.io.compat" and out["compatible"] == [True, True]

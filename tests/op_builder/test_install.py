@@ -136,7 +136,8 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names) and "deepoffload/py.typed" in names
     from deepoffload.integrations import deepspeed_children as children
 
-    # at the wheel's top, so it lands in site-packages (tests/test_deepspeed_children.py: what the line does)
+    # at the wheel's top, so it lands in site-packages (tests/integrations/test_deepspeed_children.py: what the line
+    # does)
     assert zipfile.ZipFile(wheel).read(children.PTH_NAME).decode() == children.PTH_LINE + "\n"
     venv = fresh_venv(tmp_path, wheel)
     run_dir = tmp_path / "elsewhere"

@@ -1,6 +1,6 @@
-"""DeepSpeed's own pinned-memory and GIL tests (``tests/deepspeed_upstream/``, copied from its repository) run on
-deepoffload's op through ``enable()``, in a child pytest (DS_ACCELERATOR=cpu) whose DeepSpeed op builders refuse to
-build or load anything of DeepSpeed's own.
+"""DeepSpeed's own pinned-memory and GIL tests (``tests/integrations/deepspeed_upstream/``, copied from its
+repository) run on deepoffload's op through ``enable()``, in a child pytest (DS_ACCELERATOR=cpu) whose DeepSpeed op
+builders refuse to build or load anything of DeepSpeed's own.
 
 ``test_aio_gil.py`` needs CUDA-pinned memory and skips its every test on a CPU accelerator, on DeepSpeed's op as on
 ours; ``gil_on_cpu`` runs it again with that requirement lifted (``Tensor.pin_memory`` returns a page-locked copy
@@ -26,7 +26,7 @@ pytestmark = [
     ),
 ]
 UPSTREAM = Path(__file__).with_name("deepspeed_upstream")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CONFTEST = """
 import os

@@ -17,7 +17,7 @@ import pytest
 
 from deepoffload.integrations import deepspeed_children as children
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_python(code: str, env_value: str | None, extra_path: Path | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""One rank of tests/test_data_parallel.py, started by torchrun (gloo, CPU): data-parallel streaming
+"""One rank of tests/swap/params/test_data_parallel.py, started by torchrun (gloo, CPU): data-parallel streaming
 (``offload_parameters(..., data_parallel=True)``) trained against DistributedDataParallel in memory on the same
 data, in fused mode and in grads mode (two micro-batches per step, clipping by the global norm).
 

@@ -1,5 +1,6 @@
-"""Child process of tests/test_data_parallel.py: one gloo rank (world size 1, 127.0.0.1) trying the wrappings that
-cannot hold a streamed model; prints one JSON line {case: the error's type and message, or "no error"}."""
+"""Child process of tests/swap/params/test_data_parallel.py: one gloo rank (world size 1, 127.0.0.1) trying the
+wrappings that cannot hold a streamed model; prints one JSON line {case: the error's type and message, or
+"no error"}."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from torch import nn
 from deepoffload import offload_parameters
 from deepoffload.swap.params import data_parallel, wrappers
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+HERE = Path(__file__).resolve().parent  # the child-process scripts lie beside this file
+REPO = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
@@ -75,7 +75,7 @@ def test_two_ranks_equal_ddp_bit_for_bit(scratch):
             "127.0.0.1",
             "--master-port",
             str(free_port()),
-            str(TESTS / "data_parallel_worker.py"),
+            str(HERE / "data_parallel_worker.py"),
             str(out),
             str(swap),
         ),
@@ -109,7 +109,7 @@ def test_two_nodes_equal_ddp_bit_for_bit(scratch):
                 "deepoffload-x30",
                 "--local-addr",
                 "127.0.0.1",
-                str(TESTS / "data_parallel_worker.py"),
+                str(HERE / "data_parallel_worker.py"),
                 str(out),
                 str(swap),
             ),
@@ -137,7 +137,7 @@ def test_two_nodes_equal_ddp_bit_for_bit(scratch):
 def test_wrappings_that_cannot_hold_a_streamed_model_are_refused(scratch):
     env = {**child_env(), "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "data_parallel_refusals.py"), str(scratch / "swap")],
+        [sys.executable, str(HERE / "data_parallel_refusals.py"), str(scratch / "swap")],
         capture_output=True,
         text=True,
         env=env,
