@@ -1,8 +1,8 @@
 """The differential matrix (``tests/support/matrix_harness.py``): every cell trains identically to memory or is
-refused before its first step. A few cells run by default; every pair of axis values (a pairwise cover of model x
-precision x loop x feature) runs with ``-m slow``, and each outcome must be the one ``docs/support-matrix.md`` shows
-(the harness wrote that file: ``python tests/support/matrix_harness.py --write docs/support-matrix.md`` runs the whole
-product)."""
+refused before its first step. A few cells run by default; with ``-m slow`` every pair of axis values (a pairwise
+cover of model x precision x loop x feature) runs here and every other cell of the product in ``matrix/`` (one file
+per model), and each outcome must be the one ``docs/support-matrix.md`` shows (the harness wrote that file:
+``python tests/support/matrix_harness.py --write docs/support-matrix.md`` runs the whole product)."""
 
 from __future__ import annotations
 
