@@ -26,7 +26,8 @@ class SharedInputs:
     """The latest alias of each tensor passed to a block in the forward under way (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(tensor) -> (tensor, its alias)
+        # id(tensor) -> (tensor, its version then, its alias)
+        self._latest: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._last_index = -1
 
     def substitute(self, index: int, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -41,13 +42,17 @@ class SharedInputs:
         given = []
         for tensor in tensors:
             entry = self._latest.get(id(tensor))
-            given.append(entry[1] if entry is not None and entry[0] is tensor else tensor)
+            # changed in place since (its version moved): its graph now runs through that change, the alias's not
+            if entry is not None and entry[0] is tensor and entry[1] == tensor._version:
+                given.append(entry[2])
+            else:
+                given.append(tensor)
         return given, [k for k, tensor in enumerate(given) if differentiable(tensor)]
 
     def record(self, originals: list[torch.Tensor], chained: list[int], aliases: tuple[torch.Tensor, ...]) -> None:
         """The block passed ``originals[k]`` on as ``aliases[j]`` for ``k = chained[j]``."""
         for k, alias in zip(chained, aliases):
-            self._latest[id(originals[k])] = (originals[k], alias)
+            self._latest[id(originals[k])] = (originals[k], originals[k]._version, alias)
 
     def clear(self) -> None:
         """Forget the forward (a backward started: nothing is held past it)."""

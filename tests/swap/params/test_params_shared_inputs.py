@@ -103,5 +103,9 @@ def test_a_new_forward_and_a_backward_forget_the_aliases():
     shared.record([x], [0], (alias,))
     shared.clear()
     assert shared.substitute(1, [x])[0][0] is x
+    shared.record([x], [0], (alias,))
+    with torch.no_grad():
+        x.mul_(2)  # changed in place after the block got it: the next block must get it, not the alias
+    assert shared.substitute(2, [x])[0][0] is x
     frozen = torch.randn(3)
     assert shared.substitute(2, [frozen])[1] == []  # a tensor needing no gradient is not passed on
