@@ -17,7 +17,8 @@ def lazy_exports(
 ) -> tuple[list[str], Callable[[str], object], Callable[[], list[str]]]:
     """``(__all__, __getattr__, __dir__)`` for ``package``: ``modules`` maps a module (relative to ``package``, as
     ``".handle"``) to the names it provides; ``eager`` names are defined in the package itself. A name is imported
-    on first access and then cached as a package attribute."""
+    on first access and then cached as a package attribute.
+    """
     where = {name: module for module, names in modules.items() for name in names}
     exported = [*eager, *where]
 

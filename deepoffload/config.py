@@ -111,7 +111,8 @@ class AioConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "AioConfig":
         """Defaults, overridden by ``DEEPOFFLOAD_AIO_<KEY>`` variables (e.g. ``DEEPOFFLOAD_AIO_ENGINE=posix``; the
-        alias ``DEEPOFFLOAD_AIO_THREAD_COUNT`` too). Any other ``DEEPOFFLOAD_AIO_*`` variable is a ``ConfigError``."""
+        alias ``DEEPOFFLOAD_AIO_THREAD_COUNT`` too). Any other ``DEEPOFFLOAD_AIO_*`` variable is a ``ConfigError``.
+        """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         names = {ENV_PREFIX + key.upper(): key for key in (*fields, *ALIASES)}
         changes: dict[str, Any] = {}

@@ -84,7 +84,8 @@ class OpFileSystem(_dcp_fs.FileSystem):
 
     def rm_file(self, path: str | os.PathLike) -> None:
         """Remove ``path``; except DCP's ``.metadata``, which DCP removes just before renaming the new one over it:
-        the rename replaces it atomically, and removing it first would leave no checkpoint if the writer died."""
+        the rename replaces it atomically, and removing it first would leave no checkpoint if the writer died.
+        """
         if Path(path).name.endswith(METADATA_NAME):
             return
         os.unlink(path)
@@ -104,7 +105,8 @@ def _remove(path: str | os.PathLike) -> None:
 
 class FileSystemWriter(_dcp_fs.FileSystemWriter):
     """DCP's ``FileSystemWriter`` (same arguments), writing through the async-IO op; ``config`` sets the op.
-    Re-saving into a folder is crash-consistent (see the module docstring)."""
+    Re-saving into a folder is crash-consistent (see the module docstring).
+    """
 
     def __init__(self, path: str | os.PathLike, *args: Any, config: AioConfig | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
@@ -148,7 +150,8 @@ class FileSystemReader(_dcp_fs.FileSystemReader):
     """DCP's ``FileSystemReader`` (same arguments), reading through the async-IO op; ``config`` sets the op.
 
     Items are read in file order (DCP's reader takes them in plan order), so each file is read front to back and
-    the read-ahead never fetches what is then skipped."""
+    the read-ahead never fetches what is then skipped.
+    """
 
     def __init__(self, path: str | os.PathLike, *args: Any, config: AioConfig | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)

@@ -148,7 +148,8 @@ def filesystem(path: Path) -> tuple[str, str]:
 @dataclass(frozen=True)
 class DirectIO:
     """Whether O_DIRECT writes work in a folder: ``alignment`` is the smallest length and offset (bytes) accepted
-    from page-aligned memory; ``reason`` says why not when they do not work."""
+    from page-aligned memory; ``reason`` says why not when they do not work.
+    """
 
     works: bool
     alignment: int | None = None
@@ -194,7 +195,8 @@ def direct_io_works(path: str | os.PathLike) -> bool:
 
 def path_status(path: str) -> dict:
     """Facts about the folder ``path``: free and total bytes, filesystem, mount point, writable, O_DIRECT and its
-    alignment; ``error`` when deepoffload cannot use it."""
+    alignment; ``error`` when deepoffload cannot use it.
+    """
     p = Path(path)
     row: dict = {"path": str(p)}
     if not p.is_dir():

@@ -30,7 +30,8 @@ class ClosedError(DeepOffloadError, ValueError, RuntimeError):
 
 class ChecksumError(DeepOffloadError, OSError):
     """Bytes read back from storage do not match the checksum recorded when they were written (errno ``EIO`` when
-    raised with one)."""
+    raised with one).
+    """
 
 
 class ValidationError(DeepOffloadError, OSError):
@@ -39,7 +40,8 @@ class ValidationError(DeepOffloadError, OSError):
 
 class CheckpointError(DeepOffloadError, ValueError):
     """A checkpoint file or index is malformed, missing or does not match what the caller expects. The message
-    names the file."""
+    names the file.
+    """
 
 
 class ResidencyError(DeepOffloadError, RuntimeError):
@@ -48,13 +50,15 @@ class ResidencyError(DeepOffloadError, RuntimeError):
 
 class UnsupportedError(DeepOffloadError, RuntimeError):
     """A usage pattern, platform or feature deepoffload cannot serve exactly, refused at the first call; the message
-    names it and what to do instead."""
+    names it and what to do instead.
+    """
 
 
 class StreamedParameterError(UnsupportedError):
     """A streamed model's parameters used in a way that would read placeholders, lose a write or step a block
     twice (copying, pickling, reading or writing them one by one, an optimizer of one's own, a backward through a
-    stale forward); the message names the pattern and what to use instead."""
+    stale forward); the message names the pattern and what to use instead.
+    """
 
 
 class BenchError(DeepOffloadError):
@@ -63,7 +67,8 @@ class BenchError(DeepOffloadError):
 
 def naming_target(error: OSError, target: str) -> OSError:
     """``error`` from saving ``target`` through a temporary file (which it names) restated to name ``target``; same
-    errno, so the same ``OSError`` subclass (``FileNotFoundError``, ...)."""
+    errno, so the same ``OSError`` subclass (``FileNotFoundError``, ...).
+    """
     detail = error.strerror or str(error)
     if error.filename and error.filename != target:
         detail += f" (writing {error.filename})"

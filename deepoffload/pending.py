@@ -1,6 +1,7 @@
 """Work in flight, one protocol: ``Pending`` (``wait(timeout=None)``, ``done()``, ``result(timeout=None)``), shared by
 ``Request`` (one transfer), ``SwapOut``/``SwapIn`` (a swapper's writes and reads) and ``save_async``'s future; and
-the timeouts of its waits (``deadline_after``, ``remaining``)."""
+the timeouts of its waits (``deadline_after``, ``remaining``).
+"""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Pending(abc.ABC, Generic[T]):
 
 def settle(pending: Iterable[Pending], timeout: float | None) -> None:
     """Block until each of ``pending`` has finished, or raise ``TimeoutError`` once ``timeout`` seconds have passed.
-    Their errors are not raised here: each keeps its own for the wait that follows."""
+    Their errors are not raised here: each keeps its own for the wait that follows.
+    """
     deadline = deadline_after(timeout)
     for item in pending:
         try:
@@ -53,7 +55,8 @@ def settle(pending: Iterable[Pending], timeout: float | None) -> None:
 class PendingFuture(concurrent.futures.Future, Pending[T]):
     """A ``concurrent.futures.Future`` (``result``, ``exception``, ``add_done_callback``, ``concurrent.futures.wait``
     all work) that is also ``Pending``: ``wait(timeout)`` is ``result(timeout)`` raising the built-in
-    ``TimeoutError``."""
+    ``TimeoutError``.
+    """
 
     def wait(self, timeout: float | None = None) -> T:
         deadline_after(timeout)  # the same check of the value as every other wait

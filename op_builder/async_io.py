@@ -41,7 +41,8 @@ URING_PROBE = function_probe(
 class Engine:
     """One row of the engine table: an engine (or, with ``requires``, an optional feature of one) compiled in when
     its ``probe`` passes (always, when None), with ``define`` set and ``library`` linked; ``windows``: the row
-    applies on Windows only, else everywhere else only."""
+    applies on Windows only, else everywhere else only.
+    """
 
     name: str
     probe: Probe | None = None
@@ -70,7 +71,8 @@ LINUX_PROBES = tuple(e.probe for e in ENGINES if e.probe is not None and not e.w
 
 class AsyncIOBuilder(OpBuilder):
     """Builds and loads the async-IO op: ``load()`` is always the DeepSpeed-shaped module (``load().aio_handle(...)``
-    gives a DeepSpeed-compatible handle), ``load_native()`` the extension itself."""
+    gives a DeepSpeed-compatible handle), ``load_native()`` the extension itself.
+    """
 
     NAME = "async_io"
     MODULE = "deepoffload_aio"

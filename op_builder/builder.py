@@ -65,7 +65,8 @@ class BuildError(DeepOffloadError, RuntimeError):
 def package_version() -> str:
     """deepoffload's version, read from ``deepoffload/version.py`` (the file the package itself imports) without
     importing deepoffload: beside this folder when installed (``deepoffload/op_builder``), one level down in a
-    source checkout (``op_builder/`` next to ``deepoffload/``)."""
+    source checkout (``op_builder/`` next to ``deepoffload/``).
+    """
     for directory in PACKAGE_DIRS:
         try:
             match = _VERSION.search((directory / "version.py").read_text())
@@ -101,7 +102,8 @@ def python_abi() -> str:
 
 class OpBuilder:
     """Base class: subclasses set ``NAME`` (the op), ``MODULE`` (the native module's name) and override
-    ``source_files``, ``probes`` and ``feature_flags``."""
+    ``source_files``, ``probes`` and ``feature_flags``.
+    """
 
     NAME = ""
     MODULE = ""
@@ -163,7 +165,8 @@ class OpBuilder:
 
     def build_key(self, cflags: list[str], ldflags: list[str]) -> str:
         """A hash of everything that changes the binary: package, torch and Python versions, compiler, flags and
-        the sources' bytes."""
+        the sources' bytes.
+        """
         h = hashlib.sha256()
         for part in (
             package_version(),
@@ -192,7 +195,8 @@ class OpBuilder:
     def load(self, verbose: bool = False) -> Any:
         """The op's module: the native module wrapped by ``WRAPPER`` when the op names one (``async_io``:
         deepoffload's DeepSpeed-shaped module, whatever was imported before), else the native module itself.
-        ``load_native()`` never wraps."""
+        ``load_native()`` never wraps.
+        """
         native = self.load_native(verbose=verbose)
         if self.WRAPPER is None:
             return native
@@ -212,7 +216,8 @@ class OpBuilder:
 
     def prebuilt_info(self) -> dict | None:
         """The build record of the prebuilt op installed with the package, or None (always for a simulated other
-        platform: what is installed here was built for this one)."""
+        platform: what is installed here was built for this one).
+        """
         if self.platform != sys.platform:
             return None
         for directory in PACKAGE_DIRS:
@@ -287,7 +292,8 @@ class OpBuilder:
 
     def _load_finished(self, directory: Path) -> ModuleType | None:
         """Import a finished build; a build whose library is missing, altered or unloadable is discarded with a
-        warning (it will be rebuilt)."""
+        warning (it will be rebuilt).
+        """
         record_path = directory / "ready.json"
         if not record_path.exists():
             return None

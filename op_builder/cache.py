@@ -46,7 +46,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 @contextlib.contextmanager
 def exclusive_lock(path: Path, on_wait=None) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` for the ``with`` body; ``on_wait()`` is called once if another process
-    holds it. The lock dies with its holder, so there is no stale lock to recover from."""
+    holds it. The lock dies with its holder, so there is no stale lock to recover from.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     if sys.platform == "win32":
         with _windows_lock(path, on_wait):

@@ -28,7 +28,8 @@ class EnvError(DeepOffloadError, ValueError):
 @dataclass(frozen=True)
 class Variable:
     """One variable: ``kind`` is ``flag`` (1/0, true/false, yes/no, on/off), ``int``, ``text`` or ``path``;
-    ``default`` is the value when unset (or, for a ``path``, empty)."""
+    ``default`` is the value when unset (or, for a ``path``, empty).
+    """
 
     name: str
     kind: str
@@ -128,7 +129,8 @@ def get_path(name: str, environ: Mapping[str, str] | None = None) -> Path | None
 
 def raw(names: tuple[str, ...], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The unparsed values of those of ``names`` that are set (the compiler's own variables are passed on as
-    they are)."""
+    they are).
+    """
     environ = os.environ if environ is None else environ
     for name in names:
         if name not in VARIABLES:

@@ -64,7 +64,8 @@ class Toolchain:
 
     def rpath_flags(self, library: str) -> list[str]:
         """``-Wl,-rpath`` for each non-system directory that holds ``lib<library>.so``: a library found through
-        ``LDFLAGS``, ``LIBRARY_PATH`` or conda is then also found at run time."""
+        ``LDFLAGS``, ``LIBRARY_PATH`` or conda is then also found at run time.
+        """
         flags = []
         for d in self.lib_dirs:
             if os.path.realpath(d) in SYSTEM_LIB_DIRS:

@@ -1,2 +1,3 @@
 """Prebuilt native ops, present when the package was built with DEEPOFFLOAD_BUILD_OPS=1 or DEEPOFFLOAD_BUILD_AIO=1
-(with ``build_info.json`` recording what they were built against)."""
+(with ``build_info.json`` recording what they were built against).
+"""

@@ -37,7 +37,8 @@ def self_test(engine: str, directory: str) -> tuple[bool, str]:
 
 def dio_alignment(path: str) -> tuple[int, int, bool]:
     """(memory alignment, offset alignment, direct supported) in bytes for an existing file or directory; OSError
-    when the path is missing."""
+    when the path is missing.
+    """
 
 # (errno, operation, path, offset, detail, direct); errno 0 means success.
 _Result = tuple[int, str, str, int, str, bool]

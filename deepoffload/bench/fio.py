@@ -58,7 +58,8 @@ def fio_command(
 
 def parse_fio_json(text: str, op: str) -> float:
     """Throughput of ``op`` in bytes per second from fio's ``--output-format=json`` output (``jobs[0].<op>.bw_bytes``,
-    the whole group with ``--group_reporting``). Text before the JSON document (fio's warnings) is skipped."""
+    the whole group with ``--group_reporting``). Text before the JSON document (fio's warnings) is skipped.
+    """
     start = text.find("{")
     try:
         data: Any = json.loads(text[start:]) if start >= 0 else None  # None (no JSON): a TypeError below

@@ -31,7 +31,8 @@ OPS = ("write", "read")
 @dataclass(frozen=True)
 class Sample:
     """One timed transfer: ``nbytes`` moved by ``tool`` in ``seconds``, split into requests of ``block_size``
-    bytes."""
+    bytes.
+    """
 
     tool: str
     op: str
@@ -58,7 +59,8 @@ class Sample:
 def make_buffer(nbytes: int, kind: str) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` bytes: ``pinned`` is page-aligned and page-locked (the zero-copy path),
     ``unaligned`` starts one byte past a torch allocation (the bounce-buffer path). Filled with a random
-    (incompressible) pattern. Raises ``BenchError`` when memory cannot hold it."""
+    (incompressible) pattern. Raises ``BenchError`` when memory cannot hold it.
+    """
     if kind not in BUFFER_KINDS:
         raise ValueError(f"buffer kind must be one of {', '.join(BUFFER_KINDS)}, got {kind!r}")
     available = available_memory()
@@ -106,7 +108,8 @@ def evict(path: Path) -> None:
 def scratch_file(folder: str | os.PathLike, nbytes: int, spare: int = 0) -> Iterator[Path]:
     """A new, empty file in ``folder`` for a test of ``nbytes`` bytes (plus ``spare`` bytes of headroom), removed
     on exit whatever happens. Raises ``BenchError`` when the folder is missing, not writable or has too little
-    free space."""
+    free space.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise BenchError(f"{folder} is not an existing folder; pass --path a folder on the storage to measure")
@@ -153,7 +156,8 @@ def time_transfer(handle: AsyncIOHandle, op: str, buffer: torch.Tensor, path: Pa
 
 def round_trip(config: AioConfig, buffer: torch.Tensor, path: Path, direct: bool) -> tuple[float, float]:
     """(write GB/s, read GB/s) of one write and one read of ``buffer`` at the start of ``path`` with a new handle
-    made from ``config`` (its start-up and shutdown are not timed)."""
+    made from ``config`` (its start-up and shutdown are not timed).
+    """
     with AsyncIOHandle(config) as handle:
         write = time_transfer(handle, "write", buffer, path, direct)
         read = time_transfer(handle, "read", buffer, path, direct)

@@ -1,5 +1,6 @@
 """One benchmark run: our transfers, fio's and the baselines' on one test file, interleaved loop by loop
-(ours, fio, mmap, torch for writes, then the same for reads), so a noisy shared disk affects all alike."""
+(ours, fio, mmap, torch for writes, then the same for reads), so a noisy shared disk affects all alike.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
 
 def run(settings: BenchSettings, on_sample: Callable[[Sample], None] | None = None) -> BenchResult:
     """Measure as ``settings`` say; the test file is removed afterwards, also on errors. Problems the user can fix
-    raise ``BenchError``; IO failures raise ``OSError``."""
+    raise ``BenchError``; IO failures raise ``OSError``.
+    """
     s = settings
     if s.compare_fio:
         fio_executable()  # fail before spending time when fio is missing

@@ -211,7 +211,8 @@ class Search:
 
     def run(self) -> SearchResult:
         """Descend, re-measure the leaders, and descend again from the leader until the descent from the leader
-        stays there (or the budget is spent)."""
+        stays there (or the budget is spent).
+        """
         best, stopped = self._start, "converged"
         while stopped == "converged":
             found = best

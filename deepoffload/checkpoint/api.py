@@ -1,5 +1,6 @@
 """``save``, ``save_async`` and ``load``: ``torch.save``/``torch.load`` with the bytes moved by the async-IO op, and
-saves that never leave a half-written file under the checkpoint's name."""
+saves that never leave a half-written file under the checkpoint's name.
+"""
 
 from __future__ import annotations
 
@@ -221,7 +222,8 @@ def _wait_for_save_async() -> None:
 def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
     """At least ``nbytes`` bytes of save_async's snapshot memory: the kept arena when it is large enough (and
     page-locked when ``pin``), else a new one that is kept instead. Call under ``_async_lock`` once the previous
-    save has completed."""
+    save has completed.
+    """
     global _arena, _arena_pinned
     if _arena is None or _arena.numel() < nbytes or (pin and not _arena_pinned):
         _arena = None  # the old one's memory goes back first
@@ -232,7 +234,8 @@ def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
 
 def _after_fork_in_child() -> None:
     """A forked child has no copy of the parent's save thread: its saves get their own thread, and never wait for
-    one the parent started (that wait would never end). The arena is the child's own copy (copy-on-write)."""
+    one the parent started (that wait would never end). The arena is the child's own copy (copy-on-write).
+    """
     global _executor, _last_async, _async_lock
     _executor, _last_async, _async_lock = None, None, threading.Lock()
 
@@ -282,7 +285,8 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
 def _size_bound(records: list[Record]) -> int:
     """An upper bound of the file's bytes: the records, plus per record its local header, data descriptor and
     central directory entry (together under 512 bytes plus twice the name) and alignment padding, plus the
-    serialization id record and the end records."""
+    serialization id record and the end records.
+    """
     names = sum(len(name.encode()) for name, _, _ in records)
     per_record = 512 + torch.serialization._get_storage_alignment()
     return sum(nbytes for _, _, nbytes in records) + per_record * (len(records) + 2) + 2 * names + 4096

@@ -6,7 +6,8 @@ zlib's ``crc32`` releases the GIL on large buffers.
 
 A plain thread, not an executor: a ``save_async`` still writing at interpreter exit runs after ``concurrent.futures``
 refuses new work. Where no thread can be started, the CRCs are computed as the bytes are staged, as for small
-records."""
+records.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class _Pending:
 class CrcAhead:
     """Start computing, in order, the CRC-32 of every large record in host memory of ``records`` (``(name, data,
     nbytes)``, see ``torch_format``); ``get(name)`` is its ``_Pending``, or None for a record left to the staging
-    digest. The records' memory must stay unchanged until ``close()``, which waits for the thread."""
+    digest. The records' memory must stay unchanged until ``close()``, which waits for the thread.
+    """
 
     def __init__(self, records: list) -> None:
         self._jobs = [

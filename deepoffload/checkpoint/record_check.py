@@ -15,7 +15,8 @@ from ..errors import CheckpointError
 
 def data_records(archive) -> dict[int, tuple[str, int]]:
     """Byte offset in the file -> (record name, size in bytes) of every ``data/<key>`` record of ``archive`` (a
-    ``torch._C.PyTorchFileReader``)."""
+    ``torch._C.PyTorchFileReader``).
+    """
     records = {}
     for name in archive.get_all_records():
         if name.startswith("data/"):
@@ -26,7 +27,8 @@ def data_records(archive) -> dict[int, tuple[str, int]]:
 class CheckedStorage:
     """The whole file's bytes (``storage``) as torch's ``_load`` slices them into storages (its
     ``overall_storage``): a slice must start where a data record starts and span exactly that record's bytes, else
-    ``CheckpointError`` naming ``path``, the record and both sizes."""
+    ``CheckpointError`` naming ``path``, the record and both sizes.
+    """
 
     def __init__(self, storage: torch.UntypedStorage, records: dict[int, tuple[str, int]], path: str) -> None:
         self._storage, self._records, self._path = storage, records, path

@@ -65,7 +65,8 @@ def address_of(view: memoryview) -> int:
 
 def _preallocate(fd: int, nbytes: int) -> bool:
     """Reserve ``nbytes`` for a file about to be written front to back, so its writes do not each allocate blocks
-    and extend the file; return whether that was done (not every filesystem can)."""
+    and extend the file; return whether that was done (not every filesystem can).
+    """
     if nbytes <= 0 or not hasattr(os, "posix_fallocate"):
         return False
     try:
@@ -158,7 +159,8 @@ class DirectWriter(io.RawIOBase):
 
     def close(self) -> None:
         """Write what is buffered, wait for every write, fsync (with ``sync``), release the staging buffers; raise
-        the first write error."""
+        the first write error.
+        """
         if self.closed:
             return
         try:
@@ -203,7 +205,8 @@ class DirectWriter(io.RawIOBase):
 
 class SeekableReader(io.RawIOBase):
     """A read-only, seekable raw stream of ``size`` bytes (torch's zip reader seeks around in it); a subclass sets
-    ``size`` and implements ``readinto`` from ``_position``."""
+    ``size`` and implements ``readinto`` from ``_position``.
+    """
 
     size: int
     _position: int = 0

@@ -59,7 +59,8 @@ def record(
 
 def snapshot_bytes(records: list[Record]) -> tuple[int, bool]:
     """(bytes of the arena ``snapshot`` needs for ``records``, whether it must be page-locked: a storage is on an
-    accelerator, for the device-to-host copy)."""
+    accelerator, for the device-to-host copy).
+    """
     storages = [data for _, data, _ in records if isinstance(data, torch.UntypedStorage)]
     total = sum(-(-s.nbytes() // RECORD_ALIGNMENT) * RECORD_ALIGNMENT for s in storages)
     return total, any(s.device.type != "cpu" for s in storages)
@@ -68,7 +69,8 @@ def snapshot_bytes(records: list[Record]) -> tuple[int, bool]:
 def snapshot(records: list[Record], arena: torch.Tensor | None = None) -> list[Record]:
     """The same records with every storage copied into ``arena`` (a uint8 CPU tensor of at least
     ``snapshot_bytes(records)[0]`` bytes; a new page-aligned one when None), so the originals may change afterwards.
-    The records returned use ``arena``'s memory: it must not be reused while they are."""
+    The records returned use ``arena``'s memory: it must not be reused while they are.
+    """
     if arena is None:
         total, pin = snapshot_bytes(records)
         arena = aligned_empty(max(total, 1), pin=pin)
@@ -94,7 +96,8 @@ def write_records(records: list[Record], sink: DirectWriter, checksum: bool) -> 
     fills in each CRC, computed ahead from the record's memory (``CrcAhead``, large records) or while the bytes
     are staged; without, the CRC fields hold 0 (as with
     ``torch.serialization.set_crc32_options(False)``). Stops early once the sink has failed; the caller closes the
-    sink, which raises the error."""
+    sink, which raises the error.
+    """
     ahead = CrcAhead(records) if checksum else None
     try:
         filler = CrcFiller(sink, ahead) if checksum else None
@@ -178,7 +181,8 @@ class CrcFiller(io.RawIOBase):
 
     def expect(self, name: str, nbytes: int) -> None:
         """The next record is ``name`` (without the archive prefix) with ``nbytes`` of data: no write before that
-        many bytes is taken for its descriptor, whatever its bytes."""
+        many bytes is taken for its descriptor, whatever its bytes.
+        """
         self._expected = (name, nbytes)
 
     def write(self, data) -> int:
@@ -246,13 +250,15 @@ class CrcFiller(io.RawIOBase):
 
     def _combine(self, given: int, written: int) -> None:
         """Mirror torch's writer, which combines the CRC field of every write that starts like a data descriptor:
-        ``given`` is what it saw (its CRC off), ``written`` what torch.save would have seen."""
+        ``given`` is what it saw (its CRC off), ``written`` what torch.save would have seen.
+        """
         self._combined_without = _hash_combine(self._combined_without, given)
         self._combined = _hash_combine(self._combined, written)
 
     def _serialization_id(self, data: bytes) -> bytes:
         """torch's serialization id: 20 digits from the record names, then 20 from the records' CRCs combined as
-        torch combines them (``c10::hash_combine``, see ``_combine``); ours has the real CRCs."""
+        torch combines them (``c10::hash_combine``, see ``_combine``); ours has the real CRCs.
+        """
         expected = f"{self._combined_without:020d}".encode()
         if len(data) != 40 or data[20:] != expected:
             raise ZipLayoutError(self._describe(f"a serialization id {data!r} not ending in {expected!r}"))
@@ -396,7 +402,8 @@ _PICKLE_STARTS = b"\x80LIJ\x8a"  # the first byte of a legacy-format file: the p
 
 def not_a_checkpoint(path: str) -> str | None:
     """Why the file at ``path`` cannot be a ``torch.save`` checkpoint, judged from its size and first bytes (a
-    diagnosis for when loading it failed), or None when it may be one."""
+    diagnosis for when loading it failed), or None when it may be one.
+    """
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -48,7 +48,8 @@ WHOLE_READ_CHUNK = 64 << 20  # bytes faulted in and submitted at a time
 def read_whole(path: str, handle: AsyncIOHandle) -> torch.Tensor:
     """The bytes of the file ``path``, read through the op in large requests (``OSError`` naming path and offset
     on failure). Each chunk's memory is faulted in before its read is submitted, while the chunks before it are
-    read."""
+    read.
+    """
     size = os.path.getsize(path)
     data = aligned_empty(size, pin=False) if size else torch.empty(0, dtype=torch.uint8)
     requests = []
@@ -89,7 +90,8 @@ def load_from_memory(
     """``(True, objects)`` from the zip-format ``torch.save`` bytes in ``data`` with storages sliced from it, or
     ``(False, None)`` when ``torch.load`` itself must handle the file (legacy format, TorchScript archive, or a
     weights-only refusal, whose message ``torch.load`` words). A storage that is not exactly its record's bytes
-    raises ``CheckpointError`` naming ``path``."""
+    raises ``CheckpointError`` naming ``path``.
+    """
     source = MemoryFile(data)
     if not ts._is_zipfile(source):
         return False, None

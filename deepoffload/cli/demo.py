@@ -1,6 +1,7 @@
 """``deepoffload demo``: train a small built-in language model with its optimizer state on storage, next to the
 same model trained in memory, and report bytes on storage, memory saved, IO throughput, step-time overhead and
-whether the losses matched exactly."""
+whether the losses matched exactly.
+"""
 
 from __future__ import annotations
 

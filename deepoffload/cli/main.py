@@ -1,6 +1,7 @@
 """``deepoffload <command>``: each command is a module in this package with ``add_arguments(parser)`` and
 ``run(args) -> int``. Command modules import torch and other heavy modules inside ``run`` only, so building the
-parser stays cheap and ``report`` stays fast."""
+parser stays cheap and ``report`` stays fast.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ max_memory=N)`` would keep in memory, part by part, and its expected peak; or th
 Blocks are read from the checkpoint's names: tensors sharing a prefix that ends in a number (``model.layers.3.``)
 form one block, as the children of an ``nn.ModuleList`` do; the rest stays in memory. The process's own memory is
 measured here, after importing torch (and torch._dynamo, which a torch optimizer imports: with ``--train``), as
-``offload_parameters`` measures it at its call; a training script holding more before the call needs more."""
+``offload_parameters`` measures it at its call; a training script holding more before the call needs more.
+"""
 
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
 def check_writable(name: str) -> None:
     """Raise ``BenchError`` unless ``name`` can be written, by trying (permission bits do not bind the superuser,
-    and /proc takes no new files): before the search, not after it. Leaves no new file behind."""
+    and /proc takes no new files): before the search, not after it. Leaves no new file behind.
+    """
     from ..bench.measure import BenchError
 
     existed = os.path.lexists(name)

@@ -32,7 +32,8 @@ SIZES = {
 
 class TinyLM(nn.Module):
     """Token and position embeddings, pre-norm transformer blocks (torch's own encoder layer with a causal mask),
-    a final norm and an output projection."""
+    a final norm and an output projection.
+    """
 
     mask: torch.Tensor  # a buffer (register_buffer below), which nn.Module's __getattr__ types as Tensor | Module
 

@@ -2,7 +2,8 @@
 times the memory it keeps resident, streaming its transformer blocks from storage (``offload_parameters``, fused
 mode), next to the same model trained in memory, and compare losses and resident bytes. The streamed model is built
 on the ``meta`` device and loaded block by block straight to storage from a safetensors checkpoint of the in-memory
-model's starting weights (written first, removed afterwards), so it never exists whole in memory."""
+model's starting weights (written first, removed afterwards), so it never exists whole in memory.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Train the same model twice, step by step in lockstep: optimizer state in memory (reference) and on storage
-(``OffloadedOptimizer``), and measure what offloading costs and saves."""
+(``OffloadedOptimizer``), and measure what offloading costs and saves.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class DemoResult:
     @property
     def io_gb_per_s(self) -> float:
         """Bytes read plus written per second of offloaded optimizer step, in GB/s (1e9 bytes/s); the first step
-        (which makes the state and only writes) is excluded when there are more."""
+        (which makes the state and only writes) is excluded when there are more.
+        """
         skip = 1 if len(self.optimizer_seconds_offloaded) > 1 else 0
         seconds = sum(self.optimizer_seconds_offloaded[skip:])
         return sum(self.bytes_moved_per_step[skip:]) / seconds / 1e9 if seconds else 0.0
@@ -62,7 +64,8 @@ class DemoResult:
     @property
     def step_overheads(self) -> list[float]:
         """Per step after the first (which creates the state): offloaded step time over the in-memory step's, minus
-        1. The two runs alternate which goes first each step, so each ratio compares steps taken side by side."""
+        1. The two runs alternate which goes first each step, so each ratio compares steps taken side by side.
+        """
         return [
             off / mem - 1 for off, mem in zip(self.step_seconds_offloaded[1:], self.step_seconds_memory[1:]) if mem > 0
         ]

@@ -74,7 +74,8 @@ def commit(
     folder: Path, prefix: str, temporaries: list[Path], index_temporary: Path | None, generation: str
 ) -> list[Path]:
     """Switch ``folder`` to the save whose synced shards are ``temporaries`` (and, for several, whose synced index
-    is ``index_temporary``) as the module docstring says; return the shards' final paths."""
+    is ``index_temporary``) as the module docstring says; return the shards' final paths.
+    """
     names = shard_names(prefix, len(temporaries), generation)
     index = folder / f"{prefix}{INDEX_SUFFIX}"
     single = folder / f"{prefix}.safetensors"

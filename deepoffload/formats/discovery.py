@@ -1,5 +1,6 @@
 """Finding what a checkpoint path holds: a safetensors file, a Hugging Face sharded folder (its index and the
-shards it lists, checked against each other) or a ``torch.save`` state dict."""
+shards it lists, checked against each other) or a ``torch.save`` state dict.
+"""
 
 from __future__ import annotations
 

@@ -115,7 +115,8 @@ def _is_int(value: object) -> bool:
 
 def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     """Validate and parse a safetensors file from its first bytes ``raw`` (at least the length field and the whole
-    header) and its total size. Raises ``CheckpointError`` naming ``path`` and what is wrong."""
+    header) and its total size. Raises ``CheckpointError`` naming ``path`` and what is wrong.
+    """
 
     def bad(reason: str) -> CheckpointError:
         return CheckpointError(f"{path}: not a valid safetensors file: {reason}")
@@ -222,7 +223,8 @@ def encode_header(
 ) -> bytes:
     """The 8-byte length and JSON header for ``tensors`` (name -> (dtype, shape, data begin, data end)), padded with
     spaces (which the format allows) to ``reserve`` bytes when given, else to a multiple of 8. Raises
-    ``ValueError`` if it does not fit in ``reserve``."""
+    ``ValueError`` if it does not fit in ``reserve``.
+    """
     header: dict = {}
     if metadata:
         header[METADATA_KEY] = {str(k): str(v) for k, v in metadata.items()}

@@ -50,7 +50,8 @@ def _fault_in(buffer: torch.Tensor, threads: int) -> None:
     """Back every page of the new (zero-filled) uint8 ``buffer`` now: with 1 thread by ``MADV_POPULATE_WRITE``
     (``prefault``), with 2 by writing a zero to each page, half of them from a second thread. Measured here (1 GiB
     of new huge-page memory, interleaved): writes from two threads fault in 1.5-1.7x as fast as one thread or as
-    ``MADV_POPULATE_WRITE``, which gains nothing from a second thread."""
+    ``MADV_POPULATE_WRITE``, which gains nothing from a second thread.
+    """
     pages = buffer[::PAGE_BYTES]
     half = pages.numel() // 2
     if threads == 1 or half < FAULT_SPLIT_PAGES:
@@ -182,7 +183,8 @@ class CheckpointReader:
 
     def location(self, name: str) -> TensorEntry | None:
         """Where ``name``'s bytes lie in a safetensors checkpoint (file, absolute byte range, dtype, shape); None
-        for a torch.save checkpoint or a name it does not hold."""
+        for a torch.save checkpoint or a name it does not hold.
+        """
         return None if self._state_dict is not None else self._entries.get(name)
 
     @property
@@ -194,7 +196,8 @@ class CheckpointReader:
         """Compare the checkpoint with ``expected`` (name -> tensor, shape or (shape, dtype); a meta model's
         ``state_dict()`` will do). A shape that differs, or a dtype that cannot be converted (only floating point
         converts to floating point), is always an error; missing and unexpected names are errors when ``strict``,
-        else returned. Raises ``CheckpointError`` listing every problem."""
+        else returned. Raises ``CheckpointError`` listing every problem.
+        """
         names = set(self.names())
         missing = [n for n in expected if n not in names]
         unexpected = [n for n in self.names() if n not in expected]
@@ -250,7 +253,8 @@ class CheckpointReader:
         dtype for every floating point tensor, or name -> dtype. Each tensor is read once its turn comes; at most
         ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are copied out of torch's
         copy-on-write mapping of the file (read from the page cache), converted where asked: what is yielded never
-        depends on the file afterwards."""
+        depends on the file afterwards.
+        """
         selected = self._select(names)
         for name in selected:  # refuse a bad conversion before reading anything
             self._target(name, self.shape_dtype(name)[1], dtype)
@@ -305,7 +309,8 @@ class CheckpointReader:
     ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
         """Yield (span, first byte read, buffer) for the spans covering ``selected`` (``split``: see ``_plan``),
         each once its read is done, reading ahead up to ``inflight_bytes``. With ``pool``, buffers come from it and
-        go back to it once the caller resumes the generator (so the caller must be done with a buffer by then)."""
+        go back to it once the caller resumes the generator (so the caller must be done with a buffer by then).
+        """
         spans = self._plan(selected, split)
         file_sizes = {header.path: header.file_size for header in self._headers}
         identities = {header.path: header.identity for header in self._headers}
@@ -339,7 +344,8 @@ class CheckpointReader:
         """Raise unless ``path`` is still the file whose header was read at open: the op reads by path, so a file
         replaced (a new save renamed over it) or rewritten since would be read at the old header's offsets; a
         torch.save file's mapping would show a rewrite in place, and touching it past a shortened end kills the
-        process (SIGBUS)."""
+        process (SIGBUS).
+        """
         try:
             now = file_identity(os.stat(path))
         except FileNotFoundError:
@@ -361,7 +367,8 @@ class CheckpointReader:
         converting floating point dtypes. Shapes must match exactly. Spans are read into buffers that this reader
         keeps and reuses from call to call (at most ``inflight_bytes`` plus one span of them), so loading block
         after block allocates no new memory; ``close()`` frees them. A contiguous destination larger than a span is
-        filled piece by piece through those buffers (a non-contiguous one is read whole into new memory first)."""
+        filled piece by piece through those buffers (a non-contiguous one is read whole into new memory first).
+        """
         problems = []
         for name, tensor in destinations.items():
             if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -420,7 +427,8 @@ class CheckpointReader:
 
     def close(self) -> None:
         """Close the handle this reader made (a handle passed in stays open) and free read_into's buffers;
-        reading again makes new ones."""
+        reading again makes new ones.
+        """
         if self._own_handle and self._handle is not None:
             self._handle.close()
         self._handle, self._own_handle = None, False
@@ -446,7 +454,8 @@ def load_file(
     handle: AsyncIOHandle | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint (any layout ``CheckpointReader`` opens) into ``{name: tensor}``. With ``expected``, first
-    check its names and shapes (see ``CheckpointReader.check``)."""
+    check its names and shapes (see ``CheckpointReader.check``).
+    """
     with CheckpointReader(path, handle=handle) as reader:
         if expected is not None:
             reader.check(expected, strict=strict)

@@ -1,5 +1,6 @@
 """Span planning for ``CheckpointReader``: which byte ranges of which files to read, with one request each, to
-get a set of tensors."""
+get a set of tensors.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ READ_ALIGNMENT = 4096  # spans start and end on this boundary (or at the end of 
 @dataclass
 class _Span:
     """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``. A span with a
-    ``piece`` holds bytes ``[lo, hi)`` (counted from the tensor's first byte) of its one tensor only."""
+    ``piece`` holds bytes ``[lo, hi)`` (counted from the tensor's first byte) of its one tensor only.
+    """
 
     path: str
     start: int
@@ -28,7 +30,8 @@ def plan_spans(
 ) -> list[_Span]:
     """Spans covering ``entries`` (in storage order: file by file, by offset): neighbours closer than ``gap_bytes``
     share a span of at most ``span_bytes``; tensors named in ``split`` that are larger than a span are read in
-    pieces of at most a span each."""
+    pieces of at most a span each.
+    """
     spans: list[_Span] = []
     for entry in entries:
         if entry.name in split and entry.nbytes > span_bytes:
@@ -51,7 +54,8 @@ def plan_spans(
 
 def pieces(entry: TensorEntry, span_bytes: int) -> list[_Span]:
     """``entry`` as spans of at most ``span_bytes``. Pieces end on whole elements; where the tensor starts on a
-    whole element of the file, they also end on the read alignment, so no byte is read twice."""
+    whole element of the file, they also end on the read alignment, so no byte is read twice.
+    """
     step = span_bytes // READ_ALIGNMENT * READ_ALIGNMENT
     shift = entry.start % READ_ALIGNMENT if entry.start % element_size(entry.dtype) == 0 else 0
     bounds = [0, *range(step - shift, entry.nbytes, step), entry.nbytes]

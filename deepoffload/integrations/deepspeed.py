@@ -54,7 +54,8 @@ _CHILDREN = object()  # marks the saved environment variable that reaches child 
 
 class AsyncIOBuilder:
     """DeepSpeed's ``AsyncIOBuilder`` interface over deepoffload's op: ``load()`` and ``jit_load()`` return the
-    DeepSpeed-compatible module (built in seconds on first use, cached after)."""
+    DeepSpeed-compatible module (built in seconds on first use, cached after).
+    """
 
     BUILD_VAR = "DS_BUILD_AIO"
     NAME = "async_io"
@@ -98,7 +99,8 @@ class GDSBuilder(AsyncIOBuilder):
 class PinMemoryBuilder(AsyncIOBuilder):
     """DeepSpeed's ``PinMemoryBuilder``: ``load()`` returns a module whose ``pin_handle`` locks memory in the same
     process-wide registry as the async-IO handles, so each recognises the other's buffers as pinned (nothing is
-    built)."""
+    built).
+    """
 
     BUILD_VAR = "DS_BUILD_PIN_MEMORY"
     NAME = "pin_memory"
@@ -114,7 +116,8 @@ class PinMemoryBuilder(AsyncIOBuilder):
 
 def cast_to_byte_tensor(tensors):
     """DeepSpeed's ``utils`` op function used by its fast checkpoint writer: each tensor's bytes as a flat uint8
-    view (a tensor of at most one byte is returned as it is, like DeepSpeed's)."""
+    view (a tensor of at most one byte is returned as it is, like DeepSpeed's).
+    """
     if isinstance(tensors, (list, tuple)):
         return [cast_to_byte_tensor(t) for t in tensors]
     if tensors.numel() * tensors.element_size() <= 1:
@@ -146,7 +149,8 @@ def warn_on_nvme_optimizer_resume(load_checkpoint):
     """``load_checkpoint`` (DeepSpeed's ``DeepSpeedEngine.load_checkpoint``) called as it is, with its result returned
     unchanged; afterwards one ``UserWarning`` when a checkpoint was loaded, optimizer states were asked for (not
     ``load_module_only``) and the engine swaps its optimizer state to NVMe, since DeepSpeed then restores no optimizer
-    state."""
+    state.
+    """
     signature = inspect.signature(load_checkpoint)
 
     @functools.wraps(load_checkpoint)
@@ -191,7 +195,8 @@ def _deepspeed_modules() -> list[ModuleType]:
 
 def enable() -> None:
     """Route every DeepSpeed use of ``AsyncIOBuilder`` to deepoffload's op and wrap ``DeepSpeedEngine.load_checkpoint``
-    with ``warn_on_nvme_optimizer_resume`` (idempotent). Raises ``ImportError`` when DeepSpeed is not installed."""
+    with ``warn_on_nvme_optimizer_resume`` (idempotent). Raises ``ImportError`` when DeepSpeed is not installed.
+    """
     try:
         import deepspeed  # noqa: F401
     except ImportError as e:
@@ -249,7 +254,8 @@ def _patch_accelerator(replacements: Mapping[str, type]) -> None:
 
 def disable() -> None:
     """Put DeepSpeed's own builders and ``load_checkpoint`` back everywhere ``enable()`` replaced them
-    (idempotent)."""
+    (idempotent).
+    """
     with _lock:
         while _saved:
             obj, attribute, previous, own = _saved.pop()

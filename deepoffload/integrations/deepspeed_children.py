@@ -33,7 +33,8 @@ _finder: _EnableAfterImport | None = None
 def install() -> None:
     """Calls ``deepoffload.integrations.deepspeed.enable()`` once ``deepspeed`` is imported in this process (now,
     if it already is). An error of ``enable()`` propagates from ``import deepspeed``: the process was asked to run
-    on deepoffload's op and must not measure or train on another one silently."""
+    on deepoffload's op and must not measure or train on another one silently.
+    """
     global _finder
     if "deepspeed" in sys.modules:
         _enable()
@@ -52,7 +53,8 @@ def _enable() -> None:
 
 class _EnableAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: on the first import of ``deepspeed`` it removes itself, finds the real spec and makes
-    its loader call ``enable()`` after DeepSpeed's ``__init__`` ran."""
+    its loader call ``enable()`` after DeepSpeed's ``__init__`` ran.
+    """
 
     def find_spec(self, name, path=None, target=None):
         if name != "deepspeed":

@@ -1,6 +1,7 @@
 """The variable that tells DeepSpeed's child processes to use deepoffload's op (see ``deepspeed_children``), set
 by ``enable()`` and restored by ``disable()``. Apart from ``deepspeed_children`` so that ``enable()`` can set it
-without importing the import hook, which itself calls ``enable()``."""
+without importing the import hook, which itself calls ``enable()``.
+"""
 
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ class Accelerator:
 
     def register_host(self, ptr: int, nbytes: int) -> bool:
         """Page-lock [ptr, ptr+nbytes) for asynchronous device copies; True when it was. False (warned once) when
-        this accelerator refuses; False silently when there is no accelerator or nothing to register."""
+        this accelerator refuses; False silently when there is no accelerator or nothing to register.
+        """
         if self.device_type is None or nbytes == 0:
             return False
         entry = _HOST_REGISTER.get(self.device_type)
@@ -102,7 +103,8 @@ class Accelerator:
     def pinned_empty(self, nbytes: int) -> torch.Tensor | None:
         """``nbytes`` of page-locked host memory from torch's pinned allocator for this accelerator, or None
         (warned once) where it has none. Freed memory returns to torch's host cache
-        (``torch.accelerator.empty_host_cache()`` releases it)."""
+        (``torch.accelerator.empty_host_cache()`` releases it).
+        """
         if self.device_type is None:
             return None
         try:
@@ -114,7 +116,8 @@ class Accelerator:
     # -- device operations --------------------------------------------------------------------------------------
     def new_stream(self, device: torch.device) -> torch.Stream | None:
         """A side stream on ``device`` for staging copies, or None where the backend has no streams or no events
-        (copies are then synchronous)."""
+        (copies are then synchronous).
+        """
         try:
             stream = torch.Stream(device=device)
             stream.record_event().synchronize()  # fails here, not mid-transfer, where events are missing
@@ -124,13 +127,15 @@ class Accelerator:
 
     def wait_for_current(self, stream: torch.Stream | None, device: torch.device) -> None:
         """Make ``stream`` wait for the work queued so far on ``device``'s current stream (which produced, or last
-        used the memory of, the tensor being staged)."""
+        used the memory of, the tensor being staged).
+        """
         if stream is not None:
             stream.wait_stream(torch.accelerator.current_stream(device))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.Stream | None) -> torch.Event | None:
         """Queue ``dst.copy_(src)`` (one side on the host, one on the device) on ``stream``; return an event that
-        completes with it (None: the copy already completed)."""
+        completes with it (None: the copy already completed).
+        """
         if stream is None:
             dst.copy_(src)
             return None

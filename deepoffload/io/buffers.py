@@ -107,7 +107,8 @@ def _release(address: int, nbytes: int, locked: bool, registered_with: accelerat
 def _advise_huge_pages(region: mmap.mmap) -> None:
     """Ask for transparent huge pages (where the kernel offers them; ordinary pages otherwise). Filling a buffer
     then takes one page fault per 2 MiB instead of per 4 KiB, and the kernel pins its pages for direct IO in far
-    fewer steps: measured here, O_DIRECT reads into fresh memory 2-3x faster, into locked memory about 1.25x."""
+    fewer steps: measured here, O_DIRECT reads into fresh memory 2-3x faster, into locked memory about 1.25x.
+    """
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
@@ -116,7 +117,8 @@ def _advise_huge_pages(region: mmap.mmap) -> None:
 
 def _prefault(start: int, nbytes: int) -> None:
     """Back [start, start + nbytes) with memory now, from this thread (``MADV_POPULATE_WRITE``, Linux 5.14+; else
-    by writing a byte of every page)."""
+    by writing a byte of every page).
+    """
     if _libc is not None and _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0:
         return
     pages = (ctypes.c_char * nbytes).from_address(start)
@@ -126,7 +128,8 @@ def _prefault(start: int, nbytes: int) -> None:
 
 def prefault(tensor: torch.Tensor) -> None:
     """Back every page of a CPU tensor's memory now, from this thread, so that a direct read into it takes no page
-    faults inside the kernel (a read that faults its pages in as it goes is several times slower)."""
+    faults inside the kernel (a read that faults its pages in as it goes is several times slower).
+    """
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes:
         start = tensor.data_ptr() - tensor.data_ptr() % PAGE_SIZE
@@ -192,7 +195,8 @@ def page_out(tensor: torch.Tensor) -> None:
     """Ask the kernel to reclaim the pages holding a CPU tensor mapped from a file (``MADV_PAGEOUT``; nothing where
     the system lacks it): a file read through ``mmap`` otherwise stays in the page cache, which counts towards the
     process's memory cgroup, up to the file's size. Clean file pages are read again if touched later, so the values
-    never change; only for memory mapped from a file and never written through the mapping."""
+    never change; only for memory mapped from a file and never written through the mapping.
+    """
     nbytes = tensor.numel() * tensor.element_size()
     if _libc is None or not nbytes:
         return
@@ -204,7 +208,8 @@ def page_out(tensor: torch.Tensor) -> None:
 def drop_cached(path: str | os.PathLike) -> None:
     """Drop the file's clean pages that no process maps from the page cache (``POSIX_FADV_DONTNEED``; nothing where
     the system lacks it): what the kernel read ahead around a mapped file's pages otherwise stays cached, charged to
-    this process's memory cgroup. Other readers of the file read it from storage again."""
+    this process's memory cgroup. Other readers of the file read it from storage again.
+    """
     if not hasattr(os, "posix_fadvise"):
         return
     try:
@@ -219,7 +224,8 @@ def drop_cached(path: str | os.PathLike) -> None:
 
 def release_lock(address: int, nbytes: int) -> None:
     """Unlock the pages of [address, address + nbytes) of an ``aligned_empty`` buffer early: the memory stays valid
-    while the tensor lives, but ``is_pinned`` no longer reports it."""
+    while the tensor lives, but ``is_pinned`` no longer reports it.
+    """
     with _locked_lock:
         length = _locked.pop(address - address % PAGE_SIZE, None)
     if length is not None:

@@ -65,7 +65,8 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     """DeepSpeed's ``aio_handle``: asynchronous calls return 0; synchronous ones wait for their own operation and
     every pending asynchronous one and return how many completed (1 when none were pending); ``wait()`` the number
     of asynchronous operations that completed (0 when none were pending). ``engine`` (not in DeepSpeed) picks one of
-    deepoffload's engines; by default ``DEEPOFFLOAD_AIO_ENGINE`` or ``auto``."""
+    deepoffload's engines; by default ``DEEPOFFLOAD_AIO_ENGINE`` or ``auto``.
+    """
 
     def __init__(
         self,
@@ -113,7 +114,8 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
 
     def get_alignment(self) -> int:
         """DeepSpeed's value, 512 bytes times intra_op_parallelism (its checkpoint writer sizes buffers with it).
-        deepoffload itself takes any size and offset."""
+        deepoffload itself takes any size and offset.
+        """
         return O_DIRECT_ALIGNMENT * self._handle.config.intra_op_parallelism
 
     # transfers
@@ -226,7 +228,8 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     # buffers
     def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = _MISSING, **kwargs) -> torch.Tensor:
         """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype. DeepSpeed spells
-        the argument ``example_tenosr``; ``example_tensor`` is accepted too."""
+        the argument ``example_tenosr``; ``example_tensor`` is accepted too.
+        """
         if "example_tensor" in kwargs and example_tenosr is _MISSING:
             example_tenosr = kwargs.pop("example_tensor")
         if kwargs:
@@ -236,19 +239,22 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
         """True for a tensor from ``new_cpu_locked_tensor`` not freed yet (its pages are unlocked now and
         ``is_pinned`` turns False), else False. Unlike DeepSpeed, the memory itself is returned only when the last
-        reference to it goes, so a tensor used after this call still holds its bytes."""
+        reference to it goes, so a tensor used after this call still holds its bytes.
+        """
         check_tensor(tensor, "free_cpu_locked_tensor")
         return _free_locked(tensor.data_ptr())
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
         """DeepSpeed's rule: torch-pinned, or inside a live locked buffer of any handle (``aio_handle`` or
-        ``pin_handle``: one process-wide registry, as DeepSpeed's pinned-tensor manager)."""
+        ``pin_handle``: one process-wide registry, as DeepSpeed's pinned-tensor manager).
+        """
         return _is_pinned(buffer)
 
 
 class pin_handle:  # noqa: N801  (DeepSpeed's name)
     """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle()``) on the registry
-    ``aio_handle`` uses, so a buffer locked by either is pinned for both."""
+    ``aio_handle`` uses, so a buffer locked by either is pinned for both.
+    """
 
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
         """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype."""
@@ -322,7 +328,8 @@ def aio_read(
     validate: bool,
 ) -> int:
     """DeepSpeed's module-level read of a whole file into ``buffer``; returns 0. The file must be exactly
-    ``buffer``'s size (DeepSpeed asserts this; here it is a ``ValueError``)."""
+    ``buffer``'s size (DeepSpeed asserts this; here it is a ``ValueError``).
+    """
     import os
 
     check_tensor(buffer, "aio_read")
@@ -352,7 +359,8 @@ def aio_write(
 
 def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
     """DeepSpeed's copy of ``src`` into ``dest``; returns 0. Any dtype; sizes must match (DeepSpeed copies
-    ``dest.size(0)`` floats whatever they are, and into a temporary copy when ``dest`` is not contiguous)."""
+    ``dest.size(0)`` floats whatever they are, and into a temporary copy when ``dest`` is not contiguous).
+    """
     for name, t in (("dest", dest), ("src", src)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"deepspeed_memcpy: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -365,7 +373,8 @@ def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
 
 class CompatModule:
     """What ``AsyncIOBuilder().load()`` returns: DeepSpeed's ``aio_handle``, ``aio_read``, ``aio_write`` and
-    ``deepspeed_memcpy``, plus the native module's functions."""
+    ``deepspeed_memcpy``, plus the native module's functions.
+    """
 
     aio_handle = aio_handle
     aio_read = staticmethod(aio_read)

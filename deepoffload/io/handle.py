@@ -44,7 +44,8 @@ def os_error(err: int, operation: str, path: str, offset: int, detail: str) -> O
 
 class Request(Pending[int]):
     """One asynchronous transfer (``Pending``): ``wait(timeout=None)`` returns the bytes moved or raises ``OSError``;
-    ``done()`` polls."""
+    ``done()`` polls.
+    """
 
     def __init__(
         self,
@@ -72,7 +73,8 @@ class Request(Pending[int]):
 
     def done(self) -> bool:
         """True when the transfer has finished (successfully or not); never blocks. In a forked child, a transfer
-        the parent started raises ``RuntimeError`` (it runs in the parent, not here)."""
+        the parent started raises ``RuntimeError`` (it runs in the parent, not here).
+        """
         if self._collected:
             return True
         self._check_process()
@@ -213,7 +215,8 @@ class AsyncIOHandle:
     def _after_fork_in_child(self) -> None:
         """In a forked child: the native handle's threads stayed in the parent (and its locks may be held), so it is
         never touched here, not even destroyed (its destructor would wait for them); the handle gets a fresh one on
-        first use. The parent's transfers are the parent's: waiting for one here raises ``RuntimeError``."""
+        first use. The parent's transfers are the parent's: waiting for one here raises ``RuntimeError``.
+        """
         if self._native is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
             self._native = None
@@ -228,7 +231,8 @@ class AsyncIOHandle:
     # -- transfers --------------------------------------------------------------------------------------------
     def read_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> Request:
         """Start reading ``tensor.nbytes`` bytes at ``offset`` of ``file`` (a path or an open descriptor) into
-        ``tensor``. Reading past the end of the file is an error (ENODATA), never a silent hole."""
+        ``tensor``. Reading past the end of the file is an error (ENODATA), never a silent hole.
+        """
         check_tensor(tensor, "read")
         if not tensor.is_inference():  # an in-place change, as torch's copy_ counts it: a backward that saved this
             torch.autograd.graph.increment_version(tensor)  # tensor refuses instead of using the new bytes
@@ -245,7 +249,8 @@ class AsyncIOHandle:
     ) -> Request:
         """Start writing ``tensor``'s bytes at ``offset`` of ``file``. ``truncate`` (default: ``offset == 0``)
         cuts the file to end where this write ends; ``fsync`` makes the data durable before the request
-        completes."""
+        completes.
+        """
         check_tensor(tensor, "write")
         source = tensor
         acc = accelerator.current()
@@ -258,7 +263,8 @@ class AsyncIOHandle:
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False) -> int:
         """Read synchronously; return the bytes read. ``validate`` compares with Python's own read of the file.
-        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``)."""
+        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``).
+        """
         if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
             nbytes = self._device_stager().read(tensor, file, offset)
         else:
@@ -280,7 +286,8 @@ class AsyncIOHandle:
         """Write synchronously; return the bytes written. ``validate`` re-reads the file and compares.
         An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``). A write that fails
         (full disk, validation) to a path that did not exist before the call leaves no file there (do not write the
-        same new path from another thread meanwhile)."""
+        same new path from another thread meanwhile).
+        """
         new = file if isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file) else None
         try:
             if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
@@ -348,7 +355,8 @@ class AsyncIOHandle:
 
     def wait_all(self) -> int:
         """Wait for every transfer in flight; return how many finished. If any failed, raise the first error
-        after all have finished (no transfer is left running behind an exception)."""
+        after all have finished (no transfer is left running behind an exception).
+        """
         with self._pending_lock:
             requests = list(self._pending.values())
         first_error = wait_each(requests)
@@ -364,7 +372,8 @@ class AsyncIOHandle:
     # -- lifetime ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Finish every transfer in flight and stop the handle's threads. Errors of transfers nobody waited for
-        are still raised by their ``Request.wait()``."""
+        are still raised by their ``Request.wait()``.
+        """
         if not self._closed:
             self._closed = True
             if self._native is not None:
@@ -410,7 +419,8 @@ class AsyncIOHandle:
 
 def wait_each(transfers: Iterable) -> OSError | None:
     """Wait for every transfer (anything with ``wait()``: requests, swaps) even when some fail; return the first
-    ``OSError`` raised, or None. For callers that must not leave a transfer running behind an exception."""
+    ``OSError`` raised, or None. For callers that must not leave a transfer running behind an exception.
+    """
     first_error = None
     for transfer in transfers:
         try:
@@ -475,7 +485,8 @@ if hasattr(os, "register_at_fork"):
 def _close_live_handles() -> None:
     """At interpreter exit, let transfers in flight finish before the buffers they use are torn down, and collect
     them here (or wait for the thread collecting one) so that their tensors are freed before finalization: torch
-    aborts the process when a daemon thread frees a tensor once finalization has begun."""
+    aborts the process when a daemon thread frees a tensor once finalization has begun.
+    """
     for handle in list(_live_handles):
         try:
             handle.wait_all()

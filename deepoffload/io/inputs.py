@@ -1,5 +1,6 @@
 """What a transfer takes, checked before any IO: a tensor whose bytes can move (``check_tensor``, ``byte_view``)
-and a file (``FileRef``: a path or an open descriptor). Shared by ``handle``, ``staging`` and ``compat``."""
+and a file (``FileRef``: a path or an open descriptor). Shared by ``handle``, ``staging`` and ``compat``.
+"""
 
 from __future__ import annotations
 

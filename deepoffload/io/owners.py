@@ -82,7 +82,8 @@ def _owner_alive(match: re.Match) -> bool:
 
 def is_alive(pid: int, start: int) -> bool:
     """Whether process ``pid`` of this host that started at ``start`` (0: unknown) still runs (see the module
-    docstring)."""
+    docstring).
+    """
     if pid <= 0:
         return False
     if os.name == "nt":  # os.kill(pid, 0) would terminate it there; without a safe check, count it alive
@@ -101,7 +102,8 @@ def is_alive(pid: int, start: int) -> bool:
 
 def temporary_name(target: str, kind: str = "tmp") -> str:
     """A fresh hidden name for a temporary of the file (or set of files) named ``target``, owned by this process:
-    ``.<target>.<kind>-<pid>.<start>-<random>``; append a suffix to name several temporaries of one save."""
+    ``.<target>.<kind>-<pid>.<start>-<random>``; append a suffix to name several temporaries of one save.
+    """
     return f".{target}.{kind}-{process_token()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -126,7 +128,8 @@ def run_folder_prefix(rank: int) -> str:
 
 def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
     """Remove the per-run swap folders in ``base`` of processes that are no longer alive (folders kept on purpose
-    hold a ``KEPT`` file and stay); return them."""
+    hold a ``KEPT`` file and stay); return them.
+    """
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(base):
@@ -150,7 +153,8 @@ def create_private(path: str | os.PathLike) -> int:
 
 def new_file_mode() -> int:
     """The permission bits the umask gives a new file (``0666 & ~umask``), read without changing the umask where
-    the system shows it (Linux 4.7+), else by setting it back at once."""
+    the system shows it (Linux 4.7+), else by setting it back at once.
+    """
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -163,7 +167,8 @@ def new_file_mode() -> int:
 
 def adopt_mode(temporary: str | os.PathLike, model: str | os.PathLike | None) -> None:
     """Give ``temporary`` the mode (and owner and group, where this process may set them) of the file ``model`` it
-    is about to replace, or the umask's mode for a new file when ``model`` is None or does not exist."""
+    is about to replace, or the umask's mode for a new file when ``model`` is None or does not exist.
+    """
     try:
         old = os.stat(model) if model is not None else None
     except FileNotFoundError:

@@ -28,7 +28,8 @@ DIGEST_SLICE = 4 << 20  # bytes copied per digest call: small enough to stay in 
 
 class StagingPool:
     """Idle aligned buffers of ``buffer_bytes`` each (a multiple of the page size), reused by writers and readers;
-    at most ``keep`` idle ones are kept. ``pin``: page-locked (see ``aligned_empty``). Thread-safe."""
+    at most ``keep`` idle ones are kept. ``pin``: page-locked (see ``aligned_empty``). Thread-safe.
+    """
 
     def __init__(self, buffer_bytes: int, keep: int, *, pin: bool = True):
         if (
@@ -83,7 +84,8 @@ class StagedWriter:
     def write(self, address: int, nbytes: int, digest: Callable[[int, int], None] | None = None) -> None:
         """Copy ``nbytes`` bytes from memory at ``address``; every buffer filled is submitted. ``digest(address,
         nbytes)``, when given, is called on each piece (of at most ``DIGEST_SLICE`` bytes) right after it was copied
-        into its buffer, while it is in the CPU's cache: one pass over the source serves the copy and the digest."""
+        into its buffer, while it is in the CPU's cache: one pass over the source serves the copy and the digest.
+        """
         done = 0
         limit = DIGEST_SLICE if digest is not None else nbytes
         while done < nbytes:
@@ -99,7 +101,8 @@ class StagedWriter:
 
     def reserve(self) -> torch.Tensor:
         """The unfilled part of the buffer being filled (waiting first, when a new buffer is started, for the write
-        that last used it). Fill a prefix of it, ``commit`` those bytes, and ``submit`` when done with the buffer."""
+        that last used it). Fill a prefix of it, ``commit`` those bytes, and ``submit`` when done with the buffer.
+        """
         self._raise()
         if not self._filling:
             self._next_buffer()
@@ -111,7 +114,8 @@ class StagedWriter:
 
     def submit(self, *, truncate: bool = False, fsync: bool = False) -> None:
         """Start writing the filled part of the current buffer at its offset. ``truncate`` cuts the file where this
-        write ends; ``fsync`` first waits for every earlier write, so that the fsync covers them."""
+        write ends; ``fsync`` first waits for every earlier write, so that the fsync covers them.
+        """
         self._raise()
         if not self._filling:
             return
@@ -142,7 +146,8 @@ class StagedWriter:
 
     def close(self) -> None:
         """Wait for every write in flight (errors stay in ``error``) and return the buffers to the pool. Bytes not
-        submitted are dropped."""
+        submitted are dropped.
+        """
         self.wait_all()
         for buffer, request in zip(self._buffers, self._requests):
             if request is None:  # a write whose wait was interrupted keeps its buffer to itself
@@ -205,7 +210,8 @@ class StagedReader:
 
     def get(self, index: int, *, advance: bool = True) -> torch.Tensor:
         """Chunk ``index``'s bytes; ``advance=False`` serves a chunk the window holds without moving the window
-        (``KeyError`` when it does not hold it)."""
+        (``KeyError`` when it does not hold it).
+        """
         if advance:
             self._advance(index)
         chunk = self._chunks[index]

@@ -29,7 +29,8 @@ DEFAULT_CHUNK_BYTES = 8 << 20  # bytes per host buffer; two are used
 class DeviceStager:
     """Reads and writes tensors of the current accelerator through two host buffers of ``chunk_bytes`` each
     (rounded up to the page size) with ``handle``. One transfer at a time (calls from several threads queue).
-    Host tensors do not need it: use ``handle`` directly."""
+    Host tensors do not need it: use ``handle`` directly.
+    """
 
     def __init__(self, handle: AsyncIOHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -43,7 +44,8 @@ class DeviceStager:
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> int:
         """Read ``tensor``'s bytes from ``offset`` of ``file`` into it; return the bytes read. On error (an
-        ``OSError`` naming path and offset) the tensor's contents are unspecified."""
+        ``OSError`` naming path and offset) the tensor's contents are unspecified.
+        """
         acc = self._device_tensor(tensor, "read")
         dst = byte_view(tensor)
         nbytes = dst.numel()
@@ -64,7 +66,8 @@ class DeviceStager:
     ) -> int:
         """Write ``tensor``'s bytes at ``offset`` of ``file``; return the bytes written. ``truncate`` (default:
         ``offset == 0``) cuts the file to end where this write ends; ``fsync`` makes it durable before returning.
-        The tensor is only read, so it is intact whatever happens."""
+        The tensor is only read, so it is intact whatever happens.
+        """
         acc = self._device_tensor(tensor, "write")
         src = byte_view(tensor)
         nbytes = src.numel()
@@ -101,7 +104,8 @@ class DeviceStager:
 
     def _setup(self, acc: accelerator.Accelerator, device: torch.device) -> tuple[StagingPool, torch.Stream | None]:
         """The pool of two host buffers (allocated on first use, page-locked for ``acc``) and the side stream for
-        ``device``, which waits for the device's current stream."""
+        ``device``, which waits for the device's current stream.
+        """
         if self._pool is None or self._pool_for is not acc:  # (no pool yet: no accelerator either)
             self._pool, self._pool_for, self._streams = StagingPool(self.chunk_bytes, keep=2), acc, {}
         if device not in self._streams:
@@ -113,7 +117,8 @@ class DeviceStager:
 
 def _copy(acc: accelerator.Accelerator, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
     """Copy on ``stream`` and wait for it. After a failed wait, wait once more (errors dropped) so that the copy does
-    not run later, into or out of a host buffer that has gone back to the pool."""
+    not run later, into or out of a host buffer that has gone back to the pool.
+    """
     event = acc.copy(dst, src, stream)
     try:
         acc.synchronize(event)

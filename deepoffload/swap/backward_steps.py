@@ -1,5 +1,6 @@
 """``OffloadedOptimizer.step_in_backward``: each chunk of parameters steps inside ``backward()`` as soon as its
-gradients are accumulated, while the next chunks' state is read."""
+gradients are accumulated, while the next chunks' state is read.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 
 class _BackwardSteps:
     """``step_in_backward``: the chunks (reverse parameter order), which of their gradients are ready, which chunks
-    stepped in this backward, and their writes."""
+    stepped in this backward, and their writes.
+    """
 
     def __init__(self, optimizer: OffloadedOptimizer):
         self.optimizer = optimizer
@@ -45,7 +47,8 @@ class _BackwardSteps:
 
     def _read_ahead(self, wait: bool = True) -> None:
         """Start the reads of the coming chunks, up to ``buffer_count - 2`` in flight; unless ``wait``, only while
-        a staging buffer is free (no waiting for a write to free one)."""
+        a staging buffer is free (no waiting for a write to free one).
+        """
         opt = self.optimizer
         ahead = max(1, opt.config.buffer_count - 2)
         while self.next < len(self.chunks) and len(opt._prefetched) < ahead and (wait or opt.swapper.pool.available()):
@@ -114,7 +117,8 @@ class _BackwardSteps:
 
     def finish(self) -> None:
         """``step()``: check the gradients used were not changed since, step what is left, wait for the writes,
-        plan the next backward."""
+        plan the next backward.
+        """
         opt = self.optimizer
         changed = [
             p

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 class _Chunk(list):
     """Parameters stepped together, with what each step needs of them worked out once: their group names
-    (``names``, ``by_name``) and, per param group, the chunk's parameters in it (``in_groups``)."""
+    (``names``, ``by_name``) and, per param group, the chunk's parameters in it (``in_groups``).
+    """
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
         super().__init__(params)
@@ -34,7 +35,8 @@ class ChunkPlanner:
 
     def estimate(self, param: torch.Tensor) -> int:
         """Bytes of staging buffer a parameter's state takes in a chunk (on storage, in memory, or before its first
-        step a guess of two copies of the parameter), with the alignment padding of each of its tensors."""
+        step a guess of two copies of the parameter), with the alignment padding of each of its tensors.
+        """
         swapper = self.owner.swapper
         state = self.owner.optimizer.state.get(param)
         resident = [v for v in state.values() if isinstance(v, torch.Tensor)] if state else []
@@ -50,7 +52,8 @@ class ChunkPlanner:
         the extent's padding), so a step's buffers come from the bounded pool; when one parameter's state is
         larger, chunks hold up to it plus a sixteenth and the pool's buffers grow to the fullest chunk. The plan is
         reused while the same parameters (in the same param groups) are stepped and no stored state changed size or
-        place."""
+        place.
+        """
         owner = self.owner
         version = owner.swapper.version
         if version != self._plans_version:

@@ -1,5 +1,6 @@
 """Finding a ``DistributedDataParallel`` that holds given parameters (for refusals that need the real reason:
-DDP averages gradients only as backward ends, which streaming and ``step_in_backward`` cannot wait for)."""
+DDP averages gradients only as backward ends, which streaming and ``step_in_backward`` cannot wait for).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def ddp_class():
 def ddp_holding(params: Iterable[torch.Tensor]) -> nn.Module | None:
     """A live ``DistributedDataParallel`` whose module holds one of ``params``, else None. It searches the objects
     the garbage collector tracks, so it is called once per setup, and only while torch.distributed is
-    initialized (no DDP can exist otherwise)."""
+    initialized (no DDP can exist otherwise).
+    """
     ddp = ddp_class()
     if ddp is None or not torch.distributed.is_initialized():
         return None
@@ -49,7 +51,8 @@ STEP_IN_BACKWARD_REASON = (
 
 def refuse_step_in_backward_under_ddp(params: Iterable[torch.Tensor]) -> None:
     """Raise UnsupportedError (a RuntimeError) when a DistributedDataParallel holds one of ``params``
-    (``step_in_backward`` cannot wait for DDP's averages)."""
+    (``step_in_backward`` cannot wait for DDP's averages).
+    """
     if ddp_holding(params) is not None:
         raise UnsupportedError(
             f"OffloadedOptimizer.step_in_backward(): these parameters are in a "

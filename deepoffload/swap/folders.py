@@ -26,7 +26,8 @@ _owned: dict[str, int] = {}  # folder -> id of the process that created it (a fo
 
 def current_rank() -> int:
     """This process's rank: from the default ``torch.distributed`` process group when one is initialised, else
-    ``$RANK`` (set by torchrun), else 0."""
+    ``$RANK`` (set by torchrun), else 0.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -40,7 +41,8 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
     when ``base`` is on a filesystem that keeps files in memory (tmpfs).
 
     The folder is registered for removal at interpreter exit; ``remove_run_folder`` removes it earlier, and
-    ``keep_run_folder`` keeps it."""
+    ``keep_run_folder`` keeps it.
+    """
     base = base or tempfile.gettempdir()
     _make_base(base)
     kind = memory_backed(base)
@@ -68,7 +70,8 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
 
 def _make_base(base: str) -> None:
     """Create ``base`` if missing, but not its parents: a mistyped path (``/nvme0/...`` for ``/nvme/...``) must not
-    quietly put swap files on another disk."""
+    quietly put swap files on another disk.
+    """
     if os.path.isdir(base):
         return
     try:
@@ -95,7 +98,8 @@ def _make_base(base: str) -> None:
 
 def memory_backed(folder: str) -> str | None:
     """The filesystem type (``tmpfs``, ``ramfs``) when ``folder`` lies on one that keeps files in memory, else None
-    (also where mounts cannot be read: ``/proc/self/mountinfo`` is Linux's)."""
+    (also where mounts cannot be read: ``/proc/self/mountinfo`` is Linux's).
+    """
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             mounts = f.read().splitlines()
@@ -145,7 +149,8 @@ def remove_run_folder_if_owned(folder: str) -> None:
 @atexit.register
 def _remove_owned() -> None:
     """Remove this process's folders; a child forked after they were made (e.g. one exiting through ``sys.exit``)
-    leaves them to its parent, which still uses them."""
+    leaves them to its parent, which still uses them.
+    """
     pid = os.getpid()
     with _owned_lock:
         folders = [folder for folder, owner in _owned.items() if owner == pid]

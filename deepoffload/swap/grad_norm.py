@@ -56,7 +56,8 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
 @torch.no_grad()
 def total_norm(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The norm of all gradients from their ``tensor_norms``, given in the order torch would see the gradients
-    (``module.parameters()``, those with a gradient); 0.0 when there are none."""
+    (``module.parameters()``, those with a gradient); 0.0 when there are none.
+    """
     if not norms:
         return torch.tensor(0.0)
     first_device = norms[0].device

@@ -8,7 +8,8 @@ and by each chunk it steps inside backward) SIGINT is only noted, and raised as 
 between blocks during forward and backward, at the end of ``step()``, after a chunk stepped inside backward.
 User code between hooks (the blocks' own computation) is interrupted at once, as without offloading. A second
 Ctrl-C inside the same call raises at once (for a call stuck on a device that does not answer), at the price of the
-bookkeeping it interrupts."""
+bookkeeping it interrupts.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Iterator
 def deferred() -> Iterator[None]:
     """Hold back SIGINT until the block ends, then raise ``KeyboardInterrupt``; a second SIGINT raises at once.
     Only in the main thread and only over Python's default handler (a handler the program installed is left to do
-    its own thing)."""
+    its own thing).
+    """
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler

@@ -153,7 +153,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _unwrap(self, error: BaseException) -> None:
         """Construction failed (e.g. a full disk): the state stored so far goes back into the wrapped optimizer's
-        memory, its swap files are removed, and it can be wrapped again."""
+        memory, its swap files are removed, and it can be wrapped again.
+        """
         try:
             saved = self._gather_state_dict()["state"]
             params = self._params()
@@ -228,7 +229,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         If the step fails part way (a read fails, the wrapped optimizer raises), the parameters of the chunks
         already stepped keep their step and its state, the others are untouched with their state as before; the
         error carries a note listing both (positions in ``param_groups`` order). A failed write does not stop the
-        step: every parameter is stepped, that state stays in memory, and the ``OSError`` is raised at the end."""
+        step: every parameter is stepped, that state stays in memory, and the ``OSError`` is raised at the end.
+        """
         _check_no_step_hooks(self.optimizer)
         loss = None
         if closure is not None:
@@ -258,7 +260,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         them: a second backward before ``step()`` (gradient accumulation) raises in that backward; gradients
         changed after backward (clipping, GradScaler's unscale) are detected at ``step()``, which raises. Step
         pre-hooks run at ``step()``, after most parameters were stepped. ``enabled=False`` returns to stepping in
-        ``step()``."""
+        ``step()``.
+        """
         if enabled and self._backward is None:
             refuse_step_in_backward_under_ddp(self._params())
             self._backward = _BackwardSteps(self)
@@ -288,7 +291,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def prefetch(self, params: Iterable[torch.Tensor]) -> None:
         """Start reading the stored state of ``params`` in the chunks a ``step()`` over exactly these parameters
         (those with a gradient then) will use; that step waits only for what is still in flight. Reads the step
-        does not use are released when it starts. Costs staging buffers until then (see ``SwapConfig``)."""
+        does not use are released when it starts. Costs staging buffers until then (see ``SwapConfig``).
+        """
         chosen = set(params)
         for chunk in self._chunks([p for p in self._params() if p in chosen]):
             key = tuple(map(id, chunk))
@@ -327,7 +331,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done
         A failed write does not stop the step: its state stays
         in memory and the first such error is raised at the end. A failed read stops it (that chunk cannot step).
-        Transfers in flight always finish first when it stops."""
+        Transfers in flight always finish first when it stops.
+        """
         writes: list[SwapOut] = []
         prefetched = self._drop_prefetched({tuple(map(id, chunk)) for chunk in chunks})
         reads: list[SwapIn] = []
@@ -379,7 +384,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Return freed heap pages to the system (``trim_heap``, which costs milliseconds) once state that lived in
         ordinary memory was stored and freed, or half of ``chunk_bytes`` of state was read since the last time.
         Freeing such state raises glibc's mmap threshold, after which the step's temporaries come from the heap;
-        without this the heap keeps growing through the step (measured: 1 GB of Adam state, 30-40 MB more peak)."""
+        without this the heap keeps growing through the step (measured: 1 GB of Adam state, 30-40 MB more peak).
+        """
         read = self.swapper.bytes_read
         if self._copied or read - self._trimmed_at >= self.config.chunk_bytes // 2:
             self._copied, self._trimmed_at = False, read
@@ -395,7 +401,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _write(self, chunk: _Chunk, staged: SwapIn) -> SwapOut:
         """Store a chunk's state after its step: the read's buffer written back as it is where nothing but its
-        values changed, the state copied out otherwise."""
+        values changed, the state copied out otherwise.
+        """
         write = write_back(self.optimizer, self.swapper, chunk, staged)
         if write is not None:
             return write
@@ -413,7 +420,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()`` with the tensor state read back from storage (copies the
         caller owns; suitable for ``torch.save``). State-dict hooks registered on this wrapper run as torch's do.
-        Called from another thread during ``step()``, it waits for the step and returns the state after it."""
+        Called from another thread during ``step()``, it waits for the step and returns the state after it.
+        """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         with self._busy:
@@ -440,7 +448,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (from ``state_dict()`` of this class or of the plain optimizer) and move its tensor
-        state to storage. Load-state-dict hooks registered on this wrapper run as torch's do."""
+        state to storage. Load-state-dict hooks registered on this wrapper run as torch's do.
+        """
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             changed = hook(self, state_dict)

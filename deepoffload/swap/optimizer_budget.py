@@ -3,7 +3,8 @@
 Its memory beyond the process: the gradients not yet made (the parameters' bytes), the optimizer's temporaries
 (``TEMPORARIES`` x the largest parameter, as Adam's step makes them), ``buffer_count`` staging buffers of
 ``chunk_bytes`` each (a chunk holds at least the largest parameter's state, ``STATE_PER_PARAMETER`` times its bytes,
-plus a sixteenth, as the optimizer grows its chunks), and 64 MiB for the forward's activations."""
+plus a sixteenth, as the optimizer grows its chunks), and 64 MiB for the forward's activations.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ FORWARD_BYTES = 64 << 20
 def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config: SwapConfig) -> SwapConfig:
     """``config`` with ``buffer_count`` (at most its own, at least ``MIN_BUFFERS``) and ``chunk_bytes`` (at most
     its own, at least the largest parameter's state) that keep the process within ``limit`` bytes; ``MemoryError``
-    naming the least limit that works otherwise."""
+    naming the least limit that works otherwise.
+    """
     sizes = [p.numel() * p.element_size() for p in params]
     largest = max(sizes, default=0)
     grads = sum(n for n, p in zip(sizes, params) if p.grad is None and p.requires_grad)

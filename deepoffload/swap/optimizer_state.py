@@ -1,5 +1,6 @@
 """An optimizer's per-parameter state on storage: which tensors go there, who owns them while they are there, and
-moving a chunk's state between the optimizer and the swapper."""
+moving a chunk's state between the optimizer and the swapper.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 
 def _storable(value: Any) -> bool:
     """A tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse momentum
-    for sparse gradients) stay in memory."""
+    for sparse gradients) stay in memory.
+    """
     return (
         isinstance(value, torch.Tensor)
         and value.layout == torch.strided
@@ -31,7 +33,8 @@ class _StoredState(dict):
     """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage (it holds the
     non-tensor values). The stored tensors belong to this entry: once it is replaced or removed (``opt.state[p] =
     {}``, ``del opt.state[p]``, ``opt.state.clear()``, a new ``opt.state``) or cleared, they are dropped, so the
-    optimizer starts that state afresh, as it would in memory."""
+    optimizer starts that state afresh, as it would in memory.
+    """
 
     cleared = False
 
@@ -63,7 +66,8 @@ _ALONE = _references({"t": torch.empty(0)}, "t")  # the count for a tensor its s
 def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
     """Whether the state tensor ``values[key]`` is reached other than through its entry: referred to from elsewhere
     (another parameter's state, the optimizer, the caller), or a view of another tensor of the entry or viewed by
-    one. A copy on storage would stop sharing its memory, so it stays in memory."""
+    one. A copy on storage would stop sharing its memory, so it stays in memory.
+    """
     value = values[key]
     base = value._base
     return (
@@ -101,7 +105,8 @@ def write_back(
     optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk, staged: SwapIn
 ) -> SwapOut | None:
     """The common case, cheaply: every parameter's state holds exactly the tensors read (stepped in place,
-    none added, replaced or removed), so the read's buffer is written back as it is. None otherwise."""
+    none added, replaced or removed), so the read's buffer is written back as it is. None otherwise.
+    """
     read = staged.wait()
     if len(read) != len(chunk):
         return None
@@ -135,7 +140,8 @@ def write_copy(
     loading: bool,
 ) -> SwapOut:
     """Store a chunk's state as it is after its step (tensors added, replaced or removed); ``names``: id(param) ->
-    its name in ``swapper``; ``loading``: the state was just loaded (its tensors may still be the caller's)."""
+    its name in ``swapper``; ``loading``: the state was just loaded (its tensors may still be the caller's).
+    """
     state = optimizer.state
     written = {}
     read = staged.wait()
@@ -188,7 +194,8 @@ def read_stored(
 ) -> None:
     """Copy the stored state of ``chunks`` into ``state`` (a ``state_dict()["state"]``: parameter position -> its
     state; ``index``: id(parameter) -> position), chunk by chunk with the next one read meanwhile (``read(chunk)``
-    starts a chunk's read). A tensor already in ``state`` (put in memory by the user since it was stored) wins."""
+    starts a chunk's read). A tensor already in ``state`` (put in memory by the user since it was stored) wins.
+    """
     reads: list[SwapIn] = []
     try:
         for k, chunk in enumerate(chunks):

@@ -30,7 +30,8 @@ PACKED_ALIGNMENT = 16  # packed: bytes between tensors and between groups (any d
 
 class Extent:
     """``nbytes`` bytes at byte ``offset`` of ``pack.path`` holding ``members`` (group -> (start, span) in bytes,
-    relative to ``offset``), in write order. ``live``: the members whose current records point here."""
+    relative to ``offset``), in write order. ``live``: the members whose current records point here.
+    """
 
     __slots__ = ("pack", "offset", "nbytes", "members", "names", "live", "views")
 
@@ -101,7 +102,8 @@ class PackFile:
 
 class PackedLayout:
     """A packed ``TensorSwapper``'s writes and reads of whole extents of its pack file (``pack``, which is
-    ``swapper.pack``); ``swapper._extents`` maps each group to the extent its current records point into."""
+    ``swapper.pack``); ``swapper._extents`` maps each group to the extent its current records point into.
+    """
 
     def __init__(self, swapper: TensorSwapper, pack: PackFile):
         self.swapper = swapper
@@ -160,7 +162,8 @@ class PackedLayout:
     def rewrite(self, groups: Groups, staged: SwapIn, on_done: Callable[[], None] | None) -> SwapOut | None:
         """Packed fast path: ``groups`` are exactly what ``staged`` read, all of one extent, as the same tensor
         objects (changed in place only): write the read buffer back over that extent, keeping the records.
-        None when that does not hold."""
+        None when that does not hold.
+        """
         swapper = self.swapper
         names = list(groups)
         extent = swapper._extents.get(names[0]) if names else None
@@ -205,7 +208,8 @@ class PackedLayout:
 
     def settle(self, groups: list[str], extent: Extent | None, ok: bool) -> None:
         """After a packed write to ``extent``: ``groups`` now live there (``ok``) or nowhere (the write failed, the
-        bytes there are unknown); extents left empty are freed."""
+        bytes there are unknown); extents left empty are freed.
+        """
         if extent is None:
             return
         swapper = self.swapper

@@ -35,7 +35,8 @@ def trim_heap() -> None:
     """Give the pages of freed heap memory back to the system (glibc's ``malloc_trim(0)``; elsewhere nothing).
 
     glibc raises its mmap threshold each time a large block is freed, so large tensors freed later (e.g. state the
-    optimizer created in memory, then stored) stay in the heap as free memory the process keeps; this returns it."""
+    optimizer created in memory, then stored) stay in the heap as free memory the process keeps; this returns it.
+    """
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -58,7 +59,8 @@ class BufferPool:
 
     def try_acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor | None:
         """A buffer of at least ``nbytes`` bytes (``prefer`` when it is a free pooled buffer), or None when all
-        pooled buffers are in use. Larger requests than ``buffer_bytes`` always succeed with a one-off buffer."""
+        pooled buffers are in use. Larger requests than ``buffer_bytes`` always succeed with a one-off buffer.
+        """
         if nbytes > self.buffer_bytes:
             return self.one_off(nbytes)
         if prefer is not None:
@@ -97,7 +99,8 @@ class BufferPool:
 
     def fit(self, nbytes: int) -> None:
         """Pooled buffers hold at least ``nbytes`` (rounded up to the page size) from now on: smaller free ones are
-        freed now, smaller ones in use when released; new ones are made at the new size. Never shrinks."""
+        freed now, smaller ones in use when released; new ones are made at the new size. Never shrinks.
+        """
         nbytes = round_up(nbytes)
         if nbytes <= self.buffer_bytes:
             return
@@ -108,7 +111,8 @@ class BufferPool:
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give a buffer back; no view of it may be used afterwards. One-off buffers (and pooled ones smaller than
-        ``buffer_bytes`` since ``fit``) are freed."""
+        ``buffer_bytes`` since ``fit``) are freed.
+        """
         nbytes = self._pooled.get(buffer.data_ptr())
         if nbytes is not None and nbytes < self.buffer_bytes:
             del self._pooled[buffer.data_ptr()]

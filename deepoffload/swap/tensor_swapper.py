@@ -51,7 +51,8 @@ class TensorSwapper:
     unless ``config.keep_files``). One group is one file ``<folder>/<group>.swp``; group names are file names
     (letters, digits, ``-``, ``_``, ``.``). ``packed``: all groups live in ``<folder>/pack.swp`` instead, one
     page-aligned extent per ``swap_out`` call (rewritten in place when the same groups come back with the same
-    sizes; else written to free space, the old extent freed once the new write is done)."""
+    sizes; else written to free space, the old extent freed once the new write is done).
+    """
 
     def __init__(self, config: SwapConfig | None = None, *, rank: int | None = None, packed: bool = False):
         self.config = config or SwapConfig()
@@ -106,7 +107,8 @@ class TensorSwapper:
         the tensors' bytes.
         ``swap_out`` of the group raises; ``discard`` forgets it and leaves the file alone. Each ``swap_in`` checks
         that the file is still the one mapped (same inode, size and modification time): a checkpoint replaced or
-        rewritten since raises ``ChecksumError`` instead of serving other values."""
+        rewritten since raises ``ChecksumError`` instead of serving other values.
+        """
         self._check_open()
         self._check_group(group)
         records = dict(records)
@@ -158,7 +160,8 @@ class TensorSwapper:
 
         ``on_done`` runs once all are written, before any staging buffer is reused: drop your references to the
         tensors there. ``staged``: the ``SwapIn`` these tensors came from; its buffer is written from directly
-        when they all still sit where they were read (no copy), and is released once the write is done."""
+        when they all still sit where they were read (no copy), and is released once the write is done.
+        """
         self._check_open()
         if staged is not None and self._packed is not None:
             write = self._packed.rewrite(groups, staged, on_done)
@@ -215,7 +218,8 @@ class TensorSwapper:
         self, group: str, entries: dict, buffer: torch.Tensor, start: int, file: str, base: int
     ) -> tuple[dict[str, SwapRecord], int]:
         """Copy a group's tensors into ``buffer`` from ``start`` (unless already there) and zero its padding;
-        return its records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned)."""
+        return its records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned).
+        """
         group_records, end = {}, 0
         checksum = None
         for key, (local, spec, offset) in entries.items():
@@ -238,7 +242,8 @@ class TensorSwapper:
         """Write the buffer of a read of one whole extent back over that extent, keeping the records: for a caller
         that checked the tensors ``staged.wait()`` returned are still exactly the groups' tensors (changed in place
         only). None (nothing done) when ``staged`` did not read a whole extent, or its groups live elsewhere now.
-        ``on_done`` as for ``swap_out``."""
+        ``on_done`` as for ``swap_out``.
+        """
         self._check_open()
         extent, packed = staged._extent, self._packed
         if (
@@ -254,7 +259,8 @@ class TensorSwapper:
 
     def swap_in(self, groups: Iterable[str]) -> SwapIn:
         """Start reading the named groups back (each sized from its records). Groups with nothing on storage
-        come back empty."""
+        come back empty.
+        """
         self._check_open()
         groups = list(groups)
         if self._writing:
@@ -385,7 +391,8 @@ class TensorSwapper:
     def _acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor:
         """A staging buffer of ``nbytes`` (``prefer`` when it is free): a pooled one, waiting for the oldest write
         to free one if needed, or a one-off buffer when nothing in flight can free one (the pool's bound is then
-        exceeded only briefly)."""
+        exceeded only briefly).
+        """
         while True:
             buffer = self.pool.try_acquire(nbytes, prefer)
             if buffer is not None:

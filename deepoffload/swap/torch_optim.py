@@ -1,5 +1,6 @@
 """What ``OffloadedOptimizer`` needs to know of a wrapped ``torch.optim`` optimizer: which ones cannot step in
-chunks, how to step one without its hooks, and torch's thread count while it steps."""
+chunks, how to step one without its hooks, and torch's thread count while it steps.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """The optimizer's own ``step`` without torch's hook wrapper (which would run every global step hook once per
-    chunk, with the wrapped optimizer as argument)."""
+    chunk, with the wrapped optimizer as argument).
+    """
     step: Any = type(optimizer).step  # (torch's hook wrapper carries ``hooked`` and ``__wrapped__``)
     if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
         return functools.partial(step.__wrapped__, optimizer)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 class SwapOut(Pending[int]):
     """Writes in flight for some groups (``Pending``). ``wait(timeout=None)`` returns the bytes written once the new
     records are in force and the staging buffer is released; on failure it raises the first ``OSError`` and the
-    caller's tensors stay its own (nothing was freed)."""
+    caller's tensors stay its own (nothing was freed).
+    """
 
     def __init__(
         self,
@@ -52,7 +53,8 @@ class SwapOut(Pending[int]):
         """The tensors being written, as views of the staging buffer the write reads from (CPU tensors that are not
         DTensors; others are left out), for a caller that frees its own tensors now rather than when the write is
         done: from here on this write no longer keeps the caller's tensors alive. The views hold the same bytes;
-        they stay valid until ``on_done`` runs, and for good if the write fails (the buffer leaves the pool)."""
+        they stay valid until ``on_done`` runs, and for good if the write fails (the buffer leaves the pool).
+        """
         if self._result is not None or not self._buffers or not self._shifts:
             return {}
         buffer = self._buffers[0]
@@ -121,7 +123,8 @@ class SwapOut(Pending[int]):
 class SwapIn(Pending[dict]):
     """Reads in flight for some groups (``Pending``). ``wait(timeout=None)`` returns ``{group: {key: tensor}}``: views
     of one pooled buffer (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is
-    called."""
+    called.
+    """
 
     def __init__(
         self,
@@ -163,7 +166,8 @@ class SwapIn(Pending[dict]):
 
     def _cached_views(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """The views made the last time this extent was read into this same buffer, when its records are still
-        the same objects (the layout is unchanged): making a tensor costs microseconds, many small ones add up."""
+        the same objects (the layout is unchanged): making a tensor costs microseconds, many small ones add up.
+        """
         cached = self._extent.views if self._extent is not None else None
         if cached is None or cached[0] is not self._buffer or len(cached[1]) != len(self._layout):
             return None
@@ -173,7 +177,8 @@ class SwapIn(Pending[dict]):
 
     def _cache_views(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
         """Keep ``tensors`` for the next read of this extent into this buffer, when they are plain CPU views of a
-        pooled buffer and carry no checksum to verify."""
+        pooled buffer and carry no checksum to verify.
+        """
         swapper = self._swapper
         if self._extent is None or swapper.config.checksum or not swapper.pool.pooled(self._buffer):
             return
@@ -183,7 +188,8 @@ class SwapIn(Pending[dict]):
 
     def views_of_buffer(self, group: str, tensors: Mapping[str, torch.Tensor]) -> bool:
         """True when ``tensors`` are exactly the tensors ``wait()`` returned for ``group`` (the same objects, all
-        CPU views of this read's buffer), so their bytes already sit where that group's file layout puts them."""
+        CPU views of this read's buffer), so their bytes already sit where that group's file layout puts them.
+        """
         mine = self._tensors.get(group) if self._tensors is not None and self._buffer is not None else None
         if mine is None or mine.keys() != tensors.keys():
             return False

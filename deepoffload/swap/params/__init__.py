@@ -84,7 +84,8 @@ repeat), ``training`` (fused and grads modes, clipping), ``api`` (``offload_para
 ``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model
 built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage),
 ``data_parallel`` (``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and
-FSDP2 around a streamed model, refused)."""
+FSDP2 around a streamed model, refused).
+"""
 
 from .api import offload_parameters
 from .blocks import find_blocks

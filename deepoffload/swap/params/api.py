@@ -1,5 +1,6 @@
 """``offload_parameters``, the entry point of parameter offload: checks its arguments, chooses the blocks and builds
-a ``ParameterOffload``."""
+a ``ParameterOffload``.
+"""
 
 from __future__ import annotations
 
@@ -197,7 +198,8 @@ def fit_limit(
     max_resident_bytes: int | None,
 ) -> Fitted:
     """The settings for ``max_memory`` (see ``offload_parameters``), from the blocks' sizes (their tensors may be
-    on meta) and this process's memory now."""
+    on meta) and this process's memory now.
+    """
     from .residency import nbytes, span
 
     limit = parse_bytes(max_memory)

@@ -8,7 +8,8 @@ from torch import nn
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The default blocks of ``module`` as (qualified name, submodule): the children of every ``nn.ModuleList`` /
     ``nn.Sequential`` found by walking the module from the top (the module itself included), not looking inside a
-    block once chosen; children without parameters are skipped."""
+    block once chosen; children without parameters are skipped.
+    """
 
     def walk(node: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
         found = []

@@ -131,7 +131,8 @@ def fit(
     """The plan with the most prefetch (up to ``prefetch``, default the plan's) and optimizer buffers, and then the
     most bytes of blocks kept in memory (up to ``plan.resident_bytes``; None: as many as fit, less a tenth of the
     limit kept free), that keeps ``process + plan.peak_bytes + forward`` within ``limit`` bytes; raises ``MemoryError``
-    with the least limit that works (prefetch 0, the fewest optimizer buffers, nothing kept) and why otherwise."""
+    with the least limit that works (prefetch 0, the fewest optimizer buffers, nothing kept) and why otherwise.
+    """
     want = plan.prefetch if prefetch is None else prefetch
     room = limit - process - forward
     least = replace(plan, prefetch=0, state_chunks=MIN_STATE_CHUNKS, resident_bytes=0)

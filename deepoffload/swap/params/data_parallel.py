@@ -16,7 +16,8 @@ the whole model from its own storage and gradients are averaged across the ranks
   parameter, instead of hanging in a mismatched collective.
 
 Every rank must run the same blocks in the same order in each backward, as DDP (without
-``find_unused_parameters``) requires."""
+``find_unused_parameters``) requires.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
 
 def process_group(data_parallel: object):
     """The process group ``data_parallel=`` names (None for the default group) or raises; not called for
-    ``data_parallel=False``."""
+    ``data_parallel=False``.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         raise UnsupportedError(
             "offload_parameters(..., data_parallel=...): torch.distributed is not initialized: call "
@@ -50,7 +52,8 @@ def process_group(data_parallel: object):
 
 def _buckets(grads: Sequence[torch.Tensor]) -> list[list[int]]:
     """Indices of ``grads`` grouped in order into buckets of one dtype and device, at most BUCKET_BYTES each (a
-    larger gradient gets a bucket of its own)."""
+    larger gradient gets a bucket of its own).
+    """
     buckets: list[list[int]] = []
     size = 0
     for k, g in enumerate(grads):
@@ -80,7 +83,8 @@ class GradientAverager:
         self, named: Sequence[tuple[str, torch.Tensor | None]], where: str
     ) -> Callable[[], list[torch.Tensor | None]]:
         """Checks which gradients exist on every rank and starts averaging them; returns the call that waits for
-        the averages (``average``'s result). The gradients are copied into the buckets here: they may be freed."""
+        the averages (``average``'s result). The gradients are copied into the buckets here: they may be freed.
+        """
         present = torch.tensor([g is not None for _, g in named], dtype=torch.int32)
         dist.all_reduce(present, group=self.group)
         uneven = [name for (name, _), count in zip(named, present.tolist()) if 0 < count < self.world]
@@ -138,7 +142,8 @@ class GradientAverager:
 
 class DataParallel:
     """What ``ParameterOffload`` uses under ``data_parallel=``: averages block gradients (``average_block``),
-    the parameters outside blocks at the end of each backward, and broadcasts buffers before each forward."""
+    the parameters outside blocks at the end of each backward, and broadcasts buffers before each forward.
+    """
 
     def __init__(self, group, module: nn.Module, rest: Sequence[nn.Parameter], rest_names: Sequence[str]):
         self.averager = GradientAverager(group)
@@ -160,7 +165,8 @@ class DataParallel:
 
     def end_of_backward_pending(self) -> None:
         """Have the parameters outside blocks averaged when the backward under way ends (once per backward; called
-        from inside a backward: a block's, or a hook of a parameter outside the blocks)."""
+        from inside a backward: a block's, or a hook of a parameter outside the blocks).
+        """
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._average_rest)

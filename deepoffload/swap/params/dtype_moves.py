@@ -3,7 +3,8 @@ on the model or a module holding blocks): before torch converts the parameters i
 whose parameters the move changes is read, converted with the same function torch applies and written back, one
 block at a time (a block held in memory is converted where it is), so the result equals the model converted in
 memory. A move that would change a streamed parameter's device is refused before anything is converted, and so are
-dtype moves of blocks computing with ``compute_dtype=`` copies or served read-only from a checkpoint."""
+dtype moves of blocks computing with ``compute_dtype=`` copies or served read-only from a checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from .store import BlockStore
 
 def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor]) -> list[Block]:
     """The blocks whose parameters ``fn`` converts to another dtype; raise if it would move one to another device,
-    or convert a block that cannot be rewritten."""
+    or convert a block that cannot be rewritten.
+    """
     todo = []
     for block in blocks:
         changes = False

@@ -10,7 +10,8 @@ is the same problem, and backward runs wherever the user calls it (outside ``tor
   reductions, cuDNN enabled/benchmark/deterministic, mkldnn, fused scaled-dot-product kernels, opt_einsum),
   ``torch.set_float32_matmul_precision``, deterministic algorithms, and the default dtype and device.
 ``state.restored()`` is a context manager that puts all of them back (only those that differ now), with grad mode
-enabled, and restores the caller's on exit."""
+enabled, and restores the caller's on exit.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _attribute(owner: Callable[[], Any], name: str) -> tuple[Callable[[], Any], 
 
 def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
     """(name, getter, setter) of the global settings that choose kernels or their precision and exist in this
-    torch; the fp32_precision settings first (setting one of the allow_tf32 flags rewrites them)."""
+    torch; the fp32_precision settings first (setting one of the allow_tf32 flags rewrites them).
+    """
     b = torch.backends
     candidates: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
     # cudnn.conv and mkldnn's matmul, conv and rnn: attributes of the module objects recent torch puts in place of

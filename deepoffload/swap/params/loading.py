@@ -7,7 +7,8 @@ parameter by parameter (which would meet placeholders, or compute copies its mas
 storage is read, its masters set (``copy_``, converting the dtype as in memory) and written back; a block held in
 memory (pinned, kept) has its masters set in place and its compute copies cast again. Entries whose shape differs
 from the stored one stay for PyTorch to report. A post-hook takes the entries it wrote off the missing keys. A block
-served read-only from a checkpoint (``serve_from_checkpoint=True``) refuses a load: the checkpoint is never written."""
+served read-only from a checkpoint (``serve_from_checkpoint=True``) refuses a load: the checkpoint is never written.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .store import BlockStore
 
 def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
     """The (pre, post) load-state-dict hooks of ``block`` (for ``register_load_state_dict_pre_hook`` and
-    ``register_load_state_dict_post_hook`` of its module)."""
+    ``register_load_state_dict_post_hook`` of its module).
+    """
     written: list[str] = []  # full keys written by the pre-hook of the load under way
 
     def pre(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:

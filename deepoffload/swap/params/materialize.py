@@ -49,7 +49,8 @@ def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor in memory mapped for it alone (page-aligned, not locked), unmapped when the tensor and
     its views are gone. A block-sized ``torch.empty`` would come from glibc's heap once its dynamic mmap threshold has
     risen (up to 32 MiB), and freed heap memory stays in the process: made and released block after block, such
-    tensors grow the process towards the model's size."""
+    tensors grow the process towards the model's size.
+    """
     return aligned_empty(shape, dtype, pin=False)
 
 
@@ -77,7 +78,8 @@ class Materializer:
     ``inv_freq`` stays fp32, as in ``from_pretrained``).
     strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
     serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
-    file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only)."""
+    file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only).
+    """
 
     def __init__(
         self,
@@ -127,7 +129,8 @@ class Materializer:
 
     def _check(self, reader: CheckpointReader, strict: bool) -> KeyReport:
         """Compare the checkpoint with the module's state (names, shapes, convertible dtypes); a tensor shared by
-        several names (tied weights) needs only one of them in the checkpoint."""
+        several names (tied weights) needs only one of them in the checkpoint.
+        """
         state = self.module.state_dict(keep_vars=True)
         aliases: dict[int, list[str]] = {}
         for name, t in state.items():
@@ -185,7 +188,8 @@ class Materializer:
     def _make(self, module: nn.Module, prefix: str, transient: bool = False) -> dict[str, torch.Tensor]:
         """Give the module's own (not its children's) placeholder parameters and meta buffers memory; return its
         tensors by qualified name. ``transient``: the tensors of a block, written out and released at once: their
-        memory is mapped for them (``transient_empty``), so it goes back to the system when they are released."""
+        memory is mapped for them (``transient_empty``), so it goes back to the system when they are released.
+        """
         empty = transient_empty if transient else torch.empty
         tensors: dict[str, torch.Tensor] = {}
         for name, param in module._parameters.items():
@@ -209,7 +213,8 @@ class Materializer:
 
     def _fill(self, owners: list[tuple[nn.Module, dict[str, torch.Tensor]]]) -> None:
         """Values for the tensors of ``owners`` (modules with their own tensors, in walk order): initialize the
-        modules owning a tensor that needs one and the checkpoint lacks, then read what the checkpoint has."""
+        modules owning a tensor that needs one and the checkpoint lacks, then read what the checkpoint has.
+        """
         reader = self.reader
         loaded = {n: t for _, tensors in owners for n, t in tensors.items() if reader is not None and n in reader}
         needy = [
@@ -297,7 +302,8 @@ class Materializer:
 
     def _served_records(self, block: Block) -> dict[str, SwapRecord] | None:
         """Where the block's parameters lie in the checkpoint, when it can be served from there (see ``serve``);
-        else None (it is copied)."""
+        else None (it is copied).
+        """
         if not self.serve or self.reader is None or any(b.is_meta for b in block.module.buffers()):
             return None
         records = {}
@@ -321,7 +327,8 @@ class Materializer:
     # -- the pass -----------------------------------------------------------------------------------------------
     def offload(self, store, blocks: list[Block]) -> None:
         """Make, fill and write every block in walk order (releasing each once written) and make the rest in
-        memory. On failure: the swap files are removed, the module gets its meta tensors back, and this raises."""
+        memory. On failure: the swap files are removed, the module gets its meta tensors back, and this raises.
+        """
         writes: list[Block] = []
         try:
             for prefix, module, block in self._walk({b.prefix: b for b in blocks}):
@@ -392,7 +399,8 @@ def _tie_hf_weights(module: nn.Module) -> None:
     """Tie a Hugging Face model's weights as ``from_pretrained`` does. Under accelerate's ``init_empty_weights()``
     every parameter assignment makes a new meta parameter, so the model's own tying (``lm_head.weight =
     embed_tokens.weight``) leaves two parameters; the checkpoint then lacks one (``save_pretrained`` drops tied
-    copies) and a model loaded anyway would compute with an untied, freshly initialized head."""
+    copies) and a model loaded anyway would compute with an untied, freshly initialized head.
+    """
     tie = getattr(module, "tie_weights", None)
     if has_meta(module) and callable(tie) and hasattr(module, "config"):
         tie()

@@ -1,6 +1,7 @@
 """``ParameterOffload`` (what ``offload_parameters`` returns): hooks the blocks (``patches``), makes each resident
 as it runs (prefetching per ``schedule``), hands training calls to ``recompute`` and finished gradients to the mode
-in ``training``; every move of a block's memory goes through ``BlockStore`` as a checked ``Residency`` transition."""
+in ``training``; every move of a block's memory goes through ``BlockStore`` as a checked ``Residency`` transition.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 class ParameterOffload:
     """The handle ``offload_parameters`` returns: streams the blocks' parameters, steps them when training, and
     reports ``stats``. Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()``
-    ends offloading (by default reading the parameters back into memory first)."""
+    ends offloading (by default reading the parameters back into memory first).
+    """
 
     def __init__(
         self,
@@ -133,7 +135,8 @@ class ParameterOffload:
         the rest stream. Pinned blocks are read once, outside the staging pool, never released by the schedule, and
         step in memory (no write, no read back per step). A block leaving the budget is written first (its values
         in memory are the valid copy); a failed write raises and keeps it in memory. 0 or None: stream every block.
-        Call between steps."""
+        Call between steps.
+        """
         _check_budget(budget)
         self._check_open()
         self._budget = budget
@@ -262,7 +265,8 @@ class ParameterOffload:
 
     def _check_unfrozen(self, block: Block) -> None:
         """Refuse a backward once a parameter frozen when the optimizers were made requires a gradient: no optimizer
-        holds it, so it would never step (in memory, an optimizer made over ``model.parameters()`` would step it)."""
+        holds it, so it would never step (in memory, an optimizer made over ``model.parameters()`` would step it).
+        """
         if not self._optimizing:
             return
         named = [
@@ -309,7 +313,8 @@ class ParameterOffload:
             ``norm_type``-norm first, exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters(),
             clip_grad_norm, norm_type)`` would (same arithmetic and order, so bit-identical); this costs one extra
             streamed read of the blocks' gradients. Returns that total norm (a 0-dim tensor), else None. Fused mode
-            raises ValueError: each block steps inside backward, before the other blocks' gradients exist."""
+            raises ValueError: each block steps inside backward, before the other blocks' gradients exist.
+        """
         self._check_open()
         if self._block_optimizer is None and self._rest_optimizer is None:
             raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
@@ -348,7 +353,8 @@ class ParameterOffload:
     @internal_call
     def flush(self) -> None:
         """Wait for every write in flight and write out blocks kept in memory after a failed write; raise the
-        first failure (those blocks stay in memory)."""
+        first failure (those blocks stay in memory).
+        """
         self._check_open()
         error = None
         for action in (self.training.finish_writes, self.store.wait_writes):
@@ -396,7 +402,8 @@ class ParameterOffload:
     @internal_call
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The module's ``state_dict()``: the blocks' parameters are read from storage one block at a time (copies,
-        master dtype); ``module.state_dict()`` itself does the same."""
+        master dtype); ``module.state_dict()`` itself does the same.
+        """
         self._check_open()
         self.store.wait_writes()
         return self.module.state_dict()
@@ -408,7 +415,8 @@ class ParameterOffload:
         never resident. Holds what ``state_dict()`` holds (parameters, persistent buffers) except that a tensor
         shared under several names is written once, under its first name (safetensors cannot store shared tensors;
         ``from_pretrained`` ties them again). A module with a Hugging Face ``config`` also gets its
-        ``config.json``, so ``from_pretrained(path)`` loads the result. Returns the shard paths."""
+        ``config.json``, so ``from_pretrained(path)`` loads the result. Returns the shard paths.
+        """
         self._check_open()
         self.training.finish_writes()
         self.store.wait_writes()
@@ -426,7 +434,8 @@ class ParameterOffload:
             its trained weights and works as before; this needs memory for the whole model (pinned blocks keep
             theirs, uncopied). If a block cannot be read, this raises and nothing is closed. False: discard them
             (take ``state_dict()`` first to keep them); calling a block then raises; blocks held in memory (pinned,
-            or kept after a failed write) free theirs with the module."""
+            or kept after a failed write) free theirs with the module.
+        """
         if self._closed:
             return
         if restore:  # a failure here (a block unreadable) leaves everything open and as it was

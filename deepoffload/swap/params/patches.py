@@ -1,6 +1,7 @@
 """What ``ParameterOffload`` attaches to the user's modules, and takes off again: each block's streamed ``forward``
 (casting to the compute dtype when one is set), its ``state_dict`` hooks (the values read from storage), and a guard
-on ``_apply`` (``.to()``, ``.half()``, ``.cuda()`` ...) of every module holding a block."""
+on ``_apply`` (``.to()``, ``.half()``, ``.cuda()`` ...) of every module holding a block.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ Run = Callable[[Block, Callable, tuple, dict], Any]  # runs a block's forward wi
 
 def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
     """``forward`` with its floating-point tensor arguments cast to ``dtype`` and its ``dtype`` outputs cast back
-    to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16)."""
+    to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16).
+    """
 
     def cast(x: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and (only is None or x.dtype == only):
@@ -39,7 +41,8 @@ def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
 
 class ModulePatches:
     """The patches on ``module`` and its ``blocks``: ``stream`` and ``guard_moves`` put them on, ``remove`` takes
-    them off. ``run`` is called for every call of a streamed block."""
+    them off. ``run`` is called for every call of a streamed block.
+    """
 
     def __init__(self, module: nn.Module, blocks: list[Block], store: BlockStore, run: Run, moved: Callable[[], None]):
         """``moved`` is called after blocks were converted to another dtype."""
@@ -92,7 +95,8 @@ class ModulePatches:
     def guard_moves(self) -> None:
         """``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... on the module or any module holding
         a block: the blocks' stored values are converted first, block by block, or the move is refused before
-        anything is converted (``dtype_moves``)."""
+        anything is converted (``dtype_moves``).
+        """
         holders = set()
         for name, _ in ((b.prefix, b) for b in self.blocks):
             parts = name.split(".") if name else []
@@ -118,7 +122,8 @@ class ModulePatches:
 
     def remove(self, restore: bool) -> None:
         """Take the hooks and patches off; unless ``restore``, the blocks keep their streamed ``forward`` (calls
-        keep failing with a clear error)."""
+        keep failing with a clear error).
+        """
         for hook in self.hooks:
             hook.remove()
         for module, attribute, patched in self.patched:

@@ -24,7 +24,8 @@ A block held in memory (pinned by ``max_resident_bytes``, or kept after a failed
 ``p.grad`` would read None while its gradients are away: between its backward and ``step()`` they are
 ``GradsAwayParameter`` instead, refusing only that read.
 
-deepoffload's own code runs inside ``internal()``, where nothing is checked."""
+deepoffload's own code runs inside ``internal()``, where nothing is checked.
+"""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def internal() -> Iterator[None]:
     """deepoffload's own handling of streamed parameters: nothing is checked inside, and Ctrl-C waits for its end
     (see ``interrupts``). Outside inference mode: staging buffers, parameter views and compute copies made while a
     forward runs under ``torch.inference_mode()`` are reused by training later, which may not write inference
-    tensors."""
+    tensors.
+    """
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
     try:
@@ -119,7 +121,8 @@ def _checking() -> bool:
 
 class StreamedParameter(nn.Parameter):
     """A block parameter while ``offload_parameters`` streams it (see the module docstring). ``_streamed`` is its
-    (block, name within the block)."""
+    (block, name within the block).
+    """
 
     _streamed: tuple[Block, str]
 
@@ -159,7 +162,8 @@ class GradsAwayParameter(nn.Parameter):
     the block's gradients are away until ``step()`` (``Block.grads_away``): its values are real and every use passes
     through, but ``p.grad`` is refused as for a ``StreamedParameter``, where it would silently read None (so
     ``clip_grad_norm_(model.parameters())`` cannot clip by a wrong norm when every block is held in memory). The
-    block computes with plain parameters: it is plain again while it runs and once ``step()`` is done."""
+    block computes with plain parameters: it is plain again while it runs and once ``step()`` is done.
+    """
 
     _streamed: tuple[Block, str]
 
@@ -192,7 +196,8 @@ def streamed(param: nn.Parameter, block: Block, name: str) -> None:
 
 def plain(param: nn.Parameter) -> None:
     """Make a ``StreamedParameter`` or ``GradsAwayParameter`` an ``nn.Parameter`` again (its block is in memory and
-    computing or done with its gradients, or offloading ended)."""
+    computing or done with its gradients, or offloading ended).
+    """
     if type(param) in (StreamedParameter, GradsAwayParameter):
         was = cast("StreamedParameter | GradsAwayParameter", param)  # (its class, just checked)
         param.__class__ = nn.Parameter

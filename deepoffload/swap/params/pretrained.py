@@ -1,6 +1,7 @@
 """``deepoffload.from_pretrained(path, **offload options)``: a Hugging Face model folder (``config.json`` and
 safetensors weights, sharded or not) built on the ``meta`` device and loaded streamed, block by block, so the model
-is never whole in memory. transformers is imported only here."""
+is never whole in memory. transformers is imported only here.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def from_pretrained(
     dtype: floating-point parameters get this dtype (default: the class's as built, float32).
     options: ``offload_parameters`` keyword arguments (``path=`` the swap folder, ``mode``, ``optimizer``,
         ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ...); ``checkpoint`` is
-        ``folder``, and non-persistent buffers (rotary ``inv_freq``) are computed by the model's ``_init_weights``."""
+        ``folder``, and non-persistent buffers (rotary ``inv_freq``) are computed by the model's ``_init_weights``.
+    """
     from transformers import AutoConfig
 
     folder = Path(folder)

@@ -7,7 +7,8 @@ block's other pending calls that the running backward will still execute. Calls 
 (a validation forward without ``torch.no_grad()``, the forward that ``torch.utils.checkpoint`` recomputes) are
 simply dropped with their graph.
 
-The function talks to the streaming side through ``Streamer``; it knows nothing of storage or optimizers."""
+The function talks to the streaming side through ``Streamer``; it knows nothing of storage or optimizers.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class Streamer(Protocol):
 class BlockCall:
     """One call of a block: its non-tensor arguments, how to rebuild them, its outputs' structure, and what
     recomputation needs (the forward's autocast, RNG and settings, state before the forward, the block's step count
-    at the forward)."""
+    at the forward).
+    """
 
     def __init__(self, streamer: Streamer, block: Block, forward: Callable, flat: list, spec: Any):
         self.streamer, self.block, self.forward = streamer, block, forward
@@ -74,7 +76,8 @@ class BlockCall:
 
 class _Saved:
     """A tensor the autograd graph saved (weakly referenced: it dies with the graph). ``stale``: the graph outlived
-    the block's forward (see ``Recompute.forward``); unpacking it, i.e. back-propagating through it, raises."""
+    the block's forward (see ``Recompute.forward``); unpacking it, i.e. back-propagating through it, raises.
+    """
 
     __slots__ = ("tensor", "stale", "__weakref__")
 
@@ -108,14 +111,16 @@ def as_given(leaves: Sequence[torch.Tensor], was_leaf: Sequence[bool]) -> list[t
     """The block's inputs as in memory: a detached input requiring grad is a leaf, but one that was not a leaf there
     gets a view, so that autocast does not cache its cast (it caches those of leaves requiring grad: in memory each
     use of T5's encoder output in a decoder block casts it again, and each cast's gradient is added in fp32, not
-    once in bf16). Call under grad mode."""
+    once in bf16). Call under grad mode.
+    """
     return [t.view_as(t) if t.requires_grad and not leaf else t for t, leaf in zip(leaves, was_leaf)]
 
 
 def check_loss_scaling(block: Block, state: ForwardState) -> None:
     """Refuse training a block under float16 autocast: fp16 training needs a loss scaler (``torch.amp.GradScaler``)
     that unscales every gradient and skips the step when one is inf/NaN, before any parameter steps, and a streamed
-    block's gradients never sit in memory for it (fused mode steps the block inside its backward)."""
+    block's gradients never sit in memory for it (fused mode steps the block inside its backward).
+    """
     half = [d for d, dtype in state.autocast_enabled.items() if dtype == torch.float16]
     if half and block.trainable:
         raise ValueError(

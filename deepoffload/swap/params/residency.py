@@ -74,7 +74,8 @@ def placeholder(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
 def own_dtype_parameters(module: nn.Module, compute_dtype: torch.dtype | None) -> set[int]:
     """ids of the parameters that keep their own dtype under ``compute_dtype``: those of submodules holding
     floating-point buffers of another dtype (BatchNorm running statistics), which compute in mixed precision (inputs
-    in ``compute_dtype``, statistics and affine parameters in theirs), as ``torch.autocast`` runs them."""
+    in ``compute_dtype``, statistics and affine parameters in theirs), as ``torch.autocast`` runs them.
+    """
     if compute_dtype is None:
         return set()
     own: set[int] = set()
@@ -86,7 +87,8 @@ def own_dtype_parameters(module: nn.Module, compute_dtype: torch.dtype | None) -
 
 class Block:
     """One block's parameters, their residency and the IO that holds their memory (``read`` while READING or
-    RESIDENT, ``write`` while WRITING)."""
+    RESIDENT, ``write`` while WRITING).
+    """
 
     def __init__(self, index: int, prefix: str, module: nn.Module, compute_dtype: torch.dtype | None):
         self.index, self.prefix, self.module = index, prefix, module
@@ -150,7 +152,8 @@ class Block:
 
     def grads_away(self) -> str | None:
         """Where the block's gradients are when not on its parameters' ``.grad`` until ``step()``; None when
-        ``.grad`` tells the truth."""
+        ``.grad`` tells the truth.
+        """
         if self.stepped:
             return "already applied by the block's optimizer step inside backward (fused mode)"
         if self.grads_stored or self.grads or self.partial:
@@ -159,7 +162,8 @@ class Block:
 
     def guard_grads(self) -> None:
         """While the block is in memory and its gradients are away, make ``p.grad`` refuse to read None (see
-        ``GradsAwayParameter``); plain parameters otherwise."""
+        ``GradsAwayParameter``); plain parameters otherwise.
+        """
         away = self.in_memory and self.grads_away() is not None
         for name, param in zip(self.names, self.params):
             if away:
@@ -192,7 +196,8 @@ class Block:
 
     def refresh_compute(self) -> None:
         """Cast the compute copies again from the masters (after the masters stepped in memory), as ``set_data``
-        casts them after a read."""
+        casts them after a read.
+        """
         for param, master in zip(self.params, self.masters):
             if master is not param:
                 param.data = master.detach().to(self.compute_dtype)
@@ -201,7 +206,8 @@ class Block:
     def record_versions(self) -> None:
         """Note each parameter's version counter and storage, so ``changed`` finds what user code changed since:
         in-place ops on the parameter (``p.mul_()``, ``nn.init``, ``load_state_dict``) and ``p.data = ...``. Writes
-        through ``p.data`` (``p.data.copy_()``) bump another version counter and are not seen."""
+        through ``p.data`` (``p.data.copy_()``) bump another version counter and are not seen.
+        """
         self.seen = [(p._version, p.data_ptr(), p.dtype, p.device) for p in self.params]
 
     def changed(self) -> list[str]:
@@ -246,7 +252,8 @@ class Block:
     def stash_grads(self) -> None:
         """Take ``param.grad`` off the parameters before they are released (an optimizer must not see gradients
         of a block whose values are not in memory); ``restore_grads`` puts them back for its next backward, where
-        autograd adds to them exactly as in memory."""
+        autograd adds to them exactly as in memory.
+        """
         for name, param in zip(self.names, self.params):
             if param.grad is not None:
                 self.partial[name] = param.grad

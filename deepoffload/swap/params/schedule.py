@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def upcoming(index: int, count: int, prefetch: int, phase: str, training: bool) -> list[int]:
     """The next ``prefetch`` distinct blocks (of ``count``) expected after block ``index`` in ``phase``
-    ("forward" or "backward"): forward runs blocks in order and, when training, backward runs them in reverse."""
+    ("forward" or "backward"): forward runs blocks in order and, when training, backward runs them in reverse.
+    """
     if phase == "forward":
         order = list(range(index + 1, count)) + (list(range(count - 1, -1, -1)) if training else list(range(count)))
     else:

@@ -11,7 +11,8 @@ So a tensor passed to a block is passed on: the block's node also returns it (an
 same tensor object in the same forward gets that alias instead. In backward the later block's gradient for the
 tensor, everything summed so far, reaches the earlier block through the alias, and the earlier block's recompute adds
 it first and then its own uses in the engine's order (``Recompute.backward``): the same sums, in the same order, as
-in memory."""
+in memory.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class SharedInputs:
     def substitute(self, index: int, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
         """The tensors block ``index`` is to get (those an earlier block of this forward got replaced by its alias),
         and the positions among them to pass on. A forward is a run of calls with rising block indices; a call made
-        inside a backward (``torch.utils.checkpoint``'s recomputation) belongs to no forward and chains nothing."""
+        inside a backward (``torch.utils.checkpoint``'s recomputation) belongs to no forward and chains nothing.
+        """
         if torch._C._current_graph_task_id() != -1:
             return tensors, []
         if index <= self._last_index:  # a new forward (or a block called twice in one): start again

@@ -3,7 +3,8 @@ did: buffer updates (BatchNorm running statistics, counters) and key/value cache
 ``DynamicCache``). RNG draws are replayed by ``recompute`` itself (it runs under the forward's RNG state).
 
 ``capture`` takes a block's state before its forward; ``Captured.replay()`` runs the recomputation on that state
-and puts back what the forward left, so the outcome is as if the block ran once."""
+and puts back what the forward left, so the outcome is as if the block ran once.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _rebinding_layer(layer: object) -> bool:
 
 class _ObjectsState:
     """The attribute dicts of some objects and the contents of their lists and dicts (an ``EncoderDecoderCache``'s
-    ``is_updated``), as references (not copies)."""
+    ``is_updated``), as references (not copies).
+    """
 
     def __init__(self, objects: list[object]):
         self.dicts = [(o, dict(vars(o))) for o in objects]
@@ -55,7 +57,8 @@ def _cache_objects(cache: object) -> list[object]:
 
 def check_caches(block_name: str, flat: list) -> list[object]:
     """The caches among a training call's arguments; refuse those recomputation cannot rewind exactly: a cache is
-    rewound when it has layers that store by rebinding, or (``EncoderDecoderCache``) holds only such caches."""
+    rewound when it has layers that store by rebinding, or (``EncoderDecoderCache``) holds only such caches.
+    """
     caches = [x for x in flat if _is_cache(x)]
     for cache in caches:
         inner = _nested(cache)
@@ -82,7 +85,8 @@ class Captured:
 
     def detach_new_cache_entries(self) -> None:
         """Tensors the forward stored in the caches leave the recomputed block's graph (which would otherwise keep
-        every block's activations alive as long as the cache)."""
+        every block's activations alive as long as the cache).
+        """
         before = {id(o): d for state in self.caches for o, d in state.dicts}
         for cache in self.cache_list:
             for o in _cache_objects(cache):

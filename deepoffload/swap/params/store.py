@@ -1,5 +1,6 @@
 """``BlockStore``: every block's IO (reads into staging buffers, write-backs, failures) as moves of its
-``Residency``, with the figures ``OffloadStats`` reports."""
+``Residency``, with the figures ``OffloadStats`` reports.
+"""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ class BlockStore:
     """Owns the blocks' ``TensorSwapper``: the only way from ``swap/params`` to it (its blocks' parameters, their
     gradients in grads mode, serving from a checkpoint, IO counters, closing). Staging buffers: the current block,
     the prefetch window and one write behind; anything more (gradients in grads mode) gets short-lived one-off
-    buffers, so idle pooled memory stays within (prefetch + 2) blocks."""
+    buffers, so idle pooled memory stays within (prefetch + 2) blocks.
+    """
 
     def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig, slack: int = 0):
         """``slack``: bytes more per staging buffer (a block served from a checkpoint is read from the page holding
-        its first byte: up to a page more)."""
+        its first byte: up to a page more).
+        """
         self.blocks = list(blocks)
         self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE) + slack
         self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
@@ -45,7 +48,8 @@ class BlockStore:
 
     def offload_all(self) -> None:
         """Write every block out (two writes in flight at most); release the parameters only once all are on
-        storage, so a failure leaves the module exactly as it was."""
+        storage, so a failure leaves the module exactly as it was.
+        """
         writes: list[tuple[Block, SwapOut]] = []
         try:
             for block in self.blocks:
@@ -138,7 +142,8 @@ class BlockStore:
 
         ``keep_changes``: a RESIDENT block whose parameters user code changed in place since it was read (see
         ``Block.changed``) is written back instead (``write_back``), so the change is kept; when a change cannot be
-        stored exactly (a ``compute_dtype`` copy, a new shape) the block is released and this raises, naming it."""
+        stored exactly (a ``compute_dtype`` copy, a new shape) the block is released and this raises, naming it.
+        """
         if block.state not in (Residency.READING, Residency.RESIDENT):
             return
         changed = block.changed() if keep_changes and block.state is Residency.RESIDENT else []
@@ -159,7 +164,8 @@ class BlockStore:
         """Raise if user code changed ``block``'s parameters in a way that cannot be kept (see ``release``), after
         dropping the change: a RESIDENT block is released; an in-memory one's compute copies are cast again from its
         masters. A master of another shape, dtype or device in a block held in memory is left for the caller to
-        put back (its values may exist nowhere else)."""
+        put back (its values may exist nowhere else).
+        """
         lost = block.unwritable(block.changed()) if block.in_memory else {}
         if not lost:
             return
@@ -181,7 +187,8 @@ class BlockStore:
     def check_kept_values(self, block: Block) -> None:
         """Before a block in memory is computed with, stepped or copied (no release checks a pinned one):
         ``drop_unwritable``; when that raises, the other blocks in memory drop theirs too (a ``load_state_dict``
-        reached them all), so the error comes once, with a note naming those blocks."""
+        reached them all), so the error comes once, with a note naming those blocks.
+        """
         if not block.in_memory:
             return
         try:
@@ -210,7 +217,8 @@ class BlockStore:
 
     def pin(self, block: Block) -> None:
         """Make ``block`` resident for good (until ``unpin``): its memory leaves the staging pool, no release drops
-        it, and it steps in memory (``stepped``)."""
+        it, and it steps in memory (``stepped``).
+        """
         self.start_read(block)
         self.materialize(block)
         if block.state is not Residency.RESIDENT:
@@ -223,7 +231,8 @@ class BlockStore:
     def unpin(self, block: Block) -> None:
         """Write a PINNED block's values (storage is stale once it stepped) and release its memory once written
         (a block served from a checkpoint is released without a write). A write that cannot start raises and leaves
-        it PINNED; one that fails raises and leaves it KEPT."""
+        it PINNED; one that fails raises and leaves it KEPT.
+        """
         if block.state is not Residency.PINNED:
             return
         self.drop_unwritable(block)
@@ -236,7 +245,8 @@ class BlockStore:
 
     def stepped(self, block: Block) -> None:
         """After ``block``'s optimizer step: a PINNED block keeps its new values in memory (its compute copies are
-        cast again); any other starts writing them back (released once written)."""
+        cast again); any other starts writing them back (released once written).
+        """
         if block.state is Residency.PINNED:
             block.refresh_compute()
         else:
@@ -244,7 +254,8 @@ class BlockStore:
 
     def keep(self, block: Block) -> None:
         """The values in memory changed and storage does not have them (a step failed half-way): never release
-        them until written."""
+        them until written.
+        """
         if block.read is not None:
             block.read.detach()  # the values stay in memory, outside the pool
             block.read = None
@@ -253,7 +264,8 @@ class BlockStore:
 
     def read_copy(self, block: Block) -> dict[str, torch.Tensor]:
         """Copies of the block's master values (from memory when in memory, else read and released). A change to
-        a block in memory that its masters cannot take raises (see ``drop_unwritable``) instead of going unseen."""
+        a block in memory that its masters cannot take raises (see ``drop_unwritable``) instead of going unseen.
+        """
         if block.in_memory:
             self.check_kept_values(block)
             return {name: t.clone() for name, t in block.master_tensors().items()}
@@ -323,7 +335,8 @@ class BlockStore:
 
     def write_back(self, block: Block) -> None:
         """Start writing the in-memory (RESIDENT, KEPT or PINNED) block's values; its memory is released when the
-        write succeeds. One block write in flight at most."""
+        write succeeds. One block write in flight at most.
+        """
         if block.served:
             raise StreamedParameterError(
                 f"block {block.prefix}: its parameters are served read-only from the checkpoint "
@@ -374,7 +387,8 @@ class BlockStore:
     def hold_for_change(self, block: Block) -> bool:
         """Brings ``block``'s stored values into memory for a change made outside training (after its pending write
         and a check of changes made before); returns whether it was in memory already (if not, release it with
-        ``keep_changes=False`` when the change fails)."""
+        ``keep_changes=False`` when the change fails).
+        """
         self.wait_write(block)
         self.check_kept_values(block)  # a change made before, which the masters cannot take, raises first
         held = block.in_memory
@@ -385,7 +399,8 @@ class BlockStore:
 
     def fit_staging(self, block: Block) -> None:
         """Grows the block span and the staging pool to ``block``'s tensors when they outgrew them (a dtype move to
-        a wider dtype)."""
+        a wider dtype).
+        """
         needed = span(block.masters)
         if needed > self.block_span:
             self.block_span = needed

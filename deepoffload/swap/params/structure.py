@@ -2,7 +2,8 @@
 removed afterwards (``resize_token_embeddings``, ``get_peft_model``, ``add_module``, a replaced ``nn.Linear``) would
 be in no optimizer (never stepped, its gradient piling up) or, inside a block, outside the streamed set; such a change
 is refused at the next forward, naming it and the order that works. (A parameter unfrozen after offloading is refused
-at backward: see ``ParameterOffload._check_unfrozen``.)"""
+at backward: see ``ParameterOffload._check_unfrozen``.)
+"""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class Structure:
 
     def check(self, block: Block, rest: bool) -> None:
         """Raise if ``block``'s parameters (and with ``rest`` those outside the blocks) differ from those at
-        offloading."""
+        offloading.
+        """
         now = _identities(block.module.named_parameters(remove_duplicate=False))
         if now != self.blocks[block.index]:
             raise UnsupportedError(

@@ -7,7 +7,8 @@ pass to ``Trainer``; the callback refuses ``max_grad_norm > 0``, since the Train
 memory (clip with ``StreamedOptimizer(offload, clip_grad_norm=...)`` in grads mode instead), and lets the streamed
 parameters' ``.grad`` read None during training (outside a Trainer that read is refused until ``step()``), so the
 gradient norm the Trainer logs covers the parameters in memory only. transformers is imported only by
-``trainer_arguments``."""
+``trainer_arguments``.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
     """``offload``'s step and zero_grad behind the ``torch.optim.Optimizer`` interface (see the module docstring).
 
     clip_grad_norm: grads mode only: each ``step()`` clips all gradients by their global norm first, exactly as
-        ``torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)`` would, and returns that norm."""
+        ``torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)`` would, and returns that norm.
+    """
 
     def __init__(self, offload: ParameterOffload, clip_grad_norm: float | None = None):
         if not offload.optimizers:
@@ -94,7 +96,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
 def trainer_arguments(offload: ParameterOffload, clip_grad_norm: float | None = None) -> dict[str, Any]:
     """Keyword arguments for ``transformers.Trainer`` that stream ``offload``'s blocks: ``optimizers=`` (a
     ``StreamedOptimizer``, the Trainer's default scheduler) and ``callbacks=`` (checks the arguments at the start
-    of training). Use as ``Trainer(model, args, ..., **trainer_arguments(offload))``."""
+    of training). Use as ``Trainer(model, args, ..., **trainer_arguments(offload))``.
+    """
     from transformers import TrainerCallback
 
     class StreamingCallback(TrainerCallback):

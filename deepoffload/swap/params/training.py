@@ -7,7 +7,8 @@
   passes).
 
 Both talk to the blocks only through ``BlockStore`` (residency moves) and to the optimizers through
-``OffloadedOptimizer``'s public methods."""
+``OffloadedOptimizer``'s public methods.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from .store import BlockStore
 
 def accumulating() -> bool:
     """accelerate's ``Accelerator.accumulate()`` is inside a step's micro-batches that do not step (its
-    ``GradientState`` says gradients are not synced); False when accelerate is not in use."""
+    ``GradientState`` says gradients are not synced); False when accelerate is not in use.
+    """
     state = sys.modules.get("accelerate.state")
     shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
     if not shared:
@@ -73,7 +75,8 @@ class Training:
 
     def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Step the blocks as the mode requires; return the total gradient norm and the clip coefficient for the
-        other parameters' gradients (both None without clipping)."""
+        other parameters' gradients (both None without clipping).
+        """
         raise NotImplementedError
 
     def zero_grad(self) -> None:
@@ -89,7 +92,8 @@ class Training:
     # -- helpers ----------------------------------------------------------------------------------------------
     def stepping_optimizer(self, block: Block) -> OffloadedOptimizer:
         """The blocks' optimizer, to step or prefetch for the trainable ``block`` (``ParameterOffload`` refuses a
-        trainable block's backward when there is none)."""
+        trainable block's backward when there is none).
+        """
         if self.block_optimizer is None:
             raise StreamedParameterError(
                 f"block {block.prefix}: its parameters are trained but offload_parameters() "
@@ -100,7 +104,8 @@ class Training:
 
     def step_block(self, block: Block, grads: dict[str, torch.Tensor]) -> None:
         """Step the block's resident masters with ``grads`` (master dtype), then start writing them back (a
-        pinned block keeps them in memory instead: ``BlockStore.stepped``)."""
+        pinned block keeps them in memory instead: ``BlockStore.stepped``).
+        """
         for name, master in zip(block.names, block.masters):
             master.grad = grads.get(name)
         start = time.perf_counter()
@@ -120,7 +125,8 @@ class Training:
     @staticmethod
     def block_grads(block: Block, consume: bool = True) -> dict[str, torch.Tensor]:
         """The block's in-memory gradients in the master dtype (``param.grad`` added to any kept after a failed
-        write; with ``consume`` the block holds none of those kept afterwards)."""
+        write; with ``consume`` the block holds none of those kept afterwards).
+        """
         grads = {
             name: (param.grad if param is master else param.grad.to(master.dtype))
             for name, param, master in zip(block.names, block.params, block.masters)
@@ -137,14 +143,16 @@ class Training:
 class Fused(Training):
     """Steps each block inside its last backward of the pass. A block called inside a reentrant
     ``torch.utils.checkpoint`` is back-propagated once per call, each in a nested pass that cannot tell whether
-    another call of the block is still to come: its gradients stay in memory and it steps in ``step()``."""
+    another call of the block is still to come: its gradients stay in memory and it steps in ``step()``.
+    """
 
     name = "fused"
     defers_nested = True
 
     def before_backward(self, block: Block, last: bool) -> None:
         """Refuse a second step of the block before ``step()``; on its last backward of the pass start reading its
-        optimizer state, so the step that follows finds it in memory."""
+        optimizer state, so the step that follows finds it in memory.
+        """
         if not (last and block.trainable):
             return
         if accumulating():
@@ -220,7 +228,8 @@ class Grads(Training):
         given back if the write fails. A PINNED block keeps them in memory (``block.grads``, master dtype, added to
         those of earlier passes in the same order): no gradient bytes are written or read for it. Under
         ``data_parallel=`` the sum is averaged across the ranks first, asynchronously: it is written (or kept) when
-        the next block's backward is done (or at ``finish_writes``), so the reduction overlaps that backward."""
+        the next block's backward is done (or at ``finish_writes``), so the reduction overlaps that backward.
+        """
         grads = self.block_grads(block)
         self.store.grad_bytes = nbytes(grads.values()) + self._bytes_in_flight()
         self.store.note_peak()
@@ -304,7 +313,8 @@ class Grads(Training):
 
     def blocks_with_grads(self) -> list[Block]:
         """Finish the gradient writes, release the blocks and list those holding gradients (on storage, or in
-        memory after a failed write), in order."""
+        memory after a failed write), in order.
+        """
         self.finish_writes()
         for block in self.store.blocks:
             self.store.release(block)
@@ -325,7 +335,8 @@ class Grads(Training):
         ahead (pooled staging buffers, valid until the next block is asked for) or, after a failed write dropped
         the file, taken from memory. ``start_also(block)`` starts the block's other reads along with its
         gradients'; ``prepare(block)`` runs before its gradients are taken (a failure there loses none of those
-        kept in memory); ``discard`` deletes each block's stored gradients once the caller is done with them."""
+        kept in memory); ``discard`` deletes each block's stored gradients once the caller is done with them.
+        """
         reads: dict[int, SwapIn] = {}
 
         def start(k: int) -> None:
@@ -361,7 +372,8 @@ class Grads(Training):
 
     def global_norm(self, todo: list[Block], norm_type: float) -> torch.Tensor:
         """The norm of every gradient, the blocks' streamed from storage one window at a time, taken exactly as
-        ``torch.nn.utils.clip_grad_norm_(module.parameters())`` takes it (see ``grad_norm``)."""
+        ``torch.nn.utils.clip_grad_norm_(module.parameters())`` takes it (see ``grad_norm``).
+        """
         norms: dict[int, torch.Tensor] = {}
         rest = [(p, p.grad) for p in self.rest if p.grad is not None]
         norms.update(zip((id(p) for p, _ in rest), grad_norm.tensor_norms([g for _, g in rest], norm_type)))

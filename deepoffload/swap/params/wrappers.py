@@ -6,7 +6,8 @@ before DDP's reduction: the ranks would step with their own gradients and drift 
 ``offload_parameters(..., data_parallel=True)`` averages each block's gradients inside its backward instead (see
 ``data_parallel``). FSDP2's ``fully_shard`` replaces each parameter by a sharded ``DTensor`` that it gathers before
 each forward; a streamed block's parameters are 0-element placeholders filled from storage just before the block
-runs, which FSDP2's gathering cannot see."""
+runs, which FSDP2's gathering cannot see.
+"""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _path_has(filename: str, parts: tuple[str, ...]) -> bool:
 
 def wrapper_in_stack() -> str | None:
     """The data-parallel wrapper whose code is running on this thread's stack ("DistributedDataParallel" or
-    "fully_shard"), else None. Only called on an error path."""
+    "fully_shard"), else None. Only called on an error path.
+    """
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
