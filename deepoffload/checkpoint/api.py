@@ -15,6 +15,7 @@ import torch
 from ..config import AioConfig
 from ..errors import CheckpointError, UnsupportedError, naming_target
 from ..formats.header import file_identity
+from ..io import retire
 from ..io.buffers import aligned_empty
 from ..io.owners import PRIVATE_MODE, adopt_mode, remove_dead_temporaries, temporary_name
 from ..pending import PendingFuture
@@ -271,7 +272,7 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
             raise
         sink.close()  # raises the first write error
         adopt_mode(temporary, target)
-        os.replace(temporary, target)
+        retire.replace(temporary, target)  # the old file's blocks are freed in the background
     except BaseException as e:
         remove_quietly(temporary)
         if isinstance(e, OSError):

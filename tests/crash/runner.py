@@ -1,14 +1,15 @@
 """The crash-point harness's server: ``python runner.py '<json request>'`` prints one JSON result per kill.
 
 The request: ``{"scenarios": [...], "base": folder, "points": "all" | K, "random": R, "seed": S}`` (K: that many
-points spread evenly over the boundaries; R: kills at random times). For
-each scenario this process (which imports torch once, then only forks) makes the reference checkpoints: "old"
-(``act`` run once in a fresh folder) and "new" (``act`` run again on a copy of it), counting the boundaries the
-second run crosses: every ``os.replace``/``os.rename``/``os.fsync``/``os.unlink`` and every write submitted to the
-async-IO op. Then for each kill point N (and K random times within the clean run's duration) on a fresh copy of
-"old": a child runs ``act`` and is SIGKILLed just before its Nth boundary; a second child loads what is there and
-says whether it is entirely "old", entirely "new", or neither; a third runs ``act`` again to completion (the next
-successful save) and the listing of the folder must then equal the clean "new" one's: nothing left behind.
+points spread evenly over the boundaries; R: kills at random times). For each scenario this process (which imports
+torch once, then only forks) makes the reference checkpoints: "old" (``act`` run once in a fresh folder) and "new"
+(``act`` run again on a copy of it), counting the boundaries the second run crosses: every ``os.replace``/
+``os.rename``/``os.fsync``/``os.unlink``/``os.link`` and every write submitted to the async-IO op (replaced files go
+aside at any size, so their background removal is crossed too). Then for each kill point N (and K random times
+within the clean run's duration) on a fresh copy of "old": a child runs ``act`` and is SIGKILLed just before its
+Nth boundary; a second child loads what is there and says whether it is entirely "old", entirely "new", or neither;
+a third runs ``act`` again to completion (the next successful save) and the listing of the folder must then equal
+the clean "new" one's: nothing left behind.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from scenarios import SCENARIOS, listing, same  # noqa: E402
 
-BOUNDARIES = ("replace", "rename", "fsync", "unlink")
+BOUNDARIES = ("replace", "rename", "fsync", "unlink", "link")
 
 
 def interpose(kill_at: int, counter: list[int]) -> None:
@@ -48,6 +49,9 @@ def interpose(kill_at: int, counter: list[int]) -> None:
 
     for name in BOUNDARIES:
         setattr(os, name, wrap(getattr(os, name)))
+    from deepoffload.io import retire
+
+    retire.RETIRE_MIN_BYTES = 0  # every replaced file goes aside and is unlinked on the background thread
     from deepoffload.io.handle import AsyncIOHandle
 
     submit = AsyncIOHandle._submit
