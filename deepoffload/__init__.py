@@ -1,5 +1,6 @@
-"""deepoffload: train and run PyTorch models whose weights and optimizer state do not fit in memory, by moving
-tensors between memory and fast local storage at close to the device's full speed.
+"""deepoffload: train and run PyTorch models whose weights and optimizer state do not fit in memory.
+
+It moves tensors between memory and fast local storage at close to the device's full speed.
 
 Importing this package is cheap: nothing is probed, compiled or loaded until an op is first used, and names below are
 imported on first access.

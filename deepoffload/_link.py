@@ -1,7 +1,8 @@
-"""``deepoffload.op_builder`` everywhere: in a source checkout used without installing, ``op_builder/`` beside this
-package is loaded under that name (an installed or editable package maps it there already). Cheap: the op builders
-import their parts on first use. (The async-IO op's ``load()`` wraps its native module in the DeepSpeed-shaped
-``deepoffload.io.compat.CompatModule`` itself, by name: ``AsyncIOBuilder.WRAPPER``.)
+"""``deepoffload.op_builder`` everywhere, also in a source checkout used without installing.
+
+There, ``op_builder/`` beside this package is loaded under that name (an installed or editable package maps it there
+already). Cheap: the op builders import their parts on first use. (The async-IO op's ``load()`` wraps its native
+module in the DeepSpeed-shaped ``deepoffload.io.compat.CompatModule`` itself, by name: ``AsyncIOBuilder.WRAPPER``.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ OP_BUILDER = f"{__package__}.op_builder"
 
 
 def op_builder() -> ModuleType:
-    """``deepoffload.op_builder``: the installed one, else the checkout's ``op_builder/`` loaded under that name."""
+    """``deepoffload.op_builder``: the installed one, else the checkout's ``op_builder/`` loaded under that name.
+
+    Returns:
+        The module.
+
+    Raises:
+        ImportError: When it is not installed and there is no checkout's ``op_builder/`` beside this package.
+    """
     if OP_BUILDER in sys.modules:
         return sys.modules[OP_BUILDER]
     if importlib.util.find_spec(OP_BUILDER) is None:

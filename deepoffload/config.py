@@ -57,12 +57,27 @@ def read_json(path: str | os.PathLike) -> Any:
 class AioConfig:
     """How the async-IO op moves bytes.
 
-    block_size: bytes per IO request (the op splits each transfer into blocks of this size).
-    queue_depth: requests kept in flight per thread.
-    intra_op_parallelism: threads that share one transfer (each gets a contiguous part).
-    single_submit: submit one request per system call instead of batches.
-    overlap_events: refill the queue as completions arrive instead of waiting for a whole batch.
-    engine: "auto" (the best engine whose self-test passes) or one of ``ENGINES`` (io_uring, libaio, posix, windows).
+    Frozen: ``dataclasses.replace`` (or ``from_dict(..., base=...)``) makes a changed copy. Every value is checked
+    when the config is made; a bad one raises ``ConfigError`` (a ``ValueError``) naming the key.
+
+    Attributes:
+        block_size: bytes per IO request (the op splits each transfer into blocks of this size).
+        queue_depth: requests kept in flight per thread.
+        intra_op_parallelism: threads that share one transfer (each gets a contiguous part).
+        single_submit: submit one request per system call instead of batches.
+        overlap_events: refill the queue as completions arrive instead of waiting for a whole batch.
+        engine: "auto" (the best engine whose self-test passes) or one of ``ENGINES`` (io_uring, libaio, posix,
+            windows).
+
+    Example:
+        >>> import deepoffload
+        >>> config = deepoffload.AioConfig(queue_depth=8)
+        >>> config.queue_depth, config.block_size
+        (8, 1048576)
+        >>> deepoffload.AioConfig.from_dict({"thread_count": 2}, base=config).intra_op_parallelism
+        2
+        >>> config.to_dict()["engine"]
+        'auto'
     """
 
     block_size: int = 1 << 20
@@ -82,11 +97,24 @@ class AioConfig:
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
+        """The config's keys (its field names, without aliases), in order."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, base: "AioConfig | None" = None) -> "AioConfig":
-        """Build from a dict of DeepSpeed ``aio`` keys (and ``engine``); unknown keys are errors."""
+        """Build from a dict of DeepSpeed ``aio`` keys (and ``engine``); unknown keys are errors.
+
+        Args:
+            values: Keys to values; ``thread_count`` is accepted as an alias of ``intra_op_parallelism``.
+            base: The config whose other values are kept (default: ``AioConfig.from_env()``).
+
+        Returns:
+            A new config.
+
+        Raises:
+            ConfigError: When ``values`` is not a mapping, a key is unknown or given twice (as itself and its alias),
+                or a value is not accepted.
+        """
         if not isinstance(values, Mapping):
             raise ConfigError(f"aio config: expected a mapping of keys to values, got {type(values).__name__}")
         known = cls.keys()
@@ -102,7 +130,17 @@ class AioConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "AioConfig":
-        """Read a JSON file: either the ``aio`` section itself or a document with an ``aio`` key."""
+        """Read a JSON file: either the ``aio`` section itself or a document with an ``aio`` key.
+
+        Keys not given keep the values of ``AioConfig.from_env()``. ``ConfigError`` names the file when it cannot be
+        read or parsed, and the key when one is not accepted.
+
+        Args:
+            path: The JSON file.
+
+        Returns:
+            A new config.
+        """
         data = read_json(path)
         if isinstance(data, dict) and isinstance(data.get("aio"), dict):
             data = data["aio"]
@@ -110,8 +148,19 @@ class AioConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "AioConfig":
-        """Defaults, overridden by ``DEEPOFFLOAD_AIO_<KEY>`` variables (e.g. ``DEEPOFFLOAD_AIO_ENGINE=posix``; the
-        alias ``DEEPOFFLOAD_AIO_THREAD_COUNT`` too). Any other ``DEEPOFFLOAD_AIO_*`` variable is a ``ConfigError``.
+        """The defaults, overridden by ``DEEPOFFLOAD_AIO_<KEY>`` variables.
+
+        For example ``DEEPOFFLOAD_AIO_ENGINE=posix``; the alias ``DEEPOFFLOAD_AIO_THREAD_COUNT`` is accepted too.
+
+        Args:
+            environ: The variables to read (default: ``os.environ``).
+
+        Returns:
+            A new config.
+
+        Raises:
+            ConfigError: When a ``DEEPOFFLOAD_AIO_*`` variable is not one of the keys, a key is given twice (as
+                itself and its alias), or a value does not parse.
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         names = {ENV_PREFIX + key.upper(): key for key in (*fields, *ALIASES)}
@@ -131,4 +180,9 @@ class AioConfig:
         return cls(**changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a dict of its keys to their values (what ``from_dict`` takes back).
+
+        Returns:
+            A new dict.
+        """
         return dataclasses.asdict(self)

@@ -1,5 +1,6 @@
-"""The exceptions deepoffload defines, under one base: ``except deepoffload.DeepOffloadError`` catches all of them
-(and ``naming_target``, which restates a save's ``OSError`` to name the file saved). Besides these the library raises
+"""The exceptions deepoffload defines, under one base: ``except deepoffload.DeepOffloadError`` catches all of them.
+
+Also ``naming_target``, which restates a save's ``OSError`` to name the file saved. Besides these the library raises
 only built-in types with a meaning of their own: ``OSError`` with an errno, ``ValueError``/``TypeError`` for a bad
 argument, ``TimeoutError`` from a wait (``tests/test_errors.py`` states and checks the rule).
 
@@ -17,7 +18,10 @@ from .op_builder.errors import DeepOffloadError
 
 
 class ConfigError(DeepOffloadError, ValueError):
-    """A config key or value that is not accepted; the message names the key and what is accepted."""
+    """A config key or value that is not accepted.
+
+    A ``ValueError``; the message names the key and what is accepted.
+    """
 
 
 class ClosedError(DeepOffloadError, ValueError, RuntimeError):
@@ -29,45 +33,65 @@ class ClosedError(DeepOffloadError, ValueError, RuntimeError):
 
 
 class ChecksumError(DeepOffloadError, OSError):
-    """Bytes read back from storage do not match the checksum recorded when they were written (errno ``EIO`` when
-    raised with one).
+    """Bytes read back from storage do not match the checksum recorded when they were written.
+
+    An ``OSError``: errno ``EIO`` when raised with one.
     """
 
 
 class ValidationError(DeepOffloadError, OSError):
-    """``validate=True`` found the file's bytes differ from the tensor's."""
+    """``validate=True`` found the file's bytes differ from the tensor's.
+
+    An ``OSError`` with errno ``EIO`` and the file's path as its ``filename``; the message gives the offset.
+    """
 
 
 class CheckpointError(DeepOffloadError, ValueError):
-    """A checkpoint file or index is malformed, missing or does not match what the caller expects. The message
-    names the file.
+    """A checkpoint file or index is malformed, missing or does not match what the caller expects.
+
+    A ``ValueError``; the message names the file.
     """
 
 
 class ResidencyError(DeepOffloadError, RuntimeError):
-    """A block was asked to move between residency states in an order that would lose or misuse its values."""
+    """A block was asked to move between residency states in an order that would lose or misuse its values.
+
+    A ``RuntimeError``.
+    """
 
 
 class UnsupportedError(DeepOffloadError, RuntimeError):
-    """A usage pattern, platform or feature deepoffload cannot serve exactly, refused at the first call; the message
-    names it and what to do instead.
+    """A usage pattern, platform or feature deepoffload cannot serve exactly, refused at the first call.
+
+    A ``RuntimeError``; the message names it and what to do instead.
     """
 
 
 class StreamedParameterError(UnsupportedError):
-    """A streamed model's parameters used in a way that would read placeholders, lose a write or step a block
-    twice (copying, pickling, reading or writing them one by one, an optimizer of one's own, a backward through a
-    stale forward); the message names the pattern and what to use instead.
+    """A streamed model's parameters used in a way that would read placeholders, lose a write or step a block twice.
+
+    Such uses are copying, pickling, reading or writing them one by one, an optimizer of one's own, a backward
+    through a stale forward. An ``UnsupportedError``; the message names the pattern and what to use instead.
     """
 
 
 class BenchError(DeepOffloadError):
-    """A problem the user can fix (folder, space, missing tool); its message is one line saying what to do."""
+    """A problem of a benchmark or tuning run (``deepoffload bench``/``tune``) the user can fix (folder, space, tool).
+
+    Its message is one line saying what to do.
+    """
 
 
 def naming_target(error: OSError, target: str) -> OSError:
-    """``error`` from saving ``target`` through a temporary file (which it names) restated to name ``target``; same
-    errno, so the same ``OSError`` subclass (``FileNotFoundError``, ...).
+    """Restate ``error`` from saving ``target`` through a temporary file (which it names) to name ``target``.
+
+    Args:
+        error: The error of the save, naming the temporary file.
+        target: The file saved.
+
+    Returns:
+        An ``OSError`` naming ``target`` (and the temporary in its message); with the same errno, so of the same
+        subclass (``FileNotFoundError``, ...), when ``error`` has one.
     """
     detail = error.strerror or str(error)
     if error.filename and error.filename != target:

@@ -1,6 +1,7 @@
-"""Work in flight, one protocol: ``Pending`` (``wait(timeout=None)``, ``done()``, ``result(timeout=None)``), shared by
-``Request`` (one transfer), ``SwapOut``/``SwapIn`` (a swapper's writes and reads) and ``save_async``'s future; and
-the timeouts of its waits (``deadline_after``, ``remaining``).
+"""Work in flight, one protocol: ``Pending`` (``wait(timeout=None)``, ``done()``, ``result(timeout=None)``).
+
+It is shared by ``Request`` (one transfer), ``SwapOut``/``SwapIn`` (a swapper's writes and reads) and
+``save_async``'s future; the timeouts of its waits are computed here too (``deadline_after``, ``remaining``).
 """
 
 from __future__ import annotations
@@ -22,24 +23,59 @@ class Pending(abc.ABC, Generic[T]):
     nothing is lost: a later wait picks up where this one stopped. Waiting again returns the same result (or raises
     the same error). ``done()`` says whether it has finished, never blocks and never raises its error.
     ``result(timeout=None)`` is ``wait``, as on ``concurrent.futures.Future``.
+
+    Example:
+        >>> import torch, deepoffload
+        >>> with deepoffload.AsyncIOHandle() as handle:
+        ...     pending = handle.write_async(torch.ones(16), "ones.bin")
+        ...     isinstance(pending, deepoffload.Pending)
+        ...     pending.wait(timeout=60)
+        ...     pending.done(), pending.result()
+        True
+        64
+        (True, 64)
     """
 
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> T:
-        """Block until finished; return the result or raise the error (``TimeoutError`` after ``timeout`` s)."""
+        """Block until finished; return the result or raise the error.
+
+        Args:
+            timeout: Seconds to wait at most (>= 0); None waits until finished. Past it, ``TimeoutError`` (with no
+                errno) is raised and nothing is lost.
+
+        Returns:
+            The result of the work.
+        """
 
     @abc.abstractmethod
     def done(self) -> bool:
-        """True once finished, successfully or not; never blocks."""
+        """True once finished, successfully or not; never blocks and never raises the work's error."""
 
     def result(self, timeout: float | None = None) -> T:
-        """The same as ``wait(timeout)``."""
+        """The same as ``wait(timeout)``, as on ``concurrent.futures.Future``.
+
+        Args:
+            timeout: Seconds to wait at most (>= 0); None waits until finished.
+
+        Returns:
+            The result of the work.
+        """
         return self.wait(timeout)
 
 
 def settle(pending: Iterable[Pending], timeout: float | None) -> None:
-    """Block until each of ``pending`` has finished, or raise ``TimeoutError`` once ``timeout`` seconds have passed.
-    Their errors are not raised here: each keeps its own for the wait that follows.
+    """Block until each of ``pending`` has finished, without raising their errors.
+
+    Each keeps its own error for the wait that follows.
+
+    Args:
+        pending: The work to wait for.
+        timeout: Seconds to wait at most for all of them together (>= 0); None waits until all have finished.
+
+    Raises:
+        TimeoutError: Once ``timeout`` seconds have passed (with no errno; an IO error ``ETIMEDOUT`` of one of them
+            is kept by it instead).
     """
     deadline = deadline_after(timeout)
     for item in pending:
@@ -53,12 +89,25 @@ def settle(pending: Iterable[Pending], timeout: float | None) -> None:
 
 
 class PendingFuture(concurrent.futures.Future, Pending[T]):
-    """A ``concurrent.futures.Future`` (``result``, ``exception``, ``add_done_callback``, ``concurrent.futures.wait``
-    all work) that is also ``Pending``: ``wait(timeout)`` is ``result(timeout)`` raising the built-in
-    ``TimeoutError``.
+    """A ``concurrent.futures.Future`` that is also ``Pending``.
+
+    ``result``, ``exception``, ``add_done_callback`` and ``concurrent.futures.wait`` all work; ``wait(timeout)`` is
+    ``result(timeout)`` raising the built-in ``TimeoutError``.
     """
 
     def wait(self, timeout: float | None = None) -> T:
+        """Block until the future is settled; return its result or raise its exception.
+
+        Args:
+            timeout: Seconds to wait at most (>= 0); None waits until settled.
+
+        Returns:
+            The future's result.
+
+        Raises:
+            TimeoutError: When it is not settled after ``timeout`` seconds (the built-in type, not
+                ``concurrent.futures.TimeoutError`` where that differs).
+        """
         deadline_after(timeout)  # the same check of the value as every other wait
         try:
             return super().result(timeout)
@@ -68,10 +117,25 @@ class PendingFuture(concurrent.futures.Future, Pending[T]):
             raise TimeoutError(str(e) or "still running") from None
 
     def result(self, timeout: float | None = None) -> T:
+        """The same as ``wait(timeout)``.
+
+        Args:
+            timeout: Seconds to wait at most (>= 0); None waits until settled.
+
+        Returns:
+            The future's result.
+        """
         return self.wait(timeout)
 
     def run(self, fn: Callable[..., T], *args: Any) -> None:
-        """Run ``fn(*args)`` here and settle this future with its result or exception (for an executor's thread)."""
+        """Run ``fn(*args)`` here and settle this future with its result or exception (for an executor's thread).
+
+        Nothing runs when the future was cancelled before.
+
+        Args:
+            fn: The work.
+            *args: Its arguments.
+        """
         if not self.set_running_or_notify_cancel():
             return
         try:
@@ -83,7 +147,18 @@ class PendingFuture(concurrent.futures.Future, Pending[T]):
 
 
 def deadline_after(timeout: float | None) -> float | None:
-    """The ``time.monotonic()`` by which a wait of ``timeout`` seconds ends; None to wait forever."""
+    """The ``time.monotonic()`` by which a wait of ``timeout`` seconds ends.
+
+    Args:
+        timeout: Seconds (>= 0; infinity waits forever), or None to wait forever.
+
+    Returns:
+        The deadline, or None to wait forever.
+
+    Raises:
+        TypeError: When ``timeout`` is not a number (or is a bool).
+        ValueError: When ``timeout`` is negative or NaN.
+    """
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):

@@ -36,8 +36,9 @@ def self_test(engine: str, directory: str) -> tuple[bool, str]:
     """O_DIRECT write + read round trip of a temporary file in ``directory``: (ok, reason)."""
 
 def dio_alignment(path: str) -> tuple[int, int, bool]:
-    """(memory alignment, offset alignment, direct supported) in bytes for an existing file or directory; OSError
-    when the path is missing.
+    """(memory alignment, offset alignment, direct supported) in bytes for an existing file or directory.
+
+    Raises OSError when the path is missing.
     """
 
 # (errno, operation, path, offset, detail, direct); errno 0 means success.

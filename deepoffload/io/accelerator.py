@@ -39,7 +39,12 @@ _warn_lock = threading.Lock()
 
 
 def warn_unpinned(device_type: str, reason: str) -> None:
-    """Say once per process that host buffers for ``device_type`` are ordinary (pageable) memory."""
+    """Say once per process that host buffers for ``device_type`` are ordinary (pageable) memory.
+
+    Args:
+        device_type: The accelerator's device type (``"cuda"``, ...).
+        reason: Why host memory could not be page-locked.
+    """
     global _warned_unpinned
     with _warn_lock:
         if _warned_unpinned:
@@ -54,10 +59,13 @@ def warn_unpinned(device_type: str, reason: str) -> None:
 
 
 class Accelerator:
-    """Host-side operations for one accelerator type; ``device_type`` None means no accelerator (CPU only).
+    """Host-side operations for one accelerator type.
 
     Streams and events are ``torch.Stream``/``torch.Event``. A test double overrides the methods below the
     "device operations" line to run on host memory.
+
+    Args:
+        device_type: The accelerator's device type (``"cuda"``, ``"xpu"``, ...); None means no accelerator (CPU only).
     """
 
     def __init__(self, device_type: str | None = None):
@@ -65,10 +73,18 @@ class Accelerator:
 
     @property
     def name(self) -> str:
+        """The device type, or ``"none"`` without an accelerator (for messages)."""
         return self.device_type or "none"
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` lives in this accelerator's memory (and must be staged through host memory)."""
+        """Whether ``tensor`` lives in this accelerator's memory (and must be staged through host memory).
+
+        Args:
+            tensor: Any tensor.
+
+        Returns:
+            True for a tensor on this accelerator's device type.
+        """
         return self.device_type is not None and tensor.device.type == self.device_type
 
     # -- host memory ------------------------------------------------------------------------------------------
@@ -77,8 +93,15 @@ class Accelerator:
         return self.device_type in _HOST_REGISTER
 
     def register_host(self, ptr: int, nbytes: int) -> bool:
-        """Page-lock [ptr, ptr+nbytes) for asynchronous device copies; True when it was. False (warned once) when
-        this accelerator refuses; False silently when there is no accelerator or nothing to register.
+        """Page-lock [ptr, ptr+nbytes) for asynchronous device copies.
+
+        Args:
+            ptr: The start address.
+            nbytes: The length in bytes.
+
+        Returns:
+            True when the memory was page-locked. False (warned once) when this accelerator refuses; False silently
+            when there is no accelerator, it cannot register host memory, or there is nothing to register.
         """
         if self.device_type is None or nbytes == 0:
             return False
@@ -96,14 +119,25 @@ class Accelerator:
         return ok
 
     def unregister_host(self, ptr: int) -> None:
+        """Undo ``register_host`` for the memory starting at ``ptr`` (nothing where this accelerator cannot register).
+
+        Args:
+            ptr: The start address given to ``register_host``.
+        """
         entry = _HOST_REGISTER.get(self.device_type or "")
         if entry is not None:
             entry[1](ptr)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor | None:
-        """``nbytes`` of page-locked host memory from torch's pinned allocator for this accelerator, or None
-        (warned once) where it has none. Freed memory returns to torch's host cache
-        (``torch.accelerator.empty_host_cache()`` releases it).
+        """``nbytes`` of page-locked host memory from torch's pinned allocator for this accelerator.
+
+        Freed memory returns to torch's host cache (``torch.accelerator.empty_host_cache()`` releases it).
+
+        Args:
+            nbytes: The size in bytes.
+
+        Returns:
+            A 1-D uint8 tensor, or None (warned once) where the allocator fails, and None without an accelerator.
         """
         if self.device_type is None:
             return None
@@ -115,8 +149,13 @@ class Accelerator:
 
     # -- device operations --------------------------------------------------------------------------------------
     def new_stream(self, device: torch.device) -> torch.Stream | None:
-        """A side stream on ``device`` for staging copies, or None where the backend has no streams or no events
-        (copies are then synchronous).
+        """A side stream on ``device`` for staging copies.
+
+        Args:
+            device: The device the copies run on.
+
+        Returns:
+            The stream, or None where the backend has no streams or no events (copies are then synchronous).
         """
         try:
             stream = torch.Stream(device=device)
@@ -126,15 +165,27 @@ class Accelerator:
             return None
 
     def wait_for_current(self, stream: torch.Stream | None, device: torch.device) -> None:
-        """Make ``stream`` wait for the work queued so far on ``device``'s current stream (which produced, or last
-        used the memory of, the tensor being staged).
+        """Make ``stream`` wait for the work queued so far on ``device``'s current stream.
+
+        That work produced, or last used the memory of, the tensor being staged.
+
+        Args:
+            stream: The side stream (None: nothing to do, copies are synchronous).
+            device: The device whose current stream is waited for.
         """
         if stream is not None:
             stream.wait_stream(torch.accelerator.current_stream(device))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.Stream | None) -> torch.Event | None:
-        """Queue ``dst.copy_(src)`` (one side on the host, one on the device) on ``stream``; return an event that
-        completes with it (None: the copy already completed).
+        """Queue ``dst.copy_(src)`` (one side on the host, one on the device) on ``stream``.
+
+        Args:
+            dst: The tensor copied into.
+            src: The tensor copied from (same size).
+            stream: The side stream, or None to copy synchronously.
+
+        Returns:
+            An event that completes with the copy, or None when the copy has already completed.
         """
         if stream is None:
             dst.copy_(src)
@@ -144,7 +195,7 @@ class Accelerator:
         return stream.record_event()
 
     def synchronize(self, event: torch.Event | None) -> None:
-        """Block until ``event`` (from ``copy``) has completed."""
+        """Block until ``event`` (from ``copy``; None: nothing to wait for) has completed."""
         if event is not None:
             event.synchronize()
 

@@ -105,9 +105,11 @@ def _release(address: int, nbytes: int, locked: bool, registered_with: accelerat
 
 
 def _advise_huge_pages(region: mmap.mmap) -> None:
-    """Ask for transparent huge pages (where the kernel offers them; ordinary pages otherwise). Filling a buffer
-    then takes one page fault per 2 MiB instead of per 4 KiB, and the kernel pins its pages for direct IO in far
-    fewer steps: measured here, O_DIRECT reads into fresh memory 2-3x faster, into locked memory about 1.25x.
+    """Ask for transparent huge pages (where the kernel offers them; ordinary pages otherwise).
+
+    Filling a buffer then takes one page fault per 2 MiB instead of per 4 KiB, and the kernel pins its pages for
+    direct IO in far fewer steps: measured here, O_DIRECT reads into fresh memory 2-3x faster, into locked memory
+    about 1.25x.
     """
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
@@ -116,8 +118,9 @@ def _advise_huge_pages(region: mmap.mmap) -> None:
 
 
 def _prefault(start: int, nbytes: int) -> None:
-    """Back [start, start + nbytes) with memory now, from this thread (``MADV_POPULATE_WRITE``, Linux 5.14+; else
-    by writing a byte of every page).
+    """Back [start, start + nbytes) with memory now, from this thread.
+
+    Uses ``MADV_POPULATE_WRITE`` (Linux 5.14+), else writes a byte of every page.
     """
     if _libc is not None and _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0:
         return
@@ -127,8 +130,14 @@ def _prefault(start: int, nbytes: int) -> None:
 
 
 def prefault(tensor: torch.Tensor) -> None:
-    """Back every page of a CPU tensor's memory now, from this thread, so that a direct read into it takes no page
-    faults inside the kernel (a read that faults its pages in as it goes is several times slower).
+    """Back every page of a CPU tensor's memory now, from this thread.
+
+    A direct read into it then takes no page faults inside the kernel (a read that faults its pages in as it goes is
+    several times slower).
+
+    Args:
+        tensor: A CPU tensor (its pages are written to where ``MADV_POPULATE_WRITE`` is missing: only for memory
+            whose values do not matter yet).
     """
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes:
@@ -143,14 +152,36 @@ def aligned_empty(
     pin: bool = True,
     prefault: bool = False,
 ) -> torch.Tensor:
-    """An uninitialised CPU tensor whose data (and, for memory this maps, its storage) starts on an
-    ``alignment``-byte boundary (0 = the page size).
+    """An uninitialised CPU tensor whose data starts on an ``alignment``-byte boundary: the async-IO op's fast path.
 
-    With ``pin`` the pages are locked in memory where the memlock limit allows, and page-locked for the current
-    accelerator when there is one. With ``prefault`` (implied by a successful lock) every page is backed by memory
-    before this returns, so a direct read into the buffer takes no page faults. The memory is returned to the system
-    (or, for memory from torch's pinned allocator, to torch's host cache) when the tensor and all its views are
-    gone.
+    For memory this maps, its storage starts there too. The memory is returned to the system (or, for memory from
+    torch's pinned allocator, to torch's host cache) when the tensor and all its views are gone.
+
+    Args:
+        shape_or_numel: The number of elements (a 1-D tensor), or the shape.
+        dtype: The element type.
+        alignment: The boundary in bytes, a power of two (0 = the page size).
+        pin: Lock the pages in memory where the memlock limit allows (warning once where it does not), and
+            page-lock them for the current accelerator when there is one.
+        prefault: Back every page with memory before this returns (implied by a successful lock), so that a direct
+            read into the buffer takes no page faults.
+
+    Returns:
+        The tensor, of ``dtype`` and the given shape (contents uninitialised).
+
+    Raises:
+        ValueError: When ``alignment`` is not a power of two, or the shape has a negative dimension
+            (``TypeError`` when ``shape_or_numel`` is neither an int nor a sequence of ints).
+
+    Example:
+        >>> import torch, deepoffload
+        >>> buffer = deepoffload.aligned_empty((2, 1024), torch.float32)
+        >>> buffer.shape, buffer.dtype
+        (torch.Size([2, 1024]), torch.float32)
+        >>> deepoffload.is_aligned(buffer)
+        True
+        >>> deepoffload.aligned_empty(4096, alignment=4096, pin=False).shape
+        torch.Size([4096])
     """
     numel, shape = _numel(shape_or_numel)
     alignment = alignment or PAGE_SIZE
@@ -192,10 +223,14 @@ def aligned_empty(
 
 
 def page_out(tensor: torch.Tensor) -> None:
-    """Ask the kernel to reclaim the pages holding a CPU tensor mapped from a file (``MADV_PAGEOUT``; nothing where
-    the system lacks it): a file read through ``mmap`` otherwise stays in the page cache, which counts towards the
-    process's memory cgroup, up to the file's size. Clean file pages are read again if touched later, so the values
-    never change; only for memory mapped from a file and never written through the mapping.
+    """Ask the kernel to reclaim the pages holding a CPU tensor mapped from a file (``MADV_PAGEOUT``).
+
+    Nothing happens where the system lacks it. A file read through ``mmap`` otherwise stays in the page cache, which
+    counts towards the process's memory cgroup, up to the file's size. Clean file pages are read again if touched
+    later, so the values never change.
+
+    Args:
+        tensor: A CPU tensor of memory mapped from a file and never written through the mapping.
     """
     nbytes = tensor.numel() * tensor.element_size()
     if _libc is None or not nbytes:
@@ -206,9 +241,14 @@ def page_out(tensor: torch.Tensor) -> None:
 
 
 def drop_cached(path: str | os.PathLike) -> None:
-    """Drop the file's clean pages that no process maps from the page cache (``POSIX_FADV_DONTNEED``; nothing where
-    the system lacks it): what the kernel read ahead around a mapped file's pages otherwise stays cached, charged to
-    this process's memory cgroup. Other readers of the file read it from storage again.
+    """Drop the file's clean pages that no process maps from the page cache (``POSIX_FADV_DONTNEED``).
+
+    Nothing happens where the system lacks it or the file cannot be opened. What the kernel read ahead around a
+    mapped file's pages otherwise stays cached, charged to this process's memory cgroup. Other readers of the file
+    read it from storage again.
+
+    Args:
+        path: The file.
     """
     if not hasattr(os, "posix_fadvise"):
         return
@@ -223,8 +263,14 @@ def drop_cached(path: str | os.PathLike) -> None:
 
 
 def release_lock(address: int, nbytes: int) -> None:
-    """Unlock the pages of [address, address + nbytes) of an ``aligned_empty`` buffer early: the memory stays valid
-    while the tensor lives, but ``is_pinned`` no longer reports it.
+    """Unlock the pages of an ``aligned_empty`` buffer early.
+
+    The memory stays valid while the tensor lives, but ``is_pinned`` no longer reports it. Nothing happens for memory
+    this module did not lock.
+
+    Args:
+        address: The buffer's start address (its page is looked up).
+        nbytes: The buffer's size in bytes (the length locked, as recorded, is what is unlocked).
     """
     with _locked_lock:
         length = _locked.pop(address - address % PAGE_SIZE, None)
@@ -233,12 +279,43 @@ def release_lock(address: int, nbytes: int) -> None:
 
 
 def is_aligned(tensor: torch.Tensor, alignment: int = 0) -> bool:
-    """True when the tensor's data starts on an ``alignment``-byte boundary (0 = the page size)."""
+    """Whether the tensor's data starts on an ``alignment``-byte boundary.
+
+    Args:
+        tensor: Any tensor (its ``data_ptr()`` is tested).
+        alignment: The boundary in bytes (0 = the page size).
+
+    Returns:
+        True when the data starts on the boundary.
+
+    Example:
+        >>> import torch, deepoffload
+        >>> buffer = deepoffload.aligned_empty(1024, torch.float32)
+        >>> deepoffload.is_aligned(buffer), deepoffload.is_aligned(buffer[1:]), deepoffload.is_aligned(buffer[1:], 4)
+        (True, False, True)
+    """
     return tensor.data_ptr() % (alignment or PAGE_SIZE) == 0
 
 
 def is_pinned(tensor: torch.Tensor) -> bool:
-    """True when the tensor's memory is page-locked (by ``aligned_empty`` or by torch's pinned allocator)."""
+    """Whether the tensor's memory is page-locked (by ``aligned_empty`` or by torch's pinned allocator).
+
+    A buffer of ``aligned_empty(..., pin=True)`` is, where the memlock limit allowed the lock (or the accelerator
+    registered it).
+
+    Args:
+        tensor: Any tensor (False for one that is not on the CPU).
+
+    Returns:
+        True when its memory is page-locked.
+
+    Example:
+        >>> import torch, deepoffload
+        >>> deepoffload.is_pinned(torch.empty(16))
+        False
+        >>> deepoffload.is_pinned(deepoffload.aligned_empty(4096, pin=False))
+        False
+    """
     if tensor.device.type != "cpu":
         return False
     ptr = tensor.data_ptr()

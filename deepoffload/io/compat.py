@@ -1,8 +1,9 @@
-"""The DeepSpeed-shaped surface: ``AsyncIOBuilder().load().aio_handle(...)`` with DeepSpeed 0.19.8's methods,
-argument names, defaults and return values, so code written for ``deepspeed.ops.op_builder.AsyncIOBuilder`` runs
-after changing only its import. Where DeepSpeed returns -1 or aborts, these raise (docs/deepspeed-differences.md lists
-every deliberate difference). Writes never shorten a file: DeepSpeed opens for writing without ``O_TRUNC`` and writes
-files in pieces.
+"""The DeepSpeed-shaped surface: ``AsyncIOBuilder().load().aio_handle(...)`` as DeepSpeed 0.19.8 has it.
+
+Its methods, argument names, defaults and return values are DeepSpeed's, so code written for
+``deepspeed.ops.op_builder.AsyncIOBuilder`` runs after changing only its import. Where DeepSpeed returns -1 or
+aborts, these raise (docs/deepspeed-differences.md lists every deliberate difference). Writes never shorten a file:
+DeepSpeed opens for writing without ``O_TRUNC`` and writes files in pieces.
 """
 
 from __future__ import annotations
@@ -62,10 +63,23 @@ def _async_flag(async_op, kwargs: dict, method: str) -> bool:
 
 
 class aio_handle:  # noqa: N801  (DeepSpeed's name)
-    """DeepSpeed's ``aio_handle``: asynchronous calls return 0; synchronous ones wait for their own operation and
-    every pending asynchronous one and return how many completed (1 when none were pending); ``wait()`` the number
-    of asynchronous operations that completed (0 when none were pending). ``engine`` (not in DeepSpeed) picks one of
-    deepoffload's engines; by default ``DEEPOFFLOAD_AIO_ENGINE`` or ``auto``.
+    """DeepSpeed's ``aio_handle``, on an ``AsyncIOHandle``.
+
+    Asynchronous calls return 0; synchronous ones wait for their own operation and every pending asynchronous one and
+    return how many completed (1 when none were pending); ``wait()`` the number of asynchronous operations that
+    completed (0 when none were pending). A failed transfer raises its ``OSError`` instead of returning -1.
+
+    Args:
+        block_size: Bytes per IO request, as ``get_block_size`` reports it (IO uses at least 4096).
+        queue_depth: Requests kept in flight per thread.
+        single_submit: Submit one request per system call instead of batches.
+        overlap_events: Refill the queue as completions arrive instead of waiting for a whole batch.
+        intra_op_parallelism: Threads that share one transfer.
+        engine: One of deepoffload's engines (not in DeepSpeed); by default ``DEEPOFFLOAD_AIO_ENGINE`` or ``auto``.
+
+    Raises:
+        ValueError: When ``block_size`` is not a positive integer (another setting that is not accepted raises
+            ``ConfigError``, also a ``ValueError``).
     """
 
     def __init__(
@@ -101,20 +115,28 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         return self._block_size
 
     def get_queue_depth(self) -> int:
+        """The queue depth (requests kept in flight per thread)."""
         return self._handle.config.queue_depth
 
     def get_single_submit(self) -> bool:
+        """Whether requests are submitted one per system call."""
         return self._handle.config.single_submit
 
     def get_overlap_events(self) -> bool:
+        """Whether the queue is refilled as completions arrive."""
         return self._handle.config.overlap_events
 
     def get_intra_op_parallelism(self) -> int:
+        """The number of threads that share one transfer."""
         return self._handle.config.intra_op_parallelism
 
     def get_alignment(self) -> int:
-        """DeepSpeed's value, 512 bytes times intra_op_parallelism (its checkpoint writer sizes buffers with it).
+        """DeepSpeed's alignment: 512 bytes times intra_op_parallelism (its checkpoint writer sizes buffers with it).
+
         deepoffload itself takes any size and offset.
+
+        Returns:
+            The alignment in bytes.
         """
         return O_DIRECT_ALIGNMENT * self._handle.config.intra_op_parallelism
 
@@ -122,6 +144,18 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     def read(
         self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
+        """Read ``buffer``'s bytes from the file, then wait for every pending asynchronous operation.
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            validate: Compare the tensor with Python's own read of the file afterwards (required).
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+
+        Returns:
+            1 plus the pending asynchronous operations it waited for.
+        """
         return self._transfer(
             False, buffer, _file(filename, fd, "read"), _required(validate, "validate", "read"), False, file_offset
         )
@@ -129,6 +163,18 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     def write(
         self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
+        """Write ``buffer``'s bytes to the file, then wait for every pending asynchronous operation.
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            validate: Re-read the file afterwards and compare it with the tensor (required).
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+
+        Returns:
+            1 plus the pending asynchronous operations it waited for.
+        """
         return self._transfer(
             True, buffer, _file(filename, fd, "write"), _required(validate, "validate", "write"), False, file_offset
         )
@@ -144,6 +190,21 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         fd: int | None = None,
         **kwargs,
     ) -> int:
+        """Read ``buffer``'s bytes from the file, asynchronously or not.
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            validate: Compare the tensor with Python's own read of the file afterwards (required).
+            async_op: Return at once (0) instead of waiting (required); DeepSpeed names it ``async``, accepted as
+                ``**{"async": ...}``.
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+            **kwargs: Only ``async`` (DeepSpeed's name of ``async_op``).
+
+        Returns:
+            0 when asynchronous; else 1 plus the pending asynchronous operations it waited for.
+        """
         return self._transfer(
             False,
             buffer,
@@ -164,6 +225,21 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         fd: int | None = None,
         **kwargs,
     ) -> int:
+        """Write ``buffer``'s bytes to the file, asynchronously or not.
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            validate: Re-read the file afterwards and compare it with the tensor (required).
+            async_op: Return at once (0) instead of waiting (required); DeepSpeed names it ``async``, accepted as
+                ``**{"async": ...}``.
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+            **kwargs: Only ``async`` (DeepSpeed's name of ``async_op``).
+
+        Returns:
+            0 when asynchronous; else 1 plus the pending asynchronous operations it waited for.
+        """
         return self._transfer(
             True,
             buffer,
@@ -176,21 +252,65 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
     def sync_pread(
         self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
+        """``pread`` without validation, waiting.
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+
+        Returns:
+            1 plus the pending asynchronous operations it waited for.
+        """
         return self._transfer(False, buffer, _file(filename, fd, "sync_pread"), False, False, file_offset)
 
     def sync_pwrite(
         self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
+        """``pwrite`` without validation, waiting.
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+
+        Returns:
+            1 plus the pending asynchronous operations it waited for.
+        """
         return self._transfer(True, buffer, _file(filename, fd, "sync_pwrite"), False, False, file_offset)
 
     def async_pread(
         self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
+        """``pread`` without validation, returning at once (``wait()`` collects it).
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+
+        Returns:
+            0.
+        """
         return self._transfer(False, buffer, _file(filename, fd, "async_pread"), False, True, file_offset)
 
     def async_pwrite(
         self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
+        """``pwrite`` without validation, returning at once (``wait()`` collects it).
+
+        Args:
+            buffer: A contiguous CPU (or current-accelerator) tensor.
+            filename: The file's path (required unless ``fd`` is given).
+            file_offset: The file offset (bytes).
+            fd: An open descriptor, instead of ``filename``.
+
+        Returns:
+            0.
+        """
         return self._transfer(True, buffer, _file(filename, fd, "async_pwrite"), False, True, file_offset)
 
     def _transfer(
@@ -222,13 +342,28 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         return 1 + self._handle.wait_all()
 
     def wait(self) -> int:
+        """Wait for every pending asynchronous operation.
+
+        Returns:
+            How many completed (0 when none were pending).
+        """
         with self._mutex:
             return self._handle.wait_all()
 
     # buffers
     def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = _MISSING, **kwargs) -> torch.Tensor:
-        """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype. DeepSpeed spells
-        the argument ``example_tenosr``; ``example_tensor`` is accepted too.
+        """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype.
+
+        Args:
+            num_elem: The number of elements.
+            example_tenosr: A tensor of the dtype wanted (DeepSpeed's spelling; required).
+            **kwargs: Only ``example_tensor``, accepted for ``example_tenosr``.
+
+        Returns:
+            The tensor (contents uninitialised).
+
+        Raises:
+            TypeError: When an unknown keyword argument is given.
         """
         if "example_tensor" in kwargs and example_tenosr is _MISSING:
             example_tenosr = kwargs.pop("example_tensor")
@@ -237,42 +372,88 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         return _new_locked(num_elem, _required(example_tenosr, "example_tenosr", "new_cpu_locked_tensor"))
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """True for a tensor from ``new_cpu_locked_tensor`` not freed yet (its pages are unlocked now and
-        ``is_pinned`` turns False), else False. Unlike DeepSpeed, the memory itself is returned only when the last
-        reference to it goes, so a tensor used after this call still holds its bytes.
+        """Unlock a tensor from ``new_cpu_locked_tensor``; its pages are unlocked now and ``is_pinned`` turns False.
+
+        Unlike DeepSpeed, the memory itself is returned only when the last reference to it goes, so a tensor used
+        after this call still holds its bytes.
+
+        Args:
+            tensor: The tensor to free.
+
+        Returns:
+            True for a tensor from ``new_cpu_locked_tensor`` not freed yet, else False.
         """
         check_tensor(tensor, "free_cpu_locked_tensor")
         return _free_locked(tensor.data_ptr())
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """DeepSpeed's rule: torch-pinned, or inside a live locked buffer of any handle (``aio_handle`` or
-        ``pin_handle``: one process-wide registry, as DeepSpeed's pinned-tensor manager).
+        """Whether ``buffer`` is pinned by DeepSpeed's rule.
+
+        Args:
+            buffer: Any tensor (False for anything else).
+
+        Returns:
+            True when it is torch-pinned, or inside a live locked buffer of any handle (``aio_handle`` or
+            ``pin_handle``: one process-wide registry, as DeepSpeed's pinned-tensor manager).
         """
         return _is_pinned(buffer)
 
 
 class pin_handle:  # noqa: N801  (DeepSpeed's name)
-    """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle()``) on the registry
-    ``aio_handle`` uses, so a buffer locked by either is pinned for both.
+    """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle()``).
+
+    It uses the registry ``aio_handle`` uses, so a buffer locked by either is pinned for both.
     """
 
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype."""
+        """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype.
+
+        Args:
+            num_elem: The number of elements.
+            example_tensor: A tensor of the dtype wanted.
+
+        Returns:
+            The tensor (contents uninitialised).
+        """
         return _new_locked(num_elem, example_tensor)
 
     def free_cpu_locked_tensor(self, locked_tensor: torch.Tensor) -> bool:
-        """As ``aio_handle.free_cpu_locked_tensor``."""
+        """As ``aio_handle.free_cpu_locked_tensor``.
+
+        Args:
+            locked_tensor: The tensor to free.
+
+        Returns:
+            True for a tensor from ``new_cpu_locked_tensor`` not freed yet, else False.
+        """
         check_tensor(locked_tensor, "free_cpu_locked_tensor")
         return _free_locked(locked_tensor.data_ptr())
 
     def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
-        """As ``free_cpu_locked_tensor``, given the buffer's start address (bytes)."""
+        """As ``free_cpu_locked_tensor``, given the buffer's start address.
+
+        Args:
+            address: The buffer's ``data_ptr()``.
+
+        Returns:
+            True for a buffer from ``new_cpu_locked_tensor`` not freed yet, else False.
+
+        Raises:
+            TypeError: When ``address`` is not an int.
+        """
         if isinstance(address, bool) or not isinstance(address, int):
             raise TypeError(f"free_cpu_locked_tensor_by_ptr: address must be an int, got {type(address).__name__}")
         return _free_locked(address)
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """As ``aio_handle.is_pinned``."""
+        """As ``aio_handle.is_pinned``.
+
+        Args:
+            buffer: Any tensor.
+
+        Returns:
+            True when it is torch-pinned or inside a live locked buffer.
+        """
         return _is_pinned(buffer)
 
 
@@ -327,8 +508,22 @@ def aio_read(
     overlap_events: bool,
     validate: bool,
 ) -> int:
-    """DeepSpeed's module-level read of a whole file into ``buffer``; returns 0. The file must be exactly
-    ``buffer``'s size (DeepSpeed asserts this; here it is a ``ValueError``).
+    """DeepSpeed's module-level read of a whole file into ``buffer``.
+
+    Args:
+        buffer: A contiguous tensor of the file's size.
+        filename: The file.
+        block_size: As ``aio_handle``'s.
+        queue_depth: As ``aio_handle``'s.
+        single_submit: As ``aio_handle``'s.
+        overlap_events: As ``aio_handle``'s.
+        validate: Compare the tensor with Python's own read of the file afterwards.
+
+    Returns:
+        0.
+
+    Raises:
+        ValueError: When the file is not exactly ``buffer``'s size (DeepSpeed asserts this).
     """
     import os
 
@@ -352,14 +547,40 @@ def aio_write(
     overlap_events: bool,
     validate: bool,
 ) -> int:
-    """DeepSpeed's module-level write of ``buffer`` at offset 0 of ``filename`` (no truncation); returns 0."""
+    """DeepSpeed's module-level write of ``buffer`` at offset 0 of ``filename`` (no truncation).
+
+    Args:
+        buffer: A contiguous tensor.
+        filename: The file.
+        block_size: As ``aio_handle``'s.
+        queue_depth: As ``aio_handle``'s.
+        single_submit: As ``aio_handle``'s.
+        overlap_events: As ``aio_handle``'s.
+        validate: Re-read the file afterwards and compare it with the tensor.
+
+    Returns:
+        0.
+    """
     aio_handle(block_size, queue_depth, single_submit, overlap_events, 1).write(buffer, filename, validate)
     return 0
 
 
 def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
-    """DeepSpeed's copy of ``src`` into ``dest``; returns 0. Any dtype; sizes must match (DeepSpeed copies
-    ``dest.size(0)`` floats whatever they are, and into a temporary copy when ``dest`` is not contiguous).
+    """DeepSpeed's copy of ``src`` into ``dest``, for any dtype.
+
+    DeepSpeed copies ``dest.size(0)`` floats whatever they are, and into a temporary copy when ``dest`` is not
+    contiguous; here the element counts must match and ``dest`` itself is written.
+
+    Args:
+        dest: The tensor copied into.
+        src: The tensor copied from, with as many elements as ``dest``.
+
+    Returns:
+        0.
+
+    Raises:
+        TypeError: When either is not a tensor.
+        ValueError: When their element counts differ.
     """
     for name, t in (("dest", dest), ("src", src)):
         if not isinstance(t, torch.Tensor):
@@ -372,8 +593,13 @@ def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
 
 
 class CompatModule:
-    """What ``AsyncIOBuilder().load()`` returns: DeepSpeed's ``aio_handle``, ``aio_read``, ``aio_write`` and
-    ``deepspeed_memcpy``, plus the native module's functions.
+    """What ``AsyncIOBuilder().load()`` returns.
+
+    DeepSpeed's ``aio_handle``, ``aio_read``, ``aio_write`` and ``deepspeed_memcpy``, plus the native module's
+    functions.
+
+    Args:
+        native_module: The native async-IO module, whose attributes this passes through.
     """
 
     aio_handle = aio_handle

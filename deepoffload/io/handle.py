@@ -35,7 +35,18 @@ _warned_buffered: set[str] = set()
 
 
 def os_error(err: int, operation: str, path: str, offset: int, detail: str) -> OSError:
-    """The exception for a failed transfer: errno, operation, path and offset all in it."""
+    """The exception for a failed transfer: errno, operation, path and offset all in it.
+
+    Args:
+        err: The errno of the failure.
+        operation: What failed (as the native op names it, e.g. ``"write"``, ``"open"``).
+        path: The file's path, or ``"<fd N>"`` for a descriptor.
+        offset: The file offset of the transfer.
+        detail: More about the failure, appended in parentheses (empty: none).
+
+    Returns:
+        An ``OSError`` (the subclass for ``err``, e.g. ``FileNotFoundError``) with ``path`` as its filename.
+    """
     message = f"{os.strerror(err)} during {operation} at offset {offset}"
     if detail:
         message += f" ({detail})"
@@ -43,8 +54,29 @@ def os_error(err: int, operation: str, path: str, offset: int, detail: str) -> O
 
 
 class Request(Pending[int]):
-    """One asynchronous transfer (``Pending``): ``wait(timeout=None)`` returns the bytes moved or raises ``OSError``;
-    ``done()`` polls.
+    """One asynchronous transfer (a ``Pending``): ``wait()`` returns the bytes moved or raises ``OSError``.
+
+    ``done()`` polls. Requests are made by ``AsyncIOHandle.read_async``/``write_async``, not by hand; used as a
+    context manager, a request is waited for when the block ends.
+
+    Args:
+        handle: The ``AsyncIOHandle`` that submitted the transfer (held weakly).
+        op_id: The native handle's id of the transfer.
+        nbytes: The bytes the transfer moves (what ``wait`` returns; also the ``nbytes`` attribute).
+        path: The file's path, or ``"<fd N>"`` for a descriptor (named in errors; also the ``path`` attribute).
+        keep_alive: Tensors and staging buffers the native side uses, kept alive until the transfer is collected.
+        finish: Called once after the transfer succeeded (e.g. the copy of a staging buffer to the device), or None;
+            what it raises becomes the request's error.
+        owned_fd: The copy of a caller's descriptor that this transfer uses, closed once it is collected (-1: none).
+
+    Example:
+        >>> import torch, deepoffload
+        >>> with deepoffload.AsyncIOHandle() as handle:
+        ...     request = handle.write_async(torch.zeros(256), "zeros.bin")
+        ...     request.wait()
+        ...     request.done()
+        1024
+        True
     """
 
     def __init__(
@@ -72,8 +104,17 @@ class Request(Pending[int]):
         self._pid = os.getpid()
 
     def done(self) -> bool:
-        """True when the transfer has finished (successfully or not); never blocks. In a forked child, a transfer
-        the parent started raises ``RuntimeError`` (it runs in the parent, not here).
+        """Whether the transfer has finished (successfully or not); never blocks and never raises its error.
+
+        In a forked child, asking about a transfer the parent started raises ``UnsupportedError`` (a
+        ``RuntimeError``): it runs in the parent, not here.
+
+        Returns:
+            True once the transfer has finished.
+
+        Raises:
+            ValueError: When the native handle does not know the transfer and no other thread is collecting it
+                (not expected).
         """
         if self._collected:
             return True
@@ -88,8 +129,20 @@ class Request(Pending[int]):
     def wait(self, timeout: float | None = None) -> int:
         """Block until the transfer finishes; return its bytes or raise its ``OSError``.
 
-        With ``timeout`` (seconds), raise ``TimeoutError`` if it has not finished by then. Waiting again returns the
-        same result (or raises the same error).
+        The error raised is the transfer's ``OSError`` (errno, operation, path and offset in it) or, for a tensor
+        staged through host memory, the failure of its copy to the device. Waiting again returns the same result (or
+        raises the same error). In a forked child, waiting for a transfer the parent started raises
+        ``UnsupportedError`` (a ``RuntimeError``).
+
+        Args:
+            timeout: Seconds to wait at most (>= 0); None waits until the transfer finishes.
+
+        Returns:
+            The bytes moved (the request's ``nbytes``).
+
+        Raises:
+            TimeoutError: When the transfer has not finished after ``timeout`` seconds (nothing is lost: a later wait
+                picks it up).
         """
         deadline = deadline_after(timeout)
         self._check_process()
@@ -181,13 +234,35 @@ def _warn_buffered(path: str) -> None:
 class AsyncIOHandle:
     """Reads and writes tensors to files with the async-IO op.
 
-    Settings come from ``config`` (an ``AioConfig``; default: ``AioConfig.from_env()``) and keyword overrides
-    (``block_size``, ``queue_depth``, ``intra_op_parallelism``, ``single_submit``, ``overlap_events``, ``engine``).
     Any contiguous CPU tensor works, at any file offset; page-aligned buffers (``aligned_empty``) skip the bounce
     copy. Tensors of the current accelerator go through page-locked host memory: ``read``/``write`` in chunks with
     the device copy overlapping the file IO (``DeviceStager``), ``read_async``/``write_async`` through one host
     buffer of the tensor's size. A write from offset 0 leaves the file exactly the tensor's size unless
-    ``truncate=False``.
+    ``truncate=False``. Used as a context manager, the handle waits for every transfer (when the block succeeds) and
+    closes.
+
+    Args:
+        config: The settings (an ``AioConfig``; default: ``AioConfig.from_env()``).
+        **overrides: Settings that replace ``config``'s (``block_size``, ``queue_depth``, ``intra_op_parallelism``
+            (alias ``thread_count``), ``single_submit``, ``overlap_events``, ``engine``).
+
+    Raises:
+        ConfigError: When an override's key or value is not accepted (a ``ValueError``).
+        ValueError: When ``block_size``, ``queue_depth`` or ``intra_op_parallelism`` is larger than the native op
+            can hold.
+        OSError: When the engine asked for (or, for ``"auto"``, every engine) fails its self-test here.
+
+    Example:
+        >>> import torch, deepoffload
+        >>> tensor = torch.arange(1024, dtype=torch.float32)
+        >>> back = torch.empty_like(tensor)
+        >>> with deepoffload.AsyncIOHandle(queue_depth=8) as handle:
+        ...     handle.write(tensor, "tensor.bin")
+        ...     handle.read(back, "tensor.bin")
+        4096
+        4096
+        >>> torch.equal(tensor, back)
+        True
     """
 
     def __init__(self, config: AioConfig | None = None, **overrides):
@@ -213,9 +288,11 @@ class AsyncIOHandle:
         )
 
     def _after_fork_in_child(self) -> None:
-        """In a forked child: the native handle's threads stayed in the parent (and its locks may be held), so it is
-        never touched here, not even destroyed (its destructor would wait for them); the handle gets a fresh one on
-        first use. The parent's transfers are the parent's: waiting for one here raises ``RuntimeError``.
+        """Let go of the parent's native handle in a forked child; the handle gets a fresh one on first use.
+
+        The native handle's threads stayed in the parent (and its locks may be held), so it is never touched here, not
+        even destroyed (its destructor would wait for them). The parent's transfers are the parent's: waiting for one
+        here raises ``UnsupportedError`` (a ``RuntimeError``).
         """
         if self._native is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
@@ -230,8 +307,21 @@ class AsyncIOHandle:
 
     # -- transfers --------------------------------------------------------------------------------------------
     def read_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> Request:
-        """Start reading ``tensor.nbytes`` bytes at ``offset`` of ``file`` (a path or an open descriptor) into
-        ``tensor``. Reading past the end of the file is an error (ENODATA), never a silent hole.
+        """Start reading ``tensor.nbytes`` bytes at ``offset`` of ``file`` into ``tensor``.
+
+        Reading past the end of the file is an error (ENODATA, raised by the request's ``wait``), never a silent hole.
+        Arguments are checked before any IO: ``TypeError`` for a tensor or file of the wrong type, ``ValueError`` for
+        a tensor whose bytes cannot be read into (not contiguous, sparse, quantized, on another device) or an offset
+        or descriptor out of range, ``ClosedError`` once the handle is closed.
+
+        Args:
+            tensor: A contiguous CPU tensor, or one of the current accelerator (read through one page-locked host
+                buffer of its size, copied to it when the read completes).
+            file: A path, or an open descriptor (the transfer uses its own copy of it).
+            offset: The file offset to read from (bytes).
+
+        Returns:
+            The ``Request`` of the read; its ``wait()`` returns the bytes read.
         """
         check_tensor(tensor, "read")
         if not tensor.is_inference():  # an in-place change, as torch's copy_ counts it: a backward that saved this
@@ -247,9 +337,22 @@ class AsyncIOHandle:
     def write_async(
         self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None, fsync: bool = False
     ) -> Request:
-        """Start writing ``tensor``'s bytes at ``offset`` of ``file``. ``truncate`` (default: ``offset == 0``)
-        cuts the file to end where this write ends; ``fsync`` makes the data durable before the request
-        completes.
+        """Start writing ``tensor``'s bytes at ``offset`` of ``file``.
+
+        Arguments are checked before any IO: ``TypeError`` for a tensor or file of the wrong type, ``ValueError`` for
+        a tensor whose bytes cannot be written (not contiguous, sparse, quantized, on another device) or an offset or
+        descriptor out of range, ``ClosedError`` once the handle is closed.
+
+        Args:
+            tensor: A contiguous CPU tensor, or one of the current accelerator (copied to one page-locked host buffer
+                of its size first).
+            file: A path (created when missing), or an open descriptor (the transfer uses its own copy of it).
+            offset: The file offset to write at (bytes).
+            truncate: Cut the file to end where this write ends (default: ``offset == 0``).
+            fsync: Make the data durable before the request completes.
+
+        Returns:
+            The ``Request`` of the write; its ``wait()`` returns the bytes written.
         """
         check_tensor(tensor, "write")
         source = tensor
@@ -262,8 +365,20 @@ class AsyncIOHandle:
         return self._submit(True, source, file, offset, flags, (tensor, source), None)
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False) -> int:
-        """Read synchronously; return the bytes read. ``validate`` compares with Python's own read of the file.
-        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``).
+        """Read ``tensor``'s bytes from ``offset`` of ``file`` into it and wait.
+
+        An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``). A failed read raises
+        its ``OSError`` (errno, operation, path and offset in the message; ENODATA past the end of the file);
+        ``validate`` raises ``ValidationError`` (an ``OSError``) when the file's bytes differ from the tensor's.
+
+        Args:
+            tensor: A contiguous CPU tensor or one of the current accelerator.
+            file: A path or an open descriptor.
+            offset: The file offset to read from (bytes).
+            validate: Compare the tensor afterwards with Python's own read of the file.
+
+        Returns:
+            The bytes read.
         """
         if isinstance(tensor, torch.Tensor) and accelerator.current().is_device_tensor(tensor):
             nbytes = self._device_stager().read(tensor, file, offset)
@@ -283,10 +398,26 @@ class AsyncIOHandle:
         truncate: bool | None = None,
         fsync: bool = False,
     ) -> int:
-        """Write synchronously; return the bytes written. ``validate`` re-reads the file and compares.
+        """Write ``tensor``'s bytes at ``offset`` of ``file`` and wait.
+
         An accelerator tensor is staged in chunks through two host buffers (``DeviceStager``). A write that fails
         (full disk, validation) to a path that did not exist before the call leaves no file there (do not write the
         same new path from another thread meanwhile).
+
+        Args:
+            tensor: A contiguous CPU tensor or one of the current accelerator.
+            file: A path (created when missing) or an open descriptor.
+            offset: The file offset to write at (bytes).
+            validate: Re-read the file afterwards and compare it with the tensor.
+            truncate: Cut the file to end where this write ends (default: ``offset == 0``).
+            fsync: Make the data durable before returning.
+
+        Returns:
+            The bytes written.
+
+        Raises:
+            OSError: When the write fails (errno, operation, path and offset in the message), or, as
+                ``ValidationError``, when ``validate`` finds the file's bytes differ from the tensor's.
         """
         new = file if isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file) else None
         try:
@@ -354,8 +485,13 @@ class AsyncIOHandle:
             self._pending.pop(op_id, None)
 
     def wait_all(self) -> int:
-        """Wait for every transfer in flight; return how many finished. If any failed, raise the first error
-        after all have finished (no transfer is left running behind an exception).
+        """Wait for every transfer in flight, even when some fail.
+
+        If any failed, the first error (an ``OSError``) is raised after all have finished: no transfer is left running
+        behind an exception.
+
+        Returns:
+            How many transfers finished.
         """
         with self._pending_lock:
             requests = list(self._pending.values())
@@ -371,8 +507,9 @@ class AsyncIOHandle:
 
     # -- lifetime ---------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish every transfer in flight and stop the handle's threads. Errors of transfers nobody waited for
-        are still raised by their ``Request.wait()``.
+        """Finish every transfer in flight and stop the handle's threads; closing again does nothing.
+
+        Errors of transfers nobody waited for are still raised by their ``Request.wait()``.
         """
         if not self._closed:
             self._closed = True
@@ -398,14 +535,17 @@ class AsyncIOHandle:
     # -- settings ---------------------------------------------------------------------------------------------
     @property
     def block_size(self) -> int:
+        """Bytes per IO request (``config.block_size``)."""
         return self.config.block_size
 
     @property
     def queue_depth(self) -> int:
+        """Requests kept in flight per thread (``config.queue_depth``)."""
         return self.config.queue_depth
 
     @property
     def intra_op_parallelism(self) -> int:
+        """Threads that share one transfer (``config.intra_op_parallelism``)."""
         return self.config.intra_op_parallelism
 
     def __repr__(self) -> str:
@@ -418,8 +558,13 @@ class AsyncIOHandle:
 
 
 def wait_each(transfers: Iterable) -> OSError | None:
-    """Wait for every transfer (anything with ``wait()``: requests, swaps) even when some fail; return the first
-    ``OSError`` raised, or None. For callers that must not leave a transfer running behind an exception.
+    """Wait for every transfer even when some fail, for callers that must not leave one running behind an exception.
+
+    Args:
+        transfers: Anything with ``wait()``: requests, swaps.
+
+    Returns:
+        The first ``OSError`` a wait raised, or None.
     """
     first_error = None
     for transfer in transfers:
@@ -483,9 +628,10 @@ if hasattr(os, "register_at_fork"):
 
 @atexit.register
 def _close_live_handles() -> None:
-    """At interpreter exit, let transfers in flight finish before the buffers they use are torn down, and collect
-    them here (or wait for the thread collecting one) so that their tensors are freed before finalization: torch
-    aborts the process when a daemon thread frees a tensor once finalization has begun.
+    """At interpreter exit, let transfers in flight finish before the buffers they use are torn down.
+
+    They are collected here (or this waits for the thread collecting one) so that their tensors are freed before
+    finalization: torch aborts the process when a daemon thread frees a tensor once finalization has begun.
     """
     for handle in list(_live_handles):
         try:

@@ -1,5 +1,7 @@
-"""What a transfer takes, checked before any IO: a tensor whose bytes can move (``check_tensor``, ``byte_view``)
-and a file (``FileRef``: a path or an open descriptor). Shared by ``handle``, ``staging`` and ``compat``.
+"""What a transfer takes, checked before any IO: a tensor whose bytes can move, and a file.
+
+The tensor is checked by ``check_tensor`` and seen as bytes through ``byte_view``; the file is a ``FileRef`` (a path
+or an open descriptor). Shared by ``handle``, ``staging`` and ``compat``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,20 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def check_tensor(tensor: object, what: str) -> torch.Tensor:
+    """Check that ``tensor``'s bytes can be moved as they are: a contiguous, strided CPU or accelerator tensor.
+
+    Args:
+        tensor: What the caller passed as the tensor.
+        what: The operation, which starts each message (``"read"``, ``"write"``, ...).
+
+    Returns:
+        ``tensor`` itself.
+
+    Raises:
+        TypeError: When ``tensor`` is not a ``torch.Tensor``.
+        ValueError: When it is quantized, sparse, a lazy conjugate/negative view, not contiguous, or on a device
+            other than the CPU and the current accelerator (the message says what to pass instead).
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_quantized:

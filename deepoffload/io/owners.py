@@ -1,6 +1,8 @@
-"""Files and folders that belong to one process: temporaries of a save and per-run swap folders carry their
-writer's process id and start time in their name, so that the next save or run in the same place removes what a
-dead process left (a SIGKILL runs no cleanup) and never touches what a live one still writes.
+"""Files and folders that belong to one process, and the permission rules of a save.
+
+Temporaries of a save and per-run swap folders carry their writer's process id and start time in their name, so that
+the next save or run in the same place removes what a dead process left (a SIGKILL runs no cleanup) and never touches
+what a live one still writes.
 
 A process is judged only where it could be seen: the name also records a host id (this boot of this machine and
 this process's pid namespace), and files of another host id (another machine sharing the folder, another container)
@@ -81,8 +83,14 @@ def _owner_alive(match: re.Match) -> bool:
 
 
 def is_alive(pid: int, start: int) -> bool:
-    """Whether process ``pid`` of this host that started at ``start`` (0: unknown) still runs (see the module
-    docstring).
+    """Whether process ``pid`` of this host that started at ``start`` still runs (see the module docstring).
+
+    Args:
+        pid: The process id.
+        start: Its start time as ``start_time`` reads it (0: unknown; then an existing id counts as alive).
+
+    Returns:
+        False when no such process runs (or the id was reused by a newer one); True otherwise, and always on Windows.
     """
     if pid <= 0:
         return False
@@ -101,8 +109,16 @@ def is_alive(pid: int, start: int) -> bool:
 
 
 def temporary_name(target: str, kind: str = "tmp") -> str:
-    """A fresh hidden name for a temporary of the file (or set of files) named ``target``, owned by this process:
-    ``.<target>.<kind>-<pid>.<start>-<random>``; append a suffix to name several temporaries of one save.
+    """A fresh hidden name for a temporary of the file (or set of files) named ``target``, owned by this process.
+
+    Append a suffix to name several temporaries of one save.
+
+    Args:
+        target: The name (not the path) of the file saved.
+        kind: ``"tmp"`` or ``"partial"`` (what ``remove_dead_temporaries`` recognises).
+
+    Returns:
+        ``.<target>.<kind>-<pid>.<start>.<host id>-<random>``.
     """
     return f".{target}.{kind}-{process_token()}-{uuid.uuid4().hex[:8]}"
 
@@ -127,8 +143,15 @@ def run_folder_prefix(rank: int) -> str:
 
 
 def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
-    """Remove the per-run swap folders in ``base`` of processes that are no longer alive (folders kept on purpose
-    hold a ``KEPT`` file and stay); return them.
+    """Remove the per-run swap folders in ``base`` of processes that are no longer alive.
+
+    Folders kept on purpose hold a ``KEPT`` file and stay. Errors listing ``base`` or removing a folder are ignored.
+
+    Args:
+        base: The folder holding the run folders.
+
+    Returns:
+        The folders removed.
     """
     removed = []
     with contextlib.suppress(OSError):
@@ -152,8 +175,12 @@ def create_private(path: str | os.PathLike) -> int:
 
 
 def new_file_mode() -> int:
-    """The permission bits the umask gives a new file (``0666 & ~umask``), read without changing the umask where
-    the system shows it (Linux 4.7+), else by setting it back at once.
+    """The permission bits the umask gives a new file (``0666 & ~umask``).
+
+    The umask is read without changing it where the system shows it (Linux 4.7+), else by setting it back at once.
+
+    Returns:
+        The mode bits.
     """
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status", encoding="ascii", errors="replace") as f:
@@ -166,8 +193,11 @@ def new_file_mode() -> int:
 
 
 def adopt_mode(temporary: str | os.PathLike, model: str | os.PathLike | None) -> None:
-    """Give ``temporary`` the mode (and owner and group, where this process may set them) of the file ``model`` it
-    is about to replace, or the umask's mode for a new file when ``model`` is None or does not exist.
+    """Give ``temporary`` the mode (and owner and group, where this process may set them) of the file it replaces.
+
+    Args:
+        temporary: The file about to replace ``model``.
+        model: The file replaced; when None or missing, ``temporary`` gets the umask's mode for a new file.
     """
     try:
         old = os.stat(model) if model is not None else None

@@ -1,6 +1,7 @@
-"""Double-buffered, page-aligned staging between memory and a file through the async-IO op: the one implementation
-behind checkpoint streams (``deepoffload.checkpoint``), safetensors writing (``deepoffload.formats``) and accelerator
-staging (``DeviceStager``).
+"""Double-buffered, page-aligned staging between memory and a file through the async-IO op.
+
+The one implementation behind checkpoint streams (``deepoffload.checkpoint``), safetensors writing
+(``deepoffload.formats``) and accelerator staging (``DeviceStager``).
 
 ``StagedWriter`` writes a byte sequence from a file offset: bytes are copied (or produced by the caller, e.g. a device
 copy) into one of ``count`` aligned buffers; each full buffer is written with one large aligned (O_DIRECT where the
@@ -27,8 +28,15 @@ DIGEST_SLICE = 4 << 20  # bytes copied per digest call: small enough to stay in 
 
 
 class StagingPool:
-    """Idle aligned buffers of ``buffer_bytes`` each (a multiple of the page size), reused by writers and readers;
-    at most ``keep`` idle ones are kept. ``pin``: page-locked (see ``aligned_empty``). Thread-safe.
+    """Idle aligned buffers of one size, reused by writers and readers. Thread-safe.
+
+    Args:
+        buffer_bytes: The size of each buffer, a positive multiple of the page size.
+        keep: At most this many idle buffers are kept; more given back are dropped.
+        pin: Page-lock the buffers (see ``aligned_empty``).
+
+    Raises:
+        ValueError: When ``buffer_bytes`` is not a positive multiple of the page size.
     """
 
     def __init__(self, buffer_bytes: int, keep: int, *, pin: bool = True):
@@ -44,26 +52,37 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def take(self) -> torch.Tensor:
+        """An idle buffer, or a new one when none is idle (a 1-D uint8 tensor of ``buffer_bytes``)."""
         with self._lock:
             if self._idle:
                 return self._idle.pop()
         return aligned_empty(self.buffer_bytes, pin=self.pin)
 
     def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer that no transfer uses any more."""
+        """Return a buffer that no transfer uses any more (dropped when ``keep`` are idle already).
+
+        Args:
+            buffer: A buffer from ``take``.
+        """
         with self._lock:
             if len(self._idle) < self.keep:
                 self._idle.append(buffer)
 
 
 class StagedWriter:
-    """Writes bytes in order to ``file`` (a path or descriptor) from file offset ``offset``, through ``count``
-    buffers of ``pool``. Not thread-safe.
+    """Writes bytes in order to a file through a few buffers of a pool. Not thread-safe.
 
     ``write`` copies from memory and submits each full buffer; ``reserve``/``commit``/``submit`` let the caller fill
-    a buffer itself. A failed write is
-    recorded in ``error`` and raised by the next ``write``, ``reserve``, ``submit`` or ``drain``; ``close`` (always
-    call it) waits for every write in flight and returns the buffers to the pool.
+    a buffer itself. A failed write is recorded in ``error`` and raised by the next ``write``, ``reserve``,
+    ``submit`` or ``drain``; ``close`` (always call it) waits for every write in flight and returns the buffers to the
+    pool.
+
+    Args:
+        handle: The handle that writes.
+        file: A path or an open descriptor.
+        offset: The file offset of the first byte written.
+        pool: Where the buffers come from.
+        count: How many buffers are used in turn (one fills while the others are written).
     """
 
     def __init__(self, handle: AsyncIOHandle, file: FileRef, offset: int = 0, *, pool: StagingPool, count: int = 2):
@@ -82,9 +101,14 @@ class StagedWriter:
         return self._fill if self._filling else 0
 
     def write(self, address: int, nbytes: int, digest: Callable[[int, int], None] | None = None) -> None:
-        """Copy ``nbytes`` bytes from memory at ``address``; every buffer filled is submitted. ``digest(address,
-        nbytes)``, when given, is called on each piece (of at most ``DIGEST_SLICE`` bytes) right after it was copied
-        into its buffer, while it is in the CPU's cache: one pass over the source serves the copy and the digest.
+        """Copy ``nbytes`` bytes from memory at ``address``; every buffer filled is submitted.
+
+        Args:
+            address: Where the bytes start in memory.
+            nbytes: How many bytes to copy.
+            digest: Called as ``digest(address, nbytes)`` on each piece (of at most ``DIGEST_SLICE`` bytes) right
+                after it was copied into its buffer, while it is in the CPU's cache: one pass over the source serves
+                the copy and the digest. None: no digest.
         """
         done = 0
         limit = DIGEST_SLICE if digest is not None else nbytes
@@ -100,8 +124,13 @@ class StagedWriter:
                 self.submit()
 
     def reserve(self) -> torch.Tensor:
-        """The unfilled part of the buffer being filled (waiting first, when a new buffer is started, for the write
-        that last used it). Fill a prefix of it, ``commit`` those bytes, and ``submit`` when done with the buffer.
+        """The unfilled part of the buffer being filled.
+
+        When a new buffer is started, this first waits for the write that last used it. Fill a prefix of it,
+        ``commit`` those bytes, and ``submit`` when done with the buffer. An earlier write's error is raised here.
+
+        Returns:
+            A 1-D uint8 view of the buffer's unfilled part.
         """
         self._raise()
         if not self._filling:
@@ -109,12 +138,21 @@ class StagedWriter:
         return self._buffers[self._current][self._fill :]
 
     def commit(self, nbytes: int) -> None:
-        """Count ``nbytes`` bytes of ``reserve()`` as filled."""
+        """Count ``nbytes`` bytes of ``reserve()`` as filled.
+
+        Args:
+            nbytes: How many bytes at the start of the reserved part were filled.
+        """
         self._fill += nbytes
 
     def submit(self, *, truncate: bool = False, fsync: bool = False) -> None:
-        """Start writing the filled part of the current buffer at its offset. ``truncate`` cuts the file where this
-        write ends; ``fsync`` first waits for every earlier write, so that the fsync covers them.
+        """Start writing the filled part of the current buffer at its offset (nothing when no buffer is being filled).
+
+        An earlier write's error is raised here.
+
+        Args:
+            truncate: Cut the file where this write ends.
+            fsync: Make the data durable; first waits for every earlier write, so that the fsync covers them.
         """
         self._raise()
         if not self._filling:
@@ -145,8 +183,9 @@ class StagedWriter:
             self._wait(index)
 
     def close(self) -> None:
-        """Wait for every write in flight (errors stay in ``error``) and return the buffers to the pool. Bytes not
-        submitted are dropped.
+        """Wait for every write in flight (errors stay in ``error``) and return the buffers to the pool.
+
+        Bytes not submitted are dropped.
         """
         self.wait_all()
         for buffer, request in zip(self._buffers, self._requests):
@@ -184,12 +223,20 @@ class StagedWriter:
 
 
 class StagedReader:
-    """Reads bytes ``[start, end)`` of ``file`` in chunks of one ``pool`` buffer each: chunk ``i`` covers
-    ``start + i * pool.buffer_bytes`` onwards. Not thread-safe; always ``close`` it.
+    """Reads a byte range of a file in chunks of one pool buffer each. Not thread-safe; always ``close`` it.
 
-    ``get(i)`` moves the window to start at chunk ``i`` (chunks before it are recycled, chunks ``i`` to
-    ``i + depth - 1`` are read asynchronously), waits for chunk ``i`` and returns its bytes: a view of a buffer,
-    valid until the window moves past it. A chunk whose read failed is dropped, so its bytes are never served.
+    Chunk ``i`` covers ``start + i * pool.buffer_bytes`` onwards. ``get(i)`` moves the window to start at chunk ``i``
+    (chunks before it are recycled, chunks ``i`` to ``i + depth - 1`` are read asynchronously), waits for chunk ``i``
+    and returns its bytes: a view of a buffer, valid until the window moves past it. A chunk whose read failed is
+    dropped, so its bytes are never served.
+
+    Args:
+        handle: The handle that reads.
+        file: A path or an open descriptor.
+        start: The file offset of the first byte read.
+        end: The file offset where the range ends (exclusive).
+        pool: Where the buffers come from; its ``buffer_bytes`` is the chunk size.
+        depth: How many chunks the window keeps read or in flight.
     """
 
     def __init__(
@@ -206,11 +253,29 @@ class StagedReader:
         return min(self._chunks) if self._chunks else None
 
     def holds(self, index: int) -> bool:
+        """Whether chunk ``index`` is in the window (read or being read).
+
+        Args:
+            index: The chunk's index.
+
+        Returns:
+            True when the window holds the chunk.
+        """
         return index in self._chunks
 
     def get(self, index: int, *, advance: bool = True) -> torch.Tensor:
-        """Chunk ``index``'s bytes; ``advance=False`` serves a chunk the window holds without moving the window
-        (``KeyError`` when it does not hold it).
+        """Chunk ``index``'s bytes, once its read has completed.
+
+        Args:
+            index: The chunk's index.
+            advance: Move the window to start at ``index`` first; False serves a chunk the window holds without
+                moving it (``KeyError`` when it does not hold it).
+
+        Returns:
+            A 1-D uint8 view of a buffer, valid until the window moves past the chunk.
+
+        Raises:
+            OSError: When the chunk's read failed (the chunk is dropped from the window).
         """
         if advance:
             self._advance(index)

@@ -27,9 +27,16 @@ DEFAULT_CHUNK_BYTES = 8 << 20  # bytes per host buffer; two are used
 
 
 class DeviceStager:
-    """Reads and writes tensors of the current accelerator through two host buffers of ``chunk_bytes`` each
-    (rounded up to the page size) with ``handle``. One transfer at a time (calls from several threads queue).
-    Host tensors do not need it: use ``handle`` directly.
+    """Reads and writes tensors of the current accelerator through two host buffers.
+
+    One transfer at a time (calls from several threads queue). Host tensors do not need it: use ``handle`` directly.
+
+    Args:
+        handle: The handle that does the file IO.
+        chunk_bytes: The size of each host buffer (rounded up to the page size).
+
+    Raises:
+        ValueError: When ``chunk_bytes`` is not a positive integer.
     """
 
     def __init__(self, handle: AsyncIOHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
@@ -43,8 +50,18 @@ class DeviceStager:
         self._streams: dict[torch.device, torch.Stream | None] = {}
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> int:
-        """Read ``tensor``'s bytes from ``offset`` of ``file`` into it; return the bytes read. On error (an
-        ``OSError`` naming path and offset) the tensor's contents are unspecified.
+        """Read ``tensor``'s bytes from ``offset`` of ``file`` into it.
+
+        On error (an ``OSError`` naming path and offset) the tensor's contents are unspecified. A tensor that is not
+        on the current accelerator is a ``ValueError``.
+
+        Args:
+            tensor: A contiguous tensor of the current accelerator.
+            file: A path or an open descriptor.
+            offset: The file offset to read from (bytes).
+
+        Returns:
+            The bytes read.
         """
         acc = self._device_tensor(tensor, "read")
         dst = byte_view(tensor)
@@ -64,9 +81,20 @@ class DeviceStager:
     def write(
         self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None, fsync: bool = False
     ) -> int:
-        """Write ``tensor``'s bytes at ``offset`` of ``file``; return the bytes written. ``truncate`` (default:
-        ``offset == 0``) cuts the file to end where this write ends; ``fsync`` makes it durable before returning.
-        The tensor is only read, so it is intact whatever happens.
+        """Write ``tensor``'s bytes at ``offset`` of ``file``.
+
+        The tensor is only read, so it is intact whatever happens. A failed write raises its ``OSError``; a tensor
+        that is not on the current accelerator is a ``ValueError``.
+
+        Args:
+            tensor: A contiguous tensor of the current accelerator.
+            file: A path or an open descriptor.
+            offset: The file offset to write at (bytes).
+            truncate: Cut the file to end where this write ends (default: ``offset == 0``).
+            fsync: Make the data durable before returning.
+
+        Returns:
+            The bytes written.
         """
         acc = self._device_tensor(tensor, "write")
         src = byte_view(tensor)
@@ -103,8 +131,16 @@ class DeviceStager:
         return acc
 
     def _setup(self, acc: accelerator.Accelerator, device: torch.device) -> tuple[StagingPool, torch.Stream | None]:
-        """The pool of two host buffers (allocated on first use, page-locked for ``acc``) and the side stream for
-        ``device``, which waits for the device's current stream.
+        """The pool of two host buffers and the side stream for ``device``, made to wait for its current stream.
+
+        The pool is allocated on first use, page-locked for ``acc`` (again when the accelerator changed).
+
+        Args:
+            acc: The current accelerator.
+            device: The device of the tensor being staged.
+
+        Returns:
+            The pool and the side stream (None: copies are synchronous).
         """
         if self._pool is None or self._pool_for is not acc:  # (no pool yet: no accelerator either)
             self._pool, self._pool_for, self._streams = StagingPool(self.chunk_bytes, keep=2), acc, {}
@@ -116,8 +152,10 @@ class DeviceStager:
 
 
 def _copy(acc: accelerator.Accelerator, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-    """Copy on ``stream`` and wait for it. After a failed wait, wait once more (errors dropped) so that the copy does
-    not run later, into or out of a host buffer that has gone back to the pool.
+    """Copy on ``stream`` and wait for it.
+
+    After a failed wait, wait once more (errors dropped) so that the copy does not run later, into or out of a host
+    buffer that has gone back to the pool.
     """
     event = acc.copy(dst, src, stream)
     try:
