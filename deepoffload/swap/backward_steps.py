@@ -1,5 +1,6 @@
-"""``OffloadedOptimizer.step_in_backward``: each chunk of parameters steps inside ``backward()`` as soon as its
-gradients are accumulated, while the next chunks' state is read.
+"""``OffloadedOptimizer.step_in_backward``: each chunk of parameters steps inside ``backward()``.
+
+A chunk steps as soon as its gradients are accumulated, while the next chunks' state is read.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ if TYPE_CHECKING:
 
 
 class _BackwardSteps:
-    """``step_in_backward``: the chunks (reverse parameter order), which of their gradients are ready, which chunks
-    stepped in this backward, and their writes.
+    """``step_in_backward``'s plan and progress.
+
+    The chunks (reverse parameter order), which of their gradients are ready, which chunks stepped in this backward,
+    and their writes.
     """
 
     def __init__(self, optimizer: OffloadedOptimizer):
@@ -46,8 +49,9 @@ class _BackwardSteps:
         self._read_ahead()
 
     def _read_ahead(self, wait: bool = True) -> None:
-        """Start the reads of the coming chunks, up to ``buffer_count - 2`` in flight; unless ``wait``, only while
-        a staging buffer is free (no waiting for a write to free one).
+        """Start the reads of the coming chunks, up to ``buffer_count - 2`` in flight.
+
+        Unless ``wait``, only while a staging buffer is free (no waiting for a write to free one).
         """
         opt = self.optimizer
         ahead = max(1, opt.config.buffer_count - 2)
@@ -116,8 +120,15 @@ class _BackwardSteps:
             self.error = self.error or e
 
     def finish(self) -> None:
-        """``step()``: check the gradients used were not changed since, step what is left, wait for the writes,
-        plan the next backward.
+        """``step()``: check the gradients used were not changed since, step what is left, wait for the writes.
+
+        Then plan the next backward (also when it fails). A failed write is raised (its ``OSError``) after all of
+        that.
+
+        Raises:
+            UnsupportedError: When gradients changed after backward stepped their parameters (clipping, unscaling,
+                ``zero_grad`` before ``step``, or a DDP built after ``step_in_backward()``), or state was reset
+                after backward stepped with it.
         """
         opt = self.optimizer
         changed = [

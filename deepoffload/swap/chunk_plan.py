@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 
 
 class _Chunk(list):
-    """Parameters stepped together, with what each step needs of them worked out once: their group names
-    (``names``, ``by_name``) and, per param group, the chunk's parameters in it (``in_groups``).
+    """Parameters stepped together, with what each step needs of them worked out once.
+
+    That is their group names (``names``, ``by_name``) and, per param group, the chunk's parameters in it
+    (``in_groups``).
     """
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
@@ -34,8 +36,14 @@ class ChunkPlanner:
         self._plans_version = -1
 
     def estimate(self, param: torch.Tensor) -> int:
-        """Bytes of staging buffer a parameter's state takes in a chunk (on storage, in memory, or before its first
-        step a guess of two copies of the parameter), with the alignment padding of each of its tensors.
+        """Bytes of staging buffer a parameter's state takes in a chunk.
+
+        Args:
+            param: The parameter.
+
+        Returns:
+            Its state's bytes (on storage, in memory, or before its first step a guess of two copies of the
+            parameter), with the alignment padding of each of its tensors.
         """
         swapper = self.owner.swapper
         state = self.owner.optimizer.state.get(param)
@@ -48,11 +56,18 @@ class ChunkPlanner:
         return nbytes + swapper.tensor_alignment * count
 
     def plan(self, params: list[torch.Tensor]) -> list[_Chunk]:
-        """Consecutive parameters whose state fills at most one pooled buffer (``chunk_bytes`` less a page for
-        the extent's padding), so a step's buffers come from the bounded pool; when one parameter's state is
-        larger, chunks hold up to it plus a sixteenth and the pool's buffers grow to the fullest chunk. The plan is
-        reused while the same parameters (in the same param groups) are stepped and no stored state changed size or
-        place.
+        """Split ``params`` into chunks of consecutive parameters whose state fills at most one pooled buffer.
+
+        A buffer holds ``chunk_bytes`` less a page for the extent's padding, so a step's buffers come from the
+        bounded pool; when one parameter's state is larger, chunks hold up to it plus a sixteenth and the pool's
+        buffers grow to the fullest chunk. The plan is reused while the same parameters (in the same param groups)
+        are stepped and no stored state changed size or place.
+
+        Args:
+            params: The parameters to step, in order.
+
+        Returns:
+            The chunks, in order.
         """
         owner = self.owner
         version = owner.swapper.version

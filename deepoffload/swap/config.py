@@ -21,19 +21,34 @@ SWAP_ALIASES = {"nvme_path": "folder", "pin_memory": "pin"}
 class SwapConfig:
     """Where and how tensors are swapped to storage.
 
-    aio: how bytes move (block size, queue depth, threads, engine); see ``AioConfig``.
-    folder: the base folder for swap files (None: the system temp folder). Each run gets its own sub-folder there.
-        A missing folder is created, but not its parents (a mistyped path is an error, not a new tree on another
-        disk); a folder on tmpfs gets a warning (its files stay in memory).
-    buffer_count: aligned staging buffers in the pool (the pipeline uses 3: read ahead, step, write behind).
-    chunk_bytes: bytes of optimizer state per pipelined chunk, and the size of each pooled buffer (page-aligned).
-        Peak memory of an offloaded step is about ``buffer_count * chunk_bytes``, whatever the model size; an
-        ``OffloadedOptimizer`` whose largest parameter's state exceeds ``chunk_bytes`` grows its buffers to its
-        largest chunk (that state, plus at most a sixteenth), so they are reused rather than made afresh each step.
-    pin: page-lock the buffers (faster IO; needs RLIMIT_MEMLOCK, warns and carries on unlocked without it).
-    checksum: hash every tensor at swap-out (xxh3-64) and check it at swap-in; a changed byte is an error.
-    keep_files: leave the swap files when closing (for inspection); by default they are removed on close and at
-        interpreter exit.
+    Attributes:
+        aio: how bytes move (block size, queue depth, threads, engine); see ``AioConfig``.
+        folder: the base folder for swap files (None: the system temp folder). Each run gets its own sub-folder
+            there. A missing folder is created, but not its parents (a mistyped path is an error, not a new tree on
+            another disk); a folder on tmpfs gets a warning (its files stay in memory).
+        buffer_count: aligned staging buffers in the pool (the pipeline uses 3: read ahead, step, write behind).
+        chunk_bytes: bytes of optimizer state per pipelined chunk, and the size of each pooled buffer (page-aligned).
+            Peak memory of an offloaded step is about ``buffer_count * chunk_bytes``, whatever the model size; an
+            ``OffloadedOptimizer`` whose largest parameter's state exceeds ``chunk_bytes`` grows its buffers to its
+            largest chunk (that state, plus at most a sixteenth), so they are reused rather than made afresh each
+            step.
+        pin: page-lock the buffers (faster IO; needs RLIMIT_MEMLOCK, warns and carries on unlocked without it).
+        checksum: hash every tensor at swap-out (xxh3-64) and check it at swap-in; a changed byte is an error.
+        keep_files: leave the swap files when closing (for inspection); by default they are removed on close and at
+            interpreter exit.
+
+    Raises:
+        ConfigError: When a value has the wrong type or range (the message names the key).
+
+    Example:
+        >>> from deepoffload import SwapConfig
+        >>> config = SwapConfig(folder="swap", chunk_bytes=1 << 20, pin=False)
+        >>> config.buffer_count, config.chunk_bytes, config.folder
+        (4, 1048576, 'swap')
+        >>> SwapConfig.from_dict({"nvme_path": "swap", "block_size": 4096}).aio.block_size
+        4096
+        >>> config.replace(checksum=True).checksum
+        True
     """
 
     aio: AioConfig = field(default_factory=AioConfig.from_env)
@@ -58,11 +73,24 @@ class SwapConfig:
 
     @classmethod
     def swap_keys(cls) -> tuple[str, ...]:
+        """The names of the swap keys: every field but ``aio``, in field order."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "aio")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "SwapConfig":
-        """Build from swap keys plus ``aio`` keys (top level and/or an ``aio`` section); unknown keys are errors."""
+        """Build from swap keys plus ``aio`` keys (top level and/or an ``aio`` section); unknown keys are errors.
+
+        Args:
+            values: swap keys (or their aliases ``nvme_path``, ``pin_memory``) and aio keys, at top level and/or
+                under an ``aio`` section.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: When ``values`` is not a mapping, the ``aio`` section is not one, a key is unknown, or a key
+                is given twice (under its name and its alias, or at top level and in the ``aio`` section).
+        """
         if not isinstance(values, Mapping):
             raise ConfigError(f"swap config: expected a mapping of keys to values, got {type(values).__name__}")
         swap: dict[str, Any] = {}
@@ -94,15 +122,33 @@ class SwapConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "SwapConfig":
-        """Read a JSON file of swap and/or aio keys (a ``deepoffload tune`` output loads unchanged)."""
+        """Read a JSON file of swap and/or aio keys (a ``deepoffload tune`` output loads unchanged).
+
+        Args:
+            path: The JSON file.
+
+        Returns:
+            The config, as ``from_dict`` builds it.
+        """
         return cls.from_dict(read_json(path))
 
     def replace(self, **changes: Any) -> "SwapConfig":
-        """A copy with some swap keys changed (``aio=`` takes an ``AioConfig``)."""
+        """A copy with some swap keys changed (``aio=`` takes an ``AioConfig``).
+
+        Args:
+            **changes: The fields to change, by name, with their new values (checked as in the constructor).
+
+        Returns:
+            The new config; this one is unchanged.
+        """
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Swap keys plus an ``aio`` section; ``from_dict`` reads it back."""
+        """Swap keys plus an ``aio`` section; ``from_dict`` reads it back.
+
+        Returns:
+            A dict of the swap keys and an ``aio`` dict of the aio keys.
+        """
         values = {key: getattr(self, key) for key in self.swap_keys()}
         values["aio"] = self.aio.to_dict()
         return values

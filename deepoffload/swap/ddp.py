@@ -1,5 +1,6 @@
-"""Finding a ``DistributedDataParallel`` that holds given parameters (for refusals that need the real reason:
-DDP averages gradients only as backward ends, which streaming and ``step_in_backward`` cannot wait for).
+"""Finding a ``DistributedDataParallel`` that holds given parameters, for refusals that need the real reason.
+
+DDP averages gradients only as backward ends, which streaming and ``step_in_backward`` cannot wait for.
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ def ddp_class():
 
 
 def ddp_holding(params: Iterable[torch.Tensor]) -> nn.Module | None:
-    """A live ``DistributedDataParallel`` whose module holds one of ``params``, else None. It searches the objects
-    the garbage collector tracks, so it is called once per setup, and only while torch.distributed is
-    initialized (no DDP can exist otherwise).
+    """A live ``DistributedDataParallel`` whose module holds one of ``params``, else None.
+
+    It searches the objects the garbage collector tracks, so it is called once per setup, and only while
+    torch.distributed is initialized (no DDP can exist otherwise).
+
+    Args:
+        params: The parameters to look for.
+
+    Returns:
+        The DDP module, or None when none holds any of them.
     """
     ddp = ddp_class()
     if ddp is None or not torch.distributed.is_initialized():
@@ -50,8 +58,13 @@ STEP_IN_BACKWARD_REASON = (
 
 
 def refuse_step_in_backward_under_ddp(params: Iterable[torch.Tensor]) -> None:
-    """Raise UnsupportedError (a RuntimeError) when a DistributedDataParallel holds one of ``params``
-    (``step_in_backward`` cannot wait for DDP's averages).
+    """Refuse ``step_in_backward`` for parameters a ``DistributedDataParallel`` holds: it cannot wait for its averages.
+
+    Args:
+        params: The parameters to check.
+
+    Raises:
+        UnsupportedError: A RuntimeError, when a DistributedDataParallel holds one of ``params``.
     """
     if ddp_holding(params) is not None:
         raise UnsupportedError(

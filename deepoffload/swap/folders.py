@@ -25,8 +25,11 @@ _owned: dict[str, int] = {}  # folder -> id of the process that created it (a fo
 
 
 def current_rank() -> int:
-    """This process's rank: from the default ``torch.distributed`` process group when one is initialised, else
-    ``$RANK`` (set by torchrun), else 0.
+    """This process's rank.
+
+    Returns:
+        The rank in the default ``torch.distributed`` process group when one is initialised, else ``$RANK`` (set by
+        torchrun), else 0.
     """
     import torch.distributed as dist
 
@@ -36,12 +39,23 @@ def current_rank() -> int:
 
 
 def create_run_folder(base: str | None, rank: int | None = None) -> str:
-    """Create and return a fresh folder for this run's swap files under ``base`` (None: the temp folder; created if
-    missing, but its parent must exist), first removing the run folders there of processes no longer alive. Warns
-    when ``base`` is on a filesystem that keeps files in memory (tmpfs).
+    """Create and return a fresh folder for this run's swap files under ``base``.
 
-    The folder is registered for removal at interpreter exit; ``remove_run_folder`` removes it earlier, and
-    ``keep_run_folder`` keeps it.
+    First removes the run folders there of processes no longer alive. Warns when ``base`` is on a filesystem that
+    keeps files in memory (tmpfs). The folder is registered for removal at interpreter exit; ``remove_run_folder``
+    removes it earlier, and ``keep_run_folder`` keeps it.
+
+    Args:
+        base: The base folder (None: the temp folder); created if missing, but its parent must exist.
+        rank: The rank in the folder's name (None: ``current_rank()``).
+
+    Returns:
+        The new folder's path.
+
+    Raises:
+        OSError: When the folder cannot be created (errno and base folder in the message; ``_make_base``'s
+            ``FileNotFoundError`` for a missing parent and ``NotADirectoryError`` for a base that is a file come
+            through as they are).
     """
     base = base or tempfile.gettempdir()
     _make_base(base)
@@ -69,8 +83,14 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
 
 
 def _make_base(base: str) -> None:
-    """Create ``base`` if missing, but not its parents: a mistyped path (``/nvme0/...`` for ``/nvme/...``) must not
-    quietly put swap files on another disk.
+    """Create ``base`` if missing, but not its parents.
+
+    A mistyped path (``/nvme0/...`` for ``/nvme/...``) must not quietly put swap files on another disk.
+
+    Raises:
+        NotADirectoryError: When ``base`` exists and is not a folder.
+        FileNotFoundError: When the parent of ``base`` does not exist.
+        OSError: When ``base`` cannot be created otherwise (errno and path in the message).
     """
     if os.path.isdir(base):
         return
@@ -97,8 +117,13 @@ def _make_base(base: str) -> None:
 
 
 def memory_backed(folder: str) -> str | None:
-    """The filesystem type (``tmpfs``, ``ramfs``) when ``folder`` lies on one that keeps files in memory, else None
-    (also where mounts cannot be read: ``/proc/self/mountinfo`` is Linux's).
+    """The filesystem type when ``folder`` lies on one that keeps files in memory.
+
+    Args:
+        folder: The folder to look up.
+
+    Returns:
+        ``tmpfs`` or ``ramfs``, else None (also where mounts cannot be read: ``/proc/self/mountinfo`` is Linux's).
     """
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
@@ -148,8 +173,10 @@ def remove_run_folder_if_owned(folder: str) -> None:
 
 @atexit.register
 def _remove_owned() -> None:
-    """Remove this process's folders; a child forked after they were made (e.g. one exiting through ``sys.exit``)
-    leaves them to its parent, which still uses them.
+    """Remove this process's folders at interpreter exit.
+
+    A child forked after they were made (e.g. one exiting through ``sys.exit``) leaves them to its parent, which
+    still uses them.
     """
     pid = os.getpid()
     with _owned_lock:

@@ -1,5 +1,7 @@
-"""Clipping by a global gradient norm when the gradients are never all in memory at once: the arithmetic of
-``torch.nn.utils.clip_grad_norm_`` split into steps that can run tensor by tensor, so the results are bit-identical.
+"""Clipping by a global gradient norm when the gradients are never all in memory at once.
+
+The arithmetic of ``torch.nn.utils.clip_grad_norm_`` is split into steps that can run tensor by tensor, so the
+results are bit-identical.
 
 torch (2.13) computes one norm per gradient (``torch._foreach_norm`` for each (device, dtype) group where foreach is
 supported, else ``torch.linalg.vector_norm`` per tensor; either way a tensor's norm does not depend on the other
@@ -55,8 +57,15 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
 
 @torch.no_grad()
 def total_norm(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of all gradients from their ``tensor_norms``, given in the order torch would see the gradients
-    (``module.parameters()``, those with a gradient); 0.0 when there are none.
+    """The norm of all gradients from their ``tensor_norms``.
+
+    Args:
+        norms: The gradients' norms, given in the order torch would see the gradients (``module.parameters()``,
+            those with a gradient).
+        norm_type: The order of the norm.
+
+    Returns:
+        The total norm (0-dim, on the first norm's device); 0.0 when there are none.
     """
     if not norms:
         return torch.tensor(0.0)

@@ -22,8 +22,15 @@ from typing import Iterator
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Hold back SIGINT until the block ends, then raise ``KeyboardInterrupt``; a second SIGINT raises at once.
+
     Only in the main thread and only over Python's default handler (a handler the program installed is left to do
     its own thing).
+
+    Yields:
+        Nothing; the block runs with SIGINT held back.
+
+    Raises:
+        KeyboardInterrupt: When the block ends after a SIGINT was held back.
     """
     if (
         threading.current_thread() is not threading.main_thread()

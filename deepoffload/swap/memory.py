@@ -1,5 +1,6 @@
-"""Bytes as users write them ("6GB", "512MiB") and this process's memory as the kernel counts it: what memory
-limits (``max_memory=``) are made of.
+"""Bytes as users write them ("6GB", "512MiB") and this process's memory as the kernel counts it.
+
+These are what memory limits (``max_memory=``) are made of.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def parse_bytes(value: int | str, what: str = "max_memory") -> int:
 
 
 def process_bytes() -> int:
-    """This process's resident anonymous memory now (bytes; ``RssAnon`` of /proc/self/status), after giving freed
-    heap memory back (``malloc_trim``); 0 where the system does not say.
+    """This process's resident anonymous memory now, after giving freed heap memory back (``malloc_trim``).
+
+    Returns:
+        Bytes (``RssAnon`` of /proc/self/status); 0 where the system does not say.
     """
     trim_heap()
     try:

@@ -50,16 +50,12 @@ from .torch_optim import (
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
-    """Wraps ``optimizer`` (an instance, or a ``torch.optim.Optimizer`` class or factory called here with
-    ``params`` and ``**kwargs``) so that the tensor state of every parameter lives in files between steps.
+    """Wraps a ``torch.optim`` optimizer so that the tensor state of every parameter lives in files between steps.
 
-    ``config``: a ``SwapConfig`` (folder, buffers, chunk bytes, checksums, async-IO settings). ``max_memory``
-    (bytes, or "6GB"): the process's limit; its ``buffer_count`` and ``chunk_bytes`` are lowered to fit the process
-    as measured now, the gradients, temporaries and 64 MiB of activations, or ``MemoryError`` names the least limit
-    that works (``optimizer_budget``). Use this object
-    wherever the optimizer is used: ``step``, ``zero_grad``, LR schedulers, ``state_dict``/``load_state_dict``
-    (which return and take the real state, read from storage). ``state`` shows only what is kept in memory.
-    Under ``torch.distributed`` each rank swaps its own (local-shard) state into its own folder.
+    Use this object wherever the optimizer is used: ``step``, ``zero_grad``, LR schedulers,
+    ``state_dict``/``load_state_dict`` (which return and take the real state, read from storage). ``state`` shows
+    only what is kept in memory. Under ``torch.distributed`` each rank swaps its own (local-shard) state into its own
+    folder.
 
     Pipelining across steps (off by default): ``prefetch(params)`` starts reading the state a coming step over those
     parameters needs (e.g. while their gradients are being computed). ``step`` returns only once its writes are on
@@ -71,6 +67,42 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     2-core machine (benchmarks/optimizer_offload.py prints both). Elementwise optimizers (Adam, AdamW, SGD, Adagrad,
     RMSprop) give the same bits at any thread count; one whose step reduces a large tensor (e.g. Adafactor's norm)
     matches the in-memory optimizer run with the same thread count. Process-wide while the step runs.
+
+    Usable as a context manager (``close`` on exit). It cannot be pickled or copied: save its ``state_dict()``.
+
+    Args:
+        optimizer: The optimizer to wrap: an instance, or a ``torch.optim.Optimizer`` class or factory called here
+            with ``params`` and ``**kwargs``.
+        params: The parameters (or param groups) for a class or factory; None with an instance.
+        config: A ``SwapConfig`` (folder, buffers, chunk bytes, checksums, async-IO settings; default:
+            ``SwapConfig()``).
+        max_memory: The process's limit (bytes, or "6GB"); the config's ``buffer_count`` and ``chunk_bytes`` are
+            lowered to fit the process as measured now, the gradients, temporaries and 64 MiB of activations, or
+            ``MemoryError`` names the least limit that works (``optimizer_budget``). None: no limit.
+        **kwargs: The keyword arguments of a class or factory (e.g. ``lr``); none with an instance.
+
+    Raises:
+        TypeError: When ``optimizer`` is neither an optimizer instance nor a class or factory that builds one, an
+            instance comes with ``params`` or keyword arguments, a class comes without ``params``, the optimizer
+            is already offloaded or wrapped, its ``step`` requires a closure (``LBFGS``), or it has step hooks.
+        MemoryError: When ``max_memory`` is too small (the message names the least limit that works).
+
+    Example:
+        >>> import torch
+        >>> from deepoffload import OffloadedOptimizer, SwapConfig
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(4, 2)
+        >>> config = SwapConfig(folder=".", pin=False)
+        >>> opt = OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=1e-3)
+        >>> for _ in range(3):
+        ...     model(torch.randn(8, 4)).square().mean().backward()
+        ...     opt.step()
+        ...     opt.zero_grad()
+        >>> opt.stored_bytes()  # exp_avg, exp_avg_sq and step of the weight and the bias
+        88
+        >>> opt.state_dict()["state"][0]["step"]
+        tensor(3.)
+        >>> opt.close()
     """
 
     def __init__(
@@ -152,8 +184,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise
 
     def _unwrap(self, error: BaseException) -> None:
-        """Construction failed (e.g. a full disk): the state stored so far goes back into the wrapped optimizer's
-        memory, its swap files are removed, and it can be wrapped again.
+        """Undo a construction that failed (e.g. a full disk), noting on ``error`` what could not be undone.
+
+        The state stored so far goes back into the wrapped optimizer's memory, its swap files are removed, and it
+        can be wrapped again.
         """
         try:
             saved = self._gather_state_dict()["state"]
@@ -177,6 +211,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # -- the wrapped optimizer's params and in-memory state --------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (the same list; setting it sets theirs)."""
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -193,6 +228,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer.
+
+        Args:
+            param_group: The group: its ``params`` and the options that differ from the defaults.
+        """
         self.optimizer.add_param_group(param_group)
 
     @property
@@ -209,6 +249,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._compute_threads = count
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the wrapped optimizer's parameters.
+
+        Args:
+            set_to_none: Set them to None rather than to zero.
+        """
         self.optimizer.zero_grad(set_to_none)
 
     def _name(self, param: torch.Tensor) -> str:
@@ -223,13 +268,21 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # -- stepping ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over every parameter with a gradient; ``closure`` (if any) is evaluated once first,
-        with gradients enabled, and its result returned (the wrapped optimizer steps without it).
+        """One optimizer step over every parameter with a gradient.
 
-        If the step fails part way (a read fails, the wrapped optimizer raises), the parameters of the chunks
-        already stepped keep their step and its state, the others are untouched with their state as before; the
-        error carries a note listing both (positions in ``param_groups`` order). A failed write does not stop the
-        step: every parameter is stepped, that state stays in memory, and the ``OSError`` is raised at the end.
+        With ``step_in_backward`` on, it steps the parameters whose chunk did not complete in backward and waits for
+        the writes. If the step fails part way (a read fails, the wrapped optimizer raises), the parameters of the
+        chunks already stepped keep their step and its state, the others are untouched with their state as before;
+        the error carries a note listing both (positions in ``param_groups`` order). A failed write does not stop
+        the step: every parameter is stepped, that state stays in memory, and the ``OSError`` is raised at the end.
+        A Ctrl-C during the step takes effect once the whole step is done.
+
+        Args:
+            closure: Evaluated once first, with gradients enabled (the wrapped optimizer steps without it); None:
+                none.
+
+        Returns:
+            The closure's result, or None without one.
         """
         _check_no_step_hooks(self.optimizer)
         loss = None
@@ -249,18 +302,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return loss
 
     def step_in_backward(self, enabled: bool = True) -> None:
-        """Opt-in overlap with the backward pass: each chunk of parameters (planned in reverse order, as backward
-        produces gradients) steps as soon as all its gradients are accumulated, inside ``backward()``, while the
-        next chunks' state is read; the first chunks' state is read during the forward pass. ``step()`` then
-        steps the parameters whose chunk did not complete (e.g. some got no gradient) and waits for the writes.
-        Results are bit-identical to the plain optimizer.
+        """Opt-in overlap with the backward pass: each chunk of parameters steps inside ``backward()``.
+
+        Chunks are planned in reverse order, as backward produces gradients; each steps as soon as all its gradients
+        are accumulated, while the next chunks' state is read; the first chunks' state is read during the forward
+        pass. ``step()`` then steps the parameters whose chunk did not complete (e.g. some got no gradient) and waits
+        for the writes. Results are bit-identical to the plain optimizer.
 
         Refused (RuntimeError) for parameters of a ``DistributedDataParallel`` model, whose gradients are averaged
         only as backward ends. Requires one ``backward()`` per ``step()`` and gradients used as backward leaves
         them: a second backward before ``step()`` (gradient accumulation) raises in that backward; gradients
         changed after backward (clipping, GradScaler's unscale) are detected at ``step()``, which raises. Step
-        pre-hooks run at ``step()``, after most parameters were stepped. ``enabled=False`` returns to stepping in
-        ``step()``.
+        pre-hooks run at ``step()``, after most parameters were stepped.
+
+        Args:
+            enabled: True turns it on (nothing changes when it is on already); False returns to stepping in
+                ``step()``.
         """
         if enabled and self._backward is None:
             refuse_step_in_backward_under_ddp(self._params())
@@ -289,9 +346,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             error.add_note(note)
 
     def prefetch(self, params: Iterable[torch.Tensor]) -> None:
-        """Start reading the stored state of ``params`` in the chunks a ``step()`` over exactly these parameters
-        (those with a gradient then) will use; that step waits only for what is still in flight. Reads the step
-        does not use are released when it starts. Costs staging buffers until then (see ``SwapConfig``).
+        """Start reading the stored state of ``params`` in the chunks a ``step()`` over exactly them will use.
+
+        That step (over those with a gradient then) waits only for what is still in flight. Reads the step does not
+        use are released when it starts. Costs staging buffers until then (see ``SwapConfig``).
+
+        Args:
+            params: The parameters a coming step will step (others of this optimizer's are ignored).
         """
         chosen = set(params)
         for chunk in self._chunks([p for p in self._params() if p in chosen]):
@@ -300,7 +361,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._prefetched[key] = self._read(chunk)
 
     def _drop_prefetched(self, keep: AbstractSet[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], SwapIn]:
-        """Release the prefetched reads not in ``keep``; return (and forget) the others."""
+        """Release the prefetched reads not in ``keep``.
+
+        Returns:
+            The others (which this optimizer forgets).
+        """
         kept, prefetched, self._prefetched = {}, self._prefetched, {}
         for key, read in prefetched.items():
             if key in keep:
@@ -328,10 +393,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self._planner.plan(params)
 
     def _run(self, chunks: list[_Chunk], action: Callable[[_Chunk], None] | None) -> None:
-        """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done
-        A failed write does not stop the step: its state stays
-        in memory and the first such error is raised at the end. A failed read stops it (that chunk cannot step).
-        Transfers in flight always finish first when it stops.
+        """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done.
+
+        A failed write does not stop the step: its state stays in memory and the first such error is raised at the
+        end. A failed read stops it (that chunk cannot step). Transfers in flight always finish first when it stops.
         """
         writes: list[SwapOut] = []
         prefetched = self._drop_prefetched({tuple(map(id, chunk)) for chunk in chunks})
@@ -381,10 +446,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise error
 
     def _trim(self) -> None:
-        """Return freed heap pages to the system (``trim_heap``, which costs milliseconds) once state that lived in
-        ordinary memory was stored and freed, or half of ``chunk_bytes`` of state was read since the last time.
-        Freeing such state raises glibc's mmap threshold, after which the step's temporaries come from the heap;
-        without this the heap keeps growing through the step (measured: 1 GB of Adam state, 30-40 MB more peak).
+        """Return freed heap pages to the system (``trim_heap``, which costs milliseconds) when it is worth it.
+
+        That is once state that lived in ordinary memory was stored and freed, or half of ``chunk_bytes`` of state
+        was read since the last time. Freeing such state raises glibc's mmap threshold, after which the step's
+        temporaries come from the heap; without this the heap keeps growing through the step (measured: 1 GB of Adam
+        state, 30-40 MB more peak).
         """
         read = self.swapper.bytes_read
         if self._copied or read - self._trimmed_at >= self.config.chunk_bytes // 2:
@@ -400,8 +467,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         restore(self.optimizer, chunk, read)
 
     def _write(self, chunk: _Chunk, staged: SwapIn) -> SwapOut:
-        """Store a chunk's state after its step: the read's buffer written back as it is where nothing but its
-        values changed, the state copied out otherwise.
+        """Store a chunk's state after its step.
+
+        The read's buffer is written back as it is where nothing but its values changed, the state copied out
+        otherwise.
+
+        Returns:
+            The write in flight.
         """
         write = write_back(self.optimizer, self.swapper, chunk, staged)
         if write is not None:
@@ -418,9 +490,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``state_dict()`` with the tensor state read back from storage (copies the
-        caller owns; suitable for ``torch.save``). State-dict hooks registered on this wrapper run as torch's do.
-        Called from another thread during ``step()``, it waits for the step and returns the state after it.
+        """The wrapped optimizer's ``state_dict()`` with the tensor state read back from storage.
+
+        State-dict hooks registered on this wrapper run as torch's do. Called from another thread during ``step()``,
+        it waits for the step and returns the state after it.
+
+        Returns:
+            The state dict (``state`` and ``param_groups``); its tensors are copies the caller owns, suitable for
+            ``torch.save``.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
@@ -447,8 +524,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict (from ``state_dict()`` of this class or of the plain optimizer) and move its tensor
-        state to storage. Load-state-dict hooks registered on this wrapper run as torch's do.
+        """Load a state dict and move its tensor state to storage.
+
+        Load-state-dict hooks registered on this wrapper run as torch's do. Called from another thread during
+        ``step()``, it waits for the step first.
+
+        Args:
+            state_dict: A state dict from ``state_dict()`` of this class or of the plain optimizer.
         """
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -480,7 +562,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._backward = None
 
     def close(self) -> None:
-        """Finish all IO and remove the swap files (unless ``keep_files``). The optimizer is unusable after."""
+        """Finish all IO and remove the swap files (unless ``keep_files``); the optimizer is unusable after."""
         with self._busy:  # (another thread's step finishes first)
             try:
                 self._close_backward()

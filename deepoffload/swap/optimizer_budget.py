@@ -22,9 +22,20 @@ FORWARD_BYTES = 64 << 20
 
 
 def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config: SwapConfig) -> SwapConfig:
-    """``config`` with ``buffer_count`` (at most its own, at least ``MIN_BUFFERS``) and ``chunk_bytes`` (at most
-    its own, at least the largest parameter's state) that keep the process within ``limit`` bytes; ``MemoryError``
-    naming the least limit that works otherwise.
+    """Lower ``config``'s ``buffer_count`` and ``chunk_bytes`` so that the process stays within ``limit`` bytes.
+
+    Args:
+        params: The optimizer's parameters.
+        limit: The process's memory limit (bytes).
+        process: The process's memory now (bytes).
+        config: The config whose buffers are fitted.
+
+    Returns:
+        ``config`` with ``buffer_count`` (at most its own, at least ``MIN_BUFFERS``) and ``chunk_bytes`` (at most its
+        own, at least the largest parameter's state) that keep the process within ``limit``.
+
+    Raises:
+        MemoryError: When no such config exists; the message names the least limit that works and its parts.
     """
     sizes = [p.numel() * p.element_size() for p in params]
     largest = max(sizes, default=0)

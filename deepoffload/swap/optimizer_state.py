@@ -1,5 +1,7 @@
-"""An optimizer's per-parameter state on storage: which tensors go there, who owns them while they are there, and
-moving a chunk's state between the optimizer and the swapper.
+"""An optimizer's per-parameter state on storage.
+
+Which tensors go there, who owns them while they are there, and moving a chunk's state between the optimizer and
+the swapper.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ if TYPE_CHECKING:
 
 
 def _storable(value: Any) -> bool:
-    """A tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse momentum
-    for sparse gradients) stay in memory.
+    """Whether ``value`` can go to storage.
+
+    Returns:
+        True for a tensor with one byte buffer (strided, not quantized, not on ``meta``); others (e.g. SGD's sparse
+        momentum for sparse gradients) stay in memory.
     """
     return (
         isinstance(value, torch.Tensor)
@@ -30,10 +35,11 @@ def _storable(value: Any) -> bool:
 
 
 class _StoredState(dict):
-    """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage (it holds the
-    non-tensor values). The stored tensors belong to this entry: once it is replaced or removed (``opt.state[p] =
-    {}``, ``del opt.state[p]``, ``opt.state.clear()``, a new ``opt.state``) or cleared, they are dropped, so the
-    optimizer starts that state afresh, as it would in memory.
+    """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage.
+
+    It holds the non-tensor values. The stored tensors belong to this entry: once it is replaced or removed
+    (``opt.state[p] = {}``, ``del opt.state[p]``, ``opt.state.clear()``, a new ``opt.state``) or cleared, they are
+    dropped, so the optimizer starts that state afresh, as it would in memory.
     """
 
     cleared = False
@@ -64,9 +70,14 @@ _ALONE = _references({"t": torch.empty(0)}, "t")  # the count for a tensor its s
 
 
 def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
-    """Whether the state tensor ``values[key]`` is reached other than through its entry: referred to from elsewhere
-    (another parameter's state, the optimizer, the caller), or a view of another tensor of the entry or viewed by
-    one. A copy on storage would stop sharing its memory, so it stays in memory.
+    """Whether the state tensor ``values[key]`` is reached other than through its entry.
+
+    That is referred to from elsewhere (another parameter's state, the optimizer, the caller), or a view of another
+    tensor of the entry or viewed by one (``bases``: ids of the entry's tensors' bases). A copy on storage would stop
+    sharing its memory, so it stays in memory.
+
+    Returns:
+        True when it shares its memory.
     """
     value = values[key]
     base = value._base
@@ -104,8 +115,19 @@ def restore(optimizer: torch.optim.Optimizer, chunk: _Chunk, read: SwapIn) -> No
 def write_back(
     optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk, staged: SwapIn
 ) -> SwapOut | None:
-    """The common case, cheaply: every parameter's state holds exactly the tensors read (stepped in place,
-    none added, replaced or removed), so the read's buffer is written back as it is. None otherwise.
+    """Store a chunk's state the cheap way, writing the read's buffer back as it is, when that is possible.
+
+    That is the common case: every parameter's state holds exactly the tensors read (stepped in place, none added,
+    replaced or removed). The tensors are dropped from memory once written.
+
+    Args:
+        optimizer: The wrapped optimizer.
+        swapper: The optimizer's swapper.
+        chunk: The chunk just stepped.
+        staged: The read of the chunk's state.
+
+    Returns:
+        The write in flight, or None when the state changed otherwise (nothing done).
     """
     read = staged.wait()
     if len(read) != len(chunk):
@@ -139,8 +161,18 @@ def write_copy(
     names: dict[int, str],
     loading: bool,
 ) -> SwapOut:
-    """Store a chunk's state as it is after its step (tensors added, replaced or removed); ``names``: id(param) ->
-    its name in ``swapper``; ``loading``: the state was just loaded (its tensors may still be the caller's).
+    """Store a chunk's state as it is after its step (tensors added, replaced or removed).
+
+    Args:
+        optimizer: The wrapped optimizer.
+        swapper: The optimizer's swapper.
+        chunk: The chunk just stepped.
+        staged: The read of the chunk's state.
+        names: id(param) -> its name in ``swapper``.
+        loading: The state was just loaded (its tensors may still be the caller's).
+
+    Returns:
+        The write in flight.
     """
     state = optimizer.state
     written = {}
@@ -192,9 +224,15 @@ def write_copy(
 def read_stored(
     chunks: list[_Chunk], read: Callable[[_Chunk], SwapIn], index: dict[int, int], state: dict[int, dict[str, Any]]
 ) -> None:
-    """Copy the stored state of ``chunks`` into ``state`` (a ``state_dict()["state"]``: parameter position -> its
-    state; ``index``: id(parameter) -> position), chunk by chunk with the next one read meanwhile (``read(chunk)``
-    starts a chunk's read). A tensor already in ``state`` (put in memory by the user since it was stored) wins.
+    """Copy the stored state of ``chunks`` into ``state``, chunk by chunk with the next one read meanwhile.
+
+    A tensor already in ``state`` (put in memory by the user since it was stored) wins.
+
+    Args:
+        chunks: The chunks whose state is stored.
+        read: Starts a chunk's read.
+        index: id(parameter) -> position.
+        state: A ``state_dict()["state"]``: parameter position -> its state.
     """
     reads: list[SwapIn] = []
     try:

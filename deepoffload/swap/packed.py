@@ -1,6 +1,7 @@
-"""The packed layout of a ``TensorSwapper``: all groups in one pack file, the groups of one ``swap_out`` call in one
-page-aligned extent, written with one request; a read of one whole extent into the buffer it was last read into hands
-back the same view objects.
+"""The packed layout of a ``TensorSwapper``: all groups in one pack file.
+
+The groups of one ``swap_out`` call go in one page-aligned extent, written with one request; a read of one whole
+extent into the buffer it was last read into hands back the same view objects.
 
 ``PackFile`` hands out extents first-fit from the ranges freed earlier (merged with their neighbours), else at the
 end of the file, and cuts the file short when its last extent is freed, so the file stays about as large as the
@@ -29,8 +30,10 @@ PACKED_ALIGNMENT = 16  # packed: bytes between tensors and between groups (any d
 
 
 class Extent:
-    """``nbytes`` bytes at byte ``offset`` of ``pack.path`` holding ``members`` (group -> (start, span) in bytes,
-    relative to ``offset``), in write order. ``live``: the members whose current records point here.
+    """``nbytes`` bytes at byte ``offset`` of ``pack.path`` holding ``members``.
+
+    ``members``: group -> (start, span) in bytes, relative to ``offset``, in write order. ``live``: the members whose
+    current records point here.
     """
 
     __slots__ = ("pack", "offset", "nbytes", "members", "names", "live", "views")
@@ -101,8 +104,10 @@ class PackFile:
 
 
 class PackedLayout:
-    """A packed ``TensorSwapper``'s writes and reads of whole extents of its pack file (``pack``, which is
-    ``swapper.pack``); ``swapper._extents`` maps each group to the extent its current records point into.
+    """A packed ``TensorSwapper``'s writes and reads of whole extents of its pack file.
+
+    The pack file is ``pack``, which is ``swapper.pack``; ``swapper._extents`` maps each group to the extent its
+    current records point into.
     """
 
     def __init__(self, swapper: TensorSwapper, pack: PackFile):
@@ -160,9 +165,18 @@ class PackedLayout:
         return write
 
     def rewrite(self, groups: Groups, staged: SwapIn, on_done: Callable[[], None] | None) -> SwapOut | None:
-        """Packed fast path: ``groups`` are exactly what ``staged`` read, all of one extent, as the same tensor
-        objects (changed in place only): write the read buffer back over that extent, keeping the records.
-        None when that does not hold.
+        """Packed fast path: write the read buffer back over its extent, keeping the records, when that is right.
+
+        It is when ``groups`` are exactly what ``staged`` read, all of one extent, as the same tensor objects
+        (changed in place only).
+
+        Args:
+            groups: The groups to write.
+            staged: The read they came from.
+            on_done: As for ``TensorSwapper.swap_out``.
+
+        Returns:
+            The write in flight, or None (nothing done) when that does not hold.
         """
         swapper = self.swapper
         names = list(groups)
@@ -207,8 +221,9 @@ class PackedLayout:
         return write
 
     def settle(self, groups: list[str], extent: Extent | None, ok: bool) -> None:
-        """After a packed write to ``extent``: ``groups`` now live there (``ok``) or nowhere (the write failed, the
-        bytes there are unknown); extents left empty are freed.
+        """Record where ``groups`` live after a packed write to ``extent``; extents left empty are freed.
+
+        They now live there (``ok``) or nowhere (the write failed, the bytes there are unknown).
         """
         if extent is None:
             return

@@ -58,8 +58,15 @@ class BufferPool:
         self._pooled: dict[int, int] = {}  # data_ptr -> bytes of every pooled buffer, free or in use
 
     def try_acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A buffer of at least ``nbytes`` bytes (``prefer`` when it is a free pooled buffer), or None when all
-        pooled buffers are in use. Larger requests than ``buffer_bytes`` always succeed with a one-off buffer.
+        """A buffer of at least ``nbytes`` bytes, if one is free.
+
+        Args:
+            nbytes: The bytes needed.
+            prefer: The buffer to hand out when it is a free pooled buffer.
+
+        Returns:
+            A buffer (``prefer`` when it is free), or None when all pooled buffers are in use. Larger requests than
+            ``buffer_bytes`` always succeed with a one-off buffer.
         """
         if nbytes > self.buffer_bytes:
             return self.one_off(nbytes)
@@ -98,8 +105,9 @@ class BufferPool:
             ) from e
 
     def fit(self, nbytes: int) -> None:
-        """Pooled buffers hold at least ``nbytes`` (rounded up to the page size) from now on: smaller free ones are
-        freed now, smaller ones in use when released; new ones are made at the new size. Never shrinks.
+        """Pooled buffers hold at least ``nbytes`` (rounded up to the page size) from now on; never shrinks.
+
+        Smaller free ones are freed now, smaller ones in use when released; new ones are made at the new size.
         """
         nbytes = round_up(nbytes)
         if nbytes <= self.buffer_bytes:
@@ -110,8 +118,9 @@ class BufferPool:
         self._free = []
 
     def release(self, buffer: torch.Tensor) -> None:
-        """Give a buffer back; no view of it may be used afterwards. One-off buffers (and pooled ones smaller than
-        ``buffer_bytes`` since ``fit``) are freed.
+        """Give a buffer back; no view of it may be used afterwards.
+
+        One-off buffers (and pooled ones smaller than ``buffer_bytes`` since ``fit``) are freed.
         """
         nbytes = self._pooled.get(buffer.data_ptr())
         if nbytes is not None and nbytes < self.buffer_bytes:

@@ -1,16 +1,15 @@
-"""``TensorSwapper``: move named groups of tensors to files in a per-run folder and back, asynchronously, through a
-bounded pool of aligned staging buffers.
+"""``TensorSwapper``: move named groups of tensors to files in a per-run folder and back, asynchronously.
 
-Each group is one file, or (``packed=True``, see ``packed.py``) the groups of one ``swap_out`` call share one extent
-of a single pack file, written with one request, and groups read together from adjacent extents come back in one
-request (many small tensors then cost a few large transfers, not a file each; packed tensors are 16-byte aligned, and
-a read of one whole extent into the buffer it was last read into hands back the same view objects, which cost
-microseconds each to make). Records, helpers and transfers in flight live in ``records.py`` and ``transfers.py``.
-Each tensor keeps a ``SwapRecord`` (key, dtype, shape, bytes, file, offset, ...) and is read back sized from its
-own record. Tensors are staged through a pooled buffer (a copy, so any strides, dtype or device work; the copy is
-skipped when the tensor already sits in the staging buffer where it will be written, as tensors returned by ``swap_in``
-do). A group's previous records stay valid until its new write has completed; a failed write drops them (the file is
-unknown now) and the caller keeps its tensors.
+Transfers go through a bounded pool of aligned staging buffers. Each group is one file, or (``packed=True``, see
+``packed.py``) the groups of one ``swap_out`` call share one extent of a single pack file, written with one request,
+and groups read together from adjacent extents come back in one request (many small tensors then cost a few large
+transfers, not a file each; packed tensors are 16-byte aligned, and a read of one whole extent into the buffer it was
+last read into hands back the same view objects, which cost microseconds each to make). Records, helpers and
+transfers in flight live in ``records.py`` and ``transfers.py``. Each tensor keeps a ``SwapRecord`` (key, dtype,
+shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are staged through a pooled
+buffer (a copy, so any strides, dtype or device work; the copy is skipped when the tensor already sits in the staging
+buffer where it will be written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until
+its new write has completed; a failed write drops them (the file is unknown now) and the caller keeps its tensors.
 """
 
 from __future__ import annotations
@@ -47,11 +46,32 @@ Groups = Mapping[str, Mapping[str, torch.Tensor]]
 
 
 class TensorSwapper:
-    """Swaps named groups of tensors to files in its own run folder (rank-aware; removed on ``close`` and at exit
-    unless ``config.keep_files``). One group is one file ``<folder>/<group>.swp``; group names are file names
-    (letters, digits, ``-``, ``_``, ``.``). ``packed``: all groups live in ``<folder>/pack.swp`` instead, one
-    page-aligned extent per ``swap_out`` call (rewritten in place when the same groups come back with the same
-    sizes; else written to free space, the old extent freed once the new write is done).
+    """Swaps named groups of tensors to files in its own run folder.
+
+    The run folder is rank-aware, and removed on ``close`` and at exit unless ``config.keep_files`` (a swapper
+    dropped without ``close`` removes it then). One group is one file ``<folder>/<group>.swp``; group names are file
+    names (letters, digits, ``-``, ``_``, ``.``). Usable as a context manager (``close`` on exit).
+
+    Args:
+        config: Where and how to swap (default: ``SwapConfig()``).
+        rank: The process's rank, part of the run folder's name (None: taken from the environment).
+        packed: All groups live in ``<folder>/pack.swp`` instead, one page-aligned extent per ``swap_out`` call
+            (rewritten in place when the same groups come back with the same sizes; else written to free space, the
+            old extent freed once the new write is done).
+
+    Example:
+        >>> import torch
+        >>> from deepoffload import SwapConfig, TensorSwapper
+        >>> swapper = TensorSwapper(SwapConfig(folder=".", chunk_bytes=1 << 20, pin=False))
+        >>> swapper.swap_out({"layer0": {"weight": torch.ones(4, 4), "bias": torch.zeros(4)}}).wait()
+        4096
+        >>> swapper.groups(), swapper.stored_bytes("layer0")
+        (['layer0'], 80)
+        >>> read = swapper.swap_in(["layer0"])
+        >>> read.wait()["layer0"]["weight"].sum().item()
+        16.0
+        >>> read.release()
+        >>> swapper.close()
     """
 
     def __init__(self, config: SwapConfig | None = None, *, rank: int | None = None, packed: bool = False):
@@ -82,32 +102,64 @@ class TensorSwapper:
 
     # -- queries ------------------------------------------------------------------------------------------
     def records(self, group: str) -> Mapping[str, SwapRecord]:
-        """The records of a group's tensors on storage (empty if none)."""
+        """The records of a group's tensors on storage (empty if none).
+
+        Args:
+            group: The group's name.
+
+        Returns:
+            A copy of ``{key: SwapRecord}``.
+        """
         return dict(self._records.get(group, {}))
 
     def has(self, group: str) -> bool:
-        """True when the group has records on storage."""
+        """True when the group has records on storage.
+
+        Args:
+            group: The group's name.
+
+        Returns:
+            Whether ``group`` has at least one record on storage.
+        """
         return bool(self._records.get(group))
 
     def groups(self) -> list[str]:
+        """The names of the groups with records (on storage, or mapped from another file)."""
         return list(self._records)
 
     def stored_bytes(self, group: str | None = None) -> int:
-        """Bytes of tensor data on storage, for one group or all."""
+        """Bytes of tensor data on storage, for one group or all.
+
+        Args:
+            group: The group to count (None: all groups).
+
+        Returns:
+            The tensors' bytes (without padding; 0 for a group with nothing on storage).
+        """
         if group is not None:
             records = self._records.get(group)
             return sum(r.nbytes for r in records.values()) if records else 0
         return sum(r.nbytes for records in self._records.values() for r in records.values())
 
     def map_group(self, group: str, records: Mapping[str, SwapRecord]) -> None:
-        """Serve ``group`` read-only from tensors that already lie in another file (a checkpoint): ``records`` say
-        where (one file, absolute byte offsets, each a multiple of its element size), laid out back to back
-        (``swap_in`` reads the range from the page holding the first byte to the last byte with one request, so a
-        gap would be read too; only the unaligned tail is bounced). The staging buffer needs up to a page more than
-        the tensors' bytes.
-        ``swap_out`` of the group raises; ``discard`` forgets it and leaves the file alone. Each ``swap_in`` checks
-        that the file is still the one mapped (same inode, size and modification time): a checkpoint replaced or
-        rewritten since raises ``ChecksumError`` instead of serving other values.
+        """Serve ``group`` read-only from tensors that already lie in another file (a checkpoint).
+
+        ``swap_in`` reads the range from the page holding the first byte to the last byte with one request, so a
+        gap would be read too; only the unaligned tail is bounced. The staging buffer needs up to a page more than
+        the tensors' bytes. ``swap_out`` of the group raises; ``discard`` forgets it and leaves the file alone. Each
+        ``swap_in`` checks that the file is still the one mapped (same inode, size and modification time): a
+        checkpoint replaced or rewritten since raises ``ChecksumError`` instead of serving other values. Raises
+        ``ClosedError`` when the swapper is closed.
+
+        Args:
+            group: The group's name (letters, digits, ``-``, ``_``, ``.``).
+            records: Where the tensors lie: one file, absolute byte offsets, each a multiple of its element size,
+                laid out back to back, without checksums or DTensor shards.
+
+        Raises:
+            ValueError: When the group name is not a valid file name, the group is already on storage, or the
+                records are not back to back in one file at offsets that are multiples of their element sizes (or
+                carry checksums or DTensor shards).
         """
         self._check_open()
         self._check_group(group)
@@ -134,7 +186,14 @@ class TensorSwapper:
         self.version += 1
 
     def mapped(self, group: str) -> bool:
-        """True when ``group`` is served read-only from another file (``map_group``)."""
+        """True when ``group`` is served read-only from another file (``map_group``).
+
+        Args:
+            group: The group's name.
+
+        Returns:
+            Whether ``group`` is mapped.
+        """
         return group in self._mapped
 
     def _check_mapped(self, group: str, records: Mapping[str, SwapRecord]) -> None:
@@ -158,9 +217,22 @@ class TensorSwapper:
     ) -> SwapOut:
         """Start writing each group's tensors to its file; keep the tensors until the write is done.
 
-        ``on_done`` runs once all are written, before any staging buffer is reused: drop your references to the
-        tensors there. ``staged``: the ``SwapIn`` these tensors came from; its buffer is written from directly
-        when they all still sit where they were read (no copy), and is released once the write is done.
+        The group's previous records stay valid until the new write has completed; a failed write drops them and
+        the caller keeps its tensors. Raises ``ClosedError`` when the swapper is closed and ``ValueError`` when a
+        group name is not a valid file name or a tensor cannot be swapped.
+
+        Args:
+            groups: ``{group: {key: tensor}}`` to write (any strides, dtype or device; staged through a copy).
+            on_done: Runs once all are written, before any staging buffer is reused: drop your references to the
+                tensors there.
+            staged: The ``SwapIn`` these tensors came from; its buffer is written from directly when they all still
+                sit where they were read (no copy), and is released once the write is done.
+
+        Returns:
+            The write in flight; its ``wait()`` returns the bytes written.
+
+        Raises:
+            PermissionError: When a group is served read-only from another file (``map_group``).
         """
         self._check_open()
         if staged is not None and self._packed is not None:
@@ -217,8 +289,10 @@ class TensorSwapper:
     def _stage(
         self, group: str, entries: dict, buffer: torch.Tensor, start: int, file: str, base: int
     ) -> tuple[dict[str, SwapRecord], int]:
-        """Copy a group's tensors into ``buffer`` from ``start`` (unless already there) and zero its padding;
-        return its records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned).
+        """Copy a group's tensors into ``buffer`` from ``start`` (unless already there) and zero its padding.
+
+        Returns:
+            The group's records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned).
         """
         group_records, end = {}, 0
         checksum = None
@@ -239,10 +313,18 @@ class TensorSwapper:
         return group_records, span
 
     def write_back(self, staged: SwapIn, on_done: Callable[[], None] | None = None) -> SwapOut | None:
-        """Write the buffer of a read of one whole extent back over that extent, keeping the records: for a caller
-        that checked the tensors ``staged.wait()`` returned are still exactly the groups' tensors (changed in place
-        only). None (nothing done) when ``staged`` did not read a whole extent, or its groups live elsewhere now.
-        ``on_done`` as for ``swap_out``.
+        """Write the buffer of a read of one whole extent back over that extent, keeping the records (packed only).
+
+        For a caller that checked the tensors ``staged.wait()`` returned are still exactly the groups' tensors
+        (changed in place only). Raises ``ClosedError`` when the swapper is closed.
+
+        Args:
+            staged: The read whose buffer is written back.
+            on_done: As for ``swap_out``.
+
+        Returns:
+            The write in flight, or None (nothing done) when ``staged`` did not read a whole extent, or its groups
+            live elsewhere now.
         """
         self._check_open()
         extent, packed = staged._extent, self._packed
@@ -258,8 +340,17 @@ class TensorSwapper:
         return packed.write_back(extent, staged, on_done, tuple(staged.wait().values()))
 
     def swap_in(self, groups: Iterable[str]) -> SwapIn:
-        """Start reading the named groups back (each sized from its records). Groups with nothing on storage
-        come back empty.
+        """Start reading the named groups back, each sized from its records.
+
+        Groups read together from adjacent places in one file come back with one request. Raises ``ClosedError``
+        when the swapper is closed, and ``ChecksumError`` when a group mapped from another file (``map_group``) finds
+        that file replaced, rewritten or removed since.
+
+        Args:
+            groups: The names of the groups to read; groups with nothing on storage come back empty.
+
+        Returns:
+            The read in flight; its ``wait()`` returns ``{group: {key: tensor}}``.
         """
         self._check_open()
         groups = list(groups)
@@ -314,7 +405,14 @@ class TensorSwapper:
         return read
 
     def discard(self, group: str) -> None:
-        """Forget a group and delete its file (packed: free its part of its extent)."""
+        """Forget a group and delete its file (packed: free its part of its extent).
+
+        A group mapped from another file (``map_group``) is forgotten and its file left alone. Waits first for a
+        write of the group in flight, and for a read of it.
+
+        Args:
+            group: The group's name (unknown groups are ignored).
+        """
         self._wait_writing(group)
         if group in self._reading:  # its bytes may be reused: let the read finish first
             self._reading[group]._wait_io()
@@ -333,7 +431,7 @@ class TensorSwapper:
                 pass
 
     def wait_all(self) -> None:
-        """Wait for every write in flight; raise the first failure after all have finished."""
+        """Wait for every write in flight; raise the first failure (an ``OSError``) after all have finished."""
         error = None
         while self._pending_out:
             try:
@@ -389,9 +487,11 @@ class TensorSwapper:
                 extent.views = None
 
     def _acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor:
-        """A staging buffer of ``nbytes`` (``prefer`` when it is free): a pooled one, waiting for the oldest write
-        to free one if needed, or a one-off buffer when nothing in flight can free one (the pool's bound is then
-        exceeded only briefly).
+        """A staging buffer of ``nbytes`` (``prefer`` when it is free).
+
+        Returns:
+            A pooled buffer, waiting for the oldest write to free one if needed, or a one-off buffer when nothing in
+            flight can free one (the pool's bound is then exceeded only briefly).
         """
         while True:
             buffer = self.pool.try_acquire(nbytes, prefer)

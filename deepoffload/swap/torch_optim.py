@@ -1,5 +1,6 @@
-"""What ``OffloadedOptimizer`` needs to know of a wrapped ``torch.optim`` optimizer: which ones cannot step in
-chunks, how to step one without its hooks, and torch's thread count while it steps.
+"""What ``OffloadedOptimizer`` needs to know of a wrapped ``torch.optim`` optimizer.
+
+Which ones cannot step in chunks, how to step one without its hooks, and torch's thread count while it steps.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
-    """The optimizer's own ``step`` without torch's hook wrapper (which would run every global step hook once per
-    chunk, with the wrapped optimizer as argument).
+    """The optimizer's own ``step`` without torch's hook wrapper.
+
+    That wrapper would run every global step hook once per chunk, with the wrapped optimizer as argument.
+
+    Returns:
+        The unwrapped ``step`` bound to ``optimizer`` (its ``step`` as it is when its class's is not hooked).
     """
     step: Any = type(optimizer).step  # (torch's hook wrapper carries ``hooked`` and ``__wrapped__``)
     if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):

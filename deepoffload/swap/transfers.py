@@ -18,9 +18,33 @@ if TYPE_CHECKING:
 
 
 class SwapOut(Pending[int]):
-    """Writes in flight for some groups (``Pending``). ``wait(timeout=None)`` returns the bytes written once the new
-    records are in force and the staging buffer is released; on failure it raises the first ``OSError`` and the
-    caller's tensors stay its own (nothing was freed).
+    """Writes in flight for some groups (``Pending``), as ``TensorSwapper.swap_out`` returns them.
+
+    ``wait(timeout=None)`` returns the bytes written once the new records are in force and the staging buffer is
+    released; on failure it raises the first ``OSError`` and the caller's tensors stay its own (nothing was freed).
+    Made by the swapper, not by callers.
+
+    Args:
+        swapper: The swapper whose groups are written.
+        requests: The write requests in flight.
+        records: ``{group: {key: SwapRecord}}``: the records that come into force once the writes are done.
+        buffers: The staging buffer written from, and the swap-in buffer it replaces, if any (released when done).
+        sources: The caller's tensors, kept alive until their bytes are written.
+        on_done: Runs once all are written, before any staging buffer is reused.
+        extent: Packed: where these groups are being written (new, or theirs rewritten in place).
+        rewrite: The groups' records stay as they are (same sizes, same place).
+        shifts: ``{group: its tensors' position in the staging buffer less their file offset}``.
+
+    Example:
+        >>> import torch
+        >>> from deepoffload import SwapConfig, TensorSwapper
+        >>> swapper = TensorSwapper(SwapConfig(folder=".", pin=False))
+        >>> write = swapper.swap_out({"layer0": {"weight": torch.ones(2, 2)}})
+        >>> write.staged()["layer0"]["weight"].tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+        >>> write.wait(), write.done()
+        (4096, True)
+        >>> swapper.close()
     """
 
     def __init__(
@@ -47,13 +71,19 @@ class SwapOut(Pending[int]):
         self._result: int | BaseException | None = None
 
     def done(self) -> bool:
+        """True once the writes have finished, successfully or not; never blocks."""
         return self._result is not None or all(r.done() for r in self._requests)
 
     def staged(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The tensors being written, as views of the staging buffer the write reads from (CPU tensors that are not
-        DTensors; others are left out), for a caller that frees its own tensors now rather than when the write is
-        done: from here on this write no longer keeps the caller's tensors alive. The views hold the same bytes;
-        they stay valid until ``on_done`` runs, and for good if the write fails (the buffer leaves the pool).
+        """The tensors being written, as views of the staging buffer the write reads from.
+
+        For a caller that frees its own tensors now rather than when the write is done: from here on this write no
+        longer keeps the caller's tensors alive. The views hold the same bytes; they stay valid until ``on_done``
+        runs, and for good if the write fails (the buffer leaves the pool).
+
+        Returns:
+            ``{group: {key: view}}`` of the CPU tensors that are not DTensors (others are left out; empty tensors
+            too); empty once the write has finished.
         """
         if self._result is not None or not self._buffers or not self._shifts:
             return {}
@@ -78,6 +108,17 @@ class SwapOut(Pending[int]):
         return views
 
     def wait(self, timeout: float | None = None) -> int:
+        """Block until the writes have finished, then put the new records in force and release the staging buffer.
+
+        Waiting again returns the same result or raises the same error. On failure the groups' records are dropped
+        and the buffers leave the pool (the caller's tensors stay its own); the first ``OSError`` is raised.
+
+        Args:
+            timeout: Seconds to wait at most (None: no limit); ``TimeoutError`` then, and a later wait finishes.
+
+        Returns:
+            The bytes written (whole pages).
+        """
         if self._result is None:
             if timeout is not None:
                 settle(self._requests, timeout)  # TimeoutError before anything changes; a later wait finishes
@@ -121,9 +162,32 @@ class SwapOut(Pending[int]):
 
 
 class SwapIn(Pending[dict]):
-    """Reads in flight for some groups (``Pending``). ``wait(timeout=None)`` returns ``{group: {key: tensor}}``: views
-    of one pooled buffer (CPU tensors) that stay valid until those groups are swapped out again or ``release()`` is
-    called.
+    """Reads in flight for some groups (``Pending``), as ``TensorSwapper.swap_in`` returns them.
+
+    ``wait(timeout=None)`` returns ``{group: {key: tensor}}``: views of one pooled buffer (CPU tensors) that stay
+    valid until those groups are swapped out again or ``release()`` is called. Made by the swapper, not by callers.
+
+    Args:
+        swapper: The swapper whose groups are read.
+        requests: The read requests in flight.
+        layout: ``{group: (start in the buffer, records)}``: where each tensor lands (start + its record's offset).
+        buffer: The staging buffer read into (None when there is nothing to read).
+        extent: Packed: the one extent read whole (its views may be reused), else None.
+
+    Example:
+        >>> import torch
+        >>> from deepoffload import SwapConfig, TensorSwapper
+        >>> swapper = TensorSwapper(SwapConfig(folder=".", pin=False))
+        >>> swapper.swap_out({"layer0": {"weight": torch.arange(4.0)}}).wait()
+        4096
+        >>> read = swapper.swap_in(["layer0"])
+        >>> tensors = read.wait()
+        >>> tensors["layer0"]["weight"].tolist()
+        [0.0, 1.0, 2.0, 3.0]
+        >>> read.views_of_buffer("layer0", tensors["layer0"])
+        True
+        >>> read.release()
+        >>> swapper.close()
     """
 
     def __init__(
@@ -143,9 +207,22 @@ class SwapIn(Pending[dict]):
         self._error: OSError | None = None
 
     def done(self) -> bool:
+        """True once the reads have finished, successfully or not; never blocks."""
         return self._tensors is not None or all(r.done() for r in self._requests)
 
     def wait(self, timeout: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """Block until the reads have finished; return the tensors (the same objects on every later call).
+
+        On a read error the buffer is released and the first ``OSError`` is raised; a tensor whose checksum does not
+        match raises ``ChecksumError``. Tensors swapped out from another device are copied back to it, DTensor
+        shards come back as DTensors.
+
+        Args:
+            timeout: Seconds to wait at most (None: no limit); ``TimeoutError`` then, and a later wait finishes.
+
+        Returns:
+            ``{group: {key: tensor}}``, CPU tensors being views of this read's buffer.
+        """
         if self._tensors is None:
             if timeout is not None:
                 settle(self._requests, timeout)  # TimeoutError before anything changes; a later wait finishes
@@ -165,8 +242,13 @@ class SwapIn(Pending[dict]):
         return self._tensors
 
     def _cached_views(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        """The views made the last time this extent was read into this same buffer, when its records are still
-        the same objects (the layout is unchanged): making a tensor costs microseconds, many small ones add up.
+        """The views made the last time this extent was read into this same buffer, if any.
+
+        Used when its records are still the same objects (the layout is unchanged): making a tensor costs
+        microseconds, many small ones add up.
+
+        Returns:
+            A copy of the cached ``{group: {key: view}}``, or None when there is none to reuse.
         """
         cached = self._extent.views if self._extent is not None else None
         if cached is None or cached[0] is not self._buffer or len(cached[1]) != len(self._layout):
@@ -176,8 +258,9 @@ class SwapIn(Pending[dict]):
         return dict(cached[2])
 
     def _cache_views(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Keep ``tensors`` for the next read of this extent into this buffer, when they are plain CPU views of a
-        pooled buffer and carry no checksum to verify.
+        """Keep ``tensors`` for the next read of this extent into this buffer, when that is safe.
+
+        That is when they are plain CPU views of a pooled buffer and carry no checksum to verify.
         """
         swapper = self._swapper
         if self._extent is None or swapper.config.checksum or not swapper.pool.pooled(self._buffer):
@@ -187,8 +270,18 @@ class SwapIn(Pending[dict]):
             self._extent.views = (self._buffer, records, dict(tensors))
 
     def views_of_buffer(self, group: str, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """True when ``tensors`` are exactly the tensors ``wait()`` returned for ``group`` (the same objects, all
-        CPU views of this read's buffer), so their bytes already sit where that group's file layout puts them.
+        """True when ``tensors`` are exactly the tensors ``wait()`` returned for ``group``.
+
+        That is the same objects, all CPU views of this read's buffer, so their bytes already sit where that group's
+        file layout puts them.
+
+        Args:
+            group: The group's name.
+            tensors: ``{key: tensor}`` to compare.
+
+        Returns:
+            Whether ``tensors`` are this read's own views for ``group`` (False before ``wait()``, after
+            ``release()``, or for a group it did not read).
         """
         mine = self._tensors.get(group) if self._tensors is not None and self._buffer is not None else None
         if mine is None or mine.keys() != tensors.keys():
@@ -200,7 +293,11 @@ class SwapIn(Pending[dict]):
         )
 
     def _wait_io(self) -> OSError | None:
-        """Finish the reads (the files may be rewritten after this); return the first error (kept for later)."""
+        """Finish the reads (the files may be rewritten after this).
+
+        Returns:
+            The first error (kept for later), or None.
+        """
         error, nbytes = self._error, 0
         for request in self._requests:
             try:
