@@ -17,8 +17,9 @@ no DCP).
 Bound lines compare with raw sequential IO through the op on the same folder (what ``deepoffload bench`` measures:
 an O_DIRECT overwrite of an existing file, not synced; a read into memory already touched), and with the least any
 checkpoint writer or loader must do: the raw bytes written to a new file, fsynced, renamed over the previous one and
-the folder fsynced (durable raw write), and read into new memory (raw read, fresh memory; first-touch page faults
-included, as for any loader that returns new tensors). These two run interleaved with the methods.
+the folder fsynced (durable raw write; and the same with the replaced file freed on a background thread, as
+``deepoffload.save`` frees it), and read into new memory (raw read, fresh memory; first-touch page faults
+included, as for any loader that returns new tensors). These run interleaved with the methods.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from deepoffload.bench.measure import BenchError, evict, scratch_file, time_tran
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.checkpoint import api as checkpoint_api
 from deepoffload.checkpoint.torch_format import record, snapshot
+from deepoffload.io import retire
 from deepoffload.io.buffers import aligned_empty
 
 
@@ -150,6 +152,7 @@ def deepspeed_fast_writer(config: dict) -> tuple[Callable[[Path], object] | None
 
 state_for_deepspeed: list = [None]
 DURABLE = "raw op write, new file+fsync+rename"
+DURABLE_ASIDE = "the same, old file freed behind"  # the replaced file freed on a thread, as deepoffload.save does
 SAVE_TARGET = 0.9  # deepoffload.save's speed against DURABLE, measured in the same run
 FRESH = "raw op read, fresh memory"
 
@@ -238,7 +241,7 @@ def main() -> int:
         saves["DeepSpeed FastFileWriter"] = (ds_save, "ds.pt")
     raw_io: dict = {}  # the raw buffer and handle, once made
 
-    def durable_raw_write(p: Path):
+    def durable_raw_write(p: Path, aside: bool = False):
         temporary = p.with_name(p.name + ".tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -246,7 +249,7 @@ def main() -> int:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(temporary, p)
+        (retire.replace if aside else os.replace)(str(temporary), str(p))
         fsync_path(p.parent)
 
     def raw_read_fresh(p: Path):
@@ -255,6 +258,7 @@ def main() -> int:
         return data
 
     saves[DURABLE] = (durable_raw_write, "raw-durable.bin")
+    saves[DURABLE_ASIDE] = (lambda p: durable_raw_write(p, aside=True), "raw-aside.bin")
     loads[FRESH] = (raw_read_fresh, "raw-fresh")
     if args.core:
         for table in (saves, loads):
@@ -287,6 +291,7 @@ def main() -> int:
                     start = time.perf_counter()
                     run(folder / file)
                     seconds[name].append(time.perf_counter() - start)
+                    retire.wait()  # a replaced file freed behind a save is freed before the next method is timed
                     evict_tree(folder / file)
                 seconds["raw op write"].append(time_transfer(handle, "write", raw, raw_path, True).seconds)
                 order = list(loads)
@@ -349,7 +354,7 @@ def main() -> int:
                 ratios = [y / x for x, y in zip(seconds[a], seconds[b])]
                 print(f"  {a} / {b}: {statistics.median(ratios):.2f}")
         raws, baseline = (
-            (("raw op write", DURABLE), "torch.save + fsync")
+            (("raw op write", DURABLE, DURABLE_ASIDE), "torch.save + fsync")
             if ours == "deepoffload.save"
             else (("raw op read", FRESH), "torch.load")
         )
@@ -362,9 +367,9 @@ def main() -> int:
                 + f"); {ours} speed / its speed = "
                 f"{statistics.median(ours_vs_raw):.2f} (per round " + " ".join(f"{x:.2f}" for x in ours_vs_raw) + ")"
             )
-            if raw == DURABLE:  # the target: a save at 0.9 of the least any durable writer must do
+            if raw in (DURABLE, DURABLE_ASIDE):  # the target: a save at 0.9 of what any durable writer must do
                 verdict = "meets" if statistics.median(ours_vs_raw) >= SAVE_TARGET else "misses"
-                print(f"  target: {ours} speed >= {SAVE_TARGET} x {DURABLE}: {verdict} it")
+                print(f"  target: {ours} speed >= {SAVE_TARGET} x {raw}: {verdict} it")
     if args.json:
         write_json(
             args.json,
@@ -405,7 +410,14 @@ def main() -> int:
 def json_results(seconds: dict[str, list[float]], groups: list[tuple[list[str], str]]) -> list[dict]:
     """Each method's time over deepoffload's (median of per-round ratios; above 1: ours is faster), against the
     project's targets: 3x torch.save + fsync, 2x torch.load, and our speed at least 0.9x the raw op's (0.9)."""
-    targets = {"torch.save + fsync": 3.0, "torch.load": 2.0, DURABLE: 0.9, FRESH: 0.9, "raw op read": 0.9}
+    targets = {
+        "torch.save + fsync": 3.0,
+        "torch.load": 2.0,
+        DURABLE: 0.9,
+        DURABLE_ASIDE: 0.9,
+        FRESH: 0.9,
+        "raw op read": 0.9,
+    }
     results = []
     for names, ours in groups:
         for name in names:
