@@ -1,5 +1,6 @@
-"""Facts about this machine, the native op and a folder, gathered as plain data (dicts of str, int, bool) that
-``deepoffload report`` renders and ``bench`` and ``tune`` consult.
+"""Facts about this machine, the native op and a folder, gathered as plain data (dicts of str, int, bool).
+
+``deepoffload report`` renders them; ``bench`` and ``tune`` consult them.
 
 Torch-free and it never builds: probe results come from the cache (or a compile of each probe), the op is loaded only
 when already built (prebuilt or in the cache), and a folder is checked by writing a small temporary file: free space,
@@ -61,6 +62,14 @@ def library_version(deb: str, rpm: str, soname: str) -> str | None:
 
 
 def versions(builder) -> dict:
+    """The versions the report shows: deepoffload, torch, Python, the compiler, the kernel, and the cache folder.
+
+    Args:
+        builder: An op builder (``op_builder.OpBuilder``) whose toolchain is asked.
+
+    Returns:
+        The versions by name; off Windows also ``libaio`` and ``liburing`` (None where not found).
+    """
     from .op_builder.builder import torch_version
     from .op_builder.cache import cache_root
 
@@ -80,7 +89,17 @@ def versions(builder) -> dict:
 
 
 def op_status(builder, results: dict) -> dict:
-    """One row of the ops table, loading the op (never building it) to self-test its engines."""
+    """One row of the ops table, loading the op (never building it) to self-test its engines.
+
+    Args:
+        builder: The op's builder (``op_builder.OpBuilder``).
+        results: The builder's probe results, by probe name.
+
+    Returns:
+        The row: whether the op is installed, compatible and built (where), its buildable engines, each probe's
+        status with an install hint, and, when built, each engine's self-test and the engine ``auto`` picks
+        (``load_error`` when loading fails, ``prebuilt_mismatch`` when the prebuilt op is for another torch).
+    """
     from .op_builder.hints import install_hint
 
     prebuilt = builder.prebuilt_info()
@@ -147,8 +166,13 @@ def filesystem(path: Path) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class DirectIO:
-    """Whether O_DIRECT writes work in a folder: ``alignment`` is the smallest length and offset (bytes) accepted
-    from page-aligned memory; ``reason`` says why not when they do not work.
+    """Whether O_DIRECT writes work in a folder.
+
+    Attributes:
+        works: True when O_DIRECT writes work there.
+        alignment: The smallest length and offset (bytes) accepted from page-aligned memory; None when they do not
+            work.
+        reason: Why not, when they do not work (else empty).
     """
 
     works: bool
@@ -194,8 +218,15 @@ def direct_io_works(path: str | os.PathLike) -> bool:
 
 
 def path_status(path: str) -> dict:
-    """Facts about the folder ``path``: free and total bytes, filesystem, mount point, writable, O_DIRECT and its
-    alignment; ``error`` when deepoffload cannot use it.
+    """Facts about the folder ``path``, with ``error`` when deepoffload cannot use it.
+
+    Args:
+        path: The folder.
+
+    Returns:
+        Its free and total bytes, filesystem, mount point, whether it is writable, O_DIRECT support and its
+        alignment; ``error`` says why deepoffload cannot use it (only the path and ``error`` when it is not an
+        existing folder).
     """
     p = Path(path)
     row: dict = {"path": str(p)}
@@ -223,6 +254,15 @@ def path_status(path: str) -> dict:
 
 
 def gather(path: str | None = None, use_cache: bool = True) -> dict:
+    """Everything ``deepoffload report`` shows: versions, each op's status and, given a folder, its facts.
+
+    Args:
+        path: A folder to check (see ``path_status``); None: none.
+        use_cache: Take probe results from the on-disk cache where it has them (False: compile every probe again).
+
+    Returns:
+        ``versions`` and ``ops`` (one row per op, see ``op_status``), and ``path`` when a folder was given.
+    """
     from .op_builder import ALL_OPS
 
     ops = []

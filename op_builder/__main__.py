@@ -1,6 +1,8 @@
-"""``python -m op_builder flags`` (installed: ``python -m deepoffload.op_builder flags``): the compile and link flags
-the builder's probes choose for the async-IO op here, so other builds of the core (tests/native/build_and_run.sh)
-use exactly the flags and features of the JIT build instead of probing again.
+"""``python -m op_builder flags``: the compile and link flags the builder's probes choose for the async-IO op here.
+
+Installed, the command is ``python -m deepoffload.op_builder flags``. Other builds of the core
+(tests/native/build_and_run.sh) use its output to get exactly the flags and features of the JIT build instead of
+probing again.
 
     flags              three lines: ``cflags: ...``, ``ldflags: ...``, ``engines: ...``
     flags --cflags     only the compile flags, shell-quoted on one line (likewise --ldflags, --engines)
@@ -52,6 +54,14 @@ def _flags(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``python -m op_builder`` with ``argv`` (default: ``sys.argv[1:]``).
+
+    Args:
+        argv: The command line after the program name; ``None`` reads ``sys.argv``.
+
+    Returns:
+        The exit status: 0 on success, 1 without a working C++ compiler, 2 for an unknown ``--without`` probe.
+    """
     parser = argparse.ArgumentParser(prog="python -m op_builder", description="Facts of the async-IO op's build.")
     commands = parser.add_subparsers(dest="command", required=True)
     flags = commands.add_parser("flags", help="compile and link flags the probes choose here")

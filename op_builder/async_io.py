@@ -39,9 +39,15 @@ URING_PROBE = function_probe(
 
 @dataclass(frozen=True)
 class Engine:
-    """One row of the engine table: an engine (or, with ``requires``, an optional feature of one) compiled in when
-    its ``probe`` passes (always, when None), with ``define`` set and ``library`` linked; ``windows``: the row
-    applies on Windows only, else everywhere else only.
+    """One row of the engine table: an engine, or (with ``requires``) an optional feature of one.
+
+    Attributes:
+        name: The engine's (or feature's) name.
+        probe: The probe that must pass for the row to be compiled in (None: always compiled in).
+        define: The preprocessor macro set (to 1) when the row is compiled in, or None.
+        library: The library linked when the row is compiled in, or None.
+        windows: True: the row applies on Windows only; False: everywhere else only.
+        requires: The engine this row is a feature of (the row is then not listed among the engines), or None.
     """
 
     name: str
@@ -53,6 +59,7 @@ class Engine:
 
     @property
     def is_engine(self) -> bool:
+        """True for an engine, False for a feature of one (a row with ``requires``)."""
         return self.requires is None
 
 
@@ -70,8 +77,10 @@ LINUX_PROBES = tuple(e.probe for e in ENGINES if e.probe is not None and not e.w
 
 
 class AsyncIOBuilder(OpBuilder):
-    """Builds and loads the async-IO op: ``load()`` is always the DeepSpeed-shaped module (``load().aio_handle(...)``
-    gives a DeepSpeed-compatible handle), ``load_native()`` the extension itself.
+    """Builds and loads the async-IO op.
+
+    ``load()`` is always the DeepSpeed-shaped module (``load().aio_handle(...)`` gives a DeepSpeed-compatible
+    handle), ``load_native()`` the extension itself.
     """
 
     NAME = "async_io"
@@ -79,17 +88,27 @@ class AsyncIOBuilder(OpBuilder):
     WRAPPER = "deepoffload.io.compat:CompatModule"
 
     def source_files(self) -> list[Path]:
+        """The op's C++ sources in csrc/aio: the Windows files on Windows, the posix files everywhere else."""
         files = sorted((self.csrc / "aio").glob("*.cpp"))
         if self.toolchain.is_windows:
             return [f for f in files if not f.stem.endswith("_posix")]
         return [f for f in files if not f.stem.endswith("_windows")]
 
     def probes(self) -> list[Probe]:
+        """The C++ compiler probe, then (not on Windows) the probes of libaio, io_pgetevents and liburing."""
         if self.toolchain.is_windows:
             return [CXX_PROBE]
         return [CXX_PROBE, *LINUX_PROBES]
 
     def probe_results(self, use_cache: bool = True) -> dict[str, ProbeResult]:
+        """Runs the probes (see ``OpBuilder.probe_results``); on Windows the Linux probes are reported not applicable.
+
+        Args:
+            use_cache: Read and update the on-disk cache of probe results (False: compile every probe again).
+
+        Returns:
+            Each probe's result by probe name, the Linux probes included on Windows (failed, ``applicable=False``).
+        """
         results = super().probe_results(use_cache)
         if self.toolchain.is_windows:
             for probe in LINUX_PROBES:
@@ -110,6 +129,14 @@ class AsyncIOBuilder(OpBuilder):
         return rows
 
     def feature_flags(self, results: dict[str, ProbeResult]) -> tuple[list[str], list[str]]:
+        """The ``-D`` defines and ``-l`` libraries (with their rpaths) of the rows a build here would contain.
+
+        Args:
+            results: The probe results, by probe name (from ``probe_results()``).
+
+        Returns:
+            (compile flags, link flags).
+        """
         cflags: list[str] = []
         ldflags: list[str] = []
         for row in self.compiled_rows(results):

@@ -52,7 +52,20 @@ _warned: set[str] = set()
 
 
 class BuildError(DeepOffloadError, RuntimeError):
-    """The op could not be built; ``compiler_lines`` holds the compiler's error lines and ``hint`` what to do."""
+    """The op could not be built; ``compiler_lines`` holds the compiler's error lines and ``hint`` what to do.
+
+    The message names the op, shows the compiler's lines (or "(no compiler output)") and ends with the hint.
+
+    Args:
+        op: The op that failed to build (e.g. ``async_io``).
+        compiler_lines: The lines of the compiler's output that say what went wrong.
+        hint: What to do about it (e.g. the command that installs a missing package).
+
+    Attributes:
+        op: The op that failed to build.
+        compiler_lines: The compiler's error lines.
+        hint: What to do about it.
+    """
 
     def __init__(self, op: str, compiler_lines: list[str], hint: str):
         self.op = op
@@ -63,9 +76,16 @@ class BuildError(DeepOffloadError, RuntimeError):
 
 
 def package_version() -> str:
-    """deepoffload's version, read from ``deepoffload/version.py`` (the file the package itself imports) without
-    importing deepoffload: beside this folder when installed (``deepoffload/op_builder``), one level down in a
-    source checkout (``op_builder/`` next to ``deepoffload/``).
+    """deepoffload's version, read from ``deepoffload/version.py`` without importing deepoffload.
+
+    ``version.py`` is the file the package itself imports; it lies beside this folder when installed
+    (``deepoffload/op_builder``), one level down in a source checkout (``op_builder/`` next to ``deepoffload/``).
+
+    Returns:
+        The ``__version__`` string of ``version.py``.
+
+    Raises:
+        BuildError: When no readable ``version.py`` with a ``__version__`` line is found (reinstall deepoffload).
     """
     for directory in PACKAGE_DIRS:
         try:
@@ -78,6 +98,12 @@ def package_version() -> str:
 
 
 def warn_once(key: str, message: str) -> None:
+    """Issues ``message`` as a ``RuntimeWarning`` the first time ``key`` is seen in this process, never again.
+
+    Args:
+        key: What the warning is about; a second warning with the same key is dropped.
+        message: The warning's text.
+    """
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -97,12 +123,20 @@ def torch_version() -> str:
 
 
 def python_abi() -> str:
+    """The interpreter's cache tag and platform (e.g. ``cpython-311-linux-x86_64``): what a binary is built for."""
     return f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
 
 
 class OpBuilder:
-    """Base class: subclasses set ``NAME`` (the op), ``MODULE`` (the native module's name) and override
-    ``source_files``, ``probes`` and ``feature_flags``.
+    """Base class of the op builders: probes, flags, build key, just-in-time build and loading.
+
+    Subclasses set ``NAME`` (the op), ``MODULE`` (the native module's name) and override ``source_files``,
+    ``probes`` and ``feature_flags``.
+
+    Args:
+        toolchain: The compiler and flags to probe and build with (default: read from the environment).
+        platform: The platform to build for (default ``sys.platform``; another one simulates it: no prebuilt op).
+        csrc: The folder of the C++ sources (default: ``csrc/`` of the source tree).
     """
 
     NAME = ""
@@ -116,6 +150,14 @@ class OpBuilder:
 
     # -- declared by subclasses -------------------------------------------------------------------------------
     def source_files(self) -> list[Path]:
+        """The op's C++ sources (declared by each subclass).
+
+        Returns:
+            The paths of the sources to compile.
+
+        Raises:
+            NotImplementedError: Always, here: a subclass declares its sources.
+        """
         raise NotImplementedError
 
     def probes(self) -> list[Probe]:
@@ -127,10 +169,26 @@ class OpBuilder:
         return [], []
 
     def engines(self, results: dict[str, ProbeResult]) -> list[str]:
+        """The engines a build here would contain, best first (none here; an op with engines overrides it).
+
+        Args:
+            results: The probe results, by probe name.
+
+        Returns:
+            The engine names.
+        """
         return []
 
     # -- probing ----------------------------------------------------------------------------------------------
     def probe_results(self, use_cache: bool = True) -> dict[str, ProbeResult]:
+        """Runs this op's probes, from the on-disk cache where it has them, compiling them where not.
+
+        Args:
+            use_cache: Read and update the on-disk cache of probe results (False: compile every probe again).
+
+        Returns:
+            Each probe's result, by probe name.
+        """
         return run_probes(self.probes(), self.toolchain, use_cache=use_cache)
 
     def is_compatible(self, results: dict[str, ProbeResult] | None = None) -> bool:
@@ -140,6 +198,7 @@ class OpBuilder:
 
     # -- flags and keys ---------------------------------------------------------------------------------------
     def base_cflags(self) -> list[str]:
+        """The compile flags of every build: optimisation, C++17, warnings and ``DEEPOFFLOAD_SANITIZE``'s sanitizers."""
         if self.toolchain.is_windows:
             return ["/O2", "/std:c++17", "/EHsc"]
         flags = ["-O2", "-std=c++17", *WARNING_FLAGS]
@@ -149,6 +208,17 @@ class OpBuilder:
         return flags
 
     def build_flags(self, results: dict[str, ProbeResult] | None = None) -> tuple[list[str], list[str]]:
+        """The compile and link flags of a build here: the base flags, the user's and those of the probed features.
+
+        Off Windows and macOS the link flags also drop torch's libraries (``--as-needed``, libstdc++ first), so the op
+        loads without ``import torch``.
+
+        Args:
+            results: The probe results, by probe name (default: ``probe_results()``).
+
+        Returns:
+            (compile flags, link flags).
+        """
         results = results if results is not None else self.probe_results()
         cflags, ldflags = self.feature_flags(results)
         cflags = [*self.base_cflags(), *self.toolchain.cflags, *cflags]
@@ -164,8 +234,17 @@ class OpBuilder:
         return cflags, ldflags
 
     def build_key(self, cflags: list[str], ldflags: list[str]) -> str:
-        """A hash of everything that changes the binary: package, torch and Python versions, compiler, flags and
-        the sources' bytes.
+        """A hash of everything that changes the binary.
+
+        That is the package, torch and Python versions, the compiler, the flags and the sources' (and headers')
+        bytes.
+
+        Args:
+            cflags: The compile flags of the build.
+            ldflags: The link flags of the build.
+
+        Returns:
+            The first 16 hex digits of the SHA-256.
         """
         h = hashlib.sha256()
         for part in (
@@ -189,13 +268,21 @@ class OpBuilder:
         return [*sources, *headers]
 
     def build_dir(self, key: str) -> Path:
+        """The cache folder of the build with ``key`` (``<cache>/build/<NAME>-<key>``)."""
         return cache_root() / "build" / f"{self.NAME}-{key}"
 
     # -- loading ----------------------------------------------------------------------------------------------
     def load(self, verbose: bool = False) -> Any:
-        """The op's module: the native module wrapped by ``WRAPPER`` when the op names one (``async_io``:
-        deepoffload's DeepSpeed-shaped module, whatever was imported before), else the native module itself.
-        ``load_native()`` never wraps.
+        """The op's module: the native module, wrapped by ``WRAPPER`` when the op names one.
+
+        For ``async_io`` that is deepoffload's DeepSpeed-shaped module, whatever was imported before; an op without
+        ``WRAPPER`` returns the native module itself. ``load_native()`` never wraps.
+
+        Args:
+            verbose: Show the compiler's output if the op is built now.
+
+        Returns:
+            The wrapped module (or the native one).
         """
         native = self.load_native(verbose=verbose)
         if self.WRAPPER is None:
@@ -204,7 +291,14 @@ class OpBuilder:
         return getattr(importlib.import_module(module), name)(native)
 
     def load_native(self, verbose: bool = False) -> ModuleType:
-        """The native module: prebuilt if it matches this torch, else built (once) in the cache."""
+        """The native module: prebuilt if it matches this torch, else built (once) in the cache.
+
+        Args:
+            verbose: Show the compiler's output if the op is built now.
+
+        Returns:
+            The extension module, loaded once per process.
+        """
         with _load_lock:
             module = _loaded.get(self.NAME)
             if module is None:
@@ -215,8 +309,13 @@ class OpBuilder:
             return module
 
     def prebuilt_info(self) -> dict | None:
-        """The build record of the prebuilt op installed with the package, or None (always for a simulated other
-        platform: what is installed here was built for this one).
+        """The build record of the prebuilt op installed with the package, or None.
+
+        Always None for a simulated other platform: what is installed here was built for this one.
+
+        Returns:
+            The op's record from ``_ops/build_info.json`` with ``torch``, ``python`` and ``folder`` added, or None
+            when no prebuilt op is installed.
         """
         if self.platform != sys.platform:
             return None
@@ -232,7 +331,14 @@ class OpBuilder:
         return None
 
     def prebuilt_matches(self, info: dict | None = None) -> bool:
-        """True when a prebuilt op is installed and was built for this torch and Python."""
+        """True when a prebuilt op is installed and was built for this torch and Python.
+
+        Args:
+            info: The prebuilt op's record (default: ``prebuilt_info()``).
+
+        Returns:
+            Whether the record exists and its torch version and Python ABI are this process's.
+        """
         info = info if info is not None else self.prebuilt_info()
         return info is not None and info.get("torch") == torch_version() and info.get("python") == python_abi()
 
@@ -259,7 +365,20 @@ class OpBuilder:
             return None
 
     def jit_load(self, verbose: bool = False) -> ModuleType:
-        """Load the cached build for the current sources and flags, building it first if needed."""
+        """Load the cached build for the current sources and flags, building it first if needed.
+
+        The build runs under a lock that other processes share; a process that finds it held waits (and says so).
+
+        Args:
+            verbose: Show the compiler's output if the op is built now.
+
+        Returns:
+            The extension module.
+
+        Raises:
+            BuildError: When no C++ compiler works (with the compiler probe's output and an install hint), or the
+                build fails.
+        """
         results = self.probe_results()
         if not results[CXX_PROBE.name].ok:
             r = results[CXX_PROBE.name]
@@ -285,14 +404,25 @@ class OpBuilder:
             return self._build(directory, cflags, ldflags, verbose)
 
     def finished_build(self, results: dict[str, ProbeResult] | None = None) -> Path | None:
-        """The cache directory of a finished build for the current sources and flags, or None (never builds)."""
+        """The cache directory of a finished build for the current sources and flags, or None (never builds).
+
+        Args:
+            results: The probe results, by probe name (default: ``probe_results()``).
+
+        Returns:
+            The build's folder when it holds ``ready.json``, else None.
+        """
         cflags, ldflags = self.build_flags(results)
         directory = self.build_dir(self.build_key(cflags, ldflags))
         return directory if (directory / "ready.json").exists() else None
 
     def _load_finished(self, directory: Path) -> ModuleType | None:
-        """Import a finished build; a build whose library is missing, altered or unloadable is discarded with a
-        warning (it will be rebuilt).
+        """Import a finished build, or discard (with a warning) one whose library is missing, altered or unloadable.
+
+        A discarded build is rebuilt by the caller.
+
+        Returns:
+            The extension module, or None when there is no finished build (or it was discarded).
         """
         record_path = directory / "ready.json"
         if not record_path.exists():
@@ -414,6 +544,15 @@ def compiler_error_lines(output: str, limit: int = 12) -> list[str]:
 
 
 def build_hint(lines: list[str], platform: str = sys.platform) -> str:
+    """What to do about a failed build, read from the compiler's error lines.
+
+    Args:
+        lines: The compiler's error lines (from ``compiler_error_lines``).
+        platform: The platform whose install commands to suggest.
+
+    Returns:
+        The install command of a missing libaio, liburing, ninja or Python headers, else advice on the compiler.
+    """
     text = "\n".join(lines).lower()
     if "libaio" in text:
         return install_hint("libaio", platform)

@@ -45,8 +45,16 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 @contextlib.contextmanager
 def exclusive_lock(path: Path, on_wait=None) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` for the ``with`` body; ``on_wait()`` is called once if another process
-    holds it. The lock dies with its holder, so there is no stale lock to recover from.
+    """Hold an exclusive lock on ``path`` for the ``with`` body.
+
+    The lock dies with its holder, so there is no stale lock to recover from.
+
+    Args:
+        path: The lock file (created, with its folder, if missing; it then holds the holder's pid).
+        on_wait: Called once (no arguments) if another process holds the lock, before waiting for it.
+
+    Yields:
+        Nothing: the body runs while the lock is held.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     if sys.platform == "win32":

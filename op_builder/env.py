@@ -27,8 +27,13 @@ class EnvError(DeepOffloadError, ValueError):
 
 @dataclass(frozen=True)
 class Variable:
-    """One variable: ``kind`` is ``flag`` (1/0, true/false, yes/no, on/off), ``int``, ``text`` or ``path``;
-    ``default`` is the value when unset (or, for a ``path``, empty).
+    """One environment variable deepoffload reads.
+
+    Attributes:
+        name: The variable's name.
+        kind: ``flag`` (1/0, true/false, yes/no, on/off), ``int``, ``text`` or ``path``.
+        default: The value when unset (or, for a ``path``, empty).
+        meaning: What it sets (shown in the documentation's table).
     """
 
     name: str
@@ -128,8 +133,19 @@ def get_path(name: str, environ: Mapping[str, str] | None = None) -> Path | None
 
 
 def raw(names: tuple[str, ...], environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The unparsed values of those of ``names`` that are set (the compiler's own variables are passed on as
-    they are).
+    """The unparsed values of those of ``names`` that are set.
+
+    The compiler's own variables are passed on as they are.
+
+    Args:
+        names: Variables of ``VARIABLES``.
+        environ: The environment to read (default: ``os.environ``).
+
+    Returns:
+        The set variables' values, by name.
+
+    Raises:
+        KeyError: When a name is not in ``VARIABLES``.
     """
     environ = os.environ if environ is None else environ
     for name in names:

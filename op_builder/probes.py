@@ -33,11 +33,22 @@ class Probe:
     description: str = ""
 
     def key(self) -> str:
+        """A hash of the probe's name, source and libraries: its entry in the cache of probe results."""
         return hashlib.sha256(f"{self.name}\0{self.source}\0{self.libraries}".encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
 class ProbeResult:
+    """What a probe found.
+
+    Attributes:
+        name: The probe's name.
+        ok: True when the program compiled and linked.
+        reason: Why it failed (the compiler's first error line, or why the compiler did not run); empty when ok.
+        output_tail: The last lines of the compiler's output of a failed probe.
+        applicable: False when the probe does not apply on this platform (the Linux probes on Windows).
+    """
+
     name: str
     ok: bool
     reason: str = ""
@@ -45,12 +56,21 @@ class ProbeResult:
     applicable: bool = True
 
     def to_json(self) -> dict:
+        """The result as a JSON-ready dict (its fields, ``output_tail`` as a list)."""
         d = asdict(self)
         d["output_tail"] = list(self.output_tail)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "ProbeResult":
+        """The result that ``to_json`` wrote as ``d`` (missing optional fields take their defaults).
+
+        Args:
+            d: A dict from ``to_json``.
+
+        Returns:
+            The result.
+        """
         return cls(d["name"], d["ok"], d.get("reason", ""), tuple(d.get("output_tail", ())), d.get("applicable", True))
 
 

@@ -23,7 +23,17 @@ SYSTEM_LIB_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
 
 @dataclass(frozen=True)
 class Toolchain:
-    """A C++ compiler and the user's flags, as the environment gives them."""
+    """A C++ compiler and the user's flags, as the environment gives them.
+
+    Attributes:
+        compiler: The compiler command (``CXX``, default ``c++``, ``cl`` on Windows).
+        compiler_path: The compiler's path on ``PATH``, or None when it is not found.
+        cflags: ``CPPFLAGS``, ``CFLAGS`` and ``CXXFLAGS`` (plus conda's include folder).
+        ldflags: ``LDFLAGS`` (plus conda's lib folder).
+        lib_dirs: The library folders of ``-L`` flags, ``LIBRARY_PATH`` and conda, for rpaths.
+        env: The toolchain variables that are set, unparsed (passed on to the compiler).
+        platform: The platform (``sys.platform``'s value) compiled for.
+    """
 
     compiler: str
     compiler_path: str | None
@@ -35,6 +45,15 @@ class Toolchain:
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None, platform: str = sys.platform) -> "Toolchain":
+        """The toolchain the environment's ``CXX``, flags, ``LIBRARY_PATH`` and ``CONDA_PREFIX`` describe.
+
+        Args:
+            environ: The environment to read (default: ``os.environ``).
+            platform: The platform compiled for (default: ``sys.platform``).
+
+        Returns:
+            The toolchain.
+        """
         environ = env.raw(ENV_VARS, environ)
         compiler = environ.get("CXX") or ("cl" if platform == "win32" else "c++")
         cflags: list[str] = []
@@ -60,11 +79,19 @@ class Toolchain:
 
     @property
     def is_windows(self) -> bool:
+        """True when compiling for Windows (MSVC's command line)."""
         return self.platform == "win32"
 
     def rpath_flags(self, library: str) -> list[str]:
-        """``-Wl,-rpath`` for each non-system directory that holds ``lib<library>.so``: a library found through
-        ``LDFLAGS``, ``LIBRARY_PATH`` or conda is then also found at run time.
+        """``-Wl,-rpath`` for each non-system directory that holds ``lib<library>.so``.
+
+        A library found through ``LDFLAGS``, ``LIBRARY_PATH`` or conda is then also found at run time.
+
+        Args:
+            library: The library's name without ``lib`` and suffix (e.g. ``aio``).
+
+        Returns:
+            One ``-Wl,-rpath,<dir>`` flag per such directory.
         """
         flags = []
         for d in self.lib_dirs:

@@ -31,6 +31,21 @@ def fio_command(
 
     Like ``intra_op_parallelism``, ``threads`` jobs each take one contiguous part; each part is a whole number of
     blocks, so up to ``threads * block_size - 1`` bytes at the end may be left out.
+
+    Args:
+        fio: The fio executable.
+        path: The test file.
+        op: fio's ``--rw``: ``read`` or ``write``.
+        nbytes: The bytes to move, at most.
+        block_size: The request size in bytes (``--bs``).
+        queue_depth: Requests in flight per job (``--iodepth``).
+        threads: The number of fio jobs (``--numjobs``).
+
+    Returns:
+        fio's command line and the bytes it moves (all jobs together).
+
+    Raises:
+        BenchError: When ``nbytes`` does not give each job a whole block.
     """
     per_job = nbytes // threads // block_size * block_size
     if per_job == 0:
@@ -57,8 +72,20 @@ def fio_command(
 
 
 def parse_fio_json(text: str, op: str) -> float:
-    """Throughput of ``op`` in bytes per second from fio's ``--output-format=json`` output (``jobs[0].<op>.bw_bytes``,
-    the whole group with ``--group_reporting``). Text before the JSON document (fio's warnings) is skipped.
+    """Throughput of ``op`` in bytes per second from fio's ``--output-format=json`` output.
+
+    The value is ``jobs[0].<op>.bw_bytes``: the whole group with ``--group_reporting``. Text before the JSON document
+    (fio's warnings) is skipped.
+
+    Args:
+        text: fio's standard output.
+        op: ``read`` or ``write``.
+
+    Returns:
+        The throughput in bytes per second.
+
+    Raises:
+        BenchError: When the output holds no such value, or it is not positive.
     """
     start = text.find("{")
     try:
@@ -74,7 +101,23 @@ def parse_fio_json(text: str, op: str) -> float:
 def run_fio(
     path: Path, op: str, nbytes: int, block_size: int, queue_depth: int, threads: int, timeout_s: float = 600.0
 ) -> Sample:
-    """Run fio once and return its transfer as a ``Sample`` (seconds = bytes / fio's reported throughput)."""
+    """Run fio once and return its transfer as a ``Sample`` (seconds = bytes / fio's reported throughput).
+
+    Args:
+        path: The test file.
+        op: ``read`` or ``write``.
+        nbytes: The bytes to move, at most (see ``fio_command``).
+        block_size: The request size in bytes.
+        queue_depth: Requests in flight per job.
+        threads: The number of fio jobs.
+        timeout_s: How long fio may run.
+
+    Returns:
+        The transfer, with tool ``fio``.
+
+    Raises:
+        BenchError: When fio is missing, times out, fails or reports no throughput.
+    """
     argv, moved = fio_command(fio_executable(), path, op, nbytes, block_size, queue_depth, threads)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)

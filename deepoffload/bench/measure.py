@@ -30,8 +30,14 @@ OPS = ("write", "read")
 
 @dataclass(frozen=True)
 class Sample:
-    """One timed transfer: ``nbytes`` moved by ``tool`` in ``seconds``, split into requests of ``block_size``
-    bytes.
+    """One timed transfer: ``nbytes`` moved by ``tool`` in ``seconds``, split into requests of ``block_size`` bytes.
+
+    Attributes:
+        tool: What moved the bytes (``deepoffload``, ``fio``, ...).
+        op: ``read`` or ``write``.
+        nbytes: The bytes moved.
+        seconds: How long the transfer took.
+        block_size: The request size in bytes.
     """
 
     tool: str
@@ -57,9 +63,19 @@ class Sample:
 
 
 def make_buffer(nbytes: int, kind: str) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` bytes: ``pinned`` is page-aligned and page-locked (the zero-copy path),
-    ``unaligned`` starts one byte past a torch allocation (the bounce-buffer path). Filled with a random
-    (incompressible) pattern. Raises ``BenchError`` when memory cannot hold it.
+    """A uint8 CPU tensor of ``nbytes`` bytes, filled with a random (incompressible) pattern.
+
+    Args:
+        nbytes: The buffer's size in bytes.
+        kind: ``pinned``: page-aligned and page-locked (the zero-copy path); ``unaligned``: starts one byte past a
+            torch allocation (the bounce-buffer path).
+
+    Returns:
+        The buffer.
+
+    Raises:
+        ValueError: When ``kind`` is not one of ``BUFFER_KINDS``.
+        BenchError: When memory cannot hold it.
     """
     if kind not in BUFFER_KINDS:
         raise ValueError(f"buffer kind must be one of {', '.join(BUFFER_KINDS)}, got {kind!r}")
@@ -106,9 +122,18 @@ def evict(path: Path) -> None:
 
 @contextlib.contextmanager
 def scratch_file(folder: str | os.PathLike, nbytes: int, spare: int = 0) -> Iterator[Path]:
-    """A new, empty file in ``folder`` for a test of ``nbytes`` bytes (plus ``spare`` bytes of headroom), removed
-    on exit whatever happens. Raises ``BenchError`` when the folder is missing, not writable or has too little
-    free space.
+    """A new, empty file in ``folder`` for a test of ``nbytes`` bytes, removed on exit whatever happens.
+
+    Args:
+        folder: The folder on the storage to measure.
+        nbytes: The bytes the test writes.
+        spare: Bytes of headroom the free space must also have.
+
+    Yields:
+        The file's path.
+
+    Raises:
+        BenchError: When the folder is missing, not writable or has too little free space.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -140,6 +165,19 @@ def time_transfer(handle: AsyncIOHandle, op: str, buffer: torch.Tensor, path: Pa
 
     Writes overwrite in place (no truncation, like fio) and, when the file is not on O_DIRECT, are fsynced so the
     time includes reaching storage. Before a read the file's cached pages are evicted (not timed).
+
+    Args:
+        handle: The handle that moves the bytes.
+        op: ``read`` or ``write``.
+        buffer: The bytes to write, or the tensor to read into.
+        path: The test file.
+        direct: Whether the file is on O_DIRECT (else writes are fsynced).
+
+    Returns:
+        The transfer, with tool ``deepoffload`` and the handle's block size.
+
+    Raises:
+        ValueError: When ``op`` is neither ``read`` nor ``write``.
     """
     if op == "write":
         start = time.perf_counter()
@@ -155,8 +193,18 @@ def time_transfer(handle: AsyncIOHandle, op: str, buffer: torch.Tensor, path: Pa
 
 
 def round_trip(config: AioConfig, buffer: torch.Tensor, path: Path, direct: bool) -> tuple[float, float]:
-    """(write GB/s, read GB/s) of one write and one read of ``buffer`` at the start of ``path`` with a new handle
-    made from ``config`` (its start-up and shutdown are not timed).
+    """(write GB/s, read GB/s) of one write and one read of ``buffer`` at the start of ``path``.
+
+    The transfers use a new handle made from ``config``; its start-up and shutdown are not timed.
+
+    Args:
+        config: The handle's settings.
+        buffer: The bytes to write and read back.
+        path: The test file.
+        direct: Whether the file is on O_DIRECT (else writes are fsynced).
+
+    Returns:
+        The write and the read throughput in GB/s.
     """
     with AsyncIOHandle(config) as handle:
         write = time_transfer(handle, "write", buffer, path, direct)

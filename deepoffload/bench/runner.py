@@ -1,5 +1,7 @@
-"""One benchmark run: our transfers, fio's and the baselines' on one test file, interleaved loop by loop
-(ours, fio, mmap, torch for writes, then the same for reads), so a noisy shared disk affects all alike.
+"""One benchmark run: our transfers, fio's and the baselines' on one test file, interleaved loop by loop.
+
+Each loop runs ours, fio, mmap and torch for writes, then the same for reads, so a noisy shared disk affects all
+alike.
 """
 
 from __future__ import annotations
@@ -26,7 +28,21 @@ UNITS = {"throughput": "GB/s (1e9 bytes per second)", "time": "seconds", "size":
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What to measure: ``nbytes`` (bytes per transfer and test-file size) in ``folder`` with ``config``."""
+    """What to measure: ``nbytes`` (bytes per transfer and test-file size) in ``folder`` with ``config``.
+
+    Attributes:
+        folder: The folder on the storage to measure (the test file is made there).
+        nbytes: Bytes per transfer, and the test file's size.
+        config: The async-IO settings (default: ``AioConfig.from_env()``).
+        ops: The transfers to time, some of ``write`` and ``read``.
+        loops: How many times each transfer is timed (at least 1).
+        buffer: The buffer kind: ``pinned`` or ``unaligned`` (see ``make_buffer``).
+        compare_fio: Also time fio on the same file and settings.
+        baselines: Also time mmap and torch.save/torch.load.
+
+    Raises:
+        ValueError: When ``loops``, ``ops`` or ``buffer`` is not one of the values above.
+    """
 
     folder: Path
     nbytes: int
@@ -48,19 +64,50 @@ class BenchSettings:
 
 @dataclass
 class BenchResult:
+    """What a run measured.
+
+    Attributes:
+        settings: What was measured.
+        engine: The engine the handle used.
+        direct_io: Whether the test file took O_DIRECT.
+        samples: Every timed transfer, in the order they ran.
+    """
+
     settings: BenchSettings
     engine: str
     direct_io: bool
     samples: list[Sample]
 
     def series(self, tool: str, op: str) -> list[Sample]:
+        """The samples of ``tool`` (``deepoffload``, ``fio``, ...) for ``op``, one per loop, in order.
+
+        Args:
+            tool: The tool that moved the bytes.
+            op: ``read`` or ``write``.
+
+        Returns:
+            The samples.
+        """
         return [s for s in self.samples if s.tool == tool and s.op == op]
 
     def ratios(self, op: str, other: str = "fio") -> list[float]:
-        """Per-loop ratio of our throughput to ``other``'s (loop i with loop i)."""
+        """Per-loop ratio of our throughput to ``other``'s (loop i with loop i).
+
+        Args:
+            op: ``read`` or ``write``.
+            other: The tool compared with (default ``fio``).
+
+        Returns:
+            One ratio per loop.
+        """
         return [ours.gbps / theirs.gbps for ours, theirs in zip(self.series("deepoffload", op), self.series(other, op))]
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as ``deepoffload bench --json`` prints it.
+
+        Returns:
+            Units, settings, the engine and, per op, each tool's summary (see ``summarize``) and its ratios to ours.
+        """
         s = self.settings
         results: dict[str, Any] = {}
         for op in s.ops:
@@ -84,7 +131,14 @@ class BenchResult:
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
-    """Per-loop and median throughput (GB/s) and time per block request and per whole transfer (seconds)."""
+    """Per-loop and median throughput (GB/s) and time per block request and per whole transfer (seconds).
+
+    Args:
+        samples: One tool's samples for one op (at least one).
+
+    Returns:
+        The summary, keyed as in ``deepoffload bench --json``.
+    """
     return {
         "gbps": [x.gbps for x in samples],
         "median_gbps": statistics.median(x.gbps for x in samples),
@@ -97,8 +151,20 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
 
 
 def run(settings: BenchSettings, on_sample: Callable[[Sample], None] | None = None) -> BenchResult:
-    """Measure as ``settings`` say; the test file is removed afterwards, also on errors. Problems the user can fix
-    raise ``BenchError``; IO failures raise ``OSError``.
+    """Measure as ``settings`` say; the test file is removed afterwards, also on errors.
+
+    A transfer that fails raises the handle's ``OSError``.
+
+    Args:
+        settings: What to measure.
+        on_sample: Called with each sample as soon as it is taken (for progress output).
+
+    Returns:
+        The samples, with the engine used and whether the file took O_DIRECT.
+
+    Raises:
+        BenchError: For problems the user can fix (no fio, too little memory or space, a folder that refuses
+            O_DIRECT with ``compare_fio``, ...).
     """
     s = settings
     if s.compare_fio:

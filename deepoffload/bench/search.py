@@ -33,13 +33,27 @@ SUBMIT_MODES = (
 
 @dataclass(frozen=True)
 class Knob:
-    """A setting to vary: each value is a dict of config changes. ``ordered`` values are climbed step by step."""
+    """A setting to vary: each value is a dict of config changes. ``ordered`` values are climbed step by step.
+
+    Attributes:
+        name: The knob's name in the output (``block_size``, ``submit``, ...).
+        values: The values to try, each a dict of ``AioConfig`` field changes.
+        ordered: True: the values are climbed one step at a time; False: every value is tried.
+    """
 
     name: str
     values: tuple[dict[str, Any], ...]
     ordered: bool
 
     def index(self, config: AioConfig) -> int | None:
+        """The position of ``config``'s value among ``values``.
+
+        Args:
+            config: The config to place.
+
+        Returns:
+            The index of the first value whose changes ``config`` already has, or None when none matches.
+        """
         for i, change in enumerate(self.values):
             if all(getattr(config, k) == v for k, v in change.items()):
                 return i
@@ -47,7 +61,15 @@ class Knob:
 
 
 def default_knobs(engines: Sequence[str], nbytes: int) -> tuple[Knob, ...]:
-    """Block size (up to ``nbytes``), queue depth, threads, submit mode and ``engines``, in the order searched."""
+    """Block size (up to ``nbytes``), queue depth, threads, submit mode and ``engines``, in the order searched.
+
+    Args:
+        engines: The engines to try.
+        nbytes: The transfer size: larger block sizes are left out (the smallest stays).
+
+    Returns:
+        The knobs.
+    """
 
     def ordered(name: str, key: str, values: Sequence[int]) -> Knob:
         return Knob(name, tuple({key: v} for v in values), True)
@@ -69,7 +91,15 @@ def combined_score(write_gbps: float, read_gbps: float) -> float:
 
 @dataclass(frozen=True)
 class Trial:
-    """One measurement of ``config``: throughputs in GB/s, ``seconds`` of wall time, ``phase`` search or repeat."""
+    """One measurement of ``config``: throughputs in GB/s, ``seconds`` of wall time, ``phase`` search or repeat.
+
+    Attributes:
+        config: The config measured.
+        write_gbps: The write throughput (GB/s).
+        read_gbps: The read throughput (GB/s).
+        seconds: The trial's wall time.
+        phase: ``search`` (the descent) or ``repeat`` (re-measuring the leaders).
+    """
 
     config: AioConfig
     write_gbps: float
@@ -79,11 +109,25 @@ class Trial:
 
     @property
     def score(self) -> float:
+        """The combined score: harmonic mean of the write and read throughput (GB/s)."""
         return combined_score(self.write_gbps, self.read_gbps)
 
 
 @dataclass
 class SearchResult:
+    """The outcome of a search.
+
+    Attributes:
+        best: The winning config.
+        best_write_gbps: The median write throughput (GB/s) of the best config's trials.
+        best_read_gbps: The median read throughput (GB/s) of the best config's trials.
+        best_score: The best config's median combined score.
+        trials: Every trial, in the order they ran.
+        elapsed_s: Seconds from the start to the end of the search.
+        budget_s: The time budget in seconds.
+        stopped: ``converged`` or ``budget``.
+    """
+
     best: AioConfig
     best_write_gbps: float  # medians over the best config's trials
     best_read_gbps: float
@@ -106,6 +150,24 @@ class Search:
 
     ``budget_s`` counts from ``started`` (a ``clock()`` reading; default now). The descent may use up to
     ``search_share`` of it; the rest goes to re-measuring the ``leaders`` best configs up to ``repeats`` times each.
+
+    Args:
+        measure: Measures a config: returns (write GB/s, read GB/s).
+        start: The config the descent starts from.
+        knobs: The settings to vary, in the order searched.
+        budget_s: The time budget in seconds (positive).
+        clock: The clock the budget is measured with.
+        started: The ``clock()`` reading the budget counts from (default: now).
+        leaders: How many of the best configs are re-measured.
+        repeats: How many trials each leader gets, at most.
+        search_share: The share of the budget the descent may use.
+        on_trial: Called with each trial as soon as it ran.
+
+    Attributes:
+        trials: Every trial so far, in the order they ran.
+
+    Raises:
+        ValueError: When ``budget_s`` is not positive.
     """
 
     def __init__(
@@ -210,8 +272,12 @@ class Search:
         return max(repeated or measured, key=self._score)
 
     def run(self) -> SearchResult:
-        """Descend, re-measure the leaders, and descend again from the leader until the descent from the leader
-        stays there (or the budget is spent).
+        """Descend, re-measure the leaders, and descend again from the leader until the descent stays there.
+
+        It also stops when the budget is spent.
+
+        Returns:
+            The best config (the best median among configs measured more than once), its throughputs and the trials.
         """
         best, stopped = self._start, "converged"
         while stopped == "converged":

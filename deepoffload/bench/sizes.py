@@ -11,7 +11,14 @@ _PATTERN = re.compile(r"\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
 def parse_size(text: str) -> int:
     """Bytes in ``text``: an integer with an optional K, M, G or T suffix (also KiB, MiB, ...), powers of 1024.
 
-    Raises ``ValueError`` saying what is accepted for anything else, including zero.
+    Args:
+        text: The size as written (case and spaces around it do not matter).
+
+    Returns:
+        The number of bytes (at least 1).
+
+    Raises:
+        ValueError: For anything else, including zero; the message says what is accepted.
     """
     match = _PATTERN.fullmatch(str(text))
     if match is None:

@@ -1,5 +1,7 @@
-"""``deepoffload bench``: how fast a folder's storage is through deepoffload, per loop and median, optionally side by
-side with fio (same file, block size, queue depth, O_DIRECT) and with mmap and torch.save/torch.load.
+"""``deepoffload bench``: how fast a folder's storage is through deepoffload, per loop and median.
+
+Optionally side by side with fio (same file, block size, queue depth, O_DIRECT) and with mmap and
+torch.save/torch.load.
 
 Throughput is in GB/s = 1e9 bytes per second. Exit status: 0 on success, 1 on an error (one line on stderr).
 """
@@ -48,6 +50,14 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The ``AioConfig`` the options ask for: ``--config`` (else the environment's), with the knobs given overriding it.
+
+    Args:
+        args: The parsed options of ``add_knob_arguments``.
+
+    Returns:
+        The ``AioConfig``.
+    """
     from ..config import AioConfig
 
     base = AioConfig.from_json(args.config) if args.config else AioConfig.from_env()
@@ -65,6 +75,11 @@ def config_from_args(args: argparse.Namespace):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``deepoffload bench``'s options to ``parser``.
+
+    Args:
+        parser: The command's subparser.
+    """
     parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to measure")
     parser.add_argument(
         "--size",
@@ -95,6 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs ``deepoffload bench``: measures, then prints a table (or JSON).
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status: 0 on success, 1 on an error (one line on stderr).
+
+    Raises:
+        BrokenPipeError: When the reader of stdout went away (``deepoffload.cli.main`` then stops quietly).
+    """
     from ..bench.measure import BenchError
     from ..config import ConfigError
 
@@ -141,6 +167,14 @@ def _seconds(value: float) -> str:
 
 
 def format_table(report: dict) -> str:
+    """The text table of a bench result: settings, then per op each tool's loops, median and times, and the ratios.
+
+    Args:
+        report: ``BenchResult.to_dict()``.
+
+    Returns:
+        The table's lines, joined.
+    """
     from ..bench.sizes import format_size
 
     c = report["config"]

@@ -1,6 +1,7 @@
-"""``deepoffload demo``: train a small built-in language model with its optimizer state on storage, next to the
-same model trained in memory, and report bytes on storage, memory saved, IO throughput, step-time overhead and
-whether the losses matched exactly.
+"""``deepoffload demo``: train a small built-in language model with its optimizer state on storage.
+
+The same model is trained in memory alongside; the demo reports bytes on storage, memory saved, IO throughput,
+step-time overhead and whether the losses matched exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "rmsprop", "adafactor")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``deepoffload demo``'s options to ``parser``.
+
+    Args:
+        parser: The command's subparser.
+    """
     parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
     parser.add_argument(
         "--model-size",
@@ -72,6 +78,15 @@ def _overhead_text(result) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs ``deepoffload demo`` (``--stream-layers``: the parameter-streaming demo) and prints what it measured.
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status: 0 when the offloaded run matched the in-memory one exactly, 1 when not or on an error
+        (the op unusable, a bad folder), 2 for bad options or an unreadable config.
+    """
     if args.steps < 1:
         print("deepoffload demo: --steps must be at least 1")
         return 2

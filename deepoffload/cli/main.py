@@ -1,6 +1,7 @@
-"""``deepoffload <command>``: each command is a module in this package with ``add_arguments(parser)`` and
-``run(args) -> int``. Command modules import torch and other heavy modules inside ``run`` only, so building the
-parser stays cheap and ``report`` stays fast.
+"""``deepoffload <command>``: the command line, one module in this package per command.
+
+Each command module has ``add_arguments(parser)`` and ``run(args) -> int``. Command modules import torch and other
+heavy modules inside ``run`` only, so building the parser stays cheap and ``report`` stays fast.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``deepoffload`` parser, with a subparser per command of ``COMMANDS`` (each module adds its options)."""
     parser = argparse.ArgumentParser(prog="deepoffload", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"deepoffload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -37,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``deepoffload`` with ``argv``: parses it and calls the command's ``run``.
+
+    Args:
+        argv: The command line after the program name; None reads ``sys.argv``.
+
+    Returns:
+        The command's exit status; 2 without a command (the help is printed), 130 on Ctrl-C, 141 (as if killed by
+        SIGPIPE) when the reader of the output went away.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

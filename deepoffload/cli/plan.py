@@ -1,5 +1,7 @@
-"""``deepoffload plan CHECKPOINT --max-memory N``: what ``offload_parameters(..., checkpoint=CHECKPOINT,
-max_memory=N)`` would keep in memory, part by part, and its expected peak; or the least limit that works.
+"""``deepoffload plan CHECKPOINT --max-memory N``: what streaming the checkpoint's model keeps in memory.
+
+That is what ``offload_parameters(..., checkpoint=CHECKPOINT, max_memory=N)`` would keep in memory, part by part,
+and its expected peak; or the least limit that works.
 
 Blocks are read from the checkpoint's names: tensors sharing a prefix that ends in a number (``model.layers.3.``)
 form one block, as the children of an ``nn.ModuleList`` do; the rest stays in memory. The process's own memory is
@@ -16,6 +18,11 @@ from typing import cast
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``deepoffload plan``'s options to ``parser``.
+
+    Args:
+        parser: The command's subparser.
+    """
     parser.add_argument("checkpoint", help="a .safetensors file, a sharded folder with its index, or a torch.save file")
     parser.add_argument(
         "--max-memory", required=True, metavar="N", help="the process's memory limit: bytes, or e.g. 6GB, 512MiB"
@@ -38,6 +45,15 @@ def blocks_of(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs ``deepoffload plan``: reads the checkpoint's tensor sizes, fits the plan to the limit and prints it.
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status: 0 when it fits, 1 when it does not (or the checkpoint cannot be read or has no blocks),
+        2 for an unreadable ``--max-memory``.
+    """
     import math
 
     import torch

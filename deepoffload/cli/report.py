@@ -1,4 +1,5 @@
 """``deepoffload report``: which ops work here, which engines, and for each missing piece why and how to get it.
+
 The facts come from ``deepoffload.diagnostics``; this module renders them as text or JSON.
 
 Warm (probes cached) it runs no compiler and does not import torch; it never builds the op. When the op is already
@@ -17,6 +18,11 @@ from ..op_builder import env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``deepoffload report``'s options to ``parser``.
+
+    Args:
+        parser: The command's subparser.
+    """
     parser.add_argument("--path", metavar="DIR", help="also check this folder: free space, filesystem, O_DIRECT")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--no-probe-cache", action="store_true", help="run the probes again instead of using the cache")
@@ -24,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- rendering ----------------------------------------------------------------------------------------------------
 class Style:
+    """Colours for the terminal: green, red and dim text (ANSI codes), or plain text.
+
+    Args:
+        enabled: Whether to colour (False: every method returns its text as it is).
+    """
+
     def __init__(self, enabled: bool):
         self.enabled = enabled
 
@@ -31,12 +43,15 @@ class Style:
         return f"\033[{code}m{text}\033[0m" if self.enabled else text
 
     def ok(self, text: str) -> str:
+        """``text`` in green."""
         return self._wrap("32", text)
 
     def bad(self, text: str) -> str:
+        """``text`` in red."""
         return self._wrap("31", text)
 
     def dim(self, text: str) -> str:
+        """``text`` dimmed."""
         return self._wrap("2", text)
 
 
@@ -53,6 +68,15 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def render(report: dict, style: Style) -> str:
+    """The report as text: the ops table, each op's probes with install hints, the versions and the folder check.
+
+    Args:
+        report: ``deepoffload.diagnostics.gather()``'s report.
+        style: The colours to use.
+
+    Returns:
+        The text.
+    """
     out = []
     yes = lambda b: style.ok("yes") if b else style.bad("no")  # noqa: E731
     op_rows = []
@@ -129,11 +153,20 @@ def render(report: dict, style: Style) -> str:
 
 
 def usable(report: dict) -> bool:
+    """True when the async-IO op can be used here: compatible, and it loads when built."""
     op = next(o for o in report["ops"] if o["name"] == "async_io")
     return bool(op["compatible"] and not op.get("load_error"))
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs ``deepoffload report``: gathers the facts and prints them as text (coloured on a terminal) or JSON.
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status: 0 when the async-IO op can be used here (and in the ``--path`` folder), 1 when not.
+    """
     report = gather(args.path, use_cache=not args.no_probe_cache)
     if args.json:
         print(json.dumps(report, indent=2))

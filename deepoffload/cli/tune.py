@@ -1,5 +1,7 @@
-"""``deepoffload tune``: search the async-IO settings that move bytes fastest in a folder, within a time budget, and
-write them as an aio JSON config (the keys ``AioConfig`` and the swappers read; real booleans and numbers).
+"""``deepoffload tune``: search the async-IO settings that move bytes fastest in a folder, within a time budget.
+
+The best settings are written as an aio JSON config (the keys ``AioConfig`` and the swappers read; real booleans and
+numbers).
 
 The score is the combined read+write throughput (see ``deepoffload.bench.search``). Exit status: 0 on success, 1 on
 an error (one line on stderr).
@@ -21,6 +23,11 @@ PLOT_HINT = "--plot needs matplotlib, which is not installed: pip install matplo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``deepoffload tune``'s options to ``parser``.
+
+    Args:
+        parser: The command's subparser.
+    """
     parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to tune for")
     parser.add_argument(
         "--budget",
@@ -50,6 +57,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs ``deepoffload tune``: checks the options, searches, writes the best config and prints the trials.
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status: 0 on success, 1 on an error (one line on stderr).
+
+    Raises:
+        BrokenPipeError: When the reader of stdout went away (``deepoffload.cli.main`` then stops quietly).
+        ValueError: For a ``--budget`` that is not a positive finite number; caught here (printed, status 1), it
+            does not escape.
+        BenchError: When ``--plot`` is asked for without matplotlib; caught here (printed, status 1), it does not
+            escape.
+    """
     started = time.monotonic()  # the budget counts everything from here: importing torch, self-tests, setup
     from ..bench.measure import BenchError
     from ..config import ConfigError
@@ -71,8 +93,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_writable(name: str) -> None:
-    """Raise ``BenchError`` unless ``name`` can be written, by trying (permission bits do not bind the superuser,
-    and /proc takes no new files): before the search, not after it. Leaves no new file behind.
+    """Raise ``BenchError`` unless ``name`` can be written, by trying: before the search, not after it.
+
+    Trying is the only test: permission bits do not bind the superuser, and /proc takes no new files. Leaves no new
+    file behind.
+
+    Args:
+        name: The file to be written.
+
+    Raises:
+        BenchError: When the file cannot be opened for appending.
     """
     from ..bench.measure import BenchError
 
@@ -156,6 +186,15 @@ def _run(args: argparse.Namespace, started: float) -> int:
 
 
 def format_trials(result, direct: bool) -> str:
+    """The table of every trial: its config, throughputs, score, its config's median and trial count; ``*`` = best.
+
+    Args:
+        result: The search's ``SearchResult``.
+        direct: Whether the test file took O_DIRECT (named in the heading).
+
+    Returns:
+        The table's lines, joined.
+    """
     import statistics
 
     from ..bench.sizes import format_size
@@ -183,7 +222,12 @@ def format_trials(result, direct: bool) -> str:
 
 
 def plot(result, path: str) -> None:
-    """Score of every trial against block size and against queue depth, one colour per engine."""
+    """Score of every trial against block size and against queue depth, one colour per engine.
+
+    Args:
+        result: The search's ``SearchResult``.
+        path: The image file to write (matplotlib picks the format from its suffix).
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -14,6 +14,17 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelSize:
+    """The shape of a demo model and of its batches.
+
+    Attributes:
+        vocab: Tokens in the vocabulary.
+        width: The embedding width.
+        layers: Transformer blocks.
+        heads: Attention heads per block.
+        context: Tokens per sequence.
+        batch: Sequences per batch.
+    """
+
     vocab: int
     width: int
     layers: int
@@ -31,8 +42,13 @@ SIZES = {
 
 
 class TinyLM(nn.Module):
-    """Token and position embeddings, pre-norm transformer blocks (torch's own encoder layer with a causal mask),
-    a final norm and an output projection.
+    """A small decoder-only language model.
+
+    Token and position embeddings, pre-norm transformer blocks (torch's own encoder layer with a causal mask), a final
+    norm and an output projection.
+
+    Args:
+        size: The model's shape.
     """
 
     mask: torch.Tensor  # a buffer (register_buffer below), which nn.Module's __getattr__ types as Tensor | Module
@@ -51,18 +67,44 @@ class TinyLM(nn.Module):
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(size.context), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits for the next token at each position; ``tokens`` is (batch, context) int64."""
+        """Logits for the next token at each position.
+
+        Args:
+            tokens: (batch, context) int64 tokens.
+
+        Returns:
+            (batch, context, vocab) logits.
+        """
         x = self.embed(tokens) + self.position[: tokens.shape[1]]
         x = self.blocks(x, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
         return self.head(self.norm(x))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next-token cross-entropy over a batch.
+
+        Args:
+            tokens: (batch, context + 1) int64 tokens (as ``SyntheticText.batch()`` gives them).
+
+        Returns:
+            The mean loss (a scalar).
+        """
         logits = self(tokens[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def build_model(size: str | ModelSize, seed: int = 0) -> TinyLM:
-    """The model for a named size (``SIZES``), with weights drawn from ``seed``."""
+    """The model for a named size (``SIZES``), with weights drawn from ``seed``.
+
+    Args:
+        size: A name of ``SIZES``, or a ``ModelSize``.
+        seed: The seed of the initial weights.
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: When ``size`` names no size.
+    """
     if isinstance(size, str):
         if size not in SIZES:
             raise ValueError(f"model size {size!r}: expected one of {', '.join(SIZES)}")
@@ -72,7 +114,12 @@ def build_model(size: str | ModelSize, seed: int = 0) -> TinyLM:
 
 
 class SyntheticText:
-    """Batches of token sequences from a fixed random Markov chain (each token has 8 likely successors)."""
+    """Batches of token sequences from a fixed random Markov chain (each token has 8 likely successors).
+
+    Args:
+        size: The shape of the batches (``vocab``, ``context``, ``batch``).
+        seed: The seed of the chain and of the batches.
+    """
 
     def __init__(self, size: ModelSize, seed: int = 0):
         self.size = size

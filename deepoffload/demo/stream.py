@@ -1,8 +1,10 @@
-"""``deepoffload demo --stream-layers``: train a language model whose parameters, gradients and Adam state are many
-times the memory it keeps resident, streaming its transformer blocks from storage (``offload_parameters``, fused
-mode), next to the same model trained in memory, and compare losses and resident bytes. The streamed model is built
-on the ``meta`` device and loaded block by block straight to storage from a safetensors checkpoint of the in-memory
-model's starting weights (written first, removed afterwards), so it never exists whole in memory.
+"""``deepoffload demo --stream-layers``: train a language model much larger than the memory it keeps resident.
+
+The model's parameters, gradients and Adam state are many times the memory it keeps resident: its transformer
+blocks are streamed from storage (``offload_parameters``, fused mode), next to the same model trained in memory, and
+the losses and resident bytes are compared. The streamed model is built on the ``meta`` device and loaded block by
+block straight to storage from a safetensors checkpoint of the in-memory model's starting weights (written first,
+removed afterwards), so it never exists whole in memory.
 """
 
 from __future__ import annotations
@@ -31,7 +33,21 @@ STREAM_SIZE = ModelSize(vocab=256, width=256, layers=16, heads=4, context=64, ba
 
 @dataclass
 class StreamResult:
-    """Figures of one streamed-training demo run. Bytes, seconds."""
+    """Figures of one streamed-training demo run. Bytes, seconds.
+
+    Attributes:
+        parameters: The model's parameter count.
+        losses_memory: The in-memory run's loss per step.
+        losses_streamed: The streamed run's loss per step.
+        seconds_memory: The in-memory run's training time.
+        seconds_streamed: The streamed run's training time.
+        memory_state_bytes: The in-memory run's weights, gradients and optimizer state.
+        streamed_resident_bytes: The streamed run at its peak: block parameters, gradients, staging, and the rest of
+            the model with its state.
+        stored_bytes: The streamed run's weights and optimizer state on storage.
+        bytes_moved: Bytes the streamed run read and wrote.
+        params_match: Whether the two runs' final parameters are identical.
+    """
 
     parameters: int
     losses_memory: list[float] = field(default_factory=list)
@@ -46,6 +62,7 @@ class StreamResult:
 
     @property
     def losses_match(self) -> bool:
+        """True when the two runs' losses are identical, step by step."""
         return self.losses_memory == self.losses_streamed
 
     @property
@@ -67,7 +84,17 @@ def _tensor_bytes(tensors) -> int:
 def run_stream_demo(
     steps: int, config: SwapConfig, prefetch: int = 1, progress: Callable[[int, StreamResult], None] | None = None
 ) -> StreamResult:
-    """Train ``STREAM_SIZE`` for ``steps`` Adam steps in memory and streamed (alternating which goes first)."""
+    """Train ``STREAM_SIZE`` for ``steps`` Adam steps in memory and streamed (alternating which goes first).
+
+    Args:
+        steps: Training steps.
+        config: Where and how the streamed run swaps (its folder also holds the temporary checkpoint).
+        prefetch: Blocks the streamed run reads ahead.
+        progress: Called after each step with the step's index and the figures so far.
+
+    Returns:
+        The figures of both runs.
+    """
     make = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
     reference = build_model(STREAM_SIZE)
     data = SyntheticText(STREAM_SIZE)
@@ -132,7 +159,15 @@ def _mb(nbytes: float) -> str:
 
 
 def report_stream(steps: int, config: SwapConfig) -> int:
-    """Run the demo with a progress bar and print its figures; exit code 0 when losses and parameters match."""
+    """Run the demo with a progress bar and print its figures.
+
+    Args:
+        steps: Training steps.
+        config: Where and how the streamed run swaps.
+
+    Returns:
+        The exit status: 0 when losses and parameters match, 1 when not or when storage fails.
+    """
     from tqdm import tqdm
 
     print(

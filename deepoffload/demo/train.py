@@ -1,5 +1,7 @@
-"""Train the same model twice, step by step in lockstep: optimizer state in memory (reference) and on storage
-(``OffloadedOptimizer``), and measure what offloading costs and saves.
+"""Train the same model twice in lockstep, optimizer state in memory and on storage, and measure the difference.
+
+The reference keeps its optimizer state in memory, the other run on storage (``OffloadedOptimizer``); the demo
+measures what offloading costs and saves.
 """
 
 from __future__ import annotations
@@ -27,7 +29,23 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 
 @dataclass
 class DemoResult:
-    """Figures of one demo run. Times in seconds, sizes in bytes."""
+    """Figures of one demo run. Times in seconds, sizes in bytes.
+
+    Attributes:
+        parameters: The model's parameter count.
+        steps: Training steps.
+        losses_memory: The in-memory run's loss per step.
+        losses_offloaded: The offloaded run's loss per step.
+        step_seconds_memory: The in-memory run's time per step.
+        step_seconds_offloaded: The offloaded run's time per step.
+        optimizer_seconds_offloaded: The offloaded run's ``optimizer.step()`` time per step.
+        bytes_moved_per_step: Bytes the offloaded optimizer read and wrote, per step.
+        state_bytes_memory: The in-memory optimizer's state.
+        state_bytes_on_storage: The offloaded optimizer's state on storage.
+        staging_bytes: The offloaded optimizer's staging buffers.
+        params_match: Whether the two runs' final parameters are identical.
+        folder: The folder of the swap files.
+    """
 
     parameters: int
     steps: int
@@ -45,6 +63,7 @@ class DemoResult:
 
     @property
     def losses_match(self) -> bool:
+        """True when the two runs' losses are identical, step by step."""
         return self.losses_memory == self.losses_offloaded
 
     @property
@@ -54,8 +73,9 @@ class DemoResult:
 
     @property
     def io_gb_per_s(self) -> float:
-        """Bytes read plus written per second of offloaded optimizer step, in GB/s (1e9 bytes/s); the first step
-        (which makes the state and only writes) is excluded when there are more.
+        """Bytes read plus written per second of offloaded optimizer step, in GB/s (1e9 bytes/s).
+
+        The first step (which makes the state and only writes) is excluded when there are more.
         """
         skip = 1 if len(self.optimizer_seconds_offloaded) > 1 else 0
         seconds = sum(self.optimizer_seconds_offloaded[skip:])
@@ -63,8 +83,9 @@ class DemoResult:
 
     @property
     def step_overheads(self) -> list[float]:
-        """Per step after the first (which creates the state): offloaded step time over the in-memory step's, minus
-        1. The two runs alternate which goes first each step, so each ratio compares steps taken side by side.
+        """Per step after the first (which creates the state): offloaded step time over the in-memory step's, minus 1.
+
+        The two runs alternate which goes first each step, so each ratio compares steps taken side by side.
         """
         return [
             off / mem - 1 for off, mem in zip(self.step_seconds_offloaded[1:], self.step_seconds_memory[1:]) if mem > 0
@@ -104,7 +125,21 @@ def run_demo(
     config: SwapConfig,
     progress: Callable[[int, DemoResult], None] | None = None,
 ) -> DemoResult:
-    """Train ``model_size`` for ``steps`` steps both ways, alternating which goes first each step."""
+    """Train ``model_size`` for ``steps`` steps both ways, alternating which goes first each step.
+
+    Args:
+        model_size: A name of ``deepoffload.demo.model.SIZES``.
+        steps: Training steps.
+        optimizer: A name of ``OPTIMIZERS``.
+        config: Where and how the offloaded optimizer swaps.
+        progress: Called after each step with the step's index and the figures so far.
+
+    Returns:
+        The figures of both runs.
+
+    Raises:
+        ValueError: When ``optimizer`` names no optimizer.
+    """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     make = OPTIMIZERS[optimizer]

@@ -53,8 +53,25 @@ _CHILDREN = object()  # marks the saved environment variable that reaches child 
 
 
 class AsyncIOBuilder:
-    """DeepSpeed's ``AsyncIOBuilder`` interface over deepoffload's op: ``load()`` and ``jit_load()`` return the
-    DeepSpeed-compatible module (built in seconds on first use, cached after).
+    """DeepSpeed's ``AsyncIOBuilder`` interface over deepoffload's op.
+
+    ``load()`` and ``jit_load()`` return the DeepSpeed-compatible module (built in seconds on first use, cached
+    after). ``enable()`` puts this class wherever DeepSpeed binds its own.
+
+    Args:
+        name: The builder's name (default: ``NAME``, ``async_io``).
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.integrations.deepspeed import AsyncIOBuilder
+        >>> handle = AsyncIOBuilder().load().aio_handle()
+        >>> handle.sync_pwrite(torch.arange(4.0), "tensor.bin")
+        1
+        >>> back = torch.zeros(4)
+        >>> handle.sync_pread(back, "tensor.bin")
+        1
+        >>> back
+        tensor([0., 1., 2., 3.])
     """
 
     BUILD_VAR = "DS_BUILD_AIO"
@@ -65,30 +82,72 @@ class AsyncIOBuilder:
         self.name = name or self.NAME
 
     def absolute_name(self) -> str:
+        """The op's module name as DeepSpeed's builder gives it (``deepspeed.ops.aio.async_io_op``)."""
         return f"deepspeed.ops.aio.{self.NAME}_op"
 
     def is_compatible(self, verbose: bool = False) -> bool:
+        """Always True: the op builds wherever a C++ compiler works (``verbose`` is DeepSpeed's, unused)."""
         return True
 
     def load(self, verbose: bool = True):
+        """deepoffload's DeepSpeed-compatible async-IO module, built on first use and cached.
+
+        Args:
+            verbose: Accepted for DeepSpeed's signature; unused.
+
+        Returns:
+            The module with DeepSpeed's ``aio_handle``, ``aio_read``, ``aio_write`` and ``deepspeed_memcpy``.
+        """
         from ..op_builder import AsyncIOBuilder as Builder
 
         return Builder().load()
 
     def jit_load(self, verbose: bool = True):
+        """As ``load()`` (DeepSpeed's name for a just-in-time build).
+
+        Args:
+            verbose: Accepted for DeepSpeed's signature; unused.
+
+        Returns:
+            What ``load()`` returns.
+        """
         return self.load(verbose)
 
 
 class GDSBuilder(AsyncIOBuilder):
-    """GPUDirect Storage is not provided by deepoffload: every use raises, naming what to do."""
+    """GPUDirect Storage is not provided by deepoffload: every use raises, naming what to do.
+
+    ``is_compatible()`` is False and ``load()`` raises ``UnsupportedError``.
+
+    Args:
+        name: The builder's name (default: ``NAME``, ``gds``).
+
+    Example:
+        >>> from deepoffload.integrations.deepspeed import GDSBuilder
+        >>> GDSBuilder().is_compatible()
+        False
+        >>> GDSBuilder().load()
+        Traceback (most recent call last):
+        ...
+        deepoffload.errors.UnsupportedError: deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: ...
+    """
 
     BUILD_VAR = "DS_BUILD_GDS"
     NAME = "gds"
 
     def is_compatible(self, verbose: bool = False) -> bool:
+        """Always False: deepoffload has no GDS op (``verbose`` is DeepSpeed's, unused)."""
         return False
 
     def load(self, verbose: bool = True):
+        """Raises: deepoffload does not provide GPUDirect Storage.
+
+        Args:
+            verbose: Accepted for DeepSpeed's signature; unused.
+
+        Raises:
+            UnsupportedError: Always; the message says to set ``"use_gds": false`` or call ``disable()``.
+        """
         raise UnsupportedError(
             "deepoffload does not provide DeepSpeed's GPUDirect Storage (GDS) op: set "
             '"use_gds": false in the aio config, or call '
@@ -97,26 +156,63 @@ class GDSBuilder(AsyncIOBuilder):
 
 
 class PinMemoryBuilder(AsyncIOBuilder):
-    """DeepSpeed's ``PinMemoryBuilder``: ``load()`` returns a module whose ``pin_handle`` locks memory in the same
-    process-wide registry as the async-IO handles, so each recognises the other's buffers as pinned (nothing is
-    built).
+    """DeepSpeed's ``PinMemoryBuilder``, served by deepoffload (nothing is built).
+
+    ``load()`` returns a module whose ``pin_handle`` locks memory in the same process-wide registry as the async-IO
+    handles, so each recognises the other's buffers as pinned.
+
+    Args:
+        name: The builder's name (default: ``NAME``, ``pin_memory``).
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.integrations.deepspeed import PinMemoryBuilder
+        >>> pins = PinMemoryBuilder().load().pin_handle()
+        >>> buffer = pins.new_cpu_locked_tensor(1024, torch.empty(0))
+        >>> pins.is_pinned(buffer)
+        True
+        >>> pins.free_cpu_locked_tensor(buffer)
+        True
     """
 
     BUILD_VAR = "DS_BUILD_PIN_MEMORY"
     NAME = "pin_memory"
 
     def absolute_name(self) -> str:
+        """The op's module name as DeepSpeed's builder gives it (``deepspeed.ops.pin_memory.pin_memory_op``)."""
         return f"deepspeed.ops.pin_memory.{self.NAME}_op"
 
     def load(self, verbose: bool = True):
+        """A module with DeepSpeed's ``pin_handle`` class, on deepoffload's registry of locked buffers.
+
+        Args:
+            verbose: Accepted for DeepSpeed's signature; unused.
+
+        Returns:
+            A namespace whose ``pin_handle`` is ``deepoffload.io.compat.pin_handle``.
+        """
         from ..io.compat import pin_handle
 
         return types.SimpleNamespace(pin_handle=pin_handle)
 
 
 def cast_to_byte_tensor(tensors):
-    """DeepSpeed's ``utils`` op function used by its fast checkpoint writer: each tensor's bytes as a flat uint8
-    view (a tensor of at most one byte is returned as it is, like DeepSpeed's).
+    """DeepSpeed's ``utils`` op function used by its fast checkpoint writer, in Python.
+
+    A tensor of at most one byte is returned as it is, like DeepSpeed's.
+
+    Args:
+        tensors: A tensor, or a list or tuple of tensors.
+
+    Returns:
+        Each tensor's bytes as a flat ``uint8`` view (of a contiguous copy when it is not contiguous); a list for a
+        list or tuple.
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.integrations.deepspeed import cast_to_byte_tensor
+        >>> cast_to_byte_tensor(torch.ones(2, dtype=torch.float16))
+        tensor([ 0, 60,  0, 60], dtype=torch.uint8)
     """
     if isinstance(tensors, (list, tuple)):
         return [cast_to_byte_tensor(t) for t in tensors]
@@ -132,6 +228,7 @@ class _FastWriterUtils:
     deepoffload = True
 
     def load(self, verbose: bool = True):
+        """A namespace with ``cast_to_byte_tensor`` (``verbose`` is DeepSpeed's, unused)."""
         return types.SimpleNamespace(cast_to_byte_tensor=cast_to_byte_tensor)
 
 
@@ -146,10 +243,32 @@ NVME_RESUME_WARNING = (
 
 
 def warn_on_nvme_optimizer_resume(load_checkpoint):
-    """``load_checkpoint`` (DeepSpeed's ``DeepSpeedEngine.load_checkpoint``) called as it is, with its result returned
-    unchanged; afterwards one ``UserWarning`` when a checkpoint was loaded, optimizer states were asked for (not
-    ``load_module_only``) and the engine swaps its optimizer state to NVMe, since DeepSpeed then restores no optimizer
-    state.
+    """Wraps DeepSpeed's ``DeepSpeedEngine.load_checkpoint`` to warn where a resume loses the optimizer state.
+
+    The wrapper calls ``load_checkpoint`` as it is and returns its result unchanged; afterwards it issues one
+    ``UserWarning`` when a checkpoint was loaded, optimizer states were asked for (not ``load_module_only``) and the
+    engine swaps its optimizer state to NVMe, since DeepSpeed then restores no optimizer state.
+
+    Args:
+        load_checkpoint: The unbound ``load_checkpoint`` method to wrap.
+
+    Returns:
+        The wrapper (marked ``deepoffload = True``), to set as the engine class's ``load_checkpoint``.
+
+    Example:
+        >>> import warnings
+        >>> from deepoffload.integrations.deepspeed import warn_on_nvme_optimizer_resume
+        >>> class Engine:  # stands in for DeepSpeedEngine, with the optimizer state swapped to NVMe
+        ...     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_module_only=False):
+        ...         return f"{load_dir}/global_step1", {}
+        ...     def zero_nvme_offload_optimizer(self):
+        ...         return True
+        >>> Engine.load_checkpoint = warn_on_nvme_optimizer_resume(Engine.load_checkpoint)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     path, _ = Engine().load_checkpoint("checkpoints")
+        >>> path, [str(w.message)[:40] for w in caught]
+        ('checkpoints/global_step1', ["DeepSpeed resumed 'checkpoints/global_st"])
     """
     signature = inspect.signature(load_checkpoint)
 
@@ -171,6 +290,24 @@ def warn_on_nvme_optimizer_resume(load_checkpoint):
 
 
 def enabled() -> bool:
+    """True while ``enable()``'s replacements are in place (until ``disable()``).
+
+    Returns:
+        Whether DeepSpeed currently runs on deepoffload's op.
+
+    Example:
+        ```python
+        import os
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a machine without a GPU
+        from deepoffload.integrations import deepspeed as ds
+
+        ds.enable()
+        assert ds.enabled()
+        ds.disable()
+        assert not ds.enabled()
+        ```
+    """
     return bool(_saved)
 
 
@@ -194,8 +331,29 @@ def _deepspeed_modules() -> list[ModuleType]:
 
 
 def enable() -> None:
-    """Route every DeepSpeed use of ``AsyncIOBuilder`` to deepoffload's op and wrap ``DeepSpeedEngine.load_checkpoint``
-    with ``warn_on_nvme_optimizer_resume`` (idempotent). Raises ``ImportError`` when DeepSpeed is not installed.
+    """Route every DeepSpeed use of ``AsyncIOBuilder`` to deepoffload's op (idempotent).
+
+    It also serves ``GDSBuilder`` (which raises) and ``PinMemoryBuilder``, the fast checkpoint writer's ``utils``
+    op, the accelerator's ``get_op_builder``/``create_op_builder``, wraps ``DeepSpeedEngine.load_checkpoint`` with
+    ``warn_on_nvme_optimizer_resume``, and sets ``DEEPOFFLOAD_DEEPSPEED=1`` for child processes (see the module's
+    docstring). A second call while enabled does nothing.
+
+    Raises:
+        ImportError: When DeepSpeed is not installed (``pip install deepoffload[deepspeed]``).
+
+    Example:
+        ```python
+        import os
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a machine without a GPU
+        from deepoffload.integrations import deepspeed as ds
+
+        ds.enable()  # imports DeepSpeed
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # now deepoffload's
+
+        handle = AsyncIOBuilder().load().aio_handle()  # no DeepSpeed op is compiled
+        ds.disable()
+        ```
     """
     try:
         import deepspeed  # noqa: F401
@@ -253,8 +411,23 @@ def _patch_accelerator(replacements: Mapping[str, type]) -> None:
 
 
 def disable() -> None:
-    """Put DeepSpeed's own builders and ``load_checkpoint`` back everywhere ``enable()`` replaced them
-    (idempotent).
+    """Put DeepSpeed's own builders and ``load_checkpoint`` back everywhere ``enable()`` replaced them (idempotent).
+
+    ``DEEPOFFLOAD_DEEPSPEED`` gets its earlier value back (or is unset). Without ``enable()`` before, it does nothing.
+
+    Example:
+        ```python
+        import os
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a machine without a GPU
+        from deepoffload.integrations import deepspeed as ds
+
+        ds.enable()
+        ds.disable()
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # DeepSpeed's own again
+
+        assert not getattr(AsyncIOBuilder, "deepoffload", False)
+        ```
     """
     with _lock:
         while _saved:

@@ -1,5 +1,7 @@
-"""``enable()`` in DeepSpeed's child processes: ``ds_nvme_tune`` runs each ``ds_io`` measurement as a new process,
-and ``ds_io`` spawns its workers with ``multiprocessing``; none of them sees an ``enable()`` made in its parent.
+"""``enable()`` in DeepSpeed's child processes, which do not see an ``enable()`` made in their parent.
+
+``ds_nvme_tune`` runs each ``ds_io`` measurement as a new process, and ``ds_io`` spawns its workers with
+``multiprocessing``; none of them sees an ``enable()`` made in its parent.
 
 ``enable()`` sets ``DEEPOFFLOAD_DEEPSPEED=1`` in its process's environment, which children inherit. The package
 installs ``deepoffload-deepspeed.pth`` into site-packages; Python runs its one line at every start. With the variable
@@ -31,9 +33,10 @@ _finder: _EnableAfterImport | None = None
 
 
 def install() -> None:
-    """Calls ``deepoffload.integrations.deepspeed.enable()`` once ``deepspeed`` is imported in this process (now,
-    if it already is). An error of ``enable()`` propagates from ``import deepspeed``: the process was asked to run
-    on deepoffload's op and must not measure or train on another one silently.
+    """Calls ``deepoffload.integrations.deepspeed.enable()`` once ``deepspeed`` is imported (now, if it already is).
+
+    An error of ``enable()`` propagates from ``import deepspeed``: the process was asked to run on deepoffload's op
+    and must not measure or train on another one silently.
     """
     global _finder
     if "deepspeed" in sys.modules:
@@ -52,7 +55,9 @@ def _enable() -> None:
 
 
 class _EnableAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on the first import of ``deepspeed`` it removes itself, finds the real spec and makes
+    """An import hook that calls ``enable()`` right after DeepSpeed's ``__init__`` ran.
+
+    It finds nothing itself: on the first import of ``deepspeed`` it removes itself, finds the real spec and makes
     its loader call ``enable()`` after DeepSpeed's ``__init__`` ran.
     """
 

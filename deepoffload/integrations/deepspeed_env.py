@@ -1,6 +1,7 @@
-"""The variable that tells DeepSpeed's child processes to use deepoffload's op (see ``deepspeed_children``), set
-by ``enable()`` and restored by ``disable()``. Apart from ``deepspeed_children`` so that ``enable()`` can set it
-without importing the import hook, which itself calls ``enable()``.
+"""The variable that tells DeepSpeed's child processes to use deepoffload's op (see ``deepspeed_children``).
+
+It is set by ``enable()`` and restored by ``disable()``. It lives apart from ``deepspeed_children`` so that
+``enable()`` can set it without importing the import hook, which itself calls ``enable()``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ def mark_children() -> str | None:
 
 
 def unmark_children(previous: str | None) -> None:
+    """Gives the variable back the value ``mark_children`` returned.
+
+    Args:
+        previous: The earlier value; None unsets the variable.
+    """
     if previous is None:
         os.environ.pop(ENV, None)
     else:
