@@ -287,7 +287,7 @@ class SeekableReader(io.RawIOBase):
 
         Raises:
             ValueError: When the position would be negative (``DirectReader``: ``OSError`` with ``EINVAL``).
-        """  # noqa: DOC501, DOC502 -- ruff takes self._negative_seek(...) for an exception class; it returns one
+        """  # noqa: DOC502 -- raised as self._negative_seek(...), which ruff cannot see through
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
         if base + offset < 0:
             raise self._negative_seek(base + offset)
