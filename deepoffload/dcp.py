@@ -49,7 +49,7 @@ class OpFileSystem(_dcp_fs.FileSystem):
     """DCP's local ``FileSystem`` with streams through the async-IO op.
 
     Args:
-        config: The async-IO op's settings for every stream (default: the shared handle's).
+        config: The async-IO op's settings for every stream (default: ``AioConfig.from_env()``).
 
     Example:
         >>> from deepoffload.dcp import OpFileSystem
@@ -152,7 +152,7 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
     Args:
         path: The checkpoint's folder.
         *args: DCP's ``FileSystemWriter`` arguments (``single_file_per_rank``, ``sync_files``, ...).
-        config: The async-IO op's settings (default: the shared handle's).
+        config: The async-IO op's settings (default: ``AioConfig.from_env()``).
         **kwargs: DCP's ``FileSystemWriter`` keyword arguments.
 
     Example:
@@ -239,7 +239,7 @@ class FileSystemReader(_dcp_fs.FileSystemReader):
     Args:
         path: The checkpoint's folder.
         *args: DCP's ``FileSystemReader`` arguments.
-        config: The async-IO op's settings (default: the shared handle's).
+        config: The async-IO op's settings (default: ``AioConfig.from_env()``).
         **kwargs: DCP's ``FileSystemReader`` keyword arguments.
 
     Example:

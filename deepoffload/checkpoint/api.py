@@ -58,7 +58,7 @@ def save(
         checksum: Store each record's CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them.
         sync: Fsync the file and its folder; ``False`` skips both fsyncs: the rename is still atomic, but a power
             loss may lose the file.
-        config: The async-IO settings for the write (default: the shared handle's).
+        config: The async-IO settings for the write (default: ``AioConfig.from_env()``).
 
     Example:
         >>> import torch, deepoffload
@@ -90,7 +90,7 @@ def save_async(
         path: The file to write (a ``str`` or ``os.PathLike``).
         checksum: Store each record's CRC-32, as ``save`` does.
         sync: Fsync the file and its folder, as ``save`` does.
-        config: The async-IO settings for the write (default: the shared handle's).
+        config: The async-IO settings for the write (default: ``AioConfig.from_env()``).
 
     Returns:
         A future (a ``concurrent.futures.Future`` that is also ``Pending``: ``wait(timeout=None)``, ``done()``,
@@ -153,7 +153,7 @@ def load(
             read through the op).
         checksum: Verify the CRC-32 stored with every record; a mismatch (or a file that recorded none) raises
             ``ChecksumError``.
-        config: The async-IO settings for the reads (default: the shared handle's).
+        config: The async-IO settings for the reads (default: ``AioConfig.from_env()``).
         **pickle_load_args: Passed on to ``torch.load`` (``pickle_module``, ``encoding``, ...).
 
     Returns:

@@ -100,7 +100,8 @@ class DirectWriter(io.RawIOBase):
 
     Args:
         path: The file to write (created or truncated).
-        config: The async-IO settings (default: the shared handle's, from the environment).
+        config: The async-IO settings (default: ``AioConfig.from_env()``); one handle per config serves all
+            checkpoint IO.
         sync: Whether ``close()`` fsyncs the file.
         size_hint: About the bytes that will be written: preallocated, and cut to what was written on ``close()``.
         mode: The permissions of a new file (less the umask).
@@ -313,7 +314,8 @@ class DirectReader(SeekableReader):
 
     Args:
         path: The file to read.
-        config: The async-IO settings (default: the shared handle's, from the environment).
+        config: The async-IO settings (default: ``AioConfig.from_env()``); one handle per config serves all
+            checkpoint IO.
         on_read: Called as ``on_read(offset, view)`` after each read with the file offset and the bytes read (used
             to verify checksums); an exception it raises fails the read.
     """
