@@ -46,7 +46,21 @@ __all__ = ["FileSystemReader", "FileSystemWriter", "OpFileSystem"]
 
 
 class OpFileSystem(_dcp_fs.FileSystem):
-    """DCP's local ``FileSystem`` with streams through the async-IO op (``config``: its settings)."""
+    """DCP's local ``FileSystem`` with streams through the async-IO op.
+
+    Args:
+        config: The async-IO op's settings for every stream (default: ``AioConfig.from_env()``).
+
+    Example:
+        >>> from deepoffload.dcp import OpFileSystem
+        >>> fs = OpFileSystem()
+        >>> with fs.create_stream("part.bin", "wb") as stream:
+        ...     stream.write(b"hello")
+        5
+        >>> with fs.create_stream("part.bin", "rb") as stream:
+        ...     stream.read()
+        b'hello'
+    """
 
     def __init__(self, config: AioConfig | None = None) -> None:
         super().__init__()
@@ -54,6 +68,23 @@ class OpFileSystem(_dcp_fs.FileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        """Open ``path`` as a stream through the op: a ``DirectWriter`` for ``"wb"``, else a ``DirectReader``.
+
+        A new file is written front to back, private (``0600``) until the save is complete, and not fsynced here
+        (DCP fsyncs itself); if the writing fails, the file is removed. A read error that ``torch.load`` hides is
+        raised instead of what it caused.
+
+        Args:
+            path: The file to open.
+            mode: ``"wb"`` (also ``"w+b"``, ``"bw"``) to write a new file; a mode without ``w``, ``a`` or ``+`` to
+                read.
+
+        Yields:
+            The open stream; it is closed when the ``with`` block ends.
+
+        Raises:
+            ValueError: When ``mode`` writes other than ``"wb"`` (appending or updating a file).
+        """
         if "w" in mode or "a" in mode or "+" in mode:
             if mode not in ("wb", "w+b", "bw"):
                 raise ValueError(
@@ -83,15 +114,25 @@ class OpFileSystem(_dcp_fs.FileSystem):
                     raise
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        """Remove ``path``; except DCP's ``.metadata``, which DCP removes just before renaming the new one over it:
-        the rename replaces it atomically, and removing it first would leave no checkpoint if the writer died.
+        """Remove ``path``, except DCP's ``.metadata``.
+
+        DCP removes ``.metadata`` just before renaming the new one over it: the rename replaces it atomically, and
+        removing it first would leave no checkpoint if the writer died.
+
+        Args:
+            path: The file to remove.
         """
         if Path(path).name.endswith(METADATA_NAME):
             return
         os.unlink(path)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        """Atomically replace ``new_path`` by ``path`` (given ``new_path``'s mode first) and fsync the folder."""
+        """Atomically replace ``new_path`` by ``path`` (given ``new_path``'s mode first) and fsync the folder.
+
+        Args:
+            path: The file to rename.
+            new_path: Its new name; a file already there is replaced.
+        """
         adopt_mode(path, new_path)
         os.replace(path, new_path)
         sync_folder(Path(new_path).parent)
@@ -104,8 +145,24 @@ def _remove(path: str | os.PathLike) -> None:
 
 
 class FileSystemWriter(_dcp_fs.FileSystemWriter):
-    """DCP's ``FileSystemWriter`` (same arguments), writing through the async-IO op; ``config`` sets the op.
+    """DCP's ``FileSystemWriter`` (same arguments), writing through the async-IO op.
+
     Re-saving into a folder is crash-consistent (see the module docstring).
+
+    Args:
+        path: The checkpoint's folder.
+        *args: DCP's ``FileSystemWriter`` arguments (``single_file_per_rank``, ``sync_files``, ...).
+        config: The async-IO op's settings (default: ``AioConfig.from_env()``).
+        **kwargs: DCP's ``FileSystemWriter`` keyword arguments.
+
+    Example:
+        >>> import torch, torch.distributed.checkpoint as dcp
+        >>> from deepoffload.dcp import FileSystemReader, FileSystemWriter
+        >>> _ = dcp.save({"weight": torch.arange(4.0)}, storage_writer=FileSystemWriter("step1"))
+        >>> state = {"weight": torch.zeros(4)}
+        >>> dcp.load(state, storage_reader=FileSystemReader("step1"))
+        >>> state["weight"]
+        tensor([0., 1., 2., 3.])
     """
 
     def __init__(self, path: str | os.PathLike, *args: Any, config: AioConfig | None = None, **kwargs: Any) -> None:
@@ -114,6 +171,15 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         self.path = self.fs.init_path(path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """DCP's local plan, with a new generation in this rank's file names when the rank names its own files.
+
+        Args:
+            plan: This rank's save plan.
+
+        Returns:
+            The plan DCP's writer makes; when it sets a file prefix (each rank names its own files, no collectives),
+            the prefix gets a generation no earlier save used.
+        """
         plan = super().prepare_local_plan(plan)
         if plan.storage_data is not None:  # each rank names its own files (no collectives): add a generation
             plan = dataclasses.replace(
@@ -122,6 +188,14 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give every rank's plan the file prefix ``__<rank>_<generation>_``, one generation for the whole save.
+
+        Args:
+            plans: The ranks' plans, in rank order (on the coordinator).
+
+        Returns:
+            The plans, each without a prefix given ``__<i>_<generation>_``; a plan that has one is kept.
+        """
         generation = new_generation()  # one for the whole save, chosen by the coordinator
         return [
             dataclasses.replace(plan, storage_data=_dcp_fs._StoragePrefix(f"__{i}_{generation}_"))
@@ -131,6 +205,16 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Put the checkpoint in place: mode the data files, rename the metadata over the old, remove old data files.
+
+        The new data files get the old checkpoint's mode (or the umask's) before the metadata names them; the data
+        files of earlier saves (and of saves that died) are removed only after the metadata's rename: all of them
+        for the global metadata, else this rank's.
+
+        Args:
+            metadata: The checkpoint's metadata (as for DCP's ``finish``).
+            results: Every rank's write results (as for DCP's ``finish``).
+        """
         folder = Path(self.path)
         global_metadata = self.use_collectives or self.rank is None
         metadata_path = folder / (METADATA_NAME if global_metadata else f"__{self.rank}{METADATA_NAME}")
@@ -147,10 +231,25 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
 
 
 class FileSystemReader(_dcp_fs.FileSystemReader):
-    """DCP's ``FileSystemReader`` (same arguments), reading through the async-IO op; ``config`` sets the op.
+    """DCP's ``FileSystemReader`` (same arguments), reading through the async-IO op.
 
     Items are read in file order (DCP's reader takes them in plan order), so each file is read front to back and
-    the read-ahead never fetches what is then skipped.
+    the read-ahead never fetches what is then skipped. It reads checkpoints written by DCP's own writer too.
+
+    Args:
+        path: The checkpoint's folder.
+        *args: DCP's ``FileSystemReader`` arguments.
+        config: The async-IO op's settings (default: ``AioConfig.from_env()``).
+        **kwargs: DCP's ``FileSystemReader`` keyword arguments.
+
+    Example:
+        >>> import torch, torch.distributed.checkpoint as dcp
+        >>> from deepoffload.dcp import FileSystemReader
+        >>> _ = dcp.save({"bias": torch.ones(2)}, storage_writer=dcp.FileSystemWriter("plain"))  # DCP's own writer
+        >>> state = {"bias": torch.zeros(2)}
+        >>> dcp.load(state, storage_reader=FileSystemReader("plain"))
+        >>> state["bias"]
+        tensor([1., 1.])
     """
 
     def __init__(self, path: str | os.PathLike, *args: Any, config: AioConfig | None = None, **kwargs: Any) -> None:
@@ -159,6 +258,16 @@ class FileSystemReader(_dcp_fs.FileSystemReader):
         self.path = self.fs.init_path(path)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read ``plan``'s items as DCP's reader does, sorted by file and offset.
+
+        Args:
+            plan: This rank's load plan.
+            planner: The planner that receives the data.
+
+        Returns:
+            DCP's future, done once every item is read.
+        """
+
         def position(item: ReadItem) -> tuple[str, int]:
             info = self.storage_data[item.storage_index]
             return info.relative_path, info.offset

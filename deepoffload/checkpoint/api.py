@@ -1,5 +1,6 @@
-"""``save``, ``save_async`` and ``load``: ``torch.save``/``torch.load`` with the bytes moved by the async-IO op, and
-saves that never leave a half-written file under the checkpoint's name.
+"""``save``, ``save_async`` and ``load``: ``torch.save``/``torch.load`` with the bytes moved by the async-IO op.
+
+Saves never leave a half-written file under the checkpoint's name.
 """
 
 from __future__ import annotations
@@ -43,15 +44,28 @@ _arena_pinned = False
 def save(
     obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True, config: AioConfig | None = None
 ) -> None:
-    """Write ``obj`` to ``path`` exactly as ``torch.save(obj, f)`` would write it to a file object, so
-    ``torch.load`` reads it.
+    """Write ``obj`` to ``path`` exactly as ``torch.save(obj, f)`` would write it to a file object.
 
-    The file is written to a temporary name in the same folder through the async-IO op (large aligned writes from
-    several staging buffers), fsynced, renamed over ``path`` and the folder fsynced (``sync=False`` skips both
-    fsyncs: the rename is still atomic, but a power loss may lose the file). ``checksum`` stores each record's
-    CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them. Any failure (full disk, missing
-    folder, no permission) raises ``OSError`` naming ``path``, and a previous file under ``path`` is left as it was.
-    A ``save_async`` still being written is waited for first, so files land in call order.
+    ``torch.load`` reads the file. It is written to a temporary name in the same folder through the async-IO op
+    (large aligned writes from several staging buffers), fsynced, renamed over ``path`` and the folder fsynced. Any
+    failure (full disk, missing folder, no permission) raises ``OSError`` naming ``path``, and a previous file under
+    ``path`` is left as it was; a file object or buffer instead of a path raises ``TypeError`` (use ``torch.save``
+    for those). A ``save_async`` still being written is waited for first, so files land in call order.
+
+    Args:
+        obj: What to save (anything ``torch.save`` takes: tensors, state dicts, nested containers).
+        path: The file to write (a ``str`` or ``os.PathLike``; a symbolic link is written through, as
+            ``torch.save`` does).
+        checksum: Store each record's CRC-32 (as ``torch.save`` does); ``load(..., checksum=True)`` verifies them.
+        sync: Fsync the file and its folder; ``False`` skips both fsyncs: the rename is still atomic, but a power
+            loss may lose the file.
+        config: The async-IO settings for the write (default: ``AioConfig.from_env()``).
+
+    Example:
+        >>> import torch, deepoffload
+        >>> deepoffload.save({"weight": torch.arange(4.0)}, "model.pt")
+        >>> torch.load("model.pt")["weight"]
+        tensor([0., 1., 2., 3.])
     """
     path = _path_of(path, "save")
     records = record(obj)
@@ -62,17 +76,38 @@ def save(
 def save_async(
     obj: object, path: str | os.PathLike, *, checksum: bool = True, sync: bool = True, config: AioConfig | None = None
 ) -> PendingFuture[str]:
-    """Like ``save``, but return as soon as ``obj`` has been copied to staging memory; the file is written on a
-    background thread. The returned future (a ``concurrent.futures.Future`` that is also ``Pending``:
-    ``wait(timeout=None)``, ``done()``, ``result(timeout=None)``) gives ``path`` once the file is in place, or raises
-    the write's ``OSError``.
+    """Like ``save``, but return as soon as ``obj`` has been copied to staging memory.
 
-    ``obj`` (its tensors included) may be changed as soon as this returns: the file holds its state at the call.
-    One save is written at a time, in order; a call made while the previous save is still being written waits for
-    it first, so staging memory holds at most one checkpoint. That memory (huge pages where the system has them;
-    page-locked when a tensor is on an accelerator) is kept and reused by the next call, so a training loop's saves
-    after the first block only for the copy, not for the kernel's first touch of new memory; it grows to the largest
-    checkpoint saved this way. Pending saves complete before the interpreter exits.
+    The file is written on a background thread. ``obj`` (its tensors included) may be changed as soon as this
+    returns: the file holds its state at the call. One save is written at a time, in order; a call made while the
+    previous save is still being written waits for it first, so staging memory holds at most one checkpoint. That
+    memory (huge pages where the system has them; page-locked when a tensor is on an accelerator) is kept and reused
+    by the next call, so a training loop's saves after the first block only for the copy, not for the kernel's first
+    touch of new memory; it grows to the largest checkpoint saved this way. Pending saves complete before the
+    interpreter exits. A file object or buffer instead of a path raises ``TypeError`` here, at the call.
+
+    Args:
+        obj: What to save (anything ``torch.save`` takes).
+        path: The file to write (a ``str`` or ``os.PathLike``).
+        checksum: Store each record's CRC-32, as ``save`` does.
+        sync: Fsync the file and its folder, as ``save`` does.
+        config: The async-IO settings for the write (default: ``AioConfig.from_env()``).
+
+    Returns:
+        A future (a ``concurrent.futures.Future`` that is also ``Pending``: ``wait(timeout=None)``, ``done()``,
+        ``result(timeout=None)``) that gives ``path`` once the file is in place, or raises the write's ``OSError``
+        (naming ``path``).
+
+    Example:
+        >>> import torch, deepoffload
+        >>> state = {"step": 1, "weight": torch.ones(3)}
+        >>> future = deepoffload.save_async(state, "step1.pt")
+        >>> state["weight"].zero_()  # the file keeps the values at the call
+        tensor([0., 0., 0.])
+        >>> future.wait()
+        'step1.pt'
+        >>> deepoffload.load("step1.pt")
+        {'step': 1, 'weight': tensor([1., 1., 1.])}
     """
     global _executor, _last_async
     path = _path_of(path, "save")
@@ -100,20 +135,40 @@ def load(
     config: AioConfig | None = None,
     **pickle_load_args: Any,
 ) -> Any:
-    """Read a ``torch.save`` file (any, not only ours) and return what ``torch.load(path, map_location,
-    weights_only=weights_only)`` returns; tensor bytes are read through the async-IO op.
+    """Read a ``torch.save`` file (any, not only ours); its tensor bytes are read through the async-IO op.
 
     A zip-format file loaded to host memory is read whole, in large requests, into one buffer, and every storage is
     a slice of it (as with ``torch.load(mmap=True)``): the buffer's memory is returned once all its tensors are gone,
-    and storages cannot be resized. Other files and ``map_location`` to a device are read through read-ahead.
-    ``mmap=True`` hands the file to ``torch.load(mmap=True)`` instead (storages mapped from the file, nothing read
-    through the op). A ``.safetensors`` path is read by ``deepoffload.formats.load_file`` (``torch.load`` reads
-    such a path with the safetensors library).
+    and storages cannot be resized. Other files and ``map_location`` to a device are read through read-ahead. A
+    ``.safetensors`` path is read by ``deepoffload.formats.load_file`` (``torch.load`` reads such a path with the
+    safetensors library). A ``save_async`` still being written is waited for first. A file replaced or rewritten
+    while it is read (another process saving to the same path) is read again, whole. A file object or buffer instead
+    of a path raises ``TypeError`` (use ``torch.load`` for those).
 
-    ``checksum=True`` verifies the CRC-32 stored with every record and raises ``ChecksumError`` on a mismatch (or
-    when the file recorded none). A file that cannot be a checkpoint (empty, truncated, safetensors, other data)
-    raises ``CheckpointError`` naming it and why. A ``save_async`` still being written is waited for first. A file
-    replaced or rewritten while it is read (another process saving to the same path) is read again, whole.
+    Args:
+        path: The file to read (a ``str`` or ``os.PathLike``).
+        map_location: Where storages go, as for ``torch.load`` (a device, a dict or a function; a ``.safetensors``
+            file takes a device only).
+        weights_only: As for ``torch.load`` (default: torch's default).
+        mmap: ``True`` hands the file to ``torch.load(mmap=True)`` instead (storages mapped from the file, nothing
+            read through the op).
+        checksum: Verify the CRC-32 stored with every record; a mismatch (or a file that recorded none) raises
+            ``ChecksumError``.
+        config: The async-IO settings for the reads (default: ``AioConfig.from_env()``).
+        **pickle_load_args: Passed on to ``torch.load`` (``pickle_module``, ``encoding``, ...).
+
+    Returns:
+        What ``torch.load(path, map_location, weights_only=weights_only)`` returns.
+
+    Raises:
+        CheckpointError: When the file cannot be a checkpoint (empty, truncated, safetensors, other data; the
+            message names it and why), or when it was replaced while being read ``LOAD_ATTEMPTS`` times in a row.
+
+    Example:
+        >>> import torch, deepoffload
+        >>> torch.save({"weight": torch.arange(3)}, "model.pt")
+        >>> deepoffload.load("model.pt", checksum=True)
+        {'weight': tensor([0, 1, 2])}
     """
     path = _path_of(path, "load")
     _wait_for_save_async()  # else this would read the checkpoint before it (or find none)
@@ -221,9 +276,16 @@ def _wait_for_save_async() -> None:
 
 
 def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
-    """At least ``nbytes`` bytes of save_async's snapshot memory: the kept arena when it is large enough (and
-    page-locked when ``pin``), else a new one that is kept instead. Call under ``_async_lock`` once the previous
-    save has completed.
+    """Return at least ``nbytes`` bytes of save_async's snapshot memory, page-locked when ``pin``.
+
+    Call under ``_async_lock`` once the previous save has completed.
+
+    Args:
+        nbytes: The bytes needed.
+        pin: Whether the memory must be page-locked.
+
+    Returns:
+        The kept arena when it is large enough (and pinned when asked), else a new one that is kept instead.
     """
     global _arena, _arena_pinned
     if _arena is None or _arena.numel() < nbytes or (pin and not _arena_pinned):
@@ -234,8 +296,10 @@ def _snapshot_arena(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has no copy of the parent's save thread: its saves get their own thread, and never wait for
-    one the parent started (that wait would never end). The arena is the child's own copy (copy-on-write).
+    """Give a forked child its own save thread and lock: it has no copy of the parent's save thread.
+
+    Its saves then never wait for one the parent started (that wait would never end). The arena is the child's own
+    copy (copy-on-write).
     """
     global _executor, _last_async, _async_lock
     _executor, _last_async, _async_lock = None, None, threading.Lock()
@@ -284,9 +348,15 @@ def _write_file(records: list[Record], path: str, checksum: bool, sync: bool, co
 
 
 def _size_bound(records: list[Record]) -> int:
-    """An upper bound of the file's bytes: the records, plus per record its local header, data descriptor and
-    central directory entry (together under 512 bytes plus twice the name) and alignment padding, plus the
-    serialization id record and the end records.
+    """Return an upper bound of the file's bytes for ``records``.
+
+    Args:
+        records: The records the file will hold.
+
+    Returns:
+        The records' bytes, plus per record its local header, data descriptor and central directory entry (together
+        under 512 bytes plus twice the name) and alignment padding, plus the serialization id record and the end
+        records.
     """
     names = sum(len(name.encode()) for name, _, _ in records)
     per_record = 512 + torch.serialization._get_storage_alignment()

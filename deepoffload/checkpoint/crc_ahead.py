@@ -1,8 +1,9 @@
-"""The CRC-32 of a save's large records, computed on a background thread from the records' own memory while the
-main thread copies the same bytes into staging buffers: the copy and the CRC (the slowest part of a save on a fast
-disk: one pass over every byte) run at once instead of one after the other. The zip format needs each record's
-CRC right after its data, so the writer waits for it there; the thread, started first, is usually done by then.
-zlib's ``crc32`` releases the GIL on large buffers.
+"""The CRC-32 of a save's large records, computed on a background thread from the records' own memory.
+
+The main thread meanwhile copies the same bytes into staging buffers: the copy and the CRC (the slowest part of a
+save on a fast disk: one pass over every byte) run at once instead of one after the other. The zip format needs
+each record's CRC right after its data, so the writer waits for it there; the thread, started first, is usually
+done by then. zlib's ``crc32`` releases the GIL on large buffers.
 
 A plain thread, not an executor: a ``save_async`` still writing at interpreter exit runs after ``concurrent.futures``
 refuses new work. Where no thread can be started, the CRCs are computed as the bytes are staged, as for small
@@ -37,9 +38,13 @@ class _Pending:
 
 
 class CrcAhead:
-    """Start computing, in order, the CRC-32 of every large record in host memory of ``records`` (``(name, data,
-    nbytes)``, see ``torch_format``); ``get(name)`` is its ``_Pending``, or None for a record left to the staging
-    digest. The records' memory must stay unchanged until ``close()``, which waits for the thread.
+    """Start computing, in order, the CRC-32 of every large record in host memory of ``records``.
+
+    The records' memory must stay unchanged until ``close()``, which waits for the thread.
+
+    Args:
+        records: ``(name, data, nbytes)`` tuples (see ``torch_format``); those of at least ``AHEAD_MIN_BYTES`` whose
+            data is a CPU ``UntypedStorage`` are checksummed here.
     """
 
     def __init__(self, records: list) -> None:
@@ -71,9 +76,18 @@ class CrcAhead:
             pending.ready.set()
 
     def get(self, name: str) -> _Pending | None:
+        """Return the CRC being computed for record ``name``, or None for a record left to the staging digest.
+
+        Args:
+            name: The record's name.
+
+        Returns:
+            Its ``_Pending`` (``result()`` waits for the CRC), or None.
+        """
         return self._pending.get(name)
 
     def close(self) -> None:
+        """Stop the thread (records not yet begun fail as abandoned) and wait for it."""
         self._stop = True
         if self._thread is not None:
             self._thread.join()

@@ -14,8 +14,13 @@ from ..errors import CheckpointError
 
 
 def data_records(archive) -> dict[int, tuple[str, int]]:
-    """Byte offset in the file -> (record name, size in bytes) of every ``data/<key>`` record of ``archive`` (a
-    ``torch._C.PyTorchFileReader``).
+    """Map every ``data/<key>`` record of ``archive`` by its offset.
+
+    Args:
+        archive: A ``torch._C.PyTorchFileReader``.
+
+    Returns:
+        Byte offset in the file -> (record name, size in bytes).
     """
     records = {}
     for name in archive.get_all_records():
@@ -25,9 +30,15 @@ def data_records(archive) -> dict[int, tuple[str, int]]:
 
 
 class CheckedStorage:
-    """The whole file's bytes (``storage``) as torch's ``_load`` slices them into storages (its
-    ``overall_storage``): a slice must start where a data record starts and span exactly that record's bytes, else
-    ``CheckpointError`` naming ``path``, the record and both sizes.
+    """The whole file's bytes as torch's ``_load`` slices them into storages (its ``overall_storage``).
+
+    A slice must start where a data record starts and span exactly that record's bytes, else ``CheckpointError``
+    naming ``path``, the record and both sizes.
+
+    Args:
+        storage: The whole file's bytes.
+        records: Byte offset -> (record name, size), from ``data_records``.
+        path: The file, named in errors.
     """
 
     def __init__(self, storage: torch.UntypedStorage, records: dict[int, tuple[str, int]], path: str) -> None:

@@ -1,5 +1,6 @@
-"""File-like streams whose bytes move through the async-IO op: what ``torch.save``/``torch.load`` (and DCP's
-filesystem storage) write to and read from.
+"""File-like streams whose bytes move through the async-IO op.
+
+They are what ``torch.save``/``torch.load`` (and DCP's filesystem storage) write to and read from.
 
 ``DirectWriter`` copies whatever it is given into page-aligned, page-locked staging buffers and writes each full
 buffer with one large aligned (O_DIRECT where the filesystem allows) write while the next buffer fills: serialization
@@ -64,8 +65,16 @@ def address_of(view: memoryview) -> int:
 
 
 def _preallocate(fd: int, nbytes: int) -> bool:
-    """Reserve ``nbytes`` for a file about to be written front to back, so its writes do not each allocate blocks
-    and extend the file; return whether that was done (not every filesystem can).
+    """Reserve ``nbytes`` for a file about to be written front to back.
+
+    Its writes then do not each allocate blocks and extend the file.
+
+    Args:
+        fd: The file's descriptor.
+        nbytes: The bytes to reserve.
+
+    Returns:
+        Whether that was done (not every filesystem can).
     """
     if nbytes <= 0 or not hasattr(os, "posix_fallocate"):
         return False
@@ -88,6 +97,14 @@ class DirectWriter(io.RawIOBase):
 
     After a write fails, later writes are accepted and dropped (torch's zip writer aborts the process if its sink
     raises and it is then finalized), and ``close()`` raises the first error; ``error`` holds it meanwhile.
+
+    Args:
+        path: The file to write (created or truncated).
+        config: The async-IO settings (default: ``AioConfig.from_env()``); one handle per config serves all
+            checkpoint IO.
+        sync: Whether ``close()`` fsyncs the file.
+        size_hint: About the bytes that will be written: preallocated, and cut to what was written on ``close()``.
+        mode: The permissions of a new file (less the umask).
     """
 
     def __init__(
@@ -114,15 +131,31 @@ class DirectWriter(io.RawIOBase):
 
     # -- io.RawIOBase ------------------------------------------------------------------------------------------
     def writable(self) -> bool:
+        """Return True: the stream is written."""
         return True
 
     def seekable(self) -> bool:
+        """Return False: writes are sequential."""
         return False
 
     def tell(self) -> int:
+        """Return the bytes accepted so far."""
         return self._position
 
     def write(self, data) -> int:
+        """Stage all of ``data``; full staging buffers are written asynchronously.
+
+        After a write failed, ``data`` is accepted and dropped (``close()`` raises the error).
+
+        Args:
+            data: A bytes-like object.
+
+        Returns:
+            The bytes accepted: all of ``data``.
+
+        Raises:
+            ClosedError: When the stream is closed (and no write failed before).
+        """
         source = memoryview(data).cast("B")
         nbytes = source.nbytes
         self._position += nbytes
@@ -137,7 +170,15 @@ class DirectWriter(io.RawIOBase):
         return nbytes
 
     def write_digest(self, data, digest: Callable[[int, int], None]) -> int:
-        """``write``, calling ``digest(address, nbytes)`` on each piece as it is staged (see ``StagedWriter``)."""
+        """Like ``write``, calling ``digest(address, nbytes)`` on each piece as it is staged (see ``StagedWriter``).
+
+        Args:
+            data: A bytes-like object.
+            digest: Called with each staged piece's address and size.
+
+        Returns:
+            The bytes accepted: all of ``data``.
+        """
         source = memoryview(data).cast("B")
         nbytes = source.nbytes
         self._position += nbytes
@@ -149,18 +190,29 @@ class DirectWriter(io.RawIOBase):
         return nbytes
 
     def flush(self) -> None:
+        """Do nothing: bytes reach the file at the latest on ``close()``."""
         pass
 
     def fileno(self) -> int:
+        """Write out everything buffered, then return the file descriptor (an fsync of it covers every byte so far).
+
+        Returns:
+            The file's descriptor.
+
+        Raises:
+            OSError: The first write error, when a write failed.
+        """  # noqa: DOC502 -- ruff cannot tell that the raised self.error is an OSError
         self.drain()
         if self.error is not None:
             raise self.error
         return self._fd
 
     def close(self) -> None:
-        """Write what is buffered, wait for every write, fsync (with ``sync``), release the staging buffers; raise
-        the first write error.
-        """
+        """Write what is buffered, wait for every write, fsync (with ``sync``) and release the staging buffers.
+
+        Raises:
+            OSError: The first write error (a failed write, truncate or fsync; errno and path in it).
+        """  # noqa: DOC502 -- ruff cannot tell that the raised self.error is an OSError
         if self.closed:
             return
         try:
@@ -204,23 +256,39 @@ class DirectWriter(io.RawIOBase):
 
 
 class SeekableReader(io.RawIOBase):
-    """A read-only, seekable raw stream of ``size`` bytes (torch's zip reader seeks around in it); a subclass sets
-    ``size`` and implements ``readinto`` from ``_position``.
+    """A read-only, seekable raw stream of ``size`` bytes (torch's zip reader seeks around in it).
+
+    A subclass sets ``size`` and implements ``readinto`` from ``_position``.
     """
 
     size: int
     _position: int = 0
 
     def readable(self) -> bool:
+        """Return True: the stream is read."""
         return True
 
     def seekable(self) -> bool:
+        """Return True: the stream seeks."""
         return True
 
     def tell(self) -> int:
+        """Return the current position."""
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move the position, as ``io.RawIOBase.seek`` does (past the end is allowed; reads there return nothing).
+
+        Args:
+            offset: Bytes from ``whence``.
+            whence: ``io.SEEK_SET``, ``io.SEEK_CUR`` or ``io.SEEK_END``.
+
+        Returns:
+            The new position.
+
+        Raises:
+            ValueError: When the position would be negative (``DirectReader``: ``OSError`` with ``EINVAL``).
+        """  # noqa: DOC502 -- raised as self._negative_seek(...), which ruff cannot see through
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
         if base + offset < 0:
             raise self._negative_seek(base + offset)
@@ -242,8 +310,14 @@ class DirectReader(SeekableReader):
     without moving it (torch's zip reader reads an archive's end before its data: DCP's files hold one archive per
     tensor); outside it they are plain ``pread``s. Large reads behind the window are direct op reads.
 
-    ``on_read(offset, view)`` is called after each read with the file offset and the bytes read (used to verify
-    checksums); an exception it raises fails the read. ``error`` keeps the first exception a read raised.
+    ``error`` keeps the first exception a read raised.
+
+    Args:
+        path: The file to read.
+        config: The async-IO settings (default: ``AioConfig.from_env()``); one handle per config serves all
+            checkpoint IO.
+        on_read: Called as ``on_read(offset, view)`` after each read with the file offset and the bytes read (used
+            to verify checksums); an exception it raises fails the read.
     """
 
     def __init__(
@@ -268,6 +342,17 @@ class DirectReader(SeekableReader):
         return OSError(errno.EINVAL, f"negative seek position {position}", self.path)
 
     def readinto(self, buffer) -> int:
+        """Read from the current position into ``buffer`` (see the class docstring for how).
+
+        A failed read raises its exception (``OSError`` for a failed op or ``pread``; what ``on_read`` raised); the
+        first one is also kept in ``error``, since torch's zip reader hides its source's exceptions.
+
+        Args:
+            buffer: A writable bytes-like object.
+
+        Returns:
+            The bytes read (0 at the end of the file).
+        """
         try:
             return self._readinto(buffer)
         except BaseException as e:  # torch's zip reader hides its source's exceptions: keep the first for load()
@@ -316,6 +401,7 @@ class DirectReader(SeekableReader):
             done += take
 
     def close(self) -> None:
+        """Stop the read-ahead (waiting for reads in flight) and close the file."""
         if not self.closed:
             self._staged.close()
             os.close(self._fd)

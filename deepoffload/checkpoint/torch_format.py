@@ -1,5 +1,6 @@
-"""``torch.save``'s zip format, produced by torch's own code so the bytes are exactly what ``torch.save`` writes to a
-file object.
+"""``torch.save``'s zip format, produced by torch's own code: the bytes are exactly what ``torch.save`` writes.
+
+That is, what ``torch.save`` writes to a file object.
 
 Saving is split in two: ``record`` runs torch's serializer against a recorder that keeps each zip record (the pickle,
 the format records, one record per storage) instead of writing it; ``write_records`` replays them into torch's zip
@@ -51,15 +52,30 @@ class _Recorder:
 def record(
     obj: object, pickle_module=pickle, pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL
 ) -> list[Record]:
-    """The zip records ``torch.save(obj, f)`` would write, in its order; storages are referenced, not copied."""
+    """Return the zip records ``torch.save(obj, f)`` would write, in its order; storages are referenced, not copied.
+
+    Args:
+        obj: What to save.
+        pickle_module: The pickler module, as for ``torch.save``.
+        pickle_protocol: The pickle protocol, as for ``torch.save``.
+
+    Returns:
+        ``(name inside the archive, bytes or storage, bytes)`` per record.
+    """
     recorder = _Recorder()
     torch.serialization._save(obj, recorder, pickle_module, pickle_protocol, False)
     return recorder.records
 
 
 def snapshot_bytes(records: list[Record]) -> tuple[int, bool]:
-    """(bytes of the arena ``snapshot`` needs for ``records``, whether it must be page-locked: a storage is on an
-    accelerator, for the device-to-host copy).
+    """Size the arena ``snapshot`` needs for ``records``.
+
+    Args:
+        records: The records to snapshot.
+
+    Returns:
+        ``(bytes, pin)``: the arena's bytes, and whether it must be page-locked (a storage is on an accelerator, for
+        the device-to-host copy).
     """
     storages = [data for _, data, _ in records if isinstance(data, torch.UntypedStorage)]
     total = sum(-(-s.nbytes() // RECORD_ALIGNMENT) * RECORD_ALIGNMENT for s in storages)
@@ -67,9 +83,19 @@ def snapshot_bytes(records: list[Record]) -> tuple[int, bool]:
 
 
 def snapshot(records: list[Record], arena: torch.Tensor | None = None) -> list[Record]:
-    """The same records with every storage copied into ``arena`` (a uint8 CPU tensor of at least
-    ``snapshot_bytes(records)[0]`` bytes; a new page-aligned one when None), so the originals may change afterwards.
+    """Copy every storage of ``records`` into ``arena``, so the originals may change afterwards.
+
     The records returned use ``arena``'s memory: it must not be reused while they are.
+
+    Args:
+        records: The records (see ``record``).
+        arena: A uint8 CPU tensor of at least ``snapshot_bytes(records)[0]`` bytes (default: a new page-aligned one).
+
+    Returns:
+        The same records, each storage replaced by its copy in ``arena``.
+
+    Raises:
+        ValueError: When ``arena`` is too small for the records.
     """
     if arena is None:
         total, pin = snapshot_bytes(records)
@@ -91,12 +117,17 @@ def snapshot(records: list[Record], arena: torch.Tensor | None = None) -> list[R
 
 
 def write_records(records: list[Record], sink: DirectWriter, checksum: bool) -> None:
-    """Replay ``records`` through torch's zip writer into ``sink``. With ``checksum`` the CRC-32 of every record is
-    stored (as ``torch.save`` does by default): torch's writer runs with its own CRC off and ``CrcFiller``
-    fills in each CRC, computed ahead from the record's memory (``CrcAhead``, large records) or while the bytes
-    are staged; without, the CRC fields hold 0 (as with
-    ``torch.serialization.set_crc32_options(False)``). Stops early once the sink has failed; the caller closes the
-    sink, which raises the error.
+    """Replay ``records`` through torch's zip writer into ``sink``.
+
+    Stops early once the sink has failed; the caller closes the sink, which raises the error.
+
+    Args:
+        records: The records (see ``record``).
+        sink: The stream to write to.
+        checksum: Store the CRC-32 of every record (as ``torch.save`` does by default): torch's writer runs with its
+            own CRC off and ``CrcFiller`` fills in each CRC, computed ahead from the record's memory (``CrcAhead``,
+            large records) or while the bytes are staged. Without, the CRC fields hold 0 (as with
+            ``torch.serialization.set_crc32_options(False)``).
     """
     ahead = CrcAhead(records) if checksum else None
     try:
@@ -145,8 +176,9 @@ _END = (b"PK\x06\x06", b"PK\x05\x06")  # zip64 end record, end record: after the
 
 
 class CrcFiller(io.RawIOBase):
-    """The sink for torch's zip writer (run with its CRC off) that passes every byte on to a ``DirectWriter`` and
-    fills in the CRC-32 fields ``torch.save`` would have written.
+    """The sink for torch's zip writer (its CRC off): passes every byte on and fills in the CRC-32 fields.
+
+    Every byte goes on to a ``DirectWriter``, with the CRC-32 fields ``torch.save`` would have written.
 
     torch writes each record as a local header (30 bytes, then the name and extra field whose lengths it gives;
     sizes and CRC are left 0 and a data descriptor follows), the data in one write, and a data descriptor (CRC and
@@ -156,6 +188,11 @@ class CrcFiller(io.RawIOBase):
     counted, and into the record's central directory entry, which is held until complete. The last record, the
     serialization id, combines the CRCs (see ``_serialization_id``). Anything else raises ``ZipLayoutError``: a file
     with wrong CRCs is never produced.
+
+    Args:
+        sink: The stream the bytes go to.
+        ahead: CRCs of large records computed from their memory, on another thread (default: every CRC is computed
+            while the data is staged).
     """
 
     def __init__(self, sink: DirectWriter, ahead: CrcAhead | None = None) -> None:
@@ -174,18 +211,34 @@ class CrcFiller(io.RawIOBase):
         self._expected: tuple[str, int] = ("", 0)  # the record write_record is writing, and its bytes
 
     def writable(self) -> bool:
+        """Return True: the stream is written."""
         return True
 
     def tell(self) -> int:
+        """Return the sink's position: the bytes passed on so far."""
         return self.sink.tell()
 
     def expect(self, name: str, nbytes: int) -> None:
-        """The next record is ``name`` (without the archive prefix) with ``nbytes`` of data: no write before that
-        many bytes is taken for its descriptor, whatever its bytes.
+        """Announce the next record: no write before ``nbytes`` of its data is taken for its descriptor.
+
+        Args:
+            name: The record's name, without the archive prefix.
+            nbytes: Its data's bytes.
         """
         self._expected = (name, nbytes)
 
     def write(self, data) -> int:
+        """Pass ``data`` on to the sink, filling in CRC fields and holding central directory entries until complete.
+
+        Args:
+            data: A bytes-like object: one write of torch's zip writer.
+
+        Returns:
+            The bytes taken: all of ``data``.
+
+        Raises:
+            ZipLayoutError: When a write holds a header and data at once (a layout this does not know).
+        """
         view = memoryview(data).cast("B")
         if self._state == "end":
             self.sink.write(view)
@@ -212,7 +265,11 @@ class CrcFiller(io.RawIOBase):
         return view.nbytes
 
     def finish(self) -> None:
-        """Check that the whole stream was understood and every record's CRC reached the central directory."""
+        """Check that the whole stream was understood and every record's CRC reached the central directory.
+
+        Raises:
+            ZipLayoutError: When it was not.
+        """
         if self._state != "end" or self._patched != set(self.crcs):
             raise ZipLayoutError(
                 self._describe(
@@ -249,15 +306,29 @@ class CrcFiller(io.RawIOBase):
         return False
 
     def _combine(self, given: int, written: int) -> None:
-        """Mirror torch's writer, which combines the CRC field of every write that starts like a data descriptor:
-        ``given`` is what it saw (its CRC off), ``written`` what torch.save would have seen.
+        """Mirror torch's writer, which combines the CRC field of every write that starts like a data descriptor.
+
+        Args:
+            given: What it saw (its CRC off).
+            written: What torch.save would have seen.
         """
         self._combined_without = _hash_combine(self._combined_without, given)
         self._combined = _hash_combine(self._combined, written)
 
     def _serialization_id(self, data: bytes) -> bytes:
-        """torch's serialization id: 20 digits from the record names, then 20 from the records' CRCs combined as
-        torch combines them (``c10::hash_combine``, see ``_combine``); ours has the real CRCs.
+        """Rewrite torch's serialization id with the real CRCs.
+
+        The id is 20 digits from the record names, then 20 from the records' CRCs combined as torch combines them
+        (``c10::hash_combine``, see ``_combine``).
+
+        Args:
+            data: The id torch wrote (its CRCs were 0).
+
+        Returns:
+            The id with the last 20 digits from the real CRCs.
+
+        Raises:
+            ZipLayoutError: When ``data`` is not 40 bytes ending in the digits expected.
         """
         expected = f"{self._combined_without:020d}".encode()
         if len(data) != 40 or data[20:] != expected:
@@ -329,8 +400,15 @@ class CrcFiller(io.RawIOBase):
 class ZipChecksums:
     """Verifies the CRC-32 of the zip records of a ``torch.save`` file as they are read.
 
-    ``on_read(offset, view)`` checks a read that covers exactly one record's data; ``finish(path)`` checks, by plain
+    ``on_read(offset, view)`` checks a read that covers exactly one record's data; ``finish()`` checks, by plain
     reads, every record that was not read that way. A mismatch raises ``ChecksumError`` naming the record and file.
+
+    Args:
+        path: The ``torch.save`` file.
+
+    Raises:
+        ValueError: When the file is not in zip format (it has no checksums).
+        ChecksumError: When the file recorded no checksums (saved with them off).
     """
 
     def __init__(self, path: str) -> None:
@@ -360,13 +438,26 @@ class ZipChecksums:
         self._verified: set[int] = set()
 
     def on_read(self, offset: int, view: memoryview) -> None:
+        """Check a read that covers exactly one record's data (other reads are left to ``finish``).
+
+        Args:
+            offset: The read's file offset.
+            view: The bytes read.
+        """
         info = self._records.get(offset)
         if info is not None and view.nbytes == info.file_size:
             self._check(info, crc32(view))
             self._verified.add(offset)
 
     def verify_memory(self, data: torch.Tensor) -> None:
-        """Check every record against ``data``, the whole file's bytes."""
+        """Check every record against ``data``, the whole file's bytes.
+
+        Args:
+            data: The whole file's bytes (uint8).
+
+        Raises:
+            ChecksumError: When a record runs past the end of ``data`` (a truncated file) or its CRC differs.
+        """
         for offset, info in self._records.items():
             if offset + info.file_size > data.numel():
                 raise ChecksumError(
@@ -382,6 +473,7 @@ class ZipChecksums:
             self._verified.add(offset)
 
     def finish(self) -> None:
+        """Check, by plain reads, every record not yet verified (a mismatch raises ``ChecksumError``)."""
         with open(self.path, "rb") as f:
             for offset, info in self._records.items():
                 if offset not in self._verified:
@@ -401,8 +493,13 @@ _PICKLE_STARTS = b"\x80LIJ\x8a"  # the first byte of a legacy-format file: the p
 
 
 def not_a_checkpoint(path: str) -> str | None:
-    """Why the file at ``path`` cannot be a ``torch.save`` checkpoint, judged from its size and first bytes (a
-    diagnosis for when loading it failed), or None when it may be one.
+    """Say why the file at ``path`` cannot be a ``torch.save`` checkpoint (a diagnosis for when loading it failed).
+
+    Args:
+        path: The file.
+
+    Returns:
+        The reason, judged from its size and first bytes, or None when it may be one (or cannot be read).
     """
     try:
         with open(path, "rb") as f:
@@ -431,6 +528,7 @@ def not_a_checkpoint(path: str) -> str | None:
 
 
 def remove_quietly(path: str) -> None:
+    """Remove ``path``, ignoring any ``OSError`` (a file that is gone, or cannot be removed)."""
     try:
         os.unlink(path)
     except OSError:

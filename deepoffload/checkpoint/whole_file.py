@@ -1,5 +1,6 @@
-"""Loading a zip-format ``torch.save`` file by reading it whole, through the async-IO op, straight into one buffer:
-no staging copy, the file's bytes land where the tensors will live. torch's own ``_load`` then builds the objects
+"""Loading a zip-format ``torch.save`` file by reading it whole, through the async-IO op, straight into one buffer.
+
+No staging copy: the file's bytes land where the tensors will live. torch's own ``_load`` then builds the objects
 with every storage a slice of that buffer (what ``torch.load(mmap=True)`` does with a mapped file).
 
 The buffer is anonymous memory advised for transparent huge pages where the system offers them, so filling it
@@ -33,6 +34,14 @@ class MemoryFile(SeekableReader):
         self._data, self.size, self._position = data, data.numel(), 0
 
     def readinto(self, buffer) -> int:
+        """Copy the next bytes into ``buffer``, as ``io.RawIOBase.readinto`` does.
+
+        Args:
+            buffer: A writable bytes-like object.
+
+        Returns:
+            The bytes copied (0 at the end).
+        """
         target = memoryview(buffer).cast("B")
         nbytes = max(0, min(target.nbytes, self.size - self._position))
         if nbytes:
@@ -46,9 +55,17 @@ WHOLE_READ_CHUNK = 64 << 20  # bytes faulted in and submitted at a time
 
 
 def read_whole(path: str, handle: AsyncIOHandle) -> torch.Tensor:
-    """The bytes of the file ``path``, read through the op in large requests (``OSError`` naming path and offset
-    on failure). Each chunk's memory is faulted in before its read is submitted, while the chunks before it are
-    read.
+    """Read the file ``path`` through the op in large requests.
+
+    Each chunk's memory is faulted in before its read is submitted, while the chunks before it are read. A failed
+    read raises its ``OSError`` (naming path and offset) once every read submitted has finished.
+
+    Args:
+        path: The file.
+        handle: The handle to read with.
+
+    Returns:
+        The file's bytes, as a page-aligned uint8 tensor.
     """
     size = os.path.getsize(path)
     data = aligned_empty(size, pin=False) if size else torch.empty(0, dtype=torch.uint8)
@@ -87,10 +104,24 @@ def load_from_memory(
     pickle_load_args: dict,
     path: str = "<memory>",
 ) -> tuple[bool, Any]:
-    """``(True, objects)`` from the zip-format ``torch.save`` bytes in ``data`` with storages sliced from it, or
-    ``(False, None)`` when ``torch.load`` itself must handle the file (legacy format, TorchScript archive, or a
-    weights-only refusal, whose message ``torch.load`` words). A storage that is not exactly its record's bytes
-    raises ``CheckpointError`` naming ``path``.
+    """Load the zip-format ``torch.save`` bytes in ``data`` with every storage sliced from it.
+
+    A storage that is not exactly its record's bytes raises ``CheckpointError`` naming ``path``.
+
+    Args:
+        data: The whole file's bytes (uint8).
+        map_location: As for ``torch.load``.
+        weights_only: Whether to unpickle with torch's weights-only unpickler.
+        pickle_module: The unpickler otherwise (default: ``pickle``).
+        pickle_load_args: Further arguments for the unpickler (``encoding`` defaults to ``"utf-8"``).
+        path: The file, named in errors.
+
+    Returns:
+        ``(True, objects)``, or ``(False, None)`` when ``torch.load`` itself must handle the file (legacy format,
+        TorchScript archive, or a weights-only refusal, whose message ``torch.load`` words).
+
+    Raises:
+        UnpicklingError: When unpickling without ``weights_only`` fails (re-raised as is).
     """
     source = MemoryFile(data)
     if not ts._is_zipfile(source):

@@ -1,5 +1,6 @@
-"""Checkpoint formats read and written through the async-IO op: safetensors (single files and Hugging Face sharded
-folders) and torch.save state dicts (read only).
+"""Checkpoint formats read and written through the async-IO op.
+
+Safetensors (single files and Hugging Face sharded folders) and torch.save state dicts (read only).
 
 Names are imported on first access, so ``import deepoffload.formats`` stays cheap.
 """

@@ -1,5 +1,4 @@
-"""Putting a finished set of safetensors shards in place so that a reader sees the old set or the new one, never a
-mix, whenever the writer dies.
+"""Putting safetensors shards in place: whenever the writer dies, readers see the old set or the new one, never a mix.
 
 Every file of a save is written and fsynced under a temporary name first (created ``0600``; see
 ``deepoffload.io.owners``). Then:
@@ -73,8 +72,17 @@ def write_index(path: Path, weight_map: dict[str, str], total_bytes: int, genera
 def commit(
     folder: Path, prefix: str, temporaries: list[Path], index_temporary: Path | None, generation: str
 ) -> list[Path]:
-    """Switch ``folder`` to the save whose synced shards are ``temporaries`` (and, for several, whose synced index
-    is ``index_temporary``) as the module docstring says; return the shards' final paths.
+    """Switch ``folder`` to a save's synced shards as the module docstring says.
+
+    Args:
+        folder: The checkpoint's folder.
+        prefix: The file names' start.
+        temporaries: The save's synced shards, under their temporary names, in order.
+        index_temporary: For several shards, the save's synced index under its temporary name; None for one.
+        generation: The save's generation (in the shards' final names).
+
+    Returns:
+        The shards' final paths.
     """
     names = shard_names(prefix, len(temporaries), generation)
     index = folder / f"{prefix}{INDEX_SUFFIX}"

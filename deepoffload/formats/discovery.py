@@ -1,5 +1,7 @@
-"""Finding what a checkpoint path holds: a safetensors file, a Hugging Face sharded folder (its index and the
-shards it lists, checked against each other) or a ``torch.save`` state dict.
+"""Finding what a checkpoint path holds: a safetensors file, a Hugging Face sharded folder or a torch.save file.
+
+A sharded folder's index and the shards it lists are checked against each other; a ``torch.save`` file must hold a
+state dict.
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ def _open_sharded(index: Path) -> list[Header]:
 
 
 def load_torch(path: Path) -> dict[str, torch.Tensor]:
+    """Map a ``torch.save`` state dict into memory (``mmap=True``, ``weights_only=True``, to the CPU).
+
+    Args:
+        path: The ``torch.save`` file.
+
+    Returns:
+        The state dict: a flat dict of name -> tensor, whose storages are mapped from the file.
+
+    Raises:
+        CheckpointError: When torch cannot load the file so, or it holds anything but a flat dict of name -> tensor.
+    """
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:

@@ -64,6 +64,7 @@ def check_little_endian() -> None:
 
 
 def element_size(dtype: torch.dtype) -> int:
+    """Return the bytes of one element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -80,6 +81,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
+        """The tensor's bytes in the file."""
         return self.end - self.start
 
 
@@ -114,9 +116,22 @@ def _is_int(value: object) -> bool:
 
 
 def parse_header(raw: bytes, file_size: int, path: str) -> Header:
-    """Validate and parse a safetensors file from its first bytes ``raw`` (at least the length field and the whole
-    header) and its total size. Raises ``CheckpointError`` naming ``path`` and what is wrong.
-    """
+    """Validate and parse a safetensors file from its first bytes and its total size.
+
+    The parser accepts exactly what the reference reader accepts (see the module docstring).
+
+    Args:
+        raw: The file's first bytes: at least the length field and the whole header.
+        file_size: The file's total size in bytes.
+        path: The file's path (recorded in the entries and named in errors).
+
+    Returns:
+        The header: the tensors' entries in file order (absolute offsets), the metadata and where the data starts.
+
+    Raises:
+        CheckpointError: Naming ``path`` and what is wrong, when the file is not a valid safetensors file.
+        ValueError: When ``raw`` is shorter than the length field says the header is (a caller's error).
+    """  # noqa: DOC501, DOC502 -- ruff takes bad(...) for an exception class; it returns the CheckpointError
 
     def bad(reason: str) -> CheckpointError:
         return CheckpointError(f"{path}: not a valid safetensors file: {reason}")
@@ -198,7 +213,18 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """Read and validate the header of the safetensors file at ``path`` (two small buffered reads)."""
+    """Read and validate the header of the safetensors file at ``path`` (two small buffered reads).
+
+    Args:
+        path: The safetensors file.
+
+    Returns:
+        Its parsed header (see ``parse_header``), with the file's identity when it was read.
+
+    Raises:
+        CheckpointError: When ``path`` is a folder or does not exist (and, from ``parse_header``, when the file is
+            not valid safetensors).
+    """
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -221,9 +247,18 @@ def encode_header(
     metadata: Mapping[str, str] | None,
     reserve: int = 0,
 ) -> bytes:
-    """The 8-byte length and JSON header for ``tensors`` (name -> (dtype, shape, data begin, data end)), padded with
-    spaces (which the format allows) to ``reserve`` bytes when given, else to a multiple of 8. Raises
-    ``ValueError`` if it does not fit in ``reserve``.
+    """Encode the 8-byte length and JSON header for ``tensors``.
+
+    Args:
+        tensors: Name -> (dtype, shape, data begin, data end).
+        metadata: Strings for the ``__metadata__`` object (none when empty or None).
+        reserve: The total bytes to pad to with spaces (which the format allows); 0: a multiple of 8.
+
+    Returns:
+        The length field and the padded header.
+
+    Raises:
+        ValueError: When the header does not fit in ``reserve``.
     """
     header: dict = {}
     if metadata:

@@ -47,10 +47,15 @@ class KeyReport(NamedTuple):
 
 
 def _fault_in(buffer: torch.Tensor, threads: int) -> None:
-    """Back every page of the new (zero-filled) uint8 ``buffer`` now: with 1 thread by ``MADV_POPULATE_WRITE``
-    (``prefault``), with 2 by writing a zero to each page, half of them from a second thread. Measured here (1 GiB
-    of new huge-page memory, interleaved): writes from two threads fault in 1.5-1.7x as fast as one thread or as
-    ``MADV_POPULATE_WRITE``, which gains nothing from a second thread.
+    """Back every page of the new (zero-filled) uint8 ``buffer`` now.
+
+    Measured here (1 GiB of new huge-page memory, interleaved): writes from two threads fault in 1.5-1.7x as fast as
+    one thread or as ``MADV_POPULATE_WRITE``, which gains nothing from a second thread.
+
+    Args:
+        buffer: The new buffer.
+        threads: 1: by ``MADV_POPULATE_WRITE`` (``prefault``); 2: by writing a zero to each page, half of them from
+            a second thread (a buffer of under ``2 * FAULT_SPLIT_PAGES`` pages is faulted in by ``prefault``).
     """
     pages = buffer[::PAGE_BYTES]
     half = pages.numel() // 2
@@ -85,11 +90,32 @@ def _convertible(stored: torch.dtype, target: torch.dtype) -> bool:
 class CheckpointReader:
     """Lazy, validated access to the tensors of a checkpoint (see the module docstring for the layouts).
 
-    ``handle``: an ``AsyncIOHandle`` to read with (default: one made here with the default settings, closed by
-    ``close()``). ``span_bytes``: the largest read that covers several tensors; ``inflight_bytes``: how many bytes
-    of spans are read ahead; ``gap_bytes``: unrequested bytes between two requested tensors that are read through
-    rather than splitting the span. Tensors yielded from one span are views of its buffer: keeping one alive keeps
-    the span's memory (at most ``span_bytes``, or that one tensor's size) alive; ``clone()`` it to drop the rest.
+    Every header is validated at open. Tensors yielded from one span are views of its buffer: keeping one alive
+    keeps the span's memory (at most ``span_bytes``, or that one tensor's size) alive; ``clone()`` it to drop the
+    rest.
+
+    Args:
+        path: A ``.safetensors`` file, a folder of one (``model.safetensors``) or of sharded safetensors (with
+            ``model.safetensors.index.json``), an ``.index.json`` file, or a ``torch.save`` file (zip format).
+        handle: An ``AsyncIOHandle`` to read with (default: one made here with the default settings, closed by
+            ``close()``).
+        span_bytes: The largest read that covers several tensors (at least ``READ_ALIGNMENT``).
+        inflight_bytes: How many bytes of spans are read ahead (at least ``READ_ALIGNMENT``).
+        gap_bytes: Unrequested bytes between two requested tensors that are read through rather than splitting the
+            span.
+
+    Raises:
+        ValueError: When ``span_bytes`` or ``inflight_bytes`` is not an integer of at least ``READ_ALIGNMENT``.
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.formats import CheckpointReader, save_file
+        >>> _ = save_file({"a": torch.ones(2), "b": torch.zeros(3, dtype=torch.int64)}, "model.safetensors")
+        >>> with CheckpointReader("model.safetensors") as reader:
+        ...     print(reader.names(), reader.shape_dtype("b"))
+        ...     reader.read(["a"], dtype=torch.float16)
+        ['a', 'b'] ((3,), torch.int64)
+        {'a': tensor([1., 1.], dtype=torch.float16)}
     """
 
     def __init__(
@@ -160,7 +186,7 @@ class CheckpointReader:
 
     # -- what is in it ----------------------------------------------------------------------------------------
     def names(self) -> list[str]:
-        """Every tensor's name, in storage order (shard by shard, by offset)."""
+        """Return every tensor's name, in storage order (shard by shard, by offset)."""
         return list(self._state_dict) if self._state_dict is not None else list(self._entries)
 
     def __contains__(self, name: str) -> bool:
@@ -170,7 +196,17 @@ class CheckpointReader:
         return len(self.names())
 
     def shape_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """The stored shape and dtype of ``name``."""
+        """Return the stored shape and dtype of ``name``.
+
+        Args:
+            name: A tensor's name.
+
+        Returns:
+            ``(shape, dtype)`` as stored.
+
+        Raises:
+            KeyError: When the checkpoint holds no tensor ``name``.
+        """
         if self._state_dict is not None:
             if name not in self._state_dict:
                 raise KeyError(f"{self.path}: no tensor named {name!r}")
@@ -182,8 +218,14 @@ class CheckpointReader:
         return entry.shape, entry.dtype
 
     def location(self, name: str) -> TensorEntry | None:
-        """Where ``name``'s bytes lie in a safetensors checkpoint (file, absolute byte range, dtype, shape); None
-        for a torch.save checkpoint or a name it does not hold.
+        """Return where ``name``'s bytes lie in a safetensors checkpoint.
+
+        Args:
+            name: A tensor's name.
+
+        Returns:
+            Its entry (file, absolute byte range, dtype, shape); None for a torch.save checkpoint or a name it does
+            not hold.
         """
         return None if self._state_dict is not None else self._entries.get(name)
 
@@ -193,10 +235,20 @@ class CheckpointReader:
         return sum(math.prod(shape) * element_size(dtype) for shape, dtype in map(self.shape_dtype, self.names()))
 
     def check(self, expected: Expected, strict: bool = True) -> KeyReport:
-        """Compare the checkpoint with ``expected`` (name -> tensor, shape or (shape, dtype); a meta model's
-        ``state_dict()`` will do). A shape that differs, or a dtype that cannot be converted (only floating point
-        converts to floating point), is always an error; missing and unexpected names are errors when ``strict``,
-        else returned. Raises ``CheckpointError`` listing every problem.
+        """Compare the checkpoint with ``expected``.
+
+        A shape that differs, or a dtype that cannot be converted (only floating point converts to floating point),
+        is always an error; missing and unexpected names are errors when ``strict``, else returned.
+
+        Args:
+            expected: Name -> tensor, shape or (shape, dtype); a meta model's ``state_dict()`` will do.
+            strict: Whether missing and unexpected names are errors.
+
+        Returns:
+            The missing and unexpected names (both empty when ``strict``, since any would have raised).
+
+        Raises:
+            CheckpointError: Listing every problem, when any.
         """
         names = set(self.names())
         missing = [n for n in expected if n not in names]
@@ -249,11 +301,20 @@ class CheckpointReader:
     def iter_tensors(
         self, names: Iterable[str] | None = None, dtype: DtypeSpec = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, tensor)`` for ``names`` (default: all), in storage order, reading ahead. ``dtype``: one
-        dtype for every floating point tensor, or name -> dtype. Each tensor is read once its turn comes; at most
-        ``inflight_bytes`` are read ahead of the caller. A torch.save checkpoint's tensors are copied out of torch's
-        copy-on-write mapping of the file (read from the page cache), converted where asked: what is yielded never
-        depends on the file afterwards.
+        """Yield ``(name, tensor)`` for ``names``, in storage order, reading ahead.
+
+        Each tensor is read once its turn comes; at most ``inflight_bytes`` are read ahead of the caller. A
+        torch.save checkpoint's tensors are copied out of torch's copy-on-write mapping of the file (read from the
+        page cache), converted where asked: what is yielded never depends on the file afterwards. A name the
+        checkpoint lacks, a conversion that would not be exact, or a file changed since it was opened raises
+        ``CheckpointError`` (a bad conversion before anything is read).
+
+        Args:
+            names: The tensors to read (default: all).
+            dtype: One dtype for every floating point tensor, or name -> dtype (default: as stored).
+
+        Yields:
+            ``(name, tensor)`` pairs.
         """
         selected = self._select(names)
         for name in selected:  # refuse a bad conversion before reading anything
@@ -272,7 +333,15 @@ class CheckpointReader:
         yield from self._iter_safetensors(selected, dtype)
 
     def read(self, names: Iterable[str] | None = None, dtype: DtypeSpec = None) -> dict[str, torch.Tensor]:
-        """``{name: tensor}`` for ``names`` (default: all), in storage order."""
+        """Return ``{name: tensor}`` for ``names``, in storage order (see ``iter_tensors``).
+
+        Args:
+            names: The tensors to read (default: all).
+            dtype: One dtype for every floating point tensor, or name -> dtype (default: as stored).
+
+        Returns:
+            The tensors by name.
+        """
         return dict(self.iter_tensors(names, dtype))
 
     def _plan(self, selected: list[str], split: frozenset[str] = frozenset()) -> list[_Span]:
@@ -307,9 +376,16 @@ class CheckpointReader:
     def _spans(
         self, selected: list[str], pool: list[torch.Tensor] | None, split: frozenset[str] = frozenset()
     ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
-        """Yield (span, first byte read, buffer) for the spans covering ``selected`` (``split``: see ``_plan``),
-        each once its read is done, reading ahead up to ``inflight_bytes``. With ``pool``, buffers come from it and
-        go back to it once the caller resumes the generator (so the caller must be done with a buffer by then).
+        """Yield the spans covering ``selected``, each once its read is done, reading ahead up to ``inflight_bytes``.
+
+        Args:
+            selected: The tensors' names.
+            pool: Buffers to read into; they go back to it once the caller resumes the generator (so the caller must
+                be done with a buffer by then). None: new buffers.
+            split: Tensors that may be read in pieces (see ``_plan``).
+
+        Yields:
+            ``(span, first byte read, buffer)``.
         """
         spans = self._plan(selected, split)
         file_sizes = {header.path: header.file_size for header in self._headers}
@@ -341,10 +417,18 @@ class CheckpointReader:
                         request.wait()
 
     def _check_unchanged(self, path: str, identity: tuple[int, ...]) -> None:
-        """Raise unless ``path`` is still the file whose header was read at open: the op reads by path, so a file
-        replaced (a new save renamed over it) or rewritten since would be read at the old header's offsets; a
-        torch.save file's mapping would show a rewrite in place, and touching it past a shortened end kills the
-        process (SIGBUS).
+        """Raise unless ``path`` is still the file whose header was read at open.
+
+        The op reads by path, so a file replaced (a new save renamed over it) or rewritten since would be read at
+        the old header's offsets; a torch.save file's mapping would show a rewrite in place, and touching it past a
+        shortened end kills the process (SIGBUS).
+
+        Args:
+            path: The file.
+            identity: Its ``file_identity`` at open.
+
+        Raises:
+            CheckpointError: When the file was removed, replaced or rewritten.
         """
         try:
             now = file_identity(os.stat(path))
@@ -363,11 +447,19 @@ class CheckpointReader:
                 yield entry.name, self._tensor(entry, buffer, start, dtype)
 
     def read_into(self, destinations: Mapping[str, torch.Tensor]) -> None:
-        """Copy each named checkpoint tensor into the tensor given for it (e.g. a block's materialized parameters),
-        converting floating point dtypes. Shapes must match exactly. Spans are read into buffers that this reader
-        keeps and reuses from call to call (at most ``inflight_bytes`` plus one span of them), so loading block
-        after block allocates no new memory; ``close()`` frees them. A contiguous destination larger than a span is
-        filled piece by piece through those buffers (a non-contiguous one is read whole into new memory first).
+        """Copy each named checkpoint tensor into the tensor given for it, converting floating point dtypes.
+
+        Shapes must match exactly. Spans are read into buffers that this reader keeps and reuses from call to call
+        (at most ``inflight_bytes`` plus one span of them), so loading block after block allocates no new memory;
+        ``close()`` frees them. A contiguous destination larger than a span is filled piece by piece through those
+        buffers (a non-contiguous one is read whole into new memory first).
+
+        Args:
+            destinations: Name -> materialized tensor to fill (e.g. a block's parameters).
+
+        Raises:
+            CheckpointError: Listing every problem (a meta or non-tensor destination, a name not in the checkpoint,
+                a shape that differs, a dtype that cannot be converted exactly) before anything is read.
         """
         problems = []
         for name, tensor in destinations.items():
@@ -420,14 +512,16 @@ class CheckpointReader:
     # -- lifetime ---------------------------------------------------------------------------------------------
     @property
     def handle(self) -> AsyncIOHandle:
+        """The handle reads go through: the one passed in, else one made (and owned) on first use."""
         if self._handle is None:
             self._handle = AsyncIOHandle()
             self._own_handle = True
         return self._handle
 
     def close(self) -> None:
-        """Close the handle this reader made (a handle passed in stays open) and free read_into's buffers;
-        reading again makes new ones.
+        """Close the handle this reader made (a handle passed in stays open) and free read_into's buffers.
+
+        Reading again makes new ones.
         """
         if self._own_handle and self._handle is not None:
             self._handle.close()
@@ -453,8 +547,28 @@ def load_file(
     strict: bool = True,
     handle: AsyncIOHandle | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load a checkpoint (any layout ``CheckpointReader`` opens) into ``{name: tensor}``. With ``expected``, first
-    check its names and shapes (see ``CheckpointReader.check``).
+    """Load a checkpoint (any layout ``CheckpointReader`` opens) into ``{name: tensor}``.
+
+    Args:
+        path: The checkpoint (a file or folder; see ``CheckpointReader``).
+        dtype: One dtype for every floating point tensor, or name -> dtype (default: as stored).
+        names: The tensors to load (default: all).
+        expected: When given, first check the checkpoint's names and shapes against it (see
+            ``CheckpointReader.check``).
+        strict: With ``expected``: whether missing and unexpected names are errors.
+        handle: An ``AsyncIOHandle`` to read with (default: one made and closed here).
+
+    Returns:
+        The tensors by name, in storage order.
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.formats import load_file, save_file
+        >>> _ = save_file({"weight": torch.arange(4.0)}, "model.safetensors")
+        >>> load_file("model.safetensors")
+        {'weight': tensor([0., 1., 2., 3.])}
+        >>> load_file("model.safetensors", dtype=torch.bfloat16, expected={"weight": (4,)})
+        {'weight': tensor([0., 1., 2., 3.], dtype=torch.bfloat16)}
     """
     with CheckpointReader(path, handle=handle) as reader:
         if expected is not None:

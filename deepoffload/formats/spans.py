@@ -1,5 +1,6 @@
-"""Span planning for ``CheckpointReader``: which byte ranges of which files to read, with one request each, to
-get a set of tensors.
+"""Span planning for ``CheckpointReader``.
+
+Which byte ranges of which files to read, with one request each, to get a set of tensors.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ READ_ALIGNMENT = 4096  # spans start and end on this boundary (or at the end of 
 
 @dataclass
 class _Span:
-    """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``. A span with a
-    ``piece`` holds bytes ``[lo, hi)`` (counted from the tensor's first byte) of its one tensor only.
+    """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``.
+
+    A span with a ``piece`` holds bytes ``[lo, hi)`` (counted from the tensor's first byte) of its one tensor only.
     """
 
     path: str
@@ -28,9 +30,16 @@ class _Span:
 def plan_spans(
     entries: list[TensorEntry], span_bytes: int, gap_bytes: int, split: frozenset[str] = frozenset()
 ) -> list[_Span]:
-    """Spans covering ``entries`` (in storage order: file by file, by offset): neighbours closer than ``gap_bytes``
-    share a span of at most ``span_bytes``; tensors named in ``split`` that are larger than a span are read in
-    pieces of at most a span each.
+    """Plan the spans that read ``entries``.
+
+    Args:
+        entries: The tensors, in storage order (file by file, by offset).
+        span_bytes: The most bytes a span of several tensors covers.
+        gap_bytes: Neighbours closer than this share a span.
+        split: Names of tensors that are read in pieces of at most a span each when larger than a span.
+
+    Returns:
+        The spans covering ``entries``, in order.
     """
     spans: list[_Span] = []
     for entry in entries:
@@ -53,8 +62,17 @@ def plan_spans(
 
 
 def pieces(entry: TensorEntry, span_bytes: int) -> list[_Span]:
-    """``entry`` as spans of at most ``span_bytes``. Pieces end on whole elements; where the tensor starts on a
-    whole element of the file, they also end on the read alignment, so no byte is read twice.
+    """Split ``entry`` into spans of at most ``span_bytes``.
+
+    Pieces end on whole elements; where the tensor starts on a whole element of the file, they also end on the read
+    alignment, so no byte is read twice.
+
+    Args:
+        entry: The tensor.
+        span_bytes: The most bytes per piece.
+
+    Returns:
+        One span per piece, each with its ``piece`` bounds and an entry for its elements.
     """
     step = span_bytes // READ_ALIGNMENT * READ_ALIGNMENT
     shift = entry.start % READ_ALIGNMENT if entry.start % element_size(entry.dtype) == 0 else 0

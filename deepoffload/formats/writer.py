@@ -1,6 +1,7 @@
-"""Write safetensors checkpoints through the async-IO op, streaming: tensors come from an iterator and are copied
-into page-aligned staging buffers that are written while the next ones fill, so nothing but the staging buffers
-(two of ``staging_bytes``) needs to stay in memory.
+"""Write safetensors checkpoints through the async-IO op, streaming.
+
+Tensors come from an iterator and are copied into page-aligned staging buffers that are written while the next ones
+fill, so nothing but the staging buffers (two of ``staging_bytes``) needs to stay in memory.
 
 A shard's header must precede its data, but a stream does not say in advance which tensors a shard will hold, so
 each shard reserves ``header_bytes`` for its header (padded with spaces, which the format allows) and starts its
@@ -189,15 +190,42 @@ def save_sharded(
     header_bytes: int = 64 << 10,
     staging_bytes: int = 16 << 20,
 ) -> list[Path]:
-    """Write ``tensors`` (a mapping or an iterator of ``(name, tensor)``, consumed once, one tensor at a time) into
-    ``folder`` as safetensors shards of at most ``max_shard_bytes`` of data each (a larger tensor gets a shard of
-    its own): ``{prefix}.safetensors``, or ``{prefix}-00001-of-0000N-<generation>.safetensors`` and the index
-    ``{prefix}.safetensors.index.json`` that names them (Hugging Face's layout; the generation keeps a new set from
-    overwriting the set the old index names). ``metadata`` (strings) goes into every shard's header (default
-    ``{"format": "pt"}``, which transformers needs). Returns the shard paths. On any error, or if the process is
-    killed, readers see the earlier save as it was (see ``deepoffload.formats.commit``); what a killed save left is
-    removed by the next save to the folder.
-    """
+    """Write ``tensors`` into ``folder`` as safetensors shards, streaming (Hugging Face's layout).
+
+    The shards are ``{prefix}.safetensors``, or ``{prefix}-00001-of-0000N-<generation>.safetensors`` and the index
+    ``{prefix}.safetensors.index.json`` that names them (the generation keeps a new set from overwriting the set the
+    old index names). On any error, or if the process is killed, readers see the earlier save as it was (see
+    ``deepoffload.formats.commit``); what a killed save left is removed by the next save to the folder. A bad tensor
+    (not a tensor, a name used twice, a dtype safetensors lacks, a meta or sparse tensor) raises ``TypeError`` or
+    ``ValueError`` naming it.
+
+    Args:
+        tensors: A mapping or an iterator of ``(name, tensor)``, consumed once, one tensor at a time.
+        folder: The folder to write into (made if missing).
+        max_shard_bytes: The most data bytes per shard (a larger tensor gets a shard of its own).
+        prefix: The file names' start (letters, digits, ``_``, ``.``, ``-``).
+        metadata: Strings that go into every shard's header (default ``{"format": "pt"}``, which transformers
+            needs).
+        handle: An ``AsyncIOHandle`` to write with (default: one made and closed here).
+        header_bytes: The bytes each shard first reserves for its header (a multiple of 4096; doubled for the next
+            shard when a header outgrows it).
+        staging_bytes: The size of each of the two staging buffers (a multiple of 4096).
+
+    Returns:
+        The shard paths, in order.
+
+    Raises:
+        ValueError: When ``prefix``, ``max_shard_bytes``, ``header_bytes`` or ``staging_bytes`` is not valid.
+        OSError: When writing fails (the errno of the failure; the message names ``folder``).
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.formats import load_file, save_sharded
+        >>> save_sharded({"a": torch.ones(4), "b": torch.zeros(4)}, "model", max_shard_bytes=16)
+        [...Path('model/model-00001-of-00002-....safetensors'), ...Path('model/model-00002-of-00002-....safetensors')]
+        >>> load_file("model")  # the folder: read through model.safetensors.index.json
+        {'a': tensor([1., 1., 1., 1.]), 'b': tensor([0., 0., 0., 0.])}
+    """  # noqa: DOC501, DOC502 -- ruff takes naming_target(...) for an exception class; it returns the OSError
     check_little_endian()
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
         raise ValueError(f"prefix must be a plain file name part (letters, digits, '_', '.', '-'), got {prefix!r}")
@@ -247,7 +275,30 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     handle: AsyncIOHandle | None = None,
 ) -> Path:
-    """Write the mapping ``tensors`` into the one safetensors file ``path`` (replaced only once complete)."""
+    """Write the mapping ``tensors`` into the one safetensors file ``path`` (replaced only once complete).
+
+    Args:
+        tensors: Name -> tensor.
+        path: The file to write; its folder must exist.
+        metadata: Strings that go into the header (default ``{"format": "pt"}``, which transformers needs).
+        handle: An ``AsyncIOHandle`` to write with (default: one made and closed here).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        TypeError: When ``tensors`` is not a mapping or holds something other than a tensor.
+        FileNotFoundError: When ``path``'s folder does not exist.
+        OSError: When writing fails (the errno of the failure; the message names ``path``).
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.formats import load_file, save_file
+        >>> str(save_file({"weight": torch.eye(2)}, "model.safetensors", metadata={"step": "10"}))
+        'model.safetensors'
+        >>> load_file("model.safetensors")
+        {'weight': tensor([[1., 0.], [0., 1.]])}
+    """  # noqa: DOC501, DOC502 -- ruff takes naming_target(...) for an exception class; it returns the OSError
     if not isinstance(tensors, Mapping):
         raise TypeError("save_file takes a mapping of name -> tensor; to stream an iterator use save_sharded")
     path = Path(path)
