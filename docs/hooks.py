@@ -1,7 +1,8 @@
 """mkdocs hooks: the parts of the site generated from the code, so they cannot drift from it.
 
 - ``<!-- generated: api -->`` in a page becomes one mkdocstrings block per name in ``deepoffload.__all__`` (public
-  names only, never module paths that may move);
+  names only, never module paths that may move); ``<!-- generated: api deepoffload.formats -->`` the same for the
+  ``__all__`` of another public module;
 - ``<!-- generated: cli -->`` becomes the help of ``deepoffload`` and of each of its commands, from the parser;
 - ``<!-- generated: residency -->`` becomes the state diagram of a streamed block, from its transition table;
 - ``<!-- generated: config -->`` becomes the tables of configuration keys (``AioConfig``, ``SwapConfig``) and
@@ -46,6 +47,7 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
+    markdown = re.sub(r"<!-- generated: api ([\w.]+) -->", lambda m: api_markdown(m.group(1)), markdown)
     generators = {"api": api_markdown, "cli": cli_markdown, "config": config_markdown, "residency": residency_markdown}
     for name, make in generators.items():
         marker = f"<!-- generated: {name} -->"
@@ -83,7 +85,12 @@ def _unlink_outside_docs(markdown: str, src_uri: str, docs_dir: Path) -> str:
     return re.sub(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)", fix, markdown)
 
 
-def api_markdown() -> str:
+def api_markdown(module_name: str = "deepoffload") -> str:
+    import importlib
+
+    if module_name != "deepoffload":
+        module = importlib.import_module(module_name)
+        return "\n".join(f"::: {module_name}.{name}\n" for name in module.__all__ if not name.startswith("_"))
     import deepoffload
 
     blocks = []

@@ -34,6 +34,20 @@ def test_the_reference_has_every_public_name(hooks):
             assert f"::: deepoffload.{name}\n" in text or f"heading: deepoffload.{name}\n" in text, name
 
 
+PUBLIC_MODULES = ["deepoffload.formats", "deepoffload.dcp", "deepoffload.integrations.deepspeed"]
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_each_public_module_has_a_reference_page_with_every_name(hooks, module_name):
+    import importlib
+
+    text = hooks.api_markdown(module_name)
+    names = importlib.import_module(module_name).__all__
+    assert [line for line in text.splitlines() if line] == [f"::: {module_name}.{name}" for name in names]
+    pages = [p.read_text() for p in (Path(hooks.__file__).parent / "reference").glob("*.md")]
+    assert sum(f"<!-- generated: api {module_name} -->" in page for page in pages) == 1
+
+
 def test_the_config_page_has_every_key_and_variable(hooks):
     from deepoffload.op_builder import env
 

@@ -40,7 +40,24 @@ Expected = Mapping[str, Union[torch.Tensor, Sequence[int], tuple]]
 
 
 class KeyReport(NamedTuple):
-    """Names the model expects that the checkpoint lacks, and names the checkpoint has that the model does not."""
+    """Names the model expects that the checkpoint lacks, and names the checkpoint has that the model does not.
+
+    What ``CheckpointReader.check(expected, strict=False)`` returns (with ``strict=True`` either list not empty is an
+    error instead).
+
+    Attributes:
+        missing: Names of ``expected`` that the checkpoint lacks.
+        unexpected: Names in the checkpoint that ``expected`` lacks.
+
+    Example:
+        >>> import torch
+        >>> from deepoffload.formats import CheckpointReader, save_file
+        >>> save_file({"w": torch.zeros(2), "extra": torch.ones(1)}, "model.safetensors")
+        PosixPath('model.safetensors')
+        >>> with CheckpointReader("model.safetensors") as reader:
+        ...     reader.check({"w": (2,), "b": (2,)}, strict=False)
+        KeyReport(missing=['b'], unexpected=['extra'])
+    """
 
     missing: list[str]
     unexpected: list[str]

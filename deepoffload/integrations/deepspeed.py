@@ -31,6 +31,17 @@ import torch
 from ..errors import UnsupportedError
 from . import deepspeed_env as children
 
+__all__ = [
+    "enable",
+    "disable",
+    "enabled",
+    "AsyncIOBuilder",
+    "GDSBuilder",
+    "PinMemoryBuilder",
+    "cast_to_byte_tensor",
+    "warn_on_nvme_optimizer_resume",
+]
+
 # Modules that bind AsyncIOBuilder / GDSBuilder at import time; imported by enable() so they are patched.
 DEEPSPEED_MODULES = (
     "deepspeed.ops.op_builder",

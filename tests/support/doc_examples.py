@@ -1,36 +1,53 @@
 """The public API's docstrings as a reader of the reference meets them: Google sections that match the signatures,
 and Example sections that run.
 
-Used by ``tests/test_docstrings.py``; run directly to check some names while writing them:
-``python tests/support/doc_examples.py AsyncIOHandle save`` (no names: every public name).
+The public API is every name in the ``__all__`` of the modules in ``PUBLIC_MODULES`` (the ones the reference pages
+show). Used by ``tests/test_docstrings.py``; run directly to check some names while writing them:
+``python tests/support/doc_examples.py AsyncIOHandle formats.load_file`` (names relative to ``deepoffload``; no
+names: every public name).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import doctest
+import importlib
 import inspect
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+PUBLIC_MODULES = ("deepoffload", "deepoffload.formats", "deepoffload.dcp", "deepoffload.integrations.deepspeed")
+ROOT = Path(__file__).resolve().parents[2]
+FENCED = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 SECTION = re.compile(r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples|Note|Notes|Warning):\s*$")
 ITEM = re.compile(r"^    (\*{0,2}[A-Za-z_][A-Za-z0-9_]*)(?: \([^)]*\))?:")
 
 
-def public_names() -> list[str]:
-    """The names of ``deepoffload.__all__`` that are functions or classes other than exceptions."""
-    import deepoffload
+def resolve(name: str):
+    """The object of a public name: ``save`` or ``formats.load_file`` (relative to ``deepoffload``) or a full name."""
+    full = name if name.startswith("deepoffload") else f"deepoffload.{name}"
+    module, _, attribute = full.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
 
+
+def public_names() -> list[str]:
+    """The full names of the public modules' ``__all__`` entries that are functions or classes other than
+    exceptions.
+    """
     names = []
-    for name in deepoffload.__all__:
-        obj = getattr(deepoffload, name)
-        if isinstance(obj, type) and issubclass(obj, BaseException):
-            continue
-        if inspect.isclass(obj) or inspect.isfunction(obj):
-            names.append(name)
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, type) and issubclass(obj, BaseException):
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                names.append(f"{module_name}.{name}")
     return names
 
 
@@ -68,10 +85,8 @@ def returns_value(fn) -> bool:
 
 
 def problems(name: str) -> list[str]:
-    """What the docstrings of ``deepoffload.<name>`` (and its public methods) lack."""
-    import deepoffload
-
-    obj = getattr(deepoffload, name)
+    """What the docstrings of the public ``name`` (and its public methods) lack."""
+    obj = resolve(name)
     out = []
     doc = inspect.getdoc(obj) or ""
     found = sections(doc)
@@ -98,6 +113,8 @@ def _function_problems(qualname: str, fn) -> list[str]:
         return [f"{qualname}: no docstring"]
     found = sections(doc)
     missing = set(parameters(fn)) - documented(found.get("Args", []))
+    if "\n" not in doc.strip():  # a one-line docstring may name its few arguments in its sentence
+        missing = {p for p in missing if f"``{p}``" not in doc}
     out = [f"{qualname}: argument {p!r} not in Args" for p in sorted(missing)]
     if returns_value(fn) and "Returns" not in found and "Yields" not in found and "\n" in doc.strip():
         out.append(f"{qualname}: no Returns section")
@@ -105,14 +122,12 @@ def _function_problems(qualname: str, fn) -> list[str]:
 
 
 def run_examples(name: str) -> tuple[int, str]:
-    """Runs every doctest in ``deepoffload.<name>``'s docstrings (its methods' too) in a fresh temporary folder.
+    """Runs every doctest in the public ``name``'s docstrings (its methods' too) in a fresh temporary folder.
 
     Returns:
         The number of failed examples and the runner's report.
     """
-    import deepoffload
-
-    obj = getattr(deepoffload, name)
+    obj = resolve(name)
     finder = doctest.DocTestFinder(recurse=True, exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     report: list[str] = []
@@ -120,21 +135,45 @@ def run_examples(name: str) -> tuple[int, str]:
     with tempfile.TemporaryDirectory(prefix="doc-example-") as folder:
         os.chdir(folder)
         try:
-            for test in finder.find(obj, name=f"deepoffload.{name}", module=False, globs={}):
+            for test in finder.find(obj, name=name, module=False, globs={}):
                 runner.run(test, out=report.append)
         finally:
             os.chdir(old)
     return runner.failures, "".join(report)
 
 
+def fenced_examples(name: str) -> list[str]:
+    """The ```` ```python ```` blocks of the Example sections of the public ``name`` (examples that need a separate
+    process, such as ones that patch a third-party package).
+    """
+    doc = inspect.getdoc(resolve(name)) or ""
+    found = sections(doc)
+    text = "\n".join(line[4:] for line in found.get("Example", []) + found.get("Examples", []))
+    return FENCED.findall(text + "\n")
+
+
+def run_fenced(code: str) -> subprocess.CompletedProcess:
+    """Run one fenced example in a child process, in a fresh temporary folder, with this checkout importable."""
+    with tempfile.TemporaryDirectory(prefix="doc-example-") as folder:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True, timeout=300
+        )
+
+
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(ROOT))
     names = argv or public_names()
     failed = 0
     for name in names:
         for line in problems(name):
             print(line)
             failed += 1
+        for code in fenced_examples(name):
+            child = run_fenced(code)
+            if child.returncode != 0:
+                print(f"{name}: a fenced example failed:\n{code}\n{child.stdout}{child.stderr}")
+                failed += 1
         failures, report = run_examples(name)
         if failures:
             print(report)
