@@ -41,11 +41,11 @@ OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
 class ParameterOffload:
-    """The handle ``offload_parameters`` returns: streams the blocks' parameters, steps them and reports ``stats``.
+    """The handle ``offload_parameters`` returns: streams the blocks' parameters, steps them when training.
 
-    Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()`` ends offloading (by
-    default reading the parameters back into memory first). Also a context manager that closes on exit. Made by
-    ``offload_parameters``, which checks the arguments first.
+    It also reports ``stats``. Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()``
+    ends offloading (by default reading the parameters back into memory first). Also a context manager that closes on
+    exit. Made by ``offload_parameters``, which checks the arguments first.
 
     Args:
         module: The model whose blocks are streamed.
