@@ -1,5 +1,6 @@
-"""``offload_parameters``, the entry point of parameter offload: checks its arguments, chooses the blocks and builds
-a ``ParameterOffload``.
+"""``offload_parameters``, the entry point of parameter offload.
+
+It checks its arguments, chooses the blocks and builds a ``ParameterOffload``.
 """
 
 from __future__ import annotations
@@ -40,48 +41,79 @@ def offload_parameters(
 ) -> ParameterOffload:
     """Move the parameters of ``module``'s blocks to storage and stream them in as the blocks run.
 
-    path: the folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
-        sub-folder, removed on ``close()``.
-    blocks: the submodules to stream (default: see ``find_blocks``), in the order they run.
-    prefetch: how many blocks ahead are read while one computes (0: read each block when it starts).
-    mode: "fused" (optimizer step inside backward, memory-minimal) or "grads" (gradients to storage, ``step()``
-        streams); see the package docstring.
-    optimizer: to train, a factory called with a list of parameters that returns a ``torch.optim.Optimizer``
-        (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``); called once for the blocks' master weights and once
-        for the parameters outside blocks; their state is offloaded too. None: inference only.
-    compute_dtype: blocks compute in this dtype while their stored (master) weights keep theirs.
-    config: a ``SwapConfig`` (async-IO settings, pinning, checksums); buffer sizes are chosen here.
-    checkpoint: load the module's values from this checkpoint (a ``.safetensors`` file, a Hugging Face sharded
-        folder with its index, or a ``torch.save`` state dict) block by block while offloading, converting floating
-        point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing every
-        missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones, reported in
-        ``load_report``). Needed for no model: a module built on the ``meta`` device works without it too.
-    init: for a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
-        owning such tensors, children before parents; default: a Hugging Face model's own ``_init_weights`` (it
-        computes non-persistent buffers such as rotary ``inv_freq``), else each module's ``reset_parameters()``. A
-        value left unset is an error. See ``materialize``.
-    dtype: floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s ``torch_dtype``);
-        buffers keep the dtype they were built with (as under accelerate's ``init_empty_weights()``).
-    strict: see checkpoint.
-    max_resident_bytes: blocks whose parameters (stored plus compute copy) fit in this many bytes stay in memory
-        and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks also step in
-        memory, never written or read back. With the model's size, inference and training read and write no
-        parameter bytes after setup. See ``ParameterOffload.set_max_resident_bytes``.
-    serve_from_checkpoint: for inference: blocks whose parameters lie in the (safetensors) ``checkpoint`` in the
-        model's dtype, back to back in one file, are read from there and never copied to ``path``; the others are
-        copied as usual. The checkpoint is never written: a backward that would train a served block raises, and
-        so does releasing one whose parameters user code changed (the change is dropped).
-    data_parallel: True (the default process group) or a ``ProcessGroup``: every rank streams the model from its
-        own ``path`` and the gradients are averaged across the ranks as ``DistributedDataParallel`` averages them
-        (see ``data_parallel``); do not wrap the model in DDP. A model on the ``meta`` device then needs
-        ``checkpoint=`` with ``strict=True`` (every rank must load the same values).
-    max_memory: the process's memory limit, in bytes or as a string ("6GB", "512MiB"): the prefetch depth (at most
-        ``prefetch``), the optimizer's staging buffers and the bytes of blocks kept in memory (up to
-        ``max_resident_bytes``; by default as many as fit, a tenth of the limit left free) are chosen so that the
-        process as measured now (``RssAnon``, after ``malloc_trim``) plus the offload's own memory (``plan``, see
-        ``budget``) plus 64 MiB for the activations of your forward stays within it; when even prefetch 0 and the
-        fewest buffers cannot, ``MemoryError`` at once (before anything is read or written) names the least limit
-        that works and what it is made of. ``off.plan`` holds the parts chosen.
+    Args:
+        module: The model whose blocks are offloaded.
+        path: The folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
+            sub-folder, removed on ``close()``.
+        blocks: The submodules to stream (default: see ``find_blocks``), in the order they run.
+        prefetch: How many blocks ahead are read while one computes (0: read each block when it starts).
+        mode: "fused" (optimizer step inside backward, memory-minimal) or "grads" (gradients to storage, ``step()``
+            streams); see the package docstring.
+        optimizer: To train, a factory called with a list of parameters that returns a ``torch.optim.Optimizer``
+            (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``); called once for the blocks' master weights and
+            once for the parameters outside blocks; their state is offloaded too. None: inference only.
+        compute_dtype: Blocks compute in this dtype while their stored (master) weights keep theirs.
+        config: A ``SwapConfig`` (async-IO settings, pinning, checksums); buffer sizes are chosen here.
+        checkpoint: Load the module's values from this checkpoint (a ``.safetensors`` file, a Hugging Face sharded
+            folder with its index, or a ``torch.save`` state dict) block by block while offloading, converting
+            floating point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing
+            every missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones,
+            reported in ``load_report``). Needed for no model: a module built on the ``meta`` device works without
+            it too.
+        init: For a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
+            owning such tensors, children before parents; default: a Hugging Face model's own ``_init_weights`` (it
+            computes non-persistent buffers such as rotary ``inv_freq``), else each module's
+            ``reset_parameters()``. A value left unset is an error. See ``materialize``.
+        dtype: Floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s
+            ``torch_dtype``); buffers keep the dtype they were built with (as under accelerate's
+            ``init_empty_weights()``).
+        strict: See ``checkpoint``.
+        max_resident_bytes: Blocks whose parameters (stored plus compute copy) fit in this many bytes stay in
+            memory and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks
+            also step in memory, never written or read back. With the model's size, inference and training read
+            and write no parameter bytes after setup. See ``ParameterOffload.set_max_resident_bytes``.
+        serve_from_checkpoint: For inference: blocks whose parameters lie in the (safetensors) ``checkpoint`` in
+            the model's dtype, back to back in one file, are read from there and never copied to ``path``; the
+            others are copied as usual. The checkpoint is never written: a backward that would train a served block
+            raises, and so does releasing one whose parameters user code changed (the change is dropped).
+        data_parallel: True (the default process group) or a ``ProcessGroup``: every rank streams the model from
+            its own ``path`` and the gradients are averaged across the ranks as ``DistributedDataParallel`` averages
+            them (see ``data_parallel``); do not wrap the model in DDP. A model on the ``meta`` device then needs
+            ``checkpoint=`` with ``strict=True`` (every rank must load the same values).
+        max_memory: The process's memory limit, in bytes or as a string ("6GB", "512MiB"): the prefetch depth (at
+            most ``prefetch``), the optimizer's staging buffers and the bytes of blocks kept in memory (up to
+            ``max_resident_bytes``; by default as many as fit, a tenth of the limit left free) are chosen so that
+            the process as measured now (``RssAnon``, after ``malloc_trim``) plus the offload's own memory
+            (``plan``, see ``budget``) plus 64 MiB for the activations of your forward stays within it; when even
+            prefetch 0 and the fewest buffers cannot, ``MemoryError`` at once (before anything is read or written)
+            names the least limit that works and what it is made of. ``off.plan`` holds the parts chosen.
+
+    Returns:
+        The ``ParameterOffload`` that streams the blocks (``step()``, ``zero_grad()``, ``stats``, ``close()``).
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module``, ``optimizer`` is not callable or
+            ``serve_from_checkpoint`` is not a bool.
+        ValueError: When an argument is out of range: an unknown ``mode``, a negative or non-integer
+            ``prefetch``, a non-floating-point ``compute_dtype``, a block that is not a submodule, no blocks with
+            parameters, a block offloaded twice, ``serve_from_checkpoint`` without ``checkpoint``, ``data_parallel``
+            with a meta model but no strict checkpoint, or ``init``/``dtype`` for a module without meta tensors.
+
+    Example:
+        >>> import torch, deepoffload
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> x = torch.randn(4, 8)
+        >>> expected = model(x)
+        >>> off = deepoffload.offload_parameters(model, "swap", optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        >>> torch.equal(model(x), expected)  # the blocks were read back from storage: same values
+        True
+        >>> model(x).sum().backward()
+        >>> off.step()
+        >>> off.zero_grad()
+        >>> off.close()  # the trained weights are back in memory
+        >>> torch.equal(model(x), expected)
+        False
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload_parameters: expected an nn.Module, got {type(module).__name__}")
@@ -197,8 +229,19 @@ def fit_limit(
     reading: bool,
     max_resident_bytes: int | None,
 ) -> Fitted:
-    """The settings for ``max_memory`` (see ``offload_parameters``), from the blocks' sizes (their tensors may be
-    on meta) and this process's memory now.
+    """The settings for ``max_memory`` (see ``offload_parameters``).
+
+    Args:
+        module: The model being offloaded.
+        blocks: The chosen blocks as (qualified name, submodule); their tensors may be on meta.
+        max_memory: The limit, in bytes or as a string ("6GB").
+        prefetch: The most blocks read ahead.
+        training: Whether an optimizer steps (its staging buffers count).
+        reading: Whether a checkpoint is read (its reader's buffers count).
+        max_resident_bytes: The most bytes of blocks kept in memory (None: as many as fit).
+
+    Returns:
+        The plan fitted from the blocks' sizes and this process's memory now.
     """
     from .residency import nbytes, span
 

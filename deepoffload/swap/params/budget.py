@@ -1,5 +1,6 @@
-"""How much memory ``offload_parameters`` holds, part by part (``MemoryPlan``), and the settings that keep a
-process within a limit (``fit``, behind ``max_memory=``).
+"""How much memory ``offload_parameters`` holds, and the settings that keep a process within a limit.
+
+``MemoryPlan`` counts the memory part by part; ``fit`` (behind ``max_memory=``) chooses the settings.
 
 All figures are bytes. The process's own memory (the interpreter, torch and what the caller holds: measured at the
 call, see ``process_bytes``) and the activations of the user's forward and backward come on top of a plan's
@@ -47,10 +48,12 @@ class MemoryPlan:
 
     @property
     def setup_bytes(self) -> int:
+        """The most held while building on meta and loading a checkpoint: R + the reader's buffers + 3 B."""
         return self.rest_bytes + self.reader_bytes + SETUP_BLOCKS * self.block_bytes
 
     @property
     def staging_bytes(self) -> int:
+        """The blocks' staging buffers while streaming: (prefetch + 2) B."""
         return (self.prefetch + 2) * self.block_bytes
 
     @property
@@ -60,6 +63,7 @@ class MemoryPlan:
 
     @property
     def optimizer_bytes(self) -> int:
+        """The optimizers' state staging buffers when training (0 for inference)."""
         if not self.training:
             return 0
         return self.state_chunks * self.block_bytes + STATE_CHUNKS * self.rest_chunk_bytes
@@ -71,6 +75,7 @@ class MemoryPlan:
 
     @property
     def run_bytes(self) -> int:
+        """The most held while running: R (twice when training) + staging + optimizer + working + kept blocks."""
         rest = self.rest_bytes * (2 if self.training else 1)
         return rest + self.staging_bytes + self.optimizer_bytes + self.working_bytes + (self.resident_bytes or 0)
 
@@ -122,16 +127,32 @@ class Fitted:
 
     @property
     def expected_peak_bytes(self) -> int:
+        """The process's memory at its peak: the process now, the plan's peak and the forward's activations."""
         return self.process_bytes + self.plan.peak_bytes + self.forward_bytes
 
 
 def fit(
     plan: MemoryPlan, limit: int, process: int, forward: int = FORWARD_BYTES, prefetch: int | None = None
 ) -> Fitted:
-    """The plan with the most prefetch (up to ``prefetch``, default the plan's) and optimizer buffers, and then the
+    """The settings that keep ``process + plan.peak_bytes + forward`` within ``limit`` bytes.
+
+    The plan chosen has the most prefetch (up to ``prefetch``, default the plan's) and optimizer buffers, and then the
     most bytes of blocks kept in memory (up to ``plan.resident_bytes``; None: as many as fit, less a tenth of the
-    limit kept free), that keeps ``process + plan.peak_bytes + forward`` within ``limit`` bytes; raises ``MemoryError``
-    with the least limit that works (prefetch 0, the fewest optimizer buffers, nothing kept) and why otherwise.
+    limit kept free).
+
+    Args:
+        plan: The plan of the model's sizes and the settings wanted.
+        limit: The limit, in bytes.
+        process: The process's memory now, in bytes.
+        forward: The bytes left for the activations of the user's forward.
+        prefetch: The most prefetch (default: the plan's).
+
+    Returns:
+        The settings chosen and the plan they give.
+
+    Raises:
+        MemoryError: When even the least plan (prefetch 0, the fewest optimizer buffers, nothing kept) does not fit:
+            the message gives the least limit that works and what it is made of.
     """
     want = plan.prefetch if prefetch is None else prefetch
     room = limit - process - forward

@@ -1,5 +1,7 @@
-"""Data-parallel streaming (``offload_parameters(..., data_parallel=True or a ProcessGroup)``): every rank streams
-the whole model from its own storage and gradients are averaged across the ranks with DDP's arithmetic.
+"""Data-parallel streaming: ``offload_parameters(..., data_parallel=True or a ProcessGroup)``.
+
+Every rank streams the whole model from its own storage and gradients are averaged across the ranks with DDP's
+arithmetic.
 
 - At setup the parameters and buffers in memory are broadcast from the group's first rank, as DDP does at
   construction (a model built on ``meta`` must load every value from a checkpoint, identical on every rank).
@@ -33,8 +35,17 @@ BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
 
 
 def process_group(data_parallel: object):
-    """The process group ``data_parallel=`` names (None for the default group) or raises; not called for
-    ``data_parallel=False``.
+    """The process group ``data_parallel=`` names; not called for ``data_parallel=False``.
+
+    Args:
+        data_parallel: True (the default group) or a ``ProcessGroup``.
+
+    Returns:
+        The group, or None for the default group.
+
+    Raises:
+        UnsupportedError: When torch.distributed is not initialized.
+        TypeError: When ``data_parallel`` is neither True nor a ``ProcessGroup``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise UnsupportedError(
@@ -51,8 +62,13 @@ def process_group(data_parallel: object):
 
 
 def _buckets(grads: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of ``grads`` grouped in order into buckets of one dtype and device, at most BUCKET_BYTES each (a
-    larger gradient gets a bucket of its own).
+    """Indices of ``grads`` grouped in order into buckets of one dtype and device, at most BUCKET_BYTES each.
+
+    Args:
+        grads: The gradients to average.
+
+    Returns:
+        The buckets, each a list of indices (a gradient larger than BUCKET_BYTES gets a bucket of its own).
     """
     buckets: list[list[int]] = []
     size = 0
@@ -68,7 +84,11 @@ def _buckets(grads: Sequence[torch.Tensor]) -> list[list[int]]:
 
 
 class GradientAverager:
-    """Averages named gradients across the ranks of ``group`` (None: the default group)."""
+    """Averages named gradients across the ranks of ``group`` (None: the default group).
+
+    Args:
+        group: The process group.
+    """
 
     def __init__(self, group=None):
         self.group = group
@@ -76,14 +96,33 @@ class GradientAverager:
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
 
     def average(self, named: Sequence[tuple[str, torch.Tensor | None]], where: str) -> list[torch.Tensor | None]:
-        """The averages of ``named`` gradients, in order (None where no rank has one)."""
+        """The averages of ``named`` gradients, in order (None where no rank has one).
+
+        Args:
+            named: (name, gradient or None) pairs, the same names in the same order on every rank.
+            where: What is averaged, for the error message.
+
+        Returns:
+            The averages, in order.
+        """
         return self.start(named, where)()
 
     def start(
         self, named: Sequence[tuple[str, torch.Tensor | None]], where: str
     ) -> Callable[[], list[torch.Tensor | None]]:
-        """Checks which gradients exist on every rank and starts averaging them; returns the call that waits for
-        the averages (``average``'s result). The gradients are copied into the buckets here: they may be freed.
+        """Check which gradients exist on every rank and start averaging them.
+
+        The gradients are copied into the buckets here: they may be freed.
+
+        Args:
+            named: (name, gradient or None) pairs, the same names in the same order on every rank.
+            where: What is averaged, for the error message.
+
+        Returns:
+            The call that waits for the averages (``average``'s result).
+
+        Raises:
+            UnsupportedError: When a gradient exists on some ranks but not all (named, on every rank).
         """
         present = torch.tensor([g is not None for _, g in named], dtype=torch.int32)
         dist.all_reduce(present, group=self.group)
@@ -141,8 +180,16 @@ class GradientAverager:
 
 
 class DataParallel:
-    """What ``ParameterOffload`` uses under ``data_parallel=``: averages block gradients (``average_block``),
-    the parameters outside blocks at the end of each backward, and broadcasts buffers before each forward.
+    """What ``ParameterOffload`` uses under ``data_parallel=``.
+
+    It averages block gradients (``average_block``) and the parameters outside blocks at the end of each backward,
+    and broadcasts buffers before each forward.
+
+    Args:
+        group: The process group (None: the default group).
+        module: The model, whose buffers are broadcast before each forward.
+        rest: The parameters outside blocks.
+        rest_names: Their names, in the same order.
     """
 
     def __init__(self, group, module: nn.Module, rest: Sequence[nn.Parameter], rest_names: Sequence[str]):
@@ -164,8 +211,9 @@ class DataParallel:
         return self.averager.start_dict(names, grads, f"block {block.prefix}")
 
     def end_of_backward_pending(self) -> None:
-        """Have the parameters outside blocks averaged when the backward under way ends (once per backward; called
-        from inside a backward: a block's, or a hook of a parameter outside the blocks).
+        """Have the parameters outside blocks averaged when the backward under way ends (once per backward).
+
+        Called from inside a backward: a block's, or a hook of a parameter outside the blocks.
         """
         if not self._queued:
             self._queued = True
@@ -190,6 +238,7 @@ class DataParallel:
         self.averager.broadcast(list(module.buffers()))
 
     def close(self) -> None:
+        """Remove the hooks (gradients and buffers are no longer averaged or broadcast)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -1,9 +1,11 @@
-"""Dtype moves of a streamed model (``model.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.double()``
-on the model or a module holding blocks): before torch converts the parameters in memory and the buffers, each block
-whose parameters the move changes is read, converted with the same function torch applies and written back, one
-block at a time (a block held in memory is converted where it is), so the result equals the model converted in
-memory. A move that would change a streamed parameter's device is refused before anything is converted, and so are
-dtype moves of blocks computing with ``compute_dtype=`` copies or served read-only from a checkpoint.
+"""Dtype moves of a streamed model, converted block by block on storage.
+
+Moves are ``model.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.double()`` on the model or a module
+holding blocks: before torch converts the parameters in memory and the buffers, each block whose parameters the move
+changes is read, converted with the same function torch applies and written back, one block at a time (a block held in
+memory is converted where it is), so the result equals the model converted in memory. A move that would change a
+streamed parameter's device is refused before anything is converted, and so are dtype moves of blocks computing with
+``compute_dtype=`` copies or served read-only from a checkpoint.
 """
 
 from __future__ import annotations
@@ -17,8 +19,18 @@ from .store import BlockStore
 
 
 def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor]) -> list[Block]:
-    """The blocks whose parameters ``fn`` converts to another dtype; raise if it would move one to another device,
-    or convert a block that cannot be rewritten.
+    """The blocks whose parameters ``fn`` converts to another dtype.
+
+    Args:
+        blocks: The streamed blocks.
+        fn: The conversion torch applies to each tensor.
+
+    Returns:
+        Those blocks, in order.
+
+    Raises:
+        ValueError: When ``fn`` would move a streamed parameter to another device, or convert a block that cannot
+            be rewritten (one computing with ``compute_dtype=`` copies, or served read-only from a checkpoint).
     """
     todo = []
     for block in blocks:

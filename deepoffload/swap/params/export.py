@@ -1,5 +1,6 @@
-"""The module's persistent state streamed out of a ``ParameterOffload`` (for ``save``): each block's parameters
-read from storage when reached, the rest as it is in memory.
+"""The module's persistent state streamed out of a ``ParameterOffload`` (for ``save``).
+
+Each block's parameters are read from storage when reached, the rest is taken as it is in memory.
 """
 
 from __future__ import annotations

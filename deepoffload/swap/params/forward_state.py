@@ -1,5 +1,7 @@
-"""What a block's forward depends on besides its inputs, parameters and buffers, captured at the forward and put
-back for its recompute in backward, so the recompute runs the same kernels on the same values as the forward did.
+"""What a block's forward depends on besides its inputs, parameters and buffers, put back for its recompute.
+
+It is captured at the forward and put back for the block's recompute in backward, so the recompute runs the same
+kernels on the same values as the forward did.
 
 ``torch.utils.checkpoint`` restores autocast (``_get_autocast_kwargs``) and the RNG; a streamed block's recompute
 is the same problem, and backward runs wherever the user calls it (outside ``torch.autocast``, under other flags).
@@ -28,6 +30,7 @@ _autocast_types: tuple[str, ...] | None = None
 
 
 def autocast_types() -> tuple[str, ...]:
+    """The autocast device types this torch can query (found once, then cached)."""
     global _autocast_types
     if _autocast_types is None:
         known = []
@@ -48,8 +51,11 @@ def _attribute(owner: Callable[[], Any], name: str) -> tuple[Callable[[], Any], 
 
 
 def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
-    """(name, getter, setter) of the global settings that choose kernels or their precision and exist in this
-    torch; the fp32_precision settings first (setting one of the allow_tf32 flags rewrites them).
+    """(name, getter, setter) of the global settings that choose kernels or their precision.
+
+    Returns:
+        Those that exist in this torch, the fp32_precision settings first (setting one of the allow_tf32 flags
+        rewrites them).
     """
     b = torch.backends
     candidates: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
@@ -113,6 +119,7 @@ _FLAGS: list | None = None
 
 
 def flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
+    """(name, getter, setter) of the kernel settings that exist in this torch (found once, then cached)."""
     global _FLAGS
     if _FLAGS is None:
         _FLAGS = _flags()
@@ -126,6 +133,18 @@ def _device_type(tensors: Sequence[torch.Tensor]) -> str | None:
 
 @dataclass(frozen=True)
 class ForwardState:
+    """What a block's forward ran under, captured by ``capture`` and put back by ``restored`` (see the module).
+
+    Attributes:
+        autocast: (device type, enabled, dtype) of autocast for every device type this torch knows.
+        autocast_cache: Whether autocast's cast cache was on.
+        cpu_rng: The CPU RNG state.
+        devices: The devices the inputs live on.
+        device_rng: Their RNG states.
+        device_type: The inputs' accelerator type (None: all on the CPU).
+        settings: The values of the kernel settings, in ``flags()`` order.
+    """
+
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
     cpu_rng: torch.Tensor
@@ -136,6 +155,14 @@ class ForwardState:
 
     @classmethod
     def capture(cls, tensors: Sequence[torch.Tensor]) -> "ForwardState":
+        """The state now, at a forward given ``tensors``.
+
+        Args:
+            tensors: The forward's tensor inputs (their devices' RNG states are captured).
+
+        Returns:
+            The captured state.
+        """
         device_type = _device_type(tensors)
         devices, device_rng = get_device_states(*tensors)
         return cls(
@@ -155,6 +182,11 @@ class ForwardState:
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
+        """Put the captured state back (only what differs now), with grad mode enabled; the caller's on exit.
+
+        Yields:
+            Nothing: the body runs under the captured state.
+        """
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=self.devices, device_type=self.device_type))
             torch.set_rng_state(self.cpu_rng)

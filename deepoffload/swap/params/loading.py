@@ -1,6 +1,7 @@
-"""``model.load_state_dict(...)`` on a streamed model: each block's entries are written to its stored (master) values,
-so resuming (``Trainer(resume_from_checkpoint=...)``, accelerate's ``load_state``, a plain ``load_state_dict``) gives
-the values loading in memory gives.
+"""``model.load_state_dict(...)`` on a streamed model: each block's entries are written to its stored values.
+
+The entries go to the blocks' master values, so resuming (``Trainer(resume_from_checkpoint=...)``, accelerate's
+``load_state``, a plain ``load_state_dict``) gives the values loading in memory gives.
 
 A load-state-dict pre-hook on each block takes the block's entries out of the state dict before PyTorch copies them
 parameter by parameter (which would meet placeholders, or compute copies its masters cannot take): a block on
@@ -23,8 +24,14 @@ from .store import BlockStore
 
 
 def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
-    """The (pre, post) load-state-dict hooks of ``block`` (for ``register_load_state_dict_pre_hook`` and
-    ``register_load_state_dict_post_hook`` of its module).
+    """The (pre, post) load-state-dict hooks of ``block``.
+
+    Args:
+        store: The blocks' store, which reads and writes ``block``.
+        block: The block whose module gets the hooks.
+
+    Returns:
+        The hooks for ``register_load_state_dict_pre_hook`` and ``register_load_state_dict_post_hook`` of its module.
     """
     written: list[str] = []  # full keys written by the pre-hook of the load under way
 

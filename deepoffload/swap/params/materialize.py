@@ -1,5 +1,6 @@
-"""Give a model built on the ``meta`` device its values block by block, writing each block to storage before the
-next is made, so the whole model never exists in memory.
+"""Give a model built on the ``meta`` device its values block by block, writing each block to storage.
+
+Each block is written before the next is made, so the whole model never exists in memory.
 
 ``Materializer`` runs where ``BlockStore.offload_all`` would (see ``ParameterOffload``): it walks the module children
 first (post-order, the order in which constructors initialize: a module's children exist before its own
@@ -46,10 +47,18 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 
 def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor in memory mapped for it alone (page-aligned, not locked), unmapped when the tensor and
-    its views are gone. A block-sized ``torch.empty`` would come from glibc's heap once its dynamic mmap threshold has
-    risen (up to 32 MiB), and freed heap memory stays in the process: made and released block after block, such
-    tensors grow the process towards the model's size.
+    """An uninitialised tensor in memory mapped for it alone (page-aligned, not locked).
+
+    It is unmapped when the tensor and its views are gone. A block-sized ``torch.empty`` would come from glibc's heap
+    once its dynamic mmap threshold has risen (up to 32 MiB), and freed heap memory stays in the process: made and
+    released block after block, such tensors grow the process towards the model's size.
+
+    Args:
+        shape: Its shape.
+        dtype: Its dtype.
+
+    Returns:
+        The tensor.
     """
     return aligned_empty(shape, dtype, pin=False)
 
@@ -64,21 +73,33 @@ def hf_init(module: nn.Module) -> Init | None:
 
 
 def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the ``meta`` device."""
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 class Materializer:
-    """Prepared by ``offload_parameters`` before the blocks are set up (it swaps meta parameters for shape-only
-    placeholders and checks the checkpoint's names and shapes, reading no data); ``offload`` then fills and writes.
+    """A model's values made block by block from a checkpoint or an initializer, straight to storage.
 
-    checkpoint: a path ``CheckpointReader`` opens, or None. init: called with each module owning tensors the
-    checkpoint does not give (None: a Hugging Face model's own ``_init_weights``, which computes non-persistent
-    buffers such as rotary ``inv_freq`` as ``from_pretrained`` does; for other modules ``reset_parameters()``).
-    dtype: the dtype of floating-point parameters made from meta (None: as built); buffers keep theirs (rotary
-    ``inv_freq`` stays fp32, as in ``from_pretrained``).
-    strict: refuse missing and unexpected checkpoint names (mis-shaped ones always are).
-    serve: blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
-    file, and which have no meta buffers, are not copied: their records point into the checkpoint (read-only).
+    ``offload_parameters`` makes it before the blocks are set up: it swaps meta parameters for shape-only placeholders
+    and checks the checkpoint's names and shapes, reading no data; ``offload`` then fills and writes.
+
+    Args:
+        module: The model, built on the ``meta`` device or to be loaded from ``checkpoint``.
+        block_prefixes: The blocks' qualified names.
+        checkpoint: A path ``CheckpointReader`` opens, or None.
+        init: Called with each module owning tensors the checkpoint does not give (None: a Hugging Face model's own
+            ``_init_weights``, which computes non-persistent buffers such as rotary ``inv_freq`` as
+            ``from_pretrained`` does; for other modules ``reset_parameters()``).
+        dtype: The dtype of floating-point parameters made from meta (None: as built); buffers keep theirs (rotary
+            ``inv_freq`` stays fp32, as in ``from_pretrained``).
+        strict: Refuse missing and unexpected checkpoint names (mis-shaped ones always are).
+        serve: Blocks whose parameters all lie in a safetensors checkpoint in their target dtype, back to back in one
+            file, and which have no meta buffers, are not copied: their records point into the checkpoint
+            (read-only).
+
+    Raises:
+        ValueError: When ``serve`` is asked of a checkpoint that is not safetensors.
+        CheckpointError: When the checkpoint's names or shapes do not match the module's (see ``strict``).
     """
 
     def __init__(
@@ -128,8 +149,20 @@ class Materializer:
         return t.dtype
 
     def _check(self, reader: CheckpointReader, strict: bool) -> KeyReport:
-        """Compare the checkpoint with the module's state (names, shapes, convertible dtypes); a tensor shared by
-        several names (tied weights) needs only one of them in the checkpoint.
+        """Compare the checkpoint with the module's state (names, shapes, convertible dtypes).
+
+        A tensor shared by several names (tied weights) needs only one of them in the checkpoint.
+
+        Args:
+            reader: The open checkpoint.
+            strict: Refuse missing and unexpected names.
+
+        Returns:
+            The names the checkpoint lacks and those it has beyond the module.
+
+        Raises:
+            CheckpointError: When names or shapes do not match (for a transformers model missing names, with a
+                note on the names transformers converts when loading).
         """
         state = self.module.state_dict(keep_vars=True)
         aliases: dict[int, list[str]] = {}
@@ -181,14 +214,22 @@ class Materializer:
         self.close()
 
     def close(self) -> None:
+        """Close the checkpoint reader, if any."""
         if self.reader is not None:
             self.reader.close()
 
     # -- making values ------------------------------------------------------------------------------------------
     def _make(self, module: nn.Module, prefix: str, transient: bool = False) -> dict[str, torch.Tensor]:
-        """Give the module's own (not its children's) placeholder parameters and meta buffers memory; return its
-        tensors by qualified name. ``transient``: the tensors of a block, written out and released at once: their
-        memory is mapped for them (``transient_empty``), so it goes back to the system when they are released.
+        """Give the module's own (not its children's) placeholder parameters and meta buffers memory.
+
+        Args:
+            module: The module.
+            prefix: Its qualified name with a trailing dot ("" for the top module).
+            transient: The tensors of a block, written out and released at once: their memory is mapped for them
+                (``transient_empty``), so it goes back to the system when they are released.
+
+        Returns:
+            The module's own tensors by qualified name.
         """
         empty = transient_empty if transient else torch.empty
         tensors: dict[str, torch.Tensor] = {}
@@ -212,8 +253,10 @@ class Materializer:
         return tensors
 
     def _fill(self, owners: list[tuple[nn.Module, dict[str, torch.Tensor]]]) -> None:
-        """Values for the tensors of ``owners`` (modules with their own tensors, in walk order): initialize the
-        modules owning a tensor that needs one and the checkpoint lacks, then read what the checkpoint has.
+        """Give values to the tensors of ``owners`` (modules with their own tensors, in walk order).
+
+        The modules owning a tensor that needs one and the checkpoint lacks are initialized, then what the checkpoint
+        has is read.
         """
         reader = self.reader
         loaded = {n: t for _, tensors in owners for n, t in tensors.items() if reader is not None and n in reader}
@@ -301,8 +344,10 @@ class Materializer:
         return found
 
     def _served_records(self, block: Block) -> dict[str, SwapRecord] | None:
-        """Where the block's parameters lie in the checkpoint, when it can be served from there (see ``serve``);
-        else None (it is copied).
+        """Where the block's parameters lie in the checkpoint, when it can be served from there (see ``serve``).
+
+        Returns:
+            The parameters' records in the checkpoint by name, or None (the block is copied).
         """
         if not self.serve or self.reader is None or any(b.is_meta for b in block.module.buffers()):
             return None
@@ -326,8 +371,13 @@ class Materializer:
 
     # -- the pass -----------------------------------------------------------------------------------------------
     def offload(self, store, blocks: list[Block]) -> None:
-        """Make, fill and write every block in walk order (releasing each once written) and make the rest in
-        memory. On failure: the swap files are removed, the module gets its meta tensors back, and this raises.
+        """Make, fill and write every block in walk order (releasing each once written) and make the rest in memory.
+
+        On failure: the swap files are removed, the module gets its meta tensors back, and this raises.
+
+        Args:
+            store: The ``BlockStore`` the blocks are written to (or served from the checkpoint by).
+            blocks: The blocks.
         """
         writes: list[Block] = []
         try:
@@ -396,10 +446,12 @@ class Materializer:
 
 
 def _tie_hf_weights(module: nn.Module) -> None:
-    """Tie a Hugging Face model's weights as ``from_pretrained`` does. Under accelerate's ``init_empty_weights()``
-    every parameter assignment makes a new meta parameter, so the model's own tying (``lm_head.weight =
-    embed_tokens.weight``) leaves two parameters; the checkpoint then lacks one (``save_pretrained`` drops tied
-    copies) and a model loaded anyway would compute with an untied, freshly initialized head.
+    """Tie a Hugging Face model's weights as ``from_pretrained`` does.
+
+    Under accelerate's ``init_empty_weights()`` every parameter assignment makes a new meta parameter, so the model's
+    own tying (``lm_head.weight = embed_tokens.weight``) leaves two parameters; the checkpoint then lacks one
+    (``save_pretrained`` drops tied copies) and a model loaded anyway would compute with an untied, freshly initialized
+    head.
     """
     tie = getattr(module, "tie_weights", None)
     if has_meta(module) and callable(tie) and hasattr(module, "config"):
@@ -407,6 +459,18 @@ def _tie_hf_weights(module: nn.Module) -> None:
 
 
 def check_arguments(checkpoint, init, dtype, strict) -> None:
+    """Check ``offload_parameters``'s loading arguments before anything is made.
+
+    Args:
+        checkpoint: A path, or None.
+        init: A callable, or None.
+        dtype: A floating-point ``torch.dtype``, or None.
+        strict: True or False.
+
+    Raises:
+        TypeError: When ``checkpoint`` is not a path, ``init`` not callable or ``strict`` not a bool.
+        ValueError: When ``dtype`` is not a floating-point dtype.
+    """
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(
             f"checkpoint=: expected a path (a .safetensors file, a sharded folder with its index, or a "

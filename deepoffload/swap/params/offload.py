@@ -1,6 +1,8 @@
-"""``ParameterOffload`` (what ``offload_parameters`` returns): hooks the blocks (``patches``), makes each resident
-as it runs (prefetching per ``schedule``), hands training calls to ``recompute`` and finished gradients to the mode
-in ``training``; every move of a block's memory goes through ``BlockStore`` as a checked ``Residency`` transition.
+"""``ParameterOffload``, what ``offload_parameters`` returns.
+
+It hooks the blocks (``patches``), makes each resident as it runs (prefetching per ``schedule``), hands training calls
+to ``recompute`` and finished gradients to the mode in ``training``; every move of a block's memory goes through
+``BlockStore`` as a checked ``Residency`` transition.
 """
 
 from __future__ import annotations
@@ -39,9 +41,45 @@ OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
 class ParameterOffload:
-    """The handle ``offload_parameters`` returns: streams the blocks' parameters, steps them when training, and
-    reports ``stats``. Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()``
-    ends offloading (by default reading the parameters back into memory first).
+    """The handle ``offload_parameters`` returns: streams the blocks' parameters, steps them when training.
+
+    It also reports ``stats``. Use ``step()`` after each backward and ``zero_grad()`` as with an optimizer; ``close()``
+    ends offloading (by default reading the parameters back into memory first). Also a context manager that closes on
+    exit. Made by ``offload_parameters``, which checks the arguments first.
+
+    Args:
+        module: The model whose blocks are streamed.
+        blocks: The blocks as (qualified name, submodule), in the order they run.
+        prefetch: How many blocks ahead are read while one computes.
+        mode: "fused" or "grads" (see ``offload_parameters``).
+        optimizer: The optimizer factory (see ``offload_parameters``); None: inference only.
+        compute_dtype: The dtype blocks compute in while their stored weights keep theirs (None: their own).
+        config: The async-IO settings; the swap files go under its ``folder``.
+        materializer: For a module on the ``meta`` device or loaded from a checkpoint: makes the blocks' values
+            block by block straight to storage (None: the values in memory are offloaded).
+        max_resident_bytes: Bytes of blocks kept in memory (see ``set_max_resident_bytes``).
+        data_parallel: False, True (the default process group) or a ``ProcessGroup`` (see
+            ``offload_parameters``).
+        state_chunks: How many staging buffers of a block's size the blocks' optimizer state gets.
+
+    Raises:
+        ValueError: When a parameter is shared between two blocks or between a block and the rest of the module.
+
+    Example:
+        >>> import torch, deepoffload
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)
+        >>> off = deepoffload.offload_parameters(model, "swap", mode="grads", optimizer=sgd)
+        >>> len(off.blocks)
+        2
+        >>> model(torch.randn(4, 8)).sum().backward()  # gradients go to storage
+        >>> off.step(clip_grad_norm=1.0)  # streams each block through SGD; the total norm before clipping
+        tensor(...)
+        >>> off.zero_grad()
+        >>> sorted(off.state_dict())  # the blocks' values, read from storage
+        ['0.bias', '0.weight', '2.bias', '2.weight']
+        >>> off.close()  # reads the parameters back into memory
     """
 
     def __init__(
@@ -130,12 +168,16 @@ class ParameterOffload:
 
     @internal_call
     def set_max_resident_bytes(self, budget: int | None) -> None:
-        """Keep in memory the blocks that fit in ``budget`` bytes (stored plus compute copy), taken in block order
-        (every block is read once per sweep anyway, and the first ones' reads are the least hidden behind compute);
-        the rest stream. Pinned blocks are read once, outside the staging pool, never released by the schedule, and
-        step in memory (no write, no read back per step). A block leaving the budget is written first (its values
-        in memory are the valid copy); a failed write raises and keeps it in memory. 0 or None: stream every block.
-        Call between steps.
+        """Keep in memory the blocks that fit in ``budget`` bytes (stored plus compute copy); the rest stream.
+
+        Blocks are taken in block order (every block is read once per sweep anyway, and the first ones' reads are
+        the least hidden behind compute). Pinned blocks are read once, outside the staging pool, never released by
+        the schedule, and step in memory (no write, no read back per step). A block leaving the budget is written
+        first (its values in memory are the valid copy); a failed write raises and keeps it in memory. Call between
+        steps.
+
+        Args:
+            budget: The bytes of blocks to keep in memory; 0 or None: stream every block.
         """
         _check_budget(budget)
         self._check_open()
@@ -212,7 +254,13 @@ class ParameterOffload:
 
     @internal_call
     def acquire(self, block: Block, phase: str, training: bool) -> None:
-        """Make ``block`` resident, start reading its window and release blocks outside it."""
+        """Make ``block`` resident, start reading its window and release blocks outside it.
+
+        Args:
+            block: The block about to run.
+            phase: "forward" or "backward": the pass it runs in, which decides the blocks expected next.
+            training: Whether a backward follows the forward (blocks are then expected again in reverse).
+        """
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
         self.store.check_kept_values(block)  # pinned or kept: a change its masters cannot take raises here
@@ -229,13 +277,33 @@ class ParameterOffload:
 
     @internal_call
     def after_forward(self, block: Block, training: bool) -> None:
+        """After ``block``'s forward: release it unless it is expected again soon, and guard its gradients.
+
+        Args:
+            block: The block that ran.
+            training: Whether a backward follows the forward (see ``acquire``).
+        """
         if block.index not in self._upcoming(block.index, "forward", training):
             self.store.release(block)
         block.guard_grads()
 
     @internal_call
     def before_backward(self, call: BlockCall, last: bool) -> bool:
-        """Check the backward may run; return whether the block's gradients are complete after it."""
+        """Check the backward may run; return whether the block's gradients are complete after it.
+
+        Args:
+            call: The block call about to be back-propagated.
+            last: Whether no other call of the block will be back-propagated in this backward.
+
+        Returns:
+            Whether the block's gradients are complete after this backward (False for a nested reentrant call whose
+            gradients the mode defers to ``step()``).
+
+        Raises:
+            StreamedParameterError: When the forward was made before the block's last optimizer step, the block is
+                served read-only from the checkpoint and would be trained, or it needs gradients but no
+                ``optimizer=`` was given.
+        """
         block = call.block
         self._shared.clear()
         if call.steps != block.steps:
@@ -264,8 +332,13 @@ class ParameterOffload:
         return last
 
     def _check_unfrozen(self, block: Block) -> None:
-        """Refuse a backward once a parameter frozen when the optimizers were made requires a gradient: no optimizer
-        holds it, so it would never step (in memory, an optimizer made over ``model.parameters()`` would step it).
+        """Refuse a backward once a parameter frozen when the optimizers were made requires a gradient.
+
+        No optimizer holds it, so it would never step (in memory, an optimizer made over ``model.parameters()``
+        would step it).
+
+        Raises:
+            StreamedParameterError: When such a parameter requires a gradient (of ``block`` or outside the blocks).
         """
         if not self._optimizing:
             return
@@ -289,6 +362,12 @@ class ParameterOffload:
 
     @internal_call
     def after_backward(self, block: Block, last: bool) -> None:
+        """After ``block``'s backward: hand complete gradients to the mode, else stash them and release the block.
+
+        Args:
+            block: The block whose backward ran.
+            last: Whether its gradients are complete (as ``before_backward`` returned).
+        """
         if self.data_parallel is not None:
             self.data_parallel.end_of_backward_pending()
         if last:
@@ -301,19 +380,34 @@ class ParameterOffload:
 
     @internal_call
     def release(self, block: Block) -> None:
+        """Release ``block``'s memory back to storage (a no-op for a block pinned in memory).
+
+        Args:
+            block: The block to release.
+        """
         self.store.release(block)
 
     # -- steps -------------------------------------------------------------------------------------------------
     @internal_call
     def step(self, clip_grad_norm: float | None = None, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Finish a training step after ``backward()``: in grads mode, stream every block through its optimizer
-        step; in fused mode, wait for the blocks' write-backs. Then step the parameters outside blocks.
+        """Finish a training step after ``backward()``.
 
-        clip_grad_norm: grads mode only: clip all gradients (blocks' and the rest's) by their global
-            ``norm_type``-norm first, exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters(),
-            clip_grad_norm, norm_type)`` would (same arithmetic and order, so bit-identical); this costs one extra
-            streamed read of the blocks' gradients. Returns that total norm (a 0-dim tensor), else None. Fused mode
-            raises ValueError: each block steps inside backward, before the other blocks' gradients exist.
+        In grads mode, stream every block through its optimizer step; in fused mode, wait for the blocks'
+        write-backs. Then step the parameters outside blocks.
+
+        Args:
+            clip_grad_norm: Grads mode only: clip all gradients (blocks' and the rest's) by their global
+                ``norm_type``-norm first, exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters(),
+                clip_grad_norm, norm_type)`` would (same arithmetic and order, so bit-identical); this costs one
+                extra streamed read of the blocks' gradients. Fused mode raises ValueError: each block steps inside
+                backward, before the other blocks' gradients exist.
+            norm_type: The norm's order for ``clip_grad_norm`` (2.0: Euclidean).
+
+        Returns:
+            With ``clip_grad_norm``, the total norm before clipping (a 0-dim tensor), else None.
+
+        Raises:
+            ValueError: When ``offload_parameters()`` got no ``optimizer=``.
         """
         self._check_open()
         if self._block_optimizer is None and self._rest_optimizer is None:
@@ -342,7 +436,11 @@ class ParameterOffload:
 
     @internal_call
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients: those outside blocks, and the blocks' gradients on storage (grads mode)."""
+        """Clear gradients: those outside blocks, and the blocks' gradients on storage (grads mode).
+
+        Args:
+            set_to_none: For the gradients outside blocks: set them to None rather than to zero.
+        """
         self._check_open()
         self.training.finish_writes()
         if self._rest_optimizer is not None:
@@ -352,8 +450,9 @@ class ParameterOffload:
 
     @internal_call
     def flush(self) -> None:
-        """Wait for every write in flight and write out blocks kept in memory after a failed write; raise the
-        first failure (those blocks stay in memory).
+        """Wait for every write in flight and write out blocks kept in memory after a failed write.
+
+        The first failure (an ``OSError``) is raised once all were tried; those blocks stay in memory.
         """
         self._check_open()
         error = None
@@ -373,6 +472,7 @@ class ParameterOffload:
 
     @property
     def stats(self) -> OffloadStats:
+        """The offload's figures since it was made (its peaks since ``reset_peak``)."""
         state_read = state_written = 0
         for optimizer in self.optimizers:
             state_read += optimizer.swapper.bytes_read
@@ -401,8 +501,13 @@ class ParameterOffload:
 
     @internal_call
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's ``state_dict()``: the blocks' parameters are read from storage one block at a time (copies,
-        master dtype); ``module.state_dict()`` itself does the same.
+        """The module's ``state_dict()``, after the writes in flight.
+
+        The blocks' parameters are read from storage one block at a time (copies, master dtype);
+        ``module.state_dict()`` itself does the same.
+
+        Returns:
+            The module's state dict.
         """
         self._check_open()
         self.store.wait_writes()
@@ -410,12 +515,20 @@ class ParameterOffload:
 
     @internal_call
     def save(self, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
-        """Write the module's state as safetensors shards with an index (Hugging Face layout, through the async-IO
-        op) into the folder ``path``, reading the blocks from storage one at a time (master values), so the model is
-        never resident. Holds what ``state_dict()`` holds (parameters, persistent buffers) except that a tensor
+        """Write the module's state as safetensors shards with an index (Hugging Face layout) into a folder.
+
+        Written through the async-IO op, reading the blocks from storage one at a time (master values), so the model
+        is never resident. Holds what ``state_dict()`` holds (parameters, persistent buffers) except that a tensor
         shared under several names is written once, under its first name (safetensors cannot store shared tensors;
         ``from_pretrained`` ties them again). A module with a Hugging Face ``config`` also gets its
-        ``config.json``, so ``from_pretrained(path)`` loads the result. Returns the shard paths.
+        ``config.json``, so ``from_pretrained(path)`` loads the result.
+
+        Args:
+            path: The folder to write.
+            max_shard_bytes: The most bytes of one shard.
+
+        Returns:
+            The shard paths.
         """
         self._check_open()
         self.training.finish_writes()
@@ -430,11 +543,12 @@ class ParameterOffload:
     def close(self, restore: bool = True) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
 
-        restore: True (the default): first read every block back into memory (master dtype), so the module holds
-            its trained weights and works as before; this needs memory for the whole model (pinned blocks keep
-            theirs, uncopied). If a block cannot be read, this raises and nothing is closed. False: discard them
-            (take ``state_dict()`` first to keep them); calling a block then raises; blocks held in memory (pinned,
-            or kept after a failed write) free theirs with the module.
+        Args:
+            restore: True (the default): first read every block back into memory (master dtype), so the module
+                holds its trained weights and works as before; this needs memory for the whole model (pinned blocks
+                keep theirs, uncopied). If a block cannot be read, this raises and nothing is closed. False: discard
+                them (take ``state_dict()`` first to keep them); calling a block then raises; blocks held in memory
+                (pinned, or kept after a failed write) free theirs with the module.
         """
         if self._closed:
             return

@@ -1,6 +1,8 @@
-"""What ``ParameterOffload`` attaches to the user's modules, and takes off again: each block's streamed ``forward``
-(casting to the compute dtype when one is set), its ``state_dict`` hooks (the values read from storage), and a guard
-on ``_apply`` (``.to()``, ``.half()``, ``.cuda()`` ...) of every module holding a block.
+"""What ``ParameterOffload`` attaches to the user's modules, and takes off again.
+
+Each block's streamed ``forward`` (casting to the compute dtype when one is set), its ``state_dict`` hooks (the values
+read from storage), and a guard on ``_apply`` (``.to()``, ``.half()``, ``.cuda()`` ...) of every module holding a
+block.
 """
 
 from __future__ import annotations
@@ -21,8 +23,15 @@ Run = Callable[[Block, Callable, tuple, dict], Any]  # runs a block's forward wi
 
 
 def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
-    """``forward`` with its floating-point tensor arguments cast to ``dtype`` and its ``dtype`` outputs cast back
-    to the dtype of its first floating-point argument (so an fp32 model can stream blocks computing in bf16).
+    """``forward`` computing in ``dtype``, so an fp32 model can stream blocks computing in bf16.
+
+    Args:
+        forward: The block's forward.
+        dtype: The compute dtype.
+
+    Returns:
+        A forward that casts its floating-point tensor arguments to ``dtype`` and its ``dtype`` outputs back to the
+        dtype of its first floating-point argument.
     """
 
     def cast(x: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
@@ -40,12 +49,17 @@ def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
 
 
 class ModulePatches:
-    """The patches on ``module`` and its ``blocks``: ``stream`` and ``guard_moves`` put them on, ``remove`` takes
-    them off. ``run`` is called for every call of a streamed block.
+    """The patches on ``module`` and its ``blocks``: ``stream``, ``guard_moves`` put them on, ``remove`` takes them off.
+
+    Args:
+        module: The user's model.
+        blocks: Its streamed blocks.
+        store: The blocks' store (read by the ``state_dict`` and load hooks, written by dtype moves).
+        run: Called for every call of a streamed block.
+        moved: Called after blocks were converted to another dtype.
     """
 
     def __init__(self, module: nn.Module, blocks: list[Block], store: BlockStore, run: Run, moved: Callable[[], None]):
-        """``moved`` is called after blocks were converted to another dtype."""
         self.module, self.blocks, self.store, self.run, self.moved = module, blocks, store, run, moved
         self.patched: list[tuple[nn.Module, str, Callable]] = []
         self.hooks: list = []
@@ -93,9 +107,10 @@ class ModulePatches:
         return hook
 
     def guard_moves(self) -> None:
-        """``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... on the module or any module holding
-        a block: the blocks' stored values are converted first, block by block, or the move is refused before
-        anything is converted (``dtype_moves``).
+        """Guard ``_apply`` of the module and of every module holding a block.
+
+        On ``model.to(dtype)``, ``.half()``, ``.double()``, ``.cuda()`` ... the blocks' stored values are converted
+        first, block by block, or the move is refused before anything is converted (``dtype_moves``).
         """
         holders = set()
         for name, _ in ((b.prefix, b) for b in self.blocks):
@@ -121,8 +136,11 @@ class ModulePatches:
             self.moved()
 
     def remove(self, restore: bool) -> None:
-        """Take the hooks and patches off; unless ``restore``, the blocks keep their streamed ``forward`` (calls
-        keep failing with a clear error).
+        """Take the hooks and patches off.
+
+        Args:
+            restore: Whether the blocks get their own ``forward`` back; if not, they keep their streamed ``forward``
+                (calls keep failing with a clear error).
         """
         for hook in self.hooks:
             hook.remove()

@@ -87,10 +87,14 @@ _SHAPE = frozenset({"shape", "size", "numel", "nelement", "dim", "ndim", "ndimen
 
 @contextlib.contextmanager
 def internal() -> Iterator[None]:
-    """deepoffload's own handling of streamed parameters: nothing is checked inside, and Ctrl-C waits for its end
-    (see ``interrupts``). Outside inference mode: staging buffers, parameter views and compute copies made while a
-    forward runs under ``torch.inference_mode()`` are reused by training later, which may not write inference
-    tensors.
+    """deepoffload's own handling of streamed parameters: nothing is checked inside.
+
+    Ctrl-C waits for its end (see ``interrupts``). Outside inference mode: staging buffers, parameter views and
+    compute copies made while a forward runs under ``torch.inference_mode()`` are reused by training later, which
+    may not write inference tensors.
+
+    Yields:
+        Nothing: the body runs as deepoffload's own handling.
     """
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
@@ -120,8 +124,9 @@ def _checking() -> bool:
 
 
 class StreamedParameter(nn.Parameter):
-    """A block parameter while ``offload_parameters`` streams it (see the module docstring). ``_streamed`` is its
-    (block, name within the block).
+    """A block parameter while ``offload_parameters`` streams it (see the module docstring).
+
+    ``_streamed`` is its (block, name within the block).
     """
 
     _streamed: tuple[Block, str]
@@ -158,11 +163,13 @@ class StreamedParameter(nn.Parameter):
 
 
 class GradsAwayParameter(nn.Parameter):
-    """A parameter of a block held in memory (pinned by ``max_resident_bytes``, or kept after a failed write) while
-    the block's gradients are away until ``step()`` (``Block.grads_away``): its values are real and every use passes
-    through, but ``p.grad`` is refused as for a ``StreamedParameter``, where it would silently read None (so
-    ``clip_grad_norm_(model.parameters())`` cannot clip by a wrong norm when every block is held in memory). The
-    block computes with plain parameters: it is plain again while it runs and once ``step()`` is done.
+    """A parameter of a block held in memory while the block's gradients are away until ``step()``.
+
+    The block is pinned by ``max_resident_bytes`` or kept after a failed write, its gradients away
+    (``Block.grads_away``): the parameter's values are real and every use passes through, but ``p.grad`` is refused as
+    for a ``StreamedParameter``, where it would silently read None (so ``clip_grad_norm_(model.parameters())`` cannot
+    clip by a wrong norm when every block is held in memory). The block computes with plain parameters: it is plain
+    again while it runs and once ``step()`` is done.
     """
 
     _streamed: tuple[Block, str]
@@ -195,8 +202,9 @@ def streamed(param: nn.Parameter, block: Block, name: str) -> None:
 
 
 def plain(param: nn.Parameter) -> None:
-    """Make a ``StreamedParameter`` or ``GradsAwayParameter`` an ``nn.Parameter`` again (its block is in memory and
-    computing or done with its gradients, or offloading ended).
+    """Make a ``StreamedParameter`` or ``GradsAwayParameter`` an ``nn.Parameter`` again.
+
+    Its block is in memory and computing or done with its gradients, or offloading ended.
     """
     if type(param) in (StreamedParameter, GradsAwayParameter):
         was = cast("StreamedParameter | GradsAwayParameter", param)  # (its class, just checked)

@@ -1,6 +1,7 @@
-"""``deepoffload.from_pretrained(path, **offload options)``: a Hugging Face model folder (``config.json`` and
-safetensors weights, sharded or not) built on the ``meta`` device and loaded streamed, block by block, so the model
-is never whole in memory. transformers is imported only here.
+"""``deepoffload.from_pretrained(path, **offload options)``: a Hugging Face model folder loaded streamed.
+
+The folder (``config.json`` and safetensors weights, sharded or not) is built on the ``meta`` device and loaded block
+by block, so the model is never whole in memory. transformers is imported only here.
 """
 
 from __future__ import annotations
@@ -39,16 +40,43 @@ def _build(model_class: Any, config: Any) -> nn.Module:
 def from_pretrained(
     folder: str | os.PathLike, /, model_class: Any = None, *, dtype: torch.dtype | None = None, **options: Any
 ) -> tuple[nn.Module, ParameterOffload]:
-    """Build the model of ``folder`` from its ``config.json`` on the ``meta`` device and load its weights
-    streamed (``offload_parameters(model, checkpoint=folder, ...)``); return the model (in eval mode, as
-    ``from_pretrained`` returns it) and its ``ParameterOffload``.
+    """Build the model of a Hugging Face folder on the ``meta`` device and load its weights streamed.
 
-    model_class: the class to build (a model class or any ``AutoModel*`` class); default: the class named first in
-        the config's ``architectures``, else ``AutoModel``.
-    dtype: floating-point parameters get this dtype (default: the class's as built, float32).
-    options: ``offload_parameters`` keyword arguments (``path=`` the swap folder, ``mode``, ``optimizer``,
-        ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ...); ``checkpoint`` is
-        ``folder``, and non-persistent buffers (rotary ``inv_freq``) are computed by the model's ``_init_weights``.
+    The model is built from the folder's ``config.json`` and loaded by ``offload_parameters(model,
+    checkpoint=folder, ...)``, so it is never whole in memory.
+
+    Args:
+        folder: A ``save_pretrained`` folder: ``config.json`` and safetensors weights, sharded or not.
+        model_class: The class to build (a model class or any ``AutoModel*`` class); default: the class named first
+            in the config's ``architectures``, else ``AutoModel``.
+        dtype: Floating-point parameters get this dtype (default: the class's as built, float32).
+        **options: ``offload_parameters`` keyword arguments (``path=`` the swap folder, ``mode``, ``optimizer``,
+            ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ...); ``checkpoint``
+            is ``folder``, and non-persistent buffers (rotary ``inv_freq``) are computed by the model's
+            ``_init_weights``.
+
+    Returns:
+        The model (in eval mode, as ``from_pretrained`` returns it) and its ``ParameterOffload``.
+
+    Raises:
+        TypeError: When ``options`` hold a ``checkpoint`` (the checkpoint is ``folder``).
+        FileNotFoundError: When ``folder`` has no ``config.json``.
+
+    Example:
+        >>> import contextlib, io, torch, transformers, deepoffload
+        >>> config = transformers.LlamaConfig(
+        ...     vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+        ... )
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # (a library may log to stdout while saving)
+        ...     transformers.LlamaForCausalLM(config).save_pretrained("tiny-llama")
+        >>> model, off = deepoffload.from_pretrained("tiny-llama", path="swap")
+        >>> type(model).__name__, model.training
+        ('LlamaForCausalLM', False)
+        >>> [block.prefix for block in off.blocks]  # streamed from "swap"
+        ['model.layers.0', 'model.layers.1']
+        >>> with off, torch.no_grad():
+        ...     model(torch.tensor([[1, 2, 3]])).logits.shape
+        torch.Size([1, 3, 64])
     """
     from transformers import AutoConfig
 

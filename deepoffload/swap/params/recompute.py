@@ -1,6 +1,7 @@
-"""Recomputation: a block runs inside an autograd function that keeps only its inputs; backward makes the block
-resident again, recomputes it under the forward's autocast, RNG state and kernel settings (``forward_state``),
-buffers and cache state (``side_effects``), and back-propagates through it.
+"""Recomputation: a block runs inside an autograd function that keeps only its inputs.
+
+Backward makes the block resident again, recomputes it under the forward's autocast, RNG state and kernel settings
+(``forward_state``), buffers and cache state (``side_effects``), and back-propagates through it.
 
 Which backward is a block's last in a pass (when its gradients are complete) is asked of the autograd engine: the
 block's other pending calls that the running backward will still execute. Calls whose graph is never back-propagated
@@ -24,17 +25,41 @@ from .side_effects import Captured, check_caches
 
 
 class Streamer(Protocol):
-    def acquire(self, block: Block, phase: str, training: bool) -> None: ...
-    def after_forward(self, block: Block, training: bool) -> None: ...
-    def before_backward(self, call: "BlockCall", last: bool) -> bool: ...
-    def after_backward(self, block: Block, last: bool) -> None: ...
-    def release(self, block: Block) -> None: ...
+    """The streaming side ``Recompute`` talks to (``ParameterOffload``, whose methods these are)."""
+
+    def acquire(self, block: Block, phase: str, training: bool) -> None:
+        """Make ``block`` resident and read ahead the blocks expected next."""
+        ...
+
+    def after_forward(self, block: Block, training: bool) -> None:
+        """Release ``block`` after its forward unless it is expected again soon."""
+        ...
+
+    def before_backward(self, call: "BlockCall", last: bool) -> bool:
+        """Check the backward of ``call`` may run; return whether the block's gradients are complete after it."""
+        ...
+
+    def after_backward(self, block: Block, last: bool) -> None:
+        """Hand complete gradients on (``last``), else keep them; release the block."""
+        ...
+
+    def release(self, block: Block) -> None:
+        """Release ``block``'s memory."""
+        ...
 
 
 class BlockCall:
-    """One call of a block: its non-tensor arguments, how to rebuild them, its outputs' structure, and what
-    recomputation needs (the forward's autocast, RNG and settings, state before the forward, the block's step count
-    at the forward).
+    """One call of a block: its arguments, its outputs' structure, and what recomputation needs.
+
+    It holds the non-tensor arguments and how to rebuild them, the outputs' structure, and what recomputation needs:
+    the forward's autocast, RNG and settings, the state before the forward, the block's step count at the forward.
+
+    Args:
+        streamer: The streaming side.
+        block: The block called.
+        forward: The block's own forward.
+        flat: The call's arguments, flattened (``pytree``).
+        spec: Their structure.
     """
 
     def __init__(self, streamer: Streamer, block: Block, forward: Callable, flat: list, spec: Any):
@@ -56,6 +81,14 @@ class BlockCall:
         self.nested = torch._C._current_graph_task_id() != -1
 
     def run(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Call the block's forward with the call's arguments, its tensors replaced by ``tensors``.
+
+        Args:
+            tensors: The tensor arguments, in order.
+
+        Returns:
+            The forward's result.
+        """
         flat = list(self.flat)
         for position, tensor in zip(self.positions, tensors):
             flat[position] = tensor
@@ -63,20 +96,33 @@ class BlockCall:
         return self.forward(*args, **kwargs)
 
     def rebuild(self, outputs: Sequence[torch.Tensor]) -> Any:
+        """The forward's result in its structure, its tensors replaced by ``outputs``.
+
+        Args:
+            outputs: The tensor outputs, in order.
+
+        Returns:
+            The result as the forward returned it.
+        """
         flat = list(self.out_flat)
         for position, tensor in zip(self.out_positions, outputs):
             flat[position] = tensor
         return pytree.tree_unflatten(flat, self.out_spec)
 
     def will_run_backward(self) -> bool:
-        """This call's backward is still to run in the backward pass under way."""
+        """Whether this call's backward is still to run in the backward pass under way."""
         node = self.node() if self.node is not None else None
         return node is not None and torch._C._will_engine_execute_node(node)
 
 
 class _Saved:
-    """A tensor the autograd graph saved (weakly referenced: it dies with the graph). ``stale``: the graph outlived
-    the block's forward (see ``Recompute.forward``); unpacking it, i.e. back-propagating through it, raises.
+    """A tensor the autograd graph saved (weakly referenced: it dies with the graph).
+
+    ``stale``: the graph outlived the block's forward (see ``Recompute.forward``); unpacking it, i.e. back-propagating
+    through it, raises.
+
+    Args:
+        tensor: The saved tensor.
     """
 
     __slots__ = ("tensor", "stale", "__weakref__")
@@ -104,22 +150,40 @@ def _watched(saved: list) -> torch.autograd.graph.saved_tensors_hooks:
 
 
 def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` detached, each requiring grad as it did."""
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
 def as_given(leaves: Sequence[torch.Tensor], was_leaf: Sequence[bool]) -> list[torch.Tensor]:
-    """The block's inputs as in memory: a detached input requiring grad is a leaf, but one that was not a leaf there
-    gets a view, so that autocast does not cache its cast (it caches those of leaves requiring grad: in memory each
-    use of T5's encoder output in a decoder block casts it again, and each cast's gradient is added in fp32, not
-    once in bf16). Call under grad mode.
+    """The block's inputs as in memory: a detached input requiring grad that was not a leaf there gets a view.
+
+    A detached input requiring grad is a leaf, so autocast would cache its cast (it caches those of leaves requiring
+    grad: in memory each use of T5's encoder output in a decoder block casts it again, and each cast's gradient is
+    added in fp32, not once in bf16); the view prevents that. Call under grad mode.
+
+    Args:
+        leaves: The detached inputs.
+        was_leaf: Whether each was a leaf in the caller's graph.
+
+    Returns:
+        The inputs to run the block on.
     """
     return [t.view_as(t) if t.requires_grad and not leaf else t for t, leaf in zip(leaves, was_leaf)]
 
 
 def check_loss_scaling(block: Block, state: ForwardState) -> None:
-    """Refuse training a block under float16 autocast: fp16 training needs a loss scaler (``torch.amp.GradScaler``)
-    that unscales every gradient and skips the step when one is inf/NaN, before any parameter steps, and a streamed
-    block's gradients never sit in memory for it (fused mode steps the block inside its backward).
+    """Refuse training a block under float16 autocast.
+
+    fp16 training needs a loss scaler (``torch.amp.GradScaler``) that unscales every gradient and skips the step when
+    one is inf/NaN, before any parameter steps, and a streamed block's gradients never sit in memory for it (fused
+    mode steps the block inside its backward).
+
+    Args:
+        block: The block called.
+        state: Its forward's state (autocast).
+
+    Raises:
+        ValueError: When ``block`` has trainable parameters and autocast is on with float16.
     """
     half = [d for d, dtype in state.autocast_enabled.items() if dtype == torch.float16]
     if half and block.trainable:
@@ -139,6 +203,7 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: BlockCall, token: torch.Tensor, *tensors: torch.Tensor):
+        """Run the block on its resident parameters and keep only ``tensors``; return its outputs and the aliases."""
         # token requires grad, so the outputs do even when no input does (the parameters are not inputs here)
         ctx.call = call
         call.node = weakref.ref(ctx)
@@ -181,6 +246,7 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
+        """Make the block resident again, recompute it as the forward ran and back-propagate ``grads`` through it."""
         call: BlockCall = ctx.call
         streamer, block = call.streamer, call.block
         inputs = detached(ctx.saved_tensors)  # (this may run torch.utils.checkpoint's recomputation first)

@@ -36,6 +36,18 @@ from .placeholders import plain, refuse_grad, streamed
 
 
 class Residency(enum.Enum):
+    """Where a block's parameters are (see the module docstring for the transitions).
+
+    Attributes:
+        ON_STORAGE: Storage holds the values; the parameters are 0-element placeholders.
+        READING: A read into a staging buffer is in flight.
+        RESIDENT: The parameters point into the staging buffer of a completed read (storage agrees).
+        WRITING: A write of the values is in flight; the write holds the memory until it completes.
+        KEPT: Resident and the only valid copy (a write or step failed): never released until written.
+        PINNED: Kept resident by the budget, in its own memory; the valid copy (storage is stale once stepped).
+        RESTORED: Offloading ended: the parameters hold their values in memory for good.
+    """
+
     ON_STORAGE = "on storage"  # storage holds the values; the parameters are 0-element placeholders
     READING = "reading"  # a read into a staging buffer is in flight
     RESIDENT = "resident"  # the parameters point into the staging buffer of a completed read (storage agrees)
@@ -59,6 +71,7 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
 
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of ``tensors``' elements."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -68,13 +81,23 @@ def span(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def placeholder(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A 0-element tensor on ``like``'s device, of ``dtype`` (default: ``like``'s)."""
     return torch.empty(0, dtype=dtype or like.dtype, device=like.device)
 
 
 def own_dtype_parameters(module: nn.Module, compute_dtype: torch.dtype | None) -> set[int]:
-    """ids of the parameters that keep their own dtype under ``compute_dtype``: those of submodules holding
-    floating-point buffers of another dtype (BatchNorm running statistics), which compute in mixed precision (inputs
-    in ``compute_dtype``, statistics and affine parameters in theirs), as ``torch.autocast`` runs them.
+    """ids of the parameters that keep their own dtype under ``compute_dtype``.
+
+    Those are the parameters of submodules holding floating-point buffers of another dtype (BatchNorm running
+    statistics), which compute in mixed precision (inputs in ``compute_dtype``, statistics and affine parameters in
+    theirs), as ``torch.autocast`` runs them.
+
+    Args:
+        module: The block.
+        compute_dtype: The dtype the block computes in (None: its own).
+
+    Returns:
+        The ids (empty without ``compute_dtype``).
     """
     if compute_dtype is None:
         return set()
@@ -86,8 +109,15 @@ def own_dtype_parameters(module: nn.Module, compute_dtype: torch.dtype | None) -
 
 
 class Block:
-    """One block's parameters, their residency and the IO that holds their memory (``read`` while READING or
-    RESIDENT, ``write`` while WRITING).
+    """One block's parameters, their residency and the IO that holds their memory.
+
+    The IO is ``read`` while READING or RESIDENT, ``write`` while WRITING.
+
+    Args:
+        index: The block's position in the order blocks run.
+        prefix: Its qualified name in the model ("" for the model itself).
+        module: The block.
+        compute_dtype: The dtype it computes in (None: its own); parameters of another dtype get compute copies.
     """
 
     def __init__(self, index: int, prefix: str, module: nn.Module, compute_dtype: torch.dtype | None):
@@ -134,10 +164,19 @@ class Block:
         return any(p.requires_grad for p in self.params)
 
     def qualified(self, name: str) -> str:
+        """The model's name of the block's parameter ``name``."""
         return f"{self.prefix}.{name}" if self.prefix else name
 
     # -- state ------------------------------------------------------------------------------------------------
     def move(self, to: Residency) -> None:
+        """Change the block's state to ``to``.
+
+        Args:
+            to: The new state.
+
+        Raises:
+            ResidencyError: When ``TRANSITIONS`` has no such move (a bookkeeping bug).
+        """
         if to not in TRANSITIONS[self.state]:
             raise ResidencyError(
                 f"block {self.prefix}: its parameters cannot go from {self.state.value} to "
@@ -151,8 +190,10 @@ class Block:
         return self.state in (Residency.RESIDENT, Residency.KEPT, Residency.PINNED)
 
     def grads_away(self) -> str | None:
-        """Where the block's gradients are when not on its parameters' ``.grad`` until ``step()``; None when
-        ``.grad`` tells the truth.
+        """Where the block's gradients are when not on its parameters' ``.grad`` until ``step()``.
+
+        Returns:
+            The place, in words, or None when ``.grad`` tells the truth.
         """
         if self.stepped:
             return "already applied by the block's optimizer step inside backward (fused mode)"
@@ -161,8 +202,9 @@ class Block:
         return None
 
     def guard_grads(self) -> None:
-        """While the block is in memory and its gradients are away, make ``p.grad`` refuse to read None (see
-        ``GradsAwayParameter``); plain parameters otherwise.
+        """While the block is in memory and its gradients are away, make ``p.grad`` refuse to read None.
+
+        See ``GradsAwayParameter``; the parameters are plain otherwise.
         """
         away = self.in_memory and self.grads_away() is not None
         for name, param in zip(self.names, self.params):
@@ -178,6 +220,7 @@ class Block:
                 plain(param)
 
     def resident_bytes(self) -> int:
+        """The block's parameter bytes in memory now: stored values (unless on storage) and compute copies."""
         held = self.state is not Residency.ON_STORAGE
         return (self.nbytes if held else 0) + (self.compute_nbytes if self.in_memory else 0)
 
@@ -195,8 +238,9 @@ class Block:
         self.record_versions()
 
     def refresh_compute(self) -> None:
-        """Cast the compute copies again from the masters (after the masters stepped in memory), as ``set_data``
-        casts them after a read.
+        """Cast the compute copies again from the masters (after the masters stepped in memory).
+
+        ``set_data`` casts them so after a read.
         """
         for param, master in zip(self.params, self.masters):
             if master is not param:
@@ -204,9 +248,10 @@ class Block:
         self.record_versions()
 
     def record_versions(self) -> None:
-        """Note each parameter's version counter and storage, so ``changed`` finds what user code changed since:
-        in-place ops on the parameter (``p.mul_()``, ``nn.init``, ``load_state_dict``) and ``p.data = ...``. Writes
-        through ``p.data`` (``p.data.copy_()``) bump another version counter and are not seen.
+        """Note each parameter's version counter and storage, so ``changed`` finds what user code changed since.
+
+        Seen are in-place ops on the parameter (``p.mul_()``, ``nn.init``, ``load_state_dict``) and
+        ``p.data = ...``. Writes through ``p.data`` (``p.data.copy_()``) bump another version counter and are not seen.
         """
         self.seen = [(p._version, p.data_ptr(), p.dtype, p.device) for p in self.params]
 
@@ -250,9 +295,10 @@ class Block:
             streamed(param, self, name)
 
     def stash_grads(self) -> None:
-        """Take ``param.grad`` off the parameters before they are released (an optimizer must not see gradients
-        of a block whose values are not in memory); ``restore_grads`` puts them back for its next backward, where
-        autograd adds to them exactly as in memory.
+        """Take ``param.grad`` off the parameters before they are released.
+
+        An optimizer must not see gradients of a block whose values are not in memory; ``restore_grads`` puts them
+        back for its next backward, where autograd adds to them exactly as in memory.
         """
         for name, param in zip(self.names, self.params):
             if param.grad is not None:
@@ -260,9 +306,11 @@ class Block:
                 param.grad = None
 
     def restore_grads(self) -> None:
+        """Put the gradients ``stash_grads`` took back on the parameters."""
         for name, param in zip(self.names, self.params):
             if name in self.partial:
                 param.grad = self.partial.pop(name)
 
     def master_tensors(self) -> dict[str, torch.Tensor]:
+        """The master values by name (detached, not copied)."""
         return {name: master.detach() for name, master in zip(self.names, self.masters)}

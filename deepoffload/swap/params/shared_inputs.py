@@ -20,6 +20,7 @@ import torch
 
 
 def differentiable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` requires a gradient and can have one (floating point or complex)."""
     return tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
 
 
@@ -32,9 +33,18 @@ class SharedInputs:
         self._last_index = -1
 
     def substitute(self, index: int, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-        """The tensors block ``index`` is to get (those an earlier block of this forward got replaced by its alias),
-        and the positions among them to pass on. A forward is a run of calls with rising block indices; a call made
-        inside a backward (``torch.utils.checkpoint``'s recomputation) belongs to no forward and chains nothing.
+        """The tensors block ``index`` is to get, and the positions among them to pass on.
+
+        A forward is a run of calls with rising block indices; a call made inside a backward
+        (``torch.utils.checkpoint``'s recomputation) belongs to no forward and chains nothing.
+
+        Args:
+            index: The block being called.
+            tensors: The tensors among its arguments.
+
+        Returns:
+            ``tensors`` with those an earlier block of this forward got replaced by its alias, and the positions of
+            the differentiable ones among them (to pass on).
         """
         if torch._C._current_graph_task_id() != -1:
             return tensors, []

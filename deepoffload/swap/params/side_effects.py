@@ -1,5 +1,6 @@
-"""Side effects of a block's forward that backward's recomputation must not repeat, and must see as the forward
-did: buffer updates (BatchNorm running statistics, counters) and key/value caches passed in (Hugging Face
+"""Side effects of a block's forward that backward's recomputation must not repeat, and must see as the forward did.
+
+These are buffer updates (BatchNorm running statistics, counters) and key/value caches passed in (Hugging Face
 ``DynamicCache``). RNG draws are replayed by ``recompute`` itself (it runs under the forward's RNG state).
 
 ``capture`` takes a block's state before its forward; ``Captured.replay()`` runs the recomputation on that state
@@ -26,8 +27,9 @@ def _rebinding_layer(layer: object) -> bool:
 
 
 class _ObjectsState:
-    """The attribute dicts of some objects and the contents of their lists and dicts (an ``EncoderDecoderCache``'s
-    ``is_updated``), as references (not copies).
+    """The attribute dicts of some objects and the contents of their lists and dicts, as references (not copies).
+
+    The lists and dicts are such as an ``EncoderDecoderCache``'s ``is_updated``.
     """
 
     def __init__(self, objects: list[object]):
@@ -56,8 +58,20 @@ def _cache_objects(cache: object) -> list[object]:
 
 
 def check_caches(block_name: str, flat: list) -> list[object]:
-    """The caches among a training call's arguments; refuse those recomputation cannot rewind exactly: a cache is
-    rewound when it has layers that store by rebinding, or (``EncoderDecoderCache``) holds only such caches.
+    """The caches among a training call's arguments, refusing those recomputation cannot rewind exactly.
+
+    A cache is rewound when it has layers that store by rebinding, or (``EncoderDecoderCache``) holds only such
+    caches.
+
+    Args:
+        block_name: The block's name, for the message.
+        flat: The call's arguments, flattened.
+
+    Returns:
+        The caches found, in argument order.
+
+    Raises:
+        ValueError: When a cache among them cannot be rewound (a ``StaticCache``, say).
     """
     caches = [x for x in flat if _is_cache(x)]
     for cache in caches:
@@ -84,8 +98,9 @@ class Captured:
         self.cache_list = caches
 
     def detach_new_cache_entries(self) -> None:
-        """Tensors the forward stored in the caches leave the recomputed block's graph (which would otherwise keep
-        every block's activations alive as long as the cache).
+        """Detach the tensors the forward stored in the caches from the recomputed block's graph.
+
+        That graph would otherwise keep every block's activations alive as long as the cache.
         """
         before = {id(o): d for state in self.caches for o, d in state.dicts}
         for cache in self.cache_list:
@@ -97,7 +112,11 @@ class Captured:
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
-        """Run the body on the state before the forward; afterwards the state is what the forward left."""
+        """Run the body on the state before the forward; afterwards the state is what the forward left.
+
+        Yields:
+            Nothing: the body runs on the state before the forward.
+        """
         after_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
         after_caches = [_ObjectsState(_cache_objects(c)) for c in self.cache_list]
         self._set_buffers(self.buffers)

@@ -7,18 +7,39 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """Figures of a ``ParameterOffload`` since it was made (or since ``reset_peak`` for the peaks). Bytes, seconds.
+    """Figures of a ``ParameterOffload`` since it was made (or since ``reset_peak`` for the peaks).
 
-    bytes_read / bytes_written: storage traffic of block parameters and gradients.
-    state_bytes_read / state_bytes_written: storage traffic of the offloaded optimizer state.
-    io_wait_seconds: time the calling thread was blocked on parameter and gradient reads and writes.
-    optimizer_seconds: time spent in optimizer steps of blocks (their state IO included).
-    resident_bytes / peak_bytes: block parameter bytes in memory now / at most: staging buffers being read, in use
-        or being written, plus compute-dtype copies. Parameters outside blocks are ``rest_bytes`` (always resident).
-    grad_bytes / peak_grad_bytes: block gradient bytes in memory (before they reach storage or the optimizer).
-    block_bytes: the largest block's parameter bytes in memory when resident (stored dtype plus compute copy).
-    rest_bytes: parameters outside blocks (always in memory).
-    staging_bytes: pooled staging buffers held now, for parameters and optimizer state (reused, page-aligned).
+    Sizes are in bytes, times in seconds. ``ParameterOffload.stats`` makes one.
+
+    Attributes:
+        bytes_read: Storage bytes read of block parameters and gradients.
+        bytes_written: Storage bytes written of block parameters and gradients.
+        state_bytes_read: Storage bytes read of the offloaded optimizer state.
+        state_bytes_written: Storage bytes written of the offloaded optimizer state.
+        io_wait_seconds: Time the calling thread was blocked on parameter and gradient reads and writes.
+        optimizer_seconds: Time spent in optimizer steps of blocks (their state IO included).
+        resident_bytes: Block parameter bytes in memory now: staging buffers being read, in use or being written,
+            plus compute-dtype copies. Parameters outside blocks are ``rest_bytes`` (always resident).
+        peak_bytes: The most block parameter bytes in memory (counted as ``resident_bytes``).
+        grad_bytes: Block gradient bytes in memory now (before they reach storage or the optimizer).
+        peak_grad_bytes: The most block gradient bytes in memory.
+        block_bytes: The largest block's parameter bytes in memory when resident (stored dtype plus compute copy).
+        rest_bytes: Parameters outside blocks (always in memory).
+        staging_bytes: Pooled staging buffers held now, for parameters and optimizer state (reused, page-aligned).
+
+    Example:
+        >>> import torch, deepoffload
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        >>> with deepoffload.offload_parameters(model, "swap", prefetch=0) as off, torch.no_grad():
+        ...     y = model(torch.randn(2, 8))
+        ...     stats = off.stats
+        >>> stats.block_bytes  # 8 * 8 weights and 8 biases, float32
+        288
+        >>> stats.bytes_read > 0 and stats.bytes_written > 0
+        True
+        >>> stats.peak_grad_bytes  # inference: no gradients
+        0
     """
 
     bytes_read: int

@@ -1,5 +1,6 @@
-"""``BlockStore``: every block's IO (reads into staging buffers, write-backs, failures) as moves of its
-``Residency``, with the figures ``OffloadStats`` reports.
+"""``BlockStore``: every block's IO as moves of its ``Residency``, with the figures ``OffloadStats`` reports.
+
+The IO is reads into staging buffers, write-backs and their failures.
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ from .residency import Block, Residency, span
 
 
 class BlockStore:
-    """Owns the blocks' ``TensorSwapper``: the only way from ``swap/params`` to it (its blocks' parameters, their
-    gradients in grads mode, serving from a checkpoint, IO counters, closing). Staging buffers: the current block,
-    the prefetch window and one write behind; anything more (gradients in grads mode) gets short-lived one-off
-    buffers, so idle pooled memory stays within (prefetch + 2) blocks.
+    """Owns the blocks' ``TensorSwapper``: the only way from ``swap/params`` to it.
+
+    Through it go the blocks' parameters, their gradients in grads mode, serving from a checkpoint, IO counters and
+    closing. Staging buffers: the current block, the prefetch window and one write behind; anything more (gradients
+    in grads mode) gets short-lived one-off buffers, so idle pooled memory stays within (prefetch + 2) blocks.
+
+    Args:
+        blocks: The blocks, in the order they run.
+        prefetch: How many blocks ahead are read.
+        config: The async-IO settings (the staging buffers' size and count are set here).
+        slack: Bytes more per staging buffer (a block served from a checkpoint is read from the page holding its
+            first byte: up to a page more).
     """
 
     def __init__(self, blocks: Sequence[Block], prefetch: int, config: SwapConfig, slack: int = 0):
-        """``slack``: bytes more per staging buffer (a block served from a checkpoint is read from the page holding
-        its first byte: up to a page more).
-        """
         self.blocks = list(blocks)
         self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE) + slack
         self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
@@ -47,8 +53,9 @@ class BlockStore:
         self.swapper.map_group(block.group, records)
 
     def offload_all(self) -> None:
-        """Write every block out (two writes in flight at most); release the parameters only once all are on
-        storage, so a failure leaves the module exactly as it was.
+        """Write every block out (two writes in flight at most).
+
+        The parameters are released only once all are on storage, so a failure leaves the module exactly as it was.
         """
         writes: list[tuple[Block, SwapOut]] = []
         try:
@@ -81,7 +88,14 @@ class BlockStore:
 
     # -- reads and releases -----------------------------------------------------------------------------------
     def start_read(self, block: Block) -> None:
-        """Start reading ``block`` unless it is being read or in memory (a write in flight is waited for)."""
+        """Start reading ``block`` unless it is being read or in memory (a write in flight is waited for).
+
+        Args:
+            block: The block to read.
+
+        Raises:
+            ResidencyError: When storage holds nothing valid for it (an earlier write failed).
+        """
         if block.state is Residency.READING or block.in_memory:
             return
         self.wait_write(block)
@@ -100,7 +114,14 @@ class BlockStore:
         self.note_peak()
 
     def materialize(self, block: Block) -> None:
-        """Wait for ``block``'s read and point its parameters at the values (no-op when in memory)."""
+        """Wait for ``block``'s read and point its parameters at the values (no-op when in memory).
+
+        Args:
+            block: The block being read.
+
+        Raises:
+            ResidencyError: When no read is in flight for it (a bookkeeping bug).
+        """
         if block.in_memory:
             return
         if block.state is not Residency.READING:
@@ -140,9 +161,12 @@ class BlockStore:
     def release(self, block: Block, keep_changes: bool = True) -> None:
         """Drop ``block``'s memory if storage holds its values (READING or RESIDENT); other states are kept.
 
-        ``keep_changes``: a RESIDENT block whose parameters user code changed in place since it was read (see
-        ``Block.changed``) is written back instead (``write_back``), so the change is kept; when a change cannot be
-        stored exactly (a ``compute_dtype`` copy, a new shape) the block is released and this raises, naming it.
+        Args:
+            block: The block to release.
+            keep_changes: A RESIDENT block whose parameters user code changed in place since it was read (see
+                ``Block.changed``) is written back instead (``write_back``), so the change is kept; when a change
+                cannot be stored exactly (a ``compute_dtype`` copy, a new shape) the block is released and this
+                raises (``StreamedParameterError``), naming it.
         """
         if block.state not in (Residency.READING, Residency.RESIDENT):
             return
@@ -161,10 +185,15 @@ class BlockStore:
             raise self._lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
 
     def drop_unwritable(self, block: Block) -> None:
-        """Raise if user code changed ``block``'s parameters in a way that cannot be kept (see ``release``), after
-        dropping the change: a RESIDENT block is released; an in-memory one's compute copies are cast again from its
-        masters. A master of another shape, dtype or device in a block held in memory is left for the caller to
-        put back (its values may exist nowhere else).
+        """Raise if user code changed ``block``'s parameters in a way that cannot be kept, after dropping the change.
+
+        See ``release``. A RESIDENT block is released; an in-memory one's compute copies are cast again from its
+        masters. A master of another shape, dtype or device in a block held in memory is left for the caller to put
+        back (its values may exist nowhere else). The error is a ``StreamedParameterError`` naming the parameter and
+        what became of the change.
+
+        Args:
+            block: The block to check.
         """
         lost = block.unwritable(block.changed()) if block.in_memory else {}
         if not lost:
@@ -185,9 +214,10 @@ class BlockStore:
         )
 
     def check_kept_values(self, block: Block) -> None:
-        """Before a block in memory is computed with, stepped or copied (no release checks a pinned one):
-        ``drop_unwritable``; when that raises, the other blocks in memory drop theirs too (a ``load_state_dict``
-        reached them all), so the error comes once, with a note naming those blocks.
+        """Run ``drop_unwritable`` before a block in memory is computed with, stepped or copied.
+
+        No release checks a pinned block, hence this. When it raises, the other blocks in memory drop their changes
+        too (a ``load_state_dict`` reached them all), so the error comes once, with a note naming those blocks.
         """
         if not block.in_memory:
             return
@@ -216,8 +246,9 @@ class BlockStore:
         )
 
     def pin(self, block: Block) -> None:
-        """Make ``block`` resident for good (until ``unpin``): its memory leaves the staging pool, no release drops
-        it, and it steps in memory (``stepped``).
+        """Make ``block`` resident for good (until ``unpin``).
+
+        Its memory leaves the staging pool, no release drops it, and it steps in memory (``stepped``).
         """
         self.start_read(block)
         self.materialize(block)
@@ -229,9 +260,10 @@ class BlockStore:
         block.move(Residency.PINNED)
 
     def unpin(self, block: Block) -> None:
-        """Write a PINNED block's values (storage is stale once it stepped) and release its memory once written
-        (a block served from a checkpoint is released without a write). A write that cannot start raises and leaves
-        it PINNED; one that fails raises and leaves it KEPT.
+        """Write a PINNED block's values (storage is stale once it stepped) and release its memory once written.
+
+        A block served from a checkpoint is released without a write. A write that cannot start raises and leaves it
+        PINNED; one that fails raises and leaves it KEPT.
         """
         if block.state is not Residency.PINNED:
             return
@@ -244,8 +276,10 @@ class BlockStore:
         self.wait_write(block)
 
     def stepped(self, block: Block) -> None:
-        """After ``block``'s optimizer step: a PINNED block keeps its new values in memory (its compute copies are
-        cast again); any other starts writing them back (released once written).
+        """Keep or write ``block``'s new values after its optimizer step.
+
+        A PINNED block keeps its new values in memory (its compute copies are cast again); any other starts writing
+        them back (released once written).
         """
         if block.state is Residency.PINNED:
             block.refresh_compute()
@@ -253,8 +287,9 @@ class BlockStore:
             self.write_back(block)
 
     def keep(self, block: Block) -> None:
-        """The values in memory changed and storage does not have them (a step failed half-way): never release
-        them until written.
+        """Keep ``block``'s values in memory until written: they changed and storage does not have them.
+
+        Used when a step failed half-way.
         """
         if block.read is not None:
             block.read.detach()  # the values stay in memory, outside the pool
@@ -263,8 +298,16 @@ class BlockStore:
             block.move(Residency.KEPT)
 
     def read_copy(self, block: Block) -> dict[str, torch.Tensor]:
-        """Copies of the block's master values (from memory when in memory, else read and released). A change to
-        a block in memory that its masters cannot take raises (see ``drop_unwritable``) instead of going unseen.
+        """Copies of the block's master values (from memory when in memory, else read and released).
+
+        A change to a block in memory that its masters cannot take raises (see ``drop_unwritable``) instead of going
+        unseen.
+
+        Args:
+            block: The block to copy.
+
+        Returns:
+            The copies by parameter name.
         """
         if block.in_memory:
             self.check_kept_values(block)
@@ -294,6 +337,15 @@ class BlockStore:
         self.note_peak()
 
     def wait_write(self, block: Block) -> None:
+        """Wait for ``block``'s write in flight, if any, and release its memory; a failed write leaves it KEPT.
+
+        Args:
+            block: The block being written.
+
+        Raises:
+            ResidencyError: When it is WRITING without a write (a bookkeeping bug).
+            OSError: When the write fails (the values stay in memory; ``flush()`` writes them later).
+        """
         if block.state is not Residency.WRITING:
             return
         write = block.write
@@ -334,8 +386,15 @@ class BlockStore:
             raise error
 
     def write_back(self, block: Block) -> None:
-        """Start writing the in-memory (RESIDENT, KEPT or PINNED) block's values; its memory is released when the
-        write succeeds. One block write in flight at most.
+        """Start writing the in-memory (RESIDENT, KEPT or PINNED) block's values.
+
+        Its memory is released when the write succeeds. One block write in flight at most.
+
+        Args:
+            block: The block to write.
+
+        Raises:
+            StreamedParameterError: When the block is served read-only from a checkpoint.
         """
         if block.served:
             raise StreamedParameterError(
@@ -366,6 +425,14 @@ class BlockStore:
 
     # -- figures ----------------------------------------------------------------------------------------------
     def timed_wait(self, read: SwapIn) -> dict:
+        """``read.wait()``, its time counted in ``io_wait``.
+
+        Args:
+            read: The read in flight.
+
+        Returns:
+            What the read returns: the tensors by group and name.
+        """
         start = time.perf_counter()
         try:
             return read.wait()
@@ -373,21 +440,30 @@ class BlockStore:
             self.io_wait += time.perf_counter() - start
 
     def resident_bytes(self) -> int:
+        """The blocks' parameter bytes in memory now."""
         return sum(b.resident_bytes() for b in self.blocks)
 
     def note_peak(self) -> None:
+        """Raise the peaks to what is in memory now."""
         self.peak = max(self.peak, self.resident_bytes())
         self.peak_grad = max(self.peak_grad, self.grad_bytes)
 
     def reset_peak(self) -> None:
+        """Start the peaks afresh from what is in memory now."""
         self.peak = self.resident_bytes()
         self.peak_grad = self.grad_bytes
 
     # -- gradients on storage (grads mode) ----------------------------------------------------------------------
     def hold_for_change(self, block: Block) -> bool:
-        """Brings ``block``'s stored values into memory for a change made outside training (after its pending write
-        and a check of changes made before); returns whether it was in memory already (if not, release it with
-        ``keep_changes=False`` when the change fails).
+        """Bring ``block``'s stored values into memory for a change made outside training.
+
+        Its pending write is waited for and changes made before are checked first.
+
+        Args:
+            block: The block to change.
+
+        Returns:
+            Whether it was in memory already (if not, release it with ``keep_changes=False`` when the change fails).
         """
         self.wait_write(block)
         self.check_kept_values(block)  # a change made before, which the masters cannot take, raises first
@@ -398,8 +474,9 @@ class BlockStore:
         return held
 
     def fit_staging(self, block: Block) -> None:
-        """Grows the block span and the staging pool to ``block``'s tensors when they outgrew them (a dtype move to
-        a wider dtype).
+        """Grow the block span and the staging pool to ``block``'s tensors when they outgrew them.
+
+        That happens after a dtype move to a wider dtype.
         """
         needed = span(block.masters)
         if needed > self.block_span:
@@ -407,24 +484,30 @@ class BlockStore:
             self.swapper.pool.fit(needed)
 
     def has_stored_grads(self, block: Block) -> bool:
+        """Whether storage holds gradients of ``block`` (grads mode)."""
         return bool(self.swapper.records(block.grad_group))
 
     def read_grads(self, block: Block) -> SwapIn:
+        """Start reading ``block``'s stored gradients."""
         return self.swapper.swap_in([block.grad_group])
 
     def write_grads(self, block: Block, grads: dict[str, torch.Tensor]) -> SwapOut:
+        """Start writing ``grads`` (by parameter name) as ``block``'s stored gradients."""
         return self.swapper.swap_out({block.grad_group: grads})
 
     def discard_grads(self, block: Block) -> None:
+        """Forget ``block``'s stored gradients."""
         self.swapper.discard(block.grad_group)
 
     # -- counters and closing -------------------------------------------------------------------------------------
     @property
     def bytes_read(self) -> int:
+        """Bytes read from the swap files so far (parameters and gradients)."""
         return self.swapper.bytes_read
 
     @property
     def bytes_written(self) -> int:
+        """Bytes written to the swap files so far (parameters and gradients)."""
         return self.swapper.bytes_written
 
     def stored_bytes(self) -> int:

@@ -1,8 +1,9 @@
-"""The parameters a streamed model was offloaded with, checked again as blocks run: a parameter added, replaced or
-removed afterwards (``resize_token_embeddings``, ``get_peft_model``, ``add_module``, a replaced ``nn.Linear``) would
-be in no optimizer (never stepped, its gradient piling up) or, inside a block, outside the streamed set; such a change
-is refused at the next forward, naming it and the order that works. (A parameter unfrozen after offloading is refused
-at backward: see ``ParameterOffload._check_unfrozen``.)
+"""The parameters a streamed model was offloaded with, checked again as blocks run.
+
+A parameter added, replaced or removed afterwards (``resize_token_embeddings``, ``get_peft_model``, ``add_module``, a
+replaced ``nn.Linear``) would be in no optimizer (never stepped, its gradient piling up) or, inside a block, outside the
+streamed set; such a change is refused at the next forward, naming it and the order that works. (A parameter unfrozen
+after offloading is refused at backward: see ``ParameterOffload._check_unfrozen``.)
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ class Structure:
         )
 
     def check(self, block: Block, rest: bool) -> None:
-        """Raise if ``block``'s parameters (and with ``rest`` those outside the blocks) differ from those at
-        offloading.
+        """Raise if ``block``'s parameters (and with ``rest`` those outside the blocks) differ from those at offloading.
+
+        Args:
+            block: The block about to run.
+            rest: Whether to check the parameters outside the blocks too.
+
+        Raises:
+            UnsupportedError: When a parameter was added, replaced, moved or removed since offloading (named).
         """
         now = _identities(block.module.named_parameters(remove_duplicate=False))
         if now != self.blocks[block.index]:

@@ -24,8 +24,13 @@ from .placeholders import internal_call
 class StreamedOptimizer(torch.optim.Optimizer):
     """``offload``'s step and zero_grad behind the ``torch.optim.Optimizer`` interface (see the module docstring).
 
-    clip_grad_norm: grads mode only: each ``step()`` clips all gradients by their global norm first, exactly as
-        ``torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)`` would, and returns that norm.
+    Args:
+        offload: The ``ParameterOffload`` to drive; it must have an ``optimizer=``.
+        clip_grad_norm: Grads mode only: each ``step()`` clips all gradients by their global norm first, exactly as
+            ``torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)`` would, and returns that norm.
+
+    Raises:
+        ValueError: When ``offload`` has no optimizer, or ``clip_grad_norm`` is given outside grads mode.
     """
 
     def __init__(self, offload: ParameterOffload, clip_grad_norm: float | None = None):
@@ -47,6 +52,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The live parameter groups of ``offload``'s optimizers (blocks' first); change their entries in place."""
         return [group for optimizer in self.offload.optimizers for group in optimizer.param_groups]
 
     @param_groups.setter
@@ -56,6 +62,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
     # a plain empty dict, not Optimizer's defaultdict: a lookup fails rather than making up an entry
     @property  # type: ignore[override]
     def state(self) -> dict:
+        """An empty dict: the optimizers' state is offloaded (see ``state_dict()``)."""
         return {}  # offloaded; see state_dict()
 
     @state.setter
@@ -64,6 +71,17 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     # returns offload.step()'s gradient norm (a tensor, or None), not a closure's loss: closures are refused
     def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor | None:  # type: ignore[override]
+        """Run ``offload.step()``, clipping with ``clip_grad_norm`` when given.
+
+        Args:
+            closure: Not supported: must be None.
+
+        Returns:
+            The total gradient norm when clipping, else None.
+
+        Raises:
+            ValueError: When a ``closure`` is given.
+        """
         if closure is not None:
             raise ValueError(
                 "StreamedOptimizer.step(closure): closures are not supported (blocks step inside "
@@ -72,14 +90,28 @@ class StreamedOptimizer(torch.optim.Optimizer):
         return self.offload.step(clip_grad_norm=self.clip_grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Run ``offload.zero_grad()``.
+
+        Args:
+            set_to_none: For the gradients outside blocks: set them to None rather than to zero.
+        """
         self.offload.zero_grad(set_to_none)
 
     @internal_call
     def state_dict(self) -> dict[str, Any]:
+        """The state dicts of ``offload``'s optimizers, under ``"optimizers"`` (the offloaded state read back)."""
         return {"optimizers": [optimizer.state_dict() for optimizer in self.offload.optimizers]}
 
     @internal_call
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load each of ``offload``'s optimizers from a ``state_dict()`` of this class.
+
+        Args:
+            state_dict: What ``state_dict()`` returned for the same ``offload_parameters()`` setup.
+
+        Raises:
+            ValueError: When ``state_dict`` does not hold one state per optimizer.
+        """
         states = state_dict.get("optimizers")
         if not isinstance(states, list) or len(states) != len(self.offload.optimizers):
             raise ValueError(
@@ -94,9 +126,17 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
 
 def trainer_arguments(offload: ParameterOffload, clip_grad_norm: float | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``transformers.Trainer`` that stream ``offload``'s blocks: ``optimizers=`` (a
-    ``StreamedOptimizer``, the Trainer's default scheduler) and ``callbacks=`` (checks the arguments at the start
-    of training). Use as ``Trainer(model, args, ..., **trainer_arguments(offload))``.
+    """Keyword arguments for ``transformers.Trainer`` that stream ``offload``'s blocks.
+
+    Use as ``Trainer(model, args, ..., **trainer_arguments(offload))``.
+
+    Args:
+        offload: The ``ParameterOffload`` of the model trained.
+        clip_grad_norm: Grads mode only: clip by the global norm (see ``StreamedOptimizer``).
+
+    Returns:
+        ``optimizers=`` (a ``StreamedOptimizer``, the Trainer's default scheduler) and ``callbacks=`` (checks the
+        arguments at the start of training: ``max_grad_norm`` must be 0, and gradient accumulation needs grads mode).
     """
     from transformers import TrainerCallback
 

@@ -29,8 +29,10 @@ from .store import BlockStore
 
 
 def accumulating() -> bool:
-    """accelerate's ``Accelerator.accumulate()`` is inside a step's micro-batches that do not step (its
-    ``GradientState`` says gradients are not synced); False when accelerate is not in use.
+    """Whether accelerate's ``Accelerator.accumulate()`` is inside a step's micro-batches that do not step.
+
+    Returns:
+        True when accelerate's ``GradientState`` says gradients are not synced; False when accelerate is not in use.
     """
     state = sys.modules.get("accelerate.state")
     shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
@@ -40,7 +42,16 @@ def accumulating() -> bool:
 
 
 class Training:
-    """Shared by both modes: stepping a resident block and gathering its gradients."""
+    """Shared by both modes: stepping a resident block and gathering its gradients.
+
+    Args:
+        module: The model.
+        store: The blocks' store.
+        prefetch: How many blocks ahead are read.
+        rest: The parameters outside blocks.
+        block_optimizer: The optimizer of the blocks' master weights (None: inference, or all blocks frozen).
+        rest_optimizer: The optimizer of the parameters outside blocks (None: none of them trains).
+    """
 
     name = ""
     defers_nested = False  # calls back-propagated in nested passes (reentrant checkpoint) step in step()
@@ -64,18 +75,40 @@ class Training:
 
     # -- the interface ParameterOffload uses ------------------------------------------------------------------
     def before_backward(self, block: Block, last: bool) -> None:
-        """The block is about to back-propagate (``last``: for the last time in this pass)."""
+        """The block is about to back-propagate.
+
+        Args:
+            block: The block.
+            last: Whether it back-propagates for the last time in this pass.
+        """
 
     def after_backward(self, block: Block) -> None:
-        """The block's gradients for this pass are complete (its last backward); it is still resident."""
+        """The block's gradients for this pass are complete (its last backward); it is still resident.
+
+        Args:
+            block: The block.
+
+        Raises:
+            NotImplementedError: Always: each mode defines it.
+        """
         raise NotImplementedError
 
     def end_step(self) -> None:
         """``ParameterOffload.step()`` finished a training step."""
 
     def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Step the blocks as the mode requires; return the total gradient norm and the clip coefficient for the
-        other parameters' gradients (both None without clipping).
+        """Step the blocks as the mode requires.
+
+        Args:
+            clip_grad_norm: Clip by the global norm to this (None: no clipping).
+            norm_type: The norm's order.
+
+        Returns:
+            The total gradient norm and the clip coefficient for the other parameters' gradients (both None without
+            clipping).
+
+        Raises:
+            NotImplementedError: Always: each mode defines it.
         """
         raise NotImplementedError
 
@@ -91,8 +124,17 @@ class Training:
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def stepping_optimizer(self, block: Block) -> OffloadedOptimizer:
-        """The blocks' optimizer, to step or prefetch for the trainable ``block`` (``ParameterOffload`` refuses a
-        trainable block's backward when there is none).
+        """The blocks' optimizer, to step or prefetch for the trainable ``block``.
+
+        Args:
+            block: The block to step.
+
+        Returns:
+            The optimizer of the blocks' master weights.
+
+        Raises:
+            StreamedParameterError: When there is none (``ParameterOffload`` refuses a trainable block's backward
+                before that).
         """
         if self.block_optimizer is None:
             raise StreamedParameterError(
@@ -103,8 +145,13 @@ class Training:
         return self.block_optimizer
 
     def step_block(self, block: Block, grads: dict[str, torch.Tensor]) -> None:
-        """Step the block's resident masters with ``grads`` (master dtype), then start writing them back (a
-        pinned block keeps them in memory instead: ``BlockStore.stepped``).
+        """Step the block's resident masters with ``grads`` (master dtype), then start writing them back.
+
+        A pinned block keeps them in memory instead (``BlockStore.stepped``).
+
+        Args:
+            block: The block, resident.
+            grads: Its gradients by parameter name.
         """
         for name, master in zip(block.names, block.masters):
             master.grad = grads.get(name)
@@ -124,8 +171,14 @@ class Training:
 
     @staticmethod
     def block_grads(block: Block, consume: bool = True) -> dict[str, torch.Tensor]:
-        """The block's in-memory gradients in the master dtype (``param.grad`` added to any kept after a failed
-        write; with ``consume`` the block holds none of those kept afterwards).
+        """The block's in-memory gradients in the master dtype: ``param.grad`` added to any kept after a failed write.
+
+        Args:
+            block: The block.
+            consume: The block holds none of those kept afterwards.
+
+        Returns:
+            The gradients by parameter name.
         """
         grads = {
             name: (param.grad if param is master else param.grad.to(master.dtype))
@@ -141,17 +194,29 @@ class Training:
 
 
 class Fused(Training):
-    """Steps each block inside its last backward of the pass. A block called inside a reentrant
-    ``torch.utils.checkpoint`` is back-propagated once per call, each in a nested pass that cannot tell whether
-    another call of the block is still to come: its gradients stay in memory and it steps in ``step()``.
+    """Steps each block inside its last backward of the pass.
+
+    A block called inside a reentrant ``torch.utils.checkpoint`` is back-propagated once per call, each in a nested pass
+    that cannot tell whether another call of the block is still to come: its gradients stay in memory and it steps in
+    ``step()``.
     """
 
     name = "fused"
     defers_nested = True
 
     def before_backward(self, block: Block, last: bool) -> None:
-        """Refuse a second step of the block before ``step()``; on its last backward of the pass start reading its
-        optimizer state, so the step that follows finds it in memory.
+        """Refuse a second step of the block before ``step()``; on its last backward start reading its state.
+
+        The optimizer state is read on the block's last backward of the pass, so the step that follows finds it in
+        memory.
+
+        Args:
+            block: The block.
+            last: Whether it back-propagates for the last time in this pass.
+
+        Raises:
+            UnsupportedError: When accelerate accumulates gradients (fused mode cannot).
+            StreamedParameterError: When the block already stepped since the last ``step()`` (a second backward).
         """
         if not (last and block.trainable):
             return
@@ -172,6 +237,7 @@ class Fused(Training):
         self.stepping_optimizer(block).prefetch(m for m in block.masters if m.requires_grad)
 
     def after_backward(self, block: Block) -> None:
+        """Step the trainable block now (its weights written back), else release it."""
         if not block.trainable:
             self.store.release(block)
             return
@@ -188,10 +254,23 @@ class Fused(Training):
         self.store.grad_bytes = 0
 
     def end_step(self) -> None:
+        """A new step begins: every block may step again."""
         for block in self.store.blocks:
             block.stepped = False
 
     def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[None, None]:
+        """Step the blocks whose gradients were deferred to ``step()`` (reentrant checkpoint); no clipping.
+
+        Args:
+            clip_grad_norm: Must be None: clipping is impossible in fused mode.
+            norm_type: Unused.
+
+        Returns:
+            (None, None): no norm, no clip coefficient.
+
+        Raises:
+            ValueError: When ``clip_grad_norm`` is given.
+        """
         if clip_grad_norm is not None:
             raise ValueError(
                 "step(clip_grad_norm=...): clipping by the global gradient norm is impossible in "
@@ -215,6 +294,13 @@ class Fused(Training):
 
 
 class Grads(Training):
+    """Sends each block's gradients to storage; ``step()`` streams the blocks through their optimizer step.
+
+    Args:
+        *args: ``Training``'s arguments.
+        **kwargs: ``Training``'s keyword arguments.
+    """
+
     name = "grads"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -224,11 +310,13 @@ class Grads(Training):
         self.averaging: tuple[Block, Callable[[], dict], bool, int] | None = None
 
     def after_backward(self, block: Block) -> None:
-        """Send the block's gradients to storage (added to those already there); ``param.grad`` is freed now and
-        given back if the write fails. A PINNED block keeps them in memory (``block.grads``, master dtype, added to
-        those of earlier passes in the same order): no gradient bytes are written or read for it. Under
-        ``data_parallel=`` the sum is averaged across the ranks first, asynchronously: it is written (or kept) when
-        the next block's backward is done (or at ``finish_writes``), so the reduction overlaps that backward.
+        """Send the block's gradients to storage (added to those already there).
+
+        ``param.grad`` is freed now and given back if the write fails. A PINNED block keeps them in memory
+        (``block.grads``, master dtype, added to those of earlier passes in the same order): no gradient bytes are
+        written or read for it. Under ``data_parallel=`` the sum is averaged across the ranks first, asynchronously: it
+        is written (or kept) when the next block's backward is done (or at ``finish_writes``), so the reduction overlaps
+        that backward.
         """
         grads = self.block_grads(block)
         self.store.grad_bytes = nbytes(grads.values()) + self._bytes_in_flight()
@@ -279,6 +367,7 @@ class Grads(Training):
         )
 
     def finish_writes(self) -> None:
+        """Finish the average in flight and wait for gradient writes (raise the first failure)."""
         averaging, self.averaging = self.averaging, None
         if averaging is not None:
             self._keep_or_write(averaging[0], averaging[1](), averaging[2])
@@ -306,14 +395,17 @@ class Grads(Training):
             raise error
 
     def zero_grad(self) -> None:
+        """Drop every gradient of the blocks, in memory and on storage (after the writes in flight)."""
         self.finish_writes()
         for block in self.store.blocks:
             self.store.discard_grads(block)
         super().zero_grad()
 
     def blocks_with_grads(self) -> list[Block]:
-        """Finish the gradient writes, release the blocks and list those holding gradients (on storage, or in
-        memory after a failed write), in order.
+        """Finish the gradient writes, release the blocks and list those holding gradients.
+
+        Returns:
+            The blocks with gradients on storage, or in memory after a failed write, in order.
         """
         self.finish_writes()
         for block in self.store.blocks:
@@ -331,11 +423,20 @@ class Grads(Training):
         prepare: Callable[[Block], None] | None = None,
         discard: bool = False,
     ) -> Iterator[tuple[Block, dict[str, torch.Tensor]]]:
-        """Yield each block of ``todo`` with its gradients (master dtype), read from storage ``prefetch`` blocks
-        ahead (pooled staging buffers, valid until the next block is asked for) or, after a failed write dropped
-        the file, taken from memory. ``start_also(block)`` starts the block's other reads along with its
-        gradients'; ``prepare(block)`` runs before its gradients are taken (a failure there loses none of those
-        kept in memory); ``discard`` deletes each block's stored gradients once the caller is done with them.
+        """Yield each block of ``todo`` with its gradients (master dtype).
+
+        The gradients are read from storage ``prefetch`` blocks ahead (pooled staging buffers, valid until the next
+        block is asked for) or, after a failed write dropped the file, taken from memory.
+
+        Args:
+            todo: The blocks, in order.
+            start_also: ``start_also(block)`` starts the block's other reads along with its gradients'.
+            prepare: ``prepare(block)`` runs before its gradients are taken (a failure there loses none of those
+                kept in memory).
+            discard: Delete each block's stored gradients once the caller is done with them.
+
+        Yields:
+            (block, its gradients by parameter name).
         """
         reads: dict[int, SwapIn] = {}
 
@@ -371,8 +472,16 @@ class Grads(Training):
                 read.release()
 
     def global_norm(self, todo: list[Block], norm_type: float) -> torch.Tensor:
-        """The norm of every gradient, the blocks' streamed from storage one window at a time, taken exactly as
-        ``torch.nn.utils.clip_grad_norm_(module.parameters())`` takes it (see ``grad_norm``).
+        """The norm of every gradient, the blocks' streamed from storage one window at a time.
+
+        Taken exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters())`` takes it (see ``grad_norm``).
+
+        Args:
+            todo: The blocks holding gradients.
+            norm_type: The norm's order.
+
+        Returns:
+            The total norm (a 0-dim tensor).
         """
         norms: dict[int, torch.Tensor] = {}
         rest = [(p, p.grad) for p in self.rest if p.grad is not None]
@@ -385,6 +494,16 @@ class Grads(Training):
         return grad_norm.total_norm(ordered, norm_type)
 
     def step(self, clip_grad_norm: float | None, norm_type: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Stream the blocks with gradients through their optimizer step, clipping by the global norm first.
+
+        Args:
+            clip_grad_norm: Clip by the global norm to this (None: no clipping).
+            norm_type: The norm's order.
+
+        Returns:
+            The total gradient norm and the clip coefficient for the other parameters' gradients (both None without
+            clipping).
+        """
         total = coefficient = None
         if clip_grad_norm is not None:
             total = self.global_norm(self.blocks_with_grads(), norm_type)

@@ -45,8 +45,10 @@ def _path_has(filename: str, parts: tuple[str, ...]) -> bool:
 
 
 def wrapper_in_stack() -> str | None:
-    """The data-parallel wrapper whose code is running on this thread's stack ("DistributedDataParallel" or
-    "fully_shard"), else None. Only called on an error path.
+    """The data-parallel wrapper whose code is running on this thread's stack; only called on an error path.
+
+    Returns:
+        "DistributedDataParallel" or "fully_shard", else None.
     """
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
@@ -60,6 +62,15 @@ def wrapper_in_stack() -> str | None:
 
 
 def wrapper_message(wrapper: str, where: str) -> str:
+    """The error message refusing ``wrapper`` around a streamed model, with the advice that fits it.
+
+    Args:
+        wrapper: "DistributedDataParallel" or "fully_shard" (as ``wrapper_in_stack`` returns).
+        where: What was refused, the message's start.
+
+    Returns:
+        The message.
+    """
     advice = DDP_ADVICE if wrapper == "DistributedDataParallel" else FSDP_ADVICE
     return f"{where}: {wrapper} cannot wrap a model whose parameters offload_parameters() streams: {advice}"
 
