@@ -69,7 +69,7 @@ class AioConfig:
         engine: "auto" (the best engine whose self-test passes) or one of ``ENGINES`` (io_uring, libaio, posix,
             windows).
 
-    Example:
+    Examples:
         >>> import deepoffload
         >>> config = deepoffload.AioConfig(queue_depth=8)
         >>> config.queue_depth, config.block_size

@@ -51,7 +51,7 @@ class OpFileSystem(_dcp_fs.FileSystem):
     Args:
         config: The async-IO op's settings for every stream (default: ``AioConfig.from_env()``).
 
-    Example:
+    Examples:
         >>> from deepoffload.dcp import OpFileSystem
         >>> fs = OpFileSystem()
         >>> with fs.create_stream("part.bin", "wb") as stream:
@@ -155,7 +155,7 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         config: The async-IO op's settings (default: ``AioConfig.from_env()``).
         **kwargs: DCP's ``FileSystemWriter`` keyword arguments.
 
-    Example:
+    Examples:
         >>> import torch, torch.distributed.checkpoint as dcp
         >>> from deepoffload.dcp import FileSystemReader, FileSystemWriter
         >>> _ = dcp.save({"weight": torch.arange(4.0)}, storage_writer=FileSystemWriter("step1"))
@@ -242,7 +242,7 @@ class FileSystemReader(_dcp_fs.FileSystemReader):
         config: The async-IO op's settings (default: ``AioConfig.from_env()``).
         **kwargs: DCP's ``FileSystemReader`` keyword arguments.
 
-    Example:
+    Examples:
         >>> import torch, torch.distributed.checkpoint as dcp
         >>> from deepoffload.dcp import FileSystemReader
         >>> _ = dcp.save({"bias": torch.ones(2)}, storage_writer=dcp.FileSystemWriter("plain"))  # DCP's own writer

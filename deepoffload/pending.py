@@ -24,7 +24,7 @@ class Pending(abc.ABC, Generic[T]):
     the same error). ``done()`` says whether it has finished, never blocks and never raises its error.
     ``result(timeout=None)`` is ``wait``, as on ``concurrent.futures.Future``.
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> with deepoffload.AsyncIOHandle() as handle:
         ...     pending = handle.write_async(torch.ones(16), "ones.bin")

@@ -61,7 +61,7 @@ def save(
             loss may lose the file.
         config: The async-IO settings for the write (default: ``AioConfig.from_env()``).
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> deepoffload.save({"weight": torch.arange(4.0)}, "model.pt")
         >>> torch.load("model.pt")["weight"]
@@ -98,7 +98,7 @@ def save_async(
         ``result(timeout=None)``) that gives ``path`` once the file is in place, or raises the write's ``OSError``
         (naming ``path``).
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> state = {"step": 1, "weight": torch.ones(3)}
         >>> future = deepoffload.save_async(state, "step1.pt")
@@ -164,7 +164,7 @@ def load(
         CheckpointError: When the file cannot be a checkpoint (empty, truncated, safetensors, other data; the
             message names it and why), or when it was replaced while being read ``LOAD_ATTEMPTS`` times in a row.
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> torch.save({"weight": torch.arange(3)}, "model.pt")
         >>> deepoffload.load("model.pt", checksum=True)

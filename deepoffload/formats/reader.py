@@ -49,7 +49,7 @@ class KeyReport(NamedTuple):
         missing: Names of ``expected`` that the checkpoint lacks.
         unexpected: Names in the checkpoint that ``expected`` lacks.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.formats import CheckpointReader, save_file
         >>> save_file({"w": torch.zeros(2), "extra": torch.ones(1)}, "model.safetensors")
@@ -124,7 +124,7 @@ class CheckpointReader:
     Raises:
         ValueError: When ``span_bytes`` or ``inflight_bytes`` is not an integer of at least ``READ_ALIGNMENT``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.formats import CheckpointReader, save_file
         >>> _ = save_file({"a": torch.ones(2), "b": torch.zeros(3, dtype=torch.int64)}, "model.safetensors")
@@ -578,7 +578,7 @@ def load_file(
     Returns:
         The tensors by name, in storage order.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.formats import load_file, save_file
         >>> _ = save_file({"weight": torch.arange(4.0)}, "model.safetensors")

@@ -218,7 +218,7 @@ def save_sharded(
         ValueError: When ``prefix``, ``max_shard_bytes``, ``header_bytes`` or ``staging_bytes`` is not valid.
         OSError: When writing fails (the errno of the failure; the message names ``folder``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.formats import load_file, save_sharded
         >>> save_sharded({"a": torch.ones(4), "b": torch.zeros(4)}, "model", max_shard_bytes=16)
@@ -291,7 +291,7 @@ def save_file(
         FileNotFoundError: When ``path``'s folder does not exist.
         OSError: When writing fails (the errno of the failure; the message names ``path``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.formats import load_file, save_file
         >>> str(save_file({"weight": torch.eye(2)}, "model.safetensors", metadata={"step": "10"}))

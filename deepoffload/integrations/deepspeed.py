@@ -24,7 +24,7 @@ import threading
 import types
 import warnings
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 import torch
 
@@ -72,7 +72,7 @@ class AsyncIOBuilder:
     Args:
         name: The builder's name (default: ``NAME``, ``async_io``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.integrations.deepspeed import AsyncIOBuilder
         >>> handle = AsyncIOBuilder().load().aio_handle()
@@ -100,7 +100,7 @@ class AsyncIOBuilder:
         """Always True: the op builds wherever a C++ compiler works (``verbose`` is DeepSpeed's, unused)."""
         return True
 
-    def load(self, verbose: bool = True):
+    def load(self, verbose: bool = True) -> Any:
         """deepoffload's DeepSpeed-compatible async-IO module, built on first use and cached.
 
         Args:
@@ -113,7 +113,7 @@ class AsyncIOBuilder:
 
         return Builder().load()
 
-    def jit_load(self, verbose: bool = True):
+    def jit_load(self, verbose: bool = True) -> Any:
         """As ``load()`` (DeepSpeed's name for a just-in-time build).
 
         Args:
@@ -133,7 +133,7 @@ class GDSBuilder(AsyncIOBuilder):
     Args:
         name: The builder's name (default: ``NAME``, ``gds``).
 
-    Example:
+    Examples:
         >>> from deepoffload.integrations.deepspeed import GDSBuilder
         >>> GDSBuilder().is_compatible()
         False
@@ -150,7 +150,7 @@ class GDSBuilder(AsyncIOBuilder):
         """Always False: deepoffload has no GDS op (``verbose`` is DeepSpeed's, unused)."""
         return False
 
-    def load(self, verbose: bool = True):
+    def load(self, verbose: bool = True) -> NoReturn:
         """Raises: deepoffload does not provide GPUDirect Storage.
 
         Args:
@@ -175,7 +175,7 @@ class PinMemoryBuilder(AsyncIOBuilder):
     Args:
         name: The builder's name (default: ``NAME``, ``pin_memory``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.integrations.deepspeed import PinMemoryBuilder
         >>> pins = PinMemoryBuilder().load().pin_handle()
@@ -193,7 +193,7 @@ class PinMemoryBuilder(AsyncIOBuilder):
         """The op's module name as DeepSpeed's builder gives it (``deepspeed.ops.pin_memory.pin_memory_op``)."""
         return f"deepspeed.ops.pin_memory.{self.NAME}_op"
 
-    def load(self, verbose: bool = True):
+    def load(self, verbose: bool = True) -> types.SimpleNamespace:
         """A module with DeepSpeed's ``pin_handle`` class, on deepoffload's registry of locked buffers.
 
         Args:
@@ -207,7 +207,9 @@ class PinMemoryBuilder(AsyncIOBuilder):
         return types.SimpleNamespace(pin_handle=pin_handle)
 
 
-def cast_to_byte_tensor(tensors):
+def cast_to_byte_tensor(
+    tensors: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
+) -> torch.Tensor | list[torch.Tensor]:
     """DeepSpeed's ``utils`` op function used by its fast checkpoint writer, in Python.
 
     A tensor of at most one byte is returned as it is, like DeepSpeed's.
@@ -219,14 +221,14 @@ def cast_to_byte_tensor(tensors):
         Each tensor's bytes as a flat ``uint8`` view (of a contiguous copy when it is not contiguous); a list for a
         list or tuple.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload.integrations.deepspeed import cast_to_byte_tensor
         >>> cast_to_byte_tensor(torch.ones(2, dtype=torch.float16))
         tensor([ 0, 60,  0, 60], dtype=torch.uint8)
     """
     if isinstance(tensors, (list, tuple)):
-        return [cast_to_byte_tensor(t) for t in tensors]
+        return [cast_to_byte_tensor(t) for t in tensors]  # type: ignore[misc]  # a tensor gives a tensor
     if tensors.numel() * tensors.element_size() <= 1:
         return tensors
     return tensors.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -253,7 +255,7 @@ NVME_RESUME_WARNING = (
 )
 
 
-def warn_on_nvme_optimizer_resume(load_checkpoint):
+def warn_on_nvme_optimizer_resume(load_checkpoint: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps DeepSpeed's ``DeepSpeedEngine.load_checkpoint`` to warn where a resume loses the optimizer state.
 
     The wrapper calls ``load_checkpoint`` as it is and returns its result unchanged; afterwards it issues one
@@ -266,7 +268,7 @@ def warn_on_nvme_optimizer_resume(load_checkpoint):
     Returns:
         The wrapper (marked ``deepoffload = True``), to set as the engine class's ``load_checkpoint``.
 
-    Example:
+    Examples:
         >>> import warnings
         >>> from deepoffload.integrations.deepspeed import warn_on_nvme_optimizer_resume
         >>> class Engine:  # stands in for DeepSpeedEngine, with the optimizer state swapped to NVMe
@@ -296,7 +298,7 @@ def warn_on_nvme_optimizer_resume(load_checkpoint):
             warnings.warn(NVME_RESUME_WARNING.format(load_path=load_path), UserWarning, stacklevel=2)
         return result
 
-    load_checkpoint_warning.deepoffload = True
+    load_checkpoint_warning.deepoffload = True  # type: ignore[attr-defined]  # marks the wrapper as ours
     return load_checkpoint_warning
 
 
@@ -306,7 +308,7 @@ def enabled() -> bool:
     Returns:
         Whether DeepSpeed currently runs on deepoffload's op.
 
-    Example:
+    Examples:
         ```python
         import os
 
@@ -352,7 +354,7 @@ def enable() -> None:
     Raises:
         ImportError: When DeepSpeed is not installed (``pip install deepoffload[deepspeed]``).
 
-    Example:
+    Examples:
         ```python
         import os
 
@@ -426,7 +428,7 @@ def disable() -> None:
 
     ``DEEPOFFLOAD_DEEPSPEED`` gets its earlier value back (or is unset). Without ``enable()`` before, it does nothing.
 
-    Example:
+    Examples:
         ```python
         import os
 

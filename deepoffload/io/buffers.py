@@ -173,7 +173,7 @@ def aligned_empty(
         ValueError: When ``alignment`` is not a power of two, or the shape has a negative dimension
             (``TypeError`` when ``shape_or_numel`` is neither an int nor a sequence of ints).
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> buffer = deepoffload.aligned_empty((2, 1024), torch.float32)
         >>> buffer.shape, buffer.dtype
@@ -288,7 +288,7 @@ def is_aligned(tensor: torch.Tensor, alignment: int = 0) -> bool:
     Returns:
         True when the data starts on the boundary.
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> buffer = deepoffload.aligned_empty(1024, torch.float32)
         >>> deepoffload.is_aligned(buffer), deepoffload.is_aligned(buffer[1:]), deepoffload.is_aligned(buffer[1:], 4)
@@ -309,7 +309,7 @@ def is_pinned(tensor: torch.Tensor) -> bool:
     Returns:
         True when its memory is page-locked.
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> deepoffload.is_pinned(torch.empty(16))
         False

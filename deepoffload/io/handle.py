@@ -16,7 +16,7 @@ import threading
 import warnings
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 import torch
 
@@ -69,7 +69,7 @@ class Request(Pending[int]):
             what it raises becomes the request's error.
         owned_fd: The copy of a caller's descriptor that this transfer uses, closed once it is collected (-1: none).
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> with deepoffload.AsyncIOHandle() as handle:
         ...     request = handle.write_async(torch.zeros(256), "zeros.bin")
@@ -252,7 +252,7 @@ class AsyncIOHandle:
             can hold.
         OSError: When the engine asked for (or, for ``"auto"``, every engine) fails its self-test here.
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> tensor = torch.arange(1024, dtype=torch.float32)
         >>> back = torch.empty_like(tensor)
@@ -265,7 +265,7 @@ class AsyncIOHandle:
         True
     """
 
-    def __init__(self, config: AioConfig | None = None, **overrides):
+    def __init__(self, config: AioConfig | None = None, **overrides: Any):
         self.config = AioConfig.from_dict(overrides, base=config) if overrides or config is None else config
         self.engine = resolve_engine(self.config.engine)
         c = self.config

@@ -40,7 +40,7 @@ class SwapConfig:
     Raises:
         ConfigError: When a value has the wrong type or range (the message names the key).
 
-    Example:
+    Examples:
         >>> from deepoffload import SwapConfig
         >>> config = SwapConfig(folder="swap", chunk_bytes=1 << 20, pin=False)
         >>> config.buffer_count, config.chunk_bytes, config.folder

@@ -87,7 +87,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             is already offloaded or wrapped, its ``step`` requires a closure (``LBFGS``), or it has step hooks.
         MemoryError: When ``max_memory`` is too small (the message names the least limit that works).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload import OffloadedOptimizer, SwapConfig
         >>> _ = torch.manual_seed(0)

@@ -59,7 +59,7 @@ class TensorSwapper:
             (rewritten in place when the same groups come back with the same sizes; else written to free space, the
             old extent freed once the new write is done).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload import SwapConfig, TensorSwapper
         >>> swapper = TensorSwapper(SwapConfig(folder=".", chunk_bytes=1 << 20, pin=False))

@@ -35,7 +35,7 @@ class SwapOut(Pending[int]):
         rewrite: The groups' records stay as they are (same sizes, same place).
         shifts: ``{group: its tensors' position in the staging buffer less their file offset}``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload import SwapConfig, TensorSwapper
         >>> swapper = TensorSwapper(SwapConfig(folder=".", pin=False))
@@ -174,7 +174,7 @@ class SwapIn(Pending[dict]):
         buffer: The staging buffer read into (None when there is nothing to read).
         extent: Packed: the one extent read whole (its views may be reused), else None.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from deepoffload import SwapConfig, TensorSwapper
         >>> swapper = TensorSwapper(SwapConfig(folder=".", pin=False))

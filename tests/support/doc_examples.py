@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
 PUBLIC_MODULES = ("deepoffload", "deepoffload.formats", "deepoffload.dcp", "deepoffload.integrations.deepspeed")
@@ -81,7 +82,7 @@ def parameters(fn) -> list[str]:
 
 def returns_value(fn) -> bool:
     annotation = inspect.signature(fn).return_annotation
-    return annotation not in (inspect.Signature.empty, None, "None")
+    return annotation not in (inspect.Signature.empty, None, "None", "NoReturn", "Never", typing.NoReturn, typing.Never)
 
 
 def problems(name: str) -> list[str]:

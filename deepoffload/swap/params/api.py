@@ -99,7 +99,7 @@ def offload_parameters(
             parameters, a block offloaded twice, ``serve_from_checkpoint`` without ``checkpoint``, ``data_parallel``
             with a meta model but no strict checkpoint, or ``init``/``dtype`` for a module without meta tensors.
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -17,7 +17,7 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     Returns:
         The blocks as (qualified name, submodule), in the order they were found.
 
-    Example:
+    Examples:
         >>> import deepoffload
         >>> from torch import nn
         >>> class Model(nn.Module):

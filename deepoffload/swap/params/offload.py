@@ -65,7 +65,7 @@ class ParameterOffload:
     Raises:
         ValueError: When a parameter is shared between two blocks or between a block and the rest of the module.
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -62,7 +62,7 @@ def from_pretrained(
         TypeError: When ``options`` hold a ``checkpoint`` (the checkpoint is ``folder``).
         FileNotFoundError: When ``folder`` has no ``config.json``.
 
-    Example:
+    Examples:
         >>> import contextlib, io, torch, transformers, deepoffload
         >>> config = transformers.LlamaConfig(
         ...     vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2

@@ -27,7 +27,7 @@ class OffloadStats:
         rest_bytes: Parameters outside blocks (always in memory).
         staging_bytes: Pooled staging buffers held now, for parameters and optimizer state (reused, page-aligned).
 
-    Example:
+    Examples:
         >>> import torch, deepoffload
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
