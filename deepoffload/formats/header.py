@@ -26,7 +26,7 @@ MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 INT64_MAX = 2**63 - 1  # torch's sizes and strides are signed 64-bit
 METADATA_KEY = "__metadata__"
 
-# safetensors dtype name -> torch dtype, for the dtypes this torch has (fp8 and unsigned ints are recent).
+# fp8 and unsigned ints are recent: the dtypes this torch lacks are left out
 DTYPES: dict[str, torch.dtype] = {
     name: dtype
     for name, dtype in (
@@ -51,6 +51,7 @@ DTYPES: dict[str, torch.dtype] = {
     )
     if dtype is not None
 }
+"""safetensors dtype names (``"F32"``, ``"BF16"``, ...) -> torch dtypes, for the dtypes this torch has."""
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
