@@ -70,8 +70,8 @@ def versions(builder) -> dict:
     Returns:
         The versions by name; off Windows also ``libaio`` and ``liburing`` (None where not found).
     """
-    from .op_builder.builder import torch_version
     from .op_builder.cache import cache_root
+    from .op_builder.versions import torch_version
 
     compiler = compiler_version(builder.toolchain)
     info: dict[str, str | None] = {  # a library's version is None when it is not found

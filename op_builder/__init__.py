@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "AsyncIOBuilder": ".async_io",
-    "BuildError": ".builder",
+    "BuildError": ".build_errors",
     "OpBuilder": ".builder",
     "Probe": ".probes",
     "ProbeResult": ".probes",
@@ -40,7 +40,8 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .async_io import AsyncIOBuilder
-    from .builder import BuildError, OpBuilder
+    from .build_errors import BuildError
+    from .builder import OpBuilder
     from .probes import Probe, ProbeResult
     from .toolchain import Toolchain
 

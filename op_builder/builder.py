@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import sys
 import sysconfig
@@ -25,17 +24,15 @@ from types import ModuleType
 from typing import Any
 
 from . import env
+from .build_errors import BuildError, build_hint, compiler_error_lines
 from .cache import atomic_write_text, cache_root, exclusive_lock
-from .errors import DeepOffloadError
 from .hints import install_hint
 from .probes import Probe, ProbeResult, function_probe, run_probes
 from .toolchain import Toolchain
+from .versions import PACKAGE_DIRS, package_version, python_abi, torch_version
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent / "csrc"
-# deepoffload's own folder, found by path (never imported from here): the parent of this folder when installed as
-# deepoffload/op_builder, its sibling in a source checkout (op_builder/ next to deepoffload/)
-PACKAGE_DIRS = (HERE.parent, HERE.parent / "deepoffload")
 PREBUILT_PACKAGE = "deepoffload._ops"
 BUILD_INFO = "build_info.json"
 SANITIZE_ENV = "DEEPOFFLOAD_SANITIZE"
@@ -51,52 +48,6 @@ _load_lock = threading.Lock()
 _warned: set[str] = set()
 
 
-class BuildError(DeepOffloadError, RuntimeError):
-    """The op could not be built; ``compiler_lines`` holds the compiler's error lines and ``hint`` what to do.
-
-    The message names the op, shows the compiler's lines (or "(no compiler output)") and ends with the hint.
-
-    Args:
-        op: The op that failed to build (e.g. ``async_io``).
-        compiler_lines: The lines of the compiler's output that say what went wrong.
-        hint: What to do about it (e.g. the command that installs a missing package).
-
-    Attributes:
-        op: The op that failed to build.
-        compiler_lines: The compiler's error lines.
-        hint: What to do about it.
-    """
-
-    def __init__(self, op: str, compiler_lines: list[str], hint: str):
-        self.op = op
-        self.compiler_lines = compiler_lines
-        self.hint = hint
-        shown = "\n  ".join(compiler_lines) or "(no compiler output)"
-        super().__init__(f"building the {op} op failed:\n  {shown}\nhint: {hint}")
-
-
-def package_version() -> str:
-    """deepoffload's version, read from ``deepoffload/version.py`` without importing deepoffload.
-
-    ``version.py`` is the file the package itself imports; it lies beside this folder when installed
-    (``deepoffload/op_builder``), one level down in a source checkout (``op_builder/`` next to ``deepoffload/``).
-
-    Returns:
-        The ``__version__`` string of ``version.py``.
-
-    Raises:
-        BuildError: When no readable ``version.py`` with a ``__version__`` line is found (reinstall deepoffload).
-    """
-    for directory in PACKAGE_DIRS:
-        try:
-            match = _VERSION.search((directory / "version.py").read_text())
-        except OSError:
-            continue
-        if match:
-            return match.group(1)
-    raise BuildError("deepoffload", [f"deepoffload's version.py was not found beside {HERE}"], "reinstall deepoffload")
-
-
 def warn_once(key: str, message: str) -> None:
     """Issues ``message`` as a ``RuntimeWarning`` the first time ``key`` is seen in this process, never again.
 
@@ -107,24 +58,6 @@ def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def torch_version() -> str:
-    """torch's version without importing torch (1.4 s here) when it is not imported yet."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return torch.__version__
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch")
-    except PackageNotFoundError:
-        return "none"
-
-
-def python_abi() -> str:
-    """The interpreter's cache tag and platform (e.g. ``cpython-311-linux-x86_64``): what a binary is built for."""
-    return f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
 
 
 class OpBuilder:
@@ -530,39 +463,3 @@ def _record_build_seconds(seconds: float) -> None:
         atomic_write_text(_build_times_path(), json.dumps({"last": round(seconds, 1)}))
     except OSError:
         pass
-
-
-_VERSION = re.compile(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", re.MULTILINE)
-_ERROR_LINE = re.compile(r"(error|undefined reference|cannot find|no such file|fatal)", re.IGNORECASE)
-
-
-def compiler_error_lines(output: str, limit: int = 12) -> list[str]:
-    """The lines of a compiler's output that say what went wrong (or its last lines)."""
-    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith("FAILED:")]
-    return (errors or lines)[-limit:]
-
-
-def build_hint(lines: list[str], platform: str = sys.platform) -> str:
-    """What to do about a failed build, read from the compiler's error lines.
-
-    Args:
-        lines: The compiler's error lines (from ``compiler_error_lines``).
-        platform: The platform whose install commands to suggest.
-
-    Returns:
-        The install command of a missing libaio, liburing, ninja or Python headers, else advice on the compiler.
-    """
-    text = "\n".join(lines).lower()
-    if "libaio" in text:
-        return install_hint("libaio", platform)
-    if "liburing" in text:
-        return install_hint("liburing", platform)
-    if "ninja" in text:
-        return "pip install ninja"
-    if "python.h" in text:
-        return "install the Python development headers (apt-get install python3-dev)"
-    return (
-        f"check the compiler ({install_hint('cxx', platform)}); set CXX to choose another; "
-        f"run `deepoffload report` for what was found"
-    )

@@ -89,7 +89,7 @@ def test_defined_exceptions_are_found():
     found = set(defined_exceptions())
     assert {
         ("deepoffload.errors", "StreamedParameterError"),
-        ("deepoffload.op_builder.builder", "BuildError"),
+        ("deepoffload.op_builder.build_errors", "BuildError"),
         ("deepoffload.op_builder.env", "EnvError"),
         ("deepoffload.checkpoint.torch_format", "ZipLayoutError"),
         ("deepoffload.op_builder.errors", "DeepOffloadError"),
@@ -105,7 +105,7 @@ def test_every_defined_exception_is_in_the_family(module, name):
 
 
 def test_the_family_keeps_the_builtin_bases_callers_catch():
-    from deepoffload.op_builder.builder import BuildError
+    from deepoffload.op_builder.build_errors import BuildError
     from deepoffload.op_builder.env import EnvError
     from deepoffload.op_builder.errors import DeepOffloadError as base
 

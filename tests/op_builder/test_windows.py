@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from deepoffload.op_builder import AsyncIOBuilder, Toolchain
-from deepoffload.op_builder.builder import SANITIZE_ENV, build_hint
+from deepoffload.op_builder.build_errors import build_hint
+from deepoffload.op_builder.builder import SANITIZE_ENV
 from deepoffload.op_builder.hints import install_hint
 from deepoffload.op_builder.probes import ProbeResult
 
