@@ -29,7 +29,7 @@ from common import run_main
 
 from deepoffload.bench.measure import evict
 from deepoffload.bench.sizes import format_size, parse_size
-from deepoffload.checkpoint import api, streams, torch_format
+from deepoffload.checkpoint import api, streams, zip_crc
 from deepoffload.io import staged_file
 
 
@@ -63,7 +63,7 @@ def main() -> int:
 
     real_preallocate = streams._preallocate
     timed(api, "write_records", "write", cpu=True)  # torch's zip writer, staging copies, CRCs, waits for buffers
-    timed(torch_format.CrcFiller, "_digest", "crc")
+    timed(zip_crc.CrcFiller, "_digest", "crc")
     timed(staged_file.StagedWriter, "_wait", "wait")  # for a buffer's write (in the write phase and in close)
     timed(streams.DirectWriter, "close", "close")  # last writes, truncate, fsync
     timed(os, "ftruncate", "truncate")

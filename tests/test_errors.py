@@ -91,7 +91,7 @@ def test_defined_exceptions_are_found():
         ("deepoffload.errors", "StreamedParameterError"),
         ("deepoffload.op_builder.build_errors", "BuildError"),
         ("deepoffload.op_builder.env", "EnvError"),
-        ("deepoffload.checkpoint.torch_format", "ZipLayoutError"),
+        ("deepoffload.checkpoint.zip_crc", "ZipLayoutError"),
         ("deepoffload.op_builder.errors", "DeepOffloadError"),
     } <= found
 
@@ -110,7 +110,7 @@ def test_the_family_keeps_the_builtin_bases_callers_catch():
     from deepoffload.op_builder.errors import DeepOffloadError as base
 
     import deepoffload
-    from deepoffload.checkpoint.torch_format import ZipLayoutError
+    from deepoffload.checkpoint.zip_crc import ZipLayoutError
     from deepoffload.errors import DeepOffloadError, StreamedParameterError, UnsupportedError
 
     assert DeepOffloadError is base is deepoffload.DeepOffloadError  # one base, also below deepoffload's layers

@@ -23,7 +23,6 @@ from ..pending import PendingFuture
 from .streams import DirectReader, DirectWriter, shared_handle
 from .torch_format import (
     Record,
-    ZipChecksums,
     not_a_checkpoint,
     record,
     remove_quietly,
@@ -32,6 +31,7 @@ from .torch_format import (
     write_records,
 )
 from .whole_file import load_from_memory, read_whole, weights_only_default
+from .zip_crc import ZipChecksums
 
 LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
 _executor: ThreadPoolExecutor | None = None

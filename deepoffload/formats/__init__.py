@@ -15,12 +15,16 @@ __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         ".header": ["CheckpointError", "DTYPES"],
-        ".reader": ["CheckpointReader", "KeyReport", "load_file"],
+        ".reader": ["CheckpointReader"],
+        ".checks": ["KeyReport"],
+        ".load": ["load_file"],
         ".writer": ["save_sharded", "save_file"],
     },
 )
 
 if TYPE_CHECKING:
+    from .checks import KeyReport
     from .header import DTYPES, CheckpointError
-    from .reader import CheckpointReader, KeyReport, load_file
+    from .load import load_file
+    from .reader import CheckpointReader
     from .writer import save_file, save_sharded

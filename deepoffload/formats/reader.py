@@ -14,94 +14,19 @@ import collections
 import contextlib
 import math
 import os
-import threading
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from ..io.buffers import aligned_empty, drop_cached, page_out, prefault
+from ..io.buffers import aligned_empty, drop_cached, page_out
 from ..io.handle import AsyncIOHandle
+from .checks import DtypeSpec, Expected, KeyReport, _check_unchanged, _convertible, _expected_shape_dtype
 from .discovery import INDEX_NAME, SINGLE_NAME, _find_index, _is_torch_zip, _open_sharded, load_torch
+from .fault_in import FAULT_SPLIT_PAGES, PAGE_BYTES, SLOW_FAULT_BYTES_PER_S, _fault_in
 from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity, read_header
 from .spans import READ_ALIGNMENT, _Span, plan_spans
-
-PAGE_BYTES = 4096  # a write per this many bytes faults every page in (huge pages: the first write of each)
-FAULT_SPLIT_PAGES = 1024  # buffers of fewer than twice this many pages are faulted in by the calling thread alone
-# Span buffers are faulted in by the calling thread (as fast as the disk reads here when the memory was freed
-# recently: about 7 GB/s) until faulting runs slower than this, then by two threads (memory this VM handed back to
-# its host while idle faults in at 0.5-1.2 GB/s from one thread; two writing threads made a cold load 1.6x as fast,
-# while with recycled memory they gained nothing and lost more rounds to slow ones)
-SLOW_FAULT_BYTES_PER_S = 3e9
-
-DtypeSpec = Union[torch.dtype, Mapping[str, torch.dtype], None]
-Expected = Mapping[str, Union[torch.Tensor, Sequence[int], tuple]]
-
-
-class KeyReport(NamedTuple):
-    """Names the model expects that the checkpoint lacks, and names the checkpoint has that the model does not.
-
-    What ``CheckpointReader.check(expected, strict=False)`` returns (with ``strict=True`` either list not empty is an
-    error instead).
-
-    Attributes:
-        missing: Names of ``expected`` that the checkpoint lacks.
-        unexpected: Names in the checkpoint that ``expected`` lacks.
-
-    Examples:
-        >>> import torch
-        >>> from deepoffload.formats import CheckpointReader, save_file
-        >>> save_file({"w": torch.zeros(2), "extra": torch.ones(1)}, "model.safetensors")
-        PosixPath('model.safetensors')
-        >>> with CheckpointReader("model.safetensors") as reader:
-        ...     reader.check({"w": (2,), "b": (2,)}, strict=False)
-        KeyReport(missing=['b'], unexpected=['extra'])
-    """
-
-    missing: list[str]
-    unexpected: list[str]
-
-
-def _fault_in(buffer: torch.Tensor, threads: int) -> None:
-    """Back every page of the new (zero-filled) uint8 ``buffer`` now.
-
-    Measured here (1 GiB of new huge-page memory, interleaved): writes from two threads fault in 1.5-1.7x as fast as
-    one thread or as ``MADV_POPULATE_WRITE``, which gains nothing from a second thread.
-
-    Args:
-        buffer: The new buffer.
-        threads: 1: by ``MADV_POPULATE_WRITE`` (``prefault``); 2: by writing a zero to each page, half of them from
-            a second thread (a buffer of under ``2 * FAULT_SPLIT_PAGES`` pages is faulted in by ``prefault``).
-    """
-    pages = buffer[::PAGE_BYTES]
-    half = pages.numel() // 2
-    if threads == 1 or half < FAULT_SPLIT_PAGES:
-        prefault(buffer)
-        return
-    worker = threading.Thread(target=pages[half:].fill_, args=(0,), name="deepoffload-fault-in")
-    worker.start()
-    try:
-        pages[:half].fill_(0)
-    finally:
-        worker.join()
-
-
-def _expected_shape_dtype(name: str, value: object) -> tuple[tuple[int, ...], torch.dtype | None]:
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape), value.dtype
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
-        return tuple(int(s) for s in value[0]), value[1]
-    if isinstance(value, (tuple, list, torch.Size)):
-        return tuple(int(s) for s in value), None
-    raise TypeError(
-        f"expected[{name!r}]: give a tensor (a meta tensor will do), a shape, or (shape, dtype); got "
-        f"{type(value).__name__}"
-    )
-
-
-def _convertible(stored: torch.dtype, target: torch.dtype) -> bool:
-    return stored == target or (stored.is_floating_point and target.is_floating_point)
 
 
 class CheckpointReader:
@@ -340,9 +265,9 @@ class CheckpointReader:
             for name in selected:
                 t = self._state_dict[name]
                 target = self._target(name, t.dtype, dtype)
-                self._check_unchanged(str(self.path), self._torch_identity)
+                _check_unchanged(str(self.path), self._torch_identity)
                 copy = t.clone() if target == t.dtype else t.to(target)
-                self._check_unchanged(str(self.path), self._torch_identity)  # copied what was opened
+                _check_unchanged(str(self.path), self._torch_identity)  # copied what was opened
                 page_out(t)
                 drop_cached(self.path)
                 yield name, copy
@@ -415,14 +340,14 @@ class CheckpointReader:
                     not queue or inflight + spans[next_span].end - spans[next_span].start <= self.inflight_bytes
                 ):
                     span = spans[next_span]
-                    self._check_unchanged(span.path, identities[span.path])
+                    _check_unchanged(span.path, identities[span.path])
                     queue.append((span, *self._submit(span, file_sizes, pool)))
                     inflight += span.end - span.start
                     next_span += 1
                 span, start, buffer, request, pooled = queue.popleft()
                 if request is not None:
                     request.wait()
-                    self._check_unchanged(span.path, identities[span.path])  # not replaced before the op opened it
+                    _check_unchanged(span.path, identities[span.path])  # not replaced before the op opened it
                 inflight -= span.end - span.start
                 yield span, start, buffer
                 if pooled is not None and pool is not None:  # (a pooled buffer came from pool)
@@ -432,31 +357,6 @@ class CheckpointReader:
                 if request is not None:
                     with contextlib.suppress(OSError):
                         request.wait()
-
-    def _check_unchanged(self, path: str, identity: tuple[int, ...]) -> None:
-        """Raise unless ``path`` is still the file whose header was read at open.
-
-        The op reads by path, so a file replaced (a new save renamed over it) or rewritten since would be read at
-        the old header's offsets; a torch.save file's mapping would show a rewrite in place, and touching it past a
-        shortened end kills the process (SIGBUS).
-
-        Args:
-            path: The file.
-            identity: Its ``file_identity`` at open.
-
-        Raises:
-            CheckpointError: When the file was removed, replaced or rewritten.
-        """
-        try:
-            now = file_identity(os.stat(path))
-        except FileNotFoundError:
-            now = None
-        if now != identity:
-            what = "was removed" if now is None else "was replaced or rewritten"
-            raise CheckpointError(
-                f"{path} {what} after this reader read its header (the tensors' offsets may no "
-                f"longer hold them); open a new CheckpointReader to read the file as it is now"
-            )
 
     def _iter_safetensors(self, selected: list[str], dtype: DtypeSpec) -> Iterator[tuple[str, torch.Tensor]]:
         for span, start, buffer in self._spans(selected, None):
@@ -493,11 +393,11 @@ class CheckpointReader:
         if problems:
             raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))
         if self._state_dict is not None:
-            self._check_unchanged(str(self.path), self._torch_identity)
+            _check_unchanged(str(self.path), self._torch_identity)
             for name, tensor in destinations.items():
                 with torch.no_grad():
                     tensor.copy_(self._state_dict[name])
-            self._check_unchanged(str(self.path), self._torch_identity)
+            _check_unchanged(str(self.path), self._torch_identity)
             for name in destinations:  # its pages leave the page cache (and this process's memory cgroup)
                 page_out(self._state_dict[name])
             drop_cached(self.path)
@@ -553,41 +453,3 @@ class CheckpointReader:
 
     def __repr__(self) -> str:
         return f"CheckpointReader({str(self.path)!r}, format={self.format!r}, tensors={len(self)})"
-
-
-def load_file(
-    path: str | os.PathLike,
-    *,
-    dtype: DtypeSpec = None,
-    names: Iterable[str] | None = None,
-    expected: Expected | None = None,
-    strict: bool = True,
-    handle: AsyncIOHandle | None = None,
-) -> dict[str, torch.Tensor]:
-    """Load a checkpoint (any layout ``CheckpointReader`` opens) into ``{name: tensor}``.
-
-    Args:
-        path: The checkpoint (a file or folder; see ``CheckpointReader``).
-        dtype: One dtype for every floating point tensor, or name -> dtype (default: as stored).
-        names: The tensors to load (default: all).
-        expected: When given, first check the checkpoint's names and shapes against it (see
-            ``CheckpointReader.check``).
-        strict: With ``expected``: whether missing and unexpected names are errors.
-        handle: An ``AsyncIOHandle`` to read with (default: one made and closed here).
-
-    Returns:
-        The tensors by name, in storage order.
-
-    Examples:
-        >>> import torch
-        >>> from deepoffload.formats import load_file, save_file
-        >>> _ = save_file({"weight": torch.arange(4.0)}, "model.safetensors")
-        >>> load_file("model.safetensors")
-        {'weight': tensor([0., 1., 2., 3.])}
-        >>> load_file("model.safetensors", dtype=torch.bfloat16, expected={"weight": (4,)})
-        {'weight': tensor([0., 1., 2., 3.], dtype=torch.bfloat16)}
-    """
-    with CheckpointReader(path, handle=handle) as reader:
-        if expected is not None:
-            reader.check(expected, strict=strict)
-        return reader.read(names, dtype)

@@ -614,7 +614,7 @@ def zip_stream(obj) -> bytes:
 
 @pytest.mark.parametrize("damage", ["signature", "compressed", "descriptor_size", "central_name", "truncated"])
 def test_a_zip_stream_it_does_not_know_is_refused(damage):
-    from deepoffload.checkpoint.torch_format import CrcFiller, ZipLayoutError
+    from deepoffload.checkpoint.zip_crc import CrcFiller, ZipLayoutError
 
     stream = bytearray(zip_stream({"w": torch.arange(100)}))
     if damage == "signature":
@@ -636,7 +636,7 @@ def test_a_zip_stream_it_does_not_know_is_refused(damage):
 
 
 def test_crc_filler_reproduces_torchs_crcs_and_serialization_id():
-    from deepoffload.checkpoint.torch_format import CrcFiller
+    from deepoffload.checkpoint.zip_crc import CrcFiller
 
     obj = training_state()
     sink = _Sink()
@@ -690,7 +690,7 @@ def test_whole_file_load_shares_one_buffer_that_outlives_the_other_tensors(scrat
 def test_checksums_of_a_truncated_file_are_refused_not_read_past_its_end(scratch):
     deepoffload.save({"w": torch.randn(100_000)}, scratch / "t.pt")
     data = (scratch / "t.pt").read_bytes()
-    from deepoffload.checkpoint.torch_format import ZipChecksums
+    from deepoffload.checkpoint.zip_crc import ZipChecksums
 
     checker = ZipChecksums(str(scratch / "t.pt"))
     with pytest.raises(ChecksumError, match="truncated"):

@@ -290,15 +290,17 @@ def test_read_ahead_bounded_and_spans_split(scratch):
 def test_span_buffers_faulted_in_by_two_threads_when_faulting_is_slow(scratch, monkeypatch, slow):
     """Once a span buffer faults in slower than SLOW_FAULT_BYTES_PER_S, the next ones are faulted in by two threads
     writing zeros before their reads: the tensors read are bit-identical either way."""
+    from deepoffload.formats import fault_in as fault_module
     from deepoffload.formats import reader as reader_module
 
-    monkeypatch.setattr(reader_module, "FAULT_SPLIT_PAGES", 2)
+    monkeypatch.setattr(reader_module, "FAULT_SPLIT_PAGES", 2)  # when the reader times faulting in
+    monkeypatch.setattr(fault_module, "FAULT_SPLIT_PAGES", 2)  # when _fault_in splits the work
     monkeypatch.setattr(reader_module, "SLOW_FAULT_BYTES_PER_S", float("inf") if slow else 0.0)
     tensors = {f"w{i}": random_tensor((1 << 14,), torch.float32, i) for i in range(16)}  # 64 KiB each
     save_file(tensors, scratch / "m.safetensors")
     workers = []
-    real_thread = reader_module.threading.Thread
-    monkeypatch.setattr(reader_module.threading, "Thread", lambda *a, **k: workers.append(k) or real_thread(*a, **k))
+    real_thread = fault_module.threading.Thread
+    monkeypatch.setattr(fault_module.threading, "Thread", lambda *a, **k: workers.append(k) or real_thread(*a, **k))
     with CheckpointReader(scratch / "m.safetensors", span_bytes=128 << 10, inflight_bytes=256 << 10) as reader:
         assert_same(reader.read(), tensors)
         assert reader._fault_threads == (2 if slow else 1)

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from ...errors import ResidencyError
+from ...formats.checks import KeyReport
 from ...formats.header import CheckpointError
-from ...formats.reader import CheckpointReader, KeyReport
+from ...formats.reader import CheckpointReader
 from ...io.buffers import aligned_empty
 from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
