@@ -30,7 +30,8 @@ __all__, __getattr__, __dir__ = lazy_exports(
             "UnsupportedError",
             "StreamedParameterError",
         ],
-        ".io.handle": ["AsyncIOHandle", "Request"],
+        ".io.handle": ["AsyncIOHandle"],
+        ".io.request": ["Request"],
         ".pending": ["Pending"],
         ".io.buffers": ["aligned_empty", "is_aligned", "is_pinned"],
         ".config": ["AioConfig"],
@@ -60,7 +61,8 @@ if TYPE_CHECKING:
         ValidationError,
     )
     from .io.buffers import aligned_empty, is_aligned, is_pinned
-    from .io.handle import AsyncIOHandle, Request
+    from .io.handle import AsyncIOHandle
+    from .io.request import Request
     from .op_builder import BuildError
     from .pending import Pending
     from .swap.config import SwapConfig

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import deepoffload
-from deepoffload.io.handle import Request
+from deepoffload.io.request import Request
 from deepoffload.pending import Pending, PendingFuture, settle
 from deepoffload.swap.config import SwapConfig
 from deepoffload.swap.tensor_swapper import SwapIn, SwapOut, TensorSwapper

@@ -200,9 +200,9 @@ class PinMemoryBuilder(AsyncIOBuilder):
             verbose: Accepted for DeepSpeed's signature; unused.
 
         Returns:
-            A namespace whose ``pin_handle`` is ``deepoffload.io.compat.pin_handle``.
+            A namespace whose ``pin_handle`` is ``deepoffload.io.pin_memory.pin_handle``.
         """
-        from ..io.compat import pin_handle
+        from ..io.pin_memory import pin_handle
 
         return types.SimpleNamespace(pin_handle=pin_handle)
 

@@ -12,11 +12,13 @@ from .._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        ".handle": ["AsyncIOHandle", "Request", "ValidationError"],
+        ".handle": ["AsyncIOHandle", "ValidationError"],
+        ".request": ["Request"],
         ".buffers": ["aligned_empty", "is_aligned", "is_pinned"],
     },
 )
 
 if TYPE_CHECKING:
     from .buffers import aligned_empty, is_aligned, is_pinned
-    from .handle import AsyncIOHandle, Request, ValidationError
+    from .handle import AsyncIOHandle, ValidationError
+    from .request import Request

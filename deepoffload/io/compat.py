@@ -10,56 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from types import ModuleType
-from typing import Any
 
 import torch
 
 from ..config import AioConfig
-from .buffers import aligned_empty, release_lock
+from .compat_args import _MISSING, _async_flag, _file, _required
 from .handle import AsyncIOHandle
 from .inputs import FileRef, check_tensor
+from .pin_memory import _free_locked, _is_pinned, _new_locked
 
 # DeepSpeed's aio_handle constructor defaults (py_ds_aio.cpp).
 DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_INTRA_OP_PARALLELISM = 1 << 20, 128, 1
 DS_SINGLE_SUBMIT, DS_OVERLAP_EVENTS = False, False
 O_DIRECT_ALIGNMENT = 512  # DeepSpeed's get_alignment() is this times intra_op_parallelism
 MIN_IO_BLOCK = 4096  # smaller block sizes are accepted and reported, IO uses this
-
-_MISSING: Any = object()  # the default of arguments of any type that DeepSpeed requires: "not given"
-
-# Buffers from new_cpu_locked_tensor, like DeepSpeed's process-wide pinned-tensor manager: start address -> bytes.
-_managed_lock = threading.Lock()
-_managed: dict[int, int] = {}
-
-
-def _required(value, name: str, method: str):
-    if value is _MISSING:
-        raise TypeError(f"aio_handle.{method}() missing required argument '{name}'")
-    return value
-
-
-def _file(filename, fd, method: str) -> FileRef:
-    """DeepSpeed's overloads: a path as ``filename``, or an open descriptor as ``fd`` (or positionally)."""
-    if fd is not None:
-        if filename is not _MISSING:
-            raise TypeError(f"aio_handle.{method}(): pass either filename or fd, not both")
-        if isinstance(fd, bool) or not isinstance(fd, int):
-            raise TypeError(f"aio_handle.{method}(): fd must be an int (an open descriptor), got {type(fd).__name__}")
-        return fd
-    return _required(filename, "filename", method)
-
-
-def _async_flag(async_op, kwargs: dict, method: str) -> bool:
-    """DeepSpeed names this argument ``async`` (a Python keyword: pass it as ``**{"async": True}``)."""
-    if "async" in kwargs:
-        if async_op is not _MISSING:
-            raise TypeError(f"aio_handle.{method}(): got 'async' twice")
-        async_op = kwargs.pop("async")
-    if kwargs:
-        raise TypeError(f"aio_handle.{method}() got unexpected keyword arguments {sorted(kwargs)}")
-    return bool(_required(async_op, "async", method))
 
 
 class aio_handle:  # noqa: N801  (DeepSpeed's name)
@@ -397,106 +362,6 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             ``pin_handle``: one process-wide registry, as DeepSpeed's pinned-tensor manager).
         """
         return _is_pinned(buffer)
-
-
-class pin_handle:  # noqa: N801  (DeepSpeed's name)
-    """DeepSpeed's ``pin_memory`` op handle (``PinMemoryBuilder().load().pin_handle()``).
-
-    It uses the registry ``aio_handle`` uses, so a buffer locked by either is pinned for both.
-    """
-
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype.
-
-        Args:
-            num_elem: The number of elements.
-            example_tensor: A tensor of the dtype wanted.
-
-        Returns:
-            The tensor (contents uninitialised).
-        """
-        return _new_locked(num_elem, example_tensor)
-
-    def free_cpu_locked_tensor(self, locked_tensor: torch.Tensor) -> bool:
-        """As ``aio_handle.free_cpu_locked_tensor``.
-
-        Args:
-            locked_tensor: The tensor to free.
-
-        Returns:
-            True for a tensor from ``new_cpu_locked_tensor`` not freed yet, else False.
-        """
-        check_tensor(locked_tensor, "free_cpu_locked_tensor")
-        return _free_locked(locked_tensor.data_ptr())
-
-    def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
-        """As ``free_cpu_locked_tensor``, given the buffer's start address.
-
-        Args:
-            address: The buffer's ``data_ptr()``.
-
-        Returns:
-            True for a buffer from ``new_cpu_locked_tensor`` not freed yet, else False.
-
-        Raises:
-            TypeError: When ``address`` is not an int.
-        """
-        if isinstance(address, bool) or not isinstance(address, int):
-            raise TypeError(f"free_cpu_locked_tensor_by_ptr: address must be an int, got {type(address).__name__}")
-        return _free_locked(address)
-
-    def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """As ``aio_handle.is_pinned``.
-
-        Args:
-            buffer: Any tensor.
-
-        Returns:
-            True when it is torch-pinned or inside a live locked buffer.
-        """
-        return _is_pinned(buffer)
-
-
-def _new_locked(num_elem: int, example: torch.Tensor) -> torch.Tensor:
-    if not isinstance(example, torch.Tensor):
-        raise TypeError(f"new_cpu_locked_tensor: the example must be a torch.Tensor, got {type(example).__name__}")
-    if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
-        raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
-    tensor = aligned_empty(num_elem, example.dtype)
-    if tensor.numel():
-        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        with _managed_lock:
-            _managed[address] = nbytes
-        weakref.finalize(tensor, _forget_managed, address)
-    return tensor
-
-
-def _free_locked(address: int) -> bool:
-    with _managed_lock:
-        nbytes = _managed.pop(address, None)
-    if nbytes is None:
-        return False
-    release_lock(address, nbytes)
-    return True
-
-
-def _is_pinned(buffer: torch.Tensor) -> bool:
-    if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
-        return False
-    try:
-        if buffer.is_pinned():
-            return True
-    except RuntimeError:
-        pass
-    start = buffer.data_ptr()
-    end = start + buffer.numel() * buffer.element_size()
-    with _managed_lock:
-        return any(a <= start and end <= a + n for a, n in _managed.items())
-
-
-def _forget_managed(address: int) -> None:
-    with _managed_lock:
-        _managed.pop(address, None)
 
 
 def aio_read(

@@ -22,7 +22,8 @@ from .buffers import PAGE_SIZE, aligned_empty
 from .inputs import FileRef
 
 if TYPE_CHECKING:
-    from .handle import AsyncIOHandle, Request
+    from .handle import AsyncIOHandle
+    from .request import Request
 
 DIGEST_SLICE = 4 << 20  # bytes copied per digest call: small enough to stay in the CPU's cache
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, cast
 import torch
 
 from ..errors import ChecksumError, ClosedError
-from ..io.handle import Request
+from ..io.request import Request
 from ..pending import Pending, settle
 from .records import SwapRecord, _contiguous_strides, _hash
 

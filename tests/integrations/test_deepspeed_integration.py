@@ -218,4 +218,4 @@ print(json.dumps(out))
     assert out["restored"] and out["accelerator_restored"]
     # children enable themselves (tests/integrations/test_deepspeed_children.py); DeepSpeed's pin_memory op is ours too
     assert out["env_for_children"] == "1" and out["env_restored"]
-    assert out["pin"] == "deepoffload.io.compat" and out["compatible"] == [True, True]
+    assert out["pin"] == "deepoffload.io.pin_memory" and out["compatible"] == [True, True]

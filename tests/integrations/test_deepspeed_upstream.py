@@ -46,7 +46,7 @@ from deepoffload.integrations import deepspeed as integration
 integration.enable()
 
 if os.environ.get("GIL_ON_CPU") == "1":
-    from deepoffload.io.compat import pin_handle
+    from deepoffload.io.pin_memory import pin_handle
 
     def pinned_copy(self, device=None):
         out = pin_handle().new_cpu_locked_tensor(self.numel(), self).view(self.shape)
