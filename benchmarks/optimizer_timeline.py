@@ -56,6 +56,7 @@ def timed(category: str, fn, outer: bool = False):
 def instrument() -> None:
     from deepoffload.io import handle as handle_module
     from deepoffload.swap import optimizer as opt_module
+    from deepoffload.swap import optimizer_pipeline as pipeline_module
     from deepoffload.swap import pool as pool_module
     from deepoffload.swap import tensor_swapper as ts
 
@@ -76,7 +77,7 @@ def instrument() -> None:
     pool_module.aligned_empty = timed("(within the above) allocate buffer", pool_module.aligned_empty, True)
     ts.SwapIn._wait_io = timed("(within the above) wait read", ts.SwapIn._wait_io, True)
     opt_module.OffloadedOptimizer._step_chunk = timed("optimizer compute", opt_module.OffloadedOptimizer._step_chunk)
-    opt_module.trim_heap = timed("malloc_trim", opt_module.trim_heap)
+    pipeline_module.trim_heap = timed("malloc_trim", pipeline_module.trim_heap)
     opt_module.OffloadedOptimizer._restore = timed("restore", opt_module.OffloadedOptimizer._restore)
     opt_module.OffloadedOptimizer._write = timed("write submit", opt_module.OffloadedOptimizer._write)
     opt_module.OffloadedOptimizer._read = timed("read submit", opt_module.OffloadedOptimizer._read)

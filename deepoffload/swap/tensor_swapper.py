@@ -4,12 +4,13 @@ Transfers go through a bounded pool of aligned staging buffers. Each group is on
 ``packed.py``) the groups of one ``swap_out`` call share one extent of a single pack file, written with one request,
 and groups read together from adjacent extents come back in one request (many small tensors then cost a few large
 transfers, not a file each; packed tensors are 16-byte aligned, and a read of one whole extent into the buffer it was
-last read into hands back the same view objects, which cost microseconds each to make). Records, helpers and
-transfers in flight live in ``records.py`` and ``transfers.py``. Each tensor keeps a ``SwapRecord`` (key, dtype,
-shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are staged through a pooled
-buffer (a copy, so any strides, dtype or device work; the copy is skipped when the tensor already sits in the staging
-buffer where it will be written, as tensors returned by ``swap_in`` do). A group's previous records stay valid until
-its new write has completed; a failed write drops them (the file is unknown now) and the caller keeps its tensors.
+last read into hands back the same view objects, which cost microseconds each to make). Records, helpers, staging and
+transfers in flight live in ``records.py``, ``staging_buffers.py`` and ``transfers.py``. Each tensor keeps a
+``SwapRecord`` (key, dtype, shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are
+staged through a pooled buffer (a copy, so any strides, dtype or device work; the copy is skipped when the tensor
+already sits in the staging buffer where it will be written, as tensors returned by ``swap_in`` do). A group's previous
+records stay valid until its new write has completed; a failed write drops them (the file is unknown now) and the caller
+keeps its tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .folders import create_run_folder, keep_run_folder, remove_run_folder, remo
 from .packed import PACKED_ALIGNMENT, Extent, PackedLayout, PackFile
 from .pool import PAGE_SIZE, BufferPool, round_up
 from .records import TENSOR_ALIGNMENT, SwapRecord, _checked, _group_span, _hash, _identity, _local
+from .staging_buffers import _StagingBuffers
 from .transfers import SwapIn, SwapOut
 
 __all__ = [
@@ -45,7 +47,7 @@ __all__ = [
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
 
 
-class TensorSwapper:
+class TensorSwapper(_StagingBuffers):
     """Swaps named groups of tensors to files in its own run folder.
 
     The run folder is rank-aware, and removed on ``close`` and at exit unless ``config.keep_files`` (a swapper
@@ -286,32 +288,6 @@ class TensorSwapper:
         self._pending_out.append(write)
         return write
 
-    def _stage(
-        self, group: str, entries: dict, buffer: torch.Tensor, start: int, file: str, base: int
-    ) -> tuple[dict[str, SwapRecord], int]:
-        """Copy a group's tensors into ``buffer`` from ``start`` (unless already there) and zero its padding.
-
-        Returns:
-            The group's records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned).
-        """
-        group_records, end = {}, 0
-        checksum = None
-        for key, (local, spec, offset) in entries.items():
-            nbytes = local.numel() * local.element_size()
-            region = buffer[start + offset : start + offset + nbytes]
-            if nbytes and region.data_ptr() != local.data_ptr():
-                region.view(local.dtype).view(local.shape).copy_(local)
-            if self.config.checksum:
-                checksum = _hash(region)
-            group_records[key] = SwapRecord(
-                key, local.dtype, tuple(local.shape), nbytes, file, base + offset, local.device, checksum, spec
-            )
-            end = offset + nbytes
-        span = round_up(end, self._group_alignment)
-        if span > end:
-            buffer[start + end : start + span].zero_()  # no stale bytes in the file's padding
-        return group_records, span
-
     def write_back(self, staged: SwapIn, on_done: Callable[[], None] | None = None) -> SwapOut | None:
         """Write the buffer of a read of one whole extent back over that extent, keeping the records (packed only).
 
@@ -478,44 +454,3 @@ class TensorSwapper:
         write = self._writing.get(group)
         if write is not None:
             write.wait()
-
-    def _forget(self, buffer: torch.Tensor) -> None:
-        """``buffer`` leaves the pool (views of it stay in use); no extent keeps views of it for reuse."""
-        self.pool.forget(buffer)
-        for extent in set(self._extents.values()):
-            if extent.views is not None and extent.views[0] is buffer:
-                extent.views = None
-
-    def _acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor:
-        """A staging buffer of ``nbytes`` (``prefer`` when it is free).
-
-        Returns:
-            A pooled buffer, waiting for the oldest write to free one if needed, or a one-off buffer when nothing in
-            flight can free one (the pool's bound is then exceeded only briefly).
-        """
-        while True:
-            buffer = self.pool.try_acquire(nbytes, prefer)
-            if buffer is not None:
-                return buffer
-            if not self._pending_out:
-                return self.pool.one_off(nbytes)
-            try:
-                self._pending_out[0].wait()
-            except OSError:
-                pass  # reported to whoever waits for that write; its buffer left the pool, so look again
-
-    @staticmethod
-    def _in_place(layout: dict, buffer: torch.Tensor, alignment: int) -> bool:
-        """True when every tensor already sits in ``buffer`` exactly where ``layout`` puts it."""
-        base, start = buffer.data_ptr(), 0
-        for entries in layout.values():
-            end = 0
-            for local, _, offset in entries.values():
-                nbytes = local.numel() * local.element_size()
-                if nbytes and (
-                    local.device.type != "cpu" or not local.is_contiguous() or local.data_ptr() != base + start + offset
-                ):
-                    return False
-                end = offset + nbytes
-            start += round_up(end, alignment)
-        return start <= buffer.numel()
