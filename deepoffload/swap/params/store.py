@@ -1,6 +1,7 @@
 """``BlockStore``: every block's IO as moves of its ``Residency``, with the figures ``OffloadStats`` reports.
 
 The IO is reads into staging buffers, write-backs and their failures.
+Changes user code made to a block in memory that storage cannot take are refused in ``user_changes``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ...errors import ResidencyError, StreamedParameterError
 from ..config import SwapConfig
 from ..pool import PAGE_SIZE
 from ..tensor_swapper import SwapIn, SwapOut, SwapRecord, TensorSwapper
+from . import user_changes
 from .placeholders import plain
 from .residency import Block, Residency, span
 
@@ -167,7 +169,7 @@ class BlockStore:
                 ``Block.changed``) is written back instead (``write_back``), so the change is kept; when a change
                 cannot be stored exactly (a ``compute_dtype`` copy, a new shape) the block is released and this
                 raises (``StreamedParameterError``), naming it.
-        """
+        """  # noqa: DOC501 -- ruff takes lost_change(...) for an exception class; it returns the StreamedParameterError
         if block.state not in (Residency.READING, Residency.RESIDENT):
             return
         changed = block.changed() if keep_changes and block.state is Residency.RESIDENT else []
@@ -182,68 +184,17 @@ class BlockStore:
             block.read = None
         block.move(Residency.ON_STORAGE)
         if lost:
-            raise self._lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
+            raise user_changes.lost_change(
+                block, lost, "it was dropped and the parameter holds its stored values again"
+            )
 
     def drop_unwritable(self, block: Block) -> None:
-        """Raise if user code changed ``block``'s parameters in a way that cannot be kept, after dropping the change.
-
-        See ``release``. A RESIDENT block is released; an in-memory one's compute copies are cast again from its
-        masters. A master of another shape, dtype or device in a block held in memory is left for the caller to put
-        back (its values may exist nowhere else). The error is a ``StreamedParameterError`` naming the parameter and
-        what became of the change.
-
-        Args:
-            block: The block to check.
-        """
-        lost = block.unwritable(block.changed()) if block.in_memory else {}
-        if not lost:
-            return
-        if block.state is Residency.RESIDENT:
-            self.release(block)  # raises
-        if block.served and block.state is Residency.PINNED:  # the checkpoint holds its values
-            block.clear_data()
-            block.move(Residency.ON_STORAGE)
-            raise self._lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
-        if all(block.masters[block.names.index(name)] is not block.params[block.names.index(name)] for name in lost):
-            block.refresh_compute()
-            raise self._lost_change(
-                block, lost, "it was dropped and the parameter holds the cast of its master values again"
-            )
-        raise self._lost_change(
-            block, lost, "it is left in place: give the parameter back a tensor of its stored shape, dtype and device"
-        )
+        """Raise if user code changed ``block``'s parameters in a way that cannot be kept (``user_changes``)."""
+        user_changes.drop_unwritable(self, block)
 
     def check_kept_values(self, block: Block) -> None:
-        """Run ``drop_unwritable`` before a block in memory is computed with, stepped or copied.
-
-        No release checks a pinned block, hence this. When it raises, the other blocks in memory drop their changes
-        too (a ``load_state_dict`` reached them all), so the error comes once, with a note naming those blocks.
-        """
-        if not block.in_memory:
-            return
-        try:
-            self.drop_unwritable(block)
-        except RuntimeError as error:
-            also = []
-            for other in self.blocks:
-                if other.in_memory:
-                    try:
-                        self.drop_unwritable(other)
-                    except RuntimeError:
-                        also.append(other.prefix)  # reported on the first one's error, not raised again
-            if also and hasattr(error, "add_note"):  # (Python 3.11+, as in swap/optimizer.py)
-                error.add_note(f"changes dropped the same way in blocks {', '.join(also)}")
-            raise
-
-    @staticmethod
-    def _lost_change(block: Block, lost: dict[str, str], outcome: str) -> StreamedParameterError:
-        name, reason = next(iter(lost.items()))
-        return StreamedParameterError(
-            f"parameter {block.qualified(name)} was changed in place while its block was in memory "
-            f"(p.mul_() under torch.no_grad(), nn.init, load_state_dict, p.data = ... after a "
-            f"forward), but {reason}, so the change cannot be written to storage: {outcome}. Change "
-            f"or load weights before offload_parameters() or after off.close()"
-        )
+        """Run ``drop_unwritable`` before a block in memory is computed with, stepped or copied (``user_changes``)."""
+        user_changes.check_kept_values(self, block)
 
     def pin(self, block: Block) -> None:
         """Make ``block`` resident for good (until ``unpin``).
@@ -455,23 +406,8 @@ class BlockStore:
 
     # -- gradients on storage (grads mode) ----------------------------------------------------------------------
     def hold_for_change(self, block: Block) -> bool:
-        """Bring ``block``'s stored values into memory for a change made outside training.
-
-        Its pending write is waited for and changes made before are checked first.
-
-        Args:
-            block: The block to change.
-
-        Returns:
-            Whether it was in memory already (if not, release it with ``keep_changes=False`` when the change fails).
-        """
-        self.wait_write(block)
-        self.check_kept_values(block)  # a change made before, which the masters cannot take, raises first
-        held = block.in_memory
-        if not held:
-            self.start_read(block)
-            self.materialize(block)
-        return held
+        """Bring ``block``'s stored values into memory for a change made outside training (``user_changes``)."""
+        return user_changes.hold_for_change(self, block)
 
     def fit_staging(self, block: Block) -> None:
         """Grow the block span and the staging pool to ``block``'s tensors when they outgrew them.
