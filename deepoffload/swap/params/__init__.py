@@ -85,6 +85,8 @@ repeat), ``training`` (fused and grads modes, clipping), ``api`` (``offload_para
 built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage),
 ``data_parallel`` (``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and
 FSDP2 around a streamed model, refused).
+``ParameterOffload``'s refusals, step, figures and close are in ``refusals``, ``stepping``, ``figures`` and
+``closing``.
 """
 
 from .api import offload_parameters

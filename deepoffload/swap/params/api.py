@@ -16,7 +16,8 @@ from .blocks import find_blocks
 from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, fit, parse_bytes, process_bytes
 from .data_parallel import process_group
 from .materialize import Init, Materializer, check_arguments, has_meta
-from .offload import MODES, OptimizerFactory, ParameterOffload, _check_budget
+from .offload import MODES, OptimizerFactory, ParameterOffload
+from .refusals import check_budget
 from .wrappers import refuse_wrapped
 
 
@@ -155,7 +156,7 @@ def offload_parameters(
             "serve_from_checkpoint=True needs checkpoint=: the safetensors file or folder to serve "
             "the blocks' parameters from"
         )
-    _check_budget(max_resident_bytes)  # before any block is made or read
+    check_budget(max_resident_bytes)  # before any block is made or read
     config = config or SwapConfig()
     if path is not None:
         config = config.replace(folder=path)

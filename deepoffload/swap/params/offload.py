@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...errors import ClosedError, StreamedParameterError
+from ...errors import ClosedError
 from ...formats.writer import save_sharded
-from .. import grad_norm
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE, trim_heap
+from . import closing, figures, stepping
 from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
 from .data_parallel import DataParallel, GradientAverager, process_group
 from .export import state_items
@@ -28,6 +28,7 @@ from .materialize import Materializer
 from .patches import ModulePatches
 from .placeholders import internal_call
 from .recompute import BlockCall, Recompute
+from .refusals import check_backward, check_budget, check_sharing, optimized_ids
 from .residency import Block, Residency, nbytes
 from .schedule import upcoming
 from .shared_inputs import SharedInputs
@@ -102,7 +103,7 @@ class ParameterOffload:
         self.mode = mode
         self.compute_dtype = compute_dtype
         self.blocks = [Block(i, prefix, block, compute_dtype) for i, (prefix, block) in enumerate(blocks)]
-        self._check_sharing()
+        check_sharing(module, self.blocks)
         serving = materializer is not None and materializer.serve
         self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
         in_blocks = {id(p) for b in self.blocks for p in b.params}
@@ -132,7 +133,7 @@ class ParameterOffload:
         self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
         # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
         self._optimizing = optimizer is not None
-        self._stepped_ids = self._optimized_ids()
+        self._stepped_ids = optimized_ids(self.optimizers)
         self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer, rest_optimizer)
         self._token = torch.empty(0, requires_grad=True)
         self._shared = SharedInputs()  # tensors passed to several blocks: their gradients summed as in memory
@@ -179,7 +180,7 @@ class ParameterOffload:
         Args:
             budget: The bytes of blocks to keep in memory; 0 or None: stream every block.
         """
-        _check_budget(budget)
+        check_budget(budget)
         self._check_open()
         self._budget = budget
         budget = budget or 0
@@ -198,25 +199,6 @@ class ParameterOffload:
         for block in chosen:
             self.store.pin(block)
         self._guard_grads()
-
-    def _check_sharing(self) -> None:
-        """Refuse a parameter shared between two blocks, or between a block and the rest of the module."""
-        owner: dict[int, str] = {}
-        for block in self.blocks:
-            for name, param in zip(block.names, block.params):
-                other = owner.setdefault(id(param), block.qualified(name))
-                if other != block.qualified(name):
-                    raise ValueError(
-                        f"parameter {block.qualified(name)} is the same tensor as {other} in another "
-                        f"block: shared parameters must stay in memory; choose blocks= without them"
-                    )
-        prefixes = tuple(b.prefix + "." for b in self.blocks)
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            if id(param) in owner and not name.startswith(prefixes):
-                raise ValueError(
-                    f"parameter {name} (outside the blocks) is the same tensor as {owner[id(param)]} "
-                    f"in a block: shared parameters must stay in memory; choose blocks= without it"
-                )
 
     # -- running blocks (the ``Streamer`` that ``Recompute`` talks to) ---------------------------------------
     def _run(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -306,59 +288,11 @@ class ParameterOffload:
         """
         block = call.block
         self._shared.clear()
-        if call.steps != block.steps:
-            raise StreamedParameterError(
-                f"block {block.prefix}: backward through a forward made before the block's last "
-                f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
-                f"Run validation under torch.no_grad(), and backward each forward before step()"
-            )
-        if block.trainable and block.served:
-            raise StreamedParameterError(
-                f"block {block.prefix}: backward would train parameters that are served read-only "
-                f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
-                f"written: offload without serve_from_checkpoint= to train, or freeze them "
-                f"(requires_grad_(False))"
-            )
-        self._check_unfrozen(block)
-        if block.trainable and self._block_optimizer is None:
-            raise StreamedParameterError(
-                f"block {block.prefix}: backward needs gradients of its parameters but "
-                f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
-                f"parameters (requires_grad_(False))"
-            )
+        check_backward(self, call)
         if last and call.nested and self.training.defers_nested:
             last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
         return last
-
-    def _check_unfrozen(self, block: Block) -> None:
-        """Refuse a backward once a parameter frozen when the optimizers were made requires a gradient.
-
-        No optimizer holds it, so it would never step (in memory, an optimizer made over ``model.parameters()``
-        would step it).
-
-        Raises:
-            StreamedParameterError: When such a parameter requires a gradient (of ``block`` or outside the blocks).
-        """
-        if not self._optimizing:
-            return
-        named = [
-            (block.qualified(n), m) for n, p, m in zip(block.names, block.params, block.masters) if p.requires_grad
-        ]
-        named += [(n, p) for n, p in self._rest_named if p.requires_grad]
-        for name, param in named:
-            if id(param) not in self._stepped_ids:
-                self._stepped_ids = self._optimized_ids()  # a param group added since?
-            if id(param) not in self._stepped_ids:
-                raise StreamedParameterError(
-                    f"parameter {name} was frozen when offload_parameters() made the optimizers and "
-                    f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
-                    f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
-                    f"parameter gets no gradient and is not stepped), or offload again"
-                )
-
-    def _optimized_ids(self) -> set[int]:
-        return {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
 
     @internal_call
     def after_backward(self, block: Block, last: bool) -> None:
@@ -409,26 +343,7 @@ class ParameterOffload:
         Raises:
             ValueError: When ``offload_parameters()`` got no ``optimizer=``.
         """
-        self._check_open()
-        if self._block_optimizer is None and self._rest_optimizer is None:
-            raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
-        if clip_grad_norm is not None:
-            grad_norm.check_clip_args(clip_grad_norm, norm_type)
-        for block in self.blocks:
-            self.store.check_kept_values(block)  # a change a pinned block's masters cannot take raises before a step
-        for block in self.blocks:
-            block.unguard_grads()  # blocks in memory step with plain parameters
-        try:
-            total, coefficient = self.training.step(clip_grad_norm, norm_type)
-            self.training.end_step()
-            self.store.wait_writes()
-        finally:
-            self._guard_grads()  # gradients a failure left away stay refused
-        if self._rest_optimizer is not None:
-            if coefficient is not None:
-                grad_norm.scale_([p.grad for p in self.rest if p.grad is not None], coefficient)
-            self._rest_optimizer.step()
-        return total
+        return stepping.step(self, clip_grad_norm, norm_type)
 
     def _guard_grads(self) -> None:
         for block in self.blocks:
@@ -441,12 +356,7 @@ class ParameterOffload:
         Args:
             set_to_none: For the gradients outside blocks: set them to None rather than to zero.
         """
-        self._check_open()
-        self.training.finish_writes()
-        if self._rest_optimizer is not None:
-            self._rest_optimizer.zero_grad(set_to_none)
-        self.training.zero_grad()
-        self._guard_grads()
+        stepping.zero_grad(self, set_to_none)
 
     @internal_call
     def flush(self) -> None:
@@ -454,16 +364,7 @@ class ParameterOffload:
 
         The first failure (an ``OSError``) is raised once all were tried; those blocks stay in memory.
         """
-        self._check_open()
-        error = None
-        for action in (self.training.finish_writes, self.store.wait_writes):
-            try:
-                action()
-            except OSError as e:
-                error = error or e
-        error = error or self.store.flush_kept()
-        if error is not None:
-            raise error
+        stepping.flush(self)
 
     # -- figures, checkpoints, lifetime --------------------------------------------------------------------------
     def reset_peak(self) -> None:
@@ -473,26 +374,7 @@ class ParameterOffload:
     @property
     def stats(self) -> OffloadStats:
         """The offload's figures since it was made (its peaks since ``reset_peak``)."""
-        state_read = state_written = 0
-        for optimizer in self.optimizers:
-            state_read += optimizer.swapper.bytes_read
-            state_written += optimizer.swapper.bytes_written
-        store = self.store
-        return OffloadStats(
-            bytes_read=store.bytes_read,
-            bytes_written=store.bytes_written,
-            state_bytes_read=state_read,
-            state_bytes_written=state_written,
-            io_wait_seconds=store.io_wait,
-            optimizer_seconds=self.training.optimizer_seconds,
-            resident_bytes=store.resident_bytes(),
-            peak_bytes=store.peak,
-            grad_bytes=store.grad_bytes,
-            peak_grad_bytes=store.peak_grad,
-            block_bytes=max((b.nbytes + b.compute_nbytes for b in self.blocks), default=0),
-            rest_bytes=nbytes(self.rest),
-            staging_bytes=store.staging_bytes() + sum(o.swapper.pool.held_bytes() for o in self.optimizers),
-        )
+        return figures.gather(self)
 
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
@@ -550,39 +432,7 @@ class ParameterOffload:
                 them (take ``state_dict()`` first to keep them); calling a block then raises; blocks held in memory
                 (pinned, or kept after a failed write) free theirs with the module.
         """
-        if self._closed:
-            return
-        if restore:  # a failure here (a block unreadable) leaves everything open and as it was
-            for block in self.blocks:
-                if block.in_memory and block.unwritable(block.changed()):
-                    self.store.drop_unwritable(block)  # raises: a change that cannot be kept must not pass silently
-            self.training.finish_writes()
-            self.store.wait_writes()
-            # a pinned block's memory is its own: it becomes the parameters' (no copy)
-            values = [
-                block.master_tensors() if block.state is Residency.PINNED else self.store.read_copy(block)
-                for block in self.blocks
-            ]
-        try:
-            if restore:
-                for block, tensors in zip(self.blocks, values):
-                    self.store.restore(block, tensors)
-            else:
-                self.training.finish_writes()
-                self.store.wait_writes()
-                for block in self.blocks:
-                    self.store.release(block, keep_changes=False)
-                    block.discarded = True
-        finally:
-            self._closed = True
-            for block in self.blocks:
-                block.unguard_grads()
-            self.patches.remove(restore)
-            self.store.close()
-            for optimizer in self.optimizers:
-                optimizer.close()
-            if self.data_parallel is not None:
-                self.data_parallel.close()
+        closing.close(self, restore)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -593,8 +443,3 @@ class ParameterOffload:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_budget(budget: object) -> None:
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
-        raise ValueError(f"max_resident_bytes={budget!r}: expected a number of bytes, 0 or more")
