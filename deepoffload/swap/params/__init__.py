@@ -77,14 +77,15 @@ step). ``torch.compile`` runs the streamed blocks eagerly and compiles the rest.
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
 ``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves),
 ``schedule`` (prefetch order), ``recompute`` (the autograd function), ``side_effects`` (what recomputation must not
-repeat), ``training`` (fused and grads modes, clipping), ``api`` (``offload_parameters``, the public entry point),
-``offload`` (``ParameterOffload``, what it returns), ``patches`` (what is attached to the user's modules), ``export``
-(the state streamed out for ``save``), ``stats`` (``OffloadStats``), ``blocks`` (the default block rule),
-``pretrained`` (``from_pretrained``: a Hugging Face folder built on meta and loaded streamed),
-``trainer`` (an optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model
-built on the ``meta`` device made block by block from a checkpoint or an initializer, straight to storage),
-``data_parallel`` (``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and
-FSDP2 around a streamed model, refused).
+repeat), ``training`` (the fused mode and the modes' table; ``training_mode`` what both modes share, ``grads_mode`` the
+grads mode, clipping), ``user_changes`` (values user code changed in a block), ``api`` (``offload_parameters``, the
+public entry point), ``offload`` (``ParameterOffload``, what it returns), ``patches`` (what is attached to the user's
+modules), ``export`` (the state streamed out for ``save``), ``stats`` (``OffloadStats``), ``blocks`` (the default block
+rule), ``pretrained`` (``from_pretrained``: a Hugging Face folder built on meta and loaded streamed), ``trainer`` (an
+optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model built on the
+``meta`` device made block by block from a checkpoint or an initializer, straight to storage), ``data_parallel``
+(``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and FSDP2 around a
+streamed model, refused).
 ``ParameterOffload``'s refusals, step, figures and close are in ``refusals``, ``stepping``, ``figures`` and
 ``closing``.
 """
