@@ -47,10 +47,11 @@ def save(
     """Write ``obj`` to ``path`` exactly as ``torch.save(obj, f)`` would write it to a file object.
 
     ``torch.load`` reads the file. It is written to a temporary name in the same folder through the async-IO op
-    (large aligned writes from several staging buffers), fsynced, renamed over ``path`` and the folder fsynced. Any
-    failure (full disk, missing folder, no permission) raises ``OSError`` naming ``path``, and a previous file under
-    ``path`` is left as it was; a file object or buffer instead of a path raises ``TypeError`` (use ``torch.save``
-    for those). A ``save_async`` still being written is waited for first, so files land in call order.
+    (large aligned writes from several staging buffers), fsynced, renamed over ``path`` and the folder fsynced; a
+    replaced file of 64 MiB or more is freed on a background thread (``deepoffload.io.retire``), not inside the
+    rename. Any failure (full disk, missing folder, no permission) raises ``OSError`` naming ``path``, and a previous
+    file under ``path`` is left as it was; a file object or buffer instead of a path raises ``TypeError`` (use
+    ``torch.save`` for those). A ``save_async`` still being written is waited for first, so files land in call order.
 
     Args:
         obj: What to save (anything ``torch.save`` takes: tensors, state dicts, nested containers).
