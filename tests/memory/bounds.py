@@ -48,6 +48,8 @@ ENTRIES = (
     "checkpoint_save",
     "checkpoint_load",
     "optimizer_step",
+    "train_data_parallel",
+    "train_data_parallel_grads",
 )
 
 
@@ -173,6 +175,8 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
         "train_fused",
         "train_grads",
         "train_budget",
+        "train_data_parallel",
+        "train_data_parallel_grads",
         "generate",
     ):
         return plan.peak_bytes, FORWARD_BYTES

@@ -45,6 +45,8 @@ IMPORTS = {
     "train_budget": "imports_optim",
     "optimizer_step": "imports_optim",
     "train_max_memory": "imports_optim",
+    "train_data_parallel": "imports_dist",
+    "train_data_parallel_grads": "imports_dist",
 }
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
 
@@ -169,6 +171,17 @@ def train(model, off) -> list[float]:
     return losses
 
 
+def one_rank_group(folder: str) -> None:
+    """A gloo process group of this process alone: data_parallel= averages through it (buckets, all_reduce) as on
+    many ranks, each of which holds the same memory."""
+    import torch.distributed as dist
+
+    store = os.path.join(folder, "rendezvous")
+    if os.path.exists(store):
+        os.unlink(store)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+
 def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
 
@@ -183,6 +196,10 @@ def run(entry: str, shape: str, folder: str) -> dict:
 
         if entry == "imports_optim":  # a torch optimizer's first construction imports torch._dynamo: about 65 MiB
             torch.optim.Adam([nn.Parameter(torch.zeros(1))])
+        return out
+    if entry == "imports_dist":  # the same, with a one-rank gloo group (the data-parallel entries' process)
+        torch.optim.Adam([nn.Parameter(torch.zeros(1))])
+        one_rank_group(folder)
         return out
     if entry == "imports_hf":
         import accelerate  # noqa: F401
@@ -202,7 +219,11 @@ def run(entry: str, shape: str, folder: str) -> dict:
             "train_fused": {},
             "train_grads": {"mode": "grads"},
             "train_max_memory": {"max_memory": os.environ.get("MAX_MEMORY")},
+            "train_data_parallel": {"data_parallel": True},
+            "train_data_parallel_grads": {"mode": "grads", "data_parallel": True},
         }.get(entry, {})
+        if entry.startswith("train_data_parallel"):
+            one_rank_group(folder)
         model, off = offloaded(shape, folder, optimizer=adam, **kwargs)
         if entry == "train_budget":
             off.set_max_resident_bytes(sizes(entry, shape)["resident_bytes"])
