@@ -232,7 +232,7 @@ def main(shapes: list[str]) -> None:
     for shape in shapes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("DEEPOFFLOAD_TEST_DIR")) as tmp:
             folder = Path(tmp)
-            bases = {kind: baseline(folder, kind) for kind in ("imports", "imports_optim", "imports_hf")}
+            bases = {kind: baseline(folder, kind) for kind in sorted({imports(entry) for entry in ENTRIES})}
             for entry in ENTRIES:
                 if entry == "generate" and shape != "large":
                     continue
