@@ -152,7 +152,7 @@ def deepspeed_fast_writer(config: dict) -> tuple[Callable[[Path], object] | None
 
 state_for_deepspeed: list = [None]
 DURABLE = "raw op write, new file+fsync+rename"
-DURABLE_ASIDE = "the same, old file freed behind"  # the replaced file freed on a thread, as deepoffload.save does
+DURABLE_BEHIND = "the same, old file freed behind"  # the replaced file freed on a thread, as deepoffload.save does
 SAVE_TARGET = 0.9  # deepoffload.save's speed against DURABLE, measured in the same run
 FRESH = "raw op read, fresh memory"
 
@@ -241,7 +241,7 @@ def main() -> int:
         saves["DeepSpeed FastFileWriter"] = (ds_save, "ds.pt")
     raw_io: dict = {}  # the raw buffer and handle, once made
 
-    def durable_raw_write(p: Path, aside: bool = False):
+    def durable_raw_write(p: Path, behind: bool = False):
         temporary = p.with_name(p.name + ".tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -249,7 +249,7 @@ def main() -> int:
             os.fsync(fd)
         finally:
             os.close(fd)
-        (retire.replace if aside else os.replace)(str(temporary), str(p))
+        (retire.replace if behind else os.replace)(str(temporary), str(p))
         fsync_path(p.parent)
 
     def raw_read_fresh(p: Path):
@@ -258,7 +258,7 @@ def main() -> int:
         return data
 
     saves[DURABLE] = (durable_raw_write, "raw-durable.bin")
-    saves[DURABLE_ASIDE] = (lambda p: durable_raw_write(p, aside=True), "raw-aside.bin")
+    saves[DURABLE_BEHIND] = (lambda p: durable_raw_write(p, behind=True), "raw-behind.bin")
     loads[FRESH] = (raw_read_fresh, "raw-fresh")
     if args.core:
         for table in (saves, loads):
@@ -354,7 +354,7 @@ def main() -> int:
                 ratios = [y / x for x, y in zip(seconds[a], seconds[b])]
                 print(f"  {a} / {b}: {statistics.median(ratios):.2f}")
         raws, baseline = (
-            (("raw op write", DURABLE, DURABLE_ASIDE), "torch.save + fsync")
+            (("raw op write", DURABLE, DURABLE_BEHIND), "torch.save + fsync")
             if ours == "deepoffload.save"
             else (("raw op read", FRESH), "torch.load")
         )
@@ -367,7 +367,7 @@ def main() -> int:
                 + f"); {ours} speed / its speed = "
                 f"{statistics.median(ours_vs_raw):.2f} (per round " + " ".join(f"{x:.2f}" for x in ours_vs_raw) + ")"
             )
-            if raw in (DURABLE, DURABLE_ASIDE):  # the target: a save at 0.9 of what any durable writer must do
+            if raw in (DURABLE, DURABLE_BEHIND):  # the target: a save at 0.9 of what any durable writer must do
                 verdict = "meets" if statistics.median(ours_vs_raw) >= SAVE_TARGET else "misses"
                 print(f"  target: {ours} speed >= {SAVE_TARGET} x {raw}: {verdict} it")
     if args.json:
@@ -414,7 +414,7 @@ def json_results(seconds: dict[str, list[float]], groups: list[tuple[list[str], 
         "torch.save + fsync": 3.0,
         "torch.load": 1.5,
         DURABLE: 0.9,
-        DURABLE_ASIDE: 0.9,
+        DURABLE_BEHIND: 0.9,
         FRESH: 0.9,
         "raw op read": 0.9,
     }

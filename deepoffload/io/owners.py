@@ -30,7 +30,7 @@ from pathlib import Path
 
 PRIVATE_MODE = 0o600
 _OWNER = r"(?P<pid>\d+)\.(?P<start>\d+)\.(?P<host>[0-9a-f]{8})"  # what process_token() writes
-_TEMPORARY = re.compile(rf"\.(?P<target>.+?)\.(?:tmp|partial|old)-{_OWNER}-[0-9a-f]{{8}}.*")
+_TEMPORARY = re.compile(rf"\.(?P<target>.+?)\.(?:tmp|partial)-{_OWNER}-[0-9a-f]{{8}}.*")
 _RUN_FOLDER = re.compile(rf"deepoffload-rank\d+-{_OWNER}-[a-z0-9_]+")  # mkdtemp's random part
 _start_times: dict[int, int] = {}
 

@@ -1,16 +1,16 @@
 """Replacing a large file without waiting for its old blocks to be freed.
 
 Renaming a new file over an old one makes the kernel free the old file's blocks inside the rename when nothing else
-holds it (on ext4 about 0.1 s per GB, a third of a durable 1 GB write on a fast disk). ``replace`` keeps the old file
-alive for that moment under a hidden second name (a hard link, named like a save's temporary, with this process as
-its owner), renames, and unlinks that name on a background thread, so the caller goes on while the blocks are freed.
-What is durable does not change: the new file is in place when ``replace`` returns, exactly as after ``os.replace``.
+holds it (on ext4 about 0.1 s per GB, a third of a durable 1 GB write on a fast disk). ``replace`` holds the old file
+open across the rename, so the rename only removes its name, and closes it on a background thread: the blocks are
+freed there, by that last close, while the caller goes on. What is durable does not change: the new file is in place
+when ``replace`` returns, exactly as after ``os.replace``.
 
-Until the thread is done the old bytes still take their space, under ``.<name>.old-<owner>-...``. A process killed
-before that leaves the name behind; the next save of that file removes it (``owners.remove_dead_temporaries``), and
-the thread of a process that exits normally runs to its end first (it is not a daemon, and an ``atexit``
-handler waits for it). Where hard links are not
-possible (some filesystems) or the old file has other links, ``replace`` is ``os.replace``.
+Nothing is left on disk in any case: until the thread closes it the old file has no name, only this process's
+descriptor, and a process that ends (even killed) closes its descriptors, which frees the file. Its bytes take their
+space until then. A normal exit waits for the thread (it is not a daemon, and an ``atexit`` handler waits too).
+Where the file cannot be opened for reading, has other links, or on Windows (which refuses to rename over an open
+file), ``replace`` is ``os.replace``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import contextlib
 import os
 import stat
 import threading
-
-from .owners import temporary_name
 
 RETIRE_MIN_BYTES = 64 << 20  # smaller files are freed quickly enough inside the rename
 _pending: set[threading.Thread] = set()
@@ -38,19 +36,19 @@ def replace(source: str, target: str) -> None:
     Raises:
         OSError: When the rename fails (as ``os.replace`` raises it); ``target`` is then left as it was.
     """
-    retired = _link_aside(target)
+    held = _hold(target)
     try:
         os.replace(source, target)
     except BaseException:
-        if retired is not None:
-            _unlink_quietly(retired)
+        if held is not None:
+            os.close(held)
         raise
-    if retired is not None:
-        _unlink_later(retired)
+    if held is not None:
+        _close_later(held)
 
 
 def wait() -> None:
-    """Wait until every old file handed to the background has been removed."""
+    """Wait until every old file handed to the background has been freed."""
     with _pending_lock:
         threads = list(_pending)
     for thread in threads:
@@ -60,25 +58,27 @@ def wait() -> None:
 atexit.register(wait)  # a process leaving through atexit alone (a forked worker's os._exit after it) frees them too
 
 
-def _link_aside(target: str) -> str | None:
-    """A second name for ``target`` when it is a large regular file with no other link, or None."""
+def _hold(target: str) -> int | None:
+    """A read descriptor of ``target`` when it is a large regular file with no other link, or None."""
+    if os.name == "nt":
+        return None
     try:
-        info = os.lstat(target)
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # no such file, not readable, a link: the rename frees it
+        return None
+    try:
+        info = os.fstat(fd)
     except OSError:
+        os.close(fd)
         return None
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size < RETIRE_MIN_BYTES:
+        os.close(fd)
         return None
-    folder, name = os.path.split(target)
-    retired = os.path.join(folder, temporary_name(name, "old"))
-    try:
-        os.link(target, retired)
-    except OSError:  # no hard links on this filesystem, or the file just went: the rename frees it
-        return None
-    return retired
+    return fd
 
 
-def _unlink_later(path: str) -> None:
-    thread = threading.Thread(target=_remove, args=(path,), name="deepoffload-retire")
+def _close_later(fd: int) -> None:
+    thread = threading.Thread(target=_close, args=(fd,), name="deepoffload-retire")
     with _pending_lock:
         _pending.add(thread)
     try:
@@ -86,18 +86,18 @@ def _unlink_later(path: str) -> None:
     except RuntimeError:  # no new threads (interpreter shutdown): free it here
         with _pending_lock:
             _pending.discard(thread)
-        _unlink_quietly(path)
+        _close_quietly(fd)
 
 
-def _remove(path: str) -> None:
+def _close(fd: int) -> None:
     try:
-        _unlink_quietly(path)
+        _close_quietly(fd)
     finally:
         with _pending_lock:
             _pending.discard(threading.current_thread())
 
 
-def _unlink_quietly(path: str) -> None:
-    # a failure leaves a dead temporary behind, which the next save of the file removes
+def _close_quietly(fd: int) -> None:
+    # closing a read-only descriptor of a file that has no name left cannot lose data; it only frees the blocks
     with contextlib.suppress(OSError):
-        os.unlink(path)
+        os.close(fd)

@@ -4,8 +4,8 @@ The request: ``{"scenarios": [...], "base": folder, "points": "all" | K, "random
 points spread evenly over the boundaries; R: kills at random times). For each scenario this process (which imports
 torch once, then only forks) makes the reference checkpoints: "old" (``act`` run once in a fresh folder) and "new"
 (``act`` run again on a copy of it), counting the boundaries the second run crosses: every ``os.replace``/
-``os.rename``/``os.fsync``/``os.unlink``/``os.link`` and every write submitted to the async-IO op (replaced files go
-aside at any size, so their background removal is crossed too). Then for each kill point N (and K random times
+``os.rename``/``os.fsync``/``os.unlink`` and every write submitted to the async-IO op (replaced files of any size are
+freed in the background, as large ones are). Then for each kill point N (and K random times
 within the clean run's duration) on a fresh copy of "old": a child runs ``act`` and is SIGKILLed just before its
 Nth boundary; a second child loads what is there and says whether it is entirely "old", entirely "new", or neither;
 a third runs ``act`` again to completion (the next successful save) and the listing of the folder must then equal
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from scenarios import SCENARIOS, listing, same  # noqa: E402
 
-BOUNDARIES = ("replace", "rename", "fsync", "unlink", "link")
+BOUNDARIES = ("replace", "rename", "fsync", "unlink")
 
 
 def interpose(kill_at: int, counter: list[int]) -> None:
@@ -51,7 +51,7 @@ def interpose(kill_at: int, counter: list[int]) -> None:
         setattr(os, name, wrap(getattr(os, name)))
     from deepoffload.io import retire
 
-    retire.RETIRE_MIN_BYTES = 0  # every replaced file goes aside and is unlinked on the background thread
+    retire.RETIRE_MIN_BYTES = 0  # every replaced file is held open and freed by the background thread's close
     from deepoffload.io.handle import AsyncIOHandle
 
     submit = AsyncIOHandle._submit
