@@ -90,14 +90,16 @@ def main() -> int:
                 for name in ("raw", "staged", "direct"):
                     (folder / name).unlink(missing_ok=True)
 
-            def raw_write() -> None:
-                path = new_file("raw")
+            def write_synced(path: Path) -> None:  # the raw buffer to a new file, fsynced
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     handle.write(raw, path, truncate=False)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+
+            def raw_write() -> None:
+                write_synced(new_file("raw"))
 
             def staged_copy() -> None:
                 writer = DirectWriter(new_file("staged"), size_hint=nbytes)
@@ -141,12 +143,7 @@ def main() -> int:
 
             def durable_behind() -> None:
                 temporary, target = folder / "raw.tmp", folder / "raw.bin"
-                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    handle.write(raw, temporary, truncate=False)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                write_synced(temporary)
                 retire.replace(str(temporary), str(target))
                 fsync_path(folder)
 
