@@ -26,7 +26,7 @@ import re
 import uuid
 from pathlib import Path
 
-from ..io.owners import adopt_mode
+from ..io.owners import adopt_mode, create_private, remove_dead_temporaries, temporary_name
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -111,3 +111,35 @@ def remove_stale(folder: Path, prefix: str, keep: set[str]) -> None:
         if stale.fullmatch(path.name) and path.name not in keep:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+
+def install_files(source: Path, folder: Path) -> None:
+    """Put every file of the folder ``source`` into ``folder`` under its name, each replacing the old one atomically.
+
+    Each is copied to a private temporary in ``folder``, fsynced, given the mode of the file it replaces and renamed
+    over it; then ``folder`` is fsynced. Killed at any point, each target holds its old bytes or its new ones (a
+    Hugging Face ``config.save_pretrained`` writes ``config.json`` in place: killed there, it was left half written).
+    Temporaries of the same names left by dead writers are removed first.
+
+    Args:
+        source: A folder of new files (sub-folders are ignored).
+        folder: Where they go.
+    """
+    for entry in sorted(source.iterdir()):
+        if not entry.is_file():
+            continue
+        target = folder / entry.name
+        remove_dead_temporaries(folder, entry.name)
+        temporary = folder / temporary_name(entry.name)
+        try:
+            with open(create_private(temporary), "wb") as f:
+                f.write(entry.read_bytes())
+                f.flush()
+                os.fsync(f.fileno())
+            adopt_mode(temporary, target)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                temporary.unlink()
+            raise
+    sync_folder(folder)

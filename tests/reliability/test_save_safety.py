@@ -148,3 +148,47 @@ def test_the_next_run_removes_the_swap_folders_of_dead_processes_only(scratch):
     assert (Path(mine) / owners.KEPT).exists()
     remove_run_folder(live)
     remove_run_folder(mine)
+
+
+OFFLOAD_SAVE_WITH_CONFIG = """
+import os, signal, sys, torch
+from torch import nn
+import deepoffload
+
+folder, version, kill = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "kill"
+
+
+class Config:  # what ParameterOffload.save takes from a Hugging Face config: save_pretrained(folder), in place
+    def save_pretrained(self, target):
+        with open(os.path.join(target, "config.json"), "w") as f:
+            f.write('{"version": ')
+            f.flush()
+            if kill:  # the writer dies while config.json is half written
+                os.kill(os.getpid(), signal.SIGKILL)
+            f.write(str(version) + "}")
+
+
+torch.manual_seed(version)
+model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2)])
+model.config = Config()
+off = deepoffload.offload_parameters(model, os.path.join(folder, "swap"))
+off.save(os.path.join(folder, "ckpt"))
+off.close(restore=False)
+"""
+
+
+def test_offload_save_killed_while_writing_the_config_leaves_the_old_config(scratch):
+    # off.save let config.save_pretrained write config.json in place: a kill there left a half-written (or empty)
+    # config.json, and the folder's earlier checkpoint no longer loaded with from_pretrained
+    def run(version: int, kill: bool) -> int:
+        args = [sys.executable, "-c", OFFLOAD_SAVE_WITH_CONFIG, str(scratch), str(version), "kill" if kill else "-"]
+        return subprocess.run(args, capture_output=True, timeout=300).returncode
+
+    config = scratch / "ckpt" / "config.json"
+    assert run(1, kill=False) == 0
+    os.chmod(config, 0o600)
+    assert run(2, kill=True) == -9
+    assert json.loads(config.read_text()) == {"version": 1}
+    assert run(3, kill=False) == 0
+    assert json.loads(config.read_text()) == {"version": 3} and mode(config) == 0o600
+    assert sorted(p.name for p in (scratch / "ckpt").iterdir()) == ["config.json", "model.safetensors"]

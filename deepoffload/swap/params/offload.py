@@ -8,6 +8,7 @@ to ``recompute`` and finished gradients to the mode in ``training``; every move 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...errors import ClosedError
+from ...formats.commit import install_files
 from ...formats.writer import save_sharded
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
@@ -403,7 +405,8 @@ class ParameterOffload:
         is never resident. Holds what ``state_dict()`` holds (parameters, persistent buffers) except that a tensor
         shared under several names is written once, under its first name (safetensors cannot store shared tensors;
         ``from_pretrained`` ties them again). A module with a Hugging Face ``config`` also gets its
-        ``config.json``, so ``from_pretrained(path)`` loads the result.
+        ``config.json``, so ``from_pretrained(path)`` loads the result (written aside and renamed over the old one, so
+        a kill never leaves it half written).
 
         Args:
             path: The folder to write.
@@ -418,7 +421,9 @@ class ParameterOffload:
         shards = save_sharded(state_items(self.module, self.blocks, self.store), path, max_shard_bytes=max_shard_bytes)
         config = getattr(self.module, "config", None)
         if config is not None and callable(getattr(config, "save_pretrained", None)):
-            config.save_pretrained(path)
+            with tempfile.TemporaryDirectory() as staging:  # it writes in place: aside first, then renamed in
+                config.save_pretrained(staging)
+                install_files(Path(staging), Path(path))
         return shards
 
     @internal_call
