@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import inspect
+import threading
 
 import pytest
 import torch
@@ -132,6 +133,18 @@ def test_a_future_not_yet_run_times_out_with_the_builtin_error():
     assert failed.done()
     with pytest.raises(FileNotFoundError):
         failed.wait()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e12], ids=["infinite", "huge"])
+def test_a_future_waits_as_long_as_asked(timeout):
+    """Any timeout every other wait takes (infinity waits until done) is taken by a future's wait and result too,
+    not refused by the clock's range."""
+    for wait in ("wait", "result"):
+        future = PendingFuture()
+        timer = threading.Timer(0.05, future.run, (lambda: 7,))
+        timer.start()
+        assert getattr(future, wait)(timeout=timeout) == 7
+        timer.join()
 
 
 def test_settle_raises_only_its_own_timeout():
