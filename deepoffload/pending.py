@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import math
+import threading
 import time
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
@@ -108,9 +109,11 @@ class PendingFuture(concurrent.futures.Future, Pending[T]):
             TimeoutError: When it is not settled after ``timeout`` seconds (the built-in type, not
                 ``concurrent.futures.TimeoutError`` where that differs).
         """
-        deadline_after(timeout)  # the same check of the value as every other wait
+        deadline = deadline_after(timeout)  # the same check of the value as every other wait
+        # infinity waits until settled; a finite wait is capped where the clock's range ends (centuries)
+        seconds = None if deadline is None else min(float(timeout or 0), threading.TIMEOUT_MAX)
         try:
-            return super().result(timeout)
+            return super().result(seconds)
         except concurrent.futures.TimeoutError as e:
             if isinstance(e, TimeoutError):
                 raise

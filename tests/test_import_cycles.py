@@ -63,9 +63,19 @@ def _all_imports(body: list[ast.stmt]):
                     yield from _all_imports(child.body)
 
 
+def _run_by_importing(target: str, importer: str) -> set[str]:
+    """``target`` and the packages above it, whose ``__init__`` runs first when ``importer`` imports ``target``;
+    less the packages above ``importer`` (and ``importer`` itself), imported before ``importer`` runs."""
+    parts, mine = target.split("."), importer.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} - {
+        ".".join(mine[:i]) for i in range(1, len(mine) + 1)
+    }
+
+
 def import_graph(modules: dict[str, tuple[Path, bool]], in_functions: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of ``modules`` it imports at module level (``in_functions``: anywhere). ``from P
-    import n`` imports ``P.n`` when that is a module, else ``P``."""
+    import n`` imports ``P.n`` when that is a module, else ``P``; importing a module also runs the ``__init__`` of
+    each package above it that is not above the importer."""
     graph: dict[str, set[str]] = {}
     imports = _all_imports if in_functions else _module_level_imports
     for name, (path, package) in modules.items():
@@ -80,7 +90,7 @@ def import_graph(modules: dict[str, tuple[Path, bool]], in_functions: bool = Fal
                     base = base.rpartition(".")[0]
                 base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            edges.update(t for t in targets if t in modules and t != name)
+            edges.update(m for t in targets for m in _run_by_importing(t, name) if m in modules)
     return graph
 
 
@@ -196,6 +206,15 @@ def write(root: Path, files: dict[str, str]) -> None:
                 "op_builder/builder.py": "from deepoffload.x import thing\n",
             },
             [["deepoffload.op_builder.builder", "deepoffload.x", "deepoffload.op_builder.builder"]],
+        ),
+        (  # importing p.c runs p's __init__ first, which imports p.a, which imports m (still importing): a cycle
+            {
+                "deepoffload/p/__init__.py": "from .a import A\n",
+                "deepoffload/p/a.py": "from ..m import M\nA = 1\n",
+                "deepoffload/p/c.py": "C = 1\n",
+                "deepoffload/m.py": "from .p.c import C\nM = 1\n",
+            },
+            [["deepoffload.m", "deepoffload.p", "deepoffload.p.a", "deepoffload.m"]],
         ),
         (
             {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import inspect
+import threading
 
 import pytest
 import torch
@@ -84,6 +85,26 @@ def test_a_swap_out_that_times_out_loses_nothing(swapper):
     assert torch.equal(swapper.swap_in(["g"]).wait(timeout=5)["g"]["t"], t)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["files", "packed"])
+def test_a_swap_in_that_failed_raises_the_same_error_again(scratch, packed):
+    """A read whose bytes fail their checksum: every later wait (and result) raises that same ``ChecksumError``, not
+    an error about the buffer the first failure released."""
+    with TensorSwapper(SwapConfig(folder=str(scratch), checksum=True, pin=False), packed=packed) as swapper:
+        swapper.swap_out({"g": {"t": torch.arange(1000.0)}}).wait(timeout=60)
+        record = swapper.records("g")["t"]
+        with open(record.file, "r+b") as f:
+            f.seek(record.offset)
+            f.write(b"\xff" * 8)
+        read = swapper.swap_in(["g"])
+        with pytest.raises(deepoffload.ChecksumError) as first:
+            read.wait(timeout=60)
+        assert read.done()
+        for again in (read.wait, read.result):
+            with pytest.raises(deepoffload.ChecksumError) as later:
+                again()
+            assert later.value is first.value
+
+
 def test_a_request_is_pending(handle, scratch):
     t = torch.arange(1 << 16)
     request = handle.write_async(t, scratch / "t.bin")
@@ -112,6 +133,18 @@ def test_a_future_not_yet_run_times_out_with_the_builtin_error():
     assert failed.done()
     with pytest.raises(FileNotFoundError):
         failed.wait()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e12], ids=["infinite", "huge"])
+def test_a_future_waits_as_long_as_asked(timeout):
+    """Any timeout every other wait takes (infinity waits until done) is taken by a future's wait and result too,
+    not refused by the clock's range."""
+    for wait in ("wait", "result"):
+        future = PendingFuture()
+        timer = threading.Timer(0.05, future.run, (lambda: 7,))
+        timer.start()
+        assert getattr(future, wait)(timeout=timeout) == 7
+        timer.join()
 
 
 def test_settle_raises_only_its_own_timeout():

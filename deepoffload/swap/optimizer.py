@@ -305,15 +305,19 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         pass. ``step()`` then steps the parameters whose chunk did not complete (e.g. some got no gradient) and waits
         for the writes. Results are bit-identical to the plain optimizer.
 
-        Refused (RuntimeError) for parameters of a ``DistributedDataParallel`` model, whose gradients are averaged
-        only as backward ends. Requires one ``backward()`` per ``step()`` and gradients used as backward leaves
-        them: a second backward before ``step()`` (gradient accumulation) raises in that backward; gradients
-        changed after backward (clipping, GradScaler's unscale) are detected at ``step()``, which raises. Step
-        pre-hooks run at ``step()``, after most parameters were stepped.
+        Refused for parameters of a ``DistributedDataParallel`` model, whose gradients are averaged only as
+        backward ends. Requires one ``backward()`` per ``step()`` and gradients used as backward leaves them: a
+        second backward before ``step()`` (gradient accumulation) raises ``UnsupportedError`` in that backward;
+        gradients changed after backward (clipping, GradScaler's unscale) are detected at ``step()``, which raises
+        it. Step pre-hooks run at ``step()``, after most parameters were stepped.
 
         Args:
             enabled: True turns it on (nothing changes when it is on already); False returns to stepping in
                 ``step()``.
+
+        Raises:
+            UnsupportedError: A ``RuntimeError``, when turning it on for parameters a ``DistributedDataParallel``
+                holds.
         """
         if enabled and self._backward is None:
             refuse_step_in_backward_under_ddp(self._params())

@@ -214,14 +214,18 @@ class SwapIn(Pending[dict]):
         """Block until the reads have finished; return the tensors (the same objects on every later call).
 
         On a read error the buffer is released and the first ``OSError`` is raised; a tensor whose checksum does not
-        match raises ``ChecksumError``. Tensors swapped out from another device are copied back to it, DTensor
-        shards come back as DTensors.
+        match raises ``ChecksumError``. Waiting again raises the same error. Tensors swapped out from another device
+        are copied back to it, DTensor shards come back as DTensors.
 
         Args:
             timeout: Seconds to wait at most (None: no limit); ``TimeoutError`` then, and a later wait finishes.
 
         Returns:
             ``{group: {key: tensor}}``, CPU tensors being views of this read's buffer.
+
+        Raises:
+            ChecksumError: When a tensor's bytes do not match the checksum recorded when it was written (the buffer is
+                released).
         """
         if self._tensors is None:
             if timeout is not None:
@@ -233,10 +237,14 @@ class SwapIn(Pending[dict]):
             tensors = self._cached_views()
             if tensors is None:
                 typed: dict = {}
-                tensors = {
-                    group: {key: self._restore(start, record, typed) for key, record in records.items()}
-                    for group, (start, records) in self._layout.items()
-                }
+                try:
+                    tensors = {
+                        group: {key: self._restore(start, record, typed) for key, record in records.items()}
+                        for group, (start, records) in self._layout.items()
+                    }
+                except ChecksumError as e:  # kept (the buffer is released): a later wait raises it again
+                    self._error = e
+                    raise
                 self._cache_views(tensors)
             self._tensors = tensors
         return self._tensors
