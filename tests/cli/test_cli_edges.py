@@ -105,3 +105,21 @@ def test_ctrl_c_inside_the_torch_save_baseline_is_an_interrupt(scratch, monkeypa
     )
     with pytest.raises(KeyboardInterrupt):
         baselines.torch_save(torch.zeros(1 << 20, dtype=torch.uint8), scratch / "baseline.pt")
+
+
+def test_ctrl_c_during_bench_exits_130_saying_interrupted_and_removes_the_test_file(aio, scratch, monkeypatch, capsys):
+    """What docs/guides/bench-and-tune.md promises for Ctrl-C: `interrupted`, status 130, no test file left, also
+    when it arrives inside the torch.save baseline."""
+
+    class InterruptedFile(io.FileIO):
+        def write(self, data):
+            super().write(data)
+            raise KeyboardInterrupt  # Ctrl-C arriving once the baseline has started writing
+
+    monkeypatch.setattr(
+        baselines, "open", lambda path, mode: InterruptedFile(path, mode.replace("b", "")), raising=False
+    )
+    code = main(["bench", "--path", str(scratch), "--size", "1M", "--loops", "1", "--baselines"])
+    assert code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    assert list(scratch.iterdir()) == []
