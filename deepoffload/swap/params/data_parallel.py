@@ -212,6 +212,10 @@ class DataParallel:
         self.module = module
         self.rest = list(rest)
         self.rest_names = list(rest_names)
+        # _average_rest is queued on the backward under way. Reset by that callback, and by the module's next forward:
+        # a backward that raised never runs its callbacks, and the flag it left set would stop every later backward
+        # from queuing one. Not per graph task: a block under a reentrant checkpoint back-propagates in a nested
+        # one, which must not average the parameters outside the blocks again
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._rest_ready) for p in self.rest if p.requires_grad]
         self._handles.append(module.register_forward_pre_hook(self._broadcast_buffers))
@@ -250,6 +254,8 @@ class DataParallel:
                     cast(torch.Tensor, param.grad).copy_(value)
 
     def _broadcast_buffers(self, module: nn.Module, args) -> None:
+        if torch._C._current_graph_task_id() == -1:  # a new forward, outside any backward: none is queued now
+            self._queued = False
         self.averager.broadcast(list(module.buffers()))
 
     def close(self) -> None:

@@ -282,3 +282,72 @@ def test_ranks_averaging_different_blocks_of_the_same_shape_raise_on_every_rank(
         assert isinstance(out[r], RuntimeError), (r, out[r])
         assert f"block blocks.{2 - r}: other ranks are averaging something different" in str(out[r]), out[r]
     assert fake.calls == [1, 1]  # no gradient bucket was reduced
+
+
+def test_parameters_outside_blocks_are_averaged_after_a_backward_that_failed(monkeypatch):
+    # A backward raising after a parameter outside the blocks got its gradient (here: upstream of it; in practice the
+    # uneven-gradients error above, raised on every rank and caught to skip the batch) never runs the callback it
+    # queued. The next backward must queue its own, or those parameters are never averaged again and the ranks drift.
+    class OneRank:
+        def get_world_size(self, group=None):
+            return 1
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("failed upstream")
+
+    monkeypatch.setattr(data_parallel, "dist", OneRank())
+    model = nn.Linear(2, 2)
+    dp = data_parallel.DataParallel(None, model, list(model.parameters()), ["weight", "bias"])
+    averaged: list[list[str]] = []
+    monkeypatch.setattr(
+        dp.averager, "average", lambda named, where: averaged.append([n for n, _ in named]) or [g for _, g in named]
+    )
+    x = torch.ones(1, 2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="failed upstream"):
+        model(Fails.apply(x)).sum().backward()
+    assert averaged == []
+    model(x).sum().backward()
+    assert averaged == [["weight", "bias"]]
+    model(x).sum().backward()
+    assert averaged == [["weight", "bias"]] * 2
+    dp.close()
+
+
+def test_parameters_outside_blocks_are_averaged_once_per_backward_with_reentrant_checkpoints(monkeypatch):
+    # A block inside a reentrant torch.utils.checkpoint back-propagates in a nested backward of its own: its
+    # end-of-backward call must not average the parameters outside the blocks again (an embedding's all_reduce per
+    # block); one average at the end of the outer backward, after every gradient is complete.
+    class OneRank:
+        def get_world_size(self, group=None):
+            return 1
+
+    monkeypatch.setattr(data_parallel, "dist", OneRank())
+    head, body = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def block(x):  # what a streamed block's backward does: it calls end_of_backward_pending
+        out = body(x)
+        if out.requires_grad:
+            out.register_hook(lambda g: dp.end_of_backward_pending())
+        return out
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return head(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True))
+
+    model = Model()
+    dp = data_parallel.DataParallel(None, model, list(head.parameters()), ["head.weight", "head.bias"])
+    averaged: list[list[str]] = []
+    monkeypatch.setattr(
+        dp.averager, "average", lambda named, where: averaged.append([n for n, _ in named]) or [g for _, g in named]
+    )
+    x = torch.ones(1, 2, requires_grad=True)
+    for k in (1, 2):
+        model(x).sum().backward()
+        assert averaged == [["head.weight", "head.bias"]] * k
+    dp.close()
