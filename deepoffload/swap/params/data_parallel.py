@@ -15,7 +15,8 @@ arithmetic.
   for bit what DDP in memory computes; with more ranks the backend's summation order may differ from DDP's by
   the bucket layout.
 - A gradient present on some ranks but not all (different computations per rank) raises on every rank, naming the
-  parameter, instead of hanging in a mismatched collective.
+  parameter, instead of hanging in a mismatched collective; so do ranks averaging different blocks at the same time
+  (a block skipped on some ranks), whose collectives could otherwise match in size and silently mix the blocks.
 
 Every rank must run the same blocks in the same order in each backward, as DDP (without
 ``find_unused_parameters``) requires.
@@ -23,6 +24,7 @@ Every rank must run the same blocks in the same order in each backward, as DDP (
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Sequence, cast
 
 import torch
@@ -122,11 +124,24 @@ class GradientAverager:
             The call that waits for the averages (``average``'s result).
 
         Raises:
-            UnsupportedError: When a gradient exists on some ranks but not all (named, on every rank).
+            UnsupportedError: When a gradient exists on some ranks but not all (named, on every rank), or other
+                ranks are averaging something else (another block) in the same collective.
         """
-        present = torch.tensor([g is not None for _, g in named], dtype=torch.int32)
-        dist.all_reduce(present, group=self.group)
-        uneven = [name for (name, _), count in zip(named, present.tolist()) if 0 < count < self.world]
+        # One MAX all_reduce of [flags, -flags, tag, -tag]: max(flags) says whether any rank has each gradient,
+        # -max(-flags) whether every rank has it, and the tag (what is averaged) must be the same on every rank.
+        flags = [int(g is not None) for _, g in named]
+        tag = zlib.crc32(where.encode())
+        check = torch.tensor([*flags, *(-f for f in flags), tag, -tag], dtype=torch.int64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self.group)
+        n = len(flags)
+        if int(check[-2]) != -int(check[-1]):
+            raise UnsupportedError(
+                f"{where}: other ranks are averaging something different at the same time: the ranks "
+                f"back-propagated different blocks (a block skipped on some ranks, as LayerDrop or an early exit "
+                f"does), so their gradients cannot be averaged as DistributedDataParallel would. Every rank "
+                f"must run the same blocks in the same order in each backward"
+            )
+        uneven = [name for k, (name, _) in enumerate(named) if check[k] == 1 and check[n + k] == 0]
         if uneven:
             raise UnsupportedError(
                 f"{where}: the gradients of {', '.join(uneven[:5])} exist on some ranks but not on "
@@ -197,6 +212,10 @@ class DataParallel:
         self.module = module
         self.rest = list(rest)
         self.rest_names = list(rest_names)
+        # _average_rest is queued on the backward under way. Reset by that callback, and by the module's next forward:
+        # a backward that raised never runs its callbacks, and the flag it left set would stop every later backward
+        # from queuing one. Not per graph task: a block under a reentrant checkpoint back-propagates in a nested
+        # one, which must not average the parameters outside the blocks again
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._rest_ready) for p in self.rest if p.requires_grad]
         self._handles.append(module.register_forward_pre_hook(self._broadcast_buffers))
@@ -235,6 +254,8 @@ class DataParallel:
                     cast(torch.Tensor, param.grad).copy_(value)
 
     def _broadcast_buffers(self, module: nn.Module, args) -> None:
+        if torch._C._current_graph_task_id() == -1:  # a new forward, outside any backward: none is queued now
+            self._queued = False
         self.averager.broadcast(list(module.buffers()))
 
     def close(self) -> None:

@@ -187,20 +187,33 @@ def test_wrapper_detection_looks_at_the_calling_code_only():
     assert wrappers._path_has("/x/torch/distributed/fsdp/_fully_shard/_fully_shard.py", wrappers._FSDP_DIR)
 
 
-class FakeDist:
-    """torch.distributed for one simulated peer rank: all_reduce adds what the peer contributes (its presence flags,
-    then its scaled gradient buckets, in call order)."""
+class PairedDist:
+    """torch.distributed for two ranks simulated by two threads: all_reduce exchanges the tensors through a barrier
+    and combines them as the op says (SUM or MAX), as a real backend does."""
 
-    def __init__(self, peer_calls: list[torch.Tensor]):
-        self.peer_calls = list(peer_calls)
-        self.calls: list[torch.Tensor] = []
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self):
+        import threading
+
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.local = threading.local()
+        self.slots: list = [None, None]
+        self.calls = [0, 0]
 
     def get_world_size(self, group=None):
         return 2
 
-    def all_reduce(self, tensor, group=None, async_op=False):
-        self.calls.append(tensor.clone())
-        tensor.add_(self.peer_calls.pop(0))
+    def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        rank = self.local.rank
+        self.calls[rank] += 1
+        self.slots[rank] = tensor.clone()
+        self.barrier.wait()
+        other = self.slots[1 - rank]
+        assert other.shape == tensor.shape and other.dtype == tensor.dtype  # a backend would fail on a mismatch
+        combined = torch.maximum(tensor, other) if op == torch.distributed.ReduceOp.MAX else tensor + other
+        self.barrier.wait()
+        tensor.copy_(combined)
         return FakeWork() if async_op else None
 
 
@@ -209,19 +222,132 @@ class FakeWork:
         return True
 
 
+def two_ranks(monkeypatch, fn) -> tuple[list, PairedDist]:
+    """``fn(rank)`` run by two threads as the two ranks of a PairedDist: what each returned or raised, and the fake."""
+    import threading
+
+    fake = PairedDist()
+    monkeypatch.setattr(data_parallel, "dist", fake)
+    outcome: list = [None, None]
+
+    def run(r: int) -> None:
+        fake.local.rank = r
+        try:
+            outcome[r] = fn(r)
+        except RuntimeError as e:
+            outcome[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return outcome, fake
+
+
 def test_average_is_ddps_arithmetic_and_uneven_gradients_raise(monkeypatch):
-    mine = {"a": torch.tensor([1.0, 3.0]), "b": torch.tensor([[0.1, 0.2], [0.3, 0.4]])}
-    peer = {"a": torch.tensor([2.0, 5.0]), "b": torch.tensor([[0.5, 0.7], [0.9, 1.1]])}
-    peer_flat = torch.cat([peer["a"] * 0.5, peer["b"].reshape(-1) * 0.5])
-    fake = FakeDist([torch.tensor([1, 1, 0], dtype=torch.int32), peer_flat])
-    monkeypatch.setattr(data_parallel, "dist", fake)
-    averager = data_parallel.GradientAverager()
-    out = averager.average_dict(["a", "b", "c"], mine, "block 0")
-    assert sorted(out) == ["a", "b"]  # no rank has a gradient of c: it stays absent
-    for name in out:
-        assert torch.equal(out[name], mine[name] * 0.5 + peer[name] * 0.5) and out[name].shape == mine[name].shape
-    fake = FakeDist([torch.tensor([1, 1], dtype=torch.int32)])  # the peer has both, this rank only a
-    monkeypatch.setattr(data_parallel, "dist", fake)
-    with pytest.raises(RuntimeError, match=r"block 3: the gradients of b exist on some ranks but not on others"):
-        data_parallel.GradientAverager().average_dict(["a", "b"], {"a": mine["a"]}, "block 3")
-    assert len(fake.calls) == 1  # raised before any gradient bucket was reduced (on every rank alike)
+    grads = [
+        {"a": torch.tensor([1.0, 3.0]), "b": torch.tensor([[0.1, 0.2], [0.3, 0.4]])},
+        {"a": torch.tensor([2.0, 5.0]), "b": torch.tensor([[0.5, 0.7], [0.9, 1.1]])},
+    ]
+    out, _ = two_ranks(
+        monkeypatch, lambda r: data_parallel.GradientAverager().average_dict(["a", "b", "c"], grads[r], "block 0")
+    )
+    for r in (0, 1):
+        assert sorted(out[r]) == ["a", "b"]  # no rank has a gradient of c: it stays absent
+        for name in out[r]:
+            expected = grads[0][name] * 0.5 + grads[1][name] * 0.5  # DDP: each times 1 / world_size, then summed
+            assert torch.equal(out[r][name], expected) and out[r][name].shape == grads[r][name].shape
+    # rank 0 has only a gradient of a, rank 1 of both
+    partial = [{"a": grads[0]["a"]}, grads[1]]
+    out, fake = two_ranks(
+        monkeypatch, lambda r: data_parallel.GradientAverager().average_dict(["a", "b"], partial[r], "block 3")
+    )
+    for r in (0, 1):
+        assert isinstance(out[r], RuntimeError), out[r]
+        assert "block 3: the gradients of b exist on some ranks but not on others" in str(out[r])
+    assert fake.calls == [1, 1]  # raised before any gradient bucket was reduced (on every rank alike)
+
+
+def test_ranks_averaging_different_blocks_of_the_same_shape_raise_on_every_rank(monkeypatch):
+    # LayerDrop-like: rank 0 back-propagates blocks.2 while rank 1 (which dropped it) is at blocks.1. Same names and
+    # shapes, so the collectives match in size: without a check the two blocks' gradients are averaged together and
+    # the ranks drift apart silently.
+    def average(r: int):
+        grads = {"w": torch.full((3,), float(r + 1)), "b": torch.full((2,), float(r + 1))}
+        return data_parallel.GradientAverager().average_dict(["w", "b"], grads, f"block blocks.{2 - r}")
+
+    out, fake = two_ranks(monkeypatch, average)
+    for r in (0, 1):
+        assert isinstance(out[r], RuntimeError), (r, out[r])
+        assert f"block blocks.{2 - r}: other ranks are averaging something different" in str(out[r]), out[r]
+    assert fake.calls == [1, 1]  # no gradient bucket was reduced
+
+
+def test_parameters_outside_blocks_are_averaged_after_a_backward_that_failed(monkeypatch):
+    # A backward raising after a parameter outside the blocks got its gradient (here: upstream of it; in practice the
+    # uneven-gradients error above, raised on every rank and caught to skip the batch) never runs the callback it
+    # queued. The next backward must queue its own, or those parameters are never averaged again and the ranks drift.
+    class OneRank:
+        def get_world_size(self, group=None):
+            return 1
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("failed upstream")
+
+    monkeypatch.setattr(data_parallel, "dist", OneRank())
+    model = nn.Linear(2, 2)
+    dp = data_parallel.DataParallel(None, model, list(model.parameters()), ["weight", "bias"])
+    averaged: list[list[str]] = []
+    monkeypatch.setattr(
+        dp.averager, "average", lambda named, where: averaged.append([n for n, _ in named]) or [g for _, g in named]
+    )
+    x = torch.ones(1, 2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="failed upstream"):
+        model(Fails.apply(x)).sum().backward()
+    assert averaged == []
+    model(x).sum().backward()
+    assert averaged == [["weight", "bias"]]
+    model(x).sum().backward()
+    assert averaged == [["weight", "bias"]] * 2
+    dp.close()
+
+
+def test_parameters_outside_blocks_are_averaged_once_per_backward_with_reentrant_checkpoints(monkeypatch):
+    # A block inside a reentrant torch.utils.checkpoint back-propagates in a nested backward of its own: its
+    # end-of-backward call must not average the parameters outside the blocks again (an embedding's all_reduce per
+    # block); one average at the end of the outer backward, after every gradient is complete.
+    class OneRank:
+        def get_world_size(self, group=None):
+            return 1
+
+    monkeypatch.setattr(data_parallel, "dist", OneRank())
+    head, body = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def block(x):  # what a streamed block's backward does: it calls end_of_backward_pending
+        out = body(x)
+        if out.requires_grad:
+            out.register_hook(lambda g: dp.end_of_backward_pending())
+        return out
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return head(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True))
+
+    model = Model()
+    dp = data_parallel.DataParallel(None, model, list(head.parameters()), ["head.weight", "head.bias"])
+    averaged: list[list[str]] = []
+    monkeypatch.setattr(
+        dp.averager, "average", lambda named, where: averaged.append([n for n, _ in named]) or [g for _, g in named]
+    )
+    x = torch.ones(1, 2, requires_grad=True)
+    for k in (1, 2):
+        model(x).sum().backward()
+        assert averaged == [["head.weight", "head.bias"]] * k
+    dp.close()
