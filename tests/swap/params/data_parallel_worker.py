@@ -133,6 +133,9 @@ def main() -> None:
     dist.all_gather(gathered, flat)
     result["ranks_agree"] = all(torch.equal(g, gathered[0]) for g in gathered)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    # no rank leaves (and no node's agent, which holds the rendezvous store, shuts down) while another still uses
+    # the group: a rank whose peers had gone aborted in gloo at exit ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
