@@ -151,7 +151,9 @@ class AsyncIOHandle:
             fsync: Make the data durable before the request completes.
 
         Returns:
-            The ``Request`` of the write; its ``wait()`` returns the bytes written.
+            The ``Request`` of the write; its ``wait()`` returns the bytes written. When the write fails to a path that
+            did not exist when it was submitted, the file it created is removed before ``wait()`` raises (do not
+            write the same new path from another request meanwhile).
         """
         check_tensor(tensor, "write")
         source = tensor
@@ -161,7 +163,10 @@ class AsyncIOHandle:
             acc.synchronize(acc.copy(source.view(-1), tensor.view(-1), None))
         op = native()  # the flag values are the binding's own (TRUNCATE, FSYNC)
         flags = (op.TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (op.FSYNC if fsync else 0)
-        return self._submit(True, source, file, offset, flags, (tensor, source), None)
+        created = (
+            os.fsdecode(file) if isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file) else None
+        )
+        return self._submit(True, source, file, offset, flags, (tensor, source), None, created)
 
     def read(self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, validate: bool = False) -> int:
         """Read ``tensor``'s bytes from ``offset`` of ``file`` into it and wait.
@@ -251,6 +256,7 @@ class AsyncIOHandle:
         flags: int,
         keep_alive: tuple,
         finish: Callable[[], None] | None,
+        created: str | None = None,
     ) -> Request:
         if self._closed:
             raise ClosedError("this AsyncIOHandle is closed")
@@ -271,7 +277,7 @@ class AsyncIOHandle:
                 if self._native is None:  # first use in a forked child
                     self._native = self._new_native()
                 op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
-                request = Request(self, op_id, nbytes, path, keep_alive, finish, owned_fd=fd)
+                request = Request(self, op_id, nbytes, path, keep_alive, finish, owned_fd=fd, created=created)
                 self._pending[op_id] = request
         except BaseException:
             if fd >= 0:

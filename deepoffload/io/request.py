@@ -59,6 +59,8 @@ class Request(Pending[int]):
         finish: Called once after the transfer succeeded (e.g. the copy of a staging buffer to the device), or None;
             what it raises becomes the request's error.
         owned_fd: The copy of a caller's descriptor that this transfer uses, closed once it is collected (-1: none).
+        created: The path of a write that did not exist when it was submitted, removed if the write fails (a full
+            disk must not leave a new short or empty file behind), or None.
 
     Examples:
         >>> import torch, deepoffload
@@ -79,6 +81,7 @@ class Request(Pending[int]):
         keep_alive: tuple,
         finish: Callable[[], None] | None,
         owned_fd: int = -1,
+        created: str | None = None,
     ):
         self._handle = weakref.ref(handle)
         self._native = handle._native
@@ -88,6 +91,7 @@ class Request(Pending[int]):
         self._keep_alive = keep_alive  # tensors and staging buffers the native side is using
         self._finish = finish
         self._owned_fd = owned_fd  # the copy of a caller's descriptor this transfer uses; closed once collected
+        self._created = created  # a new file this write made: removed if it fails
         self._lock = threading.Lock()
         self._collected = False
         self._error: BaseException | None = None
@@ -187,6 +191,10 @@ class Request(Pending[int]):
         except BaseException as e:  # a validation failure or a device copy error belongs to this request
             self._error = e
         finally:
+            if self._error is not None and self._created is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._created)
+            self._created = None
             self._keep_alive = ()
             self._finish = None
             if self._owned_fd >= 0:

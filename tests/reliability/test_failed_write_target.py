@@ -1,5 +1,5 @@
-"""A synchronous write that fails leaves no new file at its target (a full disk left a 0-byte file, though no short
-file is promised); an existing file stays (its unwritten part as it was)."""
+"""A write that fails, blocking or not, leaves no new file at its target (a full disk left a 0-byte file, though no
+short file is promised); an existing file stays (its unwritten part as it was)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,21 @@ def test_a_full_disk_leaves_no_new_file(small_fs):
         with pytest.raises(OSError):
             handle.write(big, folder / "old", truncate=False)
     assert (folder / "old").exists()
+
+
+@pytest.mark.root
+def test_a_failed_asynchronous_write_leaves_no_new_file(small_fs):
+    folder = small_fs(1 << 20, "tmpfs")
+    big = torch.ones(4 << 20, dtype=torch.uint8)
+    (folder / "old").write_bytes(b"x" * 100)
+    with AsyncIOHandle() as handle:
+        new, old = handle.write_async(big, folder / "new"), handle.write_async(big, str(folder / "old"), truncate=False)
+        for request in (new, old):
+            with pytest.raises(OSError) as info:
+                request.wait()
+            assert info.value.errno == errno.ENOSPC
+        assert not (folder / "new").exists()  # removed before wait() raised
+        assert (folder / "old").read_bytes()[:100] == b"x" * 100  # it existed: kept
+        # a write that succeeds to a new path keeps its file
+        assert handle.write_async(torch.ones(16, dtype=torch.uint8), folder / "small").wait() == 16
+    assert (folder / "small").read_bytes() == b"\x01" * 16
