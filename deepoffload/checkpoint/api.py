@@ -30,7 +30,7 @@ from .torch_format import (
     snapshot_bytes,
     write_records,
 )
-from .whole_file import load_from_memory, read_whole, weights_only_default
+from .whole_file import load_from_memory, load_mapped, read_whole, weights_only_default
 from .zip_crc import ZipChecksums
 
 LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
@@ -151,8 +151,8 @@ def load(
         map_location: Where storages go, as for ``torch.load`` (a device, a dict or a function; a ``.safetensors``
             file takes a device only).
         weights_only: As for ``torch.load`` (default: torch's default).
-        mmap: ``True`` hands the file to ``torch.load(mmap=True)`` instead (storages mapped from the file, nothing
-            read through the op).
+        mmap: ``True`` maps the file as ``torch.load(mmap=True)`` does instead (storages mapped from the file,
+            nothing read through the op), each storage checked against its record as without ``mmap``.
         checksum: Verify the CRC-32 stored with every record; a mismatch (or a file that recorded none) raises
             ``ChecksumError``.
         config: The async-IO settings for the reads (default: ``AioConfig.from_env()``).
@@ -207,18 +207,22 @@ def _load(
     if path.endswith(".safetensors"):  # as torch.load does since torch 2.10
         return _load_safetensors(path, map_location, checksum)
     verifier = ZipChecksums(path) if checksum else None
+    pickle_module = pickle_load_args.get("pickle_module")
+    resolved = weights_only_default(weights_only, pickle_module)
+    args = {k: v for k, v in pickle_load_args.items() if k != "pickle_module"}
     if mmap:
-        result = torch.load(path, map_location, weights_only=weights_only, mmap=True, **pickle_load_args)
+        done, result = False, None
+        if not (resolved and pickle_module is not None):  # (torch.load refuses that pair, in its words)
+            done, result = load_mapped(path, map_location, resolved, pickle_module, args)
+        if not done:
+            result = torch.load(path, map_location, weights_only=weights_only, mmap=True, **pickle_load_args)
         if verifier is not None:
             verifier.finish()
         return result
-    pickle_module = pickle_load_args.get("pickle_module")
-    resolved = weights_only_default(weights_only, pickle_module)
     if _on_cpu(map_location) and not (resolved and pickle_module is not None):
         data = read_whole(path, shared_handle(config))
         if verifier is not None:
             verifier.verify_memory(data)
-        args = {k: v for k, v in pickle_load_args.items() if k != "pickle_module"}
         done, result = load_from_memory(data, map_location, resolved, pickle_module, args, path)
         if done:
             return result

@@ -10,6 +10,7 @@ takes far fewer page faults. Tensors share the buffer: its memory is returned on
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import pickle
 from typing import Any
@@ -131,13 +132,57 @@ def load_from_memory(
     args.setdefault("encoding", "utf-8")
     # (torch's stub asks IO[bytes]; a binary file object of io's, as source is, is not one to typeshed)
     with ts._open_zipfile_reader(source) as archive:  # type: ignore[arg-type]
-        if ts._is_torchscript_zip(archive):
+        return _load_archive(archive, data.untyped_storage(), map_location, weights_only, pickle_module, args, path)
+
+
+def load_mapped(
+    path: str, map_location: Any, weights_only: bool, pickle_module: Any, pickle_load_args: dict
+) -> tuple[bool, Any]:
+    """What ``torch.load(path, mmap=True)`` returns, with every storage checked against its record first.
+
+    The file is mapped as torch maps it (``torch.serialization.get_default_mmap_options()``); a storage that is not
+    exactly its record's bytes raises ``CheckpointError`` (``torch.load(mmap=True)`` hands out a storage that runs on
+    into the zip metadata and the next record).
+
+    Args:
+        path: A zip-format ``torch.save`` file.
+        map_location: As for ``torch.load``.
+        weights_only: Whether to unpickle with torch's weights-only unpickler.
+        pickle_module: The unpickler otherwise (default: ``pickle``).
+        pickle_load_args: Further arguments for the unpickler (``encoding`` defaults to ``"utf-8"``).
+
+    Returns:
+        ``(True, objects)``, or ``(False, None)`` when ``torch.load`` itself must handle the file (as for
+        ``load_from_memory``).
+    """
+    with open(path, "rb") as f:
+        if not ts._is_zipfile(f):
             return False, None
-        unpickler = ts._weights_only_unpickler if weights_only else (pickle_module or pickle)
-        try:
-            storage = CheckedStorage(data.untyped_storage(), data_records(archive), path)
-            return True, ts._load(archive, map_location, unpickler, overall_storage=storage, **args)
-        except pickle.UnpicklingError:
-            if weights_only:
-                return False, None
-            raise
+    shared = os.name != "nt" and ts.get_default_mmap_options() == mmap.MAP_SHARED
+    storage = torch.UntypedStorage.from_file(path, shared, os.path.getsize(path))
+    args = dict(pickle_load_args)
+    args.setdefault("encoding", "utf-8")
+    with ts._open_zipfile_reader(path) as archive:
+        return _load_archive(archive, storage, map_location, weights_only, pickle_module, args, path)
+
+
+def _load_archive(
+    archive,
+    whole: torch.UntypedStorage,
+    map_location: Any,
+    weights_only: bool,
+    pickle_module: Any,
+    args: dict,
+    path: str,
+) -> tuple[bool, Any]:
+    """torch's ``_load`` of ``archive`` with its storages sliced from ``whole`` (the file's bytes), each checked."""
+    if ts._is_torchscript_zip(archive):
+        return False, None
+    unpickler = ts._weights_only_unpickler if weights_only else (pickle_module or pickle)
+    try:
+        storage = CheckedStorage(whole, data_records(archive), path)
+        return True, ts._load(archive, map_location, unpickler, overall_storage=storage, **args)
+    except pickle.UnpicklingError:
+        if weights_only:
+            return False, None
+        raise
