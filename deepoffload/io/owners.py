@@ -124,16 +124,34 @@ def temporary_name(target: str, kind: str = "tmp") -> str:
 
 
 def remove_dead_temporaries(folder: str | os.PathLike[str], target: str) -> list[Path]:
-    """Remove the temporaries of ``target`` in ``folder`` left by processes that are no longer alive; return them."""
+    """Remove the temporaries of ``target`` in ``folder`` left by processes that are no longer alive; return them.
+
+    Best effort, for each leftover on its own: one that cannot be removed (another user's, a read-only folder) or
+    that another process removes at the same moment is passed over, and the others are still removed; the save that
+    asked goes on either way (its own temporary has a name of its own).
+
+    Args:
+        folder: Where the target lies.
+        target: The name (not the path) of the file whose temporaries are looked for.
+
+    Returns:
+        The temporaries removed.
+    """
+    try:
+        with os.scandir(folder) as listing:
+            entries = list(listing)
+    except OSError:  # no folder to clean (yet), or not readable: nothing to remove
+        return []
     removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(folder):
-            match = _TEMPORARY.fullmatch(entry.name)
-            if match is None or match["target"] != target or _owner_alive(match):
-                continue
-            with contextlib.suppress(FileNotFoundError):  # another process may clean up at the same moment
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
+    for entry in entries:
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match is None or match["target"] != target or _owner_alive(match):
+            continue
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
     return removed
 
 

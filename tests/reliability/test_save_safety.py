@@ -116,6 +116,21 @@ def test_the_next_save_removes_what_dead_writers_left_and_nothing_of_live_ones(s
     assert not any(p.exists() for p in dead) and all(p.exists() for p in live)
 
 
+def test_a_leftover_that_cannot_be_removed_does_not_stop_the_others(scratch):
+    # the first unlink error (a directory under a temporary's name here) ended the cleaning of the whole folder
+    pid, host = dead_pid(), owners.host_id()
+    stuck = [scratch / f".ckpt.pt.tmp-{pid}.0.{host}-0000000{k}" for k in range(3)]
+    files = [scratch / f".ckpt.pt.tmp-{pid}.0.{host}-1111111{k}" for k in range(3)]
+    for path in stuck:
+        (path / "inside").mkdir(parents=True)  # unlink fails (EISDIR), whatever order the folder lists them in
+    for path in files:
+        path.write_bytes(b"x")
+    assert sorted(owners.remove_dead_temporaries(scratch, "ckpt.pt")) == files
+    assert all(p.is_dir() for p in stuck) and not any(p.exists() for p in files)
+    deepoffload.save(TENSORS, scratch / "ckpt.pt")  # and the save that asked goes on
+    assert owners.remove_dead_temporaries(scratch / "missing", "ckpt.pt") == []
+
+
 def test_a_process_id_reused_by_a_newer_process_is_not_the_writer():
     me = os.getpid()
     start = owners.start_time(me)
