@@ -13,7 +13,7 @@ import ctypes
 import mmap
 import os
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.serialization as ts
@@ -159,7 +159,7 @@ def load_mapped(
         if not ts._is_zipfile(f):
             return False, None
     shared = os.name != "nt" and ts.get_default_mmap_options() == mmap.MAP_SHARED
-    storage = torch.UntypedStorage.from_file(path, shared, os.path.getsize(path))
+    storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(path, shared, os.path.getsize(path)))
     args = dict(pickle_load_args)
     args.setdefault("encoding", "utf-8")
     with ts._open_zipfile_reader(path) as archive:
