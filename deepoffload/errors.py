@@ -67,6 +67,14 @@ class UnsupportedError(DeepOffloadError, RuntimeError):
     """
 
 
+class MemoryBudgetError(DeepOffloadError, MemoryError):
+    """A ``max_memory`` limit that the offload or optimizer asked to keep cannot hold even its least configuration.
+
+    Raised before anything is moved, so the model and optimizer are left as they were. A ``MemoryError``; the
+    message gives the least limit that works and what it is made of.
+    """
+
+
 class StreamedParameterError(UnsupportedError):
     """A streamed model's parameters used in a way that would read placeholders, lose a write or step a block twice.
 
@@ -108,6 +116,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DeepOffloadError",
+    "MemoryBudgetError",
     "ResidencyError",
     "StreamedParameterError",
     "UnsupportedError",

@@ -77,6 +77,7 @@ def test_exceptions_share_one_base_and_keep_their_builtin_type():
         ("ResidencyError", RuntimeError),
         ("UnsupportedError", RuntimeError),
         ("StreamedParameterError", RuntimeError),
+        ("MemoryBudgetError", MemoryError),
     ]:
         assert issubclass(getattr(errors, name), builtin), name
     # the names the modules raised them from before still refer to the same classes

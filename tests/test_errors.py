@@ -2,7 +2,8 @@
 built-in exception that says nothing a caller can act on.
 
 The rule, checked statically over every module of ``deepoffload/`` and ``op_builder/``: no code constructs or raises
-``Exception``, ``BaseException``, ``RuntimeError``, ``AssertionError``, ``EnvironmentError`` or ``IOError`` (raised
+``Exception``, ``BaseException``, ``RuntimeError``, ``AssertionError``, ``EnvironmentError``, ``IOError`` or
+``MemoryError`` (a limit the caller set is not the interpreter running out of memory; raised
 at once or built to be raised later). Each such error has a class of the family instead (``deepoffload.errors``, or
 ``op_builder``'s ``BuildError`` and ``EnvError``), which names what went wrong and keeps the built-in base that
 existing ``except`` clauses use (``StreamedParameterError`` is a ``RuntimeError``). Built-in types that carry a
@@ -21,7 +22,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"Exception", "BaseException", "RuntimeError", "AssertionError", "EnvironmentError", "IOError"}
+FORBIDDEN = {
+    "Exception",
+    "BaseException",
+    "RuntimeError",
+    "AssertionError",
+    "EnvironmentError",
+    "IOError",
+    "MemoryError",
+}
 
 
 def library_files() -> list[Path]:

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..errors import CheckpointError
+    from ..errors import CheckpointError, MemoryBudgetError
     from ..formats import CheckpointReader
     from ..swap.params.budget import READER_BYTES, MemoryPlan, fit, parse_bytes, process_bytes
     from ..swap.pool import round_up
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         fitted = fit(plan, limit, process)
-    except MemoryError as e:
+    except MemoryBudgetError as e:
         print(f"does not fit: {e}")
         return 1
     print(

@@ -77,14 +77,15 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             ``SwapConfig()``).
         max_memory: The process's limit (bytes, or "6GB"); the config's ``buffer_count`` and ``chunk_bytes`` are
             lowered to fit the process as measured now, the gradients, temporaries and 64 MiB of activations, or
-            ``MemoryError`` names the least limit that works (``optimizer_budget``). None: no limit.
+            ``MemoryBudgetError`` (a ``MemoryError``) names the least limit that works (``optimizer_budget``).
+            None: no limit.
         **kwargs: The keyword arguments of a class or factory (e.g. ``lr``); none with an instance.
 
     Raises:
         TypeError: When ``optimizer`` is neither an optimizer instance nor a class or factory that builds one, an
             instance comes with ``params`` or keyword arguments, a class comes without ``params``, the optimizer
             is already offloaded or wrapped, its ``step`` requires a closure (``LBFGS``), or it has step hooks.
-        MemoryError: When ``max_memory`` is too small (the message names the least limit that works).
+        MemoryBudgetError: When ``max_memory`` is too small (the message names the least limit that works).
 
     Examples:
         >>> import torch

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import MemoryBudgetError
 from .config import SwapConfig
 from .pool import round_up
 
@@ -35,7 +36,7 @@ def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config
         own, at least the largest parameter's state) that keep the process within ``limit``.
 
     Raises:
-        MemoryError: When no such config exists; the message names the least limit that works and its parts.
+        MemoryBudgetError: When no such config exists; the message names the least limit that works and its parts.
     """
     sizes = [p.numel() * p.element_size() for p in params]
     largest = max(sizes, default=0)
@@ -45,7 +46,7 @@ def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config
     room = limit - fixed
     if room < MIN_BUFFERS * need_chunk:
         least = fixed + MIN_BUFFERS * need_chunk
-        raise MemoryError(
+        raise MemoryBudgetError(
             f"max_memory={limit} bytes ({limit / 1e6:.1f} MB) is too small for this optimizer: the "
             f"least that works is {least} bytes ({least / 1e6:.1f} MB): the process now "
             f"{process / 1e6:.1f} MB + gradients {grads / 1e6:.1f} MB + {TEMPORARIES} x the largest "

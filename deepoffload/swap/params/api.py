@@ -86,8 +86,9 @@ def offload_parameters(
             ``max_resident_bytes``; by default as many as fit, a tenth of the limit left free) are chosen so that
             the process as measured now (``RssAnon``, after ``malloc_trim``) plus the offload's own memory
             (``plan``, see ``budget``) plus 64 MiB for the activations of your forward stays within it; when even
-            prefetch 0 and the fewest buffers cannot, ``MemoryError`` at once (before anything is read or written)
-            names the least limit that works and what it is made of. ``off.plan`` holds the parts chosen.
+            prefetch 0 and the fewest buffers cannot, ``MemoryBudgetError`` (a ``MemoryError``) at once (before
+            anything is read or written) names the least limit that works and what it is made of. ``off.plan``
+            holds the parts chosen.
 
     Returns:
         The ``ParameterOffload`` that streams the blocks (``step()``, ``zero_grad()``, ``stats``, ``close()``).

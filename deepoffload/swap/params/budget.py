@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ...errors import MemoryBudgetError
 from ..memory import parse_bytes, process_bytes  # noqa: F401  (re-exported: max_memory= parses here)
 
 READER_SPAN_BYTES = 16 << 20  # the checkpoint reader's buffer per request while loading
@@ -151,8 +152,8 @@ def fit(
         The settings chosen and the plan they give.
 
     Raises:
-        MemoryError: When even the least plan (prefetch 0, the fewest optimizer buffers, nothing kept) does not fit:
-            the message gives the least limit that works and what it is made of.
+        MemoryBudgetError: When even the least plan (prefetch 0, the fewest optimizer buffers, nothing kept) does
+            not fit: the message gives the least limit that works and what it is made of.
     """
     want = plan.prefetch if prefetch is None else prefetch
     room = limit - process - forward
@@ -160,7 +161,7 @@ def fit(
     if least.peak_bytes > room:
         need = process + least.peak_bytes + forward
         parts = "; ".join(f"{what} {nbytes / 1e6:.1f} MB" for what, nbytes in least.parts())
-        raise MemoryError(
+        raise MemoryBudgetError(
             f"max_memory={limit} bytes ({limit / 1e6:.1f} MB) cannot hold this model: the least that "
             f"works is {need} bytes ({need / 1e6:.1f} MB): the process now {process / 1e6:.1f} MB + "
             f"the offload's own {least.peak_bytes / 1e6:.1f} MB ({parts}) + {forward / 1e6:.1f} MB "

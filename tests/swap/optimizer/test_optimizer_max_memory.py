@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload.errors import MemoryBudgetError
 from deepoffload.swap.config import SwapConfig
 from deepoffload.swap.memory import process_bytes
 from deepoffload.swap.optimizer import OffloadedOptimizer
@@ -23,7 +24,7 @@ def model():
 def test_too_small_is_refused_before_anything_is_wrapped(scratch):
     net = model()
     inner = torch.optim.Adam(net.parameters(), lr=1e-3)
-    with pytest.raises(MemoryError, match=r"the least that works is \d+ bytes .* staging buffers"):
+    with pytest.raises(MemoryBudgetError, match=r"the least that works is \d+ bytes .* staging buffers"):
         OffloadedOptimizer(inner, config=SwapConfig(folder=str(scratch)), max_memory="10MB")
     OffloadedOptimizer(inner, config=SwapConfig(folder=str(scratch))).close()  # not marked wrapped: wraps again
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepoffload.errors import MemoryBudgetError
 from deepoffload.swap.params.budget import MIN_STATE_CHUNKS, READER_BYTES, SETUP_BLOCKS, MemoryPlan, fit, parse_bytes
 
 MiB = 1 << 20
@@ -64,7 +65,7 @@ def test_fit_refuses_at_once_with_the_least_limit_that_works():
         + MemoryPlan(16 * MiB, MiB, prefetch=0, training=True, state_chunks=MIN_STATE_CHUNKS).peak_bytes
         + 64 * MiB
     )
-    with pytest.raises(MemoryError, match=f"the least that works is {least} bytes") as caught:
+    with pytest.raises(MemoryBudgetError, match=f"the least that works is {least} bytes") as caught:
         fit(plan, least - 1, process=200 * MiB)
     assert "process now" in str(caught.value) and "largest block" in str(caught.value)
     assert fit(plan, least, process=200 * MiB).expected_peak_bytes <= least
@@ -81,7 +82,7 @@ def test_max_memory_too_small_is_refused_at_once_with_the_least_that_works(scrat
     from deepoffload.swap.params import offload_parameters
 
     model = tower()
-    with pytest.raises(MemoryError, match=r"max_memory=100000000 bytes .* the least that works is \d+ bytes"):
+    with pytest.raises(MemoryBudgetError, match=r"max_memory=100000000 bytes .* the least that works is \d+ bytes"):
         offload_parameters(model, str(scratch), max_memory="100MB", optimizer=torch.optim.Adam)
     assert all(p.is_meta for p in model.parameters())  # nothing was made, read or written
     assert not any(scratch.iterdir())
