@@ -24,8 +24,9 @@ Every rank must run the same blocks in the same order in each backward, as DDP (
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from typing import Callable, Sequence, cast
+from typing import Callable, Iterator, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -217,6 +218,7 @@ class DataParallel:
         # from queuing one. Not per graph task: a block under a reentrant checkpoint back-propagates in a nested
         # one, which must not average the parameters outside the blocks again
         self._queued = False
+        self._local = False  # inside rank_local(): forwards on this rank alone, no collective
         self._handles = [p.register_post_accumulate_grad_hook(self._rest_ready) for p in self.rest if p.requires_grad]
         self._handles.append(module.register_forward_pre_hook(self._broadcast_buffers))
 
@@ -224,8 +226,29 @@ class DataParallel:
         """The block's complete gradients (master dtype, by name) averaged across the ranks."""
         return self.start_block(block, grads)()
 
+    @contextlib.contextmanager
+    def rank_local(self) -> Iterator[None]:
+        """Forwards on this rank alone, as DDP's ``ddp.module(...)``: no buffer broadcast, no backward.
+
+        See ``ParameterOffload.rank_local``.
+        """
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
+
+    def _refuse_local_backward(self, what: str) -> None:
+        if self._local:
+            raise UnsupportedError(
+                f"{what}: a backward inside ParameterOffload.rank_local(): its gradients would have to be averaged "
+                f"with ranks that are not running it. rank_local() is for forwards on one rank (evaluation); run "
+                f"training steps outside it, on every rank"
+            )
+
     def start_block(self, block, grads: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
         """``average_block`` started: returns the call that waits for its result."""
+        self._refuse_local_backward(f"block {block.prefix}")
         names = [n for n, m in zip(block.names, block.masters) if m.requires_grad]
         return self.averager.start_dict(names, grads, f"block {block.prefix}")
 
@@ -234,6 +257,7 @@ class DataParallel:
 
         Called from inside a backward: a block's, or a hook of a parameter outside the blocks.
         """
+        self._refuse_local_backward("the parameters outside the blocks")
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._average_rest)
@@ -256,7 +280,8 @@ class DataParallel:
     def _broadcast_buffers(self, module: nn.Module, args) -> None:
         if torch._C._current_graph_task_id() == -1:  # a new forward, outside any backward: none is queued now
             self._queued = False
-        self.averager.broadcast(list(module.buffers()))
+        if not self._local:
+            self.averager.broadcast(list(module.buffers()))
 
     def close(self) -> None:
         """Remove the hooks (gradients and buffers are no longer averaged or broadcast)."""

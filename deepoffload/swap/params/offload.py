@@ -7,10 +7,11 @@ to ``recompute`` and finished gradients to the mode in ``training``; every move 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -372,6 +373,28 @@ class ParameterOffload:
     def reset_peak(self) -> None:
         """Start measuring ``peak_bytes`` and ``peak_grad_bytes`` afresh from what is resident now."""
         self.store.reset_peak()
+
+    @contextlib.contextmanager
+    def rank_local(self) -> Iterator[None]:
+        """Run forwards on this rank alone under ``data_parallel=``, as DDP's ``ddp.module(...)`` does.
+
+        Every forward of a data-parallel model first broadcasts its buffers from the first rank (as DDP does before
+        a forward that follows a training one), a collective every rank must join: evaluation on one rank only
+        (``if rank == 0: evaluate(model)``) would wait forever for the others. Inside this block no buffer is
+        broadcast (the forward uses this rank's own, as ``ddp.module`` would), and a backward raises
+        ``UnsupportedError``, since its gradients could not be averaged. Without ``data_parallel=`` it changes
+        nothing.
+
+        Examples:
+            >>> if torch.distributed.get_rank() == 0:  # doctest: +SKIP
+            ...     with off.rank_local(), torch.no_grad():
+            ...         loss = model(batch).loss
+        """
+        if self.data_parallel is None:
+            yield
+            return
+        with self.data_parallel.rank_local():
+            yield
 
     @property
     def stats(self) -> OffloadStats:

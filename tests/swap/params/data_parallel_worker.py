@@ -1,6 +1,7 @@
 """One rank of tests/swap/params/test_data_parallel.py, started by torchrun (gloo, CPU): data-parallel streaming
 (``offload_parameters(..., data_parallel=True)``) trained against DistributedDataParallel in memory on the same
-data, in fused mode and in grads mode (two micro-batches per step, clipping by the global norm).
+data, in fused mode and in grads mode (two micro-batches per step, clipping by the global norm), with an evaluation
+on the first rank alone after the second step (``ddp.module`` / ``off.rank_local()``).
 
 Usage: torchrun ... data_parallel_worker.py OUT_FOLDER SWAP_BASE. Each rank starts from its own random model (DDP and
 data-parallel streaming both take rank 0's), trains on its own data (fused mode with data_parallel=True, grads mode
@@ -70,7 +71,17 @@ def train_ddp(rank: int, micro: int, clip: float | None) -> tuple[list[float], d
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
+        if rank == 0 and step == 1:  # evaluation on the first rank alone, through ddp.module (no collective)
+            losses.append(evaluate(model.module, data[0]))
     return losses, {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def evaluate(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = nn.functional.mse_loss(model(batch[0]), batch[1]).item()
+    model.train()
+    return loss
 
 
 def train_streamed(
@@ -98,6 +109,9 @@ def train_streamed(
             losses.append(loss.item())
         off.step(clip_grad_norm=clip)
         off.zero_grad()
+        if rank == 0 and step == 1:  # the same, inside rank_local(): without it the buffer broadcast waits for rank 1
+            with off.rank_local():
+                losses.append(evaluate(model, data[0]))
     state = off.state_dict()
     off.close()
     return losses, state

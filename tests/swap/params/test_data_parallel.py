@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from deepoffload import offload_parameters
+from deepoffload.errors import UnsupportedError
 from deepoffload.swap.params import data_parallel, wrappers
 
 HERE = Path(__file__).resolve().parent  # the child-process scripts lie beside this file
@@ -350,4 +351,32 @@ def test_parameters_outside_blocks_are_averaged_once_per_backward_with_reentrant
     for k in (1, 2):
         model(x).sum().backward()
         assert averaged == [["head.weight", "head.bias"]] * k
+    dp.close()
+
+
+def test_rank_local_forwards_broadcast_nothing_and_refuse_a_backward(monkeypatch):
+    # Evaluation on one rank (`if rank == 0: evaluate(model)`) waited forever in the buffer broadcast that every
+    # data-parallel forward starts; rank_local() is DDP's `ddp.module(...)`: no collective, and no backward.
+    class Recording:
+        broadcasts = 0
+
+        def get_world_size(self, group=None):
+            return 2
+
+        def broadcast(self, tensor, src, group=None):
+            Recording.broadcasts += 1
+
+    monkeypatch.setattr(data_parallel, "dist", Recording())
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    dp = data_parallel.DataParallel(None, model, list(model.parameters()), ["0.weight", "0.bias", "1.weight", "1.bias"])
+    x = torch.randn(4, 2)
+    model(x)
+    assert Recording.broadcasts == 3  # running mean, variance, batch count
+    with dp.rank_local():
+        out = model(x)
+        assert Recording.broadcasts == 3
+        with pytest.raises(UnsupportedError, match=r"a backward inside ParameterOffload.rank_local\(\)"):
+            out.sum().backward()
+    model(x)
+    assert Recording.broadcasts == 6  # outside it again, every forward broadcasts
     dp.close()
