@@ -86,6 +86,27 @@ def _buckets(grads: Sequence[torch.Tensor]) -> list[list[int]]:
     return buckets
 
 
+def control_device(group) -> torch.device:
+    """Where the group's small check tensors go, as torch places those of its object collectives.
+
+    The CPU when the group has a CPU backend (gloo), else the current device of the group's device type (NCCL
+    reduces CUDA tensors only).
+
+    Args:
+        group: The process group (None: the default group).
+
+    Returns:
+        The device.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    types = [d.type for d in getattr(pg, "_device_types", ())]  # (torch's own list of what the group reduces)
+    if not types or "cpu" in types:
+        return torch.device("cpu")
+    module = getattr(torch, types[0], None)
+    current = getattr(module, "current_device", None)
+    return torch.device(types[0], current()) if callable(current) else torch.device(types[0])
+
+
 class GradientAverager:
     """Averages named gradients across the ranks of ``group`` (None: the default group).
 
@@ -97,6 +118,7 @@ class GradientAverager:
         self.group = group
         self.world = dist.get_world_size(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.device = control_device(group)
 
     def average(self, named: Sequence[tuple[str, torch.Tensor | None]], where: str) -> list[torch.Tensor | None]:
         """The averages of ``named`` gradients, in order (None where no rank has one).
@@ -132,8 +154,9 @@ class GradientAverager:
         # -max(-flags) whether every rank has it, and the tag (what is averaged) must be the same on every rank.
         flags = [int(g is not None) for _, g in named]
         tag = zlib.crc32(where.encode())
-        check = torch.tensor([*flags, *(-f for f in flags), tag, -tag], dtype=torch.int64)
+        check = torch.tensor([*flags, *(-f for f in flags), tag, -tag], dtype=torch.int64, device=self.device)
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self.group)
+        check = check.cpu()
         n = len(flags)
         if int(check[-2]) != -int(check[-1]):
             raise UnsupportedError(

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -193,6 +194,7 @@ class PairedDist:
     and combines them as the op says (SUM or MAX), as a real backend does."""
 
     ReduceOp = torch.distributed.ReduceOp
+    group = SimpleNamespace(WORLD=None)  # the default group: no device types, so checks go on the CPU
 
     def __init__(self):
         import threading
@@ -290,6 +292,8 @@ def test_parameters_outside_blocks_are_averaged_after_a_backward_that_failed(mon
     # uneven-gradients error above, raised on every rank and caught to skip the batch) never runs the callback it
     # queued. The next backward must queue its own, or those parameters are never averaged again and the ranks drift.
     class OneRank:
+        group = SimpleNamespace(WORLD=None)
+
         def get_world_size(self, group=None):
             return 1
 
@@ -325,6 +329,8 @@ def test_parameters_outside_blocks_are_averaged_once_per_backward_with_reentrant
     # end-of-backward call must not average the parameters outside the blocks again (an embedding's all_reduce per
     # block); one average at the end of the outer backward, after every gradient is complete.
     class OneRank:
+        group = SimpleNamespace(WORLD=None)
+
         def get_world_size(self, group=None):
             return 1
 
@@ -359,6 +365,7 @@ def test_rank_local_forwards_broadcast_nothing_and_refuse_a_backward(monkeypatch
     # data-parallel forward starts; rank_local() is DDP's `ddp.module(...)`: no collective, and no backward.
     class Recording:
         broadcasts = 0
+        group = SimpleNamespace(WORLD=None)
 
         def get_world_size(self, group=None):
             return 2
@@ -380,3 +387,15 @@ def test_rank_local_forwards_broadcast_nothing_and_refuse_a_backward(monkeypatch
     model(x)
     assert Recording.broadcasts == 6  # outside it again, every forward broadcasts
     dp.close()
+
+
+def test_checks_go_where_the_groups_backend_reduces(monkeypatch):
+    # the presence check was always a CPU tensor: NCCL, which reduces CUDA tensors only, would refuse it
+    def group(*types):
+        return SimpleNamespace(_device_types=[torch.device(t) for t in types])
+
+    assert data_parallel.control_device(group("cpu")) == torch.device("cpu")
+    assert data_parallel.control_device(group("cpu", "cuda")) == torch.device("cpu")  # gloo beside nccl
+    assert data_parallel.control_device(group()) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert data_parallel.control_device(group("cuda")) == torch.device("cuda", 3)
