@@ -90,10 +90,17 @@ def load_torch(path: Path) -> dict[str, torch.Tensor]:
         The state dict: a flat dict of name -> tensor, whose storages are mapped from the file.
 
     Raises:
-        CheckpointError: When torch cannot load the file so, or it holds anything but a flat dict of name -> tensor.
+        CheckpointError: When torch cannot load the file so, a storage is not exactly its record's bytes, or it holds
+            anything but a flat dict of name -> tensor.
     """
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    from ..checkpoint.whole_file import load_mapped  # (here: formats loads before checkpoint, which imports it)
+
+    try:  # torch.load(mmap=True) with every storage checked against its record, as deepoffload.load does
+        done, state = load_mapped(str(path), "cpu", True, None, {})
+        if not done:  # a TorchScript archive, or what the weights-only unpickler refuses: torch says why
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except CheckpointError:
+        raise  # names the file, the record and both sizes
     except Exception as e:
         raise CheckpointError(
             f"{path}: cannot load it as a torch.save state dict (read with mmap=True, weights_only=True): {e}"

@@ -60,3 +60,16 @@ def test_load_of_a_bad_safetensors_file_says_what_is_wrong_with_it(scratch):
     path.write_bytes(struct.pack("<Q", 1000) + b'{"x": 1}')
     with pytest.raises(CheckpointError, match="not a valid safetensors file: header length 1000 runs past the end"):
         deepoffload.load(path)
+
+
+def test_a_torch_checkpoint_read_as_a_model_source_is_checked_too(scratch):
+    # CheckpointReader (from_pretrained of a pytorch_model.bin, offload_parameters(checkpoint=...)) mapped it with
+    # torch.load(mmap=True), which does not refuse a storage larger than its record
+    from deepoffload.formats import CheckpointReader
+
+    path = scratch / "pytorch_model.bin"
+    torch.save({"a": torch.zeros(70000), "b": torch.ones(10)}, path)
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"J" + struct.pack("<i", 70000), b"J" + struct.pack("<i", 70500), 1))
+    with pytest.raises(CheckpointError, match=r"record data/0 holds 280000 bytes but the pickle claims"):
+        CheckpointReader(path)
