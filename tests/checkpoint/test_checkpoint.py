@@ -790,3 +790,18 @@ def test_ctrl_c_during_a_save_raises_keyboardinterrupt_and_keeps_the_previous_fi
     monkeypatch.setattr(staged_file.StagedWriter, "write", write)
     deepoffload.save({"w": torch.ones(4 * MiB)}, path, checksum=checksum)
     assert torch.equal(deepoffload.load(path, checksum=checksum)["w"], torch.ones(4 * MiB))
+
+
+def test_a_symlink_is_written_through_and_a_hard_link_keeps_the_old_bytes(scratch):
+    # latest.pt -> ckpt-100.pt: the file named is replaced and the link stays, as torch.save writes through it
+    torch.save({"a": torch.zeros(3)}, scratch / "ckpt-100.pt")
+    os.symlink("ckpt-100.pt", scratch / "latest.pt")
+    deepoffload.save({"a": torch.ones(3)}, scratch / "latest.pt")
+    assert os.path.islink(scratch / "latest.pt")
+    assert torch.equal(torch.load(scratch / "ckpt-100.pt")["a"], torch.ones(3))
+    # a hard link: a new file under the name saved to; the other name keeps the old bytes
+    os.link(scratch / "ckpt-100.pt", scratch / "copy.pt")
+    deepoffload.save({"a": torch.full((3,), 2.0)}, scratch / "copy.pt")
+    assert torch.equal(torch.load(scratch / "copy.pt")["a"], torch.full((3,), 2.0))
+    assert torch.equal(torch.load(scratch / "ckpt-100.pt")["a"], torch.ones(3))
+    assert not list(scratch.glob(".*"))  # no temporary left beside them
