@@ -11,7 +11,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -374,8 +374,7 @@ class ParameterOffload:
         """Start measuring ``peak_bytes`` and ``peak_grad_bytes`` afresh from what is resident now."""
         self.store.reset_peak()
 
-    @contextlib.contextmanager
-    def rank_local(self) -> Iterator[None]:
+    def rank_local(self) -> contextlib.AbstractContextManager[None]:
         """Run forwards on this rank alone under ``data_parallel=``, as DDP's ``ddp.module(...)`` does.
 
         Every forward of a data-parallel model first broadcasts its buffers from the first rank (as DDP does before
@@ -385,16 +384,15 @@ class ParameterOffload:
         ``UnsupportedError``, since its gradients could not be averaged. Without ``data_parallel=`` it changes
         nothing.
 
+        Returns:
+            A context manager (``with off.rank_local():``); it binds nothing.
+
         Examples:
             >>> if torch.distributed.get_rank() == 0:  # doctest: +SKIP
             ...     with off.rank_local(), torch.no_grad():
             ...         loss = model(batch).loss
         """
-        if self.data_parallel is None:
-            yield
-            return
-        with self.data_parallel.rank_local():
-            yield
+        return contextlib.nullcontext() if self.data_parallel is None else self.data_parallel.rank_local()
 
     @property
     def stats(self) -> OffloadStats:
