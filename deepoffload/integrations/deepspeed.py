@@ -316,9 +316,9 @@ def enabled() -> bool:
         from deepoffload.integrations import deepspeed as ds
 
         ds.enable()
-        assert ds.enabled()
+        print(ds.enabled())  # True
         ds.disable()
-        assert not ds.enabled()
+        print(ds.enabled())  # False
         ```
     """
     return bool(_saved)
@@ -439,7 +439,7 @@ def disable() -> None:
         ds.disable()
         from deepspeed.ops.op_builder import AsyncIOBuilder  # DeepSpeed's own again
 
-        assert not getattr(AsyncIOBuilder, "deepoffload", False)
+        print(getattr(AsyncIOBuilder, "deepoffload", False))  # False: DeepSpeed's class, not ours
         ```
     """
     with _lock:
