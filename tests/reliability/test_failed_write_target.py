@@ -10,12 +10,20 @@ import torch
 
 from deepoffload import AsyncIOHandle
 
+BIG = 4 << 20  # bytes: more than the 1 MiB filesystem holds
+
+
+@pytest.fixture
+def full_fs(small_fs):
+    """A 1 MiB tmpfs holding a 100-byte file ``old``, and a tensor too large for it."""
+    folder = small_fs(1 << 20, "tmpfs")
+    (folder / "old").write_bytes(b"x" * 100)
+    return folder, torch.ones(BIG, dtype=torch.uint8)
+
 
 @pytest.mark.root
-def test_a_full_disk_leaves_no_new_file(small_fs):
-    folder = small_fs(1 << 20, "tmpfs")
-    big = torch.ones(4 << 20, dtype=torch.uint8)
-    (folder / "old").write_bytes(b"x" * 100)
+def test_a_full_disk_leaves_no_new_file(full_fs):
+    folder, big = full_fs
     with AsyncIOHandle() as handle:
         with pytest.raises(OSError) as info:
             handle.write(big, folder / "new")
@@ -27,10 +35,8 @@ def test_a_full_disk_leaves_no_new_file(small_fs):
 
 
 @pytest.mark.root
-def test_a_failed_asynchronous_write_leaves_no_new_file(small_fs):
-    folder = small_fs(1 << 20, "tmpfs")
-    big = torch.ones(4 << 20, dtype=torch.uint8)
-    (folder / "old").write_bytes(b"x" * 100)
+def test_a_failed_asynchronous_write_leaves_no_new_file(full_fs):
+    folder, big = full_fs
     with AsyncIOHandle() as handle:
         new, old = handle.write_async(big, folder / "new"), handle.write_async(big, str(folder / "old"), truncate=False)
         for request in (new, old):
