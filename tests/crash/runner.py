@@ -4,7 +4,9 @@ The request: ``{"scenarios": [...], "base": folder, "points": "all" | K, "random
 points spread evenly over the boundaries; R: kills at random times). For each scenario this process (which imports
 torch once, then only forks) makes the reference checkpoints: "old" (``act`` run once in a fresh folder) and "new"
 (``act`` run again on a copy of it), counting the boundaries the second run crosses: every ``os.replace``/
-``os.rename``/``os.fsync``/``os.unlink`` and every write submitted to the async-IO op (replaced files of any size are
+``os.rename``/``os.fsync``/``os.unlink``, every path opened by ``open`` for writing (just after it is truncated: a
+file rewritten in place, as ``config.save_pretrained`` does, is empty there) and every write submitted to the async-IO
+op (replaced files of any size are
 freed in the background, as large ones are). Then for each kill point N (and K random times
 within the clean run's duration) on a fresh copy of "old": a child runs ``act`` and is SIGKILLed just before its
 Nth boundary; a second child loads what is there and says whether it is entirely "old", entirely "new", or neither;
@@ -14,6 +16,8 @@ the clean "new" one's: nothing left behind.
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
 import os
 import random
@@ -49,6 +53,15 @@ def interpose(kill_at: int, counter: list[int]) -> None:
 
     for name in BOUNDARIES:
         setattr(os, name, wrap(getattr(os, name)))
+    opener = builtins.open
+
+    def counted_open(file, mode="r", *args, **kwargs):  # a path opened to be rewritten is empty from here on
+        handle = opener(file, mode, *args, **kwargs)
+        if "w" in mode and isinstance(file, (str, bytes, os.PathLike)):
+            boundary()
+        return handle
+
+    builtins.open = io.open = counted_open
     from deepoffload.io import retire
 
     retire.RETIRE_MIN_BYTES = 0  # every replaced file is held open and freed by the background thread's close
@@ -180,6 +193,7 @@ def preload() -> None:
     """Import what the children use (modules only: no handle, no thread), so each fork starts ready."""
     import safetensors.torch  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
+    import transformers  # noqa: F401
 
     import deepoffload.checkpoint.api  # noqa: F401
     import deepoffload.dcp  # noqa: F401

@@ -95,6 +95,31 @@ def offload_save_act(work: Path, version: int) -> None:
         off.close(restore=False)
 
 
+def offload_save_config_act(work: Path, version: int) -> None:
+    """``off.save`` of a model with a Hugging Face config: the shards, then transformers' own ``config.json``."""
+    from transformers import PretrainedConfig
+
+    import deepoffload
+
+    model = _block_model(version)
+    model.config = PretrainedConfig(hidden_size=32, num_hidden_layers=4)  # the same in both saves, as on a re-save
+    off = deepoffload.offload_parameters(model, str(work / "swap"))
+    try:
+        off.save(work / "ckpt")
+    finally:
+        off.close(restore=False)
+
+
+def config_folder_load(work: Path) -> Any:
+    """The weights, and the config as transformers reads it back (a half-written ``config.json`` raises)."""
+    from transformers import PretrainedConfig
+
+    from deepoffload.formats import load_file
+
+    config = PretrainedConfig.from_pretrained(work / "ckpt")
+    return {"weights": load_file(work / "ckpt"), "config": (config.hidden_size, config.num_hidden_layers)}
+
+
 def budget_act(work: Path, version: int) -> None:
     """Train with every block in memory, then drop the budget (the blocks are written out), then save."""
     import deepoffload
@@ -166,6 +191,7 @@ SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] 
     "save_file": (save_file_act, safetensors_load),
     "save_sharded": (save_sharded_act, sharded_load),
     "offload_save": (offload_save_act, sharded_folder_load),
+    "offload_save_config": (offload_save_config_act, config_folder_load),
     "dcp": (dcp_act, dcp_load),
     "optimizer_step": (optimizer_act, torch_load),
     "max_resident_bytes": (budget_act, sharded_folder_load),
