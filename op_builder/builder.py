@@ -36,7 +36,6 @@ CSRC = HERE.parent / "csrc"
 PREBUILT_PACKAGE = "deepoffload._ops"
 BUILD_INFO = "build_info.json"
 SANITIZE_ENV = "DEEPOFFLOAD_SANITIZE"
-DEFAULT_BUILD_SECONDS = 20
 
 # The warnings of every build of the core (the JIT build, the prebuilt op, tests/native): it is clean under them.
 WARNING_FLAGS = ("-Wall", "-Wextra")
@@ -384,10 +383,10 @@ class OpBuilder:
         if directory.exists():
             shutil.rmtree(directory)  # leftovers of a killed or failed build, torch's stale 'lock' file included
         directory.mkdir(parents=True)
-        expected = _expected_build_seconds()
+        last = _last_build_seconds()
+        took = "" if last is None else f"; the last build here took {last} s"
         print(
-            f"deepoffload: building the {self.NAME} op (first use for this torch and compiler; usually about "
-            f"{expected} s) in {directory}",
+            f"deepoffload: building the {self.NAME} op (first use for this torch and compiler{took}) in {directory}",
             file=sys.stderr,
             flush=True,
         )
@@ -451,11 +450,13 @@ def _build_times_path() -> Path:
     return cache_root() / "build-seconds.json"
 
 
-def _expected_build_seconds() -> int:
+def _last_build_seconds() -> int | None:
+    """Seconds the last build on this machine took (recorded by the builder), or None before any: a figure from
+    elsewhere would be another machine's."""
     try:
         return max(1, round(json.loads(_build_times_path().read_text())["last"]))
     except (OSError, ValueError, KeyError, TypeError):
-        return DEFAULT_BUILD_SECONDS
+        return None
 
 
 def _record_build_seconds(seconds: float) -> None:

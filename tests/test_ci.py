@@ -127,23 +127,104 @@ def test_plain_install_requires_numpy():
 
 
 def test_declared_ranges_are_the_tested_ones():
-    """pyproject.toml declares the Python and torch floors CI tests (.ci/run installs torch 2.13.0 on Python 3.11),
-    and the documentation says so."""
+    """pyproject.toml declares the Python and torch floors CI tests (ci/setup.sh installs torch 2.13.0 on Python
+    3.11), and the documentation says so."""
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == ">=3.11"
     assert "torch>=2.13" in project["dependencies"]
-    assert "torch==2.13.0" in (REPO / ".ci" / "run").read_text()
+    assert "torch==2.13.0" in (REPO / "ci" / "setup.sh").read_text()
     assert "Python 3.11 with torch 2.13.0" in (REPO / "docs" / "getting-started.md").read_text()
 
 
-def test_ci_installs_the_system_packages_the_docs_list():
-    """.ci/run installs every package of the getting-started page's apt-get line, and the suite's own (strace, wine,
-    MinGW): a fresh Debian machine lacked python3-dev (Python.h, for the op's build) and python3-venv."""
+def _versions():
+    sys.path.insert(0, str(REPO / "ci"))
+    try:
+        import versions
+    finally:
+        sys.path.remove(str(REPO / "ci"))
+    return versions
+
+
+def test_extras_stop_at_the_tested_versions_and_the_docs_name_them():
+    """The hf and deepspeed extras are bounded above by the test extra's pins (what CI installs and
+    ci/versions.py prints), and the getting-started page's "What is tested" sentence is the one written from them."""
+    import tomllib
+
+    versions = _versions()
+    pins = versions.pins()
+    assert set(pins) == set(versions.INTEGRATIONS), pins
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for requirement in extras["hf"] + extras["deepspeed"]:
+        name = re.split(r"[<>=!~ ;\[]", requirement)[0]
+        assert f"<={pins[name]}" in requirement, (requirement, pins[name])
+    page = " ".join((REPO / "docs" / "getting-started.md").read_text().split())
+    assert versions.tested_sentence() in page
+
+
+def test_ci_prints_the_tested_versions_and_fails_on_others():
+    versions = _versions()
+    proc = subprocess.run([sys.executable, str(REPO / "ci" / "versions.py")], capture_output=True, text=True)
+    for name in ("torch", "transformers", "accelerate", "peft", "deepspeed"):
+        assert f"tested with: {name} " in proc.stdout, proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # this venv holds the pins
+    assert "python ci/versions.py" in (REPO / "ci" / "setup-tests.sh").read_text()
+    pins, original = versions.pins(), versions.pins
+    try:
+        versions.pins = lambda: {**pins, "peft": "0.0.1"}  # a pin that is not what is installed
+        assert versions.main() == 1
+    finally:
+        versions.pins = original
+
+
+FAKE_TOOL = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$SETUP_LOG"
+case "$(basename "$0")" in
+  id) echo "$FAKE_UID" ;;
+  dpkg-query) [[ " $PRESENT " == *" ${@: -1} "* ]] && echo -n "install ok installed" ;;
+  sudo) exec "$@" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("uid,sudo,expected", [("0", False, "apt-get"), ("1000", True, "sudo"), ("1000", False, None)])
+def test_setup_installs_system_packages_as_root_through_sudo_or_says_what_to_run(tmp_path, uid, sudo, expected):
+    """As root apt-get runs directly (containers have no sudo), as a user through sudo; with neither, the message
+    names the command to run as root. Packages already installed are not installed again."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("id", "dpkg-query", "apt-get", "bash", "grep", "env", "basename", "cat") + (("sudo",) if sudo else ()):
+        if tool in ("id", "dpkg-query", "apt-get", "sudo"):
+            (bindir / tool).write_text(FAKE_TOOL)
+            (bindir / tool).chmod(0o755)
+        else:
+            (bindir / tool).symlink_to(shutil.which(tool))
+    log = tmp_path / "calls.log"
+    env = {"PATH": str(bindir), "SETUP_LOG": str(log), "FAKE_UID": uid, "PRESENT": "fio"}
+    script = f". {REPO / 'ci' / 'setup.sh'}; system_packages g++ fio"
+    proc = subprocess.run([str(bindir / "bash"), "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    calls = log.read_text().splitlines()
+    installs = [c for c in calls if c.startswith("apt-get install")]
+    if expected is None:
+        assert proc.returncode != 0 and "not root and no sudo: as root, run:" in proc.stderr, proc.stderr
+        assert not installs
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert len(installs) == 1 and installs[0].endswith(" g++"), calls  # fio is there already
+    assert any(c.startswith(f"{expected} ") and "apt-get install" in c for c in calls), calls
+    assert sudo == any(c.startswith("sudo ") for c in calls), calls
+
+
+def test_setup_scripts_install_the_system_packages_the_docs_list():
+    """ci/setup.sh (both set-up commands) installs every package of the getting-started page's apt-get line, and
+    the tests' own (strace, wine, MinGW): a fresh Debian machine lacked python3-dev (Python.h) and python3-venv."""
     docs = (REPO / "docs" / "getting-started.md").read_text()
-    listed = re.search(r"sudo apt-get install -y ([^\n]+)", docs).group(1).split()
-    ci = (REPO / ".ci" / "run").read_text()
-    installed = re.search(r"apt-get install -y -qq --no-install-recommends ([^>]+)>", ci).group(1).replace("\\", " ")
-    missing = set(listed + ["strace", "wine", "g++-mingw-w64-x86-64"]) - set(installed.split())
-    assert not missing, missing
+    listed = re.search(r"apt-get install -y ([^\n]+)", docs).group(1).split()
+    setup = (REPO / "ci" / "setup.sh").read_text()
+    main = re.search(r"MAIN_PACKAGES=\(([^)]*)\)", setup).group(1).split()
+    tests = re.search(r"TEST_PACKAGES=\(([^)]*)\)", setup).group(1).split()
+    assert not set(listed) - set(main), set(listed) - set(main)
+    assert {"strace", "wine", "g++-mingw-w64-x86-64"} <= set(tests)
+    assert "bash ci/setup-tests.sh" in (REPO / ".ci" / "run").read_text()
