@@ -451,8 +451,11 @@ def _build_times_path() -> Path:
 
 
 def _last_build_seconds() -> int | None:
-    """Seconds the last build on this machine took (recorded by the builder), or None before any: a figure from
-    elsewhere would be another machine's."""
+    """The last build's time on this machine (recorded by the builder); a figure from elsewhere would mislead.
+
+    Returns:
+        Seconds (at least 1), or None before any build here.
+    """
     try:
         return max(1, round(json.loads(_build_times_path().read_text())["last"]))
     except (OSError, ValueError, KeyError, TypeError):
