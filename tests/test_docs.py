@@ -109,5 +109,3 @@ def test_build_message_names_no_figure_but_the_machines_own(tmp_path, monkeypatc
     assert builder._last_build_seconds() == 9
     text = (REPO / "docs" / "concepts" / "building.md").read_text()
     assert "the last build here took" in text and "usually about" not in text
-
-
