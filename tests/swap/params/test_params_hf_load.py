@@ -43,3 +43,30 @@ def test_from_pretrained_refuses_a_folder_without_config(scratch):
 
     with pytest.raises(FileNotFoundError, match="config.json"):
         deepoffload.from_pretrained(scratch)
+
+
+def test_from_pretrained_trains_like_the_model_in_memory(scratch):
+    """The guide's training loop (docs/guides/hugging-face.md): a model loaded by deepoffload.from_pretrained with
+    optimizer= trains bit-identical to transformers' from_pretrained in memory with the same AdamW."""
+    import transformers
+
+    import deepoffload
+
+    build("llama").save_pretrained(scratch / "ckpt")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(scratch / "ckpt").train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    model, off = deepoffload.from_pretrained(
+        scratch / "ckpt", path=str(scratch / "swap"), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+    )
+    model.train()
+    for step in range(3):
+        inputs = batch("llama", step)
+        ref(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model(**inputs).loss.backward()
+        off.step()
+        off.zero_grad()
+    off.close()
+    trained, expected = model.state_dict(), ref.state_dict()
+    assert [n for n, t in expected.items() if not torch.equal(trained[n], t)] == []
