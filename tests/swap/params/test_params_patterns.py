@@ -353,3 +353,27 @@ def test_parameters_keep_their_strides(scratch, mode, pinned):
         offload.close()
     assert {name: p.stride() for name, p in model.named_parameters()} == strides
     assert states_equal(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["default-blocks", "blocks="])
+def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed):
+    """nn.Sequential(layer, other, layer): both places are the same block (not a parameter outside the blocks);
+    training, state_dict, load_state_dict and close() match memory."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    reference = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 4), layer)
+    model = copy.deepcopy(reference)
+    assert model[0] is model[3]
+    optimizer = adam(reference.parameters())
+    blocks = [model[0], model[2], model[3]] if listed else None
+    with offload_parameters(model, str(scratch), blocks=blocks, optimizer=adam) as offload:
+        assert [b.prefix for b in offload.blocks] == ["0", "2"]
+        for x in batches(3):
+            assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
+        assert states_equal(model.state_dict(), reference.state_dict())
+        new = {key: torch.randn_like(value) for key, value in reference.state_dict().items()}
+        new["3.weight"], new["3.bias"] = new["0.weight"], new["0.bias"]
+        model.load_state_dict(new), reference.load_state_dict(new)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    assert model[0] is model[3] and states_equal(model.state_dict(), reference.state_dict())
