@@ -53,10 +53,7 @@ def host_id() -> str:
     global _host
     if _host is None:
         parts = [socket.gethostname()]
-        for read in (
-            lambda: open("/proc/sys/kernel/random/boot_id", encoding="ascii").read().strip(),
-            lambda: os.readlink("/proc/self/ns/pid"),
-        ):
+        for read in (_boot_id, lambda: os.readlink("/proc/self/ns/pid")):
             try:
                 parts.append(read())
             except OSError:
@@ -66,6 +63,12 @@ def host_id() -> str:
 
 
 _host: str | None = None
+
+
+def _boot_id() -> str:
+    """This boot's id from ``/proc`` (the file is closed before returning)."""
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+        return f.read().strip()
 
 
 def process_token() -> str:

@@ -4,11 +4,14 @@ Kills at every step of every save path are in tests/crash/."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -207,3 +210,13 @@ def test_offload_save_killed_while_writing_the_config_leaves_the_old_config(scra
     assert run(3, kill=False) == 0
     assert json.loads(config.read_text()) == {"version": 3} and mode(config) == 0o600
     assert sorted(p.name for p in (scratch / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_the_host_id_closes_the_files_it_reads(monkeypatch):
+    monkeypatch.setattr(owners, "_host", None)  # computed once per process: compute it again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        host = owners.host_id()
+        gc.collect()
+    assert re.fullmatch(r"[0-9a-f]{8}", host)
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []

@@ -9,7 +9,8 @@ Blocks (default rule): the children of every ``nn.ModuleList`` / ``nn.Sequential
 the top (the module itself included), not looking inside a block once chosen; children without parameters are
 skipped. Blocks are expected to run in that order (prefetch follows it; another order is still correct, only slower).
 Parameters outside blocks (embeddings, heads, norms) and all buffers stay in memory. A parameter may not be shared
-between two blocks or between a block and the rest.
+between two blocks or between a block and the rest; one module placed twice (``nn.Sequential(layer, other, layer)``)
+is one block, run twice.
 
 Inference (grad disabled, or nothing needs a gradient): the block's own ``forward`` runs on the resident parameters,
 so outputs are bit-identical to the in-memory model.

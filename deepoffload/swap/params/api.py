@@ -46,7 +46,8 @@ def offload_parameters(
         module: The model whose blocks are offloaded.
         path: The folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
             sub-folder, removed on ``close()``.
-        blocks: The submodules to stream (default: see ``find_blocks``), in the order they run.
+        blocks: The submodules to stream (default: see ``find_blocks``), in the order they run; a module at two
+            places in the model (or listed twice) is one block, run at each place.
         prefetch: How many blocks ahead are read while one computes (0: read each block when it starts).
         mode: "fused" (optimizer step inside backward, memory-minimal) or "grads" (gradients to storage, ``step()``
             streams); see the package docstring.
@@ -141,7 +142,8 @@ def offload_parameters(
         for block in blocks:
             if id(block) not in names:
                 raise ValueError(f"blocks=: {type(block).__name__} is not a submodule of the module")
-            chosen.append((names[id(block)], block))
+            if all(block is not other for _, other in chosen):  # one module at two places is one block
+                chosen.append((names[id(block)], block))
     if not chosen:
         raise ValueError(
             "offload_parameters: no blocks with parameters found (no nn.ModuleList/nn.Sequential "

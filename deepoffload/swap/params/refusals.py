@@ -38,7 +38,9 @@ def check_sharing(module: nn.Module, blocks: list[Block]) -> None:
                     f"parameter {block.qualified(name)} is the same tensor as {other} in another "
                     f"block: shared parameters must stay in memory; choose blocks= without them"
                 )
-    prefixes = tuple(b.prefix + "." for b in blocks)
+    # a block may sit at several places (one module twice in a Sequential): each place is that block, called again
+    modules = {id(b.module) for b in blocks}
+    prefixes = tuple(name + "." for name, sub in module.named_modules(remove_duplicate=False) if id(sub) in modules)
     for name, param in module.named_parameters(remove_duplicate=False):
         if id(param) in owner and not name.startswith(prefixes):
             raise ValueError(

@@ -80,6 +80,29 @@ def span(tensors: Iterable[torch.Tensor]) -> int:
     return round_up(sum(round_up(t.numel() * t.element_size(), TENSOR_ALIGNMENT) for t in tensors))
 
 
+def dense_layout(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of ``tensor`` when they lay it out densely but not in row-major order, else None.
+
+    Dense: every element at its own offset, no gaps (``channels_last``, a transpose). Row-major tensors need nothing
+    kept; overlapping or gapped layouts (an ``expand``, a slice) are not given back: such values are read row-major.
+
+    Args:
+        tensor: A parameter's values.
+
+    Returns:
+        Its strides, or None when row-major or not dense.
+    """
+    if tensor.is_contiguous():
+        return None
+    dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(tensor.stride())
+
+
 def placeholder(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A 0-element tensor on ``like``'s device, of ``dtype`` (default: ``like``'s)."""
     return torch.empty(0, dtype=dtype or like.dtype, device=like.device)
@@ -133,6 +156,9 @@ class Block:
             for p in self.params
         ]
         self.shapes = [tuple(p.shape) for p in self.params]
+        # storage holds the values in row-major order; a parameter laid out otherwise (channels_last, a transposed
+        # weight) gets its layout back when read, since kernels (a convolution's) choose by it and round differently
+        self.layouts = [dense_layout(m) for m in self.masters]
         self.compute_dtype = compute_dtype
         self.nbytes = nbytes(self.masters)
         self.compute_nbytes = sum(
@@ -227,8 +253,11 @@ class Block:
     # -- values -----------------------------------------------------------------------------------------------
     def set_data(self, tensors: dict[str, torch.Tensor]) -> None:
         """Point the parameters at ``tensors`` (master values; compute copies are cast from them)."""
-        for name, param, master in zip(self.names, self.params, self.masters):
+        for name, param, master, layout in zip(self.names, self.params, self.masters, self.layouts):
             tensor = tensors[name]
+            if layout is not None and tensor.stride() != layout:  # a copy outside the pool, in the layout it had
+                strided = torch.empty_strided(tensor.shape, layout, dtype=tensor.dtype, device=tensor.device)
+                tensor = strided.copy_(tensor)
             plain(param)
             if master is param:
                 param.data = tensor

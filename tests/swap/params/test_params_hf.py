@@ -294,6 +294,50 @@ def test_trainer_with_a_resident_budget_evaluation_and_checkpoints(scratch, tmp_
         assert states_equal(saved, load_file(tmp_path / "memory" / f"checkpoint-{step}" / "model.safetensors"))
 
 
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_trainer_resumes_a_streamed_run_from_an_in_memory_checkpoint(scratch, tmp_path, mode):
+    """A Trainer checkpoint of a run in memory resumes streamed (Trainer(resume_from_checkpoint=...)) exactly when its
+    optimizer named its parameters; one that did not is refused, and the refusal names what works: following it (an
+    optimizer over model.named_parameters()) gives the weights of the uninterrupted in-memory run."""
+    from deepoffload.errors import CheckpointError
+    from deepoffload.swap.params import trainer_arguments
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12), generator=generator)]
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def trainer(model, folder, **extra):
+        args = transformers.TrainingArguments(
+            output_dir=str(folder),
+            per_device_train_batch_size=2,
+            max_steps=4,
+            max_grad_norm=0,
+            save_strategy="steps",
+            save_steps=2,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        return transformers.Trainer(model, args, train_dataset=data, **extra)
+
+    unnamed, named, model = pair("llama")[0], *pair("llama")
+    trainer(unnamed, tmp_path / "unnamed", optimizers=(adamw(unnamed.parameters()), None)).train()
+    trainer(named, tmp_path / "named", optimizers=(adamw(named.named_parameters()), None)).train()
+    assert states_equal(unnamed.state_dict(), named.state_dict())
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=adamw) as offload:
+        streamed = trainer(model, tmp_path / "streamed", **trainer_arguments(offload))
+        with pytest.raises(CheckpointError, match=r"model\.named_parameters\(\)"):
+            streamed.train(resume_from_checkpoint=str(tmp_path / "unnamed" / "checkpoint-2"))
+        streamed = trainer(model, tmp_path / "streamed", **trainer_arguments(offload))
+        streamed.train(resume_from_checkpoint=str(tmp_path / "named" / "checkpoint-2"))
+        assert streamed.state.global_step == 4
+        assert states_equal(model.state_dict(), named.state_dict())
+
+
 def test_compute_dtype_bf16_on_a_float32_model(scratch):
     """fp32 Llama, blocks computing in bf16 (fp32 masters on storage): the same logits as an in-memory model whose
     decoder layers are bf16 and cast their floating inputs to bf16 and their outputs back to fp32."""

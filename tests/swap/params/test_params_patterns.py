@@ -319,3 +319,61 @@ def test_unfreezing_a_parameter_frozen_at_offload_is_refused_at_its_backward(scr
         name = "blocks.0.linear.weight" if unfrozen == "block" else "embed.weight"
         with pytest.raises(RuntimeError, match=rf"parameter {name} was frozen when offload_parameters\(\) made"):
             model(xs[2]).square().mean().backward()
+
+
+def strided_model() -> nn.Module:
+    """Convolutions in channels_last and a linear layer with a transposed weight: parameters not row-major."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(288, 5))
+    model.to(memory_format=torch.channels_last)
+    model[3].weight = nn.Parameter(model[3].weight.detach().t().contiguous().t())
+    return model
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["streamed", "pinned"])
+def test_parameters_keep_their_strides(scratch, mode, pinned):
+    """Storage holds values row-major; a streamed parameter is read back in the layout it had (kernels choose by it:
+    a channels_last convolution rounds differently from a row-major one), and close() gives it back so."""
+    reference = strided_model()
+    model = copy.deepcopy(reference)
+    strides = {name: p.stride() for name, p in reference.named_parameters()}
+    assert strides["0.weight"] != model[0].weight.contiguous().stride() and not model[3].weight.is_contiguous()
+    x = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
+    optimizer = sgd(reference.parameters())
+    offload = offload_parameters(
+        model, str(scratch), mode=mode, optimizer=sgd, max_resident_bytes=1 << 30 if pinned else None
+    )
+    try:
+        for _ in range(2):
+            assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    finally:
+        offload.close()
+    assert {name: p.stride() for name, p in model.named_parameters()} == strides
+    assert states_equal(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["default-blocks", "blocks="])
+def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed):
+    """nn.Sequential(layer, other, layer): both places are the same block (not a parameter outside the blocks);
+    training, state_dict, load_state_dict and close() match memory."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    reference = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 4), layer)
+    model = copy.deepcopy(reference)
+    assert model[0] is model[3]
+    optimizer = adam(reference.parameters())
+    blocks = [model[0], model[2], model[3]] if listed else None
+    with offload_parameters(model, str(scratch), blocks=blocks, optimizer=adam) as offload:
+        assert [b.prefix for b in offload.blocks] == ["0", "2"]
+        for x in batches(3):
+            assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
+        assert states_equal(model.state_dict(), reference.state_dict())
+        new = {key: torch.randn_like(value) for key, value in reference.state_dict().items()}
+        new["3.weight"], new["3.bias"] = new["0.weight"], new["0.bias"]
+        model.load_state_dict(new), reference.load_state_dict(new)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    assert model[0] is model[3] and states_equal(model.state_dict(), reference.state_dict())
