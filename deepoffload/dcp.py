@@ -26,23 +26,27 @@ import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generator
+from typing import Any, Generator, cast
 
 from torch.distributed.checkpoint import filesystem as _dcp_fs
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .checkpoint.dcp_metadata import check_metadata, read_metadata
 from .checkpoint.streams import DirectReader, DirectWriter
 from .config import AioConfig
+from .errors import CheckpointError
 from .formats.commit import new_generation, sync_folder
 from .io.owners import PRIVATE_MODE, adopt_mode
 
 METADATA_NAME = ".metadata"  # DCP's name for the file that names every data file of a checkpoint
 _DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+\.distcp")
 
-__all__ = ["FileSystemReader", "FileSystemWriter", "OpFileSystem"]
+__all__ = ["FileSystemReader", "FileSystemWriter", "OpFileSystem", "load"]
 
 
 class OpFileSystem(_dcp_fs.FileSystem):
@@ -231,15 +235,24 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
 
 
 class FileSystemReader(_dcp_fs.FileSystemReader):
-    """DCP's ``FileSystemReader`` (same arguments), reading through the async-IO op.
+    """DCP's ``FileSystemReader`` (same arguments), reading through the async-IO op, only inside its folder.
 
     Items are read in file order (DCP's reader takes them in plan order), so each file is read front to back and
     the read-ahead never fetches what is then skipped. It reads checkpoints written by DCP's own writer too.
+
+    Unlike DCP's reader it does not trust ``.metadata``: it is unpickled with an allow-list of the classes DCP's
+    metadata is made of (a pickle payload cannot run), and every entry must name a byte range of a file inside the
+    checkpoint's folder (no ``../``, no absolute path, no link out of it). A refusal, and any damage found while
+    reading, is a ``CheckpointError`` naming the file and the entry; ``dcp.load`` reports it inside DCP's
+    ``CheckpointException`` (its message holds ours; the reader keeps it as ``refusal``), ``deepoffload.dcp.load``
+    raises it as it is.
 
     Args:
         path: The checkpoint's folder.
         *args: DCP's ``FileSystemReader`` arguments.
         config: The async-IO op's settings (default: ``AioConfig.from_env()``).
+        trust_metadata: Unpickle ``.metadata`` with ``pickle`` as DCP's reader does (any class: only for files
+            you trust, e.g. one whose metadata holds classes of your own); the entries are checked either way.
         **kwargs: DCP's ``FileSystemReader`` keyword arguments.
 
     Examples:
@@ -252,10 +265,48 @@ class FileSystemReader(_dcp_fs.FileSystemReader):
         tensor([1., 1.])
     """
 
-    def __init__(self, path: str | os.PathLike, *args: Any, config: AioConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *args: Any,
+        config: AioConfig | None = None,
+        trust_metadata: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(path, *args, **kwargs)
         self.fs = OpFileSystem(config)
         self.path = self.fs.init_path(path)
+        self.trust_metadata = trust_metadata
+        self.refusal: CheckpointError | None = None  # the last CheckpointError raised (DCP's loader rewraps it)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Read ``.metadata`` (or ``__<rank>.metadata``) with the allow-list, and check every entry.
+
+        Args:
+            *args: As for DCP's ``read_metadata``.
+            **kwargs: As for DCP's ``read_metadata`` (``rank``).
+
+        Returns:
+            The metadata, as DCP's reader returns it.
+
+        Raises:
+            CheckpointError: When the file cannot be unpickled with the allow-list, or an entry is malformed or
+                reads outside the checkpoint's folder (naming the entry).
+        """
+        if self.refusal is not None:  # DCP falls back to a rank's own metadata: the refusal stands
+            raise self.refusal
+        path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = read_metadata(stream, path, self.trust_metadata)
+            check_metadata(metadata, os.fspath(self.path), path)
+        except CheckpointError as e:
+            self.refusal = e
+            raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read ``plan``'s items as DCP's reader does, sorted by file and offset.
@@ -266,10 +317,63 @@ class FileSystemReader(_dcp_fs.FileSystemReader):
 
         Returns:
             DCP's future, done once every item is read.
+
+        Raises:
+            CheckpointError: When the bytes an entry names are not what it says (damaged or crafted), naming the
+                checkpoint and the error.
+            OSError: When a read fails (as it is).
         """
 
         def position(item: ReadItem) -> tuple[str, int]:
             info = self.storage_data[item.storage_index]
             return info.relative_path, info.offset
 
-        return super().read_data(dataclasses.replace(plan, items=sorted(plan.items, key=position)), planner)
+        try:
+            return super().read_data(dataclasses.replace(plan, items=sorted(plan.items, key=position)), planner)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - bytes that the metadata's entries do not describe
+            self.refusal = CheckpointError(f"cannot load the DCP checkpoint {self.path}: {type(e).__name__}: {e}")
+            raise self.refusal from e
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    config: AioConfig | None = None,
+    trust_metadata: bool = False,
+    **kwargs: Any,
+) -> None:
+    """``dcp.load(state_dict, storage_reader=FileSystemReader(path))``, raising a refusal as a ``CheckpointError``.
+
+    DCP's loader reports every reader error inside its own ``CheckpointException`` (a ``BaseException``) and turns
+    a metadata error into an ``AssertionError`` message; this raises the reader's ``CheckpointError`` itself.
+
+    Args:
+        state_dict: The state to load into, in place (as for ``dcp.load``).
+        path: The checkpoint's folder.
+        config: The async-IO op's settings (default: ``AioConfig.from_env()``).
+        trust_metadata: As for ``FileSystemReader``.
+        **kwargs: Further ``dcp.load`` arguments (``planner``, ``process_group``, ``no_dist``).
+
+    Raises:
+        CheckpointError: When the reader refused the checkpoint (naming the file and the entry).
+        CheckpointException: DCP's, for any other failure (as ``dcp.load``).
+
+    Examples:
+        >>> import torch, torch.distributed.checkpoint as dcp
+        >>> from deepoffload.dcp import FileSystemWriter, load
+        >>> _ = dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter("ckpt"))
+        >>> state = {"w": torch.zeros(2)}
+        >>> load(state, "ckpt")
+        >>> state["w"]
+        tensor([1., 1.])
+    """
+    reader = FileSystemReader(path, config=config, trust_metadata=trust_metadata)
+    try:
+        _dcp_load(state_dict, storage_reader=reader, **kwargs)
+    except CheckpointException as e:
+        if reader.refusal is not None:
+            raise reader.refusal from e
+        raise

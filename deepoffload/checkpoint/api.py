@@ -12,6 +12,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
+import torch.serialization as ts
 
 from ..config import AioConfig
 from ..errors import CheckpointError, UnsupportedError, naming_target
@@ -32,6 +33,7 @@ from .torch_format import (
 )
 from .whole_file import load_from_memory, load_mapped, read_whole, weights_only_default
 from .zip_crc import ZipChecksums
+from .zip_layout import check_layout
 
 LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
 _executor: ThreadPoolExecutor | None = None
@@ -190,6 +192,8 @@ def load(
         raise  # already says what is wrong with the file (a guess from its first bytes would hide it)
     except Exception as e:
         reason = not_a_checkpoint(path)
+        if reason is None and isinstance(e, RuntimeError) and str(e).startswith("PytorchStreamReader"):
+            reason = str(e)  # torch's zip reader refused the file, without naming it
         if reason is None:
             raise
         raise CheckpointError(f"cannot load {path}: {reason}") from e
@@ -227,6 +231,9 @@ def _load(
         if done:
             return result
         del data
+    with open(path, "rb") as f:  # (torch.load checks the layout of no file it reads as a stream)
+        if ts._is_zipfile(f):
+            check_layout(f, path)
     with DirectReader(path, config=config, on_read=verifier.on_read if verifier else None) as reader:
         try:
             # (torch's stub asks IO[bytes]; an io.RawIOBase file, as reader is, is not one to typeshed)

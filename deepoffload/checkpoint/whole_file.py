@@ -23,6 +23,7 @@ from ..io.handle import AsyncIOHandle, wait_each
 from ..op_builder import env
 from .record_check import CheckedStorage, data_records
 from .streams import SeekableReader
+from .zip_layout import check_layout
 
 TORCH_TRUE = ("1", "y", "yes", "true")  # the values torch.load takes as set for its TORCH_FORCE_* variables
 
@@ -127,6 +128,7 @@ def load_from_memory(
     source = MemoryFile(data)
     if not ts._is_zipfile(source):
         return False, None
+    check_layout(source, path)
     source.seek(0)
     args = dict(pickle_load_args)
     args.setdefault("encoding", "utf-8")
@@ -158,6 +160,7 @@ def load_mapped(
     with open(path, "rb") as f:
         if not ts._is_zipfile(f):
             return False, None
+        check_layout(f, path)
     shared = os.name != "nt" and ts.get_default_mmap_options() == mmap.MAP_SHARED
     storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(path, shared, os.path.getsize(path)))
     args = dict(pickle_load_args)

@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
-import shutil
 import socket
 import stat
 import uuid
 from pathlib import Path
+
+from .tree import remove_tree
 
 PRIVATE_MODE = 0o600
 _OWNER = r"(?P<pid>\d+)\.(?P<start>\d+)\.(?P<host>[0-9a-f]{8})"  # what process_token() writes
 _TEMPORARY = re.compile(rf"\.(?P<target>.+?)\.(?:tmp|partial)-{_OWNER}-[0-9a-f]{{8}}.*")
 _RUN_FOLDER = re.compile(rf"deepoffload-rank\d+-{_OWNER}-[a-z0-9_]+")  # mkdtemp's random part
 _start_times: dict[int, int] = {}
+_log = logging.getLogger("deepoffload")
+_PID_MAX = 2**31 - 1  # process ids are C ints
 
 
 def start_time(pid: int) -> int:
@@ -95,7 +99,7 @@ def is_alive(pid: int, start: int) -> bool:
     Returns:
         False when no such process runs (or the id was reused by a newer one); True otherwise, and always on Windows.
     """
-    if pid <= 0:
+    if pid <= 0 or pid > _PID_MAX:  # no such process (and os.kill would raise OverflowError for a crafted name)
         return False
     if os.name == "nt":  # os.kill(pid, 0) would terminate it there; without a safe check, count it alive
         return True
@@ -166,7 +170,11 @@ def run_folder_prefix(rank: int) -> str:
 def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
     """Remove the per-run swap folders in ``base`` of processes that are no longer alive.
 
-    Folders kept on purpose hold a ``KEPT`` file and stay. Errors listing ``base`` or removing a folder are ignored.
+    Only a folder (not a link) named as ``run_folder_prefix`` names it, owned by this process's user and holding the
+    ``RUN_MARKER`` file is a candidate; one holding a ``KEPT`` file stays. Anything else in ``base`` may be another
+    user's, planted on purpose: it is never entered. Removal walks the tree without recursion and without following
+    links (``remove_tree``). Any error, listing ``base`` or removing one folder, is logged (logger ``deepoffload``)
+    and passed over: leftovers never stop a set-up.
 
     Args:
         base: The folder holding the run folders.
@@ -174,20 +182,33 @@ def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
     Returns:
         The folders removed.
     """
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(base):
-            match = _RUN_FOLDER.fullmatch(entry.name)
-            if match is None or not entry.is_dir(follow_symlinks=False):
+    removed: list[Path] = []
+    try:
+        with os.scandir(base) as listing:
+            entries = [(entry, match) for entry in listing if (match := _RUN_FOLDER.fullmatch(entry.name))]
+    except OSError as e:
+        _log.warning("could not list %s to remove dead swap folders: %s", base, e)
+        return removed
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    for entry, match in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
+                continue  # a link, a file, or another user's: not ours to judge
+            if not os.path.lexists(os.path.join(entry.path, RUN_MARKER)):
+                continue  # not made by this library (or by a version before the marker)
+            if os.path.lexists(os.path.join(entry.path, KEPT)) or _owner_alive(match):
                 continue
-            if os.path.exists(os.path.join(entry.path, KEPT)) or _owner_alive(match):
-                continue
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(Path(entry.path))
+            remove_tree(entry.path, owner=uid)
+        except Exception as e:  # noqa: BLE001 - whatever someone else's leftover does, set-up goes on
+            _log.warning("left the dead swap folder %s in place: %s: %s", entry.path, type(e).__name__, e)
+            continue
+        removed.append(Path(entry.path))
     return removed
 
 
 KEPT = "KEPT"  # a file in a run folder that is to outlive its process
+RUN_MARKER = ".deepoffload-run"  # a file in every run folder this library makes: what dead-run cleaning looks for
 
 
 def create_private(path: str | os.PathLike) -> int:

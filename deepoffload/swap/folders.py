@@ -9,15 +9,16 @@ without cleaning up (killed, out of memory); a live process's folder, and one ke
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import os
-import shutil
 import tempfile
 import threading
 import warnings
 from typing import cast
 
-from ..io.owners import KEPT, remove_dead_run_folders, run_folder_prefix
+from ..io.owners import KEPT, RUN_MARKER, create_private, remove_dead_run_folders, run_folder_prefix
+from ..io.tree import remove_tree
 from ..op_builder import env
 
 _owned_lock = threading.Lock()
@@ -70,6 +71,7 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
     try:
         remove_dead_run_folders(base)
         folder = tempfile.mkdtemp(prefix=run_folder_prefix(current_rank() if rank is None else rank), dir=base)
+        os.close(create_private(os.path.join(folder, RUN_MARKER)))  # what dead-run cleaning looks for
     except OSError as e:
         raise OSError(
             e.errno,
@@ -153,9 +155,10 @@ def keep_run_folder(folder: str) -> None:
 
 
 def remove_run_folder(folder: str) -> None:
-    """Remove ``folder`` and its files now."""
+    """Remove ``folder`` and its files now (best effort; links in it are removed, never followed)."""
     _forget(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        remove_tree(folder)
 
 
 def _forget(folder: str) -> None:

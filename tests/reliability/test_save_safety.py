@@ -150,6 +150,7 @@ def test_the_next_run_removes_the_swap_folders_of_dead_processes_only(scratch):
     dead = scratch / f"deepoffload-rank0-{pid}.0.{host}-abc_12xy"
     (dead / "sub").mkdir(parents=True)
     (dead / "state.swp").write_bytes(b"x" * 100)
+    (dead / owners.RUN_MARKER).write_bytes(b"")  # what every run folder this library makes carries
     elsewhere = scratch / f"deepoffload-rank2-{pid}.0.0badc0de-abc_12xy"  # another host's, sharing the folder
     elsewhere.mkdir()
     kept = scratch / f"deepoffload-rank1-{pid}.0.{host}-kept1234"

@@ -236,7 +236,7 @@ def test_run_folders_are_per_run_rank_aware_and_removed(scratch):
     kept = TensorSwapper(SwapConfig(folder=str(scratch), keep_files=True))
     kept.swap_out({"g": {"t": torch.ones(3)}}).wait()
     kept.close()
-    assert sorted(os.listdir(kept.folder)) == ["KEPT", "g.swp"]  # KEPT: later runs leave it alone
+    assert sorted(os.listdir(kept.folder)) == [".deepoffload-run", "KEPT", "g.swp"]  # KEPT: later runs leave it alone
     with pytest.raises(ValueError, match="closed"):
         kept.swap_in(["g"])
 

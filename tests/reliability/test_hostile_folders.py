@@ -1,0 +1,139 @@
+"""Swap folders another local user may have shaped: dead-run cleaning that a planted tree cannot turn against the
+user (no recursion a tree's depth can overflow, no link followed, only this user's folders carrying the library's
+marker, any error logged and passed over).
+
+Tests that play the other user run as root and give folders to uid 65534 (``nobody``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper
+from deepoffload.io import owners
+from deepoffload.io.tree import remove_tree
+from deepoffload.swap.folders import create_run_folder, remove_run_folder
+
+OTHER_UID = 65534
+DEPTH = 1500  # deeper than Python's recursion limit (1000): shutil.rmtree raised RecursionError
+as_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+
+
+def dead_name(rank: int = 0) -> str:
+    """A run folder's name recording a process of this host that does not exist."""
+    return f"deepoffload-rank{rank}-4194303999.0.{owners.host_id()}-abc_12xy"
+
+
+def nest(folder: Path, depth: int) -> Path:
+    """``depth`` nested folders under ``folder`` (made with relative steps: the full path would pass PATH_MAX)."""
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        for _ in range(depth):
+            os.mkdir("d")
+            os.chdir("d")
+        Path("deepest.swp").write_bytes(b"x")
+    finally:
+        os.chdir(here)
+    return folder
+
+
+@pytest.fixture
+def planted(scratch):
+    """Deep trees made by the test, removed after it without recursion (the scratch teardown's rmtree recurses)."""
+    made: list[Path] = []
+    yield made
+    for folder in made:
+        if folder.is_dir() and not folder.is_symlink():
+            remove_tree(folder)
+
+
+def plant(base: Path, made: list[Path], uid: int | None = None, marker: bool = True) -> Path:
+    folder = base / dead_name()
+    folder.mkdir()
+    made.append(folder)
+    if marker:
+        (folder / owners.RUN_MARKER).write_bytes(b"")
+    nest(folder, DEPTH)
+    if uid is not None:
+        os.chown(folder, uid, uid)
+    return folder
+
+
+@as_root
+def test_another_users_planted_deep_tree_does_not_stop_set_up(scratch, planted):
+    made = planted
+    # a 1500-deep "dead run" folder made TensorSwapper() and OffloadedOptimizer() raise RecursionError
+    planted = plant(scratch, made, OTHER_UID)
+    TensorSwapper(SwapConfig(folder=str(scratch), pin=False)).close()
+    param = torch.nn.Parameter(torch.ones(4))
+    OffloadedOptimizer(torch.optim.SGD([param], lr=0.1), config=SwapConfig(folder=str(scratch), pin=False)).close()
+    assert planted.is_dir() and (planted / "d").is_dir()  # another user's: never entered
+
+
+def test_a_dead_run_folder_of_this_user_is_removed_however_deep(scratch, planted):
+    made = planted
+    planted = plant(scratch, made)
+    outside = scratch / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    (planted / "d" / "d" / "link").symlink_to(outside)
+    (planted / "d" / "file-link").symlink_to(outside / "keep.txt")
+    assert owners.remove_dead_run_folders(scratch) == [planted]
+    assert not planted.exists() and (outside / "keep.txt").read_text() == "mine"
+
+
+def test_only_marked_folders_are_cleaned(scratch, planted):
+    made = planted
+    unmarked = plant(scratch, made, marker=False)  # a folder of the right name that the library did not make
+    link = scratch / dead_name(1)
+    link.symlink_to(unmarked)  # a link of the right name: removed never, followed never
+    assert owners.remove_dead_run_folders(scratch) == []
+    assert unmarked.is_dir() and link.is_symlink()
+    remove_tree(unmarked)
+    assert not unmarked.exists()
+
+
+def test_a_run_folder_carries_the_marker(scratch):
+    folder = create_run_folder(str(scratch), 0)
+    try:
+        assert (Path(folder) / owners.RUN_MARKER).is_file()
+    finally:
+        remove_run_folder(folder)
+    assert not os.path.exists(folder)
+
+
+def test_an_error_cleaning_leftovers_is_logged_and_passed_over(scratch, planted, monkeypatch, caplog):
+    made = planted
+    planted = plant(scratch, made)
+
+    def broken(path, owner=None):
+        raise RuntimeError("cannot happen, but must not stop set-up")
+
+    monkeypatch.setattr(owners, "remove_tree", broken)
+    with caplog.at_level(logging.WARNING, logger="deepoffload"):
+        swapper = TensorSwapper(SwapConfig(folder=str(scratch), pin=False))
+    swapper.close()
+    assert planted.is_dir()
+    assert any(str(planted) in r.getMessage() and "RuntimeError" in r.getMessage() for r in caplog.records)
+
+
+def test_remove_tree_refuses_a_link_and_another_owner(scratch):
+    target = scratch / "target"
+    target.mkdir()
+    (scratch / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        remove_tree(scratch / "link")
+    assert target.is_dir() and (scratch / "link").is_symlink()
+    with pytest.raises(PermissionError, match="owned by user"):
+        remove_tree(target, owner=os.getuid() + 1)
+    assert target.is_dir()
+
+
+def test_a_crafted_process_id_is_a_dead_process():
+    # a name recording a pid past a C int made os.kill raise OverflowError inside the cleaning
+    assert not owners.is_alive(2**31, 0) and not owners.is_alive(2**70, 0)
