@@ -16,6 +16,15 @@ Saving again into the same folder is crash-consistent: each save's data files ge
 renamed over the old one (never removed first) and the folder fsynced, which switches readers from the whole old
 checkpoint to the whole new one. Only then are the old data files removed, and the new ones given the old
 checkpoint's mode (or the umask's).
+
+Saves that overlap in one folder (a resubmitted job, an asynchronous save still running) each leave a loadable
+checkpoint, and the one whose ``.metadata`` rename comes last is what the folder holds once both end. DCP writes data
+files under their final names before ``.metadata`` names them, so each save marks its generation as in progress with
+an empty file ``.__<generation>.partial-<pid>.<start>.<host>-<random>`` (made by the coordinator before any rank
+writes, removed once ``.metadata`` names the files), and a save's ``finish`` (the ``.metadata`` rename, then the
+removal of data files it does not name) runs under the folder's save lock (``deepoffload.io.folder_lock``). It
+removes a data file only if the new ``.metadata`` does not name it and no live writer's marker covers its
+generation: a superseded file, or one of a save that died (its marker too is removed then).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Generator, cast
@@ -31,7 +41,7 @@ from typing import Any, Generator, cast
 from torch.distributed.checkpoint import filesystem as _dcp_fs
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -41,10 +51,12 @@ from .checkpoint.streams import DirectReader, DirectWriter
 from .config import AioConfig
 from .errors import CheckpointError
 from .formats.commit import new_generation, sync_folder
-from .io.owners import PRIVATE_MODE, adopt_mode
+from .io.folder_lock import folder_lock
+from .io.owners import PRIVATE_MODE, adopt_mode, create_private, remove_dead_temporaries, temporary_name
 
 METADATA_NAME = ".metadata"  # DCP's name for the file that names every data file of a checkpoint
-_DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+\.distcp")
+_DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:(?P<generation>[0-9a-f]{8})_)?\d+\.distcp")
+_MARKER = re.compile(r"\.(?P<target>__[0-9a-f]{8})\.partial-.*")  # a save in progress (see the module docstring)
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "OpFileSystem", "load"]
 
@@ -173,6 +185,7 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         super().__init__(path, *args, **kwargs)
         self.fs = OpFileSystem(config)
         self.path = self.fs.init_path(path)
+        self._marker: weakref.finalize | None = None  # removes this writer's in-progress marker (once)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """DCP's local plan, with a new generation in this rank's file names when the rank names its own files.
@@ -182,17 +195,21 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
 
         Returns:
             The plan DCP's writer makes; when it sets a file prefix (each rank names its own files, no collectives),
-            the prefix gets a generation no earlier save used.
+            the prefix gets a generation no earlier save used, marked in the folder as in progress.
         """
         plan = super().prepare_local_plan(plan)
         if plan.storage_data is not None:  # each rank names its own files (no collectives): add a generation
+            generation = new_generation()
+            self._mark(generation)
             plan = dataclasses.replace(
-                plan, storage_data=_dcp_fs._StoragePrefix(f"{plan.storage_data.prefix}{new_generation()}_")
+                plan, storage_data=_dcp_fs._StoragePrefix(f"{plan.storage_data.prefix}{generation}_")
             )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Give every rank's plan the file prefix ``__<rank>_<generation>_``, one generation for the whole save.
+
+        The generation is marked in the folder as in progress before any rank writes (see the module docstring).
 
         Args:
             plans: The ranks' plans, in rank order (on the coordinator).
@@ -201,6 +218,8 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
             The plans, each without a prefix given ``__<i>_<generation>_``; a plan that has one is kept.
         """
         generation = new_generation()  # one for the whole save, chosen by the coordinator
+        if any(plan.storage_data is None for plan in plans):
+            self._mark(generation)
         return [
             dataclasses.replace(plan, storage_data=_dcp_fs._StoragePrefix(f"__{i}_{generation}_"))
             if plan.storage_data is None
@@ -208,28 +227,90 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
             for i, plan in enumerate(plans)
         ]
 
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items as DCP's writer does; if that fails, this save's in-progress mark goes at once.
+
+        Args:
+            plan: This rank's save plan.
+            planner: The planner that supplies the data.
+
+        Returns:
+            DCP's future of this rank's write results.
+        """
+        try:
+            return super().write_data(plan, planner)
+        except BaseException:
+            self._unmark()  # the save fails: what it wrote is nobody's to keep (the next save removes it)
+            raise
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Put the checkpoint in place: mode the data files, rename the metadata over the old, remove old data files.
 
-        The new data files get the old checkpoint's mode (or the umask's) before the metadata names them; the data
-        files of earlier saves (and of saves that died) are removed only after the metadata's rename: all of them
-        for the global metadata, else this rank's.
+        All under the folder's save lock (see the module docstring). The new data files get the old checkpoint's
+        mode (or the umask's) before the metadata names them; the data files of earlier saves (and of saves that
+        died) are removed only after the metadata's rename: all of them for the global metadata, else this rank's,
+        except those of a save still in progress.
 
         Args:
             metadata: The checkpoint's metadata (as for DCP's ``finish``).
             results: Every rank's write results (as for DCP's ``finish``).
+
+        Raises:
+            TimeoutError: When another save into the folder holds its lock for longer than ``folder_lock.TIMEOUT_S``.
         """
         folder = Path(self.path)
         global_metadata = self.use_collectives or self.rank is None
         metadata_path = folder / (METADATA_NAME if global_metadata else f"__{self.rank}{METADATA_NAME}")
         names = {result.storage_data.relative_path for group in results for result in group}
-        for name in names:  # the checkpoint's mode, before its files can be reached through the metadata
-            with contextlib.suppress(FileNotFoundError):  # another node's file, in a folder not shared with this one
-                adopt_mode(folder / name, metadata_path)
-        super().finish(metadata, results)  # writes the metadata and renames it into place (see OpFileSystem)
-        for entry in os.scandir(folder):  # the data files of earlier saves (and of saves that died)
+        with folder_lock(folder):
+            for name in names:  # the checkpoint's mode, before its files can be reached through the metadata
+                with contextlib.suppress(FileNotFoundError):  # another node's file, in a folder not shared with this
+                    adopt_mode(folder / name, metadata_path)
+            super().finish(metadata, results)  # writes the metadata and renames it into place (see OpFileSystem)
+            self._remove_superseded(folder, names, global_metadata)
+            self._unmark()  # the metadata names this save's files now
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The writer's state for pickling (DCP's process-based ``async_save`` sends the writer).
+
+        Returns:
+            The attributes, without the in-progress marker's finalizer: a marker belongs to the process that made it.
+        """
+        return {**self.__dict__, "_marker": None}
+
+    def _mark(self, generation: str) -> None:
+        """Mark ``generation`` in the folder as a save in progress (an empty file naming this process).
+
+        This writer's earlier mark goes: that save is over (finished, or failed).
+        """
+        self._unmark()
+        marker = Path(self.path) / temporary_name(f"__{generation}", "partial")
+        os.close(create_private(marker))
+        self._marker = weakref.finalize(self, _remove, marker)  # also when the writer is dropped after a failure
+
+    def _unmark(self) -> None:
+        if self._marker is not None:
+            self._marker()
+            self._marker = None
+
+    def _remove_superseded(self, folder: Path, names: set[str], global_metadata: bool) -> None:
+        """Remove the data files in scope that the new metadata does not name, except a live save's.
+
+        A file is a live save's when a marker of a process that may still run covers its generation; the markers of
+        saves that died are removed first. Called under the folder's lock, just after the switch.
+        """
+        entries = list(os.scandir(folder))
+        for target in {m["target"] for e in entries if (m := _MARKER.fullmatch(e.name))}:
+            remove_dead_temporaries(folder, target)
+        live = {m["target"] for e in os.scandir(folder) if (m := _MARKER.fullmatch(e.name))}
+        for entry in entries:
             match = _DATA_FILE.fullmatch(entry.name)
-            if match and entry.name not in names and (global_metadata or int(match["rank"]) == self.rank):
+            if (
+                match
+                and entry.name not in names
+                and (global_metadata or int(match["rank"]) == self.rank)
+                and f"__{match['generation']}" not in live
+            ):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
 

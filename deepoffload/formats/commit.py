@@ -12,7 +12,14 @@ Every file of a save is written and fsynced under a temporary name first (create
   complete new one. Then the folder is fsynced and the files of earlier saves are removed.
 
 Killed before the switch, the folder still holds the old checkpoint (plus unused files, removed by the next save
-there); killed after it, the new one. A folder holding both an index and ``<prefix>.safetensors`` (killed while
+there); killed after it, the new one.
+
+Saves that overlap in one folder: the shards' final renames, the switch and the removal of earlier files run under
+the folder's save lock (``deepoffload.io.folder_lock``), and a save in progress has only temporaries that name their
+live writer (never removed). So each removal runs right after its own save's switch with no other switch possible,
+and removes only shards that the index it just put in place does not name: files of earlier saves, or of saves that
+died. The save whose switch comes last is what the folder holds once both end, and at every moment it holds the
+complete set its last switch named. A folder holding both an index and ``<prefix>.safetensors`` (killed while
 switching between the two layouts) has each complete: this package reads the set the index names, ``transformers``
 the single file.
 """
@@ -26,6 +33,7 @@ import re
 import uuid
 from pathlib import Path
 
+from ..io.folder_lock import folder_lock
 from ..io.owners import adopt_mode, create_private, remove_dead_temporaries, temporary_name
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -83,29 +91,36 @@ def commit(
 
     Returns:
         The shards' final paths.
+
+    Raises:
+        TimeoutError: When another save into ``folder`` holds its lock for longer than ``folder_lock.TIMEOUT_S``.
     """
     names = shard_names(prefix, len(temporaries), generation)
     index = folder / f"{prefix}{INDEX_SUFFIX}"
     single = folder / f"{prefix}.safetensors"
-    model = index if index.exists() else single  # the checkpoint being replaced lends its mode to the new files
-    for temporary in temporaries + ([index_temporary] if index_temporary is not None else []):
-        adopt_mode(temporary, model)
     finals = [folder / name for name in names]
-    for temporary, final in zip(temporaries, finals):
-        os.replace(temporary, final)
-    sync_folder(folder)  # the shards are in place before the index that names them can be
-    if index_temporary is not None:
-        os.replace(index_temporary, index)
-        sync_folder(folder)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            index.unlink()
-    remove_stale(folder, prefix, set(names))
+    with folder_lock(folder):  # no other save switches or removes files until this one's removal is done
+        model = index if index.exists() else single  # the checkpoint being replaced lends its mode to the new files
+        for temporary in temporaries + ([index_temporary] if index_temporary is not None else []):
+            adopt_mode(temporary, model)
+        for temporary, final in zip(temporaries, finals):
+            os.replace(temporary, final)
+        sync_folder(folder)  # the shards are in place before the index that names them can be
+        if index_temporary is not None:
+            os.replace(index_temporary, index)
+            sync_folder(folder)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                index.unlink()
+        remove_stale(folder, prefix, set(names))
     return finals
 
 
 def remove_stale(folder: Path, prefix: str, keep: set[str]) -> None:
-    """Remove the shards of earlier saves with ``prefix`` from ``folder`` (all but the names in ``keep``)."""
+    """Remove the shards of earlier saves with ``prefix`` from ``folder`` (all but the names in ``keep``).
+
+    Only under the folder's lock, just after the switch to ``keep`` (see the module docstring).
+    """
     stale = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}}(-[0-9a-f]{{8}})?)?\.safetensors")
     for path in folder.iterdir():
         if stale.fullmatch(path.name) and path.name not in keep:

@@ -36,13 +36,17 @@ from scenarios import SCENARIOS, listing, same  # noqa: E402
 BOUNDARIES = ("replace", "rename", "fsync", "unlink")
 
 
-def interpose(kill_at: int, counter: list[int]) -> None:
-    """Count boundaries in this (child) process; SIGKILL it just before the ``kill_at``-th (0: never)."""
+def interpose(kill_at: int, counter: list[int], action=None) -> None:
+    """Count boundaries in this (child) process; SIGKILL it just before the ``kill_at``-th (0: never), or call
+    ``action()`` there instead when given (the two-writer harness pauses the writer)."""
 
     def boundary() -> None:
         counter[0] += 1
         if counter[0] == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if action is None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                action()
 
     def wrap(function):
         def wrapper(*args, **kwargs):

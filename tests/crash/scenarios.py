@@ -95,6 +95,17 @@ def offload_save_act(work: Path, version: int) -> None:
         off.close(restore=False)
 
 
+def offload_save_sharded_act(work: Path, version: int) -> None:
+    """``off.save`` into several shards and an index (each block's weight and bias in a shard of its own)."""
+    import deepoffload
+
+    off = deepoffload.offload_parameters(_block_model(version), str(work / "swap"))
+    try:
+        off.save(work / "ckpt", max_shard_bytes=32 * 32 * 4)
+    finally:
+        off.close(restore=False)
+
+
 def offload_save_config_act(work: Path, version: int) -> None:
     """``off.save`` of a model with a Hugging Face config: the shards, then transformers' own ``config.json``."""
     from transformers import PretrainedConfig
@@ -191,6 +202,7 @@ SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] 
     "save_file": (save_file_act, safetensors_load),
     "save_sharded": (save_sharded_act, sharded_load),
     "offload_save": (offload_save_act, sharded_folder_load),
+    "offload_save_sharded": (offload_save_sharded_act, sharded_folder_load),
     "offload_save_config": (offload_save_config_act, config_folder_load),
     "dcp": (dcp_act, dcp_load),
     "optimizer_step": (optimizer_act, torch_load),

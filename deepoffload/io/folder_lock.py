@@ -1,0 +1,145 @@
+"""An advisory lock on a checkpoint folder, held by a save while it switches the folder to its files and cleans up.
+
+Why a lock, and why only there. A save into a folder first writes its files where no reader looks (temporaries, or
+data files that no index or ``.metadata`` names yet), then switches readers to them with one rename, then removes
+the files no longer named. The removal is what two overlapping saves used to turn against each other: each one's
+cleaning took the other's files for leftovers. The rules that make it safe:
+
+1. Files written before the switch carry their writer in their name (``deepoffload.io.owners``: pid, start time,
+   host) or are covered by such a marker file, and cleaning never removes them while that writer may still run.
+2. The switch and the cleaning after it run under this lock, so while a save cleans, no other switch can happen: the
+   files the folder's current switch names are exactly the ones it just put in place, and it keeps those. Every
+   other file of the checkpoint's names is then superseded, or left by a writer that died (or failed), never one a
+   live save still needs.
+
+So at every moment the folder holds every file its last switch names (no cleaning removes them before a later
+switch replaces it), and when overlapping saves end, the one that switched last is what loads. The lock is held for
+renames, fsyncs and unlinks only (never while tensors are written), so a second save waits briefly; waiting longer
+than ``TIMEOUT_S`` means the holder is stuck (stopped, or on a hung filesystem), and the waiter raises
+``TimeoutError`` naming the folder and the holder's process id instead of waiting for ever. Lock-free designs (every
+save keeps what a live writer might still switch to) were considered: deciding "superseded" without a lock needs the
+folder's current switch to stay put while it is read, which is this lock again.
+
+The lock is ``flock`` on the file ``.deepoffload.lock`` in the folder: the kernel releases it when its holder's
+process ends, even killed, so a dead holder never blocks anyone. The holder writes its process token into the file
+and removes the file before releasing the lock; a waiter that then obtains the lock on the removed file sees that
+the path no longer names it and tries again, so one holder at a time holds the lock of the file the path names.
+Without ``fcntl`` (Windows) no lock is taken: overlapping saves into one folder are not protected there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+from .owners import new_file_mode, process_token
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_NAME = ".deepoffload.lock"
+TIMEOUT_S = 300.0  # seconds a save waits for another save's switch before giving up (the switch takes far less)
+_POLL_S = (0.001, 0.05)  # the first and the longest pause between tries
+
+
+def _wait(seconds: float) -> None:
+    """Pause between two tries to take a lock (the two-writer crash harness patches it to see a save wait)."""
+    time.sleep(seconds)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, timeout: float | None = None) -> Iterator[None]:
+    """Hold ``folder``'s save lock for the ``with`` block (see the module docstring).
+
+    Not re-entrant: a thread that holds a folder's lock and asks for it again waits until ``timeout``.
+
+    Args:
+        folder: The checkpoint folder (it must exist).
+        timeout: Seconds to wait for another holder at most (default ``TIMEOUT_S``).
+
+    Yields:
+        Nothing; the lock is held until the block ends.
+
+    Raises:
+        TimeoutError: When another save holds the lock for longer than ``timeout``; the message names the folder
+            and the holder's process id.
+        OSError: When the lock file cannot be created or opened (the message names it).
+    """
+    if fcntl is None:
+        yield
+        return
+    path = Path(folder) / LOCK_NAME
+    fd = _acquire(path, TIMEOUT_S if timeout is None else timeout)
+    try:
+        yield
+    finally:
+        try:  # removed while held, so a waiter holding the removed file's lock knows to try again
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # (a forked child may share the descriptor: release explicitly)
+            os.close(fd)
+
+
+def _open(path: Path) -> int:
+    flags = os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            return os.open(path, os.O_RDWR | flags, new_file_mode())
+        except PermissionError:  # another user's lock file (in a shared folder): reading is enough to lock it
+            return os.open(path, os.O_RDONLY | flags)
+    except OSError as e:
+        reason = "a symbolic link is in its place" if e.errno == errno.ELOOP else (e.strerror or str(e))
+        raise OSError(e.errno, f"cannot take the save lock of {path.parent}: {path}: {reason}", str(path)) from e
+
+
+def _acquire(path: Path, timeout: float) -> int:
+    """Take the lock of the file at ``path``; return its descriptor (see the module docstring)."""
+    deadline = time.monotonic() + timeout
+    pause = _POLL_S[0]
+    fd = _open(path)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise TimeoutError(_busy_message(path, timeout)) from None
+            _wait(pause)
+            pause = min(2 * pause, _POLL_S[1])
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(fd), current):
+            break
+        os.close(fd)  # the previous holder removed the file: lock the one the path names now
+        fd = _open(path)
+    with contextlib.suppress(OSError):  # who holds it, for a waiter's message (not writable: another user's file)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, process_token().encode(), 0)
+    return fd
+
+
+def _busy_message(path: Path, timeout: float) -> str:
+    try:
+        token = path.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        token = ""
+    pid = token.partition(".")[0]
+    holder = f"process {pid} (its record: {token})" if pid.isdigit() else "another process (it recorded no id)"
+    return (
+        f"cannot save into {path.parent}: another save into this folder, by {holder}, held its lock {path} for "
+        f"all the {timeout:g} s this save waited. Saves into one folder take turns; if that process is stopped or "
+        f"hung, end it (the lock goes with it) or save into another folder"
+    )
