@@ -308,9 +308,14 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
 
         Refused for parameters of a ``DistributedDataParallel`` model, whose gradients are averaged only as
         backward ends. Requires one ``backward()`` per ``step()`` and gradients used as backward leaves them: a
-        second backward before ``step()`` (gradient accumulation) raises ``UnsupportedError`` in that backward;
-        gradients changed after backward (clipping, GradScaler's unscale) are detected at ``step()``, which raises
-        it. Step pre-hooks run at ``step()``, after most parameters were stepped.
+        second backward before ``step()`` (gradient accumulation) raises ``UnsupportedError`` in that backward.
+        What each gradient held when its chunk completed (identity, data pointers, version, a digest of its bytes)
+        is compared at ``step()``: any change (clipping, ``.data`` edits, ``p.grad = ...``, GradScaler's unscale)
+        raises ``UnsupportedError``. The first step after turning it on only checks: backward steps nothing, and a
+        change is refused before any parameter moves; later steps step in backward, and a change is refused after
+        backward stepped with the gradients as it left them. A ``GradScaler`` is refused at its first ``scale()``
+        (before that backward). Use the default mode for those loops. Step pre-hooks run at ``step()``, after most
+        parameters were stepped.
 
         Args:
             enabled: True turns it on (nothing changes when it is on already); False returns to stepping in
