@@ -32,7 +32,14 @@ from .materialize import Materializer
 from .patches import ModulePatches
 from .placeholders import internal_call
 from .recompute import BlockCall, Recompute
-from .refusals import check_backward, check_budget, check_sharing, optimized_ids, scaled_loss_error
+from .refusals import (
+    check_backward,
+    check_budget,
+    check_per_parameter,
+    check_sharing,
+    optimized_ids,
+    scaled_loss_error,
+)
 from .residency import Block, Residency, nbytes
 from .schedule import upcoming
 from .shared_inputs import SharedInputs
@@ -134,6 +141,7 @@ class ParameterOffload:
             block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
             rest = [p for p in self.rest if p.requires_grad]
             rest_optimizer = OffloadedOptimizer(optimizer, rest, rest_config) if rest else None
+        check_per_parameter([opt for opt in (block_optimizer, rest_optimizer) if opt is not None])
         self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
         # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
         self._optimizing = optimizer is not None

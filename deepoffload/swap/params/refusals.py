@@ -124,3 +124,27 @@ def scaled_loss_error(offload: ParameterOffload) -> StreamedParameterError | Non
         f"would not be skipped; nothing was stepped. bfloat16 needs no loss scaling: drop the GradScaler (with "
         f"compute_dtype=torch.bfloat16 or bf16 autocast, or in fp32), which trains exactly as the same loop in memory"
     )
+
+
+def check_per_parameter(optimizers: list[OffloadedOptimizer]) -> None:
+    """Refuse an optimizer declared to read several parameters in one step (``per_parameter=False``).
+
+    A ``ParameterOffload`` steps each block, and the parameters outside the blocks, in steps of their own. The
+    optimizers are closed first.
+
+    Args:
+        optimizers: The block and rest optimizers just made.
+
+    Raises:
+        StreamedParameterError: When one is not per-parameter.
+    """
+    whole = [opt for opt in optimizers if not opt.per_parameter]
+    if whole:
+        for opt in optimizers:
+            opt.close()
+        raise StreamedParameterError(
+            f"offload_parameters(optimizer=...): this {type(whole[0].optimizer).__name__} is declared to read several "
+            f"parameters in one step (deepoffload_per_parameter = False), but streamed blocks step block by block; "
+            f"use an optimizer whose step reads each parameter alone (torch's built-in ones), or keep the model in "
+            f"memory and put only its state on storage with OffloadedOptimizer(..., per_parameter=False)"
+        )

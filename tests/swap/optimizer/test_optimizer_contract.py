@@ -217,6 +217,7 @@ class _CtrlCOnce(torch.optim.Adam):
     """Adam that receives a Ctrl-C as its first step call (the first chunk) begins."""
 
     fired = False
+    deepoffload_per_parameter = True  # its step reads each parameter alone
 
     def step(self, closure=None):
         if not _CtrlCOnce.fired:
