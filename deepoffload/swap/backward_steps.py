@@ -1,6 +1,11 @@
 """``OffloadedOptimizer.step_in_backward``: each chunk of parameters steps inside ``backward()``.
 
-A chunk steps as soon as its gradients are accumulated, while the next chunks' state is read.
+A chunk steps as soon as its gradients are accumulated, while the next chunks' state is read. What each chunk's
+gradients held when they were used is recorded (``grad_prints.GradPrint``), and ``step()`` compares it with what they
+hold then: any change made after backward (in place, through ``.data``, by reassignment, by GradScaler's unscale)
+is refused. The first step is a check: backward records the gradients without stepping, and ``step()`` refuses a
+change before any parameter moves, or steps them all as the plain optimizer would. A ``GradScaler`` is refused at its
+first ``scale()``, before that backward (``scaled_losses``).
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ import torch
 
 from ..errors import UnsupportedError
 from .ddp import refuse_step_in_backward_under_ddp
+from .grad_prints import GradPrint
 from .interrupts import deferred
 from .optimizer_state import _StoredState
+from .scaled_losses import unwatch, watch
 from .tensor_swapper import SwapOut
 from .torch_optim import _intra_op_threads
 
@@ -23,14 +30,17 @@ if TYPE_CHECKING:
 class _BackwardSteps:
     """``step_in_backward``'s plan and progress.
 
-    The chunks (reverse parameter order), which of their gradients are ready, which chunks stepped in this backward,
-    and their writes.
+    The chunks (reverse parameter order), which of their gradients are ready, what the gradients of each completed
+    chunk held, which chunks stepped in this backward, and their writes. Until a ``step()`` has found the gradients
+    as backward left them (``checked``), backward only records them.
     """
 
     def __init__(self, optimizer: OffloadedOptimizer):
         self.optimizer = optimizer
         self.ready: list[set[int]] = []
-        self.stepped: dict[int, int] = {}  # id(param) -> its gradient's version when it was stepped
+        self.checked = False  # a step() found the gradients of every completed chunk as backward left them
+        self.prints: dict[int, GradPrint] = {}  # id(param) -> its gradient when its chunk completed in backward
+        self.stepped: set[int] = set()  # id(param) of those stepped inside backward
         self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
         self.error: OSError | None = None
@@ -38,6 +48,20 @@ class _BackwardSteps:
             p.register_post_accumulate_grad_hook(self._on_grad) for p in optimizer._params() if p.requires_grad
         ]
         self._plan()
+        watch(self)
+
+    def scaled_loss_error(self) -> UnsupportedError:
+        """The refusal of a ``GradScaler``'s scaled loss while this plan is on (see ``scaled_losses``).
+
+        Returns:
+            The error naming what works instead.
+        """
+        return UnsupportedError(
+            "OffloadedOptimizer.step_in_backward: a GradScaler scales this loss, but each chunk would step "
+            "inside backward with the scaled gradients, before scaler.step() can unscale them or skip an "
+            "overflowing step; nothing was stepped. Turn it off (opt.step_in_backward(False)) and use "
+            "scaler.scale(loss).backward(); scaler.step(opt); scaler.update() as in memory (exact)"
+        )
 
     def _plan(self) -> None:
         """Chunks for the coming backward, and their first ones' state read now (during the forward)."""
@@ -62,10 +86,10 @@ class _BackwardSteps:
                 opt._prefetched[tuple(map(id, chunk))] = opt._read(chunk)
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if id(param) in self.stepped:
+        if id(param) in self.prints:
             raise UnsupportedError(
                 "OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
-                "accumulation?); each parameter already stepped with the first backward's gradient. "
+                "accumulation, or a step skipped?); each parameter steps with the gradient of one backward. "
                 "Call step() after every backward, or opt.step_in_backward(False)"
             )
         k = self.index.get(id(param))
@@ -73,8 +97,20 @@ class _BackwardSteps:
             return
         self.ready[k].add(id(param))
         if len(self.ready[k]) == len(self.chunks[k]):
-            with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
-                self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
+            chunk = self.chunks[k]
+            with torch.no_grad():
+                for p in chunk:
+                    grad = p.grad
+                    if grad is not None and grad.layout != torch.strided:
+                        raise UnsupportedError(
+                            f"OffloadedOptimizer.step_in_backward: a {grad.layout} gradient cannot be checked for "
+                            f"changes after backward; use opt.step_in_backward(False) for sparse gradients"
+                        )
+                    if grad is not None:
+                        self.prints[id(p)] = GradPrint(grad)
+            if self.checked:
+                with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
+                    self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
 
     def _step(self, k: int) -> None:
         opt, chunk = self.optimizer, self.chunks[k]
@@ -98,7 +134,7 @@ class _BackwardSteps:
             raise
         opt._trim()
         for p in chunk:
-            self.stepped[id(p)] = p.grad._version
+            self.stepped.add(id(p))
             self.entries[id(p)] = opt.optimizer.state.get(p)
         self._collect_done()
         self._read_ahead()
@@ -120,31 +156,33 @@ class _BackwardSteps:
             self.error = self.error or e
 
     def finish(self) -> None:
-        """``step()``: check the gradients used were not changed since, step what is left, wait for the writes.
+        """``step()``: check the gradients backward used are unchanged, step what is left, wait for the writes.
 
-        Then plan the next backward (also when it fails). A failed write is raised (its ``OSError``) after all of
-        that.
+        On the first step (``checked`` false) backward stepped nothing: a change refuses the step before any
+        parameter moves, else every parameter with a gradient steps here. Then plan the next backward (also when
+        it fails). A failed write is raised (its ``OSError``) after all of that.
 
         Raises:
-            UnsupportedError: When gradients changed after backward stepped their parameters (clipping, unscaling,
-                ``zero_grad`` before ``step``, or a DDP built after ``step_in_backward()``), or state was reset
-                after backward stepped with it.
+            UnsupportedError: When gradients changed after backward (clipping, unscaling, ``.data`` edits,
+                reassignment, ``zero_grad`` before ``step``, or a DDP built after ``step_in_backward()``), or state
+                was reset after backward stepped with it.
         """
         opt = self.optimizer
-        changed = [
-            p
-            for p in opt._params()
-            if id(p) in self.stepped and (p.grad is None or p.grad._version != self.stepped[id(p)])
-        ]
+        prints = self.prints
+        changed = [(p, how) for p in opt._params() if id(p) in prints and (how := prints[id(p)].changed(p.grad))]
         try:
             if changed:
-                refuse_step_in_backward_under_ddp(changed)  # DDP built after step_in_backward() replaced them
+                refuse_step_in_backward_under_ddp([p for p, _ in changed])  # a DDP built after step_in_backward()
+                if not self.stepped:
+                    done = "nothing was stepped"
+                else:
+                    done = "the parameters backward stepped took their step with the gradients as backward left them"
                 raise UnsupportedError(
-                    f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} "
-                    f"parameter(s) changed after backward stepped them (gradient clipping, "
-                    f"GradScaler unscaling, zero_grad before step?); those parameters took their "
-                    f"step with the unchanged gradients. Turn step_in_backward off to clip or "
-                    f"scale gradients"
+                    f"OffloadedOptimizer.step_in_backward: the gradients of {len(changed)} parameter(s) changed "
+                    f"between backward and step() (the first {changed[0][1]}: gradient clipping, GradScaler "
+                    f"unscaling, .data edits, p.grad = ..., zero_grad before step?); {done}. Turn it off "
+                    f"(opt.step_in_backward(False)) to change gradients before step(): that steps exactly as in "
+                    f"memory"
                 )
             state, entries = opt.optimizer.state, self.entries
             reset = [
@@ -166,11 +204,12 @@ class _BackwardSteps:
             rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
             with _intra_op_threads(opt._compute_threads):
                 opt._run(opt._chunks(rest), opt._step_chunk)
+            self.checked = True
         finally:
             for write in self.writes:
                 self._collect(write)
             opt._trim()
-            self.writes, self.stepped, self.entries = [], {}, {}
+            self.writes, self.stepped, self.entries, self.prints = [], set(), {}, {}
             error, self.error = self.error, None
             opt._drop_prefetched()
             self._plan()
@@ -178,6 +217,7 @@ class _BackwardSteps:
             raise error
 
     def close(self) -> None:
+        unwatch(self)
         for handle in self.handles:
             handle.remove()
         for write in self.writes:

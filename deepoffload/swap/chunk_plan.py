@@ -78,6 +78,10 @@ class ChunkPlanner:
         if plan is not None:
             return plan
         estimates = [self.estimate(param) for param in params]
+        if not owner.per_parameter:  # one chunk: the wrapped optimizer's step sees every parameter at once
+            whole = _Chunk(params)
+            owner.swapper.pool.fit(sum(estimates) + PAGE_SIZE)
+            return self._keep(key, [whole])
         # A parameter whose state exceeds chunk_bytes would need a fresh buffer each step, made on the step's thread
         # and faulted in during the read (O_DIRECT reads into fresh 4 KiB pages: 0.4-1.0 GB/s here, into faulted-in
         # ones 2.3 GB/s): the pool's buffers grow to hold it instead (with a sixteenth to spare, so the small
@@ -100,6 +104,15 @@ class ChunkPlanner:
             size += nbytes
             fullest = max(fullest, size)
         owner.swapper.pool.fit(fullest + PAGE_SIZE)
+        return self._keep(key, chunks)
+
+    def _keep(self, key: tuple, chunks: list[_Chunk]) -> list[_Chunk]:
+        """Name the chunks' parameters and keep the plan for reuse.
+
+        Returns:
+            ``chunks``.
+        """
+        owner = self.owner
         for chunk in chunks:
             chunk.names = [owner._name(p) for p in chunk]
             chunk.by_name = dict(zip(chunk.names, chunk))

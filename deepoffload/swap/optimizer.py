@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..errors import UnsupportedError
 from .backward_steps import _BackwardSteps
 from .chunk_plan import ChunkPlanner
 from .config import SwapConfig
@@ -45,6 +46,9 @@ from .torch_optim import (
     _intra_op_threads,
     _requires_closure,
     _unhooked_step,
+)
+from .torch_optim import (
+    per_parameter as per_parameter_,
 )
 
 
@@ -79,6 +83,10 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             lowered to fit the process as measured now, the gradients, temporaries and 64 MiB of activations, or
             ``MemoryBudgetError`` (a ``MemoryError``) names the least limit that works (``optimizer_budget``).
             None: no limit.
+        per_parameter: Whether the optimizer's step reads each parameter's gradient and state alone (True: it
+            steps in chunks), or may read several (False: every step runs it once over all parameters, the whole
+            state in one staging buffer). None: known only for torch's built-in optimizer classes (True); another
+            says it with a bool ``deepoffload_per_parameter`` attribute, or is refused.
         **kwargs: The keyword arguments of a class or factory (e.g. ``lr``); none with an instance.
 
     Raises:
@@ -86,6 +94,8 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             instance comes with ``params`` or keyword arguments, a class comes without ``params``, the optimizer
             is already offloaded or wrapped, its ``step`` requires a closure (``LBFGS``), or it has step hooks.
         MemoryBudgetError: When ``max_memory`` is too small (the message names the least limit that works).
+        UnsupportedError: When it is not known whether the optimizer's step reads each parameter alone (not one of
+            torch's built-in classes, and not declared): stepped in chunks it could silently change.
 
     Examples:
         >>> import torch
@@ -112,6 +122,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         config: SwapConfig | None = None,
         *,
         max_memory: int | str | None = None,
+        per_parameter: bool | None = None,
         **kwargs: Any,
     ):
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -150,10 +161,23 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
                 f"a new optimizer: wrapping it again would silently restart its state)"
             )
         _check_no_step_hooks(inner)
+        known = per_parameter_(inner, per_parameter)
+        if known is None:
+            raise UnsupportedError(
+                f"OffloadedOptimizer: {type(inner).__name__} is not one of torch's built-in optimizers, so it is "
+                f"not known whether its step reads each parameter alone; stepped chunk by chunk, a step that reads "
+                f"several (a global gradient norm, a trust ratio over a group) would silently change. Pass "
+                f"per_parameter=True if its step reads only each parameter's own gradient and state (or set "
+                f"{type(inner).__name__}.deepoffload_per_parameter = True), or per_parameter=False to step it "
+                f"over all parameters at once (its whole state in memory during each step)"
+            )
+        self.per_parameter: bool = known
         config = config or SwapConfig()
         if max_memory is not None:  # before anything is wrapped or stored
             params_ = [p for group in inner.param_groups for p in group["params"]]
-            config = fit_buffers(params_, parse_bytes(max_memory), process_bytes(), config)
+            config = fit_buffers(
+                params_, parse_bytes(max_memory), process_bytes(), config, whole=not self.per_parameter
+            )
         setattr(inner, _WRAPPED, True)
         self.optimizer = inner
         self._inner_step = _unhooked_step(inner)
@@ -293,7 +317,9 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
                 return loss
             with deferred(), _intra_op_threads(self._compute_threads):  # Ctrl-C: once the whole step is done
                 try:
-                    self._run(self._chunks([p for p in self._params() if p.grad is not None]), self._step_chunk)
+                    params = self._params()  # (all at once when not per-parameter: the groups as they are)
+                    chosen = [p for p in params if p.grad is not None] if self.per_parameter else params
+                    self._run(self._chunks(chosen), self._step_chunk)
                 finally:
                     self._trim()
         return loss
@@ -308,9 +334,14 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
 
         Refused for parameters of a ``DistributedDataParallel`` model, whose gradients are averaged only as
         backward ends. Requires one ``backward()`` per ``step()`` and gradients used as backward leaves them: a
-        second backward before ``step()`` (gradient accumulation) raises ``UnsupportedError`` in that backward;
-        gradients changed after backward (clipping, GradScaler's unscale) are detected at ``step()``, which raises
-        it. Step pre-hooks run at ``step()``, after most parameters were stepped.
+        second backward before ``step()`` (gradient accumulation) raises ``UnsupportedError`` in that backward.
+        What each gradient held when its chunk completed (identity, data pointers, version, a digest of its bytes)
+        is compared at ``step()``: any change (clipping, ``.data`` edits, ``p.grad = ...``, GradScaler's unscale)
+        raises ``UnsupportedError``. The first step after turning it on only checks: backward steps nothing, and a
+        change is refused before any parameter moves; later steps step in backward, and a change is refused after
+        backward stepped with the gradients as it left them. A ``GradScaler`` is refused at its first ``scale()``
+        (before that backward). Use the default mode for those loops. Step pre-hooks run at ``step()``, after most
+        parameters were stepped.
 
         Args:
             enabled: True turns it on (nothing changes when it is on already); False returns to stepping in
@@ -318,9 +349,15 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
 
         Raises:
             UnsupportedError: A ``RuntimeError``, when turning it on for parameters a ``DistributedDataParallel``
-                holds.
+                holds, or for an optimizer stepped over all parameters at once (``per_parameter=False``).
         """
         if enabled and self._backward is None:
+            if not self.per_parameter:
+                raise UnsupportedError(
+                    f"OffloadedOptimizer.step_in_backward: this {type(self.optimizer).__name__} steps all "
+                    f"parameters at once (per_parameter=False), which needs every gradient: it cannot step inside "
+                    f"backward. Call step() after backward"
+                )
             refuse_step_in_backward_under_ddp(self._params())
             self._backward = _BackwardSteps(self)
         elif not enabled and self._backward is not None:

@@ -22,7 +22,9 @@ TEMPORARIES = 3
 FORWARD_BYTES = 64 << 20
 
 
-def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config: SwapConfig) -> SwapConfig:
+def fit_buffers(
+    params: Sequence[torch.Tensor], limit: int, process: int, config: SwapConfig, whole: bool = False
+) -> SwapConfig:
     """Lower ``config``'s ``buffer_count`` and ``chunk_bytes`` so that the process stays within ``limit`` bytes.
 
     Args:
@@ -30,6 +32,8 @@ def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config
         limit: The process's memory limit (bytes).
         process: The process's memory now (bytes).
         config: The config whose buffers are fitted.
+        whole: The optimizer steps all parameters at once (``per_parameter=False``): its one chunk holds the whole
+            state, planned as one parameter of all their bytes.
 
     Returns:
         ``config`` with ``buffer_count`` (at most its own, at least ``MIN_BUFFERS``) and ``chunk_bytes`` (at most its
@@ -39,7 +43,7 @@ def fit_buffers(params: Sequence[torch.Tensor], limit: int, process: int, config
         MemoryBudgetError: When no such config exists; the message names the least limit that works and its parts.
     """
     sizes = [p.numel() * p.element_size() for p in params]
-    largest = max(sizes, default=0)
+    largest = sum(sizes) if whole else max(sizes, default=0)
     grads = sum(n for n, p in zip(sizes, params) if p.grad is None and p.requires_grad)
     need_chunk = round_up(STATE_PER_PARAMETER * largest + STATE_PER_PARAMETER * largest // 16 + 1)
     fixed = process + grads + TEMPORARIES * largest + FORWARD_BYTES

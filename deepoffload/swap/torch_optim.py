@@ -66,3 +66,35 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+PER_PARAMETER = "deepoffload_per_parameter"  # a class (or instance) attribute declaring how its step reads parameters
+
+
+def _builtin_classes() -> set[type]:
+    """torch's own optimizer classes (``torch.optim.Adam`` ...), whose steps read each parameter alone."""
+    return {
+        value
+        for value in vars(torch.optim).values()
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer
+    }
+
+
+def per_parameter(optimizer: torch.optim.Optimizer, declared: bool | None) -> bool | None:
+    """Whether ``optimizer``'s step reads each parameter's gradient and state alone, so it can step in chunks.
+
+    Args:
+        optimizer: The wrapped optimizer.
+        declared: What the user said (``OffloadedOptimizer(per_parameter=...)``); None: not said there.
+
+    Returns:
+        ``declared`` when given; else the optimizer's ``deepoffload_per_parameter`` attribute when it is a bool;
+        else True for torch's built-in classes themselves (not subclasses, which may step otherwise); else None
+        (unknown).
+    """
+    if declared is not None:
+        return declared
+    marked = getattr(optimizer, PER_PARAMETER, None)
+    if isinstance(marked, bool):
+        return marked
+    return True if type(optimizer) in _builtin_classes() else None

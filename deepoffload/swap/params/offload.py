@@ -23,6 +23,7 @@ from ...formats.writer import save_sharded
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE, trim_heap
+from ..scaled_losses import watch
 from . import closing, figures, stepping
 from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
 from .data_parallel import DataParallel, GradientAverager, process_group
@@ -31,7 +32,14 @@ from .materialize import Materializer
 from .patches import ModulePatches
 from .placeholders import internal_call
 from .recompute import BlockCall, Recompute
-from .refusals import check_backward, check_budget, check_sharing, optimized_ids
+from .refusals import (
+    check_backward,
+    check_budget,
+    check_per_parameter,
+    check_sharing,
+    optimized_ids,
+    scaled_loss_error,
+)
 from .residency import Block, Residency, nbytes
 from .schedule import upcoming
 from .shared_inputs import SharedInputs
@@ -133,6 +141,7 @@ class ParameterOffload:
             block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
             rest = [p for p in self.rest if p.requires_grad]
             rest_optimizer = OffloadedOptimizer(optimizer, rest, rest_config) if rest else None
+        check_per_parameter([opt for opt in (block_optimizer, rest_optimizer) if opt is not None])
         self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
         # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
         self._optimizing = optimizer is not None
@@ -141,6 +150,7 @@ class ParameterOffload:
         self._token = torch.empty(0, requires_grad=True)
         self._shared = SharedInputs()  # tensors passed to several blocks: their gradients summed as in memory
         self._closed = False
+        watch(self)  # a GradScaler's scale() asks scaled_loss_error first
         self.data_parallel = None
         group = process_group(data_parallel) if data_parallel is not False else None
         if data_parallel is not False and materializer is None:  # DDP's construction: the first rank's values
@@ -448,6 +458,14 @@ class ParameterOffload:
         return shards
 
     @internal_call
+    def scaled_loss_error(self) -> BaseException | None:
+        """The refusal of a ``GradScaler``'s scaled loss (``refusals.scaled_loss_error``), or None.
+
+        Returns:
+            The error, or None when a scaled loss is fine (closed, or no block is trained).
+        """
+        return scaled_loss_error(self)
+
     def close(self, restore: bool = True) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
 

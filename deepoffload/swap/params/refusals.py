@@ -102,3 +102,51 @@ def check_unfrozen(offload: ParameterOffload, block: Block) -> None:
 def optimized_ids(optimizers: list[OffloadedOptimizer]) -> set[int]:
     """The identities of the parameters ``optimizers`` step (those of their param groups)."""
     return {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
+
+
+def scaled_loss_error(offload: ParameterOffload) -> StreamedParameterError | None:
+    """The refusal of a ``GradScaler``'s scaled loss over ``offload`` (asked by ``scaled_losses`` at ``scale()``).
+
+    The blocks' gradients never pass through ``scaler.unscale_``/``scaler.step``: fused mode steps each block inside
+    backward, grads mode keeps them for ``step()`` where the scaler cannot reach them. The blocks would step on
+    scaled gradients, and an overflowing step would not be skipped.
+
+    Args:
+        offload: A ``ParameterOffload`` made with ``optimizer=``.
+
+    Returns:
+        The error naming what works, or None when it is closed or trains no block.
+    """
+    if offload._closed or offload._block_optimizer is None:
+        return None
+    return StreamedParameterError(
+        f"offload_parameters(mode={offload.mode!r}): a GradScaler scales this loss, but the streamed blocks' "
+        f"gradients never reach scaler.unscale_()/scaler.step() (fused mode steps each block inside backward, "
+        f"grads mode keeps them for off.step()), so the blocks would step on scaled gradients and an overflow "
+        f"would not be skipped; nothing was stepped. bfloat16 needs no loss scaling: drop the GradScaler (with "
+        f"compute_dtype=torch.bfloat16 or bf16 autocast, or in fp32), which trains exactly as the same loop in memory"
+    )
+
+
+def check_per_parameter(optimizers: list[OffloadedOptimizer]) -> None:
+    """Refuse an optimizer declared to read several parameters in one step (``per_parameter=False``).
+
+    A ``ParameterOffload`` steps each block, and the parameters outside the blocks, in steps of their own. The
+    optimizers are closed first.
+
+    Args:
+        optimizers: The block and rest optimizers just made.
+
+    Raises:
+        StreamedParameterError: When one is not per-parameter.
+    """
+    whole = [opt for opt in optimizers if not opt.per_parameter]
+    if whole:
+        for opt in optimizers:
+            opt.close()
+        raise StreamedParameterError(
+            f"offload_parameters(optimizer=...): this {type(whole[0].optimizer).__name__} is declared to read several "
+            f"parameters in one step (deepoffload_per_parameter = False), but streamed blocks step block by block; "
+            f"use an optimizer whose step reads each parameter alone (torch's built-in ones), or keep the model in "
+            f"memory and put only its state on storage with OffloadedOptimizer(..., per_parameter=False)"
+        )

@@ -217,6 +217,7 @@ class _CtrlCOnce(torch.optim.Adam):
     """Adam that receives a Ctrl-C as its first step call (the first chunk) begins."""
 
     fired = False
+    deepoffload_per_parameter = True  # its step reads each parameter alone
 
     def step(self, closure=None):
         if not _CtrlCOnce.fired:
@@ -251,13 +252,18 @@ def test_ctrl_c_during_step_in_backward_leaves_each_chunk_stepped_or_untouched(c
     """With ``step_in_backward()`` a Ctrl-C in a chunk's step is raised once that chunk is done (it ends the backward
     there, as a Ctrl-C in any backward does): each parameter is stepped with its gradient or untouched, never half,
     and training goes on."""
-    _CtrlCOnce.fired = False
     params = make_params(6)
-    before = [p.detach().clone() for p in params]
     plain_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = OffloadedOptimizer(_CtrlCOnce, params, config, lr=0.01)
     opt.step_in_backward()
     plain = torch.optim.Adam(plain_params, lr=0.01)
+    _CtrlCOnce.fired = True  # the first step with step_in_backward checks the loop: it steps in step()
+    for q in (params, plain_params):
+        sum((p * p).sum() for p in q).backward()
+    opt.step(), plain.step()
+    opt.zero_grad(), plain.zero_grad()
+    before = [p.detach().clone() for p in params]
+    _CtrlCOnce.fired = False
     set_grads(plain_params, 0)
     plain.step()
     with pytest.raises(KeyboardInterrupt):

@@ -73,6 +73,10 @@ def test_parameters_step_inside_backward(config):
         opt.step_in_backward()
         before = [p.detach().clone() for p in model.parameters()]
         model(torch.randn(4, 24)).square().mean().backward()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the first step is a check"
+        opt.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.randn(4, 24)).square().mean().backward()
         changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert changed == len(before), "every chunk completed in backward and stepped there"
         opt.step()
@@ -90,7 +94,7 @@ def test_accumulation_and_changed_gradients_are_refused(config):
     opt.step_in_backward()
     model(torch.randn(4, 24)).sum().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    with pytest.raises(RuntimeError, match="changed after backward"):
+    with pytest.raises(RuntimeError, match="changed between backward and step"):
         opt.step()
     opt.close()
 

@@ -129,6 +129,8 @@ class OddStateSGD(torch.optim.Optimizer):
     momentum with a float64 per-row scale, a 0-dim int64 counter, a Python float and, from step 3 on, an extra
     state of another shape (created after the first step)."""
 
+    deepoffload_per_parameter = True  # its step reads each parameter alone
+
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 

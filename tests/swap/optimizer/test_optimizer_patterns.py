@@ -134,6 +134,8 @@ def test_a_state_tensor_set_by_hand_is_used_not_the_stored_one(config):
 class _MetaNote(torch.optim.Optimizer):
     """SGD that also keeps a tensor on ``meta`` (a shape note, no data) and a step count in its state."""
 
+    deepoffload_per_parameter = True  # its step reads each parameter alone
+
     def __init__(self, params):
         super().__init__(params, {"lr": 0.1})
 
@@ -208,6 +210,8 @@ def test_an_optimizer_dropped_without_close_removes_its_files_unless_kept(keep_f
 class _SharedCount(torch.optim.Optimizer):
     """Momentum SGD whose step size shrinks with a count that every parameter's state shares (one tensor, also held
     by the optimizer), and whose two momenta are views of one tensor in the state."""
+
+    deepoffload_per_parameter = True  # its step reads each parameter alone
 
     def __init__(self, params):
         super().__init__(params, {"lr": 0.1})

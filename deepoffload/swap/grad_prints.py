@@ -1,0 +1,92 @@
+"""What a gradient holds, recorded when an optimizer step uses it, to see any change made to it afterwards.
+
+A version counter does not see every change: ``grad.data.mul_()``, ``torch._amp_foreach_non_finite_check_and_unscale_``
+(GradScaler's unscale) and ``p.grad = other`` leave ``p.grad._version`` as it was. A ``GradPrint`` records the
+gradient's identity (a weak reference), its data pointer and its storage's, its version and a digest of its bytes;
+``GradPrint.changed`` compares them all with the parameter's gradient now.
+
+The digest reads the bytes as 32-bit words ``w[i]`` (bytes when the size is not a multiple of 4) and keeps
+``sum(w[i])`` and ``sum(w[i] * (2654435761 * i + 1))``, both modulo 2**64, computed on the gradient's device in slices
+of ``_SLICE`` words (temporaries of at most 16 MiB). Any change of one word changes the first sum; a permutation or
+several compensating changes would have to cancel in both.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_SLICE = 1 << 20  # words digested at a time (int64 temporaries of 8 MiB each)
+_MULTIPLIER = 2654435761
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, as 32-bit words when they divide evenly, else as bytes (a flat view, or a copy)."""
+    flat = tensor.detach()
+    if flat.is_conj():
+        flat = flat.resolve_conj()
+    if flat.is_neg():
+        flat = flat.resolve_neg()
+    raw = flat.contiguous().reshape(-1).view(torch.uint8)
+    return raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+
+
+@torch.no_grad()
+def digest(tensor: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit sums of a strided tensor's bytes (see the module docstring).
+
+    Args:
+        tensor: A strided tensor, on any device.
+
+    Returns:
+        The plain and the position-weighted sum of its words, modulo 2**64.
+    """
+    words = _words(tensor)
+    plain = torch.zeros((), dtype=torch.int64, device=words.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _SLICE):
+        part = words[start : start + _SLICE].to(torch.int64)
+        index = torch.arange(start, start + part.numel(), dtype=torch.int64, device=words.device)
+        plain += part.sum()
+        weighted += (part * (index * _MULTIPLIER + 1)).sum()
+    return int(plain), int(weighted)
+
+
+class GradPrint:
+    """A parameter's gradient as a step used it: identity, data pointers, version and digest.
+
+    Args:
+        grad: The gradient (strided).
+    """
+
+    __slots__ = ("data_ptr", "digest", "ref", "storage_ptr", "version")
+
+    def __init__(self, grad: torch.Tensor):
+        self.ref = weakref.ref(grad)
+        self.data_ptr = grad.data_ptr()
+        self.storage_ptr = grad.untyped_storage().data_ptr()
+        self.version = grad._version
+        self.digest = digest(grad)
+
+    def changed(self, grad: torch.Tensor | None) -> str | None:
+        """How ``grad`` (the parameter's gradient now) differs from the one recorded.
+
+        Args:
+            grad: The parameter's ``.grad`` now.
+
+        Returns:
+            What changed ("set to None", "replaced", "moved", "changed in place", "values changed"), or None when
+            it is the same tensor holding the same bytes.
+        """
+        if grad is None:
+            return "set to None"
+        if self.ref() is not grad:
+            return "replaced"
+        if grad.data_ptr() != self.data_ptr or grad.untyped_storage().data_ptr() != self.storage_ptr:
+            return "moved"
+        if grad._version != self.version:
+            return "changed in place"
+        if digest(grad) != self.digest:
+            return "values changed"
+        return None

@@ -1,0 +1,66 @@
+"""Loss scaling (``torch.amp.GradScaler``) where parameters step inside backward: refused before that backward.
+
+A ``GradScaler`` multiplies the loss, so backward makes scaled gradients; it unscales them, and decides to skip a step
+whose gradients overflowed, only in ``scaler.unscale_`` / ``scaler.step``, after backward. Whatever steps parameters
+inside backward (``OffloadedOptimizer.step_in_backward()``, a training ``ParameterOffload``) would step them with the
+scaled gradients, and could not skip an overflowing step. So ``GradScaler.scale`` is wrapped, once the first such
+owner is registered with ``watch``: an enabled scaler first asks every live owner, and raises the error one returns,
+before the loss is even scaled. With no owner alive it only costs an empty-set test.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+
+class ScaledLossOwner(Protocol):
+    """Something that steps parameters inside backward and must see no scaled loss."""
+
+    def scaled_loss_error(self) -> BaseException | None:
+        """The error to raise for a scaled loss now, or None when this owner does not step in backward now."""
+
+
+_owners: weakref.WeakSet = weakref.WeakSet()
+_MARK = "_deepoffload_scaled_loss_check"
+
+
+def watch(owner: ScaledLossOwner) -> None:
+    """Ask ``owner`` before every enabled ``GradScaler.scale`` from now on, while it lives.
+
+    Args:
+        owner: Its ``scaled_loss_error()`` is called; the first error returned is raised.
+    """
+    _owners.add(owner)
+    _install()
+
+
+def unwatch(owner: ScaledLossOwner) -> None:
+    """Stop asking ``owner`` (nothing happens when it was not watched).
+
+    Args:
+        owner: An owner given to ``watch``.
+    """
+    _owners.discard(owner)
+
+
+def _install() -> None:
+    scaler = torch.amp.GradScaler
+    original = scaler.scale
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        if _owners and getattr(self, "_enabled", True):
+            for owner in list(_owners):
+                error = owner.scaled_loss_error()
+                if error is not None:
+                    raise error
+        return original(self, outputs)
+
+    setattr(scale, _MARK, True)
+    scaler.scale = scale  # type: ignore[method-assign]

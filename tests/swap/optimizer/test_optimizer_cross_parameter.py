@@ -1,0 +1,105 @@
+"""Optimizers whose step reads several parameters (a global gradient norm): stepped chunk by chunk, each call saw
+one chunk's parameters and the result changed silently once the state needed more than one chunk. Now only torch's
+built-in classes are known per-parameter; another is refused unless declared, and ``per_parameter=False`` steps it
+over all parameters at once, equal to memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepoffload import OffloadedOptimizer, SwapConfig
+from deepoffload.errors import StreamedParameterError, UnsupportedError
+from deepoffload.swap.optimizer_budget import fit_buffers
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """SGD on gradients divided by their global norm over all parameters (reads every parameter in one step)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["momentum"] = state.get("momentum", torch.zeros_like(p)) * 0.9 + p.grad / norm
+                    p.add_(state["momentum"], alpha=-group["lr"])
+
+
+def params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(16, 16, generator=gen)) for _ in range(6)]
+
+
+def train(ps, opt, steps=3):
+    for k in range(steps):
+        gen = torch.Generator().manual_seed(100 + k)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+@pytest.fixture
+def config(scratch):
+    return SwapConfig(folder=str(scratch), chunk_bytes=4096)  # one parameter's state per chunk
+
+
+def test_an_undeclared_optimizer_is_refused_naming_both_declarations(config):
+    class Subclass(torch.optim.Adam):  # a subclass may step otherwise
+        pass
+
+    for make in (GlobalNormSGD, Subclass):
+        with pytest.raises(UnsupportedError, match="per_parameter=True.*per_parameter=False"):
+            OffloadedOptimizer(make, params(), config)
+
+
+def test_per_parameter_false_steps_all_at_once_equal_to_memory(config):
+    reference = params()
+    train(reference, GlobalNormSGD(reference))
+    ps = params()
+    with OffloadedOptimizer(GlobalNormSGD, ps, config, per_parameter=False) as opt:
+        train(ps, opt)
+        assert opt.stored_bytes() > 0
+        with pytest.raises(UnsupportedError, match="all parameters at once.*step\\(\\) after backward"):
+            opt.step_in_backward()
+    assert all(torch.equal(a, b) for a, b in zip(reference, ps))
+
+
+def test_chunk_by_chunk_would_differ(config):
+    """Why it is refused: declared per-parameter falsely, the chunks (one parameter each) change the result."""
+    reference = params()
+    train(reference, GlobalNormSGD(reference))
+    ps = params()
+    with OffloadedOptimizer(GlobalNormSGD, ps, config, per_parameter=True) as opt:
+        train(ps, opt)
+    assert not all(torch.equal(a, b) for a, b in zip(reference, ps))
+
+
+def test_max_memory_plans_the_whole_state_in_one_buffer():
+    ps = params()
+    config = SwapConfig(chunk_bytes=1 << 20)
+    limit = (1 << 30) + (256 << 20)
+    chunked = fit_buffers(ps, limit, 1 << 30, config)
+    whole = fit_buffers(ps, limit, 1 << 30, config, whole=True)
+    assert chunked.chunk_bytes >= 2 * 16 * 16 * 4 and whole.chunk_bytes >= 2 * 6 * 16 * 16 * 4
+
+
+def test_offload_parameters_refuses_an_optimizer_declared_cross_parameter(scratch):
+    from deepoffload.swap.params import offload_parameters
+
+    class Declared(GlobalNormSGD):
+        deepoffload_per_parameter = False
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(StreamedParameterError, match="block by block.*per_parameter=False"):
+        offload_parameters(model, str(scratch), optimizer=lambda ps: Declared(ps))
+    with pytest.raises(UnsupportedError, match="per_parameter=True"):
+        offload_parameters(model, str(scratch), optimizer=lambda ps: GlobalNormSGD(ps))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the model is left as it was"
+    model(torch.ones(2, 8)).sum().backward()

@@ -1,0 +1,136 @@
+"""``step_in_backward()`` and gradients changed between backward and ``step()``.
+
+Version counters miss ``.data`` edits, GradScaler's unscale (``torch._amp_foreach_non_finite_check_and_unscale_``) and
+``p.grad = other``: each change is refused, before any parameter moves on the first step (which only checks), and a
+GradScaler at its first ``scale()``; the alternative each error names (plain ``step()``) equals memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepoffload import OffloadedOptimizer, SwapConfig
+from deepoffload.errors import UnsupportedError
+from deepoffload.swap.grad_prints import GradPrint, digest
+
+
+@pytest.fixture
+def config(scratch):
+    return SwapConfig(folder=str(scratch), chunk_bytes=4096, buffer_count=4)  # several chunks per step
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def data(k: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+
+
+def _data_mul(model):
+    for p in model.parameters():
+        p.grad.data.mul_(0.5)
+
+
+def _reassign(model):
+    for p in model.parameters():
+        p.grad = p.grad * 0.5
+
+
+def _unscale(model):  # what GradScaler.unscale_ does to the gradients (no version bump)
+    grads = [p.grad for p in model.parameters()]
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), torch.full((1,), 0.5))
+
+
+def _clip(model):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+
+def _zero(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+EDITS = {"data_mul": _data_mul, "reassign": _reassign, "unscale": _unscale, "clip": _clip, "zero": _zero}
+
+
+def test_versions_miss_these_changes_the_print_sees_them():
+    grad = torch.randn(5, 3)
+    mark = GradPrint(grad)
+    version = grad._version
+    grad.data.mul_(2)
+    assert grad._version == version and mark.changed(grad) == "values changed"
+    grad = torch.randn(5, 3)
+    mark = GradPrint(grad)
+    torch._amp_foreach_non_finite_check_and_unscale_([grad], torch.zeros(1), torch.full((1,), 0.5))
+    assert mark.changed(grad) == "values changed"
+    assert mark.changed(grad.clone()) == "replaced"
+    assert GradPrint(grad).changed(grad) is None
+    odd = torch.arange(7, dtype=torch.uint8)  # not a whole number of words
+    assert digest(odd) != digest(odd.flip(0))
+    big = torch.zeros(3 << 20)  # several slices
+    before = digest(big)
+    big[-1] = 1e-30
+    assert digest(big) != before
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_change_is_refused_on_the_first_step_before_any_parameter_moves(config, edit):
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with OffloadedOptimizer(torch.optim.Adam, model.parameters(), config, lr=0.1) as opt:
+        opt.step_in_backward()
+        model(data(0)).square().mean().backward()
+        EDITS[edit](model)
+        with pytest.raises(UnsupportedError, match="changed between backward and step.*nothing was stepped"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert opt.stored_bytes() == 0
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_change_after_the_checked_step_is_refused(config, edit):
+    model = mlp()
+    with OffloadedOptimizer(torch.optim.Adam, model.parameters(), config, lr=0.1) as opt:
+        opt.step_in_backward()
+        for k in range(2):
+            model(data(k)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model(data(2)).square().mean().backward()
+        EDITS[edit](model)
+        with pytest.raises(UnsupportedError, match="changed between backward and step.*backward stepped took"):
+            opt.step()
+
+
+def _scaled_loop(model, opt, steps=4):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=1)
+    losses = []
+    for k in range(steps):
+        loss = model(data(k)).square().mean() * (1e35 if k == 1 else 1.0)  # step 1 overflows: skipped
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append((loss.item(), scaler.get_scale()))
+    return losses
+
+
+def test_a_grad_scaler_is_refused_at_its_first_scale_and_plain_step_is_exact(config):
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = OffloadedOptimizer(torch.optim.SGD, model.parameters(), config, lr=0.1)
+    opt.step_in_backward()
+    with pytest.raises(UnsupportedError, match=r"GradScaler.*step_in_backward\(False\)"):
+        _scaled_loop(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.step_in_backward(False)  # the alternative the error names
+    reference = mlp()
+    expected = _scaled_loop(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    assert _scaled_loop(model, opt) == expected
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    opt.close()
+    torch.amp.GradScaler("cpu").scale(torch.ones(()))  # a closed optimizer refuses nothing

@@ -1,0 +1,62 @@
+"""A ``GradScaler`` (no autocast) over a streamed model with ``compute_dtype=torch.bfloat16``.
+
+The blocks' gradients never reach the scaler (fused mode steps them inside backward, grads mode keeps them for
+``off.step()``): it stepped on the scaled gradients (a weight moved by about 1e12 where memory moves it by 1e-3) and
+took steps it should have skipped. Now refused at the first ``scaler.scale()``, before that backward, in both modes;
+the alternative the error names (no scaler: bf16 needs none) equals the same loop in memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepoffload.errors import StreamedParameterError
+from deepoffload.swap.params import StreamedOptimizer, offload_parameters
+
+harness = pytest.importorskip("tests.support.matrix_harness")
+
+
+def _loop(model, optimizer, scaler=None, steps=3):
+    losses = []
+    for k in range(steps):
+        torch.manual_seed(100 + k)
+        loss = harness.loss_of(model(**harness.batch("plain", k)))
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_a_grad_scaler_is_refused_before_backward_and_no_scaler_is_exact(scratch, mode):
+    model = harness.build("plain").train()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}  # (the forward moves BatchNorm's stats)
+    off = offload_parameters(
+        model,
+        str(scratch),
+        mode=mode,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        compute_dtype=torch.bfloat16,
+    )
+    opt = StreamedOptimizer(off)
+    with pytest.raises(StreamedParameterError, match="GradScaler.*nothing was stepped.*drop the GradScaler"):
+        _loop(model, opt, torch.amp.GradScaler("cpu"))
+    opt.zero_grad()
+    after = off.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "refused before any parameter moved"
+    losses = _loop(model, opt)  # the alternative: bf16 needs no loss scaling
+    reference = harness._compute_bf16_in_memory(harness.build("plain").train())
+    torch.manual_seed(100)
+    reference(**harness.batch("plain", 0))  # the refused step's forward (it moved BatchNorm's running stats)
+    expected = _loop(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    assert losses == expected
+    got = off.state_dict()
+    assert all(torch.equal(v, got[k]) for k, v in reference.state_dict().items())
+    off.close()
+    torch.amp.GradScaler("cpu").scale(torch.ones(()))  # a closed offload refuses nothing
