@@ -28,6 +28,8 @@ from .fault_in import FAULT_SPLIT_PAGES, PAGE_BYTES, SLOW_FAULT_BYTES_PER_S, _fa
 from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity, read_header
 from .spans import READ_ALIGNMENT, _Span, plan_spans
 
+NAMES_HINT = " (pass strict=False to allow missing and unexpected names)"
+
 
 class CheckpointReader:
     """Lazy, validated access to the tensors of a checkpoint (see the module docstring for the layouts).
@@ -213,7 +215,7 @@ class CheckpointReader:
             problems.append(f"{len(unexpected)} unexpected: {unexpected[:20]}")
         if problems:
             names_problem = strict and (missing or unexpected)
-            hint = " (pass strict=False to allow missing and unexpected names)" if names_problem else ""
+            hint = NAMES_HINT if names_problem else ""
             raise CheckpointError(f"{self.path} does not match the expected tensors: " + "; ".join(problems) + hint)
         return KeyReport(missing, unexpected)
 

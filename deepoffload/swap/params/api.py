@@ -59,13 +59,19 @@ def offload_parameters(
         checkpoint: Load the module's values from this checkpoint (a ``.safetensors`` file, a Hugging Face sharded
             folder with its index, or a ``torch.save`` state dict) block by block while offloading, converting
             floating point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing
-            every missing, unexpected or mis-shaped name; ``strict=False`` allows missing and unexpected ones,
-            reported in ``load_report``). Needed for no model: a module built on the ``meta`` device works without
-            it too.
-        init: For a module with tensors on the ``meta`` device that no checkpoint gives: called with each module
-            owning such tensors, children before parents; default: a Hugging Face model's own ``_init_weights`` (it
-            computes non-persistent buffers such as rotary ``inv_freq``), else each module's
-            ``reset_parameters()``. A value left unset is an error. See ``materialize``.
+            every missing, unexpected or mis-shaped name; ``strict=False`` allows unexpected ones and missing
+            ones that keep a value: the module's own, or one ``init=`` gives; both reported in ``load_report``).
+            A transformers model's checkpoint is read through transformers' own renaming and conversion rules, as
+            its ``from_pretrained`` reads it (see ``hf_keys``). Needed for no model: a module built on the
+            ``meta`` device works without it too.
+        init: For a module with tensors on the ``meta`` device: which of them may get values from an initializer
+            (see ``init_policy``). A function: called with each module owning tensors no checkpoint gives, children
+            before parents. ``state_dict()`` names or ``fnmatch`` patterns (e.g. ``["classifier.*"]``): those
+            tensors, if the checkpoint lacks them, are initialized by the model's own initializer (a Hugging Face
+            model's ``_init_weights``, else each module's ``reset_parameters()``); any other missing one is a
+            ``CheckpointError``. None: with a checkpoint, only what no checkpoint holds (non-persistent buffers such
+            as rotary ``inv_freq``, names a transformers model declares may be missing); without one, everything.
+            A value left unset is an error.
         dtype: Floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s
             ``torch_dtype``); buffers keep the dtype they were built with (as under accelerate's
             ``init_empty_weights()``).

@@ -15,16 +15,19 @@ module that owns no tensor itself is not called: re-initializations a parent mak
 (``nn.Transformer``'s ``_reset_parameters``) are not repeated, so such a model gets other (equally distributed) values
 than in memory.
 
-Nothing is left unset silently: floating-point tensors made here are filled with NaN before initialization and any
-NaN left afterwards is an error naming the tensor; integer tensors that are on meta and not in the checkpoint are
-refused (no initializer can be checked for them). Meta parameters are replaced by new ``nn.Parameter`` objects (a
-meta tensor cannot take CPU data in place); on any failure the original meta parameters and buffers are put back.
+Nothing is left unset silently: tensors made here are filled with NaN (integer ones with their dtype's least value)
+before initialization and any such value left afterwards is an error naming the tensor; boolean tensors on meta and
+not in the checkpoint are refused (no value marks one as unset). A tensor of the ``state_dict()`` that the checkpoint
+lacks gets a value from an initializer only where ``init=`` asks for it (``InitPolicy``); a transformers model's
+checkpoint is read in the model's names by transformers' own loading rules (``ConvertedCheckpoint``). Meta
+parameters are replaced by new ``nn.Parameter`` objects (a meta tensor cannot take CPU data in place); on any
+failure the original meta parameters and buffers are put back.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, cast
+from typing import Iterator, cast
 
 import torch
 from torch import nn
@@ -32,14 +35,14 @@ from torch import nn
 from ...errors import ResidencyError
 from ...formats.checks import KeyReport
 from ...formats.header import CheckpointError
-from ...formats.reader import CheckpointReader
+from ...formats.reader import NAMES_HINT, CheckpointReader
 from ...io.buffers import aligned_empty
 from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
 from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
+from .hf_keys import ConvertedCheckpoint, is_transformers_model
+from .init_policy import Init, InitPolicy, check_arguments
 from .residency import Block, Residency
-
-Init = Callable[[nn.Module], None]
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -64,13 +67,13 @@ def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return aligned_empty(shape, dtype, pin=False)
 
 
-def hf_init(module: nn.Module) -> Init | None:
-    """A Hugging Face ``PreTrainedModel``'s own ``_init_weights`` (None for other modules)."""
-    is_hf = any(
-        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__
-    )
-    init = getattr(module, "_init_weights", None)
-    return init if is_hf and callable(init) else None
+def _unset(dtype: torch.dtype) -> float | int:
+    """The value that marks a tensor no initializer wrote: NaN, or an integer dtype's least value."""
+    return torch.iinfo(dtype).min if not (dtype.is_floating_point or dtype.is_complex) else float("nan")
+
+
+def _is_unset(t: torch.Tensor) -> torch.Tensor:
+    return torch.isnan(t) if t.is_floating_point() or t.is_complex() else t == _unset(t.dtype)
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -88,9 +91,10 @@ class Materializer:
         module: The model, built on the ``meta`` device or to be loaded from ``checkpoint``.
         block_prefixes: The blocks' qualified names.
         checkpoint: A path ``CheckpointReader`` opens, or None.
-        init: Called with each module owning tensors the checkpoint does not give (None: a Hugging Face model's own
-            ``_init_weights``, which computes non-persistent buffers such as rotary ``inv_freq`` as
-            ``from_pretrained`` does; for other modules ``reset_parameters()``).
+        init: Which tensors the checkpoint lacks may be initialized, and by what (see ``InitPolicy``): a function
+            called with each module owning such tensors, ``state_dict()`` names/patterns, or None (only what no
+            checkpoint holds: non-persistent buffers; everything without a checkpoint). The default initializer
+            is a Hugging Face model's own ``_init_weights``, else each module's ``reset_parameters()``.
         dtype: The dtype of floating-point parameters made from meta (None: as built); buffers keep theirs (rotary
             ``inv_freq`` stays fp32, as in ``from_pretrained``).
         strict: Refuse missing and unexpected checkpoint names (mis-shaped ones always are).
@@ -116,10 +120,11 @@ class Materializer:
     ):
         self.module = module
         self.serve = serve
-        self.init = init if init is not None else hf_init(module)
+        self.policy = InitPolicy(module, init, checkpoint is not None)
+        self.init = self.policy.function
         self.dtype = dtype
         self.block_prefixes = block_prefixes
-        self.reader: CheckpointReader | None = None
+        self.reader: CheckpointReader | ConvertedCheckpoint | None = None
         self.report = KeyReport([], [])
         self._swapped: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, original) to put back
         self._todo: set[int] = set()  # ids of tensors made here that need a value
@@ -137,10 +142,15 @@ class Materializer:
                         f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
                         f"read where they lie); {checkpoint} is a {self.reader.format} file"
                     )
+                if is_transformers_model(module):  # read through transformers' own renaming and conversion rules
+                    self.reader = ConvertedCheckpoint(self.reader, module)
                 self.report = self._check(self.reader, strict)
             except BaseException:
                 self.reader.close()
                 raise
+        elif self.policy.patterns is not None:
+            state = module.state_dict(keep_vars=True)
+            self.policy.check_missing([n for n, t in state.items() if t.is_meta], set(), "without checkpoint=, it")
         self._replace_meta_parameters()
 
     # -- preparing ----------------------------------------------------------------------------------------------
@@ -149,10 +159,11 @@ class Materializer:
             return self.dtype
         return t.dtype
 
-    def _check(self, reader: CheckpointReader, strict: bool) -> KeyReport:
+    def _check(self, reader: CheckpointReader | ConvertedCheckpoint, strict: bool) -> KeyReport:
         """Compare the checkpoint with the module's state (names, shapes, convertible dtypes).
 
-        A tensor shared by several names (tied weights) needs only one of them in the checkpoint.
+        A tensor shared by several names (tied weights) needs only one of them in the checkpoint. A tensor on the
+        ``meta`` device that the checkpoint lacks needs ``init=`` (see ``InitPolicy``).
 
         Args:
             reader: The open checkpoint.
@@ -162,8 +173,7 @@ class Materializer:
             The names the checkpoint lacks and those it has beyond the module.
 
         Raises:
-            CheckpointError: When names or shapes do not match (for a transformers model missing names, with a
-                note on the names transformers converts when loading).
+            CheckpointError: When names or shapes do not match, or a meta tensor would have no value.
         """
         state = self.module.state_dict(keep_vars=True)
         aliases: dict[int, list[str]] = {}
@@ -176,17 +186,16 @@ class Materializer:
                 t = state[name]
                 expected[name] = (tuple(t.shape), self._target_dtype(t))
         try:
-            return reader.check(expected, strict=strict)
+            report = reader.check(expected, strict=strict)
         except CheckpointError as e:
-            if "missing:" not in str(e) or not type(self.module).__module__.startswith("transformers"):
+            needy = [n for n in expected if n not in reader and state[n].is_meta]
+            if not needy:
                 raise
-            raise CheckpointError(
-                f"{e}. Note: transformers renames or merges some models' tensors when loading "
-                f"(GPT-NeoX's embed_out is lm_head, Mixtral's and Qwen2-MoE's per-expert weights "
-                f"become experts.gate_up_proj / down_proj) and save_pretrained() writes the old "
-                f"names; checkpoint= reads the model's own state_dict() names and converts none: "
-                f"use a checkpoint in those names (off.save() writes them)"
-            ) from None
+            message = str(e).replace(NAMES_HINT, "")  # strict=False alone leaves these without a value
+            raise CheckpointError(f"{message}{self.policy.missing_advice(needy, strict=True)}") from None
+        declared = reader.missing_allowed(report.missing) if isinstance(reader, ConvertedCheckpoint) else set()
+        self.policy.check_missing([n for n in report.missing if state[n].is_meta], declared, str(reader.path))
+        return report
 
     def _replace_meta_parameters(self) -> None:
         replaced: dict[int, nn.Parameter] = {}
@@ -279,13 +288,13 @@ class Materializer:
         # a tensor init= already gave values through an earlier module (tied weights) is initialized again by each
         # later module holding it, as transformers' initialize_weights() does: the last one's values stay
         again = {n for _, tensors in needy for n, t in tensors.items() if id(t) in self._initialized}
-        integers = [n for n, t in unset.items() if not t.is_floating_point()]
-        if integers:
+        booleans = [n for n, t in unset.items() if t.dtype == torch.bool]
+        if booleans:
             raise ValueError(
-                f"{integers[:10]}: integer tensors on the meta device that "
-                f"{'the checkpoint lacks' if self.reader else 'have no checkpoint'}; no initializer "
-                f"can be checked for them: build the model with its buffers in memory (accelerate's "
-                f"init_empty_weights() keeps them) or load a checkpoint holding them"
+                f"{booleans[:10]}: boolean tensors on the meta device that "
+                f"{'the checkpoint lacks' if self.reader else 'have no checkpoint'}; no initializer can be checked "
+                f"for them (no value marks one as unset): load a checkpoint holding them, or build the model with "
+                f"its buffers in memory (accelerate's init_empty_weights() keeps them)"
             )
         kept = {}  # tensors that already had values in a module being initialized: keep them
         for _, tensors in needy:
@@ -294,7 +303,7 @@ class Materializer:
                     kept[n] = t.detach().clone()
         with torch.no_grad():
             for t in unset.values():
-                t.fill_(float("nan"))
+                t.fill_(_unset(t.dtype))
             for module, _ in needy:
                 if self.init is not None:
                     self.init(module)
@@ -308,7 +317,7 @@ class Materializer:
                         t.copy_(kept[n])
         if self.init is not None:
             self._initialized.update(id(t) for t in unset.values())
-        left = [n for n, t in unset.items() if torch.isnan(t).any()]
+        left = [n for n, t in unset.items() if _is_unset(t).any()]
         if left:
             how = "init= left them unset" if self.init is not None else "their modules have no reset_parameters()"
             raise ValueError(
@@ -457,32 +466,6 @@ def _tie_hf_weights(module: nn.Module) -> None:
     tie = getattr(module, "tie_weights", None)
     if has_meta(module) and callable(tie) and hasattr(module, "config"):
         tie()
-
-
-def check_arguments(checkpoint, init, dtype, strict) -> None:
-    """Check ``offload_parameters``'s loading arguments before anything is made.
-
-    Args:
-        checkpoint: A path, or None.
-        init: A callable, or None.
-        dtype: A floating-point ``torch.dtype``, or None.
-        strict: True or False.
-
-    Raises:
-        TypeError: When ``checkpoint`` is not a path, ``init`` not callable or ``strict`` not a bool.
-        ValueError: When ``dtype`` is not a floating-point dtype.
-    """
-    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
-        raise TypeError(
-            f"checkpoint=: expected a path (a .safetensors file, a sharded folder with its index, or a "
-            f"torch.save file), got {type(checkpoint).__name__}"
-        )
-    if init is not None and not callable(init):
-        raise TypeError(f"init=: expected a function called with each module, got {type(init).__name__}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r}: expected a floating-point torch.dtype")
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict=: expected True or False, got {strict!r}")
 
 
 __all__ = ["CheckpointError", "Materializer", "check_arguments", "has_meta"]

@@ -51,9 +51,12 @@ def from_pretrained(
             in the config's ``architectures``, else ``AutoModel``.
         dtype: Floating-point parameters get this dtype (default: the class's as built, float32).
         **options: ``offload_parameters`` keyword arguments (``path=`` the swap folder, ``mode``, ``optimizer``,
-            ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ...); ``checkpoint``
-            is ``folder``, and non-persistent buffers (rotary ``inv_freq``) are computed by the model's
-            ``_init_weights``.
+            ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ``init``, ...);
+            ``checkpoint`` is ``folder``, read through transformers' own key renaming and conversion rules (GPT-NeoX's
+            ``embed_out``, per-expert MoE weights, ``base_model_prefix``), and non-persistent buffers (rotary
+            ``inv_freq``, BERT's ``position_ids``) are computed by the model's ``_init_weights``. Weights the folder
+            lacks are refused unless ``init=`` names them (``init=["classifier.*"]`` initializes them as
+            transformers does).
 
     Returns:
         The model (in eval mode, as ``from_pretrained`` returns it) and its ``ParameterOffload``.
@@ -61,6 +64,7 @@ def from_pretrained(
     Raises:
         TypeError: When ``options`` hold a ``checkpoint`` (the checkpoint is ``folder``).
         FileNotFoundError: When ``folder`` has no ``config.json``.
+        CheckpointError: When the folder's tensors do not match the model's (see ``offload_parameters``).
 
     Examples:
         >>> import contextlib, io, torch, transformers, deepoffload

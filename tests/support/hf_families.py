@@ -1,0 +1,96 @@
+"""transformers model classes built from tiny configs (no downloads), saved with ``save_pretrained`` and loaded twice:
+by transformers' own ``from_pretrained`` and by ``deepoffload.from_pretrained``; the two must hold the same state and
+give the same forward output."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# sizes given to every config (a config keeps the names it does not use as plain attributes)
+TINY: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+MAX_PARAMETERS = 3_000_000  # above this the generic sizes did not make the model tiny
+
+
+class CannotBuild(Exception):
+    """The class cannot be built tiny from ``TINY`` (the reason is the message)."""
+
+
+def build(model_class: Any, config_class: Any, **sizes: Any) -> torch.nn.Module:
+    """``model_class`` built from ``config_class(**TINY, **sizes)`` with seed 0, in eval mode.
+
+    Raises:
+        CannotBuild: When the config or the model cannot be made that small.
+    """
+    torch.manual_seed(0)
+    try:
+        config = config_class(**{**TINY, **sizes})
+        model = model_class._from_config(config, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - any failure to build is a reason to skip, stated
+        raise CannotBuild(f"{model_class.__name__} does not build from tiny sizes: {type(e).__name__}: {e}") from e
+    count = sum(p.numel() for p in model.parameters())
+    if count > MAX_PARAMETERS:
+        raise CannotBuild(f"{model_class.__name__} has {count} parameters with tiny sizes (a size TINY does not set)")
+    return model.eval()
+
+
+def forward(model: torch.nn.Module) -> Any:
+    """The model's output for a fixed batch of token ids (its first tensor output), or None when it needs more."""
+    ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids)
+    except Exception:  # noqa: BLE001 - the model needs other inputs (pixels, audio, decoder ids): no forward check
+        return None
+    return out[0] if isinstance(out, (tuple, list)) or hasattr(out, "to_tuple") else out
+
+
+def compare(model_class: Any, config_class: Any, folder: Path, **sizes: Any) -> tuple[list[str], bool]:
+    """Save a tiny ``model_class`` to ``folder`` and load it both ways.
+
+    Returns:
+        The state names whose values differ (or that one side lacks), and whether a forward output was compared.
+    """
+    import transformers
+
+    import deepoffload
+
+    model = build(model_class, config_class, **sizes)
+    with contextlib.redirect_stdout(io.StringIO()):
+        model.save_pretrained(folder / "ckpt")
+    reference = model_class.from_pretrained(folder / "ckpt", dtype=torch.float32).eval()
+    assert isinstance(reference, transformers.PreTrainedModel)
+    streamed, off = deepoffload.from_pretrained(folder / "ckpt", model_class, path=str(folder / "swap"), prefetch=0)
+    with off:
+        expected = reference.state_dict()
+        state = streamed.state_dict()
+        differ = sorted(set(expected) ^ set(state))
+        differ += [n for n in expected if n in state and not torch.equal(expected[n], state[n])]
+        buffers = dict(reference.named_buffers())
+        differ += [n for n, b in streamed.named_buffers() if n in buffers and not torch.equal(b, buffers[n])]
+        out, ref = forward(streamed), forward(reference)
+        compared = out is not None and ref is not None
+        if compared and not torch.equal(out, ref):
+            differ.append("<forward output>")
+    return differ, compared

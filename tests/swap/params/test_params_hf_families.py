@@ -1,0 +1,146 @@
+"""``deepoffload.from_pretrained`` loads what transformers' own ``from_pretrained`` loads: tiny models built from
+configs, saved with ``save_pretrained`` and loaded both ways, hold the same state and give the same output. The
+fast subset covers the layouts transformers converts when loading (GPT-NeoX's ``embed_out``, Mixtral's and
+Qwen2-MoE's per-expert weights, a base model's folder under a head's ``base_model_prefix``) and BERT's integer
+buffers; the slow test walks every class of ``AutoModelForCausalLM``'s mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.support.hf_families import CannotBuild, compare  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+FAST = ["llama", "gpt_neox", "bert", "mixtral", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_from_pretrained_equals_transformers_load(scratch, model_type):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    differ, compared = compare(model_class, transformers.CONFIG_MAPPING[model_type], scratch)
+    assert differ == [] and compared
+
+
+def test_bert_model_loads_with_its_integer_buffers(scratch):
+    differ, compared = compare(transformers.BertModel, transformers.BertConfig, scratch)
+    assert differ == [] and compared
+
+
+def _causal_lm_classes():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, class_name", _causal_lm_classes())
+def test_walk_causal_lm_classes(scratch, model_type, class_name):
+    model_class = getattr(transformers, class_name, None)
+    config_class = transformers.CONFIG_MAPPING.get(model_type) if model_type in transformers.CONFIG_MAPPING else None
+    if model_class is None or config_class is None:
+        pytest.skip(f"{class_name}: not importable from this transformers")
+    try:
+        differ, _ = compare(model_class, config_class, scratch)
+    except CannotBuild as e:
+        pytest.skip(str(e))
+    assert differ == []
+
+
+# -- refusals and the advice they give ----------------------------------------------------------------------------
+def _bert(model_class, scratch, name: str):
+    import contextlib
+    import io
+
+    from tests.support.hf_families import build
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        build(model_class, transformers.BertConfig).save_pretrained(scratch / name)
+    return scratch / name
+
+
+def _follow(message: str) -> dict:
+    """The arguments a refusal's message tells the user to pass (every ``name=value`` it suggests)."""
+    import ast
+    import re
+
+    advice = {}
+    if "strict=False" in message:
+        advice["strict"] = False
+    found = re.search(r"init=(\[[^\]]*\])", message)
+    if found:
+        advice["init"] = ast.literal_eval(found.group(1))
+    assert advice, f"the refusal suggests nothing to pass: {message}"
+    return advice
+
+
+def _load_following_advice(folder, model_class, scratch, **options):
+    """``deepoffload.from_pretrained``, called again with what each refusal suggests until it loads."""
+    import deepoffload
+    from deepoffload.errors import CheckpointError
+
+    for attempt in range(3):
+        try:
+            return deepoffload.from_pretrained(
+                folder, model_class, path=str(scratch / f"swap{attempt}"), prefetch=0, **options
+            )
+        except CheckpointError as e:
+            options.update(_follow(str(e)))
+    pytest.fail(f"still refused after following the advice three times: {options}")
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        ("BertModel", "BertForSequenceClassification"),  # missing head (strict, then strict=False + init=)
+        ("BertForMaskedLM", "BertModel"),  # unexpected head names under the base model's prefix
+        ("BertForPreTraining", "BertForSequenceClassification"),  # both
+    ],
+)
+def test_every_refusal_advice_gives_transformers_values(scratch, saved, loaded):
+    import deepoffload
+    from deepoffload.errors import CheckpointError
+
+    folder = _bert(getattr(transformers, saved), scratch, "ckpt")
+    model_class = getattr(transformers, loaded)
+    with pytest.raises(CheckpointError):
+        deepoffload.from_pretrained(folder, model_class, path=str(scratch / "refused"))
+    model, off = _load_following_advice(folder, model_class, scratch)
+    reference = model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    missing = set(off.load_report.missing)
+    with off, torch.no_grad():
+        state, expected = model.state_dict(), reference.state_dict()
+        assert state.keys() == expected.keys()
+        assert [n for n in expected if n not in missing and not torch.equal(state[n], expected[n])] == []
+        for name in missing:  # initialized as transformers initializes them: same rule, own random draws
+            if name.endswith("bias"):
+                assert torch.equal(state[name], expected[name])
+            else:
+                assert torch.isfinite(state[name]).all() and 0.01 < state[name].std() < 0.03  # normal, std 0.02
+        if not missing:
+            ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(1))
+            assert torch.equal(model(input_ids=ids)[0], reference(input_ids=ids)[0])
+
+
+def test_strict_false_never_leaves_a_missing_parameter_initialized_unasked(scratch):
+    """The old advice (strict=False) gave a randomly initialized head without a word: now missing parameters need
+    init= naming them (or patterns), and any other missing one is still refused."""
+    import deepoffload
+    from deepoffload.errors import CheckpointError
+
+    folder = _bert(transformers.BertModel, scratch, "ckpt")
+    model_class = transformers.BertForSequenceClassification
+    with pytest.raises(CheckpointError, match=r"init=\['classifier.bias', 'classifier.weight'\]"):
+        deepoffload.from_pretrained(folder, model_class, path=str(scratch / "a"), strict=False)
+    with pytest.raises(CheckpointError, match=r"classifier.weight"):
+        deepoffload.from_pretrained(folder, model_class, path=str(scratch / "b"), strict=False, init=["*.bias"])
+    model, off = deepoffload.from_pretrained(
+        folder, model_class, path=str(scratch / "c"), strict=False, init="classifier.*"
+    )
+    with off:
+        assert sorted(off.load_report.missing) == ["classifier.bias", "classifier.weight"]
