@@ -3,7 +3,7 @@ a reader sees at a glance how far each result is from its bound.
 
 Input: the JSON a benchmark writes with ``--json PATH`` (``benchmarks/common.py`` ``write_json``), or a file in
 ``benchmarks/results/`` in the same format. The documentation site draws ``benchmarks/results/*.json`` with this at
-build time (``docs/hooks.py``).
+build time (``mkdocs_hooks.py``).
 
     python benchmarks/plot.py benchmarks/results/engines_vs_fio.json [--out DIR]
 """

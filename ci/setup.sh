@@ -45,4 +45,5 @@ python_env() {
 MAIN_PACKAGES=(g++ python3-dev python3-venv libaio-dev liburing-dev fio)
 # The tests besides: MinGW-w64 and Wine for the Windows engine's tests (cross-compiled, run under Wine; about 50 s
 # to install), strace for tests/io/test_direct_alignment.py (reads the addresses of the op's system calls).
-TEST_PACKAGES=(g++-mingw-w64-x86-64 wine strace)
+# chromium: tests/test_docs_site.py opens the built site headless to check that no main page scrolls sideways.
+TEST_PACKAGES=(g++-mingw-w64-x86-64 wine strace chromium)

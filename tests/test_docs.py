@@ -4,8 +4,8 @@ repository file they name exists, and the build-time figure they quote is the bu
 
 Blocks run in one child process (one import of torch and transformers for all), each block in a fresh namespace, in
 a scratch folder where ``/nvme`` is a scratch sub-folder and ``llama/`` a tiny Llama written by ``save_pretrained``
-(for the blocks that read a model folder). Pages under docs/notes/ are release notes written elsewhere and are
-not run."""
+(for the blocks that read a model folder). Development notes (dev-notes/) are not documentation and are not
+run."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-PAGES = [README, *sorted(p for p in (REPO / "docs").rglob("*.md") if "notes" not in p.relative_to(REPO).parts)]
+PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
 pytestmark = pytest.mark.skipif(not README.exists() or not (REPO / "docs").exists(), reason="needs the source tree")
 
 BLOCK = re.compile(r"(?:<!-- no-run: (?P<reason>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)

@@ -1,7 +1,6 @@
-"""docs/hooks.py, which generates the parts of the documentation site that follow the code: the reference covers
-every public name, option, config key and environment variable; every note in docs/notes/ gets a nav entry; a link
-in a note to a repository file that is not a page does not break the strict build. (The whole site is built by
-ci/test.sh's docs phase.)"""
+"""mkdocs_hooks.py, which generates the parts of the documentation site that follow the code: the reference covers
+every public name, option, config key and environment variable, main names first; the site holds user documentation
+only (no development notes, no build code among its pages). (The whole site is built by ci/test.sh's docs phase.)"""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-HOOKS = REPO / "docs" / "hooks.py"
-pytestmark = pytest.mark.skipif(not HOOKS.exists(), reason="needs the source tree's docs/")
+HOOKS = REPO / "mkdocs_hooks.py"
+pytestmark = pytest.mark.skipif(not HOOKS.exists(), reason="needs the source tree")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ def test_each_public_module_has_a_reference_page_with_every_name(hooks, module_n
     text = hooks.api_markdown(module_name)
     names = importlib.import_module(module_name).__all__
     assert [line for line in text.splitlines() if line] == [f"::: {module_name}.{name}" for name in names]
-    pages = [p.read_text() for p in (Path(hooks.__file__).parent / "reference").glob("*.md")]
+    pages = [p.read_text() for p in (REPO / "docs" / "reference").glob("*.md")]
     assert sum(f"<!-- generated: api {module_name} -->" in page for page in pages) == 1
 
 
@@ -78,30 +77,25 @@ def test_the_residency_diagram_has_every_transition(hooks):
     assert f"{Residency.RESTORED.name} --> {Residency.READING.name}" not in text
 
 
-def test_every_note_gets_a_nav_entry_and_none_an_empty_section(hooks, tmp_path):
-    (tmp_path / "notes").mkdir()
-    for name in ("b29.md", "a25.md"):
-        (tmp_path / "notes" / name).write_text("# a note\n")
-    nav = [{"Home": "index.md"}, {hooks.NOTES: []}]
-    config = hooks.on_config({"docs_dir": str(tmp_path), "nav": nav})
-    assert config["nav"][1] == {hooks.NOTES: ["notes/a25.md", "notes/b29.md"]}
-    for note in (tmp_path / "notes").iterdir():
-        note.unlink()
-    config = hooks.on_config({"docs_dir": str(tmp_path), "nav": [{"Home": "index.md"}, {hooks.NOTES: []}]})
-    assert config["nav"] == [{"Home": "index.md"}]
+def test_the_reference_leads_with_the_main_names_and_ends_with_the_errors(hooks):
+    import deepoffload
+
+    order = hooks.reference_order(deepoffload.__all__)
+    assert sorted(order) == sorted(n for n in deepoffload.__all__ if not n.startswith("_"))
+    assert order[:4] == ["from_pretrained", "offload_parameters", "ParameterOffload", "OffloadedOptimizer"]
+    errors = [n for n in order if n.endswith("Error")]
+    assert order[-len(errors) :] == errors and "DeepOffloadError" in errors
+    text = hooks.api_markdown()
+    assert text.index("::: deepoffload.from_pretrained") < text.index("deepoffload.DeepOffloadError")
 
 
-def test_a_notes_link_outside_the_site_becomes_its_path(hooks, tmp_path):
-    (tmp_path / "guides").mkdir()
-    (tmp_path / "guides" / "io-handle.md").write_text("# x\n")
-    text = (
-        "see [the test](../../tests/test_x.py), [the guide](../guides/io-handle.md#a), "
-        "[a site](https://example.org/x.py) and ![plot](../assets/p.png)"
-    )
-    out = hooks._unlink_outside_docs(text, "notes/a.md", tmp_path)
-    assert "the test (`../../tests/test_x.py`)" in out
-    assert "[the guide](../guides/io-handle.md#a)" in out and "[a site](https://example.org/x.py)" in out
-    assert "![plot](../assets/p.png)" in out
+def test_the_site_holds_user_documentation_only():
+    """Development notes and the build's own code are not pages: nothing under docs/ but user pages and assets."""
+    docs = REPO / "docs"
+    assert not (docs / "notes").exists() and not list(docs.rglob("*.py")), "development files under docs/"
+    assert (REPO / "dev-notes").is_dir()
+    config = (REPO / "mkdocs.yml").read_text()
+    assert "notes" not in config.split("\nnav:", 1)[1] and "hooks:\n  - mkdocs_hooks.py" in config
 
 
 @pytest.mark.slow
@@ -130,3 +124,32 @@ def test_every_benchmark_result_says_its_command_machine_and_date_and_plots(tmp_
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]) and data["machine"] and data["title"], path
         assert data["results"] and all({"label", "value"} <= set(r) for r in data["results"]), path
         assert plot.render_file(path).startswith(b"\x89PNG"), path
+
+
+@pytest.mark.slow
+def test_the_main_pages_do_not_scroll_sideways_in_chromium(tmp_path):
+    """The site built as CI builds it, opened in headless Chromium at 1280 px: no code block, table or page of the
+    main pages is wider than its box (ci/check_site_width.py; chromium is one of the tests' system packages)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("mkdocs")
+    if not any(map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))):
+        pytest.skip("no chromium (apt-get install chromium; ci/setup-tests.sh installs it)")
+    site = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=600,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    check = subprocess.run(
+        [sys.executable, str(REPO / "ci" / "check_site_width.py"), str(site)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count(": fits at 1280 px") >= 6, check.stdout

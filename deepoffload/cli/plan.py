@@ -3,8 +3,11 @@
 That is what ``offload_parameters(..., checkpoint=CHECKPOINT, max_memory=N)`` would keep in memory, part by part,
 and its expected peak; or the least limit that works.
 
-Blocks are read from the checkpoint's names: tensors sharing a prefix that ends in a number (``model.layers.3.``)
-form one block, as the children of an ``nn.ModuleList`` do; the rest stays in memory. The process's own memory is
+Blocks are read from the checkpoint's names: tensors sharing a prefix that ends in a number (``model.layers.3.``,
+or ``3.`` for a top-level ``nn.Sequential``) form one block, as the children of an ``nn.ModuleList`` do; the rest
+stays in memory. A ``torch.save`` file holding a dict with a state dict inside (``{"model": ..., "optimizer": ...}``,
+as ``deepoffload.save`` writes a training checkpoint) is read through that state dict; ``--key`` names it where
+several could be. The process's own memory is
 measured here, after importing torch (and torch._dynamo, which a torch optimizer imports: with ``--train``), as
 ``offload_parameters`` measures it at its call; a training script holding more before the call needs more.
 """
@@ -29,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefetch", type=int, default=1, help="the most blocks read ahead (default: 1)")
     parser.add_argument("--train", action="store_true", help="with an optimizer (Adam-like state buffers)")
+    parser.add_argument(
+        "--key",
+        metavar="KEY",
+        help="a torch.save file holding a dict: the key of the model's state dict in it (found when only one is)",
+    )
 
 
 def blocks_of(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
@@ -36,12 +44,184 @@ def blocks_of(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
     blocks: dict[str, int] = {}
     rest = 0
     for name, nbytes in sizes.items():
-        match = re.match(r"(.*?\.\d+)\.", name)
+        match = re.match(r"((?:.*?\.)?\d+)\.", name)
         if match:
             blocks[match.group(1)] = blocks.get(match.group(1), 0) + nbytes
         else:
             rest += nbytes
     return blocks, rest
+
+
+def _is_state_dict(value: object) -> bool:
+    import torch
+
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    )
+
+
+def _nested_state_dict(path: str, key: str | None) -> tuple[dict, str]:
+    """The state dict inside the dict a ``torch.save`` file holds, and the key it is under.
+
+    Args:
+        path: The ``torch.save`` file.
+        key: The key to read (None: the only state dict in it).
+
+    Returns:
+        (the state dict, its key).
+
+    Raises:
+        CheckpointError: When the file holds no such dict, ``key`` is not one, or several are and no ``key`` says
+            which.
+    """
+    import torch
+
+    from ..errors import CheckpointError
+
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load it with torch.load(mmap=True, weights_only=True): {e}") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: holds a {type(saved).__name__}, not a state dict or a dict holding one")
+    found = [k for k, v in saved.items() if isinstance(k, str) and _is_state_dict(v)]
+    if key is not None:
+        if not _is_state_dict(saved.get(key)):
+            raise CheckpointError(f"{path}: --key {key!r} is not a state dict in it; state dicts under: {found}")
+        return saved[key], key
+    if len(found) == 1:
+        return saved[found[0]], found[0]
+    if not found:
+        raise CheckpointError(f"{path}: a dict with keys {list(saved)[:10]}, none of them a state dict")
+    raise CheckpointError(f"{path}: several state dicts, under {found}: pass --key with the model's")
+
+
+def _sizes(path: str, key: str | None) -> tuple[dict[str, int], str]:
+    """The sizes of a checkpoint's tensors.
+
+    Args:
+        path: The checkpoint (a safetensors file, a sharded folder, a torch.save file).
+        key: The key of the state dict in a torch.save file holding a dict (None: found, where only one is).
+
+    Returns:
+        ({tensor name: bytes as stored}, where they were found: "" or " (the state dict under key 'k')").
+
+    Raises:
+        CheckpointError: When it cannot be read, or holds no state dict (see ``_nested_state_dict``).
+        OSError: When it cannot be opened.
+    """
+    import math
+    from pathlib import Path
+
+    import torch
+
+    from ..errors import CheckpointError
+    from ..formats import CheckpointReader
+    from ..swap.pool import round_up
+    from ..swap.records import TENSOR_ALIGNMENT
+
+    def stored(shape, dtype) -> int:
+        return round_up(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), TENSOR_ALIGNMENT)
+
+    if key is None:
+        try:
+            with CheckpointReader(path) as reader:
+                return {name: stored(*reader.shape_dtype(name)) for name in reader.names()}, ""
+        except CheckpointError:
+            if not Path(path).is_file() or path.endswith(".safetensors"):
+                raise
+    state, found = _nested_state_dict(path, key)
+    return {name: stored(t.shape, t.dtype) for name, t in state.items()}, f" (the state dict under key {found!r})"
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for reading: MB (1e6 bytes), or kB below a MB, so that a small model's figures are not 0.0."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 or nbytes == 0 else f"{nbytes / 1e3:.1f} kB"
+
+
+def _mb(nbytes: int) -> str:
+    return f"{_size(nbytes):>13}"
+
+
+def _refusal(plan, limit: int, process: int, default_prefetch: int) -> list[str]:
+    """The short table printed when even the least plan does not fit ``limit``.
+
+    Args:
+        plan: The plan of the model's sizes.
+        limit: The limit given, in bytes.
+        process: The process's memory now, in bytes.
+        default_prefetch: The prefetch asked for (the default 1): the limit it needs is shown too.
+
+    Returns:
+        The lines to print.
+    """
+    from dataclasses import replace
+
+    from ..swap.params.budget import FORWARD_BYTES, MIN_STATE_CHUNKS
+
+    least = replace(plan, prefetch=0, state_chunks=MIN_STATE_CHUNKS, resident_bytes=0)
+    default = replace(least, prefetch=default_prefetch)
+    need = process + least.peak_bytes + FORWARD_BYTES
+    rows = [
+        f"does not fit: --max-memory {limit / 1e6:.1f} MB; the smallest that works is {need / 1e6:.1f} MB:",
+        f"  {'the process now (torch imported)':<58}{_mb(process)}",
+        f"  {'the offload at its least (prefetch 0, nothing kept)':<58}{_mb(least.peak_bytes)}",
+        f"  {'left for the forward activations':<58}{_mb(FORWARD_BYTES)}",
+        f"  {'= the smallest --max-memory':<58}{_mb(need)}",
+    ]
+    if default_prefetch > 0:
+        with_default = process + default.peak_bytes + FORWARD_BYTES
+        rows.append(f"  {f'with --prefetch {default_prefetch}':<58}{_mb(with_default)}")
+    return rows
+
+
+def _report(fitted, blocks: dict[str, int]) -> list[str]:
+    """The plan's figures, which add up.
+
+    The running rows sum to the running total; the expected peak is the process now, the larger of loading and
+    running, and the forward's activations.
+
+    Args:
+        fitted: The settings ``fit`` chose.
+        blocks: {block prefix: bytes}.
+
+    Returns:
+        The lines to print.
+    """
+    from ..swap.params.budget import INFERENCE_BLOCKS, READER_BYTES, SETUP_BLOCKS, STATE_CHUNKS, TRAINING_BLOCKS
+
+    plan, limit, process = fitted.plan, fitted.limit_bytes, fitted.process_bytes
+    R = plan.rest_bytes
+    kept = plan.resident_bytes or 0
+    rest = R * (2 if plan.training else 1)
+    working = TRAINING_BLOCKS if plan.training else INFERENCE_BLOCKS
+    rows = [
+        f"max_memory {limit / 1e6:.1f} MB: prefetch {plan.prefetch}"
+        + (f", {plan.state_chunks} optimizer buffers" if plan.training else "")
+        + f", {_size(kept)} of the {_size(sum(blocks.values()))} of blocks kept resident",
+        f"  while running (B = {_size(plan.block_bytes)}: the largest block's staging span; R = outside blocks):",
+        f"  {'outside blocks, resident: ' + ('R + its gradients' if plan.training else 'R'):<58}{_mb(rest)}",
+        f"  {'blocks kept resident (max_resident_bytes)':<58}{_mb(kept)}",
+        f"  {f'in flight: {plan.prefetch} read ahead + 1 computing + 1 written back, x B':<58}"
+        f"{_mb(plan.staging_bytes)}",
+        f"  {f'working: {working} B (' + ('gradients, temporaries' if plan.training else 'outputs') + ')':<58}"
+        f"{_mb(plan.working_bytes)}",
+    ]
+    if plan.training:
+        label = f"optimizer state staging: {plan.state_chunks} B + {STATE_CHUNKS} x min(B, R)"
+        rows.append(f"  {label:<58}{_mb(plan.optimizer_bytes)}")
+    rows += [
+        f"  {'= running':<58}{_mb(plan.run_bytes)}",
+        f"  {f'while loading: R + reader {READER_BYTES >> 20} MiB + {SETUP_BLOCKS} B':<58}{_mb(plan.setup_bytes)}",
+        f"  {'the process now (torch imported)':<58}{_mb(process)}",
+        f"  {'the larger of running and loading':<58}{_mb(plan.peak_bytes)}",
+        f"  {'left for the forward activations':<58}{_mb(fitted.forward_bytes)}",
+        f"  {'= expected peak':<58}{_mb(fitted.expected_peak_bytes)}",
+        f"  {'unused of --max-memory':<58}{_mb(limit - fitted.expected_peak_bytes)}",
+    ]
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,15 +234,11 @@ def run(args: argparse.Namespace) -> int:
         The exit status: 0 when it fits, 1 when it does not (or the checkpoint cannot be read or has no blocks),
         2 for an unreadable ``--max-memory``.
     """
-    import math
-
-    import torch
+    from dataclasses import replace
 
     from ..errors import CheckpointError, MemoryBudgetError
-    from ..formats import CheckpointReader
     from ..swap.params.budget import READER_BYTES, MemoryPlan, fit, parse_bytes, process_bytes
     from ..swap.pool import round_up
-    from ..swap.records import TENSOR_ALIGNMENT
 
     try:
         limit = parse_bytes(args.max_memory, "--max-memory")
@@ -70,11 +246,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"deepoffload plan: {e}", file=sys.stderr)
         return 2
     try:
-        with CheckpointReader(args.checkpoint) as reader:
-            sizes = {}
-            for name in reader.names():
-                shape, dtype = reader.shape_dtype(name)
-                sizes[name] = round_up(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), TENSOR_ALIGNMENT)
+        sizes, where = _sizes(args.checkpoint, args.key)
     except (CheckpointError, OSError) as e:
         print(f"deepoffload plan: {e}", file=sys.stderr)
         return 1
@@ -97,23 +269,16 @@ def run(args: argparse.Namespace) -> int:
     )
     process = process_bytes()
     print(
-        f"checkpoint: {args.checkpoint}: {len(blocks)} blocks, {sum(blocks.values()) / 1e6:.1f} MB in blocks, "
-        f"{rest / 1e6:.1f} MB outside"
+        f"checkpoint: {args.checkpoint}{where}: {len(blocks)} blocks, {_size(sum(blocks.values()))} in blocks "
+        f"(the largest {_size(max(blocks.values()))}), {_size(rest)} outside"
     )
     try:
         fitted = fit(plan, limit, process)
-    except MemoryBudgetError as e:
-        print(f"does not fit: {e}")
+    except MemoryBudgetError:
+        print("\n".join(_refusal(plan, limit, process, args.prefetch)))
         return 1
-    print(
-        f"max_memory: {limit / 1e6:.1f} MB; the process now: {process / 1e6:.1f} MB; left for the forward's "
-        f"activations: {fitted.forward_bytes / 1e6:.1f} MB"
-    )
-    print(
-        f"chosen: prefetch {fitted.plan.prefetch}, {fitted.plan.state_chunks} optimizer buffers, "
-        f"{cast(int, fitted.plan.resident_bytes) / 1e6:.1f} MB of blocks kept in memory"
-    )  # fit() sets it
-    for what, nbytes in fitted.plan.parts():
-        print(f"  {what}: {nbytes / 1e6:.1f} MB")
-    print(f"expected peak: {fitted.expected_peak_bytes / 1e6:.1f} MB of {limit / 1e6:.1f} MB")
+    # fit() keeps as many bytes of blocks as the limit leaves room for; no more than the blocks hold
+    kept = min(cast(int, fitted.plan.resident_bytes), sum(blocks.values()))
+    fitted = replace(fitted, plan=replace(fitted.plan, resident_bytes=kept))
+    print("\n".join(_report(fitted, blocks)))
     return 0

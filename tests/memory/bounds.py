@@ -6,7 +6,7 @@ The stated bound of an entry point = the process after its imports (measured: a 
 same kind of group) + what the library holds (``MemoryPlan.peak_bytes`` for ``offload_parameters``; its staging
 pools for the others) + what the user's own code holds (the model in memory, a returned state dict, the forward's
 activations: ``FORWARD_BYTES``). ``python tests/memory/bounds.py [SHAPE...]`` prints every figure (the table in
-docs/notes/m26.md is its output)."""
+dev-notes/m26.md is its output)."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def test_plain_wheel_has_sources_and_builds_from_a_fresh_venv(tmp_path):
     # the PEP 621 metadata of pyproject.toml, the license and the typing marker reach the wheel
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     for line in (
-        "License: Apache-2.0",
+        "License-Expression: Apache-2.0",
         "Requires-Python: >=3.11",
         "Requires-Dist: torch>=2.13",
         "Classifier: Typing :: Typed",

@@ -1,4 +1,4 @@
-"""The thread-safety contract (docs/notes/p27.md): objects documented as shareable between threads, used from
+"""The thread-safety contract (dev-notes/p27.md): objects documented as shareable between threads, used from
 several threads at once, give each thread its own answer and lose nothing."""
 
 from __future__ import annotations

@@ -7,8 +7,10 @@
 - ``<!-- generated: residency -->`` becomes the state diagram of a streamed block, from its transition table;
 - ``<!-- generated: config -->`` becomes the tables of configuration keys (``AioConfig``, ``SwapConfig``) and
   environment variables (``op_builder.env.VARIABLES``);
-- every ``benchmarks/results/*.json`` becomes a plot ``assets/plots/<name>.png`` (``benchmarks/plot.py``);
-- the nav section "Notes from this release" lists every ``docs/notes/*.md``.
+- every ``benchmarks/results/*.json`` becomes a plot ``assets/plots/<name>.png`` (``benchmarks/plot.py``).
+
+It lives beside mkdocs.yml, outside ``docs/``, so that the site holds user documentation only (development notes
+are in ``dev-notes/``, not built).
 """
 
 from __future__ import annotations
@@ -22,21 +24,9 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTES = "Notes from this release"
+ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-
-def on_config(config):
-    notes = sorted((Path(config["docs_dir"]) / "notes").glob("*.md"))
-    for item in list(config["nav"]):
-        if isinstance(item, dict) and NOTES in item:
-            if notes:
-                item[NOTES] = [f"notes/{p.name}" for p in notes]
-            else:
-                config["nav"].remove(item)
-    return config
 
 
 def on_files(files, config):
@@ -53,8 +43,6 @@ def on_page_markdown(markdown, page, config, files):
         marker = f"<!-- generated: {name} -->"
         if marker in markdown:
             markdown = markdown.replace(marker, make())
-    if page.file.src_uri.startswith("notes/"):
-        markdown = _unlink_outside_docs(markdown, page.file.src_uri, Path(config["docs_dir"]))
     return markdown
 
 
@@ -65,24 +53,27 @@ def _load_module(name: str, path: Path):
     return module
 
 
-def _unlink_outside_docs(markdown: str, src_uri: str, docs_dir: Path) -> str:
-    """Notes are written in their engineers' worktrees without the site: a relative link to a repository file that
-    is not a page of the site (``../../tests/test_x.py``) becomes the text and the code-formatted link target
-    instead of a broken link."""
-    docs = docs_dir.resolve()
-    base = (docs / src_uri).parent
+# The names people start from, first in the reference, in this order; then the rest of deepoffload.__all__ in its
+# order, and the exception classes last.
+MAIN = (
+    "from_pretrained",
+    "offload_parameters",
+    "ParameterOffload",
+    "OffloadedOptimizer",
+    "SwapConfig",
+    "save",
+    "save_async",
+    "load",
+    "AsyncIOHandle",
+    "AioConfig",
+)
 
-    def fix(match: re.Match) -> str:
-        text, target = match.group(1), match.group(2)
-        path = target.split("#", 1)[0]
-        if not path or re.match(r"^[a-z]+:", target):
-            return match.group(0)
-        resolved = (base / path).resolve()
-        if resolved.is_relative_to(docs) and resolved.exists():
-            return match.group(0)
-        return f"{text} (`{path}`)"
 
-    return re.sub(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)", fix, markdown)
+def reference_order(names) -> list[str]:
+    public = [n for n in names if not n.startswith("_")]
+    main = [n for n in MAIN if n in public]
+    errors = [n for n in public if n.endswith("Error") and n not in main]
+    return main + [n for n in public if n not in main and n not in errors] + errors
 
 
 def api_markdown(module_name: str = "deepoffload") -> str:
@@ -94,7 +85,7 @@ def api_markdown(module_name: str = "deepoffload") -> str:
     import deepoffload
 
     blocks = []
-    for name in (n for n in deepoffload.__all__ if not n.startswith("_")):
+    for name in reference_order(deepoffload.__all__):
         obj = getattr(deepoffload, name)
         module = obj.__module__.removeprefix("deepoffload.")
         if module.split(".")[0] == "op_builder":
