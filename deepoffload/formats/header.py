@@ -12,6 +12,7 @@ the tensor is read).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedError
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedError
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 INT64_MAX = 2**63 - 1  # torch's sizes and strides are signed 64-bit
@@ -266,7 +267,8 @@ def read_header(path: str | os.PathLike) -> Header:
         Its parsed header (see ``parse_header``), with the file's identity when it was read.
 
     Raises:
-        CheckpointError: When ``path`` is a folder or does not exist (and, from ``parse_header``, when the file is
+        CheckpointNotFoundError: (a CheckpointError and a FileNotFoundError) When ``path`` does not exist.
+        CheckpointError: When ``path`` is a folder (and, from ``parse_header``, when the file is
             not valid safetensors).
     """
     path = os.fspath(path)
@@ -282,7 +284,7 @@ def read_header(path: str | os.PathLike) -> Header:
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a folder, not a safetensors file") from None
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such safetensors file") from None
+        raise CheckpointNotFoundError(errno.ENOENT, "no such safetensors file", path) from None
     return dataclasses.replace(parse_header(raw, file_size, path), identity=file_identity(stat))
 
 

@@ -18,8 +18,15 @@ from hypothesis import strategies as st
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from deepoffload.formats import CheckpointError, CheckpointReader, load_file, save_file, save_sharded  # noqa: E402
-from deepoffload.formats.header import DTYPE_NAMES, DTYPES, PACKED, encode_header  # noqa: E402
+from deepoffload.formats import (  # noqa: E402
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReader,
+    load_file,
+    save_file,
+    save_sharded,
+)
+from deepoffload.formats.header import DTYPE_NAMES, DTYPES, PACKED, encode_header, read_header  # noqa: E402
 from deepoffload.io.handle import AsyncIOHandle  # noqa: E402
 
 
@@ -464,11 +471,19 @@ def test_short_file_and_missing_file(scratch):
     (scratch / "short.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError, match="shorter than the 8-byte"):
         load_file(scratch / "short.safetensors")
-    with pytest.raises(CheckpointError, match="no such checkpoint"):
-        load_file(scratch / "absent.safetensors")
     (scratch / "empty_folder").mkdir()
-    with pytest.raises(CheckpointError, match="no model.safetensors.index.json or model.safetensors"):
-        load_file(scratch / "empty_folder")
+    for missing, message in [
+        (scratch / "absent.safetensors", "no such checkpoint"),
+        (scratch / "empty_folder", "no model.safetensors.index.json or model.safetensors"),
+    ]:
+        # what safetensors and torch.load raise for a missing file, so the except clauses around them catch it
+        with pytest.raises(FileNotFoundError, match=message) as info:
+            load_file(missing)
+        assert isinstance(info.value, CheckpointNotFoundError) and isinstance(info.value, CheckpointError)
+        assert info.value.errno == errno.ENOENT and info.value.filename == str(missing)
+    with pytest.raises(FileNotFoundError, match="no such safetensors file") as info:
+        read_header(scratch / "absent.safetensors")
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(scratch / "absent.safetensors")
 
 
 def test_index_problems(scratch):
@@ -478,8 +493,9 @@ def test_index_problems(scratch):
     index = json.loads(index_path.read_text())
     second = index["weight_map"]["w1"]
     os.rename(scratch / second, scratch / "moved")
-    with pytest.raises(CheckpointError, match=f"shard {second} is missing"):
+    with pytest.raises(CheckpointNotFoundError, match=f"shard {second} of .* is missing") as info:
         CheckpointReader(scratch)
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(scratch / second)
     os.rename(scratch / "moved", scratch / second)
     wrong = dict(index, weight_map={**index["weight_map"], "w0": second})
     index_path.write_text(json.dumps(wrong))
