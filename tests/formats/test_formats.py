@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+import deepoffload  # noqa: E402
 from deepoffload.formats import (  # noqa: E402
     CheckpointError,
     CheckpointNotFoundError,
@@ -114,6 +115,7 @@ def test_writes_each_dtype_as_safetensors_does(scratch, dtype):
         assert ours.pop("__metadata__") == {"format": "pt"} and ours == theirs
         assert_same(safetensors_torch.load_file(path), tensors)
         assert_same(load_file(path), tensors)
+        assert_same(deepoffload.load(path), tensors)  # a .safetensors path loads through the same reader
 
 
 def test_reads_mixed_file_with_odd_offsets(scratch):
