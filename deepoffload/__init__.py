@@ -26,6 +26,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
             "ChecksumError",
             "ValidationError",
             "CheckpointError",
+            "CheckpointNotFoundError",
             "MemoryBudgetError",
             "ResidencyError",
             "UnsupportedError",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from .config import AioConfig
     from .errors import (
         CheckpointError,
+        CheckpointNotFoundError,
         ChecksumError,
         ClosedError,
         ConfigError,

@@ -1,9 +1,10 @@
 """``torch.distributed.checkpoint`` (DCP) storage whose bytes move through the async-IO op.
 
 ``FileSystemWriter`` and ``FileSystemReader`` are DCP's own classes with their filesystem swapped for one that opens
-``DirectWriter``/``DirectReader`` streams, so planning, metadata, file names and file contents are exactly DCP's
-(either side reads what the other wrote); only the IO differs: each rank's file is written through multi-buffered
-aligned O_DIRECT writes and read with aligned read-ahead. Use them wherever DCP's are used::
+``DirectWriter``/``DirectReader`` streams, so planning and the rank files' contents are exactly DCP's (either side
+reads what the other wrote); the IO differs (each rank's file is written through multi-buffered aligned O_DIRECT
+writes and read with aligned read-ahead), and so do the rank files' names (one generation per save, below) and with
+them the names ``.metadata`` records. Use them wherever DCP's are used::
 
     import torch.distributed.checkpoint as dcp
     from deepoffload.dcp import FileSystemReader, FileSystemWriter

@@ -53,6 +53,15 @@ class CheckpointError(DeepOffloadError, ValueError):
     """
 
 
+class CheckpointNotFoundError(FileNotFoundError, CheckpointError):
+    """A checkpoint (file, folder or shard) that is not there.
+
+    Also a ``FileNotFoundError`` (an ``OSError`` with errno ``ENOENT`` and the missing path as ``filename``), as
+    ``safetensors`` and ``torch.load`` raise for a missing file, so ``except FileNotFoundError`` and ``except OSError``
+    catch it as well as ``except CheckpointError``.
+    """
+
+
 class ResidencyError(DeepOffloadError, RuntimeError):
     """A block was asked to move between residency states in an order that would lose or misuse its values.
 
@@ -112,6 +121,7 @@ def naming_target(error: OSError, target: str) -> OSError:
 __all__ = [
     "BenchError",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "ChecksumError",
     "ClosedError",
     "ConfigError",

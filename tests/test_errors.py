@@ -120,7 +120,13 @@ def test_the_family_keeps_the_builtin_bases_callers_catch():
 
     import deepoffload
     from deepoffload.checkpoint.zip_crc import ZipLayoutError
-    from deepoffload.errors import DeepOffloadError, StreamedParameterError, UnsupportedError
+    from deepoffload.errors import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        DeepOffloadError,
+        StreamedParameterError,
+        UnsupportedError,
+    )
 
     assert DeepOffloadError is base is deepoffload.DeepOffloadError  # one base, also below deepoffload's layers
     assert deepoffload.BuildError is BuildError
@@ -130,9 +136,14 @@ def test_the_family_keeps_the_builtin_bases_callers_catch():
         (ZipLayoutError, RuntimeError),
         (UnsupportedError, RuntimeError),
         (StreamedParameterError, RuntimeError),
+        (CheckpointError, ValueError),
+        (CheckpointNotFoundError, FileNotFoundError),  # what a missing file raises in safetensors and torch.load
     ]:
         assert issubclass(cls, DeepOffloadError) and issubclass(cls, builtin), cls
     assert issubclass(StreamedParameterError, UnsupportedError)
+    assert issubclass(CheckpointNotFoundError, CheckpointError)
+    missing = CheckpointNotFoundError(2, "no such checkpoint file", "model.safetensors")
+    assert (missing.errno, missing.strerror, missing.filename) == (2, "no such checkpoint file", "model.safetensors")
 
 
 def test_a_bad_environment_variable_is_a_deepoffload_error(monkeypatch):

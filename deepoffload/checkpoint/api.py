@@ -5,6 +5,7 @@ Saves never leave a half-written file under the checkpoint's name.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ import torch
 import torch.serialization as ts
 
 from ..config import AioConfig
-from ..errors import CheckpointError, UnsupportedError, naming_target
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedError, naming_target
 from ..formats.header import file_identity
 from ..io import retire
 from ..io.buffers import aligned_empty
@@ -164,6 +165,7 @@ def load(
         What ``torch.load(path, map_location, weights_only=weights_only)`` returns.
 
     Raises:
+        CheckpointNotFoundError: (also a ``FileNotFoundError``, as ``torch.load`` raises) When ``path`` does not exist.
         CheckpointError: When the file cannot be a checkpoint (empty, truncated, safetensors, other data; the
             message names it and why), or when it was replaced while being read ``LOAD_ATTEMPTS`` times in a row.
 
@@ -175,6 +177,10 @@ def load(
     """
     path = _path_of(path, "load")
     _wait_for_save_async()  # else this would read the checkpoint before it (or find none)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(errno.ENOENT, "no such checkpoint file", path) from None
     try:
         if mmap or path.endswith(".safetensors"):  # one mapping of one file / a reader that checks the file itself
             return _load(path, map_location, weights_only, mmap, checksum, config, pickle_load_args)

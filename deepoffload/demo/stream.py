@@ -46,7 +46,7 @@ class StreamResult:
             the model with its state.
         stored_bytes: The streamed run's weights and optimizer state on storage.
         bytes_moved: Bytes the streamed run read and wrote.
-        params_match: Whether the two runs' final parameters are identical.
+        params_match: Whether the two runs' final parameters are equal (``torch.equal``).
     """
 
     parameters: int
@@ -62,7 +62,7 @@ class StreamResult:
 
     @property
     def losses_match(self) -> bool:
-        """True when the two runs' losses are identical, step by step."""
+        """True when the two runs' losses are equal, step by step."""
         return self.losses_memory == self.losses_streamed
 
     @property

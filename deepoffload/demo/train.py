@@ -43,7 +43,7 @@ class DemoResult:
         state_bytes_memory: The in-memory optimizer's state.
         state_bytes_on_storage: The offloaded optimizer's state on storage.
         staging_bytes: The offloaded optimizer's staging buffers.
-        params_match: Whether the two runs' final parameters are identical.
+        params_match: Whether the two runs' final parameters are equal (``torch.equal``).
         folder: The folder of the swap files.
     """
 
@@ -63,7 +63,7 @@ class DemoResult:
 
     @property
     def losses_match(self) -> bool:
-        """True when the two runs' losses are identical, step by step."""
+        """True when the two runs' losses are equal, step by step."""
         return self.losses_memory == self.losses_offloaded
 
     @property

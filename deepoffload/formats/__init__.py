@@ -14,7 +14,7 @@ from .._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        ".header": ["CheckpointError", "DTYPES"],
+        ".header": ["CheckpointError", "CheckpointNotFoundError", "DTYPES"],
         ".reader": ["CheckpointReader"],
         ".checks": ["KeyReport"],
         ".load": ["load_file"],
@@ -24,7 +24,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
 
 if TYPE_CHECKING:
     from .checks import KeyReport
-    from .header import DTYPES, CheckpointError
+    from .header import DTYPES, CheckpointError, CheckpointNotFoundError
     from .load import load_file
     from .reader import CheckpointReader
     from .writer import save_file, save_sharded

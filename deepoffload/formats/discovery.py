@@ -7,12 +7,13 @@ state dict.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 from pathlib import Path
 
 import torch
 
-from .header import CheckpointError, Header, read_header
+from .header import CheckpointError, CheckpointNotFoundError, Header, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -64,9 +65,11 @@ def _open_sharded(index: Path) -> list[Header]:
         path = index.parent / shard
         if not path.is_file():
             names = sorted(by_shard[shard])
-            raise CheckpointError(
-                f"{index}: shard {shard} is missing (it should hold {len(names)} tensors, e.g. "
-                f"{names[0]!r}); the checkpoint is incomplete"
+            raise CheckpointNotFoundError(
+                errno.ENOENT,
+                f"shard {shard} of {index} is missing (it should hold {len(names)} tensors, e.g. {names[0]!r}); "
+                f"the checkpoint is incomplete",
+                str(path),
             )
         header = read_header(path)
         listed, stored = by_shard[shard], set(header.entries)

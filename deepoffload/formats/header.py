@@ -4,12 +4,15 @@ A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes o
 tensor's name to ``{"dtype", "shape", "data_offsets": [begin, end]}``, plus an optional ``"__metadata__"`` object of
 strings), then the tensors' raw little-endian bytes, back to back. Offsets count from the end of the header. The
 parser accepts exactly what the reference reader (``safetensors``) accepts: the tensors must cover the data region
-without gaps or overlaps and end where the file ends.
+without gaps or overlaps and end where the file ends. An ``F4`` shape counts 4-bit values, two per element of torch's
+``float4_e2m1fn_x2`` along the last dimension; one whose last size is odd is refused here (safetensors refuses it when
+the tensor is read).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -20,13 +23,13 @@ from typing import Mapping
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedError
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedError
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 INT64_MAX = 2**63 - 1  # torch's sizes and strides are signed 64-bit
 METADATA_KEY = "__metadata__"
 
-# fp8 and unsigned ints are recent: the dtypes this torch lacks are left out
+# fp8, fp4 and unsigned ints are recent: the dtypes this torch lacks are left out (as safetensors leaves them out)
 DTYPES: dict[str, torch.dtype] = {
     name: dtype
     for name, dtype in (
@@ -48,11 +51,39 @@ DTYPES: dict[str, torch.dtype] = {
         ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
         ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
         ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+        ("F8_E8M0", getattr(torch, "float8_e8m0fnu", None)),
+        ("F4", getattr(torch, "float4_e2m1fn_x2", None)),
     )
     if dtype is not None
 }
 """safetensors dtype names (``"F32"``, ``"BF16"``, ...) -> torch dtypes, for the dtypes this torch has."""
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+# a header counts F4 values (4 bits each); torch's float4_e2m1fn_x2 packs two in each element of the last dimension
+PACKED: dict[torch.dtype, int] = {DTYPES["F4"]: 2} if "F4" in DTYPES else {}
+
+
+def header_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+    """The shape a header records for a torch tensor of ``dtype`` and ``shape`` (F4: the last size doubled).
+
+    Args:
+        dtype: The tensor's dtype (one of ``DTYPE_NAMES``).
+        shape: Its torch shape.
+
+    Returns:
+        The header's shape.
+
+    Raises:
+        ValueError: For a 0-dim packed tensor, which safetensors cannot record either.
+    """
+    packed = PACKED.get(dtype, 1)
+    if packed == 1:
+        return list(shape)
+    if not shape:
+        raise ValueError(
+            f"a 0-dim {dtype} tensor packs {packed} values that a safetensors shape cannot record (safetensors "
+            f"refuses it too): save tensor.reshape(1) and reshape it back after loading"
+        )
+    return [*shape[:-1], shape[-1] * packed]
 
 
 def check_little_endian() -> None:
@@ -184,7 +215,20 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
         if math.prod(max(size, 1) for size in shape) > INT64_MAX:  # a zero size would hide it from the product
             raise bad(f"tensor {name!r}: shape {shape!r:.200} overflows 64-bit sizes and strides")
         dtype = DTYPES[dtype_name]
-        nbytes = math.prod(shape) * element_size(dtype)
+        packed = PACKED.get(dtype, 1)
+        if math.prod(shape) % packed:
+            raise bad(
+                f"tensor {name!r}: {dtype_name} of shape {shape} does not end at a byte boundary ({packed} values "
+                f"per byte)"
+            )
+        if packed != 1 and (not shape or shape[-1] % packed):
+            raise bad(
+                f"tensor {name!r}: {dtype_name} of shape {shape}: torch's {dtype} packs {packed} values along the last "
+                f"dimension, so its size must be a multiple of {packed} (safetensors cannot load it into torch either)"
+            )
+        nbytes = math.prod(shape) // packed * element_size(dtype)
+        if packed != 1:
+            shape = [*shape[:-1], shape[-1] // packed]
         if offsets[1] - offsets[0] != nbytes:
             raise bad(
                 f"tensor {name!r}: {dtype_name} of shape {shape} takes {nbytes} bytes but data_offsets "
@@ -223,7 +267,8 @@ def read_header(path: str | os.PathLike) -> Header:
         Its parsed header (see ``parse_header``), with the file's identity when it was read.
 
     Raises:
-        CheckpointError: When ``path`` is a folder or does not exist (and, from ``parse_header``, when the file is
+        CheckpointNotFoundError: (a CheckpointError and a FileNotFoundError) When ``path`` does not exist.
+        CheckpointError: When ``path`` is a folder (and, from ``parse_header``, when the file is
             not valid safetensors).
     """
     path = os.fspath(path)
@@ -239,7 +284,7 @@ def read_header(path: str | os.PathLike) -> Header:
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a folder, not a safetensors file") from None
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such safetensors file") from None
+        raise CheckpointNotFoundError(errno.ENOENT, "no such safetensors file", path) from None
     return dataclasses.replace(parse_header(raw, file_size, path), identity=file_identity(stat))
 
 
@@ -265,7 +310,7 @@ def encode_header(
     if metadata:
         header[METADATA_KEY] = {str(k): str(v) for k, v in metadata.items()}
     for name, (dtype, shape, begin, end) in tensors.items():
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": header_shape(dtype, shape), "data_offsets": [begin, end]}
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     total = reserve if reserve else 8 + (len(text) + 7) // 8 * 8
     if 8 + len(text) > total:

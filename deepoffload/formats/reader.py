@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import math
 import os
 import time
@@ -25,7 +26,16 @@ from ..io.handle import AsyncIOHandle
 from .checks import DtypeSpec, Expected, KeyReport, _check_unchanged, _convertible, _expected_shape_dtype
 from .discovery import INDEX_NAME, SINGLE_NAME, _find_index, _is_torch_zip, _open_sharded, load_torch
 from .fault_in import FAULT_SPLIT_PAGES, PAGE_BYTES, SLOW_FAULT_BYTES_PER_S, _fault_in
-from .header import CheckpointError, Header, TensorEntry, check_little_endian, element_size, file_identity, read_header
+from .header import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    Header,
+    TensorEntry,
+    check_little_endian,
+    element_size,
+    file_identity,
+    read_header,
+)
 from .spans import READ_ALIGNMENT, _Span, plan_spans
 
 NAMES_HINT = " (pass strict=False to allow missing and unexpected names)"
@@ -50,6 +60,9 @@ class CheckpointReader:
 
     Raises:
         ValueError: When ``span_bytes`` or ``inflight_bytes`` is not an integer of at least ``READ_ALIGNMENT``.
+        CheckpointNotFoundError: (a ``CheckpointError`` and a ``FileNotFoundError``, errno ``ENOENT``, the missing
+            path as ``filename``) When ``path``, the checkpoint in its folder or a shard its index lists is missing.
+        CheckpointError: When a file is not a valid checkpoint.
 
     Examples:
         >>> import torch
@@ -98,12 +111,14 @@ class CheckpointReader:
                 self._headers = [read_header(path / SINGLE_NAME)]
                 self.format = "safetensors"
             else:
-                raise CheckpointError(
-                    f"{path}: no {INDEX_NAME} or {SINGLE_NAME} in this folder; pass a "
-                    f".safetensors file, a folder of sharded safetensors, or a torch.save file"
+                raise CheckpointNotFoundError(
+                    errno.ENOENT,
+                    f"no {INDEX_NAME} or {SINGLE_NAME} in this folder; pass a .safetensors file, a folder of "
+                    f"sharded safetensors, or a torch.save file",
+                    str(path),
                 )
         elif not path.exists():
-            raise CheckpointError(f"{path}: no such checkpoint file or folder")
+            raise CheckpointNotFoundError(errno.ENOENT, "no such checkpoint file or folder", str(path))
         elif path.name.endswith(".index.json"):
             self._headers = _open_sharded(path)
             self.format = "safetensors-sharded"

@@ -32,7 +32,7 @@ from ..io.inputs import byte_view
 from ..io.owners import adopt_mode, create_private, remove_dead_temporaries, temporary_name
 from ..io.staged_file import StagedWriter, StagingPool
 from .commit import commit, new_generation, shard_names, sync_folder, write_index
-from .header import DTYPE_NAMES, METADATA_KEY, check_little_endian, encode_header
+from .header import DTYPE_NAMES, METADATA_KEY, check_little_endian, encode_header, header_shape
 
 DEFAULT_METADATA = {"format": "pt"}  # transformers refuses shards without it
 PAGE = 4096
@@ -40,7 +40,7 @@ PAGE = 4096
 
 def _entry_bytes(name: str, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> int:
     """Bytes this tensor's entry adds to the compact JSON header (with its comma)."""
-    info = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+    info = {"dtype": DTYPE_NAMES[dtype], "shape": header_shape(dtype, shape), "data_offsets": [begin, end]}
     return len(json.dumps({name: info}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")) - 1
 
 
@@ -110,18 +110,27 @@ def _items(
         if name in seen:
             raise ValueError(f"tensor name {name!r} appears twice")
         seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in DTYPE_NAMES:
-            raise ValueError(
-                f"{name!r}: safetensors has no dtype for {tensor.dtype} (supported: "
-                f"{', '.join(str(d) for d in DTYPE_NAMES)})"
-            )
-        if tensor.device.type == "meta":
-            raise ValueError(f"{name!r} is on the meta device and has no values to save; materialize it first")
-        if tensor.layout != torch.strided:
-            raise ValueError(f"{name!r}: {tensor.layout} tensors cannot be saved; pass tensor.to_dense()")
+        _check(name, tensor)
         yield name, tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
+
+
+def _check(name: str, tensor: object) -> None:
+    """Refuse what a safetensors file cannot hold as ``name``: not a tensor, no safetensors dtype, no values."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in DTYPE_NAMES:
+        raise ValueError(
+            f"{name!r}: safetensors has no dtype for {tensor.dtype} (supported: "
+            f"{', '.join(str(d) for d in DTYPE_NAMES)})"
+        )
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name!r} is on the meta device and has no values to save; materialize it first")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name!r}: {tensor.layout} tensors cannot be saved; pass tensor.to_dense()")
+    try:
+        header_shape(tensor.dtype, tuple(tensor.shape))
+    except ValueError as e:
+        raise ValueError(f"{name!r}: {e}") from None
 
 
 def _checked_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -308,8 +317,7 @@ def save_file(
         raise FileNotFoundError(errno.ENOENT, f"cannot save {path}: its folder {path.parent} does not exist", str(path))
     layout, position = {}, 0
     for name, tensor in tensors.items():  # the exact header, so the one file never needs a second shard
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        _check(name, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         layout[name] = (tensor.dtype, tuple(tensor.shape), position, position + nbytes)
         position += nbytes

@@ -1,7 +1,8 @@
 """Clipping by a global gradient norm when the gradients are never all in memory at once.
 
 The arithmetic of ``torch.nn.utils.clip_grad_norm_`` is split into steps that can run tensor by tensor, so the
-results are bit-identical.
+results are bit-identical
+(``tests/swap/params/test_params_clipping.py::test_clipped_training_bit_identical_to_in_memory``).
 
 torch (2.13) computes one norm per gradient (``torch._foreach_norm`` for each (device, dtype) group where foreach is
 supported, else ``torch.linalg.vector_norm`` per tensor; either way a tensor's norm does not depend on the other

@@ -15,6 +15,7 @@ import torch
 
 import deepoffload
 from deepoffload.checkpoint import api, streams
+from deepoffload.errors import CheckpointError
 from deepoffload.swap.tensor_swapper import ChecksumError
 
 MiB = 1 << 20
@@ -327,8 +328,10 @@ def test_missing_folder_names_the_checkpoint(scratch):
         deepoffload.save({"a": torch.ones(2)}, target)
     assert str(target) in str(info.value)
     assert info.value.filename == str(target)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as info:
         deepoffload.load(target)
+    assert isinstance(info.value, deepoffload.CheckpointNotFoundError) and isinstance(info.value, CheckpointError)
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(target)
 
 
 def test_serialization_error_leaves_the_previous_checkpoint(scratch):

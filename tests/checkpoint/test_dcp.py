@@ -181,6 +181,40 @@ def test_single_process_save_and_load_go_through_the_op(tmp_path, monkeypatch):
     assert calls["read"] > 0
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_metadata_is_dcps_but_for_the_rank_file_names(tmp_path):
+    """What is DCP's and what is not: the rank files hold DCP's bytes under per-save names, so .metadata records
+    those names; all else in it is DCP's (but the path and random id that differ between any two of DCP's saves)."""
+    import dataclasses
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from deepoffload.dcp import FileSystemWriter
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(3000, generator=g), "b": torch.arange(7), "step": 3, "name": "x"}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "ours"), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "theirs"), no_dist=True)
+    ours, theirs = ((tmp_path / side / ".metadata").read_bytes() for side in ("ours", "theirs"))
+    assert ours != theirs
+    ours, theirs = pickle.loads(ours), pickle.loads(theirs)
+    (name,) = {info.relative_path for info in ours.storage_data.values()}
+    assert re.fullmatch(r"__0_[0-9a-f]{8}_0\.distcp", name)
+    renamed = {key: dataclasses.replace(info, relative_path="__0_0.distcp") for key, info in ours.storage_data.items()}
+    assert renamed == theirs.storage_data
+    assert (ours.state_dict_metadata, ours.planner_data, ours.version) == (
+        theirs.state_dict_metadata,
+        theirs.planner_data,
+        theirs.version,
+    )
+    assert dataclasses.replace(ours.storage_meta, checkpoint_id=None, save_id=None) == dataclasses.replace(
+        theirs.storage_meta, checkpoint_id=None, save_id=None
+    )
+    assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / "__0_0.distcp").read_bytes()
+
+
 @pytest.mark.root
 def test_disk_full_reaches_dcp_save(small_fs):
     import torch

@@ -18,8 +18,16 @@ from hypothesis import strategies as st
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from deepoffload.formats import CheckpointError, CheckpointReader, load_file, save_file, save_sharded  # noqa: E402
-from deepoffload.formats.header import DTYPES, encode_header  # noqa: E402
+import deepoffload  # noqa: E402
+from deepoffload.formats import (  # noqa: E402
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReader,
+    load_file,
+    save_file,
+    save_sharded,
+)
+from deepoffload.formats.header import DTYPE_NAMES, DTYPES, PACKED, encode_header, read_header  # noqa: E402
 from deepoffload.io.handle import AsyncIOHandle  # noqa: E402
 
 
@@ -52,10 +60,20 @@ ALL_DTYPES = sorted(DTYPES.values(), key=str)
 SHAPES = [(), (0,), (3, 0, 2), (1,), (3,), (7, 5), (129, 33)]
 
 
+def shapes(dtype: torch.dtype) -> list[tuple[int, ...]]:
+    """SHAPES, less the scalar for a packed dtype (F4: safetensors cannot record a 0-dim one)."""
+    return [shape for shape in SHAPES if shape or dtype not in PACKED]
+
+
+def raw_header(path: Path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+
+
 def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     tensors = {}
     for i, dtype in enumerate(ALL_DTYPES):
-        for j, shape in enumerate(SHAPES):
+        for j, shape in enumerate(shapes(dtype)):
             tensors[f"t.{str(dtype).split('.')[-1]}.{j}"] = random_tensor(shape, dtype, seed + i * 100 + j)
     return tensors
 
@@ -63,11 +81,41 @@ def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 # -- reading what safetensors wrote ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_reads_each_dtype_bit_identical_to_safetensors(scratch, dtype):
-    tensors = {f"x{j}": random_tensor(shape, dtype, j) for j, shape in enumerate(SHAPES)}
+    tensors = {f"x{j}": random_tensor(shape, dtype, j) for j, shape in enumerate(shapes(dtype))}
     path = scratch / "one.safetensors"
     safetensors_torch.save_file(tensors, path)
     assert_same(load_file(path), safetensors_torch.load_file(path))
     assert_same(load_file(path), tensors)
+
+
+def test_every_dtype_safetensors_writes_is_ours_too(scratch):
+    """Each torch dtype that safetensors' own writer saves (asked of it, dtype by dtype) is in DTYPES."""
+    written = set()
+    for dtype in {d for d in vars(torch).values() if isinstance(d, torch.dtype)}:
+        try:
+            safetensors_torch.save_file({"x": torch.zeros(2, 4, dtype=torch.uint8).view(dtype)}, scratch / "probe")
+        except Exception:  # noqa: BLE001 -- a dtype safetensors refuses, or one whose bytes cannot be viewed so
+            continue
+        written.add(dtype)
+    assert written <= set(DTYPE_NAMES), written - set(DTYPE_NAMES)
+    assert {getattr(torch, "float8_e8m0fnu", None), getattr(torch, "float4_e2m1fn_x2", None)} - {None} <= written
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_writes_each_dtype_as_safetensors_does(scratch, dtype):
+    """save_file and save_sharded write the entries safetensors writes (dtype name, shape, offsets; F4's shape
+    counts 4-bit values), and safetensors reads back the same bits."""
+    tensors = {f"x{j}": random_tensor(shape, dtype, j) for j, shape in enumerate(shapes(dtype))}
+    safetensors_torch.save_file(tensors, scratch / "theirs.safetensors")
+    save_file(tensors, scratch / "ours.safetensors")
+    (shard,) = save_sharded(tensors, scratch / "sharded")
+    theirs = raw_header(scratch / "theirs.safetensors")
+    for path in (scratch / "ours.safetensors", shard):
+        ours = raw_header(path)
+        assert ours.pop("__metadata__") == {"format": "pt"} and ours == theirs
+        assert_same(safetensors_torch.load_file(path), tensors)
+        assert_same(load_file(path), tensors)
+        assert_same(deepoffload.load(path), tensors)  # a .safetensors path loads through the same reader
 
 
 def test_reads_mixed_file_with_odd_offsets(scratch):
@@ -209,6 +257,7 @@ def test_streams_from_a_generator_one_tensor_at_a_time(scratch):
         ({"m": torch.empty(3, device="meta")}, "meta device"),
         ({"c": torch.zeros(2, dtype=torch.complex128)}, "no dtype"),
         ({"__metadata__": torch.zeros(2)}, "other than"),
+        *([({"s": torch.zeros((), dtype=torch.uint8).view(packed)}, r"0-dim .*reshape\(1\)") for packed in PACKED]),
     ],
 )
 def test_writer_refuses_bad_tensors_and_leaves_no_file(scratch, bad, message):
@@ -406,15 +455,37 @@ def test_malformed_headers_are_clear_errors(scratch, header, data, length, messa
     assert str(path) in str(info.value)
 
 
+@pytest.mark.skipif("F4" not in DTYPES, reason="this torch has no float4_e2m1fn_x2")
+@pytest.mark.parametrize(
+    "shape, nbytes, message",
+    [([3], 2, "byte boundary"), ([], 0, "byte boundary"), ([2, 3], 3, "multiple of 2"), ([0, 3], 0, "multiple of 2")],
+)
+def test_f4_shapes_torch_cannot_hold_are_refused_as_safetensors_refuses_them(scratch, shape, nbytes, message):
+    path = raw_file(scratch / "f4.safetensors", {"a": {"dtype": "F4", "shape": shape, "data_offsets": [0, nbytes]}})
+    path.write_bytes(path.read_bytes() + b"\x11" * nbytes)
+    with pytest.raises(CheckpointError, match=message):
+        load_file(path)
+    with pytest.raises(Exception, match="byte boundary|divisible by 2"):
+        safetensors_torch.load_file(path)
+
+
 def test_short_file_and_missing_file(scratch):
     (scratch / "short.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError, match="shorter than the 8-byte"):
         load_file(scratch / "short.safetensors")
-    with pytest.raises(CheckpointError, match="no such checkpoint"):
-        load_file(scratch / "absent.safetensors")
     (scratch / "empty_folder").mkdir()
-    with pytest.raises(CheckpointError, match="no model.safetensors.index.json or model.safetensors"):
-        load_file(scratch / "empty_folder")
+    for missing, message in [
+        (scratch / "absent.safetensors", "no such checkpoint"),
+        (scratch / "empty_folder", "no model.safetensors.index.json or model.safetensors"),
+    ]:
+        # what safetensors and torch.load raise for a missing file, so the except clauses around them catch it
+        with pytest.raises(FileNotFoundError, match=message) as info:
+            load_file(missing)
+        assert isinstance(info.value, CheckpointNotFoundError) and isinstance(info.value, CheckpointError)
+        assert info.value.errno == errno.ENOENT and info.value.filename == str(missing)
+    with pytest.raises(FileNotFoundError, match="no such safetensors file") as info:
+        read_header(scratch / "absent.safetensors")
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(scratch / "absent.safetensors")
 
 
 def test_index_problems(scratch):
@@ -424,8 +495,9 @@ def test_index_problems(scratch):
     index = json.loads(index_path.read_text())
     second = index["weight_map"]["w1"]
     os.rename(scratch / second, scratch / "moved")
-    with pytest.raises(CheckpointError, match=f"shard {second} is missing"):
+    with pytest.raises(CheckpointNotFoundError, match=f"shard {second} of .* is missing") as info:
         CheckpointReader(scratch)
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(scratch / second)
     os.rename(scratch / "moved", scratch / second)
     wrong = dict(index, weight_map={**index["weight_map"], "w0": second})
     index_path.write_text(json.dumps(wrong))
@@ -449,6 +521,8 @@ def test_save_file_refuses_bad_input_as_save_sharded_does(scratch):
         save_file({"a": torch.ones(2)}, scratch / "m.safetensors", metadata={"step": 1})
     with pytest.raises(TypeError, match="'a': expected a torch.Tensor, got list"):
         save_file({"a": [1, 2]}, scratch / "l.safetensors")
+    with pytest.raises(ValueError, match="'c': safetensors has no dtype for torch.complex128"):  # was a bare KeyError
+        save_file({"c": torch.zeros(2, dtype=torch.complex128)}, scratch / "c.safetensors")
     target = scratch / "absent" / "x.safetensors"
     with pytest.raises(FileNotFoundError, match="its folder .* does not exist") as info:
         save_file({"a": torch.ones(2)}, target)

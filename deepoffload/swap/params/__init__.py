@@ -13,13 +13,15 @@ between two blocks or between a block and the rest; one module placed twice (``n
 is one block, run twice.
 
 Inference (grad disabled, or nothing needs a gradient): the block's own ``forward`` runs on the resident parameters,
-so outputs are bit-identical to the in-memory model.
+so outputs are bit-identical to the in-memory model
+(``tests/swap/params/test_params_inference.py::test_outputs_identical_to_in_memory``).
 
 Training uses recomputation (what ZeRO-Infinity does with activation checkpointing): each block runs inside a custom
 autograd function that keeps only the block's inputs; backward reads the parameters again (prefetching earlier
 blocks in reverse order), restores the RNG state, recomputes the block with gradients enabled and back-propagates
 through it. The forward runs under the same grad mode as the in-memory model, so the same kernels are chosen and
-results are bit-identical to in-memory training with the same optimizer (on deterministic kernels). Each block costs
+results are bit-identical to in-memory training with the same optimizer (on deterministic kernels;
+``tests/swap/params/test_params_training.py::test_training_bit_identical_to_in_memory``). Each block costs
 one extra forward. Backward with ``retain_graph``/``create_graph`` through a block is not supported.
 
 The recomputation repeats none of the forward's side effects (``side_effects``): it runs on the block's buffers as
@@ -49,8 +51,9 @@ Gradients never pile up. Once a block's gradients are complete (after its last b
   gradients are streamed in (``prefetch`` blocks ahead, pooled buffers) for their norms, which join those of the
   gradients outside blocks; then the step pass multiplies each gradient by ``min(max_norm / (norm + 1e-6), 1)``
   before stepping. Same arithmetic and order as ``torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm,
-  norm_type)`` on the master-dtype gradients (``grad_norm``), so bit-identical; it returns the total norm. Cost:
-  one more read of the gradients.
+  norm_type)`` on the master-dtype gradients (``grad_norm``), so bit-identical
+  (``tests/swap/params/test_params_clipping.py::test_clipped_training_bit_identical_to_in_memory``); it returns the
+  total norm. Cost: one more read of the gradients.
 ``step()`` also steps the parameters outside blocks (their state offloaded too); call it after each backward.
 
 Mixed precision (``compute_dtype``): the stored parameters are the master weights (their dtype, e.g. fp32); blocks

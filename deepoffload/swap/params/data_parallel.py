@@ -4,7 +4,7 @@ Every rank streams the whole model from its own storage and gradients are averag
 arithmetic.
 
 - At setup the parameters and buffers in memory are broadcast from the group's first rank, as DDP does at
-  construction (a model built on ``meta`` must load every value from a checkpoint, identical on every rank).
+  construction (a model built on ``meta`` must load every value from a checkpoint, the same on every rank).
 - Before each forward of the module, its buffers are broadcast from the first rank (DDP's ``broadcast_buffers``).
 - A block's gradients are averaged inside its backward, once they are complete and before the fused step (or,
   in grads mode, after they are added to those stored by earlier passes and before they are written, as DDP

@@ -345,9 +345,10 @@ class ParameterOffload:
         Args:
             clip_grad_norm: Grads mode only: clip all gradients (blocks' and the rest's) by their global
                 ``norm_type``-norm first, exactly as ``torch.nn.utils.clip_grad_norm_(module.parameters(),
-                clip_grad_norm, norm_type)`` would (same arithmetic and order, so bit-identical); this costs one
-                extra streamed read of the blocks' gradients. Fused mode raises ValueError: each block steps inside
-                backward, before the other blocks' gradients exist.
+                clip_grad_norm, norm_type)`` would (same arithmetic and order, so bit-identical:
+                ``tests/swap/params/test_params_clipping.py::test_clipped_training_bit_identical_to_in_memory``); this
+                costs one extra streamed read of the blocks' gradients. Fused mode raises ValueError: each block
+                steps inside backward, before the other blocks' gradients exist.
             norm_type: The norm's order for ``clip_grad_norm`` (2.0: Euclidean).
 
         Returns:

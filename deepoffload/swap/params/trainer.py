@@ -125,6 +125,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 parameters are not named, a streamed parameter has no entry, state belongs to a parameter no
                 streamed optimizer steps, or one streamed group would need several settings.
         """
+        states: Any
         if "optimizers" not in state_dict and "param_groups" in state_dict:
             states, self._sources = from_memory(self.offload, state_dict)
             self._memory_groups = len(state_dict["param_groups"])
@@ -219,7 +220,7 @@ def from_memory(offload: ParameterOffload, state_dict: dict[str, Any]) -> tuple[
     sources: list[int | None] = []
     for optimizer in offload.optimizers:
         loaded: dict[int, Any] = {}
-        loaded_groups = []
+        loaded_groups: list[dict[str, Any]] = []
         for group in optimizer.param_groups:
             settings = _settings(group)  # (an empty group keeps its own)
             source = None
@@ -242,7 +243,7 @@ def from_memory(offload: ParameterOffload, state_dict: dict[str, Any]) -> tuple[
                         f"in-memory optimizer did"
                     )
                 used.add(name)
-                index = sum(len(h["params"]) for h in loaded_groups) + k
+                index = sum(len(done["params"]) for done in loaded_groups) + k
                 if key in state:
                     loaded[index] = state[key]
                 indices.append(index)

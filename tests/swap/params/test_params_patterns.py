@@ -355,8 +355,9 @@ def test_parameters_keep_their_strides(scratch, mode, pinned):
     assert states_equal(model.state_dict(), reference.state_dict())
 
 
+@pytest.mark.parametrize("mode", ["fused", "grads"])
 @pytest.mark.parametrize("listed", [False, True], ids=["default-blocks", "blocks="])
-def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed):
+def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed, mode):
     """nn.Sequential(layer, other, layer): both places are the same block (not a parameter outside the blocks);
     training, state_dict, load_state_dict and close() match memory."""
     torch.manual_seed(0)
@@ -366,7 +367,7 @@ def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed):
     assert model[0] is model[3]
     optimizer = adam(reference.parameters())
     blocks = [model[0], model[2], model[3]] if listed else None
-    with offload_parameters(model, str(scratch), blocks=blocks, optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), blocks=blocks, mode=mode, optimizer=adam) as offload:
         assert [b.prefix for b in offload.blocks] == ["0", "2"]
         for x in batches(3):
             assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
