@@ -430,7 +430,9 @@ def load(
     """``dcp.load(state_dict, storage_reader=FileSystemReader(path))``, raising a refusal as a ``CheckpointError``.
 
     DCP's loader reports every reader error inside its own ``CheckpointException`` (a ``BaseException``) and turns
-    a metadata error into an ``AssertionError`` message; this raises the reader's ``CheckpointError`` itself.
+    a metadata error into an ``AssertionError`` message; this raises the reader's ``CheckpointError`` itself, an
+    ``OSError`` of a read as it is, and any other failure (the planner's: a key or shape the checkpoint does not
+    have) as a ``CheckpointError`` naming the checkpoint.
 
     Args:
         state_dict: The state to load into, in place (as for ``dcp.load``).
@@ -440,8 +442,9 @@ def load(
         **kwargs: Further ``dcp.load`` arguments (``planner``, ``process_group``, ``no_dist``).
 
     Raises:
-        CheckpointError: When the reader refused the checkpoint (naming the file and the entry).
-        CheckpointException: DCP's, for any other failure (as ``dcp.load``).
+        CheckpointError: When the reader refused the checkpoint (naming the file and the entry), or the load
+            failed otherwise (naming the checkpoint and DCP's error).
+        OSError: When a read failed (as it is).
 
     Examples:
         >>> import torch, torch.distributed.checkpoint as dcp
@@ -458,4 +461,9 @@ def load(
     except CheckpointException as e:
         if reader.refusal is not None:
             raise reader.refusal from e
-        raise
+        failures = [failure for failure, _ in e.failures.values()]
+        read_errors = [failure for failure in failures if isinstance(failure, OSError)]
+        if read_errors:
+            raise read_errors[0] from e
+        first = failures[0] if failures else e
+        raise CheckpointError(f"cannot load the DCP checkpoint {path}: {type(first).__name__}: {first}") from e

@@ -198,11 +198,14 @@ def load(
         raise  # already says what is wrong with the file (a guess from its first bytes would hide it)
     except Exception as e:
         reason = not_a_checkpoint(path)
-        if reason is None and isinstance(e, RuntimeError) and str(e).startswith("PytorchStreamReader"):
+        if reason is None and isinstance(e, RuntimeError) and any(mark in str(e) for mark in _ZIP_READER):
             reason = str(e)  # torch's zip reader refused the file, without naming it
         if reason is None:
             raise
         raise CheckpointError(f"cannot load {path}: {reason}") from e
+
+
+_ZIP_READER = ("PytorchStreamReader", "inline_container.cc")  # what torch's zip reader's errors say
 
 
 def _load(

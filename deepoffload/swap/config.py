@@ -36,6 +36,9 @@ class SwapConfig:
         checksum: hash every tensor at swap-out (xxh3-64) and check it at swap-in; a changed byte is an error.
         keep_files: leave the swap files when closing (for inspection); by default they are removed on close and at
             interpreter exit.
+        trust_folder_owner: accept a base ``folder`` that another user owns (or a link to it that another user
+            owns, or one every user may change without the sticky bit). Refused by default: whoever can rename
+            entries there can replace this run's folder with a link to theirs and read or change the swap files.
 
     Raises:
         ConfigError: When a value has the wrong type or range (the message names the key).
@@ -58,6 +61,7 @@ class SwapConfig:
     pin: bool = True
     checksum: bool = False
     keep_files: bool = False
+    trust_folder_owner: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.aio, AioConfig):
@@ -68,7 +72,7 @@ class SwapConfig:
             object.__setattr__(self, "folder", os.fspath(self.folder))
         _positive_int("buffer_count", self.buffer_count)
         _positive_int("chunk_bytes", self.chunk_bytes)
-        for key in ("pin", "checksum", "keep_files"):
+        for key in ("pin", "checksum", "keep_files", "trust_folder_owner"):
             _bool(key, getattr(self, key))
 
     @classmethod

@@ -20,6 +20,7 @@ from typing import cast
 from ..io.owners import KEPT, RUN_MARKER, create_private, remove_dead_run_folders, run_folder_prefix
 from ..io.tree import remove_tree
 from ..op_builder import env
+from .folder_checks import adopt_run_folder, check_base, check_run_folder, forget_run_folder
 
 _owned_lock = threading.Lock()
 _owned: dict[str, int] = {}  # folder -> id of the process that created it (a forked child removes none of them)
@@ -39,27 +40,33 @@ def current_rank() -> int:
     return cast(int, env.get("RANK"))  # an "int" variable (default 0): parsed to an int or EnvError
 
 
-def create_run_folder(base: str | None, rank: int | None = None) -> str:
+def create_run_folder(base: str | None, rank: int | None = None, trust_owner: bool = False) -> str:
     """Create and return a fresh folder for this run's swap files under ``base``.
 
-    First removes the run folders there of processes no longer alive. Warns when ``base`` is on a filesystem that
-    keeps files in memory (tmpfs). The folder is registered for removal at interpreter exit; ``remove_run_folder``
-    removes it earlier, and ``keep_run_folder`` keeps it.
+    Refuses a base folder another user could change (``folder_checks.check_base``) unless ``trust_owner``. Then
+    removes the run folders there of processes no longer alive. Warns when ``base`` is on a filesystem that keeps
+    files in memory (tmpfs). The new folder is checked to be this user's private folder and its identity recorded
+    (``folder_checks.check_run_folder`` detects a replacement). It is registered for removal at interpreter exit;
+    ``remove_run_folder`` removes it earlier, and ``keep_run_folder`` keeps it.
 
     Args:
         base: The base folder (None: the temp folder); created if missing, but its parent must exist.
         rank: The rank in the folder's name (None: ``current_rank()``).
+        trust_owner: Accept a base folder that another user owns or may change.
 
     Returns:
         The new folder's path.
 
     Raises:
+        PermissionError: When another user could change ``base`` (and ``trust_owner`` is false), naming the owner,
+            the mode and what to do; or when the new folder is not this user's private folder.
         OSError: When the folder cannot be created (errno and base folder in the message; ``_make_base``'s
             ``FileNotFoundError`` for a missing parent and ``NotADirectoryError`` for a base that is a file come
             through as they are).
     """
     base = base or tempfile.gettempdir()
     _make_base(base)
+    check_base(base, trust_owner)
     kind = memory_backed(base)
     if kind is not None:
         warnings.warn(
@@ -79,6 +86,7 @@ def create_run_folder(base: str | None, rank: int | None = None) -> str:
             f"with `folder=` (or --path)",
             base,
         ) from e
+    adopt_run_folder(folder)
     with _owned_lock:
         _owned[folder] = os.getpid()
     return folder
@@ -155,8 +163,19 @@ def keep_run_folder(folder: str) -> None:
 
 
 def remove_run_folder(folder: str) -> None:
-    """Remove ``folder`` and its files now (best effort; links in it are removed, never followed)."""
+    """Remove ``folder`` and its files now (best effort; links in it are removed, never followed).
+
+    A folder whose name now leads to another folder or a link (replaced by someone else) is left alone, with a
+    warning.
+    """
     _forget(folder)
+    try:
+        check_run_folder(folder)
+    except PermissionError as e:
+        warnings.warn(f"{e.strerror}; it is left in place", UserWarning, stacklevel=2)
+        return
+    finally:
+        forget_run_folder(folder)
     with contextlib.suppress(OSError):
         remove_tree(folder)
 

@@ -26,6 +26,7 @@ import torch
 from ..errors import ChecksumError, ClosedError
 from ..io.handle import AsyncIOHandle
 from .config import SwapConfig
+from .folder_checks import check_run_folder, create_swap_file
 from .folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
 from .packed import PACKED_ALIGNMENT, Extent, PackedLayout, PackFile
 from .pool import PAGE_SIZE, BufferPool, round_up
@@ -80,7 +81,7 @@ class TensorSwapper(_StagingBuffers):
         self.config = config or SwapConfig()
         if self.config.checksum:
             _hash(torch.zeros(1, dtype=torch.uint8))  # a missing xxhash fails here, not in the middle of a swap
-        self.folder = create_run_folder(self.config.folder, rank)
+        self.folder = create_run_folder(self.config.folder, rank, self.config.trust_folder_owner)
         if self.config.keep_files:
             keep_run_folder(self.folder)
         # Dropped without close(): its files go with it, not at exit (a loop making optimizers would fill the disk).
@@ -101,6 +102,9 @@ class TensorSwapper(_StagingBuffers):
         self.bytes_read = 0
         self.bytes_written = 0
         self._closed = False
+        self._created: set[str] = set()  # swap files made (0600) so far
+        if self.pack is not None:
+            create_swap_file(self.pack.path)
 
     # -- queries ------------------------------------------------------------------------------------------
     def records(self, group: str) -> Mapping[str, SwapRecord]:
@@ -277,10 +281,13 @@ class TensorSwapper(_StagingBuffers):
             file = os.path.join(self.folder, f"{group}.swp")
             group_records, span = self._stage(group, entries, buffer, start, file, 0)
             records[group], shifts[group] = group_records, start
+            if file not in self._created:
+                create_swap_file(file)  # 0600, before the op opens it (the op would create it 0644 & ~umask)
+                self._created.add(file)
             if span:
                 requests.append(self.handle.write_async(buffer[start : start + span], file))
             else:
-                open(file, "wb").close()
+                os.truncate(file, 0)
             start += span
         write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, shifts=shifts)
         for group in records:
@@ -439,6 +446,7 @@ class TensorSwapper(_StagingBuffers):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this TensorSwapper is closed")
+        check_run_folder(self.folder)  # a run folder replaced by a link to someone else's: nothing more moves
 
     @staticmethod
     def _check_group(group: str) -> None:

@@ -158,3 +158,13 @@ def test_malformed_entries_are_refused_naming_them(tmp_path, change, words):
     save(tmp_path / "ckpt")
     rewrite_metadata(tmp_path / "ckpt", change)
     assert words in str(refusal(tmp_path / "ckpt"))
+
+
+def test_deepoffload_dcp_load_raises_other_failures_as_checkpoint_errors(tmp_path):
+    # DCP's planner refusal (a key the checkpoint lacks) came as a CheckpointException, a BaseException
+    save(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=r"cannot load the DCP checkpoint .*Missing key in checkpoint .*extra"):
+        deepoffload.dcp.load({**target(), "extra": torch.zeros(1)}, tmp_path / "ckpt", no_dist=True)
+    state = target()
+    deepoffload.dcp.load(state, tmp_path / "ckpt", no_dist=True)
+    assert torch.equal(state["weight"], STATE["weight"])

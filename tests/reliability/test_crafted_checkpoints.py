@@ -102,3 +102,18 @@ def test_files_torch_and_deepoffload_write_pass_the_layout_check(scratch, writer
         assert all(torch.equal(back[k], v) for k, v in state.items())
     back = deepoffload.load(path, map_location=lambda storage, _: storage)  # read as a stream
     assert torch.equal(back["big"], state["big"])
+
+
+def test_a_record_torchs_reader_refuses_is_a_checkpoint_error(scratch):
+    # torch's zip reader raised "[enforce fail at inline_container.cc] Couldn't parse the version" without the path
+    path = scratch / "ckpt.pt"
+    torch.save(STATE, path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/version"))
+    start = info.header_offset + 30 + int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little")
+    start += int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+    data[start : start + 1] = b"x"  # the version record's bytes: "x\n"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"cannot load {path}: .*version"):
+        deepoffload.load(path)

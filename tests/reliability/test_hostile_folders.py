@@ -137,3 +137,79 @@ def test_remove_tree_refuses_a_link_and_another_owner(scratch):
 def test_a_crafted_process_id_is_a_dead_process():
     # a name recording a pid past a C int made os.kill raise OverflowError inside the cleaning
     assert not owners.is_alive(2**31, 0) and not owners.is_alive(2**70, 0)
+
+
+# -- folders checked before use ----------------------------------------------------------------------------------
+
+
+@as_root
+def test_a_base_folder_another_user_owns_is_refused_unless_trusted(scratch):
+    # a base folder made by another user (mode 1777) was accepted without a word
+    base = scratch / "theirs"
+    base.mkdir()
+    os.chmod(base, 0o1777)
+    os.chown(base, OTHER_UID, OTHER_UID)
+    with pytest.raises(PermissionError, match=r"is owned by .*uid 65534\) \(mode 1777\).*trust_folder_owner=True"):
+        TensorSwapper(SwapConfig(folder=str(base), pin=False))
+    param = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(PermissionError, match="uid 65534"):
+        OffloadedOptimizer(torch.optim.SGD([param], lr=0.1), config=SwapConfig(folder=str(base), pin=False))
+    assert list(base.iterdir()) == []  # refused before anything was made there
+    trusted = TensorSwapper(SwapConfig(folder=str(base), pin=False, trust_folder_owner=True))  # the opt-in
+    trusted.swap_out({"g": {"t": torch.ones(3)}}).wait()
+    trusted.close()
+
+
+@as_root
+def test_a_link_another_user_owns_at_the_base_name_is_refused(scratch):
+    mine = scratch / "mine"
+    mine.mkdir()
+    link = scratch / "swap"
+    link.symlink_to(mine)
+    TensorSwapper(SwapConfig(folder=str(link), pin=False)).close()  # my own link: followed
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    with pytest.raises(PermissionError, match=r"is a link owned by .*uid 65534"):
+        TensorSwapper(SwapConfig(folder=str(link), pin=False))
+
+
+def test_a_base_folder_everyone_may_change_without_the_sticky_bit_is_refused(scratch):
+    base = scratch / "open"
+    base.mkdir()
+    os.chmod(base, 0o777)
+    with pytest.raises(PermissionError, match=r"writable by every user without the sticky bit \(mode 0777\)"):
+        TensorSwapper(SwapConfig(folder=str(base), pin=False))
+    os.chmod(base, 0o1777)  # as /tmp: others cannot rename what is not theirs
+    TensorSwapper(SwapConfig(folder=str(base), pin=False)).close()
+
+
+def test_a_run_folder_replaced_by_a_link_is_detected(scratch):
+    # a run folder replaced by a link to someone else's folder: the swap files went there, and came back from there
+    swapper = TensorSwapper(SwapConfig(folder=str(scratch), pin=False))
+    swapper.swap_out({"g": {"t": torch.ones(3)}}).wait()
+    theirs = scratch / "theirs"
+    theirs.mkdir()
+    os.rename(swapper.folder, scratch / "moved-away")
+    os.symlink(theirs, swapper.folder)
+    with pytest.raises(PermissionError, match="is not the folder this run made: another folder or a link"):
+        swapper.swap_out({"h": {"t": torch.ones(3)}})
+    with pytest.raises(PermissionError, match="is not the folder this run made"):
+        swapper.swap_in(["g"])
+    with pytest.warns(UserWarning, match="left in place"):
+        swapper.close()
+    assert list(theirs.iterdir()) == [] and os.path.islink(swapper.folder)
+    os.unlink(swapper.folder)
+    remove_tree(scratch / "moved-away")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_swap_files_are_created_private(scratch, packed):
+    old = os.umask(0)  # a permissive umask gave 0666 swap files (in a 0700 folder)
+    try:
+        swapper = TensorSwapper(SwapConfig(folder=str(scratch), pin=False), packed=packed)
+        swapper.swap_out({"g": {"t": torch.ones(3)}, "empty": {}}).wait()
+        names = [n for n in os.listdir(swapper.folder) if n.endswith(".swp")]
+        assert names and all(os.stat(os.path.join(swapper.folder, n)).st_mode & 0o777 == 0o600 for n in names)
+        assert os.stat(swapper.folder).st_mode & 0o777 == 0o700
+        swapper.close()
+    finally:
+        os.umask(old)

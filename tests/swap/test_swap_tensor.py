@@ -178,7 +178,9 @@ def test_short_file_is_an_error_naming_the_file(swapper):
 def test_failed_write_keeps_the_tensor_and_drops_stale_records(swapper):
     tensor = torch.randn(1000)
     swapper.swap_out({"g": {"t": tensor}}).wait()
-    os.rename(swapper.folder, swapper.folder + ".moved")  # the folder vanishes: the next write fails
+    file = os.path.join(swapper.folder, "g.swp")
+    os.unlink(file)
+    os.mkdir(file)  # the file became a folder: the next write fails (a replaced run folder is refused earlier)
     try:
         done = []
         write = swapper.swap_out({"g": {"t": tensor * 2}}, on_done=lambda: done.append(1))
@@ -188,7 +190,7 @@ def test_failed_write_keeps_the_tensor_and_drops_stale_records(swapper):
         assert done == [] and swapper.records("g") == {}
         assert tensor.sum().item() == tensor.sum().item()  # still ours, still valid
     finally:
-        os.rename(swapper.folder + ".moved", swapper.folder)
+        os.rmdir(file)
 
 
 def rss_bytes() -> int:
