@@ -82,7 +82,8 @@ def folder_lock(folder: str | os.PathLike, timeout: float | None = None) -> Iter
     finally:
         try:  # removed while held, so a waiter holding the removed file's lock knows to try again
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                    os.unlink(path)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # (a forked child may share the descriptor: release explicitly)
             os.close(fd)
