@@ -226,6 +226,8 @@ def save_sharded(
     Raises:
         ValueError: When ``prefix``, ``max_shard_bytes``, ``header_bytes`` or ``staging_bytes`` is not valid.
         OSError: When writing fails (the errno of the failure; the message names ``folder``).
+        TimeoutError: When another save into ``folder`` holds its save lock for longer than
+            ``deepoffload.io.folder_lock.TIMEOUT_S`` (the message names the folder and that save's process id).
 
     Examples:
         >>> import torch
@@ -272,7 +274,7 @@ def save_sharded(
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-        if isinstance(e, OSError):
+        if isinstance(e, OSError) and not isinstance(e, TimeoutError):  # (a lock wait's names the folder already)
             raise naming_target(e, str(folder)) from e
         raise
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Iterator
@@ -81,22 +82,30 @@ def folder_lock(folder: str | os.PathLike, timeout: float | None = None) -> Iter
     finally:
         try:  # removed while held, so a waiter holding the removed file's lock knows to try again
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                    os.unlink(path)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)  # (a forked child may share the descriptor: release explicitly)
             os.close(fd)
 
 
 def _open(path: Path) -> int:
-    flags = os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    """Open (or create) the lock file ``path``: a regular file, never through a link, without blocking."""
+    flags = os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         try:
-            return os.open(path, os.O_RDWR | flags, new_file_mode())
+            fd = os.open(path, os.O_RDWR | flags, new_file_mode())
         except PermissionError:  # another user's lock file (in a shared folder): reading is enough to lock it
-            return os.open(path, os.O_RDONLY | flags)
+            fd = os.open(path, os.O_RDONLY | flags)
     except OSError as e:
         reason = "a symbolic link is in its place" if e.errno == errno.ELOOP else (e.strerror or str(e))
         raise OSError(e.errno, f"cannot take the save lock of {path.parent}: {path}: {reason}", str(path)) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(
+            errno.EINVAL, f"cannot take the save lock of {path.parent}: {path} is not a regular file", str(path)
+        )
+    return fd
 
 
 def _acquire(path: Path, timeout: float) -> int:
@@ -104,36 +113,39 @@ def _acquire(path: Path, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     pause = _POLL_S[0]
     fd = _open(path)
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise TimeoutError(_busy_message(path, timeout)) from None
-            _wait(pause)
-            pause = min(2 * pause, _POLL_S[1])
-            continue
-        except BaseException:
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(_busy_message(path, fd, timeout)) from None
+                _wait(pause)
+                pause = min(2 * pause, _POLL_S[1])
+                continue
+            try:
+                current = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                current = None
+            if current is not None and os.path.samestat(os.fstat(fd), current):
+                break
+            os.close(fd)  # the previous holder removed the file: lock the one the path names now
+            fd = -1
+            fd = _open(path)
+    except BaseException:
+        if fd >= 0:
             os.close(fd)
-            raise
-        try:
-            current = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            current = None
-        if current is not None and os.path.samestat(os.fstat(fd), current):
-            break
-        os.close(fd)  # the previous holder removed the file: lock the one the path names now
-        fd = _open(path)
+        raise
     with contextlib.suppress(OSError):  # who holds it, for a waiter's message (not writable: another user's file)
         os.ftruncate(fd, 0)
         os.pwrite(fd, process_token().encode(), 0)
     return fd
 
 
-def _busy_message(path: Path, timeout: float) -> str:
+def _busy_message(path: Path, fd: int, timeout: float) -> str:
+    """What a save that waited ``timeout`` seconds for the lock file ``path`` (open as ``fd``) says."""
     try:
-        token = path.read_text(encoding="ascii", errors="replace").strip()
+        token = os.pread(fd, 100, 0).decode("ascii", errors="replace").strip()
     except OSError:
         token = ""
     pid = token.partition(".")[0]

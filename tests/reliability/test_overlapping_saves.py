@@ -132,6 +132,30 @@ def test_a_link_in_place_of_the_lock_file_is_refused_and_not_followed(scratch):
     assert victim.read_text() == "keep"
 
 
+def test_something_else_in_place_of_the_lock_file_is_refused(scratch):
+    os.mkfifo(scratch / LOCK_NAME)  # opening it for reading would block, and it is no lock file
+    with pytest.raises(OSError, match="not a regular file"), lock(scratch, timeout=0):
+        pass
+
+
+def test_a_sharded_save_that_cannot_get_the_lock_raises_and_leaves_the_old_checkpoint(scratch, monkeypatch):
+    from deepoffload.formats import load_file, save_sharded
+
+    save_sharded(TENSORS, scratch, max_shard_bytes=1024)
+    before = sorted(os.listdir(scratch))
+    monkeypatch.setattr(folder_lock, "TIMEOUT_S", 0.2)
+    child = holder(scratch)
+    try:
+        with pytest.raises(TimeoutError, match=f"process {child.pid} ") as caught:
+            save_sharded({name: t + 1 for name, t in TENSORS.items()}, scratch, max_shard_bytes=1024)
+        assert str(scratch) in str(caught.value)
+    finally:
+        child.communicate("")
+    assert sorted(os.listdir(scratch)) == before  # no temporaries left
+    loaded = load_file(scratch)
+    assert loaded.keys() == TENSORS.keys() and all(torch.equal(loaded[k], TENSORS[k]) for k in TENSORS)
+
+
 # -- DCP: what a save removes after its switch --------------------------------------------------------------------
 def dcp_save(folder: Path, tensors=TENSORS) -> None:
     import torch.distributed.checkpoint as dcp
