@@ -184,6 +184,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         self.config = config
         self.swapper = TensorSwapper(self.config, packed=True)
         self._names: dict[int, str] = {}  # id(param) -> its group name (params stay alive in param_groups)
+        self._strides: dict[str, dict[str, tuple[int, ...]]] = {}  # group name -> key -> strides (not contiguous)
         self._compute_threads: int | None = None
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
         self._backward: _BackwardSteps | None = None  # step_in_backward's plan and progress, when on
@@ -410,7 +411,9 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         for p in params:  # state the user reset since it was stored
             if self.swapper.has(self._name(p)) and not _holds_stored(self.optimizer.state.get(p)):
                 self.swapper.discard(self._name(p))
-        read_stored(self._chunks([p for p in params if self.swapper.has(self._name(p))]), self._read, index, state)
+                self._strides.pop(self._name(p), None)
+        stored = [p for p in params if self.swapper.has(self._name(p))]
+        read_stored(self._chunks(stored), self._read, index, state, self._strides)
         result["state"] = state
         return result
 
@@ -434,6 +437,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             self.optimizer.load_state_dict(state_dict)
             for param in self._params():
                 self.swapper.discard(self._name(param))
+                self._strides.pop(self._name(param), None)
             self._loading = True
             try:
                 self._swap_out_resident()
