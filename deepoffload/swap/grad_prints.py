@@ -5,10 +5,11 @@ A version counter does not see every change: ``grad.data.mul_()``, ``torch._amp_
 gradient's identity (a weak reference), its data pointer and its storage's, its version and a digest of its bytes;
 ``GradPrint.changed`` compares them all with the parameter's gradient now.
 
-The digest reads the bytes as 32-bit words ``w[i]`` (bytes when the size is not a multiple of 4) and keeps
-``sum(w[i])`` and ``sum(w[i] * (2654435761 * i + 1))``, both modulo 2**64, computed on the gradient's device in slices
-of ``_SLICE`` words (temporaries of at most 16 MiB). Any change of one word changes the first sum; a permutation or
-several compensating changes would have to cancel in both.
+The digest of a CPU gradient is the xxh3-64 of its bytes (several GB/s: two passes over the gradients per step, one
+when backward uses them and one at ``step()``). On another device (no copy to the host) it reads the bytes as 32-bit
+words ``w[i]`` (bytes when the size is not a multiple of 4) and keeps ``sum(w[i])`` and
+``sum(w[i] * (2654435761 * i + 1))``, both modulo 2**64, computed there in slices of ``_SLICE`` words (temporaries of
+at most 16 MiB): any change of one word changes the first sum; several changes would have to cancel in both.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from .records import _hash
 
 _SLICE = 1 << 20  # words digested at a time (int64 temporaries of 8 MiB each)
 _MULTIPLIER = 2654435761
@@ -33,16 +36,23 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def digest(tensor: torch.Tensor) -> tuple[int, int]:
-    """Two 64-bit sums of a strided tensor's bytes (see the module docstring).
+def digest(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A digest of a strided tensor's bytes (see the module docstring).
 
     Args:
         tensor: A strided tensor, on any device.
 
     Returns:
-        The plain and the position-weighted sum of its words, modulo 2**64.
+        On the CPU, the xxh3-64 of its bytes; elsewhere the plain and the position-weighted sum of its words.
     """
     words = _words(tensor)
+    if words.device.type == "cpu":
+        return (_hash(words.view(torch.uint8)),)
+    return _sums(words)
+
+
+def _sums(words: torch.Tensor) -> tuple[int, int]:
+    """The plain and the position-weighted sum of ``words`` modulo 2**64, on their device, in slices."""
     plain = torch.zeros((), dtype=torch.int64, device=words.device)
     weighted = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _SLICE):

@@ -1,17 +1,20 @@
 """``OffloadedOptimizer``: any ``torch.optim`` optimizer whose tensor state lives on storage between steps.
 
-Each step walks the parameters that have gradients in chunks of about ``chunk_bytes`` of state. For each chunk it
-reads the state in, runs the wrapped optimizer's own ``step()`` with every param group temporarily restricted to
-the chunk's parameters, and writes the (possibly new, resized or re-typed) state back out; chunk k+1 is being read
-and chunk k-1 written while chunk k steps. The wrapped optimizer does all the math, parameter by parameter as it
-always does, so results are bit-identical to running it in memory. Non-tensor state (ints, floats) stays in memory,
-and so do tensors that share their memory (see ``optimizer_state._shares_memory``). The stored tensors belong to the
-state entry left in memory: resetting it resets them (see ``optimizer_state._StoredState``).
+Each step walks the parameters that have gradients in chunks of about ``chunk_bytes`` of state. For each chunk it reads
+the state in, runs the wrapped optimizer's own ``step()`` with every param group temporarily restricted to the chunk's
+parameters, and writes the (possibly new, resized or re-typed) state back out; chunk k+1 is being read and chunk k-1
+written while chunk k steps. The wrapped optimizer does all the math, parameter by parameter as it always does, so
+results are bit-identical to running it in memory (``tests/swap/optimizer/test_optimizer_matrix.py``) for an optimizer
+whose step reads each parameter alone: torch's built-in classes, or one declared ``per_parameter=True``; one declared
+``per_parameter=False`` steps once over all parameters, its whole state in one staging buffer; any other is refused at
+construction (``torch_optim.per_parameter``). Non-tensor state (ints, floats) stays in memory, and so do tensors that
+share their memory (see ``optimizer_state._shares_memory``). The stored tensors belong to the state entry left in
+memory: resetting it resets them (see ``optimizer_state._StoredState``).
 
-Optimizers that need all parameters at once inside one step, or whose ``step`` requires a closure (``LBFGS``),
-are refused at construction. The wrapped optimizer is stepped without its own step hooks (its class's ``step``
-unwrapped), so step hooks fire once per step, on this wrapper. A step that fails part way leaves each parameter
-and its state either fully stepped or untouched, and the error's note says which.
+Optimizers whose ``step`` requires a closure (``LBFGS``) are refused at construction. The wrapped optimizer is stepped
+without its own step hooks (its class's ``step`` unwrapped), so step hooks fire once per step, on this wrapper. A step
+that fails part way leaves each parameter and its state either fully stepped or untouched, and the error's note says
+which.
 
 Distributed training: build the optimizer after wrapping the model (``fully_shard`` for FSDP2, whose DTensor
 parameters have their local shard stored; ``DistributedDataParallel``) inside an initialised process group. Each
@@ -184,6 +187,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         self.config = config
         self.swapper = TensorSwapper(self.config, packed=True)
         self._names: dict[int, str] = {}  # id(param) -> its group name (params stay alive in param_groups)
+        self._strides: dict[str, dict[str, tuple[int, ...]]] = {}  # group name -> key -> strides (not contiguous)
         self._compute_threads: int | None = None
         self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
         self._backward: _BackwardSteps | None = None  # step_in_backward's plan and progress, when on
@@ -410,7 +414,9 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         for p in params:  # state the user reset since it was stored
             if self.swapper.has(self._name(p)) and not _holds_stored(self.optimizer.state.get(p)):
                 self.swapper.discard(self._name(p))
-        read_stored(self._chunks([p for p in params if self.swapper.has(self._name(p))]), self._read, index, state)
+                self._strides.pop(self._name(p), None)
+        stored = [p for p in params if self.swapper.has(self._name(p))]
+        read_stored(self._chunks(stored), self._read, index, state, self._strides)
         result["state"] = state
         return result
 
@@ -434,6 +440,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             self.optimizer.load_state_dict(state_dict)
             for param in self._params():
                 self.swapper.discard(self._name(param))
+                self._strides.pop(self._name(param), None)
             self._loading = True
             try:
                 self._swap_out_resident()

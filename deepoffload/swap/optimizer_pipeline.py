@@ -32,6 +32,7 @@ class _ChunkSteps:
     param_groups: list[dict[str, Any]]
     _inner_step: Callable[[], Any]
     _names: dict[int, str]
+    _strides: dict[str, dict[str, tuple[int, ...]]]
     _prefetched: dict[tuple[int, ...], SwapIn]
     _planner: ChunkPlanner
     _copied: bool
@@ -179,7 +180,7 @@ class _ChunkSteps:
         if write is not None:
             return write
         self._copied = True
-        return write_copy(self.optimizer, self.swapper, chunk, staged, self._names, self._loading)
+        return write_copy(self.optimizer, self.swapper, chunk, staged, self._names, self._loading, self._strides)
 
     def _swap_out_resident(self) -> None:
         params = [p for p in self._params() if any(_storable(v) for v in self.optimizer.state.get(p, {}).values())]

@@ -160,6 +160,7 @@ def write_copy(
     staged: SwapIn,
     names: dict[int, str],
     loading: bool,
+    strides: dict[str, dict[str, tuple[int, ...]]],
 ) -> SwapOut:
     """Store a chunk's state as it is after its step (tensors added, replaced or removed).
 
@@ -170,6 +171,8 @@ def write_copy(
         staged: The read of the chunk's state.
         names: id(param) -> its name in ``swapper``.
         loading: The state was just loaded (its tensors may still be the caller's).
+        strides: name in ``swapper`` -> key -> the strides its tensor had in memory where they were not
+            contiguous (``channels_last``, transposed; the bytes are stored in contiguous order): updated here.
 
     Returns:
         The write in flight.
@@ -205,10 +208,13 @@ def write_copy(
                     if type(state) is _StoredState:
                         state.offloaded.add(key)
 
+    for param, tensors in written.items():
+        _note_strides(tensors, read.get(names[id(param)], {}), strides.setdefault(names[id(param)], {}))
     if len(written) < len(chunk):
         for param, name in zip(chunk, chunk.names):  # state that disappeared (or was never there) leaves
             if param not in written:  # nothing behind on storage
                 swapper.discard(name)
+                strides.pop(name, None)
     write = swapper.swap_out({names[id(p)]: t for p, t in written.items()}, on_done=drop, staged=staged)
     # The staging buffer now holds the bytes: the state's own tensors (e.g. made in ordinary memory by the
     # first step) are freed now, not when the write is done; the state holds views of the buffer meanwhile.
@@ -221,18 +227,62 @@ def write_copy(
     return write
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill its memory exactly once in some order of its dimensions (a permutation)."""
+    if not tensor.numel():
+        return False
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), tensor.shape[d])):
+        if tensor.shape[dim] == 1:
+            continue
+        if tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.shape[dim]
+    return True
+
+
+def _note_strides(
+    tensors: dict[str, torch.Tensor], views: dict[str, torch.Tensor], kept: dict[str, tuple[int, ...]]
+) -> None:
+    """Remember the strides of the tensors about to be stored that are dense but not contiguous.
+
+    A tensor that is the staging buffer's own view (read back contiguous) leaves what was remembered for it.
+    """
+    for key, tensor in tensors.items():
+        if tensor is views.get(key):
+            continue
+        if type(tensor) is torch.Tensor and not tensor.is_contiguous() and _dense(tensor):
+            kept[key] = tuple(tensor.stride())
+        else:
+            kept.pop(key, None)
+
+
+def _given_back(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """A copy of a stored tensor for the caller, with the strides it had in memory (``stride``, or contiguous)."""
+    if stride is None or type(value) is not torch.Tensor:
+        return value.clone()
+    out = torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+    return out.copy_(value)
+
+
 def read_stored(
-    chunks: list[_Chunk], read: Callable[[_Chunk], SwapIn], index: dict[int, int], state: dict[int, dict[str, Any]]
+    chunks: list[_Chunk],
+    read: Callable[[_Chunk], SwapIn],
+    index: dict[int, int],
+    state: dict[int, dict[str, Any]],
+    strides: dict[str, dict[str, tuple[int, ...]]],
 ) -> None:
     """Copy the stored state of ``chunks`` into ``state``, chunk by chunk with the next one read meanwhile.
 
-    A tensor already in ``state`` (put in memory by the user since it was stored) wins.
+    A tensor already in ``state`` (put in memory by the user since it was stored) wins. Each copy has the strides
+    its tensor had in memory (``strides``).
 
     Args:
         chunks: The chunks whose state is stored.
         read: Starts a chunk's read.
         index: id(parameter) -> position.
         state: A ``state_dict()["state"]``: parameter position -> its state.
+        strides: name -> key -> strides, for the tensors that were not contiguous (see ``write_copy``).
     """
     reads: list[SwapIn] = []
     try:
@@ -244,9 +294,10 @@ def read_stored(
                 by_name = chunk.by_name
                 for name, tensors in pending.wait().items():
                     values = state.setdefault(index[id(by_name[name])], {})
+                    kept = strides.get(name, {})
                     for key, value in tensors.items():
                         if key not in values:
-                            values[key] = value.clone()
+                            values[key] = _given_back(value, kept.get(key))
             finally:
                 pending.release()
     finally:

@@ -127,10 +127,13 @@ class Trace:
     moved_before_refusal: bool = False  # parameters differed from the last completed step's at the refusal
 
 
-def run_loop(module, optimizer, actions: Sequence[str], width: int, overflow_at: int | None = 1) -> Trace:
-    """Train one step per action; a scaler (when any action is "scaler") scales every loss, and step
-    ``overflow_at`` overflows (the scaler skips it)."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2) if "scaler" in actions else None
+def run_loop(
+    module, optimizer, actions: Sequence[str], width: int, scaled: bool | None = None, overflow_at: int | None = 1
+) -> Trace:
+    """Train one step per action; a scaler (``scaled``, by default when an action is "scaler") scales every loss,
+    and step ``overflow_at`` overflows (the scaler skips it)."""
+    scaled = "scaler" in actions if scaled is None else scaled
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2) if scaled else None
     trace = Trace([])
     for k, action in enumerate(actions):
         last = [p.detach().clone() for p in module.parameters()]

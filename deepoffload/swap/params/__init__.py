@@ -74,9 +74,10 @@ values (``loading``). Dtype moves (``model.to(dtype)``, ``.half()``, ``.double()
 holding a block) convert the stored blocks one at a time (``dtype_moves``); device moves of streamed parameters raise
 ValueError before anything is converted. Parameters added or replaced after offloading are refused at the next forward
 (``structure``). A block's recompute runs under its forward's autocast, RNG and kernel settings (``forward_state``);
-training streamed blocks under fp16 autocast is refused (a ``GradScaler`` cannot see their gradients before they
-step). ``torch.compile`` runs the streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see
-``trainer``.
+training streamed blocks under fp16 autocast is refused (a ``GradScaler`` cannot see their gradients before they step),
+and so is any enabled ``GradScaler``'s ``scale()`` while blocks are trained (``refusals.scaled_loss_error``, before that
+backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile`` runs the streamed blocks
+eagerly and compiles the rest. ``transformers.Trainer``: see ``trainer``.
 
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
 ``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves),

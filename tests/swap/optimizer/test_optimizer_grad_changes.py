@@ -11,7 +11,7 @@ import torch
 
 from deepoffload import OffloadedOptimizer, SwapConfig
 from deepoffload.errors import UnsupportedError
-from deepoffload.swap.grad_prints import GradPrint, digest
+from deepoffload.swap.grad_prints import GradPrint, _sums, _words, digest
 
 
 @pytest.fixture
@@ -69,10 +69,20 @@ def test_versions_miss_these_changes_the_print_sees_them():
     assert GradPrint(grad).changed(grad) is None
     odd = torch.arange(7, dtype=torch.uint8)  # not a whole number of words
     assert digest(odd) != digest(odd.flip(0))
-    big = torch.zeros(3 << 20)  # several slices
-    before = digest(big)
-    big[-1] = 1e-30
-    assert digest(big) != before
+    assert digest(torch.randn(4, 6).t()) != digest(torch.randn(4, 6).t())
+
+
+@pytest.mark.parametrize("digest_of", [digest, lambda t: _sums(_words(t))], ids=["cpu", "device"])
+def test_digests_see_one_changed_element_anywhere(digest_of):
+    big = torch.zeros(3 << 20)  # several slices of the device digest
+    before = digest_of(big)
+    for index in (0, (1 << 20) + 5, -1):
+        big[index] = 1e-30
+        assert digest_of(big) != before
+        big[index] = 0
+    assert digest_of(big) == before
+    odd = torch.arange(7, dtype=torch.uint8)
+    assert digest_of(odd) != digest_of(odd.flip(0))
 
 
 @pytest.mark.parametrize("edit", sorted(EDITS))
