@@ -71,7 +71,9 @@ holding a block) convert the stored blocks one at a time (``dtype_moves``); devi
 ValueError before anything is converted. Parameters added or replaced after offloading are refused at the next forward
 (``structure``). A block's recompute runs under its forward's autocast, RNG and kernel settings (``forward_state``);
 training streamed blocks under fp16 autocast is refused (a ``GradScaler`` cannot see their gradients before they
-step). ``torch.compile`` runs the streamed blocks eagerly and compiles the rest. ``transformers.Trainer``: see
+step). ``torch.compile(model)`` compiles around the streamed blocks (each a graph break, run outside the graph: equal
+to the model in memory compiled with its blocks excluded, with a warning saying so); ``block.compile()`` on a streamed
+block compiles its forward, run with the parameters resident (``patches``). ``transformers.Trainer``: see
 ``trainer``.
 
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
