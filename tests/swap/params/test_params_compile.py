@@ -5,8 +5,8 @@
   forward), inference and training, and a warning says so at the first compiled forward. (It is not the model
   compiled whole: inductor's fusions across the blocks round differently.)
 - ``block.compile()`` on a streamed block: the block's compiled forward runs, with its parameters resident, and is
-  bit-identical to ``block.compile()`` in memory (with a counting backend and with inductor); a block compiled before offloading is
-  refused (its compiled code would run uncompiled), and compiling after offloading works.
+  bit-identical to ``block.compile()`` in memory (with a counting backend and with inductor); a block compiled
+  before offloading is refused (its compiled code would run uncompiled), and compiling after offloading works.
 """
 
 from __future__ import annotations
