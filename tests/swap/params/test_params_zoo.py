@@ -14,7 +14,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-from deepoffload.formats.header import CheckpointError  # noqa: E402
 from deepoffload.swap.params import offload_parameters  # noqa: E402
 from tests.support.stepping import offload_step, reference_step  # noqa: E402
 
