@@ -76,8 +76,10 @@ ValueError before anything is converted. Parameters added or replaced after offl
 (``structure``). A block's recompute runs under its forward's autocast, RNG and kernel settings (``forward_state``);
 training streamed blocks under fp16 autocast is refused (a ``GradScaler`` cannot see their gradients before they step),
 and so is any enabled ``GradScaler``'s ``scale()`` while blocks are trained (``refusals.scaled_loss_error``, before that
-backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile`` runs the streamed blocks
-eagerly and compiles the rest. ``transformers.Trainer``: see ``trainer``.
+backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile(model)`` compiles around
+the streamed blocks (each a graph break, run outside the graph: equal to the model in memory compiled with its blocks
+excluded, with a warning saying so); ``block.compile()`` on a streamed block compiles its forward, run with the
+parameters resident (``patches``). ``transformers.Trainer``: see ``trainer``.
 
 Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
 ``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves),

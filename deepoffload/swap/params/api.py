@@ -11,11 +11,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ...errors import UnsupportedError
 from ..config import SwapConfig
 from .blocks import find_blocks
 from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, fit, parse_bytes, process_bytes
 from .data_parallel import process_group
-from .materialize import Init, Materializer, check_arguments, has_meta
+from .init_policy import Init, check_arguments
+from .materialize import Materializer, has_meta
 from .offload import MODES, OptimizerFactory, ParameterOffload
 from .refusals import check_budget
 from .wrappers import refuse_wrapped
@@ -107,6 +109,7 @@ def offload_parameters(
             ``prefetch``, a non-floating-point ``compute_dtype``, a block that is not a submodule, no blocks with
             parameters, a block offloaded twice, ``serve_from_checkpoint`` without ``checkpoint``, ``data_parallel``
             with a meta model but no strict checkpoint, or ``init``/``dtype`` for a module without meta tensors.
+        UnsupportedError: When a block was compiled (``block.compile()``) before offloading: call it after.
 
     Examples:
         >>> import torch, deepoffload
@@ -154,6 +157,14 @@ def offload_parameters(
         raise ValueError(
             "offload_parameters: no blocks with parameters found (no nn.ModuleList/nn.Sequential "
             "children); pass blocks=[...] explicitly"
+        )
+    compiled = [name for name, b in chosen if getattr(b, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise UnsupportedError(
+            f"offload_parameters: blocks {compiled[:5]} were compiled (block.compile()) before offloading; their "
+            f"compiled code would not see the streamed parameters and they would run uncompiled. Offload the model "
+            f"first, then call block.compile() on each streamed block: its compiled forward then runs with the "
+            f"block's parameters resident"
         )
     if any(b.__dict__.get("forward") is not None for _, b in chosen):
         raise ValueError("offload_parameters: a block's forward is already replaced (offloaded twice?)")

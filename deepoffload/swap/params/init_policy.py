@@ -55,10 +55,11 @@ class InitPolicy:
 
     def missing_advice(self, missing: list[str], strict: bool) -> str:
         """What to pass so that the ``missing`` tensors get values (for an error message)."""
-        shown = sorted(missing)[:5]
+        patterns = {n.rpartition(".")[0] + ".*" if "." in n else n for n in missing}
+        shown = sorted(missing) if len(missing) <= 5 else sorted(patterns)
         first = "strict=False and " if strict else ""
         return (
-            f". To give them values, pass {first}init={shown!r}{' (or patterns)' if len(missing) > 5 else ''} "
+            f". To give them values, pass {first}init={shown!r} "
             f"(each module owning them is initialized by the model's own initializer, as transformers' "
             f"from_pretrained initializes missing weights), init= a function called with each such module, or a "
             f"checkpoint holding them"

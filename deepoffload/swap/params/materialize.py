@@ -41,7 +41,7 @@ from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
 from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
 from .hf_keys import ConvertedCheckpoint, is_transformers_model
-from .init_policy import Init, InitPolicy, check_arguments
+from .init_policy import Init, InitPolicy
 from .residency import Block, Residency
 
 
@@ -468,4 +468,4 @@ def _tie_hf_weights(module: nn.Module) -> None:
         tie()
 
 
-__all__ = ["CheckpointError", "Materializer", "check_arguments", "has_meta"]
+__all__ = ["CheckpointError", "Materializer", "has_meta"]

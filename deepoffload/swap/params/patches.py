@@ -21,6 +21,14 @@ from .store import BlockStore
 
 Run = Callable[[Block, Callable, tuple, dict], Any]  # runs a block's forward with its parameters resident
 
+COMPILE_AROUND_WARNING = (
+    "torch.compile of a model holding streamed blocks: each streamed block ({prefix} first) is a graph break and "
+    "runs outside the compiled graph. The result equals, bit for bit, the same model in memory compiled with those "
+    "blocks excluded (torch.compiler.disable on each block's forward); it is not the model compiled whole, whose "
+    "fusions across the blocks may round differently. To compile the blocks themselves, call block.compile() on "
+    "each streamed block (bit-identical to block.compile() in memory)."
+)
+
 
 def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
     """``forward`` computing in ``dtype``, so an fp32 model can stream blocks computing in bf16.
@@ -63,6 +71,17 @@ class ModulePatches:
         self.module, self.blocks, self.store, self.run, self.moved = module, blocks, store, run, moved
         self.patched: list[tuple[nn.Module, str, Callable]] = []
         self.hooks: list = []
+        self.warned_compiled = False
+        self.compiled: dict[nn.Module, tuple[tuple, dict]] = {}  # blocks compile() was called on: its arguments
+
+    def _run_in_compiled(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run ``block`` called from code ``torch.compile`` compiled, warning once what that result equals."""
+        if not self.warned_compiled:
+            import warnings
+
+            self.warned_compiled = True
+            warnings.warn(COMPILE_AROUND_WARNING.format(prefix=block.prefix), UserWarning, stacklevel=3)
+        return self.run(block, forward, args, kwargs)
 
     def stream(self, block: Block) -> None:
         """Replace the block's ``forward`` by one that streams it, and hook its ``state_dict``."""
@@ -70,16 +89,24 @@ class ModulePatches:
         if block.compute_dtype is not None:
             forward = _casting(forward, block.compute_dtype)
         run = self.run
+        current = [forward]  # the forward the block runs with its parameters resident: compiled by compile()
 
         def streamed_forward(*args, **kwargs):
             if torch.compiler.is_compiling():
-                # torch.compile: the block runs eagerly (its parameters change shape as they are streamed), the
-                # rest compiles; the compiler is imported only by then (importing it costs about 90 MB)
-                return torch.compiler.disable(run)(block, forward, args, kwargs)
-            return run(block, forward, args, kwargs)
+                # torch.compile of a module holding the block: the block is a graph break and runs outside that
+                # graph (its parameters change as they are streamed); the compiler is imported only by then
+                # (importing it costs about 90 MB)
+                return torch.compiler.disable(self._run_in_compiled)(block, current[0], args, kwargs)
+            return run(block, current[0], args, kwargs)
+
+        def compile(*args, **kwargs) -> None:  # noqa: A001 - nn.Module.compile, for this block
+            current[0] = torch.compile(forward, *args, **kwargs)
+            self.compiled[block.module] = (args, kwargs)  # close() compiles the block itself with them
 
         block.module.forward = streamed_forward
+        block.module.compile = compile  # type: ignore[method-assign]
         self.patched.append((block.module, "forward", streamed_forward))
+        self.patched.append((block.module, "compile", compile))
         self.hooks.append(block.module.register_state_dict_pre_hook(self._block_state_dict_start(block)))
         self.hooks.append(block.module.register_state_dict_post_hook(self._block_state_dict(block)))
         load, loaded = load_hooks(self.store, block)
@@ -149,3 +176,6 @@ class ModulePatches:
                 continue  # calls keep failing with a clear error
             if module.__dict__.get(attribute) is patched:
                 delattr(module, attribute)
+        if restore:
+            for module, (args, kwargs) in self.compiled.items():
+                module.compile(*args, **kwargs)  # nn.Module.compile: in memory, the block stays compiled

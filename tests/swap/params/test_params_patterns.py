@@ -258,15 +258,6 @@ def test_compute_dtype_on_a_float32_model(scratch):
         assert out.dtype == torch.float32 and torch.equal(out, reference(x))
 
 
-def test_torch_compile_runs_blocks_eagerly(scratch):
-    """torch.compile of a streamed model: the streamed blocks run eagerly (graph breaks), the rest compiles."""
-    reference, model = pair()
-    x = batches(1)[0]
-    with offload_parameters(model, str(scratch)), torch.no_grad():
-        model.eval(), reference.eval()
-        assert torch.equal(torch.compile(model)(x), reference(x))
-
-
 @pytest.mark.parametrize("mode", ["fused", "grads"])
 def test_compute_dtype_with_batchnorm_in_a_block(scratch, mode):
     """compute_dtype=bf16 with a BatchNorm inside each block: the BatchNorm keeps its fp32 weights and running

@@ -14,7 +14,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-from deepoffload.formats.header import CheckpointError  # noqa: E402
 from deepoffload.swap.params import offload_parameters  # noqa: E402
 from tests.support.stepping import offload_step, reference_step  # noqa: E402
 
@@ -342,15 +341,16 @@ def test_fresh_init_gives_initialize_weights_values(scratch, name, how):
 
 
 @pytest.mark.parametrize("name", ["gpt-neox", "mixtral"])
-def test_checkpoint_in_names_transformers_converts_is_refused_with_why(scratch, name):
-    """save_pretrained() writes GPT-NeoX's head as embed_out and Mixtral's experts one tensor each; transformers
-    converts them when loading, checkpoint= does not: refused naming the conversion, the model left on meta."""
-    ref = reference(name)
+def test_checkpoint_in_names_transformers_converts_loads_as_transformers_loads_it(scratch, name):
+    """save_pretrained() writes GPT-NeoX's head as embed_out and Mixtral's experts one tensor each, sharded;
+    checkpoint= converts them by transformers' own rules, as its from_pretrained does: the same state and logits."""
+    ref = reference(name).eval()
     ref.save_pretrained(scratch / "ckpt", safe_serialization=True, max_shard_size="50KB")
-    model = empty(name, "meta")
-    with pytest.raises(CheckpointError, match="transformers renames or merges"):
-        offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights)
-    assert all(p.is_meta for p in model.parameters())
+    model = empty(name, "meta").eval()
+    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt") as off, torch.no_grad():
+        assert off.load_report == ([], [])
+        assert equal_states(model.state_dict(), ref.state_dict()) == []
+        assert torch.equal(run(model, tokens()).logits, run(ref, tokens()).logits)
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "gemma2", "t5", "bert"])
