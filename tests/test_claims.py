@@ -102,7 +102,7 @@ def problems(units: list[tuple[int, str]], where: str) -> list[str]:
 
 
 def library_files() -> list[Path]:
-    return sorted((REPO / "deepoffload").rglob("*.py"))
+    return sorted(p for folder in ("deepoffload", "op_builder") for p in (REPO / folder).rglob("*.py"))
 
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))

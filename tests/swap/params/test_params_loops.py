@@ -177,3 +177,63 @@ def test_modules_changed_after_offloading_are_refused_at_the_next_forward(scratc
             model.add_module("scale", torch.nn.Linear(2, 2))
             match = r"^parameters scale\.weight, scale\.bias were added after offload_parameters"
         _refused_next_forward(model, match, torch.randn(4, 16))
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_an_in_memory_optimizer_and_scheduler_resume_a_streamed_loop(scratch, mode):
+    """A loop of one's own: the state of an optimizer that ran in memory over named parameters, and its scheduler's,
+    load into the streamed model's StreamedOptimizer (adapt_scheduler gives the scheduler one entry per streamed
+    group), and training continues as it would have in memory. Unnamed state, and settings that one streamed group
+    cannot hold, are refused."""
+    from deepoffload.errors import CheckpointError
+    from deepoffload.swap.params import StreamedOptimizer
+
+    def warmup(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+
+    def run(model, optimizer, scheduler, start, steps):
+        losses = []
+        for k in range(start, start + steps):
+            torch.manual_seed(50 + k)
+            loss = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(k))).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(reference.named_parameters(), lr=1e-2)
+    scheduler = warmup(optimizer)
+    run(reference, optimizer, scheduler, 0, 2)
+    saved_optimizer, saved_scheduler = copy.deepcopy(optimizer.state_dict()), scheduler.state_dict()
+    model.load_state_dict(reference.state_dict())
+    expected = run(reference, optimizer, scheduler, 2, 3)
+
+    with offload_parameters(model, str(scratch), mode=mode, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1)) as off:
+        streamed = StreamedOptimizer(off)
+        streamed_scheduler = warmup(streamed)  # made before loading, as in memory (its first step sets the lr)
+        unnamed = copy.deepcopy(saved_optimizer)
+        del unnamed["param_groups"][0]["param_names"]
+        with pytest.raises(CheckpointError, match=r"named_parameters\(\)"):
+            streamed.load_state_dict(unnamed)
+        two_groups = copy.deepcopy(saved_optimizer)
+        (group,) = two_groups["param_groups"]
+        half = len(group["params"]) // 2
+        two_groups["param_groups"] = [
+            {**group, "params": group["params"][:half], "param_names": group["param_names"][:half]},
+            {**group, "params": group["params"][half:], "param_names": group["param_names"][half:], "lr": 0.5},
+        ]
+        with pytest.raises(CheckpointError, match="group them as the in-memory optimizer did"):
+            streamed.load_state_dict(two_groups)
+        streamed.load_state_dict(saved_optimizer)
+        streamed_scheduler.load_state_dict(saved_scheduler)
+        assert len(streamed_scheduler.base_lrs) == 1  # the in-memory run's one group
+        streamed.adapt_scheduler(streamed_scheduler)
+        assert len(streamed_scheduler.base_lrs) == len(streamed.param_groups) == 2  # the blocks, and the head
+        assert run(model, streamed, streamed_scheduler, 2, 3) == expected
+        state = off.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in reference.state_dict().items())
