@@ -8,7 +8,7 @@ offloaded run grew it (``--rss-numel 16777216``: parameters whose state exceeds 
 buffers grow to hold one).
 
     python benchmarks/optimizer_offload.py [--state-gb 1.0] [--rounds 3] [--folder DIR] [--rss-sizes 0.25,1,4]
-        [--rss-numel N] [--rss-only]
+        [--rss-numel N] [--rss-only] [--checksum]
 
 Target: offloaded <= 1.15 x max(in-memory step, IO time); offloaded peak RSS must not grow with the model.
 """
@@ -73,7 +73,7 @@ def io_only(handle, folder: str, state_bytes: int, chunk_bytes: int) -> float:
     return seconds
 
 
-def step_times(state_gb: float, rounds: int, folder: str) -> None:
+def step_times(state_gb: float, rounds: int, folder: str, checksum: bool = False) -> None:
     import torch
 
     from deepoffload.io.handle import AsyncIOHandle
@@ -88,9 +88,12 @@ def step_times(state_gb: float, rounds: int, folder: str) -> None:
     offloaded = {}  # name -> (optimizer, its params)
     variants = {f"offloaded, {threads} thr": None}  # torch's setting; then one core left to IO, if there are two
     variants.setdefault(f"offloaded, {max(1, threads - 1)} thr", max(1, threads - 1))
+    if checksum:  # the same as the first, with every swapped tensor hashed (xxh3-64) and checked
+        variants[f"offloaded, {threads} thr, checksum"] = None
     for name, compute_threads in variants.items():
         params = make_params(state_bytes)
-        offloaded[name] = (OffloadedOptimizer(torch.optim.Adam, params, config, lr=1e-3), params)
+        options = config.replace(checksum=name.endswith("checksum"))
+        offloaded[name] = (OffloadedOptimizer(torch.optim.Adam, params, options, lr=1e-3), params)
         offloaded[name][0].compute_threads = compute_threads
     handle = AsyncIOHandle(config.aio)
     in_memory.step()
@@ -208,16 +211,17 @@ def main() -> None:
     )
     parser.add_argument("--rss-only", action="store_true", help="only the peak RSS runs, not the step times")
     parser.add_argument("--rss-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--checksum", action="store_true", help="also time the offloaded step with checksum=True")
     args = parser.parse_args()
     if args.rss_child:
         mode, state_gb, folder, numel = args.rss_child
         rss_child(mode, float(state_gb), folder, int(numel))
         return
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared: figures are noisy)")
-    sizes = [float(s) for s in args.rss_sizes.split(",")]
+    sizes = [float(s) for s in args.rss_sizes.split(",") if s]
     peak_rss(sizes, args.folder, args.rss_numel)  # first, while this process is small
     if not args.rss_only:
-        step_times(args.state_gb, args.rounds, args.folder)
+        step_times(args.state_gb, args.rounds, args.folder, args.checksum)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ block is freed, after which same-sized tensors (a block's gradients, activations
 through malloc) come from the heap, and memory freed there is kept by the process rather than given back; a fixed
 1 MiB threshold maps and unmaps every large tensor, so RSS shows what is actually in use. Both rows are printed.
 
-    python benchmarks/param_offload.py [--folder DIR] [--steps N]
+    python benchmarks/param_offload.py [--folder DIR] [--steps N] [--checksum] [--no-rss]
 
 Target: streamed <= 1.2 x max(compute, IO). The disk and the 2 cores are shared: read the ratios, not the absolutes.
 """
@@ -37,7 +37,7 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-4)
 
 
-def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
+def timing(folder: str, steps: int, width: int, depth: int, batch: int, checksum: bool = False) -> None:
     from deepoffload.swap.config import SwapConfig
     from deepoffload.swap.params import offload_parameters
     from deepoffload.swap.tensor_swapper import TensorSwapper
@@ -46,6 +46,12 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
     optimizer = adam(reference.parameters())
     config = SwapConfig(folder=folder)
     offload = offload_parameters(model, prefetch=1, optimizer=adam, config=config)
+    hashed_model = make_model(width, depth)  # --checksum: the same, every swapped tensor hashed and checked
+    hashed = (
+        offload_parameters(hashed_model, prefetch=1, optimizer=adam, config=config.replace(checksum=True))
+        if checksum
+        else None
+    )
     x = torch.randn(batch, width)
     block = {f"t{i}": p.detach().clone() for i, p in enumerate(reference[0].parameters())}
     io = TensorSwapper(config.replace(chunk_bytes=offload.stats.block_bytes, buffer_count=4))
@@ -59,6 +65,12 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
         model(x).square().mean().backward()
         offload.step()
         offload.zero_grad()
+
+    def streamed_checksum():
+        assert hashed is not None
+        hashed_model(x).square().mean().backward()
+        hashed.step()
+        hashed.zero_grad()
 
     moved = {}
 
@@ -96,14 +108,19 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int) -> None:
         after.bytes_written - before.bytes_written + after.state_bytes_written - before.state_bytes_written
     )
     pure_io()
-    times = {"in memory": [], "streamed": [], "pure IO": []}
+    runs = [("in memory", in_memory), ("streamed", streamed), ("pure IO", pure_io)]
+    if checksum:
+        streamed_checksum()  # its warm-up
+        runs.append(("checksum", streamed_checksum))
+    times: dict[str, list[float]] = {name: [] for name, _ in runs}
     for step in range(steps):
-        runs = [("in memory", in_memory), ("streamed", streamed), ("pure IO", pure_io)]
-        for name, run in runs[step % 3 :] + runs[: step % 3]:
+        for name, run in runs[step % len(runs) :] + runs[: step % len(runs)]:
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
     offload.close(restore=False)
+    if hashed is not None:
+        hashed.close(restore=False)
     io.close()
     median = {name: statistics.median(values) for name, values in times.items()}
     params = sum(p.numel() for p in reference.parameters())
@@ -166,6 +183,8 @@ def main() -> int:
         "--rss-child", nargs=3, type=int, metavar=("WIDTH", "DEPTH", "STREAMED"), help=argparse.SUPPRESS
     )
     parser.add_argument("--tiny", action="store_true", help="width 64, 2 blocks, one allocator setting (a smoke run)")
+    parser.add_argument("--checksum", action="store_true", help="also time a streamed step with checksum=True")
+    parser.add_argument("--no-rss", action="store_true", help="only the step times")
     args = parser.parse_args()
     folder = args.folder or tempfile.mkdtemp(prefix="param-offload-bench-", dir="/tmp")
     if args.rss_child:
@@ -174,7 +193,16 @@ def main() -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     print("time per training step (the machine's 2 cores and disk are shared with other engineers: noisy)")
     width, depths = (64, (2,)) if args.tiny else (768, (6, 18))
-    timing(folder, args.steps, width=width, depth=2 if args.tiny else 8, batch=8 if args.tiny else 256)
+    timing(
+        folder,
+        args.steps,
+        width=width,
+        depth=2 if args.tiny else 8,
+        batch=8 if args.tiny else 256,
+        checksum=args.checksum,
+    )
+    if args.no_rss:
+        return 0
     print("peak RSS during 2 training steps (own process each; Adam; fused mode, prefetch 1)")
     settings = (("glibc default", None), ("MALLOC_MMAP_THRESHOLD_=1048576", "1048576"))
     for label, threshold in settings[:1] if args.tiny else settings:

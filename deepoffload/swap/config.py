@@ -39,6 +39,8 @@ class SwapConfig:
         trust_folder_owner: accept a base ``folder`` that another user owns (or a link to it that another user
             owns, or one every user may change without the sticky bit). Refused by default: whoever can rename
             entries there can replace this run's folder with a link to theirs and read or change the swap files.
+            Turns ``checksum`` on (a changed byte read back is then a ``ChecksumError``; xxh3 detects changes, it
+            is not a cryptographic signature).
 
     Raises:
         ConfigError: When a value has the wrong type or range (the message names the key).

@@ -79,6 +79,8 @@ class TensorSwapper(_StagingBuffers):
 
     def __init__(self, config: SwapConfig | None = None, *, rank: int | None = None, packed: bool = False):
         self.config = config or SwapConfig()
+        if self.config.trust_folder_owner:  # others may change the files: changed bytes are then an error
+            self.config = self.config.replace(checksum=True)
         if self.config.checksum:
             _hash(torch.zeros(1, dtype=torch.uint8))  # a missing xxhash fails here, not in the middle of a swap
         self.folder = create_run_folder(self.config.folder, rank, self.config.trust_folder_owner)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper
+from deepoffload.errors import ChecksumError
 from deepoffload.io import owners
 from deepoffload.io.tree import remove_tree
 from deepoffload.swap.folders import create_run_folder, remove_run_folder
@@ -156,7 +157,12 @@ def test_a_base_folder_another_user_owns_is_refused_unless_trusted(scratch):
         OffloadedOptimizer(torch.optim.SGD([param], lr=0.1), config=SwapConfig(folder=str(base), pin=False))
     assert list(base.iterdir()) == []  # refused before anything was made there
     trusted = TensorSwapper(SwapConfig(folder=str(base), pin=False, trust_folder_owner=True))  # the opt-in
+    assert trusted.config.checksum  # turned on with it: bytes changed by the folder's owner are an error
     trusted.swap_out({"g": {"t": torch.ones(3)}}).wait()
+    with open(os.path.join(trusted.folder, "g.swp"), "r+b") as f:
+        f.write(b"\x00\x00\x00\x40")  # what the folder's owner could do: 1.0 -> 2.0
+    with pytest.raises(ChecksumError):
+        trusted.swap_in(["g"]).wait()
     trusted.close()
 
 
