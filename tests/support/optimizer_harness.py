@@ -1,6 +1,7 @@
-"""The optimizer's differential matrix: one tiny model trained twice on the same batches, with the plain optimizer in
-memory and with ``OffloadedOptimizer``, for each combination of optimizer x size x what the loop does between
-backward and ``step()`` x ``step_in_backward`` or not. A cell's outcome:
+"""The optimizer's differential matrix: one tiny model (two param groups, a layer whose parameters get no gradient
+in odd steps) trained twice on the same batches, with the plain optimizer in memory and with ``OffloadedOptimizer``,
+for each combination of optimizer x size x what the loop does between backward and ``step()`` x ``step_in_backward``
+or not. A cell's outcome:
 
 - ``identical``: losses, parameters and optimizer state (``state_dict()``) bit-identical to the in-memory run;
 - ``refused``: deepoffload raised one of its errors before any parameter changed, naming what to use instead;
@@ -91,12 +92,39 @@ MAKERS: dict[str, Callable] = {
 }
 
 
+class Model(torch.nn.Module):
+    """Tanh layers and a side layer used only in even steps (its parameters get no gradient in odd steps)."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+        self.body = torch.nn.Sequential(*layers)
+        self.side = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        x = self.body(x)
+        if self.calls % 2 == 0:
+            x = x + self.side(x)
+        self.calls += 1
+        return self.head(x)
+
+
 def model(width: int = 8, depth: int = 3) -> torch.nn.Module:
     torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+    return Model(width, depth)
+
+
+def groups(module: torch.nn.Module) -> list[dict]:
+    """Two param groups: the head with its own learning rate."""
+    head = set(map(id, module.head.parameters()))
+    return [
+        {"params": [p for p in module.parameters() if id(p) not in head]},
+        {"params": list(module.head.parameters()), "lr": 0.02},
+    ]
 
 
 def data(k: int, width: int) -> torch.Tensor:
@@ -188,7 +216,7 @@ class Outcome:
 def compare(name: str, size: str, actions: Sequence[str], mode: str, folder: str, width: int = 8) -> Outcome:
     """Run the in-memory and the offloaded loop and classify the result."""
     reference = model(width)
-    ref_opt = MAKERS[name](list(reference.parameters()))
+    ref_opt = MAKERS[name](groups(reference))
     expected = run_loop(reference, ref_opt, actions, width)
     if expected.error is not None:
         return Outcome("error", f"in memory: {expected.error!r}")
@@ -196,7 +224,7 @@ def compare(name: str, size: str, actions: Sequence[str], mode: str, folder: str
     initial = [p.detach().clone() for p in module.parameters()]
     config = SwapConfig(folder=folder, chunk_bytes=CHUNK_BYTES[size], buffer_count=4, pin=False)
     try:
-        opt = OffloadedOptimizer(MAKERS[name], list(module.parameters()), config)
+        opt = OffloadedOptimizer(MAKERS[name], groups(module), config)
     except DeepOffloadError as e:
         return Outcome("refused", f"at construction: {e}")
     try:

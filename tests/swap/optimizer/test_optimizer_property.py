@@ -68,7 +68,7 @@ def _run(loop, module, optimizer):
 )
 def test_random_loops_equal_memory_or_are_refused_at_the_first_change(loop):
     reference = harness.model(loop["width"])
-    ref_opt = harness.MAKERS[loop["name"]](list(reference.parameters()))
+    ref_opt = harness.MAKERS[loop["name"]](harness.groups(reference))
     expected = _run(loop, reference, ref_opt)
     assert expected.error is None
     module = harness.model(loop["width"])
@@ -76,7 +76,7 @@ def test_random_loops_equal_memory_or_are_refused_at_the_first_change(loop):
     with tempfile.TemporaryDirectory() as folder:
         config = SwapConfig(folder=folder, chunk_bytes=harness.CHUNK_BYTES[loop["size"]], pin=False)
         try:
-            opt = OffloadedOptimizer(harness.MAKERS[loop["name"]], list(module.parameters()), config)
+            opt = OffloadedOptimizer(harness.MAKERS[loop["name"]], harness.groups(module), config)
         except DeepOffloadError:
             assert loop["name"] == "undeclared"
             return
