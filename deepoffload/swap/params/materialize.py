@@ -40,6 +40,7 @@ from ...io.buffers import aligned_empty
 from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
 from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
+from .deferred_init import init_ancestors
 from .hf_keys import ConvertedCheckpoint, is_transformers_model
 from .init_policy import Init, InitPolicy
 from .residency import Block, Residency
@@ -130,6 +131,8 @@ class Materializer:
         self._todo: set[int] = set()  # ids of tensors made here that need a value
         self._placeholders: set[int] = set()  # ids of parameters that hold a shape-only placeholder
         self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
+        self._deferred: dict[str, torch.Tensor] = {}  # unset non-persistent buffers left for init_ancestors
+        self._non_persistent = {n for n, _ in module.named_buffers()} - set(module.state_dict(keep_vars=True))
         _tie_hf_weights(module)
         if checkpoint is not None:
             # read_into keeps at most inflight + one span of buffers (budget.READER_BYTES), whatever the model's size
@@ -318,6 +321,9 @@ class Materializer:
         if self.init is not None:
             self._initialized.update(id(t) for t in unset.values())
         left = [n for n, t in unset.items() if _is_unset(t).any()]
+        if self.init is not None:  # a non-persistent buffer an ancestor's initializer may set: after the walk
+            self._deferred.update({n: unset[n] for n in left if n in self._non_persistent})
+            left = [n for n in left if n not in self._deferred]
         if left:
             how = "init= left them unset" if self.init is not None else "their modules have no reset_parameters()"
             raise ValueError(
@@ -388,6 +394,9 @@ class Materializer:
         Args:
             store: The ``BlockStore`` the blocks are written to (or served from the checkpoint by).
             blocks: The blocks.
+
+        Raises:
+            ValueError: When a non-persistent buffer is still unset after its ancestors' initializer ran.
         """
         writes: list[Block] = []
         try:
@@ -416,6 +425,15 @@ class Materializer:
                 writes.append(block)
             while writes:
                 self._finish(store, writes.pop(0))
+            if self._deferred and self.init is not None:
+                streamed = {id(t) for b in blocks for t in (*b.params, *b.masters)}
+                left = init_ancestors(self.module, self._deferred, self.init, _is_unset, streamed)
+                if left:
+                    raise ValueError(
+                        f"{left[:10]}: non-persistent buffers on the meta device that neither their modules' nor "
+                        f"their ancestors' initializer set; pass init= a function that sets them, or build the "
+                        f"model with its buffers in memory (accelerate's init_empty_weights() keeps them)"
+                    )
         except BaseException:
             for block in writes:
                 try:

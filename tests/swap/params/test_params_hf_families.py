@@ -27,6 +27,13 @@ def test_from_pretrained_equals_transformers_load(scratch, model_type):
     assert differ == [] and compared
 
 
+def test_a_block_buffer_its_ancestor_initializes_is_set(scratch):
+    """Falcon-H1's top model copies mup_vector (a non-persistent buffer) into each layer's mixer in _init_weights:
+    computed after the walk by the ancestors' initializer, as transformers' initialize_weights() computes it."""
+    differ, compared = compare(transformers.FalconH1ForCausalLM, transformers.FalconH1Config, scratch)
+    assert differ == [] and compared
+
+
 def test_bert_model_loads_with_its_integer_buffers(scratch):
     differ, compared = compare(transformers.BertModel, transformers.BertConfig, scratch)
     assert differ == [] and compared
