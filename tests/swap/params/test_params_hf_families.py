@@ -15,7 +15,7 @@ from tests.support.hf_families import CannotBuild, compare  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-FAST = ["llama", "gpt_neox", "bert", "mixtral", "qwen2_moe"]
+FAST = ["llama", "gpt_neox", "bert", "mixtral", "qwen2_moe", "gpt_bigcode"]  # (GPT-BigCode: a boolean buffer)
 
 
 @pytest.mark.parametrize("model_type", FAST)
