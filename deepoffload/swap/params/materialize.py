@@ -16,12 +16,13 @@ module that owns no tensor itself is not called: re-initializations a parent mak
 than in memory.
 
 Nothing is left unset silently: tensors made here are filled with NaN (integer ones with their dtype's least value)
-before initialization and any such value left afterwards is an error naming the tensor; boolean tensors on meta and
-not in the checkpoint are refused (no value marks one as unset). A tensor of the ``state_dict()`` that the checkpoint
-lacks gets a value from an initializer only where ``init=`` asks for it (``InitPolicy``); a transformers model's
-checkpoint is read in the model's names by transformers' own loading rules (``ConvertedCheckpoint``). Meta
-parameters are replaced by new ``nn.Parameter`` objects (a meta tensor cannot take CPU data in place); on any
-failure the original meta parameters and buffers are put back.
+before initialization and any such value left afterwards is an error naming the tensor; boolean ones (no value marks
+them) are initialized twice, from False and from True, and an element that differs is an error. A non-persistent buffer
+of a block still unset is left for its ancestors' initializer after the walk (``deferred_init``). A tensor of the
+``state_dict()`` that the checkpoint lacks gets a value from an initializer only where ``init=`` asks for it
+(``InitPolicy``); a transformers model's checkpoint is read in the model's names by transformers' own loading rules
+(``ConvertedCheckpoint``). Meta parameters are replaced by new ``nn.Parameter`` objects (a meta tensor cannot take CPU
+data in place); on any failure the original meta parameters and buffers are put back.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ...io.buffers import aligned_empty
 from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
 from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
+from .deferred_init import init_ancestors
 from .hf_keys import ConvertedCheckpoint, is_transformers_model
 from .init_policy import Init, InitPolicy
 from .residency import Block, Residency
@@ -67,8 +69,10 @@ def transient_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return aligned_empty(shape, dtype, pin=False)
 
 
-def _unset(dtype: torch.dtype) -> float | int:
-    """The value that marks a tensor no initializer wrote: NaN, or an integer dtype's least value."""
+def _unset(dtype: torch.dtype) -> float | int | bool:
+    """The value that marks a tensor no initializer wrote (booleans: False; none marks them, see ``_initialize``)."""
+    if dtype == torch.bool:
+        return False
     return torch.iinfo(dtype).min if not (dtype.is_floating_point or dtype.is_complex) else float("nan")
 
 
@@ -130,6 +134,8 @@ class Materializer:
         self._todo: set[int] = set()  # ids of tensors made here that need a value
         self._placeholders: set[int] = set()  # ids of parameters that hold a shape-only placeholder
         self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
+        self._deferred: dict[str, torch.Tensor] = {}  # unset non-persistent buffers left for init_ancestors
+        self._non_persistent = {n for n, _ in module.named_buffers()} - set(module.state_dict(keep_vars=True))
         _tie_hf_weights(module)
         if checkpoint is not None:
             # read_into keeps at most inflight + one span of buffers (budget.READER_BYTES), whatever the model's size
@@ -288,14 +294,7 @@ class Materializer:
         # a tensor init= already gave values through an earlier module (tied weights) is initialized again by each
         # later module holding it, as transformers' initialize_weights() does: the last one's values stay
         again = {n for _, tensors in needy for n, t in tensors.items() if id(t) in self._initialized}
-        booleans = [n for n, t in unset.items() if t.dtype == torch.bool]
-        if booleans:
-            raise ValueError(
-                f"{booleans[:10]}: boolean tensors on the meta device that "
-                f"{'the checkpoint lacks' if self.reader else 'have no checkpoint'}; no initializer can be checked "
-                f"for them (no value marks one as unset): load a checkpoint holding them, or build the model with "
-                f"its buffers in memory (accelerate's init_empty_weights() keeps them)"
-            )
+        booleans = {n: t for n, t in unset.items() if t.dtype == torch.bool}  # no value marks them: set twice
         kept = {}  # tensors that already had values in a module being initialized: keep them
         for _, tensors in needy:
             for n, t in tensors.items():
@@ -304,20 +303,25 @@ class Materializer:
         with torch.no_grad():
             for t in unset.values():
                 t.fill_(_unset(t.dtype))
-            for module, _ in needy:
-                if self.init is not None:
-                    self.init(module)
-                else:
-                    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-                    if callable(reset):
-                        reset()
+            self._call_init([m for m, _ in needy])
+            if booleans:  # initialized again from True: a boolean the initializer sets comes out the same
+                first = {n: t.clone() for n, t in booleans.items()}
+                for t in booleans.values():
+                    t.fill_(True)
+                self._call_init([m for m, tensors in needy if any(n in booleans for n in tensors)])
+                differ = [n for n, t in booleans.items() if not torch.equal(t, first[n])]
             for _, tensors in needy:
                 for n, t in tensors.items():
                     if n in kept:
                         t.copy_(kept[n])
         if self.init is not None:
             self._initialized.update(id(t) for t in unset.values())
-        left = [n for n, t in unset.items() if _is_unset(t).any()]
+        left = [n for n, t in unset.items() if n not in booleans and _is_unset(t).any()]
+        if self.init is not None:  # a non-persistent buffer an ancestor's initializer may set: after the walk
+            self._deferred.update({n: unset[n] for n in left if n in self._non_persistent})
+            left = [n for n in left if n not in self._deferred]
+        if booleans:
+            left += differ  # (the initializer did not set them)
         if left:
             how = "init= left them unset" if self.init is not None else "their modules have no reset_parameters()"
             raise ValueError(
@@ -326,6 +330,15 @@ class Materializer:
                 f"that initializes each module (e.g. a Hugging Face model's _init_weights), or a "
                 f"checkpoint= holding them"
             )
+
+    def _call_init(self, modules: list[nn.Module]) -> None:
+        for module in modules:
+            if self.init is not None:
+                self.init(module)
+            else:
+                reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+                if callable(reset):
+                    reset()
 
     def _walk(self, blocks: dict[str, Block]) -> Iterator[tuple[str, nn.Module, Block | None]]:
         """(name, module, its Block or None), children before parents; a block is one item."""
@@ -388,6 +401,9 @@ class Materializer:
         Args:
             store: The ``BlockStore`` the blocks are written to (or served from the checkpoint by).
             blocks: The blocks.
+
+        Raises:
+            ValueError: When a non-persistent buffer is still unset after its ancestors' initializer ran.
         """
         writes: list[Block] = []
         try:
@@ -416,6 +432,15 @@ class Materializer:
                 writes.append(block)
             while writes:
                 self._finish(store, writes.pop(0))
+            if self._deferred and self.init is not None:
+                streamed = {id(t) for b in blocks for t in (*b.params, *b.masters)}
+                left = init_ancestors(self.module, self._deferred, self.init, _is_unset, streamed)
+                if left:
+                    raise ValueError(
+                        f"{left[:10]}: non-persistent buffers on the meta device that neither their modules' nor "
+                        f"their ancestors' initializer set; pass init= a function that sets them, or build the "
+                        f"model with its buffers in memory (accelerate's init_empty_weights() keeps them)"
+                    )
         except BaseException:
             for block in writes:
                 try:

@@ -15,7 +15,7 @@ from tests.support.hf_families import CannotBuild, compare  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-FAST = ["llama", "gpt_neox", "bert", "mixtral", "qwen2_moe"]
+FAST = ["llama", "gpt_neox", "bert", "mixtral", "qwen2_moe", "gpt_bigcode"]  # (GPT-BigCode: a boolean buffer)
 
 
 @pytest.mark.parametrize("model_type", FAST)
@@ -24,6 +24,13 @@ def test_from_pretrained_equals_transformers_load(scratch, model_type):
 
     model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     differ, compared = compare(model_class, transformers.CONFIG_MAPPING[model_type], scratch)
+    assert differ == [] and compared
+
+
+def test_a_block_buffer_its_ancestor_initializes_is_set(scratch):
+    """Falcon-H1's top model copies mup_vector (a non-persistent buffer) into each layer's mixer in _init_weights:
+    computed after the walk by the ancestors' initializer, as transformers' initialize_weights() computes it."""
+    differ, compared = compare(transformers.FalconH1ForCausalLM, transformers.FalconH1Config, scratch)
     assert differ == [] and compared
 
 
