@@ -264,3 +264,36 @@ def test_a_waiter_does_not_name_an_ended_process_as_the_holder(scratch):
         assert f"process {ended}" not in str(caught.value) and "could not record its id" in str(caught.value)
     finally:
         child.communicate("")
+
+
+def test_one_dcp_writer_serving_an_async_save_and_a_save_that_overlap_it(scratch):
+    """A training loop makes one writer and passes it to every save: the async save of step 1 is still finishing when
+    step 2's save runs. Each save's in-progress mark is its own (one mark per writer lost step 1's: step 2's save
+    removed step 1's data file, then step 1's .metadata named it, and the folder held no checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    from deepoffload.dcp import FileSystemReader, FileSystemWriter
+
+    writer = FileSystemWriter(scratch, overwrite=True)
+    paused, resume = threading.Event(), threading.Event()
+    finish = writer.finish
+
+    def paused_finish(metadata, results):  # step 1 has written its data file; it waits before its switch
+        if not paused.is_set():
+            paused.set()
+            resume.wait(60)
+        finish(metadata, results)
+
+    writer.finish = paused_finish
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        step1 = dcp.async_save({"w": torch.full((64,), 1.0)}, storage_writer=writer, no_dist=True)
+        assert paused.wait(60)
+        dcp.save({"w": torch.full((64,), 2.0)}, storage_writer=writer, no_dist=True)
+        resume.set()
+        step1.result(60)
+        state = {"w": torch.zeros(64)}
+        dcp.load(state, storage_reader=FileSystemReader(scratch), no_dist=True)
+    assert torch.equal(state["w"], torch.full((64,), 1.0))  # step 1 switched last
+    assert len([p for p in scratch.iterdir() if p.suffix == ".distcp"]) == 1
+    assert not any(p.name.startswith(".__") for p in scratch.iterdir())
