@@ -57,6 +57,7 @@ from .io.owners import PRIVATE_MODE, adopt_mode, create_private, remove_dead_tem
 
 METADATA_NAME = ".metadata"  # DCP's name for the file that names every data file of a checkpoint
 _DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:(?P<generation>[0-9a-f]{8})_)?\d+\.distcp")
+_PREFIX = re.compile(r"__\d+_(?P<generation>[0-9a-f]{8})_")  # a save plan's file prefix (see prepare_global_plan)
 _MARKER = re.compile(r"\.(?P<target>__[0-9a-f]{8})\.partial-.*")  # a save in progress (see the module docstring)
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "OpFileSystem", "load"]
@@ -186,7 +187,9 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         super().__init__(path, *args, **kwargs)
         self.fs = OpFileSystem(config)
         self.path = self.fs.init_path(path)
-        self._marker: weakref.finalize | None = None  # removes this writer's in-progress marker (once)
+        # per generation, what removes its in-progress marker (once): one writer may serve overlapping saves (an
+        # async_save still writing when the next save starts), so each save's mark is its own
+        self._markers: dict[str, weakref.finalize] = {}
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """DCP's local plan, with a new generation in this rank's file names when the rank names its own files.
@@ -240,8 +243,9 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         """
         try:
             return super().write_data(plan, planner)
-        except BaseException:
-            self._unmark()  # the save fails: what it wrote is nobody's to keep (the next save removes it)
+        except BaseException:  # the save fails: what it wrote is nobody's to keep (the next save removes it)
+            prefix = plan.storage_data.prefix if plan.storage_data is not None else ""
+            self._unmark({m["generation"]} if (m := _PREFIX.fullmatch(prefix)) else set())
             raise
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -263,36 +267,40 @@ class FileSystemWriter(_dcp_fs.FileSystemWriter):
         global_metadata = self.use_collectives or self.rank is None
         metadata_path = folder / (METADATA_NAME if global_metadata else f"__{self.rank}{METADATA_NAME}")
         names = {result.storage_data.relative_path for group in results for result in group}
-        with folder_lock(folder):
-            for name in names:  # the checkpoint's mode, before its files can be reached through the metadata
-                with contextlib.suppress(FileNotFoundError):  # another node's file, in a folder not shared with this
-                    adopt_mode(folder / name, metadata_path)
-            super().finish(metadata, results)  # writes the metadata and renames it into place (see OpFileSystem)
-            self._remove_superseded(folder, names, global_metadata)
-            self._unmark()  # the metadata names this save's files now
+        generations = {m["generation"] for name in names if (m := _DATA_FILE.fullmatch(name))}
+        try:
+            with folder_lock(folder):
+                for name in names:  # the checkpoint's mode, before its files can be reached through the metadata
+                    with contextlib.suppress(FileNotFoundError):  # another node's file, in a folder not shared
+                        adopt_mode(folder / name, metadata_path)
+                super().finish(metadata, results)  # writes the metadata, renames it into place (see OpFileSystem)
+                self._remove_superseded(folder, names, global_metadata)
+        finally:
+            self._unmark(generations)  # the metadata names this save's files now (or the save failed)
 
     def __getstate__(self) -> dict[str, Any]:
         """The writer's state for pickling (DCP's process-based ``async_save`` sends the writer).
 
         Returns:
-            The attributes, without the in-progress marker's finalizer: a marker belongs to the process that made it.
+            The attributes, without the in-progress markers' finalizers: a marker belongs to the process that made it.
         """
-        return {**self.__dict__, "_marker": None}
+        return {**self.__dict__, "_markers": {}}
 
     def _mark(self, generation: str) -> None:
         """Mark ``generation`` in the folder as a save in progress (an empty file naming this process).
 
-        This writer's earlier mark goes: that save is over (finished, or failed).
+        The mark goes when that save finishes or fails here, else with the writer (a save that failed on another
+        rank: its files are kept until then).
         """
-        self._unmark()
         marker = Path(self.path) / temporary_name(f"__{generation}", "partial")
         os.close(create_private(marker))
-        self._marker = weakref.finalize(self, _remove, marker)  # also when the writer is dropped after a failure
+        self._markers[generation] = weakref.finalize(self, _remove, marker)
 
-    def _unmark(self) -> None:
-        if self._marker is not None:
-            self._marker()
-            self._marker = None
+    def _unmark(self, generations: set[str]) -> None:
+        for generation in generations:
+            finalizer = self._markers.pop(generation, None)
+            if finalizer is not None:
+                finalizer()
 
     def _remove_superseded(self, folder: Path, names: set[str], global_metadata: bool) -> None:
         """Remove the data files in scope that the new metadata does not name, except a live save's.

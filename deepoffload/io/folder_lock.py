@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .owners import new_file_mode, process_token
+from .owners import host_id, is_alive, new_file_mode, process_token
 
 try:
     import fcntl
@@ -47,6 +47,7 @@ except ImportError:  # Windows
 LOCK_NAME = ".deepoffload.lock"
 TIMEOUT_S = 300.0  # seconds a save waits for another save's switch before giving up (the switch takes far less)
 _POLL_S = (0.001, 0.05)  # the first and the longest pause between tries
+_NOT_OURS = "no save of this library made it: remove it, then save again"
 
 
 def _wait(seconds: float) -> None:
@@ -81,7 +82,8 @@ def folder_lock(folder: str | os.PathLike, timeout: float | None = None) -> Iter
         yield
     finally:
         try:  # removed while held, so a waiter holding the removed file's lock knows to try again
-            with contextlib.suppress(FileNotFoundError):
+            # (not removable: another user's file in a sticky folder; it stays, and still works as the lock file)
+            with contextlib.suppress(OSError):
                 if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
                     os.unlink(path)
         finally:
@@ -96,14 +98,23 @@ def _open(path: Path) -> int:
         try:
             fd = os.open(path, os.O_RDWR | flags, new_file_mode())
         except PermissionError:  # another user's lock file (in a shared folder): reading is enough to lock it
-            fd = os.open(path, os.O_RDONLY | flags)
+            try:
+                fd = os.open(path, os.O_RDONLY | flags)
+            except PermissionError:  # fs.protected_regular refuses O_CREAT on it in a sticky folder: it exists
+                fd = os.open(path, os.O_RDONLY | (flags & ~os.O_CREAT))
     except OSError as e:
-        reason = "a symbolic link is in its place" if e.errno == errno.ELOOP else (e.strerror or str(e))
+        if e.errno in (errno.ELOOP, errno.EISDIR):
+            kind = "a symbolic link" if e.errno == errno.ELOOP else "a folder"
+            reason = f"{kind} is in its place ({_NOT_OURS})"
+        else:
+            reason = e.strerror or str(e)
         raise OSError(e.errno, f"cannot take the save lock of {path.parent}: {path}: {reason}", str(path)) from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(
-            errno.EINVAL, f"cannot take the save lock of {path.parent}: {path} is not a regular file", str(path)
+            errno.EINVAL,
+            f"cannot take the save lock of {path.parent}: {path} is not a regular file ({_NOT_OURS})",
+            str(path),
         )
     return fd
 
@@ -148,8 +159,11 @@ def _busy_message(path: Path, fd: int, timeout: float) -> str:
         token = os.pread(fd, 100, 0).decode("ascii", errors="replace").strip()
     except OSError:
         token = ""
-    pid = token.partition(".")[0]
-    holder = f"process {pid} (its record: {token})" if pid.isdigit() else "another process (it recorded no id)"
+    pid, start, host = (token.split(".") + ["", ""])[:3]
+    if pid.isdigit() and start.isdigit() and (host != host_id() or is_alive(int(pid), int(start))):
+        holder = f"process {pid} (its record: {token})"
+    else:  # the record is an earlier holder's, that has ended: this holder could not write the file (another user's)
+        holder = "another process (it could not record its id in the lock file)"
     return (
         f"cannot save into {path.parent}: another save into this folder, by {holder}, held its lock {path} for "
         f"all the {timeout:g} s this save waited. Saves into one folder take turns; if that process is stopped or "

@@ -128,13 +128,20 @@ def test_a_link_in_place_of_the_lock_file_is_refused_and_not_followed(scratch):
     (scratch / LOCK_NAME).symlink_to(victim)
     with pytest.raises(OSError, match="symbolic link") as caught, lock(scratch):
         pass
-    assert str(scratch) in str(caught.value)
+    assert str(scratch) in str(caught.value) and "remove it, then save again" in str(caught.value)
     assert victim.read_text() == "keep"
+    (scratch / LOCK_NAME).unlink()  # as the message says
+    with lock(scratch, timeout=0):
+        pass
 
 
 def test_something_else_in_place_of_the_lock_file_is_refused(scratch):
     os.mkfifo(scratch / LOCK_NAME)  # opening it for reading would block, and it is no lock file
-    with pytest.raises(OSError, match="not a regular file"), lock(scratch, timeout=0):
+    with pytest.raises(OSError, match="not a regular file .*remove it, then save again"), lock(scratch, timeout=0):
+        pass
+    (scratch / LOCK_NAME).unlink()
+    (scratch / LOCK_NAME).mkdir()
+    with pytest.raises(OSError, match="a folder is in its place .*remove it, then save again"), lock(scratch):
         pass
 
 
@@ -208,3 +215,85 @@ def test_a_failed_dcp_save_unmarks_its_generation_when_its_writer_goes(scratch, 
     monkeypatch.undo()
     dcp_save(scratch)  # and the next save removes the failed save's data file
     assert len([p for p in scratch.iterdir() if p.suffix == ".distcp"]) == 1
+
+
+# -- lock files of other users, in shared folders ----------------------------------------------------------------------
+def test_a_lock_file_the_save_may_not_remove_stays_and_the_save_succeeds(scratch, monkeypatch):
+    """Another user's lock file, left by a killed save in a sticky folder (mode 1777): this user may lock it but not
+    remove it. The save is done once its switch is; it must not report failure (nor may any later save)."""
+    from deepoffload.formats import load_file, save_sharded
+
+    unlink = os.unlink
+
+    def sticky(path, *args, **kwargs):
+        if Path(path).name == LOCK_NAME:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", sticky)
+    for step in (1, 2):
+        save_sharded({name: t + step for name, t in TENSORS.items()}, scratch, max_shard_bytes=1024)
+        loaded = load_file(scratch)
+        assert all(torch.equal(loaded[k], TENSORS[k] + step) for k in TENSORS)
+    assert (scratch / LOCK_NAME).exists()
+
+
+def test_a_lock_file_that_protected_regular_refuses_to_create_is_opened_as_it_is(scratch, monkeypatch):
+    """With fs.protected_regular, Linux refuses O_CREAT on another user's file in a sticky folder, even read-only."""
+    (scratch / LOCK_NAME).write_text("")
+    real_open = os.open
+
+    def protected(path, flags, *args, **kwargs):
+        if Path(path).name == LOCK_NAME and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", protected)
+    with lock(scratch, timeout=0):
+        pass
+
+
+def test_a_waiter_does_not_name_an_ended_process_as_the_holder(scratch):
+    """A holder that may not write the lock file (another user's) leaves an earlier, ended holder's record in it."""
+    child = holder(scratch)
+    try:
+        ended = dead_pid()
+        (scratch / LOCK_NAME).write_text(f"{ended}.{owners.start_time(os.getpid())}.{owners.host_id()}")
+        with pytest.raises(TimeoutError) as caught, lock(scratch, timeout=0.1):
+            pass
+        assert f"process {ended}" not in str(caught.value) and "could not record its id" in str(caught.value)
+    finally:
+        child.communicate("")
+
+
+def test_one_dcp_writer_serving_an_async_save_and_a_save_that_overlap_it(scratch):
+    """A training loop makes one writer and passes it to every save: the async save of step 1 is still finishing when
+    step 2's save runs. Each save's in-progress mark is its own (one mark per writer lost step 1's: step 2's save
+    removed step 1's data file, then step 1's .metadata named it, and the folder held no checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    from deepoffload.dcp import FileSystemReader, FileSystemWriter
+
+    writer = FileSystemWriter(scratch, overwrite=True)
+    paused, resume = threading.Event(), threading.Event()
+    finish = writer.finish
+
+    def paused_finish(metadata, results):  # step 1 has written its data file; it waits before its switch
+        if not paused.is_set():
+            paused.set()
+            resume.wait(60)
+        finish(metadata, results)
+
+    writer.finish = paused_finish
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        step1 = dcp.async_save({"w": torch.full((64,), 1.0)}, storage_writer=writer, no_dist=True)
+        assert paused.wait(60)
+        dcp.save({"w": torch.full((64,), 2.0)}, storage_writer=writer, no_dist=True)
+        resume.set()
+        step1.result(60)
+        state = {"w": torch.zeros(64)}
+        dcp.load(state, storage_reader=FileSystemReader(scratch), no_dist=True)
+    assert torch.equal(state["w"], torch.full((64,), 1.0))  # step 1 switched last
+    assert len([p for p in scratch.iterdir() if p.suffix == ".distcp"]) == 1
+    assert not any(p.name.startswith(".__") for p in scratch.iterdir())
