@@ -7,7 +7,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . ci/setup.sh
 
-system_packages "${MAIN_PACKAGES[@]}" "${TEST_PACKAGES[@]}" || exit 1
-python_env "[test,docs]" || { echo "ci/setup-tests.sh: making .venv failed" >&2; exit 1; }
-python ci/versions.py
-bash ci/test.sh "$@"
+# Every step runs and reports even when an earlier one failed (a missing system package fails only the tests that
+# need it); the exit status is non-zero when any step failed.
+failed=0
+echo "=== ci/setup-tests.sh: system packages"
+system_packages "${MAIN_PACKAGES[@]}" "${TEST_PACKAGES[@]}" || { echo "=== system packages: FAILED"; failed=1; }
+echo "=== ci/setup-tests.sh: python environment"
+python_env "[test,docs]" || { echo "=== python environment: FAILED (making .venv or installing into it)"; failed=1; }
+[ -f .venv/bin/activate ] && . .venv/bin/activate
+echo "=== ci/setup-tests.sh: versions tested"
+python ci/versions.py || { echo "=== versions tested: FAILED"; failed=1; }
+bash ci/test.sh "$@" || failed=1
+exit $failed
