@@ -108,11 +108,21 @@ def load_torch(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             f"{path}: cannot load it as a torch.save state dict (read with mmap=True, weights_only=True): {e}"
         ) from None
-    if not (
-        isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
-    ):
+    if not _is_state_dict(state):
+        inside = [k for k, v in state.items() if _is_state_dict(v)] if isinstance(state, dict) else []
+        hint = (
+            f": a dict holding state dicts under {inside}; save the model's alone (torch.save(saved[{inside[0]!r}], "
+            f"path)) to stream from it (`deepoffload plan --key {inside[0]}` reads it as it is)"
+            if inside
+            else ""
+        )
         raise CheckpointError(
             f"{path}: a torch.save checkpoint must hold a flat dict of name -> tensor "
-            f"(a state_dict); got {type(state).__name__}"
+            f"(a state_dict); got {type(state).__name__}{hint}"
         )
     return state
+
+
+def _is_state_dict(value: object) -> bool:
+    """Whether ``value`` is a flat dict of name -> tensor."""
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())

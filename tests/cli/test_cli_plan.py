@@ -151,3 +151,24 @@ def test_plan_names_the_key_where_several_state_dicts_could_be(scratch):
     assert code == 0 and "under key 'ema'): 2 blocks" in out, out + err
     code, _, err = plan(str(scratch / "two.pt"), "--max-memory", "2GB", "--key", "step")
     assert code == 1 and "--key 'step' is not a state dict" in err, err
+
+
+def test_streaming_from_a_saved_dict_names_the_key_and_the_model_alone_works(scratch):
+    """offload_parameters(checkpoint=) on the README's ckpt.pt shape ({"model": ..., "optimizer": ...}) refuses,
+    naming the key holding the state dict and what to do; the model's state dict saved alone then streams."""
+    import deepoffload
+    from deepoffload.errors import CheckpointError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    torch.save({"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}}, scratch / "ckpt.pt")
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    with pytest.raises(CheckpointError, match=r"state dicts under \['model'\].*plan --key model"):
+        deepoffload.offload_parameters(meta, str(scratch / "swap"), checkpoint=scratch / "ckpt.pt")
+    torch.save(torch.load(scratch / "ckpt.pt", weights_only=True)["model"], scratch / "model.pt")
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(2, 8)
+    with deepoffload.offload_parameters(meta, str(scratch / "swap2"), checkpoint=scratch / "model.pt"):
+        with torch.no_grad():
+            assert torch.equal(meta(x), model(x))
