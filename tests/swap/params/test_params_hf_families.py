@@ -39,6 +39,11 @@ def test_bert_model_loads_with_its_integer_buffers(scratch):
     assert differ == [] and compared
 
 
+# models whose layers share one module (Zamba's shared transformer): streaming each layer would load it once per layer,
+# so offload_parameters refuses these blocks and names blocks= as the way out
+SHARED_ACROSS_BLOCKS = {"zamba", "zamba2"}
+
+
 def _causal_lm_classes():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -56,6 +61,11 @@ def test_walk_causal_lm_classes(scratch, model_type, class_name):
         differ, _ = compare(model_class, config_class, scratch)
     except CannotBuild as e:
         pytest.skip(str(e))
+    except ValueError as e:
+        if model_type not in SHARED_ACROSS_BLOCKS:
+            raise
+        assert "same tensor as" in str(e) and "choose blocks=" in str(e)  # refused at once, naming what to do
+        return
     assert differ == []
 
 
