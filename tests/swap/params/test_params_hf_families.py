@@ -2,7 +2,8 @@
 configs, saved with ``save_pretrained`` and loaded both ways, hold the same state and give the same output. The
 fast subset covers the layouts transformers converts when loading (GPT-NeoX's ``embed_out``, Mixtral's and
 Qwen2-MoE's per-expert weights, a base model's folder under a head's ``base_model_prefix``) and BERT's integer
-buffers; the slow test walks every class of ``AutoModelForCausalLM``'s mapping."""
+buffers; the slow test walks every class of ``AutoModelForCausalLM``'s mapping (about 5 minutes here): each equal,
+refused with the message in ``REFUSED``, or skipped with the reason it cannot be built tiny."""
 
 from __future__ import annotations
 
@@ -39,9 +40,14 @@ def test_bert_model_loads_with_its_integer_buffers(scratch):
     assert differ == [] and compared
 
 
-# models whose layers share one module (Zamba's shared transformer): streaming each layer would load it once per layer,
-# so offload_parameters refuses these blocks and names blocks= as the way out
-SHARED_ACROSS_BLOCKS = {"zamba", "zamba2"}
+# refused clearly, with the part of the message that names the pattern: layers sharing one module (Zamba's shared
+# transformer; offload_parameters names blocks= as the way out), and RWKV, whose eval forward rescales the blocks'
+# weights in place (div_), which streamed parameters refuse
+REFUSED = {
+    "zamba": "choose blocks= without them",
+    "zamba2": "choose blocks= without them",
+    "rwkv": "div_ on it would change values that live on storage",
+}
 
 
 def _causal_lm_classes():
@@ -53,18 +59,18 @@ def _causal_lm_classes():
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, class_name", _causal_lm_classes())
 def test_walk_causal_lm_classes(scratch, model_type, class_name):
-    model_class = getattr(transformers, class_name, None)
-    config_class = transformers.CONFIG_MAPPING.get(model_type) if model_type in transformers.CONFIG_MAPPING else None
-    if model_class is None or config_class is None:
-        pytest.skip(f"{class_name}: not importable from this transformers")
+    try:
+        model_class, config_class = getattr(transformers, class_name), transformers.CONFIG_MAPPING[model_type]
+    except (AttributeError, KeyError, ImportError) as e:
+        pytest.skip(f"{class_name}: not importable from this transformers ({type(e).__name__}: {e})")
     try:
         differ, _ = compare(model_class, config_class, scratch)
     except CannotBuild as e:
         pytest.skip(str(e))
-    except ValueError as e:
-        if model_type not in SHARED_ACROSS_BLOCKS:
+    except (ValueError, RuntimeError) as e:
+        if model_type not in REFUSED:
             raise
-        assert "same tensor as" in str(e) and "choose blocks=" in str(e)  # refused at once, naming what to do
+        assert REFUSED[model_type] in str(e)  # refused at once, naming what to do
         return
     assert differ == []
 
