@@ -168,3 +168,23 @@ def test_strict_false_never_leaves_a_missing_parameter_initialized_unasked(scrat
     )
     with off:
         assert sorted(off.load_report.missing) == ["classifier.bias", "classifier.weight"]
+
+
+def test_dtype_keeps_what_transformers_keeps_in_float32(scratch):
+    """from_pretrained(dtype=torch.float16) of T5 keeps its feed-forward ``wo`` in float32 (the model's
+    _keep_in_fp32_modules, by transformers' own dtype plan), as transformers' from_pretrained does."""
+    import contextlib
+    import io
+
+    import deepoffload
+    from tests.support.hf_families import build
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        build(transformers.T5ForConditionalGeneration, transformers.T5Config).save_pretrained(scratch / "ckpt")
+    expected = transformers.T5ForConditionalGeneration.from_pretrained(scratch / "ckpt", dtype=torch.float16)
+    model, off = deepoffload.from_pretrained(scratch / "ckpt", path=str(scratch / "swap"), dtype=torch.float16)
+    with off:
+        state, reference = model.state_dict(), expected.state_dict()
+        assert {n: t.dtype for n, t in state.items()} == {n: t.dtype for n, t in reference.items()}
+        assert any(t.dtype == torch.float32 for t in reference.values())  # (the case is exercised)
+        assert [n for n in reference if not torch.equal(state[n], reference[n])] == []
