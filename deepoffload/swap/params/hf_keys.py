@@ -60,6 +60,20 @@ def kept_in_float32(module: nn.Module, dtype: torch.dtype) -> set[int]:
     return {id(p) for name, p in module.named_parameters() if alternation.search(name)}
 
 
+def tie_hf_weights(module: nn.Module) -> None:
+    """Tie a Hugging Face model's weights as ``from_pretrained`` does.
+
+    Under accelerate's ``init_empty_weights()`` every parameter assignment makes a new meta parameter, so the model's
+    own tying (``lm_head.weight = embed_tokens.weight``) leaves two parameters; the checkpoint then lacks one
+    (``save_pretrained`` drops tied copies) and a model loaded anyway would compute with an untied, freshly initialized
+    head.
+    """
+    tie = getattr(module, "tie_weights", None)
+    meta = any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+    if meta and callable(tie) and hasattr(module, "config"):
+        tie()
+
+
 class _Group:
     """The checkpoint tensors one transformers ``WeightConverter`` turns into one or more model tensors."""
 
