@@ -76,7 +76,8 @@ def offload_parameters(
             A value left unset is an error.
         dtype: Floating-point parameters made from ``meta`` get this dtype (like ``from_pretrained``'s
             ``torch_dtype``); buffers keep the dtype they were built with (as under accelerate's
-            ``init_empty_weights()``).
+            ``init_empty_weights()``), and so do the parameters a transformers model keeps in float32 in that dtype
+            (``_keep_in_fp32_modules``, by transformers' own dtype plan).
         strict: See ``checkpoint``.
         max_resident_bytes: Blocks whose parameters (stored plus compute copy) fit in this many bytes stay in
             memory and are never re-read by the schedule, the first blocks first; the rest stream. Pinned blocks

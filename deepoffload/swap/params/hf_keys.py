@@ -34,6 +34,46 @@ def is_transformers_model(module: nn.Module) -> bool:
     )
 
 
+def kept_in_float32(module: nn.Module, dtype: torch.dtype) -> set[int]:
+    """Ids of the parameters a transformers model keeps in float32 when loaded in ``dtype``.
+
+    transformers' own rule: the model's ``_get_dtype_plan(dtype)`` (``_keep_in_fp32_modules`` for float16,
+    ``_keep_in_fp32_modules_strict`` for float16 and bfloat16), matched as ``convert_and_load_state_dict_in_model``
+    matches it (``build_glob_alternation``).
+
+    Args:
+        module: The model (any module: none for one that is not a transformers model).
+        dtype: The dtype asked for.
+
+    Returns:
+        The ids of the parameters to keep as built.
+    """
+    plan = getattr(module, "_get_dtype_plan", None)
+    if not is_transformers_model(module) or not callable(plan):
+        return set()
+    kept = {pattern for pattern, to in plan(dtype).items() if to == torch.float32}
+    if not kept:
+        return set()
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, _, _ = build_glob_alternation(sorted(kept))
+    return {id(p) for name, p in module.named_parameters() if alternation.search(name)}
+
+
+def tie_hf_weights(module: nn.Module) -> None:
+    """Tie a Hugging Face model's weights as ``from_pretrained`` does.
+
+    Under accelerate's ``init_empty_weights()`` every parameter assignment makes a new meta parameter, so the model's
+    own tying (``lm_head.weight = embed_tokens.weight``) leaves two parameters; the checkpoint then lacks one
+    (``save_pretrained`` drops tied copies) and a model loaded anyway would compute with an untied, freshly initialized
+    head.
+    """
+    tie = getattr(module, "tie_weights", None)
+    meta = any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+    if meta and callable(tie) and hasattr(module, "config"):
+        tie()
+
+
 class _Group:
     """The checkpoint tensors one transformers ``WeightConverter`` turns into one or more model tensors."""
 

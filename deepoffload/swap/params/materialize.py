@@ -42,7 +42,7 @@ from ..pool import trim_heap
 from ..tensor_swapper import SwapRecord
 from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
 from .deferred_init import init_ancestors
-from .hf_keys import ConvertedCheckpoint, is_transformers_model
+from .hf_keys import ConvertedCheckpoint, is_transformers_model, kept_in_float32, tie_hf_weights
 from .init_policy import Init, InitPolicy
 from .residency import Block, Residency
 
@@ -136,7 +136,8 @@ class Materializer:
         self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
         self._deferred: dict[str, torch.Tensor] = {}  # unset non-persistent buffers left for init_ancestors
         self._non_persistent = {n for n, _ in module.named_buffers()} - set(module.state_dict(keep_vars=True))
-        _tie_hf_weights(module)
+        tie_hf_weights(module)
+        self._kept_fp32 = kept_in_float32(module, dtype) if dtype is not None else set()
         if checkpoint is not None:
             # read_into keeps at most inflight + one span of buffers (budget.READER_BYTES), whatever the model's size
             self.reader = CheckpointReader(
@@ -161,6 +162,8 @@ class Materializer:
 
     # -- preparing ----------------------------------------------------------------------------------------------
     def _target_dtype(self, t: torch.Tensor) -> torch.dtype:
+        if id(t) in self._kept_fp32:  # (a transformers model's _keep_in_fp32_modules: kept as built, float32)
+            return t.dtype
         if self.dtype is not None and t.is_meta and t.is_floating_point() and isinstance(t, nn.Parameter):
             return self.dtype
         return t.dtype
@@ -478,19 +481,6 @@ class Materializer:
         block.clear_data()
         block.move(Residency.ON_STORAGE)
         trim_heap()  # what reading the block freed (conversions, the reader's own tensors) goes back to the system
-
-
-def _tie_hf_weights(module: nn.Module) -> None:
-    """Tie a Hugging Face model's weights as ``from_pretrained`` does.
-
-    Under accelerate's ``init_empty_weights()`` every parameter assignment makes a new meta parameter, so the model's
-    own tying (``lm_head.weight = embed_tokens.weight``) leaves two parameters; the checkpoint then lacks one
-    (``save_pretrained`` drops tied copies) and a model loaded anyway would compute with an untied, freshly initialized
-    head.
-    """
-    tie = getattr(module, "tie_weights", None)
-    if has_meta(module) and callable(tie) and hasattr(module, "config"):
-        tie()
 
 
 __all__ = ["CheckpointError", "Materializer", "has_meta"]

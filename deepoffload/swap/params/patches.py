@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ...errors import UnsupportedError
 from . import dtype_moves
 from .loading import load_hooks
 from .placeholders import internal
@@ -28,6 +29,22 @@ COMPILE_AROUND_WARNING = (
     "fusions across the blocks may round differently. To compile the blocks themselves, call block.compile() on "
     "each streamed block (bit-identical to block.compile() in memory)."
 )
+
+
+def refuse_cuda_graphs(block: Block, kwargs: dict) -> None:
+    """Refuse ``block.compile()`` options that record CUDA graphs (untested with parameters that move).
+
+    Raises:
+        UnsupportedError: For ``mode="reduce-overhead"`` or ``"max-autotune"``, or ``options={"triton.cudagraphs":
+            True}``.
+    """
+    options = kwargs.get("options") or {}
+    if kwargs.get("mode") in ("reduce-overhead", "max-autotune") or options.get("triton.cudagraphs"):
+        raise UnsupportedError(
+            f"block {block.prefix}: compile() with CUDA graphs (mode={kwargs.get('mode')!r}) replays kernels on "
+            f"fixed parameter addresses, and a streamed block's parameters get new memory each time it is read; "
+            f"this is not tested to be exact. Use the default mode (mode='default')"
+        )
 
 
 def _casting(forward: Callable, dtype: torch.dtype) -> Callable:
@@ -100,6 +117,7 @@ class ModulePatches:
             return run(block, current[0], args, kwargs)
 
         def compile(*args, **kwargs) -> None:  # noqa: A001 - nn.Module.compile, for this block
+            refuse_cuda_graphs(block, kwargs)
             current[0] = torch.compile(forward, *args, **kwargs)
             self.compiled[block.module] = (args, kwargs)  # close() compiles the block itself with them
 

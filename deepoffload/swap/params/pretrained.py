@@ -49,7 +49,9 @@ def from_pretrained(
         folder: A ``save_pretrained`` folder: ``config.json`` and safetensors weights, sharded or not.
         model_class: The class to build (a model class or any ``AutoModel*`` class); default: the class named first
             in the config's ``architectures``, else ``AutoModel``.
-        dtype: Floating-point parameters get this dtype (default: the class's as built, float32).
+        dtype: Floating-point parameters get this dtype (default: the class's as built, float32; transformers 5
+            defaults to the config's dtype, so pass it to load a half-precision folder as transformers does), except
+            those transformers keeps in float32 (the model's ``_keep_in_fp32_modules``, by its own dtype plan).
         **options: ``offload_parameters`` keyword arguments (``path=`` the swap folder, ``mode``, ``optimizer``,
             ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ``init``, ...);
             ``checkpoint`` is ``folder``, read through transformers' own key renaming and conversion rules (GPT-NeoX's

@@ -104,3 +104,15 @@ def test_block_compiled_before_offloading_is_refused_and_compiling_after_works(s
         model.eval(), reference.eval()
         x = batches(1)[0]
         assert torch.equal(model(x), reference(x)) and runs
+
+
+@pytest.mark.parametrize("options", [dict(mode="reduce-overhead"), dict(options={"triton.cudagraphs": True})])
+def test_block_compile_with_cuda_graphs_is_refused_and_the_default_mode_works(scratch, options):
+    reference, model = pair()
+    with offload_parameters(model, str(scratch)), torch.no_grad():
+        with pytest.raises(UnsupportedError, match="CUDA graphs.*mode='default'"):
+            model.blocks[0].compile(**options)
+        model.blocks[0].compile(mode="default", backend=counting_backend(runs := []))
+        model.eval(), reference.eval()
+        x = batches(1)[0]
+        assert torch.equal(model(x), reference(x)) and runs

@@ -2,7 +2,8 @@
 configs, saved with ``save_pretrained`` and loaded both ways, hold the same state and give the same output. The
 fast subset covers the layouts transformers converts when loading (GPT-NeoX's ``embed_out``, Mixtral's and
 Qwen2-MoE's per-expert weights, a base model's folder under a head's ``base_model_prefix``) and BERT's integer
-buffers; the slow test walks every class of ``AutoModelForCausalLM``'s mapping."""
+buffers; the slow test walks every class of ``AutoModelForCausalLM``'s mapping (about 5 minutes here): each equal,
+refused with the message in ``REFUSED``, or skipped with the reason it cannot be built tiny."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def test_bert_model_loads_with_its_integer_buffers(scratch):
     assert differ == [] and compared
 
 
+# refused clearly, with the part of the message that names the pattern: layers sharing one module (Zamba's shared
+# transformer; offload_parameters names blocks= as the way out), and RWKV, whose eval forward rescales the blocks'
+# weights in place (div_), which streamed parameters refuse
+REFUSED = {
+    "zamba": "choose blocks= without them",
+    "zamba2": "choose blocks= without them",
+    "rwkv": "div_ on it would change values that live on storage",
+}
+
+
 def _causal_lm_classes():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -48,14 +59,19 @@ def _causal_lm_classes():
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, class_name", _causal_lm_classes())
 def test_walk_causal_lm_classes(scratch, model_type, class_name):
-    model_class = getattr(transformers, class_name, None)
-    config_class = transformers.CONFIG_MAPPING.get(model_type) if model_type in transformers.CONFIG_MAPPING else None
-    if model_class is None or config_class is None:
-        pytest.skip(f"{class_name}: not importable from this transformers")
+    try:
+        model_class, config_class = getattr(transformers, class_name), transformers.CONFIG_MAPPING[model_type]
+    except (AttributeError, KeyError, ImportError) as e:
+        pytest.skip(f"{class_name}: not importable from this transformers ({type(e).__name__}: {e})")
     try:
         differ, _ = compare(model_class, config_class, scratch)
     except CannotBuild as e:
         pytest.skip(str(e))
+    except (ValueError, RuntimeError) as e:
+        if model_type not in REFUSED:
+            raise
+        assert REFUSED[model_type] in str(e)  # refused at once, naming what to do
+        return
     assert differ == []
 
 
@@ -152,3 +168,23 @@ def test_strict_false_never_leaves_a_missing_parameter_initialized_unasked(scrat
     )
     with off:
         assert sorted(off.load_report.missing) == ["classifier.bias", "classifier.weight"]
+
+
+def test_dtype_keeps_what_transformers_keeps_in_float32(scratch):
+    """from_pretrained(dtype=torch.float16) of T5 keeps its feed-forward ``wo`` in float32 (the model's
+    _keep_in_fp32_modules, by transformers' own dtype plan), as transformers' from_pretrained does."""
+    import contextlib
+    import io
+
+    import deepoffload
+    from tests.support.hf_families import build
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        build(transformers.T5ForConditionalGeneration, transformers.T5Config).save_pretrained(scratch / "ckpt")
+    expected = transformers.T5ForConditionalGeneration.from_pretrained(scratch / "ckpt", dtype=torch.float16)
+    model, off = deepoffload.from_pretrained(scratch / "ckpt", path=str(scratch / "swap"), dtype=torch.float16)
+    with off:
+        state, reference = model.state_dict(), expected.state_dict()
+        assert {n: t.dtype for n, t in state.items()} == {n: t.dtype for n, t in reference.items()}
+        assert any(t.dtype == torch.float32 for t in reference.values())  # (the case is exercised)
+        assert [n for n in reference if not torch.equal(state[n], reference[n])] == []
