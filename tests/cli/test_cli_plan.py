@@ -151,3 +151,21 @@ def test_plan_names_the_key_where_several_state_dicts_could_be(scratch):
     assert code == 0 and "under key 'ema'): 2 blocks" in out, out + err
     code, _, err = plan(str(scratch / "two.pt"), "--max-memory", "2GB", "--key", "step")
     assert code == 1 and "--key 'step' is not a state dict" in err, err
+
+
+@pytest.mark.slow  # plan and from_pretrained in fresh processes
+def test_the_smallest_limit_plan_names_for_a_folder_works_with_from_pretrained(quick_start):
+    """The README's route for a Hugging Face folder is ``from_pretrained(folder, max_memory=...)``: the limit plan
+    names as the smallest that works must work there, where transformers and the model (on meta) are in the
+    process already when the limit is fitted."""
+    code, out, _ = plan(str(quick_start / "llama"), "--max-memory", "10MB")
+    assert code == 1, out
+    smallest = int(figures(out)["= the smallest --max-memory"] + 2e6)  # 2 MB: the process measured again
+    code = (
+        "import sys, deepoffload\n"
+        f"model, off = deepoffload.from_pretrained({str(quick_start / 'llama')!r}, path={str(quick_start)!r},"
+        f" max_memory={smallest})\n"
+        "off.close(restore=False)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, out + proc.stderr[-1500:]
