@@ -169,3 +169,29 @@ def test_the_smallest_limit_plan_names_for_a_folder_works_with_from_pretrained(q
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, out + proc.stderr[-1500:]
+
+
+def test_a_dcp_folder_is_named_with_the_conversion_that_works(scratch, capsys):
+    """A DCP folder (deepoffload.dcp writes them) is named as one, with the conversion to pass instead; the converted
+    file goes through plan and streams with the model's values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import deepoffload
+    import deepoffload.dcp
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    expected = model(torch.ones(2, 64))
+    dcp.save(model.state_dict(), storage_writer=deepoffload.dcp.FileSystemWriter(scratch / "dcp"))
+    assert main(["plan", str(scratch / "dcp"), "--max-memory", "2GB"]) == 1
+    err = capsys.readouterr().err
+    assert "(DCP) folder" in err and "dcp_to_torch_save(folder, 'model.pt')" in err, err
+    dcp_to_torch_save(scratch / "dcp", scratch / "model.pt")
+    assert main(["plan", str(scratch / "model.pt"), "--max-memory", "2GB"]) == 0
+    assert "3 blocks" in capsys.readouterr().out
+    with torch.device("meta"):
+        streamed = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    off = deepoffload.offload_parameters(streamed, scratch / "swap", checkpoint=scratch / "model.pt")
+    with off, torch.no_grad():
+        assert torch.equal(streamed(torch.ones(2, 64)), expected.detach())
+    off.close(restore=False)
