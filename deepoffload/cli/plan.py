@@ -157,7 +157,7 @@ def _as_from_pretrained(path: str) -> bool:
         path: The checkpoint given.
 
     Returns:
-        Whether it was built (a folder with ``config.json``, and transformers installed).
+        Whether it was built (a folder with ``config.json`` that transformers can build, and transformers installed).
     """
     from pathlib import Path
 
@@ -171,9 +171,12 @@ def _as_from_pretrained(path: str) -> bool:
         return False
     from ..swap.params.pretrained import _build, _model_class
 
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        _build(_model_class(config, None), config)
+    try:  # a config transformers cannot build (unknown model_type, remote code): from_pretrained refuses it too
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            _build(_model_class(config, None), config)
+    except Exception:
+        return False
     return True
 
 

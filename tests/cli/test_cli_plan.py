@@ -195,3 +195,12 @@ def test_a_dcp_folder_is_named_with_the_conversion_that_works(scratch, capsys):
     with off, torch.no_grad():
         assert torch.equal(streamed(torch.ones(2, 64)), expected.detach())
     off.close(restore=False)
+
+
+def test_a_folder_whose_config_transformers_cannot_build_is_still_planned(scratch, capsys):
+    """plan measures a folder with config.json as from_pretrained would hold it; a config transformers does not know
+    (a model of one's own, saved beside its weights) is planned as offload_parameters' checkpoint, not a crash."""
+    checkpoint(scratch)
+    (scratch / "config.json").write_text('{"model_type": "not-a-transformers-model"}')
+    assert main(["plan", str(scratch), "--max-memory", "64GB"]) == 0
+    assert "the process now (torch imported)" in capsys.readouterr().out
