@@ -1,7 +1,7 @@
-"""Generate text with a Hugging Face model larger than memory: the model is built without memory (accelerate's
-``init_empty_weights``), its blocks are loaded from the model's folder straight to storage, one block at a time,
-and streamed back in as they run. With ``--tiny`` a small random Llama is written to a folder first, and the output
-is checked against ``from_pretrained`` in memory.
+"""Generate text with a Hugging Face model larger than memory: ``deepoffload.from_pretrained`` builds the model on
+the ``meta`` device (no memory for the weights), loads its blocks from the model's folder straight to storage, one
+block at a time, and streams them back in as they run. With ``--tiny`` a small random Llama is written to a folder
+first, and the output is checked against ``from_pretrained`` in memory.
 
     python examples/hf_stream_generate.py --model path/to/model-folder [--folder /nvme] [--prompt "Hello"]
     python examples/hf_stream_generate.py --tiny
@@ -51,15 +51,11 @@ def main(argv: list[str] | None = None) -> int:
             write_tiny_model(args.model)
         folder = args.folder or scratch
         # --8<-- [start:quickstart]
-        import accelerate
+        # built on "meta" (no memory for the weights), loaded block by block to storage; in eval mode
+        model, off = deepoffload.from_pretrained(args.model, path=folder)
+        # --8<-- [end:quickstart]
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(args.model)
-        with accelerate.init_empty_weights():  # parameters on "meta": no memory used
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        off = deepoffload.offload_parameters(model, folder, checkpoint=args.model)  # block by block to storage
-        model.eval()
-        # --8<-- [end:quickstart]
         if args.prompt:
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
             ids = tokenizer(args.prompt, return_tensors="pt").input_ids

@@ -230,3 +230,51 @@ def test_setup_scripts_install_the_system_packages_the_docs_list():
     assert "bash ci/setup-tests.sh" in (REPO / ".ci" / "run").read_text()
     for page in (REPO / "README.md", REPO / "docs" / "getting-started.md"):  # root has no sudo in most containers
         assert "sudo apt-get install" not in page.read_text(), page
+
+
+FAKE_STEP = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$SETUP_LOG"
+case "$(basename "$0") $*" in
+  "apt-get "*) exit "$FAKE_APT_STATUS" ;;
+  "python -m pip "*) exit "$FAKE_PIP_STATUS" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("apt,pip", [(0, 0), (100, 0), (0, 1), (100, 1)])
+def test_setup_commands_run_and_report_every_step_when_one_fails(tmp_path, apt, pip):
+    """ci/setup-tests.sh (.ci/run) runs every step and reports each failure, so that a failed apt-get or pip install
+    does not hide the suite's results; its status is non-zero when any step failed. ci/setup-demo.sh goes on to the
+    demo without the system packages (deepoffload report then says what is missing) but stops when pip fails."""
+    repo, bindir, venv_bin = tmp_path / "repo", tmp_path / "bin", tmp_path / "repo" / ".venv" / "bin"
+    for folder in (repo / "ci", bindir, venv_bin):
+        folder.mkdir(parents=True)
+    for name in ("setup.sh", "setup-tests.sh", "setup-demo.sh"):
+        shutil.copy(REPO / "ci" / name, repo / "ci" / name)
+    (repo / "ci" / "test.sh").write_text('echo "ci/test.sh $*" >> "$SETUP_LOG"\n')
+    for tool in ("id", "dpkg-query", "apt-get", "python", "deepoffload"):
+        (bindir / tool).write_text(FAKE_STEP if tool != "id" else "#!/usr/bin/env bash\necho 0\n")
+        (bindir / tool).chmod(0o755)
+    (venv_bin / "activate").write_text("")  # made once: python_env does not make it again
+    log = tmp_path / "calls.log"
+    env = {
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "SETUP_LOG": str(log),
+        "FAKE_APT_STATUS": str(apt),
+        "FAKE_PIP_STATUS": str(pip),
+    }
+    proc = subprocess.run(
+        ["bash", "ci/setup-tests.sh", "-k", "x"], cwd=repo, capture_output=True, text=True, env=env, timeout=60
+    )
+    calls = log.read_text()
+    assert "python ci/versions.py" in calls and "ci/test.sh -k x" in calls, proc.stdout + proc.stderr
+    assert ("=== system packages: FAILED" in proc.stdout) == bool(apt), proc.stdout
+    assert ("=== python environment: FAILED" in proc.stdout) == bool(pip), proc.stdout
+    assert (proc.returncode != 0) == bool(apt or pip), proc.stdout + proc.stderr
+    log.write_text("")
+    proc = subprocess.run(["bash", "ci/setup-demo.sh"], cwd=repo, capture_output=True, text=True, env=env, timeout=60)
+    calls = log.read_text()
+    assert ("deepoffload demo" in calls) == (not pip) and (proc.returncode != 0) == bool(pip), calls + proc.stderr
+    if apt and not pip:
+        assert "going on without them" in proc.stderr

@@ -109,3 +109,11 @@ def test_build_message_names_no_figure_but_the_machines_own(tmp_path, monkeypatc
     assert builder._last_build_seconds() == 9
     text = (REPO / "docs" / "concepts" / "building.md").read_text()
     assert "the last build here took" in text and "usually about" not in text
+
+
+def test_hugging_face_folders_are_loaded_through_from_pretrained():
+    """deepoffload.from_pretrained is the front door for a save_pretrained folder: the README's quick start, the
+    guide and the example that loads a folder show it, not the longer init_empty_weights + checkpoint= route."""
+    for path in (README, REPO / "docs" / "guides" / "hugging-face.md", REPO / "examples" / "hf_stream_generate.py"):
+        text = path.read_text()
+        assert "deepoffload.from_pretrained(" in text and "init_empty_weights" not in text, path.relative_to(REPO)

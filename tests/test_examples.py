@@ -17,7 +17,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 pytestmark = pytest.mark.skipif(not EXAMPLES, reason="needs the source tree's examples/")
 
 NEEDS = {
-    "hf_stream_generate.py": ["transformers", "accelerate"],
+    "hf_stream_generate.py": ["transformers"],
     "trainer_streaming.py": ["transformers", "accelerate"],
     "deepspeed_zero3.py": ["deepspeed"],
     "checkpoints.py": ["safetensors"],

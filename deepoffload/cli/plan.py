@@ -9,7 +9,9 @@ stays in memory. A ``torch.save`` file holding a dict with a state dict inside (
 as ``deepoffload.save`` writes a training checkpoint) is read through that state dict; ``--key`` names it where
 several could be. The process's own memory is
 measured here, after importing torch (and torch._dynamo, which a torch optimizer imports: with ``--train``), as
-``offload_parameters`` measures it at its call; a training script holding more before the call needs more.
+``offload_parameters`` measures it at its call; for a Hugging Face folder (with ``config.json``, read by
+``deepoffload.from_pretrained``) after building its model on ``meta`` too, as ``from_pretrained`` does before that
+call. A script holding more before the call needs more.
 """
 
 from __future__ import annotations
@@ -145,7 +147,40 @@ def _mb(nbytes: int) -> str:
     return f"{_size(nbytes):>13}"
 
 
-def _refusal(plan, limit: int, process: int, default_prefetch: int) -> list[str]:
+def _as_from_pretrained(path: str) -> bool:
+    """Builds a Hugging Face folder's model on ``meta`` as ``from_pretrained`` does before fitting ``max_memory``.
+
+    transformers and the model's code then count in the process's memory as they will at that call (they hold about
+    100 MB; measured without them, the smallest limit named was too small for ``from_pretrained``).
+
+    Args:
+        path: The checkpoint given.
+
+    Returns:
+        Whether it was built (a folder with ``config.json`` that transformers can build, and transformers installed).
+    """
+    from pathlib import Path
+
+    import torch
+
+    if not (Path(path) / "config.json").is_file():
+        return False
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return False
+    from ..swap.params.pretrained import _build, _model_class
+
+    try:  # a config transformers cannot build (unknown model_type, remote code): from_pretrained refuses it too
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            _build(_model_class(config, None), config)
+    except Exception:
+        return False
+    return True
+
+
+def _refusal(plan, limit: int, process: int, default_prefetch: int, process_label: str) -> list[str]:
     """The short table printed when even the least plan does not fit ``limit``.
 
     Args:
@@ -153,6 +188,7 @@ def _refusal(plan, limit: int, process: int, default_prefetch: int) -> list[str]
         limit: The limit given, in bytes.
         process: The process's memory now, in bytes.
         default_prefetch: The prefetch asked for (the default 1): the limit it needs is shown too.
+        process_label: The process's row's label (what it holds).
 
     Returns:
         The lines to print.
@@ -166,7 +202,7 @@ def _refusal(plan, limit: int, process: int, default_prefetch: int) -> list[str]
     need = process + least.peak_bytes + FORWARD_BYTES
     rows = [
         f"does not fit: --max-memory {limit / 1e6:.1f} MB; the smallest that works is {need / 1e6:.1f} MB:",
-        f"  {'the process now (torch imported)':<58}{_mb(process)}",
+        f"  {process_label:<58}{_mb(process)}",
         f"  {'the offload at its least (prefetch 0, nothing kept)':<58}{_mb(least.peak_bytes)}",
         f"  {'left for the forward activations':<58}{_mb(FORWARD_BYTES)}",
         f"  {'= the smallest --max-memory':<58}{_mb(need)}",
@@ -177,7 +213,7 @@ def _refusal(plan, limit: int, process: int, default_prefetch: int) -> list[str]
     return rows
 
 
-def _report(fitted, blocks: dict[str, int]) -> list[str]:
+def _report(fitted, blocks: dict[str, int], process_label: str) -> list[str]:
     """The plan's figures, which add up.
 
     The running rows sum to the running total; the expected peak is the process now, the larger of loading and
@@ -186,6 +222,7 @@ def _report(fitted, blocks: dict[str, int]) -> list[str]:
     Args:
         fitted: The settings ``fit`` chose.
         blocks: {block prefix: bytes}.
+        process_label: The process's row's label (what it holds).
 
     Returns:
         The lines to print.
@@ -215,7 +252,7 @@ def _report(fitted, blocks: dict[str, int]) -> list[str]:
     rows += [
         f"  {'= running':<58}{_mb(plan.run_bytes)}",
         f"  {f'while loading: R + reader {READER_BYTES >> 20} MiB + {SETUP_BLOCKS} B':<58}{_mb(plan.setup_bytes)}",
-        f"  {'the process now (torch imported)':<58}{_mb(process)}",
+        f"  {process_label:<58}{_mb(process)}",
         f"  {'the larger of running and loading':<58}{_mb(plan.peak_bytes)}",
         f"  {'left for the forward activations':<58}{_mb(fitted.forward_bytes)}",
         f"  {'= expected peak':<58}{_mb(fitted.expected_peak_bytes)}",
@@ -267,6 +304,9 @@ def run(args: argparse.Namespace) -> int:
         resident_bytes=None,
         reader_bytes=READER_BYTES,
     )
+    label = "the process now (torch imported)"
+    if _as_from_pretrained(args.checkpoint):
+        label = "the process now (as from_pretrained: model on meta)"
     process = process_bytes()
     print(
         f"checkpoint: {args.checkpoint}{where}: {len(blocks)} blocks, {_size(sum(blocks.values()))} in blocks "
@@ -275,10 +315,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         fitted = fit(plan, limit, process)
     except MemoryBudgetError:
-        print("\n".join(_refusal(plan, limit, process, args.prefetch)))
+        print("\n".join(_refusal(plan, limit, process, args.prefetch, label)))
         return 1
     # fit() keeps as many bytes of blocks as the limit leaves room for; no more than the blocks hold
     kept = min(cast(int, fitted.plan.resident_bytes), sum(blocks.values()))
     fitted = replace(fitted, plan=replace(fitted.plan, resident_bytes=kept))
-    print("\n".join(_report(fitted, blocks)))
+    print("\n".join(_report(fitted, blocks, label)))
     return 0

@@ -110,6 +110,12 @@ class CheckpointReader:
             elif (path / SINGLE_NAME).is_file():
                 self._headers = [read_header(path / SINGLE_NAME)]
                 self.format = "safetensors"
+            elif (path / ".metadata").is_file() or next(path.glob("*.distcp"), None) is not None:
+                raise CheckpointError(
+                    f"{path}: a torch.distributed.checkpoint (DCP) folder; this reads safetensors or torch.save: "
+                    "convert it once with torch.distributed.checkpoint.format_utils.dcp_to_torch_save(folder, "
+                    "'model.pt') and pass model.pt"
+                )
             else:
                 raise CheckpointNotFoundError(
                     errno.ENOENT,

@@ -172,3 +172,56 @@ def test_streaming_from_a_saved_dict_names_the_key_and_the_model_alone_works(scr
     with deepoffload.offload_parameters(meta, str(scratch / "swap2"), checkpoint=scratch / "model.pt"):
         with torch.no_grad():
             assert torch.equal(meta(x), model(x))
+
+
+@pytest.mark.slow  # plan and from_pretrained in fresh processes
+def test_the_smallest_limit_plan_names_for_a_folder_works_with_from_pretrained(quick_start):
+    """The README's route for a Hugging Face folder is ``from_pretrained(folder, max_memory=...)``: the limit plan
+    names as the smallest that works must work there, where transformers and the model (on meta) are in the
+    process already when the limit is fitted."""
+    code, out, _ = plan(str(quick_start / "llama"), "--max-memory", "10MB")
+    assert code == 1, out
+    smallest = int(figures(out)["= the smallest --max-memory"] + 2e6)  # 2 MB: the process measured again
+    code = (
+        "import sys, deepoffload\n"
+        f"model, off = deepoffload.from_pretrained({str(quick_start / 'llama')!r}, path={str(quick_start)!r},"
+        f" max_memory={smallest})\n"
+        "off.close(restore=False)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, out + proc.stderr[-1500:]
+
+
+def test_a_dcp_folder_is_named_with_the_conversion_that_works(scratch, capsys):
+    """A DCP folder (deepoffload.dcp writes them) is named as one, with the conversion to pass instead; the converted
+    file goes through plan and streams with the model's values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import deepoffload
+    import deepoffload.dcp
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    expected = model(torch.ones(2, 64))
+    dcp.save(model.state_dict(), storage_writer=deepoffload.dcp.FileSystemWriter(scratch / "dcp"))
+    assert main(["plan", str(scratch / "dcp"), "--max-memory", "2GB"]) == 1
+    err = capsys.readouterr().err
+    assert "(DCP) folder" in err and "dcp_to_torch_save(folder, 'model.pt')" in err, err
+    dcp_to_torch_save(scratch / "dcp", scratch / "model.pt")
+    assert main(["plan", str(scratch / "model.pt"), "--max-memory", "2GB"]) == 0
+    assert "3 blocks" in capsys.readouterr().out
+    with torch.device("meta"):
+        streamed = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    off = deepoffload.offload_parameters(streamed, scratch / "swap", checkpoint=scratch / "model.pt")
+    with off, torch.no_grad():
+        assert torch.equal(streamed(torch.ones(2, 64)), expected.detach())
+    off.close(restore=False)
+
+
+def test_a_folder_whose_config_transformers_cannot_build_is_still_planned(scratch, capsys):
+    """plan measures a folder with config.json as from_pretrained would hold it; a config transformers does not know
+    (a model of one's own, saved beside its weights) is planned as offload_parameters' checkpoint, not a crash."""
+    checkpoint(scratch)
+    (scratch / "config.json").write_text('{"model_type": "not-a-transformers-model"}')
+    assert main(["plan", str(scratch), "--max-memory", "64GB"]) == 0
+    assert "the process now (torch imported)" in capsys.readouterr().out
