@@ -75,11 +75,13 @@ def _refusal(base: str, why: str) -> str:
     )
 
 
-def adopt_run_folder(folder: str) -> None:
+def adopt_run_folder(folder: str, trust_owner: bool = False) -> None:
     """Check that the new run folder ``folder`` is this user's private folder (no link), and record its identity.
 
     Args:
         folder: The folder just made (by ``tempfile.mkdtemp``: ``0700``).
+        trust_owner: Skip the owner and mode check (a folder the user trusts, e.g. on a filesystem without
+            permissions such as vfat); it must still be a folder, not a link.
 
     Raises:
         PermissionError: When the name leads to a link, another user's folder or a folder others may open.
@@ -96,7 +98,8 @@ def adopt_run_folder(folder: str) -> None:
         st = os.fstat(fd)
     finally:
         os.close(fd)
-    if hasattr(os, "geteuid") and (st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077):
+    private = st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & 0o077 if hasattr(os, "geteuid") else True
+    if not private and not trust_owner:
         raise PermissionError(
             errno.EACCES,
             _replaced(folder, f"it is owned by {_user(st.st_uid)} with mode {stat.S_IMODE(st.st_mode):04o}"),

@@ -86,7 +86,7 @@ def create_run_folder(base: str | None, rank: int | None = None, trust_owner: bo
             f"with `folder=` (or --path)",
             base,
         ) from e
-    adopt_run_folder(folder)
+    adopt_run_folder(folder, trust_owner)
     with _owned_lock:
         _owned[folder] = os.getpid()
     return folder
@@ -169,6 +169,9 @@ def remove_run_folder(folder: str) -> None:
     warning.
     """
     _forget(folder)
+    if not os.path.lexists(folder):  # removed already: nothing to do, nothing to warn about
+        forget_run_folder(folder)
+        return
     try:
         check_run_folder(folder)
     except PermissionError as e:

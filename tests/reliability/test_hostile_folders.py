@@ -219,3 +219,29 @@ def test_swap_files_are_created_private(scratch, packed):
         swapper.close()
     finally:
         os.umask(old)
+
+
+def test_a_run_folder_that_is_not_private_is_refused_unless_trusted(scratch, monkeypatch):
+    # a filesystem without permissions (vfat) shows every folder 0777: refused unless the user opts in
+    from deepoffload.swap import folder_checks
+
+    real_fstat = os.fstat
+
+    def open_to_all(fd):
+        st = real_fstat(fd)
+        return os.stat_result((st.st_mode | 0o077, *tuple(st)[1:]))
+
+    monkeypatch.setattr(folder_checks.os, "fstat", open_to_all)
+    with pytest.raises(PermissionError, match="with mode 0777"):
+        TensorSwapper(SwapConfig(folder=str(scratch), pin=False))
+    monkeypatch.undo()
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("deepoffload-")]  # the refused folder stays
+    monkeypatch.setattr(folder_checks.os, "fstat", open_to_all)
+    TensorSwapper(SwapConfig(folder=str(scratch), pin=False, trust_folder_owner=True)).close()
+
+
+def test_closing_after_the_run_folder_was_removed_warns_nothing(scratch, recwarn):
+    swapper = TensorSwapper(SwapConfig(folder=str(scratch), pin=False))
+    remove_tree(swapper.folder)
+    swapper.close()
+    assert not [w for w in recwarn if "left in place" in str(w.message)]
