@@ -10,6 +10,8 @@ first ``scale()``, before that backward (``scaled_losses``).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +27,19 @@ from .torch_optim import _intra_op_threads
 
 if TYPE_CHECKING:
     from .optimizer import OffloadedOptimizer
+
+
+def _on_grad(plan: weakref.ref, param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: its plan's ``_on_grad``, while the plan lives."""
+    steps = plan()
+    if steps is not None:
+        steps._on_grad(param)
+
+
+def _remove(handles: list) -> None:
+    """Remove a collected plan's hooks."""
+    for handle in handles:
+        handle.remove()
 
 
 class _BackwardSteps:
@@ -44,9 +59,12 @@ class _BackwardSteps:
         self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
         self.error: OSError | None = None
-        self.handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in optimizer._params() if p.requires_grad
-        ]
+        # The hooks reach this plan through a weak reference: a parameter's hooks live as long as the parameter (held
+        # from C++, which the cycle collector does not see), and a strong one would keep an optimizer dropped without
+        # close() stepping in every later backward, and refusing every GradScaler in the process.
+        hook = functools.partial(_on_grad, weakref.ref(self))
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in optimizer._params() if p.requires_grad]
+        weakref.finalize(self, _remove, self.handles)
         self._plan()
         watch(self)
 

@@ -6,6 +6,8 @@ GradScaler at its first ``scale()``; the alternative each error names (plain ``s
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -144,3 +146,26 @@ def test_a_grad_scaler_is_refused_at_its_first_scale_and_plain_step_is_exact(con
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     opt.close()
     torch.amp.GradScaler("cpu").scale(torch.ones(()))  # a closed optimizer refuses nothing
+
+
+def test_an_optimizer_dropped_without_close_neither_steps_nor_refuses_a_scaler_once_collected(config):
+    """A parameter's hooks live as long as it does: they must not keep a dropped optimizer stepping in backward."""
+    reference, model = mlp(), mlp()
+    opt = OffloadedOptimizer(torch.optim.SGD, model.parameters(), config, lr=0.1)
+    opt.step_in_backward()
+    for m, o in ((reference, torch.optim.SGD(reference.parameters(), lr=0.1)), (model, opt)):
+        for k in range(2):
+            m(data(k)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    del opt, o  # e.g. after an error, never closed
+    gc.collect()
+    for m in (reference, model):  # a second phase with an optimizer of its own, and a GradScaler
+        after = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for k in range(2, 4):
+            scaler.scale(m(data(k)).square().mean()).backward()
+            scaler.step(after)
+            scaler.update()
+            after.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
