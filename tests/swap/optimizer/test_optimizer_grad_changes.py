@@ -169,3 +169,23 @@ def test_an_optimizer_dropped_without_close_neither_steps_nor_refuses_a_scaler_o
             scaler.update()
             after.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def test_a_grad_scaler_subclass_with_its_own_scale_is_refused_too(config):
+    """torch's ``ShardedGradScaler`` (FSDP) overrides ``scale``, and so may a scaler defined after the optimizer."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = mlp()
+    with OffloadedOptimizer(torch.optim.SGD, model.parameters(), config, lr=0.1) as opt:
+        opt.step_in_backward()
+
+        class DoublingScaler(torch.amp.GradScaler):
+            def scale(self, outputs):
+                return outputs * 2.0
+
+        for scaler in (ShardedGradScaler("cpu"), DoublingScaler("cpu")):
+            with pytest.raises(UnsupportedError, match=r"GradScaler.*step_in_backward\(False\)"):
+                scaler.scale(model(data(0)).square().mean())
+            torch.amp.GradScaler("cpu", enabled=False).scale(torch.ones(()))  # a disabled one is not refused
+            type(scaler)("cpu", enabled=False).scale(torch.ones(()))
+    ShardedGradScaler("cpu").scale(torch.ones(()))  # nor any once the optimizer is closed
