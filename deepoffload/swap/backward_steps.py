@@ -3,7 +3,8 @@
 A chunk steps as soon as its gradients are accumulated, while the next chunks' state is read. What each chunk's
 gradients held when they were used is recorded (``grad_prints.GradPrint``), and ``step()`` compares it with what they
 hold then: any change made after backward (in place, through ``.data``, by reassignment, by GradScaler's unscale)
-is refused. The first step is a check: backward records the gradients without stepping, and ``step()`` refuses a
+is refused, and so is a change of the param groups' settings (``lr`` set after backward: ``grad_prints.GroupPrint``).
+The first step is a check: backward records the gradients without stepping, and ``step()`` refuses a
 change before any parameter moves, or steps them all as the plain optimizer would. A ``GradScaler`` is refused at its
 first ``scale()``, before that backward (``scaled_losses``).
 """
@@ -18,7 +19,7 @@ import torch
 
 from ..errors import UnsupportedError
 from .ddp import refuse_step_in_backward_under_ddp
-from .grad_prints import GradPrint
+from .grad_prints import GradPrint, GroupPrint
 from .interrupts import deferred
 from .optimizer_state import _StoredState
 from .scaled_losses import unwatch, watch
@@ -55,6 +56,7 @@ class _BackwardSteps:
         self.ready: list[set[int]] = []
         self.checked = False  # a step() found the gradients of every completed chunk as backward left them
         self.prints: dict[int, GradPrint] = {}  # id(param) -> its gradient when its chunk completed in backward
+        self.settings: GroupPrint | None = None  # the param groups' settings when the first chunk completed
         self.stepped: set[int] = set()  # id(param) of those stepped inside backward
         self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
@@ -126,6 +128,8 @@ class _BackwardSteps:
                         )
                     if grad is not None:
                         self.prints[id(p)] = GradPrint(grad)
+            if self.settings is None:
+                self.settings = GroupPrint(self.optimizer.param_groups, self.optimizer.defaults)
             if self.checked:
                 with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
                     self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
@@ -183,7 +187,8 @@ class _BackwardSteps:
         Raises:
             UnsupportedError: When gradients changed after backward (clipping, unscaling, ``.data`` edits,
                 reassignment, ``zero_grad`` before ``step``, or a DDP built after ``step_in_backward()``), or state
-                was reset after backward stepped with it.
+                was reset after backward stepped with it, or a param group's setting (``lr``, ...) changed after
+                backward.
         """
         opt = self.optimizer
         prints = self.prints
@@ -201,6 +206,15 @@ class _BackwardSteps:
                     f"unscaling, .data edits, p.grad = ..., zero_grad before step?); {done}. Turn it off "
                     f"(opt.step_in_backward(False)) to change gradients before step(): that steps exactly as in "
                     f"memory"
+                )
+            setting = self.settings.changed(opt.param_groups) if self.settings is not None else None
+            if setting is not None:
+                raise UnsupportedError(
+                    f"OffloadedOptimizer.step_in_backward: the {setting} changed between backward and step() (a "
+                    f"learning rate set after backward, an LR scheduler stepped before opt.step()?); "
+                    f"{'nothing was stepped' if not self.stepped else 'backward stepped with the setting before'}. "
+                    f"Change settings before backward (after opt.step()), or turn it off "
+                    f"(opt.step_in_backward(False)), which steps exactly as in memory"
                 )
             state, entries = opt.optimizer.state, self.entries
             reset = [
@@ -227,7 +241,7 @@ class _BackwardSteps:
             for write in self.writes:
                 self._collect(write)
             opt._trim()
-            self.writes, self.stepped, self.entries, self.prints = [], set(), {}, {}
+            self.writes, self.stepped, self.entries, self.prints, self.settings = [], set(), {}, {}, None
             error, self.error = self.error, None
             opt._drop_prefetched()
             self._plan()

@@ -189,3 +189,62 @@ def test_a_grad_scaler_subclass_with_its_own_scale_is_refused_too(config):
             torch.amp.GradScaler("cpu", enabled=False).scale(torch.ones(()))  # a disabled one is not refused
             type(scaler)("cpu", enabled=False).scale(torch.ones(()))
     ShardedGradScaler("cpu").scale(torch.ones(()))  # nor any once the optimizer is closed
+
+
+def _warmup_loop(model, opt, steps=4, start=0):
+    """Sets the learning rate after backward, before ``step()`` (a warm-up written that way)."""
+    losses = []
+    for k in range(start, start + steps):
+        loss = model(data(k)).square().mean()
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = 0.01 * (k + 2)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_setting_changed_between_backward_and_step_is_refused(config):
+    """Backward steps with the param groups' settings as they are then: a later change would apply a step late."""
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:
+        opt.step_in_backward()
+        with pytest.raises(UnsupportedError, match="'lr' of param group 0 changed.*nothing was stepped"):
+            _warmup_loop(model, opt)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.zero_grad()
+        opt.param_groups[0]["lr"] = 0.01
+        model(data(0)).square().mean().backward()
+        opt.step()  # the check step passes
+        opt.zero_grad()
+        model(data(0)).square().mean().backward()  # (stepped in backward)
+        opt.param_groups[0]["weight_decay"] = 0.5
+        with pytest.raises(UnsupportedError, match="'weight_decay' of param group 0.*backward stepped with"):
+            opt.step()
+    model = mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:  # the advice
+        opt.step_in_backward(False)
+        reference = mlp()
+        expected = _warmup_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+        assert _warmup_loop(model, opt) == expected
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("lr", [0.01, torch.tensor(0.01)])
+def test_a_scheduler_stepped_after_step_is_exact_in_backward(config, lr):
+    def loop(model, opt):
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8)
+        for k in range(5):
+            model(data(k)).square().mean().backward()
+            opt.step()
+            scheduler.step()  # changes lr (a tensor lr in place) before the next backward
+            opt.zero_grad()
+
+    reference, model = mlp(), mlp()
+    loop(reference, torch.optim.AdamW(reference.parameters(), lr=lr))
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=lr) as opt:
+        opt.step_in_backward()
+        loop(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
