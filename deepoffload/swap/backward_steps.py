@@ -3,7 +3,8 @@
 A chunk steps as soon as its gradients are accumulated, while the next chunks' state is read. What each chunk's
 gradients held when they were used is recorded (``grad_prints.GradPrint``), and ``step()`` compares it with what they
 hold then: any change made after backward (in place, through ``.data``, by reassignment, by GradScaler's unscale)
-is refused, and so is a change of the param groups' settings (``lr`` set after backward: ``grad_prints.GroupPrint``).
+is refused, and so is a change of the param groups' settings (``lr`` set after backward: ``grad_prints.GroupPrint``)
+and of a parameter in place (its version; not through ``.data``, which has a version of its own).
 The first step is a check: backward records the gradients without stepping, and ``step()`` refuses a
 change before any parameter moves, or steps them all as the plain optimizer would. A ``GradScaler`` is refused at its
 first ``scale()``, before that backward (``scaled_losses``).
@@ -57,6 +58,7 @@ class _BackwardSteps:
         self.checked = False  # a step() found the gradients of every completed chunk as backward left them
         self.prints: dict[int, GradPrint] = {}  # id(param) -> its gradient when its chunk completed in backward
         self.settings: GroupPrint | None = None  # the param groups' settings when the first chunk completed
+        self.marks: dict[int, tuple[int, int]] = {}  # id(param) -> its data pointer and version once its chunk is done
         self.stepped: set[int] = set()  # id(param) of those stepped inside backward
         self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
@@ -130,9 +132,13 @@ class _BackwardSteps:
                         self.prints[id(p)] = GradPrint(grad)
             if self.settings is None:
                 self.settings = GroupPrint(self.optimizer.param_groups, self.optimizer.defaults)
-            if self.checked:
-                with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
-                    self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
+            try:
+                if self.checked:
+                    with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
+                        self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
+            finally:  # (stepped or not) an in-place change from here on would come in the wrong order
+                for p in chunk:
+                    self.marks[id(p)] = (p.data_ptr(), p._version)
 
     def _step(self, k: int) -> None:
         opt, chunk = self.optimizer, self.chunks[k]
@@ -187,8 +193,8 @@ class _BackwardSteps:
         Raises:
             UnsupportedError: When gradients changed after backward (clipping, unscaling, ``.data`` edits,
                 reassignment, ``zero_grad`` before ``step``, or a DDP built after ``step_in_backward()``), or state
-                was reset after backward stepped with it, or a param group's setting (``lr``, ...) changed after
-                backward.
+                was reset after backward stepped with it, a param group's setting (``lr``, ...) changed after
+                backward, or a parameter was changed in place (its version) or replaced after backward.
         """
         opt = self.optimizer
         prints = self.prints
@@ -216,6 +222,16 @@ class _BackwardSteps:
                     f"Change settings before backward (after opt.step()), or turn it off "
                     f"(opt.step_in_backward(False)), which steps exactly as in memory"
                 )
+            marks = self.marks
+            edited = [p for p in opt._params() if id(p) in marks and marks[id(p)] != (p.data_ptr(), p._version)]
+            if edited:
+                raise UnsupportedError(
+                    f"OffloadedOptimizer.step_in_backward: {len(edited)} parameter(s) were changed in place or "
+                    f"replaced between backward and step() (clamped, projected, copied into?); "
+                    f"{'nothing was stepped' if not self.stepped else 'backward stepped them before that change'}. "
+                    f"Change parameters after opt.step(), or turn it off (opt.step_in_backward(False)), which steps "
+                    f"exactly as in memory"
+                )
             state, entries = opt.optimizer.state, self.entries
             reset = [
                 p
@@ -242,6 +258,7 @@ class _BackwardSteps:
                 self._collect(write)
             opt._trim()
             self.writes, self.stepped, self.entries, self.prints, self.settings = [], set(), {}, {}, None
+            self.marks = {}
             error, self.error = self.error, None
             opt._drop_prefetched()
             self._plan()

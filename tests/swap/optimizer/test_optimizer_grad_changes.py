@@ -248,3 +248,41 @@ def test_a_scheduler_stepped_after_step_is_exact_in_backward(config, lr):
         opt.step_in_backward()
         loop(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def _clamping_loop(model, opt, steps=3):
+    """Clamps the parameters between backward and ``step()``."""
+    losses = []
+    for k in range(steps):
+        loss = model(data(k)).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.2, 0.2)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_parameter_changed_between_backward_and_step_is_refused(config):
+    """Backward steps the parameters: an edit before ``step()`` would come after that step instead of before it."""
+    model = mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:
+        opt.step_in_backward()
+        with pytest.raises(UnsupportedError, match="4 parameter.*changed in place.*nothing was stepped"):
+            _clamping_loop(model, opt)
+        opt.zero_grad()
+        model(data(0)).square().mean().backward()
+        opt.step()  # the check step passes
+        opt.zero_grad()
+        model(data(1)).square().mean().backward()  # (stepped in backward)
+        with torch.no_grad():
+            model[0].weight.copy_(model[0].weight * 0.5)
+        with pytest.raises(UnsupportedError, match="1 parameter.*backward stepped them before"):
+            opt.step()
+    model, reference = mlp(), mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:  # the advice
+        expected = _clamping_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+        assert _clamping_loop(model, opt) == expected
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
