@@ -109,10 +109,16 @@ class _BackwardSteps:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if id(param) in self.prints:
+            done = (
+                f"the first backward already stepped {len(self.stepped)} parameter(s) with its gradients alone"
+                if self.stepped
+                else "nothing was stepped"
+            )
             raise UnsupportedError(
-                "OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
-                "accumulation, or a step skipped?); each parameter steps with the gradient of one backward. "
-                "Call step() after every backward, or opt.step_in_backward(False)"
+                f"OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
+                f"accumulation, or a step skipped?); each parameter steps with the gradient of one backward: "
+                f"{done}. Turn it off (opt.step_in_backward(False)), which accumulates exactly as in memory, or "
+                f"call step() after every backward (turn it off and on again to start over)"
             )
         k = self.index.get(id(param))
         if k is None:

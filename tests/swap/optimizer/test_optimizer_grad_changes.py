@@ -286,3 +286,37 @@ def test_a_parameter_changed_between_backward_and_step_is_refused(config):
         expected = _clamping_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
         assert _clamping_loop(model, opt) == expected
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def _accumulating_loop(model, opt, steps=2, start=0):
+    """Two backwards per ``step()``."""
+    for k in range(start, start + steps):
+        for j in range(2):
+            (model(data(2 * k + j)).square().mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_gradient_accumulation_is_refused_saying_what_was_stepped_and_its_alternative_is_exact(config):
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:
+        opt.step_in_backward()
+        with pytest.raises(UnsupportedError, match="second backward.*nothing was stepped"):
+            _accumulating_loop(model, opt)  # on the check step
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.step_in_backward(False)  # starting over, as the message says
+        opt.zero_grad()
+        opt.step_in_backward()
+        model(data(0)).square().mean().backward()
+        opt.step()  # the check step passes
+        opt.zero_grad()
+        with pytest.raises(UnsupportedError, match="second backward.*already stepped 4 parameter"):
+            _accumulating_loop(model, opt)  # accumulation starting later: backward stepped the first's gradients
+        with pytest.raises(UnsupportedError, match="changed between backward and step"):
+            opt.step()  # (it would step those parameters twice)
+    model, reference = mlp(), mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:  # the advice
+        _accumulating_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+        _accumulating_loop(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
