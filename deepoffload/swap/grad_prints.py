@@ -28,13 +28,27 @@ _SLICE = 1 << 20  # words digested at a time (int64 temporaries of 8 MiB each)
 _MULTIPLIER = 2654435761
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill its memory span exactly, in some order (``channels_last``, transposed)."""
+    expected = 1
+    for stride, size in sorted((t, s) for s, t in zip(tensor.shape, tensor.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _words(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, as 32-bit words when they divide evenly, else as bytes (a flat view, or a copy)."""
+    # A view of its memory when its elements fill it exactly (channels_last, transposed): the same bytes in the order
+    # they are stored, without a copy; else a contiguous copy.
     flat = tensor.detach()
     if flat.is_conj():
         flat = flat.resolve_conj()
     if flat.is_neg():
         flat = flat.resolve_neg()
+    if not flat.is_contiguous() and _dense(flat):
+        flat = flat.as_strided((flat.numel(),), (1,), flat.storage_offset())
     raw = flat.contiguous().reshape(-1).view(torch.uint8)
     return raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
 

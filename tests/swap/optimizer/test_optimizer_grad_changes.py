@@ -74,6 +74,22 @@ def test_versions_miss_these_changes_the_print_sees_them():
     assert digest(torch.randn(4, 6).t()) != digest(torch.randn(4, 6).t())
 
 
+def test_a_dense_gradient_in_another_memory_order_is_digested_in_place():
+    """A ``channels_last`` or transposed gradient fills its memory exactly: digested there, without a copy."""
+    for grad in (
+        torch.randn(4, 6, 3, 5).to(memory_format=torch.channels_last),
+        torch.randn(8, 16).t(),
+        torch.randn(3, 2, 5).transpose(0, 2),
+    ):
+        assert not grad.is_contiguous()
+        assert _words(grad).data_ptr() == grad.data_ptr() and _words(grad).numel() == grad.numel()
+        mark = GradPrint(grad)
+        grad.data[(1,) * grad.dim()] += 1.0  # (a version of its own)
+        assert mark.changed(grad) == "values changed"
+    sliced = torch.randn(6, 8)[:, :4]  # not dense: copied, still digested
+    assert _words(sliced).data_ptr() != sliced.data_ptr() and GradPrint(sliced).changed(sliced) is None
+
+
 @pytest.mark.parametrize("digest_of", [digest, lambda t: _sums(_words(t))], ids=["cpu", "device"])
 def test_digests_see_one_changed_element_anywhere(digest_of):
     big = torch.zeros(3 << 20)  # several slices of the device digest
