@@ -3,20 +3,24 @@
 A chunk steps as soon as its gradients are accumulated, while the next chunks' state is read. What each chunk's
 gradients held when they were used is recorded (``grad_prints.GradPrint``), and ``step()`` compares it with what they
 hold then: any change made after backward (in place, through ``.data``, by reassignment, by GradScaler's unscale)
-is refused. The first step is a check: backward records the gradients without stepping, and ``step()`` refuses a
+is refused, and so is a change of the param groups' settings (``lr`` set after backward: ``grad_prints.GroupPrint``)
+and of a parameter in place (its version; not through ``.data``, which has a version of its own).
+The first step is a check: backward records the gradients without stepping, and ``step()`` refuses a
 change before any parameter moves, or steps them all as the plain optimizer would. A ``GradScaler`` is refused at its
 first ``scale()``, before that backward (``scaled_losses``).
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import UnsupportedError
 from .ddp import refuse_step_in_backward_under_ddp
-from .grad_prints import GradPrint
+from .grad_prints import GradPrint, GroupPrint
 from .interrupts import deferred
 from .optimizer_state import _StoredState
 from .scaled_losses import unwatch, watch
@@ -25,6 +29,19 @@ from .torch_optim import _intra_op_threads
 
 if TYPE_CHECKING:
     from .optimizer import OffloadedOptimizer
+
+
+def _on_grad(plan: weakref.ref, param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: its plan's ``_on_grad``, while the plan lives."""
+    steps = plan()
+    if steps is not None:
+        steps._on_grad(param)
+
+
+def _remove(handles: list) -> None:
+    """Remove a collected plan's hooks."""
+    for handle in handles:
+        handle.remove()
 
 
 class _BackwardSteps:
@@ -40,13 +57,18 @@ class _BackwardSteps:
         self.ready: list[set[int]] = []
         self.checked = False  # a step() found the gradients of every completed chunk as backward left them
         self.prints: dict[int, GradPrint] = {}  # id(param) -> its gradient when its chunk completed in backward
+        self.settings: GroupPrint | None = None  # the param groups' settings when the first chunk completed
+        self.marks: dict[int, tuple[int, int]] = {}  # id(param) -> its data pointer and version once its chunk is done
         self.stepped: set[int] = set()  # id(param) of those stepped inside backward
         self.entries: dict[int, Any] = {}  # id(param) -> its state entry once stepped (to see a reset before step())
         self.writes: list[SwapOut] = []
         self.error: OSError | None = None
-        self.handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in optimizer._params() if p.requires_grad
-        ]
+        # The hooks reach this plan through a weak reference: a parameter's hooks live as long as the parameter (held
+        # from C++, which the cycle collector does not see), and a strong one would keep an optimizer dropped without
+        # close() stepping in every later backward, and refusing every GradScaler in the process.
+        hook = functools.partial(_on_grad, weakref.ref(self))
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in optimizer._params() if p.requires_grad]
+        weakref.finalize(self, _remove, self.handles)
         self._plan()
         watch(self)
 
@@ -87,10 +109,16 @@ class _BackwardSteps:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if id(param) in self.prints:
+            done = (
+                f"the first backward already stepped {len(self.stepped)} parameter(s) with its gradients alone"
+                if self.stepped
+                else "nothing was stepped"
+            )
             raise UnsupportedError(
-                "OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
-                "accumulation, or a step skipped?); each parameter steps with the gradient of one backward. "
-                "Call step() after every backward, or opt.step_in_backward(False)"
+                f"OffloadedOptimizer.step_in_backward: a second backward() before step() (gradient "
+                f"accumulation, or a step skipped?); each parameter steps with the gradient of one backward: "
+                f"{done}. Turn it off (opt.step_in_backward(False)), which accumulates exactly as in memory, or "
+                f"call step() after every backward (turn it off and on again to start over)"
             )
         k = self.index.get(id(param))
         if k is None:
@@ -108,9 +136,15 @@ class _BackwardSteps:
                         )
                     if grad is not None:
                         self.prints[id(p)] = GradPrint(grad)
-            if self.checked:
-                with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
-                    self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
+            if self.settings is None:
+                self.settings = GroupPrint(self.optimizer.param_groups, self.optimizer.defaults)
+            try:
+                if self.checked:
+                    with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
+                        self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
+            finally:  # (stepped or not) an in-place change from here on would come in the wrong order
+                for p in chunk:
+                    self.marks[id(p)] = (p.data_ptr(), p._version)
 
     def _step(self, k: int) -> None:
         opt, chunk = self.optimizer, self.chunks[k]
@@ -165,7 +199,8 @@ class _BackwardSteps:
         Raises:
             UnsupportedError: When gradients changed after backward (clipping, unscaling, ``.data`` edits,
                 reassignment, ``zero_grad`` before ``step``, or a DDP built after ``step_in_backward()``), or state
-                was reset after backward stepped with it.
+                was reset after backward stepped with it, a param group's setting (``lr``, ...) changed after
+                backward, or a parameter was changed in place (its version) or replaced after backward.
         """
         opt = self.optimizer
         prints = self.prints
@@ -183,6 +218,25 @@ class _BackwardSteps:
                     f"unscaling, .data edits, p.grad = ..., zero_grad before step?); {done}. Turn it off "
                     f"(opt.step_in_backward(False)) to change gradients before step(): that steps exactly as in "
                     f"memory"
+                )
+            setting = self.settings.changed(opt.param_groups) if self.settings is not None else None
+            if setting is not None:
+                raise UnsupportedError(
+                    f"OffloadedOptimizer.step_in_backward: the {setting} changed between backward and step() (a "
+                    f"learning rate set after backward, an LR scheduler stepped before opt.step()?); "
+                    f"{'nothing was stepped' if not self.stepped else 'backward stepped with the setting before'}. "
+                    f"Change settings before backward (after opt.step()), or turn it off "
+                    f"(opt.step_in_backward(False)), which steps exactly as in memory"
+                )
+            marks = self.marks
+            edited = [p for p in opt._params() if id(p) in marks and marks[id(p)] != (p.data_ptr(), p._version)]
+            if edited:
+                raise UnsupportedError(
+                    f"OffloadedOptimizer.step_in_backward: {len(edited)} parameter(s) were changed in place or "
+                    f"replaced between backward and step() (clamped, projected, copied into?); "
+                    f"{'nothing was stepped' if not self.stepped else 'backward stepped them before that change'}. "
+                    f"Change parameters after opt.step(), or turn it off (opt.step_in_backward(False)), which steps "
+                    f"exactly as in memory"
                 )
             state, entries = opt.optimizer.state, self.entries
             reset = [
@@ -209,7 +263,8 @@ class _BackwardSteps:
             for write in self.writes:
                 self._collect(write)
             opt._trim()
-            self.writes, self.stepped, self.entries, self.prints = [], set(), {}, {}
+            self.writes, self.stepped, self.entries, self.prints, self.settings = [], set(), {}, {}, None
+            self.marks = {}
             error, self.error = self.error, None
             opt._drop_prefetched()
             self._plan()

@@ -343,8 +343,10 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         is compared at ``step()``: any change (clipping, ``.data`` edits, ``p.grad = ...``, GradScaler's unscale)
         raises ``UnsupportedError``. The first step after turning it on only checks: backward steps nothing, and a
         change is refused before any parameter moves; later steps step in backward, and a change is refused after
-        backward stepped with the gradients as it left them. A ``GradScaler`` is refused at its first ``scale()``
-        (before that backward). Use the default mode for those loops. Step pre-hooks run at ``step()``, after most
+        backward stepped with the gradients as it left them. So is a param group's setting changed after backward
+        (``lr`` set between backward and ``step()``), or a parameter changed in place (not seen through ``.data``).
+        A ``GradScaler`` is refused at its first ``scale()`` (before that backward). Use the default mode for those
+        loops. Step pre-hooks run at ``step()``, after most
         parameters were stepped.
 
         Args:

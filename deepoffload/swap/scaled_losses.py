@@ -4,8 +4,9 @@ A ``GradScaler`` multiplies the loss, so backward makes scaled gradients; it uns
 whose gradients overflowed, only in ``scaler.unscale_`` / ``scaler.step``, after backward. Whatever steps parameters
 inside backward (``OffloadedOptimizer.step_in_backward()``, a training ``ParameterOffload``) would step them with the
 scaled gradients, and could not skip an overflowing step. So ``GradScaler.scale`` is wrapped, once the first such
-owner is registered with ``watch``: an enabled scaler first asks every live owner, and raises the error one returns,
-before the loss is even scaled. With no owner alive it only costs an empty-set test.
+owner is registered with ``watch``, and so is the ``scale`` of every subclass that overrides it (torch's
+``ShardedGradScaler``, one defined later): an enabled scaler first asks every live owner, and raises the error one
+returns, before the loss is even scaled. With no owner alive it only costs an empty-set test.
 """
 
 from __future__ import annotations
@@ -48,9 +49,31 @@ def unwatch(owner: ScaledLossOwner) -> None:
 
 
 def _install() -> None:
-    scaler = torch.amp.GradScaler
-    original = scaler.scale
-    if getattr(original, _MARK, False):
+    """Wrap ``GradScaler.scale`` and every subclass's own ``scale`` (``ShardedGradScaler``), now and when defined."""
+    base = torch.amp.GradScaler
+    if getattr(base.__dict__["scale"], _MARK, False):
+        return
+    classes = [base]
+    while classes:
+        cls = classes.pop()
+        _wrap(cls)
+        classes.extend(cls.__subclasses__())
+    defined = base.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        if defined is not None:
+            defined.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+        _wrap(cls)
+
+    base.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment,method-assign]
+
+
+def _wrap(cls: type) -> None:
+    """Make ``cls``'s own ``scale`` (if it defines one) ask the owners first."""
+    original = cls.__dict__.get("scale")
+    if original is None or getattr(original, _MARK, False):
         return
 
     @functools.wraps(original)
@@ -63,4 +86,4 @@ def _install() -> None:
         return original(self, outputs)
 
     setattr(scale, _MARK, True)
-    scaler.scale = scale  # type: ignore[method-assign]
+    cls.scale = scale  # type: ignore[attr-defined]

@@ -58,6 +58,29 @@ def test_an_undeclared_optimizer_is_refused_naming_both_declarations(config):
             OffloadedOptimizer(make, params(), config)
 
 
+class BetasAdam(torch.optim.Adam):
+    """A subclass of a built-in one that only changes its defaults (``__init__``): refused until declared."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, lr=lr, betas=(0.8, 0.95))
+
+
+@pytest.mark.parametrize("declare", ["argument", "attribute"])
+def test_a_subclass_declared_as_the_refusal_says_steps_equal_to_memory(config, declare, monkeypatch):
+    with pytest.raises(UnsupportedError, match="BetasAdam.deepoffload_per_parameter = True"):
+        OffloadedOptimizer(BetasAdam, params(), config)
+    reference = params()
+    train(reference, BetasAdam(reference))
+    ps = params()
+    if declare == "attribute":
+        monkeypatch.setattr(BetasAdam, "deepoffload_per_parameter", True, raising=False)
+    kwargs = {"per_parameter": True} if declare == "argument" else {}
+    with OffloadedOptimizer(BetasAdam, ps, config, **kwargs) as opt:  # one parameter's state per chunk
+        train(ps, opt)
+        assert opt.stored_bytes() > 0
+    assert all(torch.equal(a, b) for a, b in zip(reference, ps))
+
+
 def test_per_parameter_false_steps_all_at_once_equal_to_memory(config):
     reference = params()
     train(reference, GlobalNormSGD(reference))

@@ -6,6 +6,8 @@ GradScaler at its first ``scale()``; the alternative each error names (plain ``s
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -70,6 +72,22 @@ def test_versions_miss_these_changes_the_print_sees_them():
     odd = torch.arange(7, dtype=torch.uint8)  # not a whole number of words
     assert digest(odd) != digest(odd.flip(0))
     assert digest(torch.randn(4, 6).t()) != digest(torch.randn(4, 6).t())
+
+
+def test_a_dense_gradient_in_another_memory_order_is_digested_in_place():
+    """A ``channels_last`` or transposed gradient fills its memory exactly: digested there, without a copy."""
+    for grad in (
+        torch.randn(4, 6, 3, 5).to(memory_format=torch.channels_last),
+        torch.randn(8, 16).t(),
+        torch.randn(3, 2, 5).transpose(0, 2),
+    ):
+        assert not grad.is_contiguous()
+        assert _words(grad).data_ptr() == grad.data_ptr() and _words(grad).numel() == grad.numel()
+        mark = GradPrint(grad)
+        grad.data[(1,) * grad.dim()] += 1.0  # (a version of its own)
+        assert mark.changed(grad) == "values changed"
+    sliced = torch.randn(6, 8)[:, :4]  # not dense: copied, still digested
+    assert _words(sliced).data_ptr() != sliced.data_ptr() and GradPrint(sliced).changed(sliced) is None
 
 
 @pytest.mark.parametrize("digest_of", [digest, lambda t: _sums(_words(t))], ids=["cpu", "device"])
@@ -144,3 +162,177 @@ def test_a_grad_scaler_is_refused_at_its_first_scale_and_plain_step_is_exact(con
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     opt.close()
     torch.amp.GradScaler("cpu").scale(torch.ones(()))  # a closed optimizer refuses nothing
+
+
+def test_an_optimizer_dropped_without_close_neither_steps_nor_refuses_a_scaler_once_collected(config):
+    """A parameter's hooks live as long as it does: they must not keep a dropped optimizer stepping in backward."""
+    reference, model = mlp(), mlp()
+    opt = OffloadedOptimizer(torch.optim.SGD, model.parameters(), config, lr=0.1)
+    opt.step_in_backward()
+    for m, o in ((reference, torch.optim.SGD(reference.parameters(), lr=0.1)), (model, opt)):
+        for k in range(2):
+            m(data(k)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    del opt, o  # e.g. after an error, never closed
+    gc.collect()
+    for m in (reference, model):  # a second phase with an optimizer of its own, and a GradScaler
+        after = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for k in range(2, 4):
+            scaler.scale(m(data(k)).square().mean()).backward()
+            scaler.step(after)
+            scaler.update()
+            after.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def test_a_grad_scaler_subclass_with_its_own_scale_is_refused_too(config):
+    """torch's ``ShardedGradScaler`` (FSDP) overrides ``scale``, and so may a scaler defined after the optimizer."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = mlp()
+    with OffloadedOptimizer(torch.optim.SGD, model.parameters(), config, lr=0.1) as opt:
+        opt.step_in_backward()
+
+        class DoublingScaler(torch.amp.GradScaler):
+            def scale(self, outputs):
+                return outputs * 2.0
+
+        for scaler in (ShardedGradScaler("cpu"), DoublingScaler("cpu")):
+            with pytest.raises(UnsupportedError, match=r"GradScaler.*step_in_backward\(False\)"):
+                scaler.scale(model(data(0)).square().mean())
+            torch.amp.GradScaler("cpu", enabled=False).scale(torch.ones(()))  # a disabled one is not refused
+            type(scaler)("cpu", enabled=False).scale(torch.ones(()))
+    ShardedGradScaler("cpu").scale(torch.ones(()))  # nor any once the optimizer is closed
+
+
+def _warmup_loop(model, opt, steps=4, start=0):
+    """Sets the learning rate after backward, before ``step()`` (a warm-up written that way)."""
+    losses = []
+    for k in range(start, start + steps):
+        loss = model(data(k)).square().mean()
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = 0.01 * (k + 2)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_setting_changed_between_backward_and_step_is_refused(config):
+    """Backward steps with the param groups' settings as they are then: a later change would apply a step late."""
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:
+        opt.step_in_backward()
+        with pytest.raises(UnsupportedError, match="'lr' of param group 0 changed.*nothing was stepped"):
+            _warmup_loop(model, opt)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.zero_grad()
+        opt.param_groups[0]["lr"] = 0.01
+        model(data(0)).square().mean().backward()
+        opt.step()  # the check step passes
+        opt.zero_grad()
+        model(data(0)).square().mean().backward()  # (stepped in backward)
+        opt.param_groups[0]["weight_decay"] = 0.5
+        with pytest.raises(UnsupportedError, match="'weight_decay' of param group 0.*backward stepped with"):
+            opt.step()
+    model = mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:  # the advice
+        opt.step_in_backward(False)
+        reference = mlp()
+        expected = _warmup_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+        assert _warmup_loop(model, opt) == expected
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("lr", [0.01, torch.tensor(0.01)])
+def test_a_scheduler_stepped_after_step_is_exact_in_backward(config, lr):
+    def loop(model, opt):
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8)
+        for k in range(5):
+            model(data(k)).square().mean().backward()
+            opt.step()
+            scheduler.step()  # changes lr (a tensor lr in place) before the next backward
+            opt.zero_grad()
+
+    reference, model = mlp(), mlp()
+    loop(reference, torch.optim.AdamW(reference.parameters(), lr=lr))
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=lr) as opt:
+        opt.step_in_backward()
+        loop(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def _clamping_loop(model, opt, steps=3):
+    """Clamps the parameters between backward and ``step()``."""
+    losses = []
+    for k in range(steps):
+        loss = model(data(k)).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.2, 0.2)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_parameter_changed_between_backward_and_step_is_refused(config):
+    """Backward steps the parameters: an edit before ``step()`` would come after that step instead of before it."""
+    model = mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:
+        opt.step_in_backward()
+        with pytest.raises(UnsupportedError, match="4 parameter.*changed in place.*nothing was stepped"):
+            _clamping_loop(model, opt)
+        opt.zero_grad()
+        model(data(0)).square().mean().backward()
+        opt.step()  # the check step passes
+        opt.zero_grad()
+        model(data(1)).square().mean().backward()  # (stepped in backward)
+        with torch.no_grad():
+            model[0].weight.copy_(model[0].weight * 0.5)
+        with pytest.raises(UnsupportedError, match="1 parameter.*backward stepped them before"):
+            opt.step()
+    model, reference = mlp(), mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:  # the advice
+        expected = _clamping_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+        assert _clamping_loop(model, opt) == expected
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def _accumulating_loop(model, opt, steps=2, start=0):
+    """Two backwards per ``step()``."""
+    for k in range(start, start + steps):
+        for j in range(2):
+            (model(data(2 * k + j)).square().mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_gradient_accumulation_is_refused_saying_what_was_stepped_and_its_alternative_is_exact(config):
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:
+        opt.step_in_backward()
+        with pytest.raises(UnsupportedError, match="second backward.*nothing was stepped"):
+            _accumulating_loop(model, opt)  # on the check step
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.step_in_backward(False)  # starting over, as the message says
+        opt.zero_grad()
+        opt.step_in_backward()
+        model(data(0)).square().mean().backward()
+        opt.step()  # the check step passes
+        opt.zero_grad()
+        with pytest.raises(UnsupportedError, match="second backward.*already stepped 4 parameter"):
+            _accumulating_loop(model, opt)  # accumulation starting later: backward stepped the first's gradients
+        with pytest.raises(UnsupportedError, match="changed between backward and step"):
+            opt.step()  # (it would step those parameters twice)
+    model, reference = mlp(), mlp()
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:  # the advice
+        _accumulating_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+        _accumulating_loop(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
