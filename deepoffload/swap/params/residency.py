@@ -327,7 +327,8 @@ class Block:
         """Take ``param.grad`` off the parameters before they are released.
 
         An optimizer must not see gradients of a block whose values are not in memory; ``restore_grads`` puts them
-        back for its next backward, where autograd adds to them exactly as in memory.
+        back for its next backward, where autograd adds to them exactly as in memory
+        (``tests/swap/params/test_params_training.py::test_gradient_accumulation_in_grads_mode``).
         """
         for name, param in zip(self.names, self.params):
             if param.grad is not None:
