@@ -264,7 +264,7 @@ def fit_limit(
     Returns:
         The plan fitted from the blocks' sizes and this process's memory now.
     """
-    from .residency import nbytes, span
+    from .residency import dense_layout, nbytes, span
 
     limit = parse_bytes(max_memory)
     if training:  # a torch optimizer's first construction imports torch._dynamo (about 65 MiB): count it now
@@ -278,5 +278,6 @@ def fit_limit(
         training=training,
         resident_bytes=max_resident_bytes,
         reader_bytes=READER_BYTES if reading else 0,
+        layout_bytes=max(nbytes(p for p in b.parameters() if dense_layout(p) is not None) for _, b in blocks),
     )
     return fit(plan, limit, process_bytes())

@@ -129,6 +129,7 @@ class ParameterOffload:
             state_chunks=state_chunks,
             resident_bytes=max_resident_bytes or 0,
             reader_bytes=READER_BYTES if materializer is not None and materializer.reader else 0,
+            layout_bytes=max((b.layout_nbytes for b in self.blocks), default=0),
         )
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
         # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes.

@@ -161,7 +161,10 @@ class Block:
         self.layouts = [dense_layout(m) for m in self.masters]
         self.compute_dtype = compute_dtype
         self.nbytes = nbytes(self.masters)
-        self.compute_nbytes = sum(
+        # read values copied into their own layout (``set_data``): memory outside the staging pool while in memory
+        self.layout_nbytes = nbytes(m for m, layout in zip(self.masters, self.layouts) if layout is not None)
+        # what the block holds in memory beyond its stored values: compute copies and the layout copies
+        self.compute_nbytes = self.layout_nbytes + sum(
             p.numel() * torch.empty(0, dtype=compute_dtype).element_size()
             for p, m in zip(self.params, self.masters)
             if m is not p
