@@ -407,3 +407,29 @@ def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed, mode):
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))
     assert model[0] is model[3] and states_equal(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["default-blocks", "blocks="])
+def test_a_module_placed_twice_accumulates_over_micro_batches_and_steps_once(scratch, listed):
+    """Grads mode, two micro-batches per step: the block run twice per forward gets both places' gradients of both
+    micro-batches and Adam steps it once per step (its step count equals memory's)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    reference = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 4), layer)
+    model = copy.deepcopy(reference)
+    optimizer = adam(reference.parameters())
+    blocks = [model[0], model[2], model[3]] if listed else None
+    xs = batches(6)
+    with offload_parameters(model, str(scratch), blocks=blocks, mode="grads", optimizer=adam) as offload:
+        for i in range(0, 6, 2):
+            for x in xs[i : i + 2]:
+                expected = reference(x).square().mean()
+                expected.backward()
+                loss = model(x).square().mean()
+                loss.backward()
+                assert loss.item() == expected.item()
+            offload_step(offload)()
+            reference_step(optimizer)()
+        assert states_equal(model.state_dict(), reference.state_dict())
+        steps = [s["step"] for s in offload.optimizers[0].state_dict()["state"].values()]
+        assert steps and all(int(s) == 3 for s in steps)
