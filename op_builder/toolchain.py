@@ -2,7 +2,7 @@
 
 Everything the user's environment says about compiling (``CXX``, ``CFLAGS``, ``CXXFLAGS``, ``LDFLAGS``, ``CPATH``,
 ``LIBRARY_PATH``, ``$CONDA_PREFIX``) is read here once, so the probe that decides a library is present and the build
-that links it see exactly the same flags.
+that links it see the same flags.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``deepoffload demo``: train a small built-in language model with its optimizer state on storage.
 
 The same model is trained in memory alongside; the demo reports bytes on storage, memory saved, IO throughput,
-step-time overhead and whether the losses matched exactly.
+step-time overhead and whether the losses matched exactly
+(``tests/demo/test_demo.py::test_demo_tiny_prints_the_summary`` checks they do).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         args: The parsed options.
 
     Returns:
-        The exit status: 0 when the offloaded run matched the in-memory one exactly, 1 when not or on an error
-        (the op unusable, a bad folder), 2 for bad options or an unreadable config.
+        The exit status: 0 when the offloaded run's losses and parameters equal the in-memory ones, 1 when not or on
+        an error (the op unusable, a bad folder), 2 for bad options or an unreadable config.
     """
     if args.steps < 1:
         print("deepoffload demo: --steps must be at least 1")

@@ -1,7 +1,7 @@
 """A small decoder-only transformer language model and a synthetic corpus for the demo (no downloads).
 
 The corpus is a fixed random Markov chain over the vocabulary: text with structure a model can learn (the loss
-falls), generated from a seed, so two runs see exactly the same batches.
+falls), generated from a seed, so two runs see the same batches.
 """
 
 from __future__ import annotations

@@ -389,7 +389,7 @@ class CheckpointReader:
     def read_into(self, destinations: Mapping[str, torch.Tensor]) -> None:
         """Copy each named checkpoint tensor into the tensor given for it, converting floating point dtypes.
 
-        Shapes must match exactly. Spans are read into buffers that this reader keeps and reuses from call to call
+        Shapes must be equal. Spans are read into buffers that this reader keeps and reuses from call to call
         (at most ``inflight_bytes`` plus one span of them), so loading block after block allocates no new memory;
         ``close()`` frees them. A contiguous destination larger than a span is filled piece by piece through those
         buffers (a non-contiguous one is read whole into new memory first).

@@ -334,7 +334,8 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         Chunks are planned in reverse order, as backward produces gradients; each steps as soon as all its gradients
         are accumulated, while the next chunks' state is read; the first chunks' state is read during the forward
         pass. ``step()`` then steps the parameters whose chunk did not complete (e.g. some got no gradient) and waits
-        for the writes. Results are bit-identical to the plain optimizer.
+        for the writes. Results are bit-identical to the plain optimizer (the ``in_backward`` cells of
+        ``tests/swap/optimizer/test_optimizer_matrix.py``).
 
         Refused for parameters of a ``DistributedDataParallel`` model, whose gradients are averaged only as
         backward ends. Requires one ``backward()`` per ``step()`` and gradients used as backward leaves them: a

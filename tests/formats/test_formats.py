@@ -118,6 +118,31 @@ def test_writes_each_dtype_as_safetensors_does(scratch, dtype):
         assert_same(deepoffload.load(path), tensors)  # a .safetensors path loads through the same reader
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e8m0fnu, torch.float4_e2m1fn_x2], ids=str)
+def test_split_shards_and_torch_save_files_round_trip_the_newest_dtypes(scratch, dtype):
+    """F8_E8M0 and F4 split over many shards (max_shard_bytes below one tensor's bytes, so a shard per tensor, and
+    between, so several per shard): the index and each shard as safetensors reads them, load_file of the folder,
+    and deepoffload.save/load (with torch.load reading ours and ours reading torch.save's), views included."""
+    tensors = {f"x{j}": random_tensor((3 + j, 6), dtype, j) for j in range(6)}
+    for max_shard_bytes in (8, 60, 1 << 20):
+        folder = scratch / f"sharded{max_shard_bytes}"
+        files = save_sharded(tensors, folder, max_shard_bytes=max_shard_bytes)
+        shards = [f for f in files if f.suffix == ".safetensors"]
+        assert len(shards) == {8: 6, 60: 5, 1 << 20: 1}[max_shard_bytes]  # 18..48 bytes: x0 and x1 share one
+        theirs = {}
+        for shard in shards:
+            theirs.update(safetensors_torch.load_file(shard))
+        assert_same(theirs, tensors)
+        assert_same(load_file(folder), tensors)
+    views = {"row": tensors["x5"][1:4], "transposed": tensors["x2"].t(), **tensors}
+    deepoffload.save(views, scratch / "ours.pt")
+    torch.save(views, scratch / "torch.pt")
+    ours, theirs = scratch / "ours.pt", scratch / "torch.pt"
+    for got in (deepoffload.load(ours), torch.load(ours), deepoffload.load(theirs)):
+        assert_same(got, views)
+        assert got["transposed"].stride() == views["transposed"].stride()
+
+
 def test_reads_mixed_file_with_odd_offsets(scratch):
     tensors = mixed_tensors()
     path = scratch / "mixed.safetensors"

@@ -6,7 +6,7 @@ It checks its arguments, chooses the blocks and builds a ``ParameterOffload``.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -214,6 +214,7 @@ def offload_parameters(
                 training=optimizer is not None,
                 reading=checkpoint is not None,
                 max_resident_bytes=max_resident_bytes,
+                layout_of=materializer.layout_of if materializer is not None else None,
             )
         except BaseException:
             if materializer is not None:
@@ -250,6 +251,7 @@ def fit_limit(
     training: bool,
     reading: bool,
     max_resident_bytes: int | None,
+    layout_of: Callable[[torch.Tensor], tuple[int, ...] | None] | None = None,
 ) -> Fitted:
     """The settings for ``max_memory`` (see ``offload_parameters``).
 
@@ -261,12 +263,15 @@ def fit_limit(
         training: Whether an optimizer steps (its staging buffers count).
         reading: Whether a checkpoint is read (its reader's buffers count).
         max_resident_bytes: The most bytes of blocks kept in memory (None: as many as fit).
+        layout_of: A parameter's strides when not row-major, else None (default ``dense_layout``; for a model on
+            meta, ``Materializer.layout_of``).
 
     Returns:
         The plan fitted from the blocks' sizes and this process's memory now.
     """
-    from .residency import nbytes, span
+    from .residency import dense_layout, nbytes, span
 
+    layout = layout_of or dense_layout
     limit = parse_bytes(max_memory)
     if training:  # a torch optimizer's first construction imports torch._dynamo (about 65 MiB): count it now
         import torch._dynamo  # noqa: F401
@@ -279,5 +284,6 @@ def fit_limit(
         training=training,
         resident_bytes=max_resident_bytes,
         reader_bytes=READER_BYTES if reading else 0,
+        layout_bytes=max(nbytes(p for p in b.parameters() if layout(p) is not None) for _, b in blocks),
     )
     return fit(plan, limit, process_bytes())

@@ -6,11 +6,13 @@ All figures are bytes. The process's own memory (the interpreter, torch and what
 call, see ``process_bytes``) and the activations of the user's forward and backward come on top of a plan's
 ``peak_bytes``; ``fit`` counts the first and leaves ``forward_bytes`` for the second.
 
-The parts (B = the largest block's staging span, R = the bytes of parameters and buffers outside blocks):
+The parts (B = the largest block's staging span, R = the bytes of parameters and buffers outside blocks, L = the
+bytes of the largest block's parameters laid out other than row-major, which a read copies into their own layout):
 
 - setup (building on meta and loading a checkpoint): R + the checkpoint reader's buffers (``READER_BYTES``) + 3 B
   (the block being made; the previous one being written, with its staging copy);
-- streaming: R + (prefetch + 2) B of staging buffers (the block computing, the prefetched ones, one written back);
+- streaming: R + (prefetch + 2) B of staging buffers (the block computing, the prefetched ones, one written back)
+  and (prefetch + 2) L for those blocks' layout copies (0 for row-major models);
 - training adds: the gradients outside blocks (R), the blocks' optimizer state buffers (``state_chunks`` x B) and
   those of the optimizer of the parameters outside blocks (``STATE_CHUNKS`` x min(B, R)), and
   ``TRAINING_BLOCKS`` x B for a block's gradients, its compute copy and the optimizer's temporaries;
@@ -46,6 +48,7 @@ class MemoryPlan:
     state_chunks: int = STATE_CHUNKS
     resident_bytes: int | None = 0  # blocks kept in memory (max_resident_bytes); None: to be fitted
     reader_bytes: int = READER_BYTES  # 0 without a checkpoint
+    layout_bytes: int = 0  # the largest block's parameters not row-major (L): copied into their layout when read
 
     @property
     def setup_bytes(self) -> int:
@@ -54,8 +57,8 @@ class MemoryPlan:
 
     @property
     def staging_bytes(self) -> int:
-        """The blocks' staging buffers while streaming: (prefetch + 2) B."""
-        return (self.prefetch + 2) * self.block_bytes
+        """The blocks' staging buffers while streaming, and their layout copies: (prefetch + 2) (B + L)."""
+        return (self.prefetch + 2) * (self.block_bytes + self.layout_bytes)
 
     @property
     def rest_chunk_bytes(self) -> int:
@@ -89,9 +92,13 @@ class MemoryPlan:
         """(what, bytes) for printing."""
         rows = [
             ("largest block (B)", self.block_bytes),
+            *([("its parameters not row-major (L)", self.layout_bytes)] if self.layout_bytes else []),
             ("outside blocks (R)", self.rest_bytes),
             (f"setup: R + reader + {SETUP_BLOCKS} B", self.setup_bytes),
-            (f"staging: (prefetch {self.prefetch} + 2) B", self.staging_bytes),
+            (
+                f"staging: (prefetch {self.prefetch} + 2) " + ("(B + L)" if self.layout_bytes else "B"),
+                self.staging_bytes,
+            ),
         ]
         if self.training:
             rows.append(

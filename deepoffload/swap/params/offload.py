@@ -40,7 +40,7 @@ from .refusals import (
     optimized_ids,
     scaled_loss_error,
 )
-from .residency import Block, Residency, nbytes
+from .residency import Block, Residency, dense_layout, nbytes
 from .schedule import upcoming
 from .shared_inputs import SharedInputs
 from .stats import OffloadStats
@@ -113,7 +113,8 @@ class ParameterOffload:
         self.prefetch = prefetch
         self.mode = mode
         self.compute_dtype = compute_dtype
-        self.blocks = [Block(i, prefix, block, compute_dtype) for i, (prefix, block) in enumerate(blocks)]
+        layout_of = materializer.layout_of if materializer is not None else dense_layout
+        self.blocks = [Block(i, p, block, compute_dtype, layout_of) for i, (p, block) in enumerate(blocks)]
         check_sharing(module, self.blocks)
         serving = materializer is not None and materializer.serve
         self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
@@ -129,6 +130,7 @@ class ParameterOffload:
             state_chunks=state_chunks,
             resident_bytes=max_resident_bytes or 0,
             reader_bytes=READER_BYTES if materializer is not None and materializer.reader else 0,
+            layout_bytes=max((b.layout_nbytes for b in self.blocks), default=0),
         )
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
         # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes.

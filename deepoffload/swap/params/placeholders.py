@@ -3,7 +3,8 @@
 While a block's values are not in memory (on storage, being read or written) each of its parameters holds a
 0-element placeholder and its class is ``StreamedParameter`` (an ``nn.Parameter`` subclass: identity, name,
 ``requires_grad`` and hooks are kept); while the block is in memory it is a plain ``nn.Parameter`` again, so the
-block computes exactly as in memory (no ``__torch_function__`` in its kernels' way). Code that handles parameters
+block computes exactly as in memory (no ``__torch_function__`` in its kernels' way;
+``tests/swap/params/test_params_training.py::test_training_bit_identical_to_in_memory``). Code that handles parameters
 one by one would silently see no weights in the placeholders, so a ``StreamedParameter``:
 
 - answers metadata truthfully: ``dtype``, ``device``, ``requires_grad``, and ``shape``, ``size()``, ``numel()``,

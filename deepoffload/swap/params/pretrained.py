@@ -6,6 +6,7 @@ by block, so the model is never whole in memory. transformers is imported only h
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...errors import CheckpointNotFoundError
 from .api import offload_parameters
 from .offload import ParameterOffload
 
@@ -65,7 +67,7 @@ def from_pretrained(
 
     Raises:
         TypeError: When ``options`` hold a ``checkpoint`` (the checkpoint is ``folder``).
-        FileNotFoundError: When ``folder`` has no ``config.json``.
+        CheckpointNotFoundError: When ``folder`` has no ``config.json`` (also a ``FileNotFoundError``).
         CheckpointError: When the folder's tensors do not match the model's (see ``offload_parameters``).
 
     Examples:
@@ -90,7 +92,11 @@ def from_pretrained(
     if "checkpoint" in options:
         raise TypeError("from_pretrained: the checkpoint is the folder given; pass no checkpoint=")
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"from_pretrained: {folder} has no config.json (expected a save_pretrained folder)")
+        raise CheckpointNotFoundError(
+            errno.ENOENT,
+            "from_pretrained: no config.json (expected a save_pretrained folder)",
+            str(folder / "config.json"),
+        )
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = _build(_model_class(config, model_class), config)

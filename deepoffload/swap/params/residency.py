@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -141,9 +141,18 @@ class Block:
         prefix: Its qualified name in the model ("" for the model itself).
         module: The block.
         compute_dtype: The dtype it computes in (None: its own); parameters of another dtype get compute copies.
+        layout_of: A parameter's strides when dense but not row-major, else None (``dense_layout``; for a
+            placeholder of a meta parameter, the meta one's: ``Materializer.layout_of``).
     """
 
-    def __init__(self, index: int, prefix: str, module: nn.Module, compute_dtype: torch.dtype | None):
+    def __init__(
+        self,
+        index: int,
+        prefix: str,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None,
+        layout_of: Callable[[torch.Tensor], tuple[int, ...] | None] = dense_layout,
+    ):
         self.index, self.prefix, self.module = index, prefix, module
         self.group, self.grad_group = f"block{index}", f"grad{index}"
         named = list(module.named_parameters())
@@ -158,10 +167,13 @@ class Block:
         self.shapes = [tuple(p.shape) for p in self.params]
         # storage holds the values in row-major order; a parameter laid out otherwise (channels_last, a transposed
         # weight) gets its layout back when read, since kernels (a convolution's) choose by it and round differently
-        self.layouts = [dense_layout(m) for m in self.masters]
+        self.layouts = [layout_of(p) for p in self.params]
         self.compute_dtype = compute_dtype
         self.nbytes = nbytes(self.masters)
-        self.compute_nbytes = sum(
+        # read values copied into their own layout (``set_data``): memory outside the staging pool while in memory
+        self.layout_nbytes = nbytes(m for m, layout in zip(self.masters, self.layouts) if layout is not None)
+        # what the block holds in memory beyond its stored values: compute copies and the layout copies
+        self.compute_nbytes = self.layout_nbytes + sum(
             p.numel() * torch.empty(0, dtype=compute_dtype).element_size()
             for p, m in zip(self.params, self.masters)
             if m is not p
@@ -327,7 +339,8 @@ class Block:
         """Take ``param.grad`` off the parameters before they are released.
 
         An optimizer must not see gradients of a block whose values are not in memory; ``restore_grads`` puts them
-        back for its next backward, where autograd adds to them exactly as in memory.
+        back for its next backward, where autograd adds to them exactly as in memory
+        (``tests/swap/params/test_params_training.py::test_gradient_accumulation_in_grads_mode``).
         """
         for name, param in zip(self.names, self.params):
             if param.grad is not None:

@@ -119,3 +119,43 @@ def test_optimizer_of_the_parameters_outside_blocks_gets_buffers_of_its_size(scr
         assert 0 < rest.held_bytes() <= 6 * max(off.plan.rest_chunk_bytes, 8 << 10), rest.held_bytes()
     finally:
         off.close()
+
+
+def test_parameters_read_into_their_own_layout_count_in_the_plan(scratch):
+    """A channels_last weight is read row-major into the staging buffer and copied into its layout (outside the pool):
+    the plan (streaming and max_memory's), a block's bytes in memory and the pinning budget count that copy."""
+    from torch import nn
+
+    from deepoffload.swap.params import offload_parameters
+
+    seen = []
+
+    class Conv(nn.Conv2d):
+        def forward(self, x):
+            seen.append((self.weight.is_contiguous(memory_format=torch.channels_last), off.store.resident_bytes()))
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Conv(16, 16, 3, padding=1) for _ in range(3)), nn.Flatten(), nn.Linear(256, 2))
+    model[:3].to(memory_format=torch.channels_last)
+    weight_bytes = model[0].weight.numel() * 4
+    x = torch.randn(2, 16, 4, 4).to(memory_format=torch.channels_last)
+    for max_memory in (None, "64GB"):
+        off = offload_parameters(
+            model, str(scratch), prefetch=1, optimizer=torch.optim.SGD, max_memory=max_memory, max_resident_bytes=0
+        )
+        try:
+            assert off.plan.layout_bytes == weight_bytes
+            assert off.plan.staging_bytes == 3 * (off.plan.block_bytes + weight_bytes)
+            block = off.blocks[0]
+            assert block.compute_nbytes == weight_bytes and off.blocks[-1].compute_nbytes == 0
+            seen.clear()
+            model(x).sum().backward()
+            assert seen[0][0] and seen[0][1] >= block.nbytes + weight_bytes
+            off.step()
+            off.set_max_resident_bytes(block.nbytes + weight_bytes - 1)  # its values and their copy do not fit
+            assert 0 not in off.pinned
+            off.set_max_resident_bytes(block.nbytes + weight_bytes)
+            assert 0 in off.pinned
+        finally:
+            off.close()

@@ -39,10 +39,17 @@ def test_from_pretrained_builds_on_meta_and_loads_streamed(scratch, name, shard)
 
 
 def test_from_pretrained_refuses_a_folder_without_config(scratch):
+    """A missing folder or config.json is a CheckpointNotFoundError: ``except FileNotFoundError`` (errno ENOENT, the
+    missing file as ``filename``) and ``except CheckpointError`` both catch it."""
+    import errno
+
     import deepoffload
 
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        deepoffload.from_pretrained(scratch)
+    for folder in (scratch, scratch / "no_such_folder"):
+        with pytest.raises(deepoffload.CheckpointNotFoundError, match="config.json") as info:
+            deepoffload.from_pretrained(folder)
+        assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, deepoffload.CheckpointError)
+        assert (info.value.errno, info.value.filename) == (errno.ENOENT, str(folder / "config.json"))
 
 
 def test_from_pretrained_trains_like_the_model_in_memory(scratch):

@@ -347,6 +347,44 @@ def test_parameters_keep_their_strides(scratch, mode, pinned):
 
 
 @pytest.mark.parametrize("mode", ["fused", "grads"])
+@pytest.mark.parametrize("serve", [False, True], ids=["loaded", "served"])
+def test_a_model_built_on_meta_keeps_its_strides_when_loaded(scratch, mode, serve):
+    """A channels_last model built on meta and loaded from a checkpoint gets its values in the layout it was given
+    (as to_empty makes them): the same bits as the model in memory, in training too, and close() gives them back so;
+    the max_memory plan counts their layout copies."""
+    from safetensors.torch import save_file
+
+    reference = strided_model()
+    strides = {name: p.stride() for name, p in reference.named_parameters()}
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(scratch / "model.safetensors"))
+    with torch.device("meta"):
+        model = strided_model()
+    x = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
+    offload = offload_parameters(
+        model,
+        str(scratch / "swap"),
+        checkpoint=str(scratch / "model.safetensors"),
+        mode=mode,
+        optimizer=None if serve else sgd,
+        serve_from_checkpoint=serve,
+        max_memory="64GB",
+        max_resident_bytes=0,
+    )
+    try:
+        assert offload.plan.layout_bytes == 288 * 5 * 4  # the transposed linear weight, the largest
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        if not serve:
+            optimizer = sgd(reference.parameters())
+            for _ in range(2):
+                assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
+    finally:
+        offload.close()
+    assert {name: p.stride() for name, p in model.named_parameters()} == strides
+    assert states_equal(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
 @pytest.mark.parametrize("listed", [False, True], ids=["default-blocks", "blocks="])
 def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed, mode):
     """nn.Sequential(layer, other, layer): both places are the same block (not a parameter outside the blocks);
@@ -369,3 +407,29 @@ def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed, mode):
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))
     assert model[0] is model[3] and states_equal(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["default-blocks", "blocks="])
+def test_a_module_placed_twice_accumulates_over_micro_batches_and_steps_once(scratch, listed):
+    """Grads mode, two micro-batches per step: the block run twice per forward gets both places' gradients of both
+    micro-batches and Adam steps it once per step (its step count equals memory's)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    reference = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 4), layer)
+    model = copy.deepcopy(reference)
+    optimizer = adam(reference.parameters())
+    blocks = [model[0], model[2], model[3]] if listed else None
+    xs = batches(6)
+    with offload_parameters(model, str(scratch), blocks=blocks, mode="grads", optimizer=adam) as offload:
+        for i in range(0, 6, 2):
+            for x in xs[i : i + 2]:
+                expected = reference(x).square().mean()
+                expected.backward()
+                loss = model(x).square().mean()
+                loss.backward()
+                assert loss.item() == expected.item()
+            offload_step(offload)()
+            reference_step(optimizer)()
+        assert states_equal(model.state_dict(), reference.state_dict())
+        steps = [s["step"] for s in offload.optimizers[0].state_dict()["state"].values()]
+        assert steps and all(int(s) == 3 for s in steps)
