@@ -24,7 +24,8 @@ The lock is ``flock`` on the file ``.deepoffload.lock`` in the folder: the kerne
 process ends, even killed, so a dead holder never blocks anyone. The holder writes its process token into the file
 and removes the file before releasing the lock; a waiter that then obtains the lock on the removed file sees that
 the path no longer names it and tries again, so one holder at a time holds the lock of the file the path names.
-Without ``fcntl`` (Windows) no lock is taken: overlapping saves into one folder are not protected there.
+Without ``fcntl`` (Windows), or on a filesystem that refuses ``flock`` (Lustre mounted ``noflock``: ``ENOSYS``),
+no lock is taken: overlapping saves into one folder are not protected there (on such a filesystem each save warns).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import errno
 import os
 import stat
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -47,6 +49,7 @@ except ImportError:  # Windows
 LOCK_NAME = ".deepoffload.lock"
 TIMEOUT_S = 300.0  # seconds a save waits for another save's switch before giving up (the switch takes far less)
 _POLL_S = (0.001, 0.05)  # the first and the longest pause between tries
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}  # a filesystem without flock
 _NOT_OURS = "no save of this library made it: remove it, then save again"
 
 
@@ -78,6 +81,9 @@ def folder_lock(folder: str | os.PathLike, timeout: float | None = None) -> Iter
         return
     path = Path(folder) / LOCK_NAME
     fd = _acquire(path, TIMEOUT_S if timeout is None else timeout)
+    if fd is None:  # the filesystem has no flock: the save goes on unprotected (it warned)
+        yield
+        return
     try:
         yield
     finally:
@@ -119,8 +125,21 @@ def _open(path: Path) -> int:
     return fd
 
 
-def _acquire(path: Path, timeout: float) -> int:
-    """Take the lock of the file at ``path``; return its descriptor (see the module docstring)."""
+def _acquire(path: Path, timeout: float) -> int | None:
+    """Take the lock of the file at ``path`` (see the module docstring).
+
+    Args:
+        path: The lock file.
+        timeout: Seconds to wait for another holder at most.
+
+    Returns:
+        The locked file's descriptor; None (after a warning, the file removed) where the filesystem does not
+        support ``flock``.
+
+    Raises:
+        TimeoutError: When another holder keeps the lock for longer than ``timeout``.
+        OSError: When the file cannot be opened or locked.
+    """
     deadline = time.monotonic() + timeout
     pause = _POLL_S[0]
     fd = _open(path)
@@ -134,6 +153,11 @@ def _acquire(path: Path, timeout: float) -> int:
                 _wait(pause)
                 pause = min(2 * pause, _POLL_S[1])
                 continue
+            except OSError as e:
+                if e.errno not in _NO_FLOCK:
+                    raise
+                _unsupported(path, fd, e)
+                return None
             try:
                 current = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
@@ -151,6 +175,21 @@ def _acquire(path: Path, timeout: float) -> int:
         os.ftruncate(fd, 0)
         os.pwrite(fd, process_token().encode(), 0)
     return fd
+
+
+def _unsupported(path: Path, fd: int, error: OSError) -> None:
+    """Warn that ``path``'s filesystem refuses ``flock``; close ``fd`` and remove the file (it locks nothing there)."""
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+            os.unlink(path)
+    os.close(fd)
+    warnings.warn(
+        f"saving into {path.parent} without its save lock: its filesystem refuses flock ({error.strerror or error}). "
+        f"Saves into this folder must not overlap here (a save's cleaning can remove another's files); mount it "
+        f"with flock support (Lustre: -o flock) or give overlapping saves separate folders",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def _busy_message(path: Path, fd: int, timeout: float) -> str:

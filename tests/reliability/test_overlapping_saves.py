@@ -297,3 +297,20 @@ def test_one_dcp_writer_serving_an_async_save_and_a_save_that_overlap_it(scratch
     assert torch.equal(state["w"], torch.full((64,), 1.0))  # step 1 switched last
     assert len([p for p in scratch.iterdir() if p.suffix == ".distcp"]) == 1
     assert not any(p.name.startswith(".__") for p in scratch.iterdir())
+
+
+def test_a_filesystem_without_flock_saves_unprotected_and_says_so(scratch, monkeypatch):
+    """Lustre mounted without flock answers ENOSYS: saves there worked before the lock and must go on working."""
+    import errno
+
+    from deepoffload.formats import load_file, save_sharded
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(folder_lock.fcntl, "flock", refused)
+    with pytest.warns(UserWarning, match=f"saving into {scratch} without its save lock.*-o flock"):
+        save_sharded(TENSORS, scratch, max_shard_bytes=1024)
+    loaded = load_file(scratch)
+    assert all(torch.equal(loaded[k], TENSORS[k]) for k in TENSORS)
+    assert not (scratch / LOCK_NAME).exists()
