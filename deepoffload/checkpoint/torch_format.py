@@ -184,6 +184,8 @@ def not_a_checkpoint(path: str) -> str | None:
                 "directory at its end: it is truncated or damaged"
             )
         )
+    if zipfile.is_zipfile(path):  # a zip directory at the end, but no local header at the start
+        return "it ends as a zip-format torch.save file but does not start as one: it is damaged"
     if len(head) == 10 and head[8:9] == b"{" and 8 + struct.unpack("<Q", head[:8])[0] <= size:
         if path.endswith(".safetensors"):
             return None  # read as one: its own error stands

@@ -117,3 +117,16 @@ def test_a_record_torchs_reader_refuses_is_a_checkpoint_error(scratch):
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"cannot load {path}: .*version"):
         deepoffload.load(path)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_zip_whose_first_header_is_damaged_is_a_checkpoint_error(scratch, mmap):
+    # found by the fuzz test: with its first bytes changed the file was read as a legacy pickle (UnpicklingError) or,
+    # with mmap=True, refused by torch with a RuntimeError
+    path = scratch / "ckpt.pt"
+    torch.save(STATE, path)
+    data = bytearray(path.read_bytes())
+    data[0:2] = b"\x80\x00"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"cannot load {path}: it ends as a zip-format .* damaged"):
+        deepoffload.load(path, mmap=mmap)
