@@ -88,13 +88,26 @@ def per_parameter(optimizer: torch.optim.Optimizer, declared: bool | None) -> bo
         declared: What the user said (``OffloadedOptimizer(per_parameter=...)``); None: not said there.
 
     Returns:
-        ``declared`` when given; else the optimizer's ``deepoffload_per_parameter`` attribute when it is a bool;
-        else True for torch's built-in classes themselves (not subclasses, which may step otherwise); else None
-        (unknown).
+        ``declared`` when given; else the optimizer's ``deepoffload_per_parameter`` attribute when it is a bool (a
+        True declared by a class whose ``step`` a subclass replaced counts as unknown); else True for torch's
+        built-in classes themselves (not subclasses, which may step otherwise); else None (unknown).
     """
     if declared is not None:
         return declared
     marked = getattr(optimizer, PER_PARAMETER, None)
+    if marked is True and PER_PARAMETER not in vars(optimizer) and not _declared_with_step(type(optimizer)):
+        return None  # declared by a class whose step a subclass replaced
     if isinstance(marked, bool):
         return marked
     return True if type(optimizer) in _builtin_classes() else None
+
+
+def _declared_with_step(cls: type) -> bool:
+    """Whether the class declaring ``deepoffload_per_parameter`` is (or derives from) the one defining ``step``."""
+    # A subclass that replaces step (adding a global norm, say) is not covered by its base's declaration. torch's hook
+    # wrapper (put on a class by its first instance) is looked through: the step's definer is the most basic class
+    # whose step is, unwrapped, the function this class runs.
+    declarer = next(c for c in cls.__mro__ if PER_PARAMETER in vars(c))
+    step = inspect.unwrap(cls.step)  # type: ignore[attr-defined]
+    definers = [c for c in cls.__mro__ if "step" in vars(c) and inspect.unwrap(vars(c)["step"]) is step]
+    return issubclass(declarer, definers[-1]) if definers else False

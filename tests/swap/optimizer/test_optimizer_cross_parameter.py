@@ -126,3 +126,56 @@ def test_offload_parameters_refuses_an_optimizer_declared_cross_parameter(scratc
         offload_parameters(model, str(scratch), optimizer=lambda ps: GlobalNormSGD(ps))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the model is left as it was"
     model(torch.ones(2, 8)).sum().backward()
+
+
+class DeclaredSGD(torch.optim.Optimizer):
+    """A per-parameter optimizer that declares it."""
+
+    deepoffload_per_parameter = True
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+class NormalizedSGD(DeclaredSGD):
+    """Replaces the declared class's step with one that reads every gradient (its global norm)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for g in grads:
+            g.div_(norm)
+        super().step()
+
+
+class SlowerSGD(DeclaredSGD):
+    """Changes only the defaults: the declared step is the one it runs."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.01)
+
+
+def test_a_declaration_does_not_cover_a_subclass_that_replaces_step(config):
+    """An inherited ``deepoffload_per_parameter = True`` holds for the step it was declared with, not a new one."""
+    for _ in range(2):  # (torch's hook wrapper goes on SlowerSGD first, then it is on the classes)
+        with pytest.raises(UnsupportedError, match="NormalizedSGD is not one of torch's built-in"):
+            OffloadedOptimizer(NormalizedSGD, params(), config)
+        for make in (SlowerSGD, DeclaredSGD):
+            reference, ps = params(), params()
+            train(reference, make(reference))
+            with OffloadedOptimizer(make, ps, config) as opt:
+                train(ps, opt)
+            assert all(torch.equal(a, b) for a, b in zip(reference, ps))
+    reference, ps = params(), params()  # declared where it is built, as the refusal says: exact
+    train(reference, NormalizedSGD(reference))
+    with OffloadedOptimizer(NormalizedSGD, ps, config, per_parameter=False) as opt:
+        train(ps, opt)
+    assert all(torch.equal(a, b) for a, b in zip(reference, ps))

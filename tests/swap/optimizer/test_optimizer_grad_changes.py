@@ -336,3 +336,18 @@ def test_gradient_accumulation_is_refused_saying_what_was_stepped_and_its_altern
         _accumulating_loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
         _accumulating_loop(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def test_a_grad_scaler_under_bf16_autocast_with_plain_step_equals_memory(config):
+    """``torch.amp.GradScaler("cpu")`` with bf16 autocast, unscale_, clip and an overflowing step, in many chunks."""
+
+    def loop(model, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _scaled_loop(model, opt)
+
+    reference, model = mlp(), mlp()
+    expected = loop(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=0.01) as opt:
+        assert loop(model, opt) == expected
+        assert opt.stored_bytes() > 0
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))

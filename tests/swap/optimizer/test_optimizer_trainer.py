@@ -42,7 +42,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def run(folder, offload_folder=None, resume=None, max_steps=STEPS):
+def run(folder, offload_folder=None, resume=None, max_steps=STEPS, in_backward=False, max_grad_norm=1.0):
     model = tiny_llama()
     groups = [
         {"params": [p for n, p in model.named_parameters() if p.dim() > 1], "weight_decay": 0.1},
@@ -53,6 +53,8 @@ def run(folder, offload_folder=None, resume=None, max_steps=STEPS):
     else:  # small chunks: each step walks many chunks
         config = SwapConfig(folder=str(offload_folder), chunk_bytes=64 << 10, buffer_count=3)
         optimizer = OffloadedOptimizer(torch.optim.AdamW, groups, config, lr=3e-3)
+        if in_backward:
+            optimizer.step_in_backward()
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 2, STEPS)
     args = transformers.TrainingArguments(
         output_dir=str(folder),
@@ -66,7 +68,7 @@ def run(folder, offload_folder=None, resume=None, max_steps=STEPS):
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        max_grad_norm=1.0,
+        max_grad_norm=max_grad_norm,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(optimizer, scheduler))
     trainer.train(resume_from_checkpoint=resume)
@@ -89,3 +91,24 @@ def test_trainer_losses_and_parameters_identical_and_resume_identical(tmp_path, 
     resumed_losses, resumed = run(tmp_path / "resumed", scratch, resume=str(checkpoint))
     assert resumed_losses[-3:] == expected_losses[3:]  # steps 4-6, computed after the resume
     assert all(torch.equal(a, b) for a, b in zip(resumed, expected_params))
+
+
+@pytest.mark.slow
+def test_step_in_backward_is_refused_under_the_trainer_before_any_parameter_moves(tmp_path, scratch):
+    """The Trainer calls clip_grad_norm_ at every step (with an infinite norm when max_grad_norm=0, to log the norm):
+    its multiplication by 1.0 changes the gradients' versions, so step_in_backward is refused at the first step."""
+    from deepoffload.errors import UnsupportedError
+
+    before = [p.detach().clone() for p in tiny_llama().parameters()]
+    model_params = []
+    original = transformers.Trainer.train
+
+    def train(self, *args, **kwargs):
+        model_params.extend(self.model.parameters())
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.Trainer, "train", train)
+        with pytest.raises(UnsupportedError, match="changed between backward and step.*nothing was stepped"):
+            run(tmp_path / "in_backward", scratch, in_backward=True, max_grad_norm=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model_params))
