@@ -132,10 +132,8 @@ class Materializer:
         self.report = KeyReport([], [])
         self._swapped: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, original) to put back
         self._todo: set[int] = set()  # ids of tensors made here that need a value
-        self._placeholders: set[int] = set()  # ids of parameters that hold a shape-only placeholder
-        # by the ids of those placeholders: the meta parameter's strides when dense but not row-major (channels_last,
-        # a transpose); its values are made in that layout, as ``to_empty`` makes them (see ``layout_of``)
-        self._layouts: dict[int, tuple[int, ...] | None] = {}
+        # ids of shape-only placeholder parameters -> the meta one's dense_layout (values made in it, as to_empty)
+        self._placeholders: dict[int, tuple[int, ...] | None] = {}
         self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
         self._deferred: dict[str, torch.Tensor] = {}  # unset non-persistent buffers left for init_ancestors
         self._non_persistent = {n for n, _ in module.named_buffers()} - set(module.state_dict(keep_vars=True))
@@ -216,26 +214,17 @@ class Materializer:
                 if param is None or not param.is_meta:
                     continue
                 if id(param) not in replaced:
-                    new = nn.Parameter(
-                        _placeholder(param.shape, self._target_dtype(param)), requires_grad=param.requires_grad
-                    )
+                    dtype = self._target_dtype(param)
+                    new = nn.Parameter(_placeholder(param.shape, dtype), requires_grad=param.requires_grad)
                     replaced[id(param)] = new
                     self._todo.add(id(new))
-                    self._placeholders.add(id(new))
-                    self._layouts[id(new)] = dense_layout(param)
+                    self._placeholders[id(new)] = dense_layout(param)
                 self._swapped.append((module, name, param))
                 module._parameters[name] = replaced[id(param)]
 
     def layout_of(self, param: torch.Tensor) -> tuple[int, ...] | None:
-        """``dense_layout`` of ``param``, or of the meta parameter whose placeholder it is.
-
-        Args:
-            param: A parameter of the module.
-
-        Returns:
-            Its strides when dense but not row-major, else None.
-        """
-        return self._layouts[id(param)] if id(param) in self._layouts else dense_layout(param)
+        """``dense_layout`` of ``param``, or of the meta parameter whose placeholder it still is."""
+        return self._placeholders[id(param)] if id(param) in self._placeholders else dense_layout(param)
 
     def undo(self) -> None:
         """Put back the original meta parameters and buffers (after a failure)."""
@@ -271,8 +260,7 @@ class Materializer:
             if param is None:
                 continue
             if id(param) in self._placeholders:
-                self._placeholders.discard(id(param))
-                made, layout = empty(param.shape, dtype=param.dtype), self._layouts[id(param)]
+                made, layout = empty(param.shape, dtype=param.dtype), self._placeholders.pop(id(param))
                 param.data = made if layout is None else made.as_strided(param.shape, layout)
             tensors[prefix + name] = param
         for name, buffer in module._buffers.items():
