@@ -8,7 +8,7 @@ rewritten since its header was read.
 from __future__ import annotations
 
 import os
-from typing import Mapping, NamedTuple, Sequence, Union
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 
@@ -55,8 +55,61 @@ def _expected_shape_dtype(name: str, value: object) -> tuple[tuple[int, ...], to
     )
 
 
-def _convertible(stored: torch.dtype, target: torch.dtype) -> bool:
+def convertible(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a tensor stored as ``stored`` may be read as ``target``: the same dtype, or floating to floating."""
     return stored == target or (stored.is_floating_point and target.is_floating_point)
+
+
+def compare_keys(
+    stored: Iterable[str],
+    shape_dtype: Callable[[str], tuple[tuple[int, ...], torch.dtype]],
+    expected: Expected,
+    strict: bool,
+    refusal: Callable[[str, bool], str],
+    unexpected_before: Sequence[str] = (),
+) -> KeyReport:
+    """Compare stored tensors with ``expected``: the one check behind every reader's ``check``.
+
+    A shape that differs, or a dtype that cannot be converted (only floating point converts to floating point), is
+    always an error; missing and unexpected names are errors when ``strict``, else returned.
+
+    Args:
+        stored: The stored names.
+        shape_dtype: Stored name -> (shape, dtype) as stored.
+        expected: Name -> tensor, shape or (shape, dtype).
+        strict: Whether missing and unexpected names are errors.
+        refusal: (the problems joined, whether names are among them) -> the error's message.
+        unexpected_before: Unexpected names found before this comparison (listed first).
+
+    Returns:
+        The missing and unexpected names.
+
+    Raises:
+        CheckpointError: Listing every problem, when any.
+    """
+    names = list(stored)
+    present = set(names)
+    missing = [n for n in expected if n not in present]
+    unexpected = [*unexpected_before, *(n for n in names if n not in expected)]
+    mismatched = []
+    for name, value in expected.items():
+        if name in present:
+            shape, dtype = _expected_shape_dtype(name, value)
+            stored_shape, stored_dtype = shape_dtype(name)
+            if stored_shape != shape:
+                mismatched.append(f"{name}: checkpoint {list(stored_shape)}, expected {list(shape)}")
+            elif dtype is not None and not convertible(stored_dtype, dtype):
+                mismatched.append(f"{name}: checkpoint {stored_dtype} cannot become {dtype} exactly")
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} mismatched: " + "; ".join(mismatched[:20]))
+    if strict and missing:
+        problems.append(f"{len(missing)} missing: {missing[:20]}")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {unexpected[:20]}")
+    if problems:
+        raise CheckpointError(refusal("; ".join(problems), bool(strict and (missing or unexpected))))
+    return KeyReport(missing, unexpected)
 
 
 def _check_unchanged(path: str, identity: tuple[int, ...]) -> None:

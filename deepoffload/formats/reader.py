@@ -23,7 +23,7 @@ import torch
 
 from ..io.buffers import aligned_empty, drop_cached, page_out
 from ..io.handle import AsyncIOHandle
-from .checks import DtypeSpec, Expected, KeyReport, _check_unchanged, _convertible, _expected_shape_dtype
+from .checks import DtypeSpec, Expected, KeyReport, _check_unchanged, compare_keys, convertible
 from .discovery import INDEX_NAME, SINGLE_NAME, _find_index, _is_torch_zip, _open_sharded, load_torch
 from .fault_in import FAULT_SPLIT_PAGES, PAGE_BYTES, SLOW_FAULT_BYTES_PER_S, _fault_in
 from .header import (
@@ -215,30 +215,15 @@ class CheckpointReader:
         Raises:
             CheckpointError: Listing every problem, when any.
         """
-        names = set(self.names())
-        missing = [n for n in expected if n not in names]
-        unexpected = [n for n in self.names() if n not in expected]
-        mismatched = []
-        for name, value in expected.items():
-            if name in names:
-                shape, dtype = _expected_shape_dtype(name, value)
-                stored_shape, stored_dtype = self.shape_dtype(name)
-                if stored_shape != shape:
-                    mismatched.append(f"{name}: checkpoint {list(stored_shape)}, expected {list(shape)}")
-                elif dtype is not None and not _convertible(stored_dtype, dtype):
-                    mismatched.append(f"{name}: checkpoint {stored_dtype} cannot become {dtype} exactly")
-        problems = []
-        if mismatched:
-            problems.append(f"{len(mismatched)} mismatched: " + "; ".join(mismatched[:20]))
-        if strict and missing:
-            problems.append(f"{len(missing)} missing: {missing[:20]}")
-        if strict and unexpected:
-            problems.append(f"{len(unexpected)} unexpected: {unexpected[:20]}")
-        if problems:
-            names_problem = strict and (missing or unexpected)
-            hint = NAMES_HINT if names_problem else ""
-            raise CheckpointError(f"{self.path} does not match the expected tensors: " + "; ".join(problems) + hint)
-        return KeyReport(missing, unexpected)
+        return compare_keys(
+            self.names(),
+            self.shape_dtype,
+            expected,
+            strict,
+            lambda problems, names: (
+                f"{self.path} does not match the expected tensors: {problems}" + (NAMES_HINT if names else "")
+            ),
+        )
 
     # -- reading ----------------------------------------------------------------------------------------------
     def _target(self, name: str, stored: torch.dtype, dtype: DtypeSpec) -> torch.dtype:
@@ -247,7 +232,7 @@ class CheckpointReader:
         if isinstance(dtype, torch.dtype):  # like from_pretrained's torch_dtype: floating point tensors only
             return dtype if stored.is_floating_point and dtype.is_floating_point else stored
         target = dtype.get(name, stored)
-        if not _convertible(stored, target):
+        if not convertible(stored, target):
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} is stored as {stored}; converting it to {target} "
                 f"would not be exact (only floating point converts to floating point)"
@@ -411,7 +396,7 @@ class CheckpointReader:
                 shape, dtype = self.shape_dtype(name)
                 if shape != tuple(tensor.shape):
                     problems.append(f"{name}: checkpoint {list(shape)}, destination {list(tensor.shape)}")
-                elif not _convertible(dtype, tensor.dtype):
+                elif not convertible(dtype, tensor.dtype):
                     problems.append(f"{name}: checkpoint {dtype} cannot become {tensor.dtype} exactly")
         if problems:
             raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ...formats.checks import KeyReport, _convertible, _expected_shape_dtype
+from ...formats.checks import KeyReport, compare_keys, convertible
 from ...formats.header import CheckpointError
 from ...formats.reader import NAMES_HINT, CheckpointReader
 
@@ -193,33 +193,17 @@ class ConvertedCheckpoint:
         Raises:
             CheckpointError: Listing every problem, when any.
         """
-        names = set(self.names())
-        missing = [n for n in expected if n not in names]
-        unexpected = self.unexpected + [n for n in self.names() if n not in expected]
-        mismatched = []
-        for name, value in expected.items():
-            if name in names:
-                shape, dtype = _expected_shape_dtype(name, value)
-                stored_shape, stored_dtype = self.shape_dtype(name)
-                if stored_shape != shape:
-                    mismatched.append(f"{name}: checkpoint {list(stored_shape)}, expected {list(shape)}")
-                elif dtype is not None and not _convertible(stored_dtype, dtype):
-                    mismatched.append(f"{name}: checkpoint {stored_dtype} cannot become {dtype} exactly")
-        problems = []
-        if mismatched:
-            problems.append(f"{len(mismatched)} mismatched: " + "; ".join(mismatched[:20]))
-        if strict and missing:
-            problems.append(f"{len(missing)} missing: {missing[:20]}")
-        if strict and unexpected:
-            problems.append(f"{len(unexpected)} unexpected: {unexpected[:20]}")
-        if problems:
-            names_problem = strict and (missing or unexpected)
-            raise CheckpointError(
-                f"{self.path} does not match the model's tensors (after transformers' loading rules): "
-                + "; ".join(problems)
-                + (NAMES_HINT if names_problem else "")
-            )
-        return KeyReport(missing, unexpected)
+        return compare_keys(
+            self.names(),
+            self.shape_dtype,
+            expected,
+            strict,
+            lambda problems, names: (
+                f"{self.path} does not match the model's tensors (after transformers' loading "
+                f"rules): {problems}" + (NAMES_HINT if names else "")
+            ),
+            unexpected_before=self.unexpected,
+        )
 
     # -- reading ----------------------------------------------------------------------------------------------
     def _convert(self, group: _Group, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -272,7 +256,7 @@ class ConvertedCheckpoint:
                 destination = destinations.get(name)
                 if destination is None:
                     continue
-                if tuple(value.shape) != tuple(destination.shape) or not _convertible(value.dtype, destination.dtype):
+                if tuple(value.shape) != tuple(destination.shape) or not convertible(value.dtype, destination.dtype):
                     raise CheckpointError(
                         f"{self.path}: {name} converted is {value.dtype} {list(value.shape)}, the model's is "
                         f"{destination.dtype} {list(destination.shape)}"
