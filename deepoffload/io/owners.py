@@ -199,7 +199,7 @@ def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
                 continue  # not made by this library (or by a version before the marker)
             if os.path.lexists(os.path.join(entry.path, KEPT)) or _owner_alive(match):
                 continue
-            remove_tree(entry.path, owner=uid)
+            remove_tree(entry.path, owner=uid, last=RUN_MARKER)
         except Exception as e:  # noqa: BLE001 - whatever someone else's leftover does, set-up goes on
             _log.warning("left the dead swap folder %s in place: %s: %s", entry.path, type(e).__name__, e)
             continue

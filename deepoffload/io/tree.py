@@ -9,19 +9,23 @@ walk instead of removing files elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 
 _FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# read once, at import: whether the system's open and unlink take dir_fd (not on Windows), asked of the functions
+# themselves (a wrapper put on os.unlink later, as a test may, is not in os.supports_dir_fd but still takes dir_fd)
+_DIR_FD = os.open in os.supports_dir_fd and os.unlink in os.supports_dir_fd
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def remove_tree(path: str | os.PathLike[str], owner: int | None = None) -> None:
+def remove_tree(path: str | os.PathLike[str], owner: int | None = None, last: str | None = None) -> None:
     """Remove the folder ``path`` and everything in it, without following links or recursing.
 
     A link anywhere in the tree (``path`` itself included) is removed as a link; what it points to is never touched.
@@ -30,6 +34,8 @@ def remove_tree(path: str | os.PathLike[str], owner: int | None = None) -> None:
     Args:
         path: The folder to remove (a link there is refused, not followed).
         owner: When given, the user id that must own ``path``; another owner's folder is refused.
+        last: A name directly in ``path`` removed after everything else (a marker that says what the folder is:
+            a removal killed midway leaves it, so the next cleaning still knows the folder).
 
     Raises:
         PermissionError: When ``owner`` is given and does not own ``path``.
@@ -38,9 +44,16 @@ def remove_tree(path: str | os.PathLike[str], owner: int | None = None) -> None:
             removed before stays removed.
     """
     path = os.path.abspath(os.fspath(path))
-    if os.open not in os.supports_dir_fd or os.unlink not in os.supports_dir_fd:  # pragma: no cover (Windows)
+    if not _DIR_FD:  # pragma: no cover (Windows)
         import shutil
 
+        for entry in os.scandir(path):
+            if entry.name == last:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
         shutil.rmtree(path)
         return
     parent_fd = os.open(os.path.dirname(path), _FLAGS)
@@ -54,19 +67,28 @@ def remove_tree(path: str | os.PathLike[str], owner: int | None = None) -> None:
         except BaseException:
             os.close(top)
             raise
-        _empty(top, path)  # closes top
+        _empty(top, path, keep=last)  # closes top
+        if last is not None:
+            top = os.open(name, _FLAGS | _NOFOLLOW, dir_fd=parent_fd)
+            try:
+                if _identity(os.fstat(top)) != _identity(st):
+                    raise OSError(errno.ESTALE, f"{path} was replaced while it was being removed; stopped there")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(last, dir_fd=top)
+            finally:
+                os.close(top)
         os.rmdir(name, dir_fd=parent_fd)
     finally:
         os.close(parent_fd)
 
 
-def _empty(fd: int, path: str) -> None:
-    """Remove everything inside the folder open as ``fd`` (closed on return), depth first, one level open at a time."""
+def _empty(fd: int, path: str, keep: str | None = None) -> None:
+    """Remove everything inside the folder open as ``fd`` (closed on return) but ``keep``, depth first."""  # noqa: DOC501
     above: list[tuple[str, tuple[int, int]]] = []  # (name of the folder entered, identity of the one it is in)
     current = fd
     try:
         while True:
-            sub = _clear_files(current)
+            sub = _clear_files(current, keep if not above else None)
             if sub is not None:
                 try:
                     child = os.open(sub, _FLAGS | _NOFOLLOW, dir_fd=current)
@@ -91,10 +113,12 @@ def _empty(fd: int, path: str) -> None:
         os.close(current)
 
 
-def _clear_files(fd: int) -> str | None:
-    """Unlink every entry of the folder ``fd`` that is not a folder (links included); return a sub-folder's name."""
+def _clear_files(fd: int, keep: str | None = None) -> str | None:
+    """Unlink every entry of the folder ``fd`` but folders and ``keep`` (links included); a sub-folder's name."""  # noqa: DOC201
     with os.scandir(fd) as listing:
         for entry in listing:
+            if entry.name == keep:
+                continue
             st = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 return entry.name

@@ -180,7 +180,7 @@ def remove_run_folder(folder: str) -> None:
     finally:
         forget_run_folder(folder)
     with contextlib.suppress(OSError):
-        remove_tree(folder)
+        remove_tree(folder, last=RUN_MARKER)  # the marker last: a removal killed midway is still cleaned next run
 
 
 def _forget(folder: str) -> None:

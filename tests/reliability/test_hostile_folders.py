@@ -112,7 +112,7 @@ def test_an_error_cleaning_leftovers_is_logged_and_passed_over(scratch, planted,
     made = planted
     planted = plant(scratch, made)
 
-    def broken(path, owner=None):
+    def broken(path, owner=None, last=None):
         raise RuntimeError("cannot happen, but must not stop set-up")
 
     monkeypatch.setattr(owners, "remove_tree", broken)
@@ -245,3 +245,24 @@ def test_closing_after_the_run_folder_was_removed_warns_nothing(scratch, recwarn
     remove_tree(swapper.folder)
     swapper.close()
     assert not [w for w in recwarn if "left in place" in str(w.message)]
+
+
+def test_remove_tree_removes_the_marker_last_so_a_killed_removal_is_cleaned_next_run(scratch, monkeypatch):
+    """A run folder's marker is what dead-run cleaning looks for: removing the folder unlinks it after every other
+    entry, also with os.unlink wrapped (as the crash harness wraps it: a wrapper is not in os.supports_dir_fd, which
+    sent the removal to the fallback that removed the marker first, leaving an unmarked folder nobody cleaned)."""
+    folder = scratch / "run"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("a.swp", "z.swp", "sub/b.swp", ".deepoffload-run"):
+        (folder / name).write_bytes(b"x")
+    order = []
+    unlink = os.unlink
+
+    def recording(name, *args, **kwargs):
+        order.append(os.fsdecode(name))
+        return unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", recording)
+    remove_tree(folder, last=".deepoffload-run")
+    assert not folder.exists()
+    assert order[-1] == ".deepoffload-run" and len(order) == 4, order
