@@ -10,9 +10,11 @@ file and the entry.
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
 import pickle
+import pickletools
 from typing import Any
 
 import torch
@@ -91,8 +93,13 @@ def read_metadata(stream: Any, path: str, trusted: bool) -> Metadata:
         OSError: When reading the file fails (as it is).
     """
     try:
-        metadata = pickle.load(stream) if trusted else MetadataUnpickler(stream).load()
-    except OSError:
+        if trusted:
+            metadata = pickle.load(stream)
+        else:
+            data = stream.read()
+            _check_memo_indices(data, path)
+            metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except (OSError, CheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged pickle raises nearly anything
         hint = "" if trusted else "; a file you trust may be read with FileSystemReader(..., trust_metadata=True)"
@@ -100,6 +107,36 @@ def read_metadata(stream: Any, path: str, trusted: bool) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"cannot load {path}: it holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
+
+
+def _check_memo_indices(data: bytes, path: str) -> None:
+    """Refuse a pickle whose memo indices run ahead of the objects stored so far, before unpickling it.
+
+    The C unpickler grows its memo to the index a ``PUT`` names and clears every new slot: a crafted ``LONG_BINPUT``
+    of 2**30 has it allocate and write 8 GiB before any class is looked up. ``pickle`` numbers memo entries from 0 in
+    order, so an index past the count stored so far comes from no pickler. ``pickletools.genops`` walks the opcodes
+    without building anything.
+
+    Raises:
+        CheckpointError: When an index runs ahead, or the opcodes cannot be read.
+    """
+    stored = 0
+    try:
+        for opcode, arg, position in pickletools.genops(data):  # noqa: B007 - position is named after the loop
+            if opcode.name == "MEMOIZE":
+                stored += 1
+            elif opcode.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                if not isinstance(arg, int) or arg > stored:
+                    break
+                stored = max(stored, arg + 1)
+        else:
+            return
+    except (ValueError, EOFError) as e:
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {e}") from e
+    raise CheckpointError(
+        f"cannot load {path}: memo index {arg} at byte {position} runs ahead of the {stored} objects stored so far "
+        "(no pickler writes that: the file is damaged or crafted)"
+    )
 
 
 def check_metadata(metadata: Metadata, folder: str, path: str) -> None:

@@ -115,6 +115,19 @@ def test_a_pickle_payload_in_the_metadata_does_not_run(tmp_path):
     assert marker.exists()  # DCP's own reader ran it
 
 
+def test_a_memo_index_running_ahead_is_refused_before_unpickling(tmp_path):
+    """A crafted LONG_BINPUT makes the C unpickler grow and clear its memo up to the index named (the fuzz test found
+    one asking for 8 GiB); an index past the objects stored so far is refused before anything is unpickled."""
+    save(tmp_path / "ckpt")
+    metadata = tmp_path / "ckpt" / ".metadata"
+    body = metadata.read_bytes()
+    assert body[:2] == b"\x80" + bytes([body[1]]) and body.endswith(b".")
+    # PUT of the whole object at index 2**24 just before STOP: 128 MiB of memo without the check
+    metadata.write_bytes(body[:-1] + b"r" + (2**24).to_bytes(4, "little") + b".")
+    error = refusal(tmp_path / "ckpt")
+    assert "memo index 16777216" in str(error) and "runs ahead" in str(error)
+
+
 @dataclasses.dataclass
 class Mine:
     note: str
