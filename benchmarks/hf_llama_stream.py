@@ -388,6 +388,7 @@ def main() -> None:
     if args.tiny:
         SIZE.update(TINY)
     folder = args.folder or tempfile.mkdtemp(prefix="hf-llama-stream-")
+    os.makedirs(folder, exist_ok=True)  # the swap folders go under it, and deepoffload creates only their last part
     if args.child:
         train_child(args.child, folder)
         return
