@@ -33,10 +33,10 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
-def kill_everywhere(base: Path, scenarios: list[str], points, random: int, timeout: int) -> list[dict]:
-    request = {"scenarios": scenarios, "base": str(base), "points": points, "random": random, "seed": 27}
+def harness(script: Path, request: dict, timeout: int) -> list[dict]:
+    """Run a harness script on ``request`` in a fresh process; its JSON lines, one per scenario at least."""
     done = subprocess.run(
-        [sys.executable, str(RUNNER), json.dumps(request)],
+        [sys.executable, str(script), json.dumps(request)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -44,8 +44,13 @@ def kill_everywhere(base: Path, scenarios: list[str], points, random: int, timeo
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert {r["scenario"] for r in results} == set(scenarios), done.stderr[-4000:]
+    assert {r["scenario"] for r in results} == set(request["scenarios"]), done.stderr[-4000:]
     return results
+
+
+def kill_everywhere(base: Path, scenarios: list[str], points, random: int, timeout: int) -> list[dict]:
+    request = {"scenarios": scenarios, "base": str(base), "points": points, "random": random, "seed": 27}
+    return harness(RUNNER, request, timeout)
 
 
 def check(results: list[dict]) -> None:
@@ -71,18 +76,7 @@ def test_every_kill_point_of(scenario, scratch):
 
 
 def overlap_everywhere(base: Path, scenarios: list[str], points, timeout: int) -> list[dict]:
-    request = {"scenarios": scenarios, "base": str(base), "points": points}
-    done = subprocess.run(
-        [sys.executable, str(TWO_WRITERS), json.dumps(request)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert {r["scenario"] for r in results} == set(scenarios), done.stderr[-4000:]
-    return results
+    return harness(TWO_WRITERS, {"scenarios": scenarios, "base": str(base), "points": points}, timeout)
 
 
 def check_overlaps(results: list[dict]) -> None:
