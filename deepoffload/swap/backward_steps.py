@@ -23,7 +23,7 @@ from .ddp import refuse_step_in_backward_under_ddp
 from .grad_prints import GradPrint, GroupPrint
 from .interrupts import deferred
 from .optimizer_state import _StoredState
-from .scaled_losses import unwatch, watch
+from .scaled_losses import LossGraph, unwatch, watch
 from .tensor_swapper import SwapOut
 from .torch_optim import _intra_op_threads
 
@@ -72,12 +72,17 @@ class _BackwardSteps:
         self._plan()
         watch(self)
 
-    def scaled_loss_error(self) -> UnsupportedError:
+    def scaled_loss_error(self, graph: LossGraph) -> UnsupportedError | None:
         """The refusal of a ``GradScaler``'s scaled loss while this plan is on (see ``scaled_losses``).
 
+        Args:
+            graph: The scaled loss's graph.
+
         Returns:
-            The error naming what works instead.
+            The error naming what works instead, or None when the loss reaches none of this optimizer's parameters.
         """
+        if not graph.reaches(p for p in self.optimizer._params() if p.requires_grad):
+            return None
         return UnsupportedError(
             "OffloadedOptimizer.step_in_backward: a GradScaler scales this loss, but each chunk would step "
             "inside backward with the scaled gradients, before scaler.step() can unscale them or skip an "

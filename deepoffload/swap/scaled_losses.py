@@ -5,24 +5,77 @@ whose gradients overflowed, only in ``scaler.unscale_`` / ``scaler.step``, after
 inside backward (``OffloadedOptimizer.step_in_backward()``, a training ``ParameterOffload``) would step them with the
 scaled gradients, and could not skip an overflowing step. So ``GradScaler.scale`` is wrapped, once the first such
 owner is registered with ``watch``, and so is the ``scale`` of every subclass that overrides it (torch's
-``ShardedGradScaler``, one defined later): an enabled scaler first asks every live owner, and raises the error one
-returns, before the loss is even scaled. With no owner alive it only costs an empty-set test.
+``ShardedGradScaler``, one defined later): an enabled scaler first asks every live owner whose parameters the loss's
+autograd graph reaches, and raises the error one returns, before the loss is even scaled. An owner the loss does not
+reach (another model's optimizer, one dropped without ``close()`` that the cycle collector has not freed yet) is not
+asked: its parameters step in no backward of this loss. With no owner alive it only costs an empty-set test; with one,
+a walk of the loss's graph (once per ``scale()``).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 
 
+class LossGraph:
+    """The leaf tensors a loss's backward reaches (its autograd graph, walked on first use).
+
+    Args:
+        outputs: What ``GradScaler.scale`` was given: a tensor or an iterable (nested) of tensors.
+    """
+
+    def __init__(self, outputs: Any):
+        self._outputs = outputs
+        self._leaves: set[int] | None = None
+
+    def reaches(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether backward from the loss accumulates a gradient into any of ``tensors`` (leaves)."""
+        if self._leaves is None:
+            self._leaves = _leaves(self._outputs)
+        return any(id(t) in self._leaves for t in tensors)
+
+
+def _leaves(outputs: Any) -> set[int]:
+    """The ids of the leaf tensors whose ``AccumulateGrad`` nodes the graphs of ``outputs`` reach."""
+    stack, seen, found = [], set(), set()
+    pending = [outputs]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            if item.grad_fn is not None:
+                stack.append(item.grad_fn)
+            elif item.requires_grad:
+                found.add(id(item))
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    while stack:  # the graph is a DAG whose node objects are unique: each is visited once
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return found
+
+
 class ScaledLossOwner(Protocol):
     """Something that steps parameters inside backward and must see no scaled loss."""
 
-    def scaled_loss_error(self) -> BaseException | None:
-        """The error to raise for a scaled loss now, or None when this owner does not step in backward now."""
+    def scaled_loss_error(self, graph: LossGraph) -> BaseException | None:
+        """The error to raise for a scaled loss now, or None when this owner does not step in its backward.
+
+        Args:
+            graph: The loss's graph, to ask whether it reaches this owner's parameters.
+        """
 
 
 _owners: weakref.WeakSet = weakref.WeakSet()
@@ -79,8 +132,9 @@ def _wrap(cls: type) -> None:
     @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
         if _owners and getattr(self, "_enabled", True):
+            graph = LossGraph(outputs)
             for owner in list(_owners):
-                error = owner.scaled_loss_error()
+                error = owner.scaled_loss_error(graph)
                 if error is not None:
                     raise error
         return original(self, outputs)

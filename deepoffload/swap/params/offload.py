@@ -23,7 +23,7 @@ from ...formats.writer import save_sharded
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE, trim_heap
-from ..scaled_losses import watch
+from ..scaled_losses import LossGraph, watch
 from . import closing, figures, stepping
 from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
 from .data_parallel import DataParallel, GradientAverager, process_group
@@ -461,13 +461,16 @@ class ParameterOffload:
         return shards
 
     @internal_call
-    def scaled_loss_error(self) -> BaseException | None:
+    def scaled_loss_error(self, graph: LossGraph) -> BaseException | None:
         """The refusal of a ``GradScaler``'s scaled loss (``refusals.scaled_loss_error``), or None.
 
+        Args:
+            graph: The scaled loss's graph.
+
         Returns:
-            The error, or None when a scaled loss is fine (closed, or no block is trained).
+            The error, or None when a scaled loss is fine (closed, no block trained, or a loss not of this model).
         """
-        return scaled_loss_error(self)
+        return scaled_loss_error(self, graph)
 
     def close(self, restore: bool = True) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.

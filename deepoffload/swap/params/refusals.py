@@ -18,6 +18,7 @@ from .residency import Block
 
 if TYPE_CHECKING:
     from ..optimizer import OffloadedOptimizer
+    from ..scaled_losses import LossGraph
     from .offload import ParameterOffload
 
 
@@ -104,7 +105,7 @@ def optimized_ids(optimizers: list[OffloadedOptimizer]) -> set[int]:
     return {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
 
 
-def scaled_loss_error(offload: ParameterOffload) -> StreamedParameterError | None:
+def scaled_loss_error(offload: ParameterOffload, graph: LossGraph) -> StreamedParameterError | None:
     """The refusal of a ``GradScaler``'s scaled loss over ``offload`` (asked by ``scaled_losses`` at ``scale()``).
 
     The blocks' gradients never pass through ``scaler.unscale_``/``scaler.step``: fused mode steps each block inside
@@ -113,11 +114,15 @@ def scaled_loss_error(offload: ParameterOffload) -> StreamedParameterError | Non
 
     Args:
         offload: A ``ParameterOffload`` made with ``optimizer=``.
+        graph: The scaled loss's graph: a loss that runs no streamed block (every one takes the offload's token)
+            and reaches none of the model's parameters is another model's, and is not refused.
 
     Returns:
-        The error naming what works, or None when it is closed or trains no block.
+        The error naming what works, or None when it is closed, trains no block, or the loss is not of its model.
     """
     if offload._closed or offload._block_optimizer is None:
+        return None
+    if not graph.reaches([offload._token, *offload.module.parameters()]):
         return None
     return StreamedParameterError(
         f"offload_parameters(mode={offload.mode!r}): a GradScaler scales this loss, but the streamed blocks' "

@@ -187,6 +187,31 @@ def test_an_optimizer_dropped_without_close_neither_steps_nor_refuses_a_scaler_o
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
 
 
+def test_a_grad_scaler_over_another_model_is_not_refused_while_an_optimizer_steps_in_backward(config):
+    """The refusal asks whether the scaled loss reaches the optimizer's parameters: another model's loop (in memory,
+    beside it or after it with the optimizer dropped but not yet collected) trains as it would alone."""
+    model = mlp()
+    opt = OffloadedOptimizer(torch.optim.SGD, model.parameters(), config, lr=0.1)
+    opt.step_in_backward()
+    gc.disable()  # the dropped optimizer below stays uncollected, as between two cycle collections
+    try:
+        other, alone = mlp(), mlp()
+        expected = _scaled_loop(alone, torch.optim.SGD(alone.parameters(), lr=0.1))
+        assert _scaled_loop(other, torch.optim.SGD(other.parameters(), lr=0.1)) == expected
+        with pytest.raises(UnsupportedError, match="GradScaler"):  # its own loss still is refused
+            _scaled_loop(model, opt)
+        model(data(0)).sum().backward()  # (refused before backward: a backward now is its first)
+        opt.step()
+        opt.zero_grad()
+        del opt
+        again, alone = mlp(), mlp()
+        expected = _scaled_loop(alone, torch.optim.SGD(alone.parameters(), lr=0.1))
+        assert _scaled_loop(again, torch.optim.SGD(again.parameters(), lr=0.1)) == expected
+    finally:
+        gc.enable()
+        gc.collect()
+
+
 def test_a_grad_scaler_subclass_with_its_own_scale_is_refused_too(config):
     """torch's ``ShardedGradScaler`` (FSDP) overrides ``scale``, and so may a scaler defined after the optimizer."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -60,3 +60,20 @@ def test_a_grad_scaler_is_refused_before_backward_and_no_scaler_is_exact(scratch
     assert all(torch.equal(v, got[k]) for k, v in reference.state_dict().items())
     off.close()
     torch.amp.GradScaler("cpu").scale(torch.ones(()))  # a closed offload refuses nothing
+
+
+def test_a_grad_scaler_over_another_model_is_not_refused_while_blocks_train(scratch):
+    """Only a scaled loss that runs the offload's blocks (or reaches its model's parameters) is refused: a model in
+    memory beside a streamed one trains with its GradScaler as it would alone."""
+    model = harness.build("plain").train()
+    off = offload_parameters(model, str(scratch), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    try:
+        other, alone = harness.build("plain").train(), harness.build("plain").train()
+        expected = _loop(alone, torch.optim.SGD(alone.parameters(), lr=0.1), torch.amp.GradScaler("cpu"))
+        got = _loop(other, torch.optim.SGD(other.parameters(), lr=0.1), torch.amp.GradScaler("cpu"))
+        assert got == expected
+        assert all(torch.equal(a, b) for a, b in zip(alone.parameters(), other.parameters()))
+        with pytest.raises(StreamedParameterError, match="GradScaler"):
+            _loop(model, StreamedOptimizer(off), torch.amp.GradScaler("cpu"))
+    finally:
+        off.close()
