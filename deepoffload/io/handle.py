@@ -332,10 +332,8 @@ class AsyncIOHandle:
             self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        if not getattr(self, "_closed", True):  # (an __init__ that raised left nothing to close)
+            self.close()  # an error here reaches sys.unraisablehook, as any in __del__
 
     # -- settings ---------------------------------------------------------------------------------------------
     @property
@@ -440,5 +438,5 @@ def _close_live_handles() -> None:
             pass  # reported to whoever waits for those requests
         try:
             handle.close()
-        except Exception:
+        except Exception:  # the process is ending and no caller is left to tell: the other handles must still close
             pass

@@ -106,7 +106,7 @@ def _is_pinned(buffer: torch.Tensor) -> bool:
     try:
         if buffer.is_pinned():
             return True
-    except RuntimeError:
+    except RuntimeError:  # torch without an accelerator backend cannot pin: only our own locked memory can be
         pass
     start = buffer.data_ptr()
     end = start + buffer.numel() * buffer.element_size()
