@@ -25,6 +25,7 @@ from .buffers import aligned_empty
 from .inputs import FileRef, byte_view, check_tensor
 from .native import native, resolve_engine
 from .request import Request, os_error
+from .staging import DeviceStager
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # what the native op's integer arguments can hold
 _live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
@@ -97,10 +98,7 @@ class AsyncIOHandle:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
             self._native = None
         for request in self._pending.values():  # this process's copies of descriptors the parent's transfers use
-            if request._owned_fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(request._owned_fd)
-                request._owned_fd = -1
+            request.drop_descriptor()
         self._pending = {}
         self._pending_lock = threading.Lock()
 
@@ -242,8 +240,6 @@ class AsyncIOHandle:
         """This handle's ``DeviceStager`` (created on first use of an accelerator tensor)."""
         with self._pending_lock:
             if self._stager is None:
-                from .staging import DeviceStager
-
                 self._stager = DeviceStager(self)
             return self._stager
 
@@ -277,7 +273,17 @@ class AsyncIOHandle:
                 if self._native is None:  # first use in a forked child
                     self._native = self._new_native()
                 op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
-                request = Request(self, op_id, nbytes, path, keep_alive, finish, owned_fd=fd, created=created)
+                request = Request(
+                    self._native,
+                    op_id,
+                    nbytes,
+                    path,
+                    keep_alive,
+                    finish,
+                    owned_fd=fd,
+                    created=created,
+                    on_collected=weakref.WeakMethod(self._forget),
+                )
                 self._pending[op_id] = request
         except BaseException:
             if fd >= 0:
