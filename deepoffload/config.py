@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .io.engines.registry import choices as engine_choices
 from .op_builder import env
-from .op_builder.async_io import ENGINE_NAMES
 
-ENGINES = ("auto", *ENGINE_NAMES)
 ALIASES = {"thread_count": "intra_op_parallelism"}
 ENV_PREFIX = env.AIO_PREFIX
 
@@ -66,8 +65,8 @@ class AioConfig:
         intra_op_parallelism: threads that share one transfer (each gets a contiguous part).
         single_submit: submit one request per system call instead of batches.
         overlap_events: refill the queue as completions arrive instead of waiting for a whole batch.
-        engine: "auto" (the best engine whose self-test passes) or one of ``ENGINES`` (io_uring, libaio, posix,
-            windows).
+        engine: "auto" (the first registered engine usable here) or a registered engine's name (the built-in
+            ones: io_uring, libaio, posix, windows; see ``deepoffload.io.engines``).
 
     Examples:
         >>> import deepoffload
@@ -92,8 +91,8 @@ class AioConfig:
             _positive_int(key, getattr(self, key))
         for key in ("single_submit", "overlap_events"):
             _bool(key, getattr(self, key))
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine: expected one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine not in engine_choices():
+            raise ConfigError(f"engine: expected one of {', '.join(engine_choices())}, got {self.engine!r}")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

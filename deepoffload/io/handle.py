@@ -22,8 +22,8 @@ from ..config import AioConfig
 from ..errors import ClosedError, ValidationError
 from . import accelerator
 from .buffers import aligned_empty
+from .engines import FSYNC, TRUNCATE, resolve_engine
 from .inputs import FileRef, byte_view, check_tensor
-from .native import native, resolve_engine
 from .request import Request, os_error
 from .staging import DeviceStager
 
@@ -67,7 +67,8 @@ class AsyncIOHandle:
 
     def __init__(self, config: AioConfig | None = None, **overrides: Any):
         self.config = AioConfig.from_dict(overrides, base=config) if overrides or config is None else config
-        self.engine = resolve_engine(self.config.engine)
+        self._engine = resolve_engine(self.config.engine)
+        self.engine = self._engine.name  # the engine used (``auto`` resolved)
         c = self.config
         for key, limit in (("block_size", INT64_MAX), ("queue_depth", INT32_MAX), ("intra_op_parallelism", INT32_MAX)):
             if getattr(c, key) > limit:  # the native op would refuse it with an unreadable TypeError
@@ -83,8 +84,12 @@ class AsyncIOHandle:
 
     def _new_native(self):
         c = self.config
-        return native().Handle(
-            self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events, c.intra_op_parallelism
+        return self._engine.open(
+            block_size=c.block_size,
+            queue_depth=c.queue_depth,
+            single_submit=c.single_submit,
+            overlap_events=c.overlap_events,
+            intra_op_parallelism=c.intra_op_parallelism,
         )
 
     def _after_fork_in_child(self) -> None:
@@ -159,8 +164,7 @@ class AsyncIOHandle:
         if acc.is_device_tensor(tensor):  # the whole tensor copied to one page-locked buffer first
             source = aligned_empty(tensor.numel(), tensor.dtype)
             acc.synchronize(acc.copy(source.view(-1), tensor.view(-1), None))
-        op = native()  # the flag values are the binding's own (TRUNCATE, FSYNC)
-        flags = (op.TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (op.FSYNC if fsync else 0)
+        flags = (TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (FSYNC if fsync else 0)
         created = (
             os.fsdecode(file) if isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file) else None
         )

@@ -185,7 +185,8 @@ class Request(Pending[int]):
             if err:
                 self._error = os_error(err, operation, path, offset, detail)
                 return
-            if not direct and not path.startswith("<fd "):  # a caller's descriptor is used as opened
+            if direct is False and not path.startswith("<fd "):  # (None: the engine never asks for O_DIRECT;
+                # a caller's descriptor is used as opened)
                 _warn_buffered(path)
             if self._finish is not None:
                 self._finish()
