@@ -1,8 +1,9 @@
 """``AsyncIOHandle``: asynchronous reads and writes of tensors to files, returning ``Request`` objects.
 
 Python validates tensors and keeps them (and any staging buffer) alive until their transfer is collected; the
-native handle does the IO on its own threads without the GIL and reports each failure as (errno, operation, path,
-offset), which becomes an ``OSError`` here.
+engine the registry resolves (``deepoffload.io.engines``) opens the backend that does the IO: for a native engine the
+native handle, on its own threads without the GIL. Each failure comes back as (errno, operation, path, offset), which
+becomes an ``OSError`` here.
 """
 
 from __future__ import annotations
@@ -75,14 +76,14 @@ class AsyncIOHandle:
                 raise ValueError(
                     f"{key}={getattr(c, key)} is out of range; use a value like the default ({getattr(AioConfig, key)})"
                 )
-        self._native = self._new_native()
+        self._backend = self._open_backend()
         self._pending: dict[int, Request] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
         self._stager = None
         _live_handles.add(self)
 
-    def _new_native(self):
+    def _open_backend(self):
         c = self.config
         return self._engine.open(
             block_size=c.block_size,
@@ -99,9 +100,9 @@ class AsyncIOHandle:
         even destroyed (its destructor would wait for them). The parent's transfers are the parent's: waiting for one
         here raises ``UnsupportedError`` (a ``RuntimeError``).
         """
-        if self._native is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
-            self._native = None
+        if self._backend is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._backend))  # leaked on purpose, see above
+            self._backend = None
         for request in self._pending.values():  # this process's copies of descriptors the parent's transfers use
             request.drop_descriptor()
         self._pending = {}
@@ -274,11 +275,11 @@ class AsyncIOHandle:
                 raise os_error(err, "open", path, offset, f"descriptor {path[4:-1]} is not usable") from None
         try:
             with self._pending_lock:
-                if self._native is None:  # first use in a forked child
-                    self._native = self._new_native()
-                op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
+                if self._backend is None:  # first use in a forked child
+                    self._backend = self._open_backend()
+                op_id = self._backend.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
                 request = Request(
-                    self._native,
+                    self._backend,
                     op_id,
                     nbytes,
                     path,
@@ -328,8 +329,8 @@ class AsyncIOHandle:
         """
         if not self._closed:
             self._closed = True
-            if self._native is not None:
-                self._native.close()
+            if self._backend is not None:
+                self._backend.close()
 
     def __enter__(self) -> "AsyncIOHandle":
         return self

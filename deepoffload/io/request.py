@@ -85,7 +85,7 @@ class Request(Pending[int]):
         on_collected: "weakref.WeakMethod[Callable[[int], None]] | None" = None,
     ):
         self._on_collected = on_collected
-        self._native = backend
+        self._backend = backend
         self._op_id = op_id
         self.nbytes = nbytes
         self.path = path
@@ -116,7 +116,7 @@ class Request(Pending[int]):
             return True
         self._check_process()
         try:
-            return self._native.done(self._op_id)
+            return self._backend.done(self._op_id)
         except ValueError:  # "unknown op id": another thread's wait took the result (only a finished op's) and is
             if self._collected or self._lock.locked():  # recording it under the lock, or has recorded it
                 return True
@@ -169,7 +169,7 @@ class Request(Pending[int]):
                 # only once the result is kept: the native side forgets it when returning it (lost, a later wait
                 # raised "unknown op id" and the request could never be collected)
                 results.clear()
-                results.extend(map(self._native.wait, (self._op_id,), (slice_s,)))
+                results.extend(map(self._backend.wait, (self._op_id,), (slice_s,)))
                 if results[0] is not None or (deadline is not None and remaining(deadline) == 0):
                     break
         finally:

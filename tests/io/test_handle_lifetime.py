@@ -21,7 +21,7 @@ def test_an_error_closing_a_collected_handle_reaches_the_unraisable_hook(aio, mo
     seen: list[BaseException | None] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
     handle = AsyncIOHandle()
-    native, handle._native = handle._native, _FailingClose()
+    native, handle._backend = handle._backend, _FailingClose()
     del handle
     gc.collect()
     native.close()
