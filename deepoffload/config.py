@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
-from .io.engines.registry import choices as engine_choices
 from .op_builder import env
 
 ALIASES = {"thread_count": "intra_op_parallelism"}
@@ -66,7 +65,9 @@ class AioConfig:
         single_submit: submit one request per system call instead of batches.
         overlap_events: refill the queue as completions arrive instead of waiting for a whole batch.
         engine: "auto" (the first registered engine usable here) or a registered engine's name (the built-in
-            ones: io_uring, libaio, posix, windows; see ``deepoffload.io.engines``).
+            ones: io_uring, libaio, posix, windows; see ``deepoffload.io.engines``). Engines can be registered after
+            the config is made: the name is looked up when a handle opens (``ConfigError`` listing the registered
+            engines when none has it; ``SwapConfig`` checks it when it is made).
 
     Examples:
         >>> import deepoffload
@@ -91,8 +92,8 @@ class AioConfig:
             _positive_int(key, getattr(self, key))
         for key in ("single_submit", "overlap_events"):
             _bool(key, getattr(self, key))
-        if self.engine not in engine_choices():
-            raise ConfigError(f"engine: expected one of {', '.join(engine_choices())}, got {self.engine!r}")
+        if not isinstance(self.engine, str) or not self.engine:  # the name is looked up when a handle opens
+            raise ConfigError(f"engine: expected 'auto' or an engine's name, got {self.engine!r}")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

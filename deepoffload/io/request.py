@@ -226,7 +226,7 @@ class Request(Pending[int]):
         else:  # already failing: make sure the buffers outlive the IO, without masking the first error
             try:
                 self.wait()
-            except Exception:
+            except Exception:  # the block's own exception is the one raised; this one is its consequence
                 pass
 
 

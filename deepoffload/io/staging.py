@@ -160,6 +160,6 @@ def _copy(acc: accelerator.Accelerator, dst: torch.Tensor, src: torch.Tensor, st
     except BaseException:
         try:
             acc.synchronize(event)
-        except Exception:
+        except Exception:  # only waiting for the copy to end; the first failure is the one raised below
             pass
         raise

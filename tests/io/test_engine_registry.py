@@ -88,14 +88,16 @@ def test_every_list_of_engines_includes_a_registered_one_and_drops_it_when_unreg
     from deepoffload.cli.main import build_parser
     from deepoffload.diagnostics import engine_rows
 
-    assert engines.choices()[-1] == "toy" and AioConfig(engine="toy").engine == "toy"
+    assert engines.choices()[-1] == "toy" and SwapConfig(aio=AioConfig(engine="toy")).aio.engine == "toy"
     assert build_parser().parse_args(["bench", "--path", "/tmp", "--engine", "toy"]).engine == "toy"
     row = engine_rows([])[-1]
     assert (row["name"], row["state"], row["description"]) == ("toy", "ok", ToyEngine.description)
     engines.unregister("toy")
     try:
         with pytest.raises(ConfigError, match="engine: expected one of auto, io_uring"):
-            AioConfig(engine="toy")
+            SwapConfig(aio=AioConfig(engine="toy"))
+        with pytest.raises(ConfigError, match="engine: expected one of auto, io_uring"):
+            AsyncIOHandle(engine="toy")
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "--path", "/tmp", "--engine", "toy"])
     finally:

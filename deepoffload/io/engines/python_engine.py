@@ -96,7 +96,7 @@ class _ThreadBackend:
         future = self._future(op_id)
         try:
             result = future.result(None if timeout_s < 0 else timeout_s)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError:  # still running: None is the protocol's "not finished yet"
             return None
         with self._lock:
             self._ops.pop(op_id, None)

@@ -153,6 +153,23 @@ def get(name: str) -> Engine:
     return engine
 
 
+def check_choice(name: str) -> str:
+    """``name`` when ``engine=`` accepts it (``"auto"`` or a registered engine's name).
+
+    Args:
+        name: The name to check.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ConfigError: When no engine has that name (a ``ValueError``; the message lists the choices).
+    """
+    if name != AUTO:
+        get(name)
+    return name
+
+
 def engine_status() -> dict[str, tuple[bool, str]]:
     """Every registered engine's ``status()``, in registration order (loads, and may build, the native op)."""
     return {engine.name: engine.status() for engine in engines()}
