@@ -67,6 +67,15 @@ def test_a_toy_engine_reports_errors_as_the_native_ones_do(toy, scratch):
             handle.read(torch.empty(1, dtype=torch.uint8), scratch / "missing.bin")
         handle.write(torch.ones(4, dtype=torch.uint8), path)  # from offset 0: the file ends where the write ends
         assert path.read_bytes() == b"\x01" * 4
+        fd = os.open(path, os.O_RDWR)
+        try:  # a caller's descriptor: the transfer uses its own copy, and the caller's stays open
+            handle.write(torch.full((3,), 2, dtype=torch.uint8), fd, offset=4)
+            back = torch.empty(7, dtype=torch.uint8)
+            handle.read(back, fd)
+            os.fstat(fd)
+        finally:
+            os.close(fd)
+        assert back.tolist() == [1] * 4 + [2] * 3
 
 
 def test_a_toy_engine_serves_a_tensor_swapper(toy, scratch):
