@@ -48,10 +48,12 @@ class AsyncIOHandle:
             (alias ``thread_count``), ``single_submit``, ``overlap_events``, ``engine``).
 
     Raises:
-        ConfigError: When an override's key or value is not accepted (a ``ValueError``).
+        ConfigError: When an override's key or value is not accepted, or no registered engine has the name asked
+            for (a ``ValueError``).
         ValueError: When ``block_size``, ``queue_depth`` or ``intra_op_parallelism`` is larger than the native op
             can hold.
-        OSError: When the engine asked for (or, for ``"auto"``, every engine) fails its self-test here.
+        OSError: When the engine asked for (or, for ``"auto"``, every registered engine) is not usable here: not
+            compiled into the native op, or failing its self-test.
 
     Examples:
         >>> import torch, deepoffload
