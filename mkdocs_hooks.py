@@ -7,6 +7,7 @@
 - ``<!-- generated: residency -->`` becomes the state diagram of a streamed block, from its transition table;
 - ``<!-- generated: config -->`` becomes the tables of configuration keys (``AioConfig``, ``SwapConfig``) and
   environment variables (``op_builder.env.VARIABLES``);
+- ``<!-- generated: engines -->`` becomes the table of IO engines, from their registry (``deepoffload.io.engines``);
 - every ``benchmarks/results/*.json`` becomes a plot ``assets/plots/<name>.png`` (``benchmarks/plot.py``).
 
 It lives beside mkdocs.yml, outside ``docs/``, so that the site holds user documentation only (development notes
@@ -38,7 +39,13 @@ def on_files(files, config):
 
 def on_page_markdown(markdown, page, config, files):
     markdown = re.sub(r"<!-- generated: api ([\w.]+) -->", lambda m: api_markdown(m.group(1)), markdown)
-    generators = {"api": api_markdown, "cli": cli_markdown, "config": config_markdown, "residency": residency_markdown}
+    generators = {
+        "api": api_markdown,
+        "cli": cli_markdown,
+        "config": config_markdown,
+        "engines": engines_markdown,
+        "residency": residency_markdown,
+    }
     for name, make in generators.items():
         marker = f"<!-- generated: {name} -->"
         if marker in markdown:
@@ -139,6 +146,13 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def engines_markdown() -> str:
+    from deepoffload.io.engines import engines
+
+    rows = [(f"`{e.name}`", "native op" if e.native else "Python", e.description) for e in engines()]
+    return _table(("engine", "runs in", "what it is"), rows)
 
 
 def config_markdown() -> str:

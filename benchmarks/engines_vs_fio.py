@@ -21,8 +21,8 @@ from deepoffload.bench.fio import fio_executable, run_fio
 from deepoffload.bench.measure import OPS, BenchError, make_buffer, scratch_file, time_transfer
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.diagnostics import direct_io_works
+from deepoffload.io.engines import engine_status
 from deepoffload.io.handle import AsyncIOHandle
-from deepoffload.io.native import engine_status
 
 TARGET = 0.95  # x fio, the project's target for each engine
 

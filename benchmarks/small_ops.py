@@ -24,8 +24,8 @@ from deepoffload.bench.measure import OPS, BenchError, evict, make_buffer, scrat
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.config import AioConfig
 from deepoffload.diagnostics import direct_io_works
+from deepoffload.io.engines import engine_status
 from deepoffload.io.handle import AsyncIOHandle
-from deepoffload.io.native import engine_status
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:

@@ -15,9 +15,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 from .op_builder import env
-from .op_builder.async_io import ENGINE_NAMES
 
-ENGINES = ("auto", *ENGINE_NAMES)
 ALIASES = {"thread_count": "intra_op_parallelism"}
 ENV_PREFIX = env.AIO_PREFIX
 
@@ -66,8 +64,10 @@ class AioConfig:
         intra_op_parallelism: threads that share one transfer (each gets a contiguous part).
         single_submit: submit one request per system call instead of batches.
         overlap_events: refill the queue as completions arrive instead of waiting for a whole batch.
-        engine: "auto" (the best engine whose self-test passes) or one of ``ENGINES`` (io_uring, libaio, posix,
-            windows).
+        engine: "auto" (the first registered engine usable here) or a registered engine's name (the built-in
+            ones: io_uring, libaio, posix, windows; see ``deepoffload.io.engines``). Engines can be registered after
+            the config is made: the name is looked up when a handle opens (``ConfigError`` listing the registered
+            engines when none has it; ``SwapConfig`` checks it when it is made).
 
     Examples:
         >>> import deepoffload
@@ -92,8 +92,8 @@ class AioConfig:
             _positive_int(key, getattr(self, key))
         for key in ("single_submit", "overlap_events"):
             _bool(key, getattr(self, key))
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine: expected one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not isinstance(self.engine, str) or not self.engine:  # the name is looked up when a handle opens
+            raise ConfigError(f"engine: expected 'auto' or an engine's name, got {self.engine!r}")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -139,7 +139,8 @@ def op_status(builder, results: dict) -> dict:
         try:
             from .io import native
 
-            for engine, (ok, reason) in native.engine_status().items():
+            for engine in native.compiled_engines():
+                ok, reason = native.self_test(engine)
                 row["engines"][engine] = {"ok": ok, "reason": reason}
             row["auto_engine"] = next((e for e, s in row["engines"].items() if s["ok"]), None)
         except Exception as e:  # the report must describe a broken op, not die of it
@@ -261,7 +262,8 @@ def gather(path: str | None = None, use_cache: bool = True) -> dict:
         use_cache: Take probe results from the on-disk cache where it has them (False: compile every probe again).
 
     Returns:
-        ``versions`` and ``ops`` (one row per op, see ``op_status``), and ``path`` when a folder was given.
+        ``versions``, ``ops`` (one row per op, see ``op_status``), ``engines`` (one row per registered engine, see
+        ``engine_rows``), and ``path`` when a folder was given.
     """
     from .op_builder import ALL_OPS
 
@@ -272,7 +274,40 @@ def gather(path: str | None = None, use_cache: bool = True) -> dict:
         results = builder.probe_results(use_cache=use_cache)
         ops.append(op_status(builder, results))
         version_info = version_info or versions(builder)
-    report = {"versions": version_info, "ops": ops}
+    report = {"versions": version_info, "ops": ops, "engines": engine_rows(ops)}
     if path:
         report["path"] = path_status(path)
     return report
+
+
+def engine_rows(ops: list[dict]) -> list[dict]:
+    """One row per registered engine (``deepoffload.io.engines``), in the order ``auto`` tries them.
+
+    A native engine's state comes from the async-IO op's row (never built here for it); another engine's from its
+    own ``status()``.
+
+    Args:
+        ops: The ops' rows (``op_status``).
+
+    Returns:
+        Rows of ``name``, ``description``, ``state`` ("ok", "fails", "not compiled in", "when built") and
+        ``reason``.
+    """
+    from .io.engines import engines
+
+    op = next((row for row in ops if row["name"] == "async_io"), None)
+    rows = []
+    for engine in engines():
+        if not engine.native:
+            ok, reason = engine.status()
+            state = "ok" if ok else "fails"
+        elif op is not None and op["engines"]:
+            known = op["engines"].get(engine.name)
+            ok, reason = (known["ok"], known["reason"]) if known else (False, "not in this build")
+            state = "ok" if ok else ("fails" if known else "not compiled in")
+        elif op is not None and engine.name in op["engines_buildable"]:
+            state, reason = "when built", ""
+        else:
+            state, reason = "not compiled in", "its library or platform is missing here (see the probes)"
+        rows.append({"name": engine.name, "description": engine.description, "state": state, "reason": reason})
+    return rows

@@ -1,7 +1,9 @@
 """Op builders: probe the machine, then build the native ops just in time or load prebuilt ones.
 
 The lowest Python layer: it imports nothing from ``deepoffload``, so it works both as the top-level ``op_builder``
-of a source checkout (as ``setup.py`` imports it) and installed as ``deepoffload.op_builder``. One exception, when an
+of a source checkout (as ``setup.py`` imports it) and installed as ``deepoffload.op_builder``. Where both names reach
+this one folder they are one module (``deepoffload._link`` makes the name imported second an alias of the first), so
+there is one ``BuildError``. One exception, when an
 op is loaded: ``AsyncIOBuilder().load()`` wraps the native module in deepoffload's DeepSpeed-shaped module (named by
 ``AsyncIOBuilder.WRAPPER``), so it returns one type whichever package was imported first; ``load_native()`` never
 wraps.

@@ -255,7 +255,7 @@ class OpBuilder:
             info_path = directory / "_ops" / BUILD_INFO
             try:
                 info = json.loads(info_path.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # no (readable) prebuilt op there: the op is built just in time instead
                 continue
             op = info.get("ops", {}).get(self.NAME)
             if op:
@@ -458,12 +458,12 @@ def _last_build_seconds() -> int | None:
     """
     try:
         return max(1, round(json.loads(_build_times_path().read_text())["last"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # no record (or a damaged one): the hint gives no figure
         return None
 
 
 def _record_build_seconds(seconds: float) -> None:
     try:
         atomic_write_text(_build_times_path(), json.dumps({"last": round(seconds, 1)}))
-    except OSError:
+    except OSError:  # only feeds a hint's time estimate; the build itself succeeded
         pass

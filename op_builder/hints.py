@@ -71,7 +71,7 @@ def package_manager(os_release: Path = Path("/etc/os-release"), environ: dict | 
         return "conda"
     try:
         fields = dict(line.split("=", 1) for line in os_release.read_text().splitlines() if "=" in line)
-    except OSError:
+    except OSError:  # no /etc/os-release (not a Linux distribution that has one): suggest the most common
         return "apt"
     ids = " ".join(fields.get(k, "").strip('"').lower() for k in ("ID", "ID_LIKE"))
     for words, manager in (

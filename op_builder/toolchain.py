@@ -109,7 +109,7 @@ class Toolchain:
             try:
                 st = os.stat(self.compiler_path)
                 h.update(f"{os.path.realpath(self.compiler_path)}:{st.st_size}:{st.st_mtime_ns}".encode())
-            except OSError:
+            except OSError:  # a compiler that cannot be stat'ed cannot run: its probes fail, whatever the key
                 pass
         for key in sorted(self.env):
             h.update(f"{key}={self.env[key]}\0".encode())

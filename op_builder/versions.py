@@ -37,7 +37,7 @@ def package_version() -> str:
     for directory in PACKAGE_DIRS:
         try:
             match = _VERSION.search((directory / "version.py").read_text())
-        except OSError:
+        except OSError:  # not in this folder: try the next, and raise below when none has it
             continue
         if match:
             return match.group(1)
@@ -53,7 +53,7 @@ def torch_version() -> str:
 
     try:
         return version("torch")
-    except PackageNotFoundError:
+    except PackageNotFoundError:  # torch not installed: the version keys say so, and loading the op refuses
         return "none"
 
 

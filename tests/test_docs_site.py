@@ -60,6 +60,15 @@ def test_the_config_page_has_every_key_and_variable(hooks):
     assert "`DEEPOFFLOAD_AIO_BLOCK_SIZE`" in text
 
 
+def test_the_engines_table_is_the_registry_s(hooks):
+    from deepoffload.io.engines import engines
+
+    rows = hooks.engines_markdown().splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [f"| `{e.name}`" for e in engines()]
+    assert all(e.description in row for e, row in zip(engines(), rows))
+    assert sum("<!-- generated: engines -->" in p.read_text() for p in (REPO / "docs").rglob("*.md")) == 1
+
+
 def test_the_cli_page_has_every_command(hooks):
     from deepoffload.cli.main import COMMANDS
 

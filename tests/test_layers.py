@@ -90,3 +90,58 @@ def test_version_read_by_op_builder_is_the_package_version(name):
         "print(b.package_version() == __version__)\n"
     )
     assert out.strip() == "True"
+
+
+# One module and one BuildError, whichever name comes first: ``except op_builder.BuildError`` catches what
+# ``deepoffload.op_builder`` raises (and the other way round), and a submodule is one module under both names.
+ONE_MODULE = (
+    "import op_builder, deepoffload.op_builder as ob\n"
+    "from op_builder.build_errors import BuildError as E1\n"
+    "from deepoffload.op_builder.build_errors import BuildError as E2\n"
+    "from deepoffload.op_builder import env\n"
+    "import op_builder.env\n"
+    "try:\n"
+    "    raise ob.BuildError('async_io', ['a reason'], 'a hint')\n"
+    "except op_builder.BuildError as e:\n"
+    "    caught = type(e) is E1\n"
+    "print(ob is op_builder, E1 is E2 is ob.BuildError is op_builder.BuildError, env is op_builder.env, caught,\n"
+    "      ob.__file__, ob.__spec__.name == ob.__name__)\n"
+)
+
+
+def _one_module(out: str) -> None:
+    *same, path, spec_kept = out.split()
+    assert same == ["True"] * 4
+    assert path == str(ROOT / "op_builder" / "__init__.py") and spec_kept == "True"
+
+
+@pytest.mark.parametrize("first", ["deepoffload", "op_builder"])
+def test_a_bare_checkout_has_one_op_builder_and_one_build_error(first):
+    out = child(NO_EDITABLE + f"sys.path.insert(0, {str(ROOT)!r})\nimport {first}\n" + ONE_MODULE)
+    _one_module(out)
+
+
+def _editable_finder() -> str:
+    """The source of this environment's editable-install finder of deepoffload, made to point at this checkout."""
+    for folder in map(Path, sys.path):
+        for path in sorted(folder.glob("__editable___deepoffload_*_finder.py")) if folder.is_dir() else []:
+            namespace: dict = {}
+            exec(compile(path.read_text(), str(path), "exec"), namespace)  # only definitions and its MAPPING
+            installed_root = str(Path(namespace["MAPPING"]["deepoffload"]).parent)
+            return path.read_text().replace(repr(installed_root)[1:-1] + "/", str(ROOT) + "/")
+    pytest.skip("deepoffload is not installed editable here (pip install -e .)")
+
+
+@pytest.mark.parametrize("first", ["deepoffload", "op_builder"])
+def test_an_editable_install_run_from_its_checkout_has_one_op_builder(first):
+    """setuptools' own finder maps ``deepoffload.op_builder`` to the checkout's op_builder/; from the checkout's root
+    ``import op_builder`` finds the same folder on sys.path."""
+    source = _editable_finder()
+    out = child(
+        NO_EDITABLE + "import importlib.util, types\n"
+        f"finder = types.ModuleType('editable_finder'); exec({source!r}, finder.__dict__); finder.install()\n"
+        "spec = importlib.util.find_spec('deepoffload.op_builder')\n"
+        f"assert spec is not None and spec.origin == {str(ROOT / 'op_builder' / '__init__.py')!r}, spec\n"
+        f"import {first}\n" + ONE_MODULE
+    )
+    _one_module(out)

@@ -44,9 +44,9 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=positive_int, metavar="N", help="threads sharing one transfer (intra_op_parallelism)"
     )
-    from ..config import ENGINES
+    from ..io.engines import choices
 
-    parser.add_argument("--engine", choices=ENGINES, help="async-IO engine")
+    parser.add_argument("--engine", choices=choices(), help="async-IO engine (the registered ones, or auto)")
 
 
 def config_from_args(args: argparse.Namespace):

@@ -97,6 +97,11 @@ def render(report: dict, style: Style) -> str:
             ]
         )
     out.append(_table(op_rows, ["op", "prebuilt", "compatible", "built", "engines"]))
+    paint = {"ok": style.ok, "fails": style.bad, "when built": style.dim, "not compiled in": style.dim}
+    engine_rows = [[e["name"], paint[e["state"]](e["state"]), e["description"]] for e in report.get("engines", [])]
+    if engine_rows:
+        out.append("")
+        out.append(_table(engine_rows, ["engine", "here", "what it is"]))
     for op in report["ops"]:
         out.append("")
         out.append(f"{op['name']} probes:")

@@ -127,11 +127,11 @@ def _run(args: argparse.Namespace, started: float) -> int:
     from ..bench.sizes import format_size
     from ..config import AioConfig
     from ..diagnostics import direct_io_works
-    from ..io.native import engine_status, resolve_engine
+    from ..io.engines import engine_status, resolve_engine
 
     engines = [name for name, (ok, _) in engine_status().items() if ok]
     start = AioConfig.from_env()
-    start = dataclasses.replace(start, engine=resolve_engine(start.engine))
+    start = dataclasses.replace(start, engine=resolve_engine(start.engine).name)
     buffer = make_buffer(args.size, "pinned")
     with scratch_file(args.path, args.size) as path:
         direct = direct_io_works(path)

@@ -1,6 +1,7 @@
 """The Python side of the async-IO op: handles, requests and aligned, page-locked buffers.
 
-Names are imported on first access, so ``deepoffload.io.native`` can be used (by the report) without importing torch.
+Names are imported on first access, so ``deepoffload.io.native`` and the engine registry ``deepoffload.io.engines``
+can be used (by the report) without importing torch.
 """
 
 from __future__ import annotations

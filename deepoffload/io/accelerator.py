@@ -161,7 +161,7 @@ class Accelerator:
             stream = torch.Stream(device=device)
             stream.record_event().synchronize()  # fails here, not mid-transfer, where events are missing
             return stream
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError):  # a backend without streams or events: synchronous copies
             return None
 
     def wait_for_current(self, stream: torch.Stream | None, device: torch.device) -> None:

@@ -325,5 +325,5 @@ def is_pinned(tensor: torch.Tensor) -> bool:
                 return True
     try:
         return bool(tensor.is_pinned())
-    except RuntimeError:
+    except RuntimeError:  # torch without an accelerator backend cannot pin: only our own locked memory can be
         return False

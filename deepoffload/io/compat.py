@@ -15,10 +15,10 @@ from types import ModuleType
 import torch
 
 from ..config import AioConfig
-from .compat_args import _MISSING, _async_flag, _file, _required
+from .compat_args import MISSING, async_flag, file_argument, required
 from .handle import AsyncIOHandle
 from .inputs import FileRef, check_tensor
-from .pin_memory import _free_locked, _is_pinned, _new_locked
+from .pin_memory import free_locked, new_locked, pinned_or_locked
 
 # DeepSpeed's aio_handle constructor defaults (py_ds_aio.cpp).
 DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_INTRA_OP_PARALLELISM = 1 << 20, 128, 1
@@ -107,7 +107,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
 
     # transfers
     def read(
-        self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *, fd: int | None = None
+        self, buffer: torch.Tensor, filename=MISSING, validate=MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
         """Read ``buffer``'s bytes from the file, then wait for every pending asynchronous operation.
 
@@ -122,11 +122,16 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             1 plus the pending asynchronous operations it waited for.
         """
         return self._transfer(
-            False, buffer, _file(filename, fd, "read"), _required(validate, "validate", "read"), False, file_offset
+            False,
+            buffer,
+            file_argument(filename, fd, "read"),
+            required(validate, "validate", "read"),
+            False,
+            file_offset,
         )
 
     def write(
-        self, buffer: torch.Tensor, filename=_MISSING, validate=_MISSING, file_offset: int = 0, *, fd: int | None = None
+        self, buffer: torch.Tensor, filename=MISSING, validate=MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
         """Write ``buffer``'s bytes to the file, then wait for every pending asynchronous operation.
 
@@ -141,15 +146,20 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             1 plus the pending asynchronous operations it waited for.
         """
         return self._transfer(
-            True, buffer, _file(filename, fd, "write"), _required(validate, "validate", "write"), False, file_offset
+            True,
+            buffer,
+            file_argument(filename, fd, "write"),
+            required(validate, "validate", "write"),
+            False,
+            file_offset,
         )
 
     def pread(
         self,
         buffer: torch.Tensor,
-        filename=_MISSING,
-        validate=_MISSING,
-        async_op=_MISSING,
+        filename=MISSING,
+        validate=MISSING,
+        async_op=MISSING,
         file_offset: int = 0,
         *,
         fd: int | None = None,
@@ -173,18 +183,18 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         return self._transfer(
             False,
             buffer,
-            _file(filename, fd, "pread"),
-            _required(validate, "validate", "pread"),
-            _async_flag(async_op, kwargs, "pread"),
+            file_argument(filename, fd, "pread"),
+            required(validate, "validate", "pread"),
+            async_flag(async_op, kwargs, "pread"),
             file_offset,
         )
 
     def pwrite(
         self,
         buffer: torch.Tensor,
-        filename=_MISSING,
-        validate=_MISSING,
-        async_op=_MISSING,
+        filename=MISSING,
+        validate=MISSING,
+        async_op=MISSING,
         file_offset: int = 0,
         *,
         fd: int | None = None,
@@ -208,15 +218,13 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         return self._transfer(
             True,
             buffer,
-            _file(filename, fd, "pwrite"),
-            _required(validate, "validate", "pwrite"),
-            _async_flag(async_op, kwargs, "pwrite"),
+            file_argument(filename, fd, "pwrite"),
+            required(validate, "validate", "pwrite"),
+            async_flag(async_op, kwargs, "pwrite"),
             file_offset,
         )
 
-    def sync_pread(
-        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
-    ) -> int:
+    def sync_pread(self, buffer: torch.Tensor, filename=MISSING, file_offset: int = 0, *, fd: int | None = None) -> int:
         """``pread`` without validation, waiting.
 
         Args:
@@ -228,10 +236,10 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         Returns:
             1 plus the pending asynchronous operations it waited for.
         """
-        return self._transfer(False, buffer, _file(filename, fd, "sync_pread"), False, False, file_offset)
+        return self._transfer(False, buffer, file_argument(filename, fd, "sync_pread"), False, False, file_offset)
 
     def sync_pwrite(
-        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
+        self, buffer: torch.Tensor, filename=MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
         """``pwrite`` without validation, waiting.
 
@@ -244,10 +252,10 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         Returns:
             1 plus the pending asynchronous operations it waited for.
         """
-        return self._transfer(True, buffer, _file(filename, fd, "sync_pwrite"), False, False, file_offset)
+        return self._transfer(True, buffer, file_argument(filename, fd, "sync_pwrite"), False, False, file_offset)
 
     def async_pread(
-        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
+        self, buffer: torch.Tensor, filename=MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
         """``pread`` without validation, returning at once (``wait()`` collects it).
 
@@ -260,10 +268,10 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         Returns:
             0.
         """
-        return self._transfer(False, buffer, _file(filename, fd, "async_pread"), False, True, file_offset)
+        return self._transfer(False, buffer, file_argument(filename, fd, "async_pread"), False, True, file_offset)
 
     def async_pwrite(
-        self, buffer: torch.Tensor, filename=_MISSING, file_offset: int = 0, *, fd: int | None = None
+        self, buffer: torch.Tensor, filename=MISSING, file_offset: int = 0, *, fd: int | None = None
     ) -> int:
         """``pwrite`` without validation, returning at once (``wait()`` collects it).
 
@@ -276,7 +284,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         Returns:
             0.
         """
-        return self._transfer(True, buffer, _file(filename, fd, "async_pwrite"), False, True, file_offset)
+        return self._transfer(True, buffer, file_argument(filename, fd, "async_pwrite"), False, True, file_offset)
 
     def _transfer(
         self, write: bool, buffer: torch.Tensor, file: FileRef, validate: bool, async_op: bool, file_offset: int
@@ -316,7 +324,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             return self._handle.wait_all()
 
     # buffers
-    def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = _MISSING, **kwargs) -> torch.Tensor:
+    def new_cpu_locked_tensor(self, num_elem: int, example_tenosr: torch.Tensor = MISSING, **kwargs) -> torch.Tensor:
         """A page-aligned, page-locked 1-D tensor of ``num_elem`` elements of the example's dtype.
 
         Args:
@@ -330,11 +338,11 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
         Raises:
             TypeError: When an unknown keyword argument is given.
         """
-        if "example_tensor" in kwargs and example_tenosr is _MISSING:
+        if "example_tensor" in kwargs and example_tenosr is MISSING:
             example_tenosr = kwargs.pop("example_tensor")
         if kwargs:
             raise TypeError(f"aio_handle.new_cpu_locked_tensor() got unexpected keyword arguments {sorted(kwargs)}")
-        return _new_locked(num_elem, _required(example_tenosr, "example_tenosr", "new_cpu_locked_tensor"))
+        return new_locked(num_elem, required(example_tenosr, "example_tenosr", "new_cpu_locked_tensor"))
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
         """Unlock a tensor from ``new_cpu_locked_tensor``; its pages are unlocked now and ``is_pinned`` turns False.
@@ -349,7 +357,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             True for a tensor from ``new_cpu_locked_tensor`` not freed yet, else False.
         """
         check_tensor(tensor, "free_cpu_locked_tensor")
-        return _free_locked(tensor.data_ptr())
+        return free_locked(tensor.data_ptr())
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
         """Whether ``buffer`` is pinned by DeepSpeed's rule.
@@ -361,7 +369,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's name)
             True when it is torch-pinned, or inside a live locked buffer of any handle (``aio_handle`` or
             ``pin_handle``: one process-wide registry, as DeepSpeed's pinned-tensor manager).
         """
-        return _is_pinned(buffer)
+        return pinned_or_locked(buffer)
 
 
 def aio_read(

@@ -1,8 +1,9 @@
 """``AsyncIOHandle``: asynchronous reads and writes of tensors to files, returning ``Request`` objects.
 
 Python validates tensors and keeps them (and any staging buffer) alive until their transfer is collected; the
-native handle does the IO on its own threads without the GIL and reports each failure as (errno, operation, path,
-offset), which becomes an ``OSError`` here.
+engine the registry resolves (``deepoffload.io.engines``) opens the backend that does the IO: for a native engine the
+native handle, on its own threads without the GIL. Each failure comes back as (errno, operation, path, offset), which
+becomes an ``OSError`` here.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from ..config import AioConfig
 from ..errors import ClosedError, ValidationError
 from . import accelerator
 from .buffers import aligned_empty
+from .engines import FSYNC, TRUNCATE, resolve_engine
 from .inputs import FileRef, byte_view, check_tensor
-from .native import native, resolve_engine
 from .request import Request, os_error
+from .staging import DeviceStager
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # what the native op's integer arguments can hold
 _live_handles: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
@@ -46,10 +48,12 @@ class AsyncIOHandle:
             (alias ``thread_count``), ``single_submit``, ``overlap_events``, ``engine``).
 
     Raises:
-        ConfigError: When an override's key or value is not accepted (a ``ValueError``).
+        ConfigError: When an override's key or value is not accepted, or no registered engine has the name asked
+            for (a ``ValueError``).
         ValueError: When ``block_size``, ``queue_depth`` or ``intra_op_parallelism`` is larger than the native op
             can hold.
-        OSError: When the engine asked for (or, for ``"auto"``, every engine) fails its self-test here.
+        OSError: When the engine asked for (or, for ``"auto"``, every registered engine) is not usable here: not
+            compiled into the native op, or failing its self-test.
 
     Examples:
         >>> import torch, deepoffload
@@ -66,24 +70,29 @@ class AsyncIOHandle:
 
     def __init__(self, config: AioConfig | None = None, **overrides: Any):
         self.config = AioConfig.from_dict(overrides, base=config) if overrides or config is None else config
-        self.engine = resolve_engine(self.config.engine)
+        self._engine = resolve_engine(self.config.engine)
+        self.engine = self._engine.name  # the engine used (``auto`` resolved)
         c = self.config
         for key, limit in (("block_size", INT64_MAX), ("queue_depth", INT32_MAX), ("intra_op_parallelism", INT32_MAX)):
             if getattr(c, key) > limit:  # the native op would refuse it with an unreadable TypeError
                 raise ValueError(
                     f"{key}={getattr(c, key)} is out of range; use a value like the default ({getattr(AioConfig, key)})"
                 )
-        self._native = self._new_native()
+        self._backend = self._open_backend()
         self._pending: dict[int, Request] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
         self._stager = None
         _live_handles.add(self)
 
-    def _new_native(self):
+    def _open_backend(self):
         c = self.config
-        return native().Handle(
-            self.engine, c.block_size, c.queue_depth, c.single_submit, c.overlap_events, c.intra_op_parallelism
+        return self._engine.open(
+            block_size=c.block_size,
+            queue_depth=c.queue_depth,
+            single_submit=c.single_submit,
+            overlap_events=c.overlap_events,
+            intra_op_parallelism=c.intra_op_parallelism,
         )
 
     def _after_fork_in_child(self) -> None:
@@ -93,14 +102,11 @@ class AsyncIOHandle:
         even destroyed (its destructor would wait for them). The parent's transfers are the parent's: waiting for one
         here raises ``UnsupportedError`` (a ``RuntimeError``).
         """
-        if self._native is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._native))  # leaked on purpose, see above
-            self._native = None
+        if self._backend is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._backend))  # leaked on purpose, see above
+            self._backend = None
         for request in self._pending.values():  # this process's copies of descriptors the parent's transfers use
-            if request._owned_fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(request._owned_fd)
-                request._owned_fd = -1
+            request.drop_descriptor()
         self._pending = {}
         self._pending_lock = threading.Lock()
 
@@ -161,8 +167,7 @@ class AsyncIOHandle:
         if acc.is_device_tensor(tensor):  # the whole tensor copied to one page-locked buffer first
             source = aligned_empty(tensor.numel(), tensor.dtype)
             acc.synchronize(acc.copy(source.view(-1), tensor.view(-1), None))
-        op = native()  # the flag values are the binding's own (TRUNCATE, FSYNC)
-        flags = (op.TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (op.FSYNC if fsync else 0)
+        flags = (TRUNCATE if (offset == 0 if truncate is None else truncate) else 0) | (FSYNC if fsync else 0)
         created = (
             os.fsdecode(file) if isinstance(file, (str, bytes, os.PathLike)) and not os.path.lexists(file) else None
         )
@@ -242,8 +247,6 @@ class AsyncIOHandle:
         """This handle's ``DeviceStager`` (created on first use of an accelerator tensor)."""
         with self._pending_lock:
             if self._stager is None:
-                from .staging import DeviceStager
-
                 self._stager = DeviceStager(self)
             return self._stager
 
@@ -274,10 +277,20 @@ class AsyncIOHandle:
                 raise os_error(err, "open", path, offset, f"descriptor {path[4:-1]} is not usable") from None
         try:
             with self._pending_lock:
-                if self._native is None:  # first use in a forked child
-                    self._native = self._new_native()
-                op_id = self._native.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
-                request = Request(self, op_id, nbytes, path, keep_alive, finish, owned_fd=fd, created=created)
+                if self._backend is None:  # first use in a forked child
+                    self._backend = self._open_backend()
+                op_id = self._backend.submit(write, buffer.data_ptr(), nbytes, os.fsencode(path), fd, offset, flags)
+                request = Request(
+                    self._backend,
+                    op_id,
+                    nbytes,
+                    path,
+                    keep_alive,
+                    finish,
+                    owned_fd=fd,
+                    created=created,
+                    on_collected=weakref.WeakMethod(self._forget),
+                )
                 self._pending[op_id] = request
         except BaseException:
             if fd >= 0:
@@ -318,8 +331,8 @@ class AsyncIOHandle:
         """
         if not self._closed:
             self._closed = True
-            if self._native is not None:
-                self._native.close()
+            if self._backend is not None:
+                self._backend.close()
 
     def __enter__(self) -> "AsyncIOHandle":
         return self
@@ -332,10 +345,8 @@ class AsyncIOHandle:
             self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        if not getattr(self, "_closed", True):  # (an __init__ that raised left nothing to close)
+            self.close()  # an error here reaches sys.unraisablehook, as any in __del__
 
     # -- settings ---------------------------------------------------------------------------------------------
     @property
@@ -440,5 +451,5 @@ def _close_live_handles() -> None:
             pass  # reported to whoever waits for those requests
         try:
             handle.close()
-        except Exception:
+        except Exception:  # the process is ending and no caller is left to tell: the other handles must still close
             pass

@@ -1,4 +1,7 @@
-"""Access to the native async-IO module and engine selection (``auto`` -> the best engine whose self-test passes)."""
+"""Access to the native async-IO module: loading it, its compiled-in engines and their self-tests.
+
+Which engine a handle uses is chosen by the engine registry (``deepoffload.io.engines``).
+"""
 
 from __future__ import annotations
 
@@ -36,28 +39,6 @@ def self_test(engine: str) -> tuple[bool, str]:
         return _self_tests[engine]
 
 
-def engine_status() -> dict[str, tuple[bool, str]]:
-    """Every compiled-in engine, best first, with its self-test result."""
-    return {engine: self_test(engine) for engine in native().engines()}
-
-
-def resolve_engine(requested: str) -> str:
-    """The engine to use for ``requested``: itself (checked) or, for ``auto``, the best one that works here."""
-    compiled = list(native().engines())
-    if requested == "auto":
-        failures = []
-        for engine in compiled:
-            ok, reason = self_test(engine)
-            if ok:
-                return engine
-            failures.append(f"{engine}: {reason}")
-        raise OSError(f"no async-IO engine works here ({'; '.join(failures)})")
-    if requested not in compiled:
-        raise ValueError(
-            f"engine {requested!r} is not in this build (compiled in: {', '.join(compiled)}); "
-            f"install its library and rebuild, or use engine='auto' (see `deepoffload report`)"
-        )
-    ok, reason = self_test(requested)
-    if not ok:
-        raise OSError(f"engine {requested!r} fails its self-test here: {reason}; use engine='auto'")
-    return requested
+def compiled_engines() -> list[str]:
+    """The engines compiled into the native op, best first (loads, and on first use builds, the op)."""
+    return list(native().engines())

@@ -35,7 +35,7 @@ class pin_handle:  # noqa: N801  (DeepSpeed's name)
         Returns:
             The tensor (contents uninitialised).
         """
-        return _new_locked(num_elem, example_tensor)
+        return new_locked(num_elem, example_tensor)
 
     def free_cpu_locked_tensor(self, locked_tensor: torch.Tensor) -> bool:
         """As ``aio_handle.free_cpu_locked_tensor``.
@@ -47,7 +47,7 @@ class pin_handle:  # noqa: N801  (DeepSpeed's name)
             True for a tensor from ``new_cpu_locked_tensor`` not freed yet, else False.
         """
         check_tensor(locked_tensor, "free_cpu_locked_tensor")
-        return _free_locked(locked_tensor.data_ptr())
+        return free_locked(locked_tensor.data_ptr())
 
     def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
         """As ``free_cpu_locked_tensor``, given the buffer's start address.
@@ -63,7 +63,7 @@ class pin_handle:  # noqa: N801  (DeepSpeed's name)
         """
         if isinstance(address, bool) or not isinstance(address, int):
             raise TypeError(f"free_cpu_locked_tensor_by_ptr: address must be an int, got {type(address).__name__}")
-        return _free_locked(address)
+        return free_locked(address)
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
         """As ``aio_handle.is_pinned``.
@@ -74,10 +74,23 @@ class pin_handle:  # noqa: N801  (DeepSpeed's name)
         Returns:
             True when it is torch-pinned or inside a live locked buffer.
         """
-        return _is_pinned(buffer)
+        return pinned_or_locked(buffer)
 
 
-def _new_locked(num_elem: int, example: torch.Tensor) -> torch.Tensor:
+def new_locked(num_elem: int, example: torch.Tensor) -> torch.Tensor:
+    """A page-aligned, page-locked CPU tensor of ``num_elem`` elements of ``example``'s dtype, freed by ``free_locked``.
+
+    Args:
+        num_elem: The number of elements.
+        example: A tensor whose dtype the buffer takes.
+
+    Returns:
+        The 1-D buffer (its memory is unlocked when it is freed or collected).
+
+    Raises:
+        TypeError: When ``example`` is not a tensor.
+        ValueError: When ``num_elem`` is not a non-negative int.
+    """
     if not isinstance(example, torch.Tensor):
         raise TypeError(f"new_cpu_locked_tensor: the example must be a torch.Tensor, got {type(example).__name__}")
     if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
@@ -91,7 +104,15 @@ def _new_locked(num_elem: int, example: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _free_locked(address: int) -> bool:
+def free_locked(address: int) -> bool:
+    """Unlock the buffer from ``new_locked`` that starts at ``address`` (its memory goes when the tensor does).
+
+    Args:
+        address: The buffer's ``data_ptr()``.
+
+    Returns:
+        True when such a buffer was live, else False.
+    """
     with _managed_lock:
         nbytes = _managed.pop(address, None)
     if nbytes is None:
@@ -100,13 +121,21 @@ def _free_locked(address: int) -> bool:
     return True
 
 
-def _is_pinned(buffer: torch.Tensor) -> bool:
+def pinned_or_locked(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is torch-pinned or lies inside a live buffer from ``new_locked``.
+
+    Args:
+        buffer: Any tensor (anything else is not pinned).
+
+    Returns:
+        True when its memory is page-locked.
+    """
     if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
         return False
     try:
         if buffer.is_pinned():
             return True
-    except RuntimeError:
+    except RuntimeError:  # torch without an accelerator backend cannot pin: only our own locked memory can be
         pass
     start = buffer.data_ptr()
     end = start + buffer.numel() * buffer.element_size()

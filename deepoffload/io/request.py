@@ -12,13 +12,10 @@ import threading
 import warnings
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from ..errors import UnsupportedError
 from ..pending import Pending, deadline_after, remaining
-
-if TYPE_CHECKING:
-    from .handle import AsyncIOHandle
 
 WAIT_SLICE_S = 0.2
 _warned_buffered: set[str] = set()
@@ -51,8 +48,9 @@ class Request(Pending[int]):
     context manager, a request is waited for when the block ends.
 
     Args:
-        handle: The ``AsyncIOHandle`` that submitted the transfer (held weakly).
-        op_id: The native handle's id of the transfer.
+        backend: The engine's handle that runs the transfer (the native ``Handle``, or a Python engine's): its
+            ``wait(op_id, timeout_s)`` and ``done(op_id)`` are used.
+        op_id: The backend's id of the transfer.
         nbytes: The bytes the transfer moves (what ``wait`` returns; also the ``nbytes`` attribute).
         path: The file's path, or ``"<fd N>"`` for a descriptor (named in errors; also the ``path`` attribute).
         keep_alive: Tensors and staging buffers the native side uses, kept alive until the transfer is collected.
@@ -61,6 +59,8 @@ class Request(Pending[int]):
         owned_fd: The copy of a caller's descriptor that this transfer uses, closed once it is collected (-1: none).
         created: The path of a write that did not exist when it was submitted, removed if the write fails (a full
             disk must not leave a new short or empty file behind), or None.
+        on_collected: A weak reference (``weakref.WeakMethod``) to what is called with ``op_id`` once the transfer
+            is collected (the submitting handle's bookkeeping), or None.
 
     Examples:
         >>> import torch, deepoffload
@@ -74,7 +74,7 @@ class Request(Pending[int]):
 
     def __init__(
         self,
-        handle: "AsyncIOHandle",
+        backend: Any,
         op_id: int,
         nbytes: int,
         path: str,
@@ -82,9 +82,10 @@ class Request(Pending[int]):
         finish: Callable[[], None] | None,
         owned_fd: int = -1,
         created: str | None = None,
+        on_collected: "weakref.WeakMethod[Callable[[int], None]] | None" = None,
     ):
-        self._handle = weakref.ref(handle)
-        self._native = handle._native
+        self._on_collected = on_collected
+        self._backend = backend
         self._op_id = op_id
         self.nbytes = nbytes
         self.path = path
@@ -115,7 +116,7 @@ class Request(Pending[int]):
             return True
         self._check_process()
         try:
-            return self._native.done(self._op_id)
+            return self._backend.done(self._op_id)
         except ValueError:  # "unknown op id": another thread's wait took the result (only a finished op's) and is
             if self._collected or self._lock.locked():  # recording it under the lock, or has recorded it
                 return True
@@ -168,7 +169,7 @@ class Request(Pending[int]):
                 # only once the result is kept: the native side forgets it when returning it (lost, a later wait
                 # raised "unknown op id" and the request could never be collected)
                 results.clear()
-                results.extend(map(self._native.wait, (self._op_id,), (slice_s,)))
+                results.extend(map(self._backend.wait, (self._op_id,), (slice_s,)))
                 if results[0] is not None or (deadline is not None and remaining(deadline) == 0):
                     break
         finally:
@@ -184,7 +185,8 @@ class Request(Pending[int]):
             if err:
                 self._error = os_error(err, operation, path, offset, detail)
                 return
-            if not direct and not path.startswith("<fd "):  # a caller's descriptor is used as opened
+            if direct is False and not path.startswith("<fd "):  # (None: the engine never asks for O_DIRECT;
+                # a caller's descriptor is used as opened)
                 _warn_buffered(path)
             if self._finish is not None:
                 self._finish()
@@ -201,9 +203,19 @@ class Request(Pending[int]):
                 with contextlib.suppress(OSError):
                     os.close(self._owned_fd)
                 self._owned_fd = -1
-            handle = self._handle()
-            if handle is not None:  # pending until its buffers are released: see _close_live_handles
-                handle._forget(self._op_id)
+            forget = self._on_collected() if self._on_collected is not None else None
+            if forget is not None:  # pending until its buffers are released: see _close_live_handles
+                forget(self._op_id)
+
+    def drop_descriptor(self) -> None:
+        """Close this process's copy of the caller's descriptor the transfer uses.
+
+        For a forked child: the transfer runs in the parent, with the parent's copy.
+        """
+        if self._owned_fd >= 0:
+            with contextlib.suppress(OSError):  # a descriptor of this process's only: nothing is lost if it is gone
+                os.close(self._owned_fd)
+            self._owned_fd = -1
 
     def __enter__(self) -> "Request":
         return self
@@ -214,7 +226,7 @@ class Request(Pending[int]):
         else:  # already failing: make sure the buffers outlive the IO, without masking the first error
             try:
                 self.wait()
-            except Exception:
+            except Exception:  # the block's own exception is the one raised; this one is its consequence
                 pass
 
 

@@ -14,18 +14,29 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
+from ..pending import Pending
 from .buffers import PAGE_SIZE, aligned_empty
 from .inputs import FileRef
 
-if TYPE_CHECKING:
-    from .handle import AsyncIOHandle
-    from .request import Request
-
 DIGEST_SLICE = 4 << 20  # bytes copied per digest call: small enough to stay in the CPU's cache
+
+
+class Transfers(Protocol):
+    """What the staged readers and writers need of a handle: ``AsyncIOHandle``'s asynchronous reads and writes."""
+
+    def read_async(self, tensor: torch.Tensor, file: FileRef, offset: int = 0) -> Pending[int]:
+        """Start reading ``tensor.nbytes`` bytes at ``offset`` of ``file`` into ``tensor``."""
+        ...
+
+    def write_async(
+        self, tensor: torch.Tensor, file: FileRef, offset: int = 0, *, truncate: bool | None = None, fsync: bool = False
+    ) -> Pending[int]:
+        """Start writing ``tensor``'s bytes at ``offset`` of ``file``."""
+        ...
 
 
 class StagingPool:
@@ -86,12 +97,12 @@ class StagedWriter:
         count: How many buffers are used in turn (one fills while the others are written).
     """
 
-    def __init__(self, handle: AsyncIOHandle, file: FileRef, offset: int = 0, *, pool: StagingPool, count: int = 2):
+    def __init__(self, handle: Transfers, file: FileRef, offset: int = 0, *, pool: StagingPool, count: int = 2):
         self.handle, self.file, self.pool, self.count = handle, file, pool, count
         self.offset = offset  # file offset where the buffer being filled goes
         self.error: OSError | None = None
         self._buffers: list[torch.Tensor] = []
-        self._requests: list[Request | None] = []
+        self._requests: list[Pending[int] | None] = []
         self._current = -1  # index of the buffer being filled
         self._filling = False  # whether the current buffer takes bytes (not yet submitted)
         self._fill = 0  # bytes in the current buffer
@@ -240,9 +251,7 @@ class StagedReader:
         depth: How many chunks the window keeps read or in flight.
     """
 
-    def __init__(
-        self, handle: AsyncIOHandle, file: FileRef, start: int, end: int, *, pool: StagingPool, depth: int = 2
-    ):
+    def __init__(self, handle: Transfers, file: FileRef, start: int, end: int, *, pool: StagingPool, depth: int = 2):
         self.handle, self.file, self.start, self.end, self.pool, self.depth = handle, file, start, end, pool, depth
         self.chunk_bytes = pool.buffer_bytes
         self.chunk_count = -(-(end - start) // self.chunk_bytes)

@@ -11,17 +11,13 @@ copy has completed, so the tensor is ready (or its bytes are on storage) for any
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import accelerator
 from .buffers import PAGE_SIZE
 from .inputs import FileRef, byte_view, check_tensor
-from .staged_file import StagedReader, StagedWriter, StagingPool
-
-if TYPE_CHECKING:
-    from .handle import AsyncIOHandle
+from .staged_file import StagedReader, StagedWriter, StagingPool, Transfers
 
 DEFAULT_CHUNK_BYTES = 8 << 20  # bytes per host buffer; two are used
 
@@ -39,7 +35,7 @@ class DeviceStager:
         ValueError: When ``chunk_bytes`` is not a positive integer.
     """
 
-    def __init__(self, handle: AsyncIOHandle, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, handle: Transfers, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive integer (bytes), got {chunk_bytes!r}")
         self.handle = handle
@@ -101,7 +97,8 @@ class DeviceStager:
         nbytes = src.numel()
         truncate = offset == 0 if truncate is None else truncate
         if not nbytes:  # nothing to stage; the handle still truncates (or creates) the file as asked
-            return self.handle.write(torch.empty(0, dtype=torch.uint8), file, offset, truncate=truncate, fsync=fsync)
+            empty = torch.empty(0, dtype=torch.uint8)
+            return self.handle.write_async(empty, file, offset, truncate=truncate, fsync=fsync).wait()
         with self._lock:
             pool, stream = self._setup(acc, tensor.device)
             writer = StagedWriter(self.handle, file, offset, pool=pool, count=2)
@@ -163,6 +160,6 @@ def _copy(acc: accelerator.Accelerator, dst: torch.Tensor, src: torch.Tensor, st
     except BaseException:
         try:
             acc.synchronize(event)
-        except Exception:
+        except Exception:  # only waiting for the copy to end; the first failure is the one raised below
             pass
         raise

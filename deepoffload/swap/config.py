@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from ..config import ALIASES as AIO_ALIASES
 from ..config import AioConfig, ConfigError, _bool, _positive_int, read_json
+from ..io.engines import check_choice
 
 SWAP_ALIASES = {"nvme_path": "folder", "pin_memory": "pin"}
 
@@ -43,7 +44,8 @@ class SwapConfig:
             is not a cryptographic signature).
 
     Raises:
-        ConfigError: When a value has the wrong type or range (the message names the key).
+        ConfigError: When a value has the wrong type or range (the message names the key), or ``aio.engine`` names
+            no registered engine.
 
     Examples:
         >>> from deepoffload import SwapConfig
@@ -68,6 +70,7 @@ class SwapConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.aio, AioConfig):
             raise ConfigError(f"aio: expected an AioConfig, got {type(self.aio).__name__}")
+        check_choice(self.aio.engine)  # a registered engine (AioConfig, lower down, cannot see the registry)
         if self.folder is not None and (not isinstance(self.folder, (str, os.PathLike)) or not os.fspath(self.folder)):
             raise ConfigError(f"folder: expected a path to a folder (or null for the temp folder), got {self.folder!r}")
         if self.folder is not None:

@@ -14,10 +14,11 @@ import torch
 
 import deepoffload
 from deepoffload import AioConfig, AsyncIOHandle, aligned_empty
-from deepoffload.io.native import engine_status
+from deepoffload.io.engines import engine_status, engines
 
 SIZES = [1, 4096, 1_000_003, 2 * 65536 + 512]  # bytes; the handle below uses 64 KiB blocks
 OFFSETS = [0, 4096, 12345]
+NATIVE_ENGINES = [e.name for e in engines() if e.native]  # the registry's, best first
 
 
 def usable_engines() -> list[str]:
@@ -39,7 +40,7 @@ def python_read(path, offset: int, nbytes: int) -> bytes:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
-@pytest.mark.parametrize("engine", ["io_uring", "libaio", "posix"])
+@pytest.mark.parametrize("engine", NATIVE_ENGINES)
 def test_round_trips_match_python_file_io(aio, scratch, engine, threads):
     if engine not in usable_engines():
         pytest.skip(f"{engine} is not usable here: {engine_status().get(engine, (False, 'not compiled in'))[1]}")

@@ -102,7 +102,9 @@ def test_setup_py_refuses_a_flag_it_cannot_parse():
 
 def test_every_engine_list_derives_from_the_table():
     from deepoffload.cli.main import build_parser
-    from deepoffload.config import ENGINES as CONFIG_ENGINES
+    from deepoffload.io.engines import choices
+
+    CONFIG_ENGINES = choices()
 
     assert ENGINE_NAMES == ("io_uring", "libaio", "posix", "windows")
     assert CONFIG_ENGINES == ("auto", *ENGINE_NAMES)

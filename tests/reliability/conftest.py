@@ -16,7 +16,7 @@ import pytest
 @pytest.fixture(scope="session")
 def engines(aio) -> list[str]:
     """Every compiled-in engine whose runtime self-test passes here, best first."""
-    from deepoffload.io.native import engine_status
+    from deepoffload.io.engines import engine_status
 
     usable = [engine for engine, (ok, _) in engine_status().items() if ok]
     assert usable, "no engine works here: the op's own self-test failed"

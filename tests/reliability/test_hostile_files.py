@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from deepoffload.io.engines import engines as registered_engines
+
 TIMEOUT_S = 120  # generous: starting torch on a loaded 2-core machine takes seconds; a hang never ends
 
 PRELUDE = """
@@ -57,7 +59,7 @@ def run_child(engine: str, folder, body: str, prelude: str = "") -> subprocess.C
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.fixture(params=["io_uring", "libaio", "posix"])
+@pytest.fixture(params=[e.name for e in registered_engines() if e.native])  # the registry's, best first
 def engine(request, engines) -> str:
     if request.param not in engines:
         pytest.skip(f"engine {request.param} does not work here")

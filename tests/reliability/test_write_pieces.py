@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from deepoffload import AsyncIOHandle, aligned_empty
 from deepoffload.io.compat import aio_handle
-from deepoffload.io.native import engine_status
+from deepoffload.io.engines import engine_status
 
 QUICK = settings(
     max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
