@@ -29,7 +29,8 @@ from common import run_main
 
 from deepoffload.bench.measure import evict
 from deepoffload.bench.sizes import format_size, parse_size
-from deepoffload.checkpoint import api, streams, zip_crc
+from deepoffload.checkpoint import api
+from deepoffload.formats.torch_zip import streams, zip_crc
 from deepoffload.io import staged_file
 
 

@@ -18,12 +18,8 @@ import torch.serialization as ts
 from ..config import AioConfig
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedError, naming_target
 from ..formats.header import file_identity
-from ..io import retire
-from ..io.buffers import aligned_empty
-from ..io.owners import PRIVATE_MODE, adopt_mode, remove_dead_temporaries, temporary_name
-from ..pending import PendingFuture
-from .streams import DirectReader, DirectWriter, shared_handle
-from .torch_format import (
+from ..formats.torch_zip.streams import DirectReader, DirectWriter, shared_handle
+from ..formats.torch_zip.torch_format import (
     Record,
     not_a_checkpoint,
     record,
@@ -32,9 +28,13 @@ from .torch_format import (
     snapshot_bytes,
     write_records,
 )
-from .whole_file import load_from_memory, load_mapped, read_whole, weights_only_default
-from .zip_crc import ZipChecksums
-from .zip_layout import check_layout
+from ..formats.torch_zip.whole_file import load_from_memory, load_mapped, read_whole, weights_only_default
+from ..formats.torch_zip.zip_crc import ZipChecksums
+from ..formats.torch_zip.zip_layout import check_layout
+from ..io import retire
+from ..io.buffers import aligned_empty
+from ..io.owners import PRIVATE_MODE, adopt_mode, remove_dead_temporaries, temporary_name
+from ..pending import PendingFuture
 
 LOAD_ATTEMPTS = 3  # reads of a file that another process replaces (or rewrites) while it is read, before giving up
 _executor: ThreadPoolExecutor | None = None

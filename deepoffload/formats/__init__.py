@@ -1,6 +1,7 @@
 """Checkpoint formats read and written through the async-IO op.
 
-Safetensors (single files and Hugging Face sharded folders) and torch.save state dicts (read only).
+Safetensors (single files and Hugging Face sharded folders) and torch.save state dicts (read only); ``torch_zip``
+moves ``torch.save``'s zip format through the op for ``deepoffload.checkpoint`` (``save``/``load``), the layer above.
 
 Names are imported on first access, so ``import deepoffload.formats`` stays cheap.
 """

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .header import CheckpointError, CheckpointNotFoundError, Header, read_header
+from .torch_zip.whole_file import load_mapped
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -96,8 +97,6 @@ def load_torch(path: Path) -> dict[str, torch.Tensor]:
         CheckpointError: When torch cannot load the file so, a storage is not exactly its record's bytes, or it holds
             anything but a flat dict of name -> tensor.
     """
-    from ..checkpoint.whole_file import load_mapped  # (here: formats loads before checkpoint, which imports it)
-
     try:  # torch.load(mmap=True) with every storage checked against its record, as deepoffload.load does
         done, state = load_mapped(str(path), "cpu", True, None, {})
         if not done:  # a TorchScript archive, or what the weights-only unpickler refuses: torch says why

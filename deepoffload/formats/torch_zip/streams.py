@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
-from ..config import AioConfig
-from ..errors import ClosedError
-from ..io.handle import AsyncIOHandle
-from ..io.staged_file import StagedReader, StagedWriter, StagingPool
+from ...config import AioConfig
+from ...errors import ClosedError
+from ...io.handle import AsyncIOHandle
+from ...io.staged_file import StagedReader, StagedWriter, StagingPool
 
 STAGING_BYTES = 16 << 20  # per staging buffer; a multiple of every O_DIRECT alignment
 STAGING_BUFFERS = 8  # one fills while the others are written: IO stays queued while the disk is uneven

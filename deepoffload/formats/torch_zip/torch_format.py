@@ -19,7 +19,7 @@ from typing import Union
 import torch
 import torch.serialization
 
-from ..io.buffers import aligned_empty
+from ...io.buffers import aligned_empty
 from .crc_ahead import CrcAhead
 from .streams import DirectWriter
 from .zip_crc import CrcFiller
