@@ -173,7 +173,7 @@ def _as_from_pretrained(path: str) -> bool:
         return False
     try:
         from transformers import AutoConfig
-    except ImportError:
+    except ImportError:  # no transformers: no from_pretrained either, so the plan counts torch alone
         return False
     from ..swap.params.pretrained import _build, _model_class
 
@@ -181,7 +181,7 @@ def _as_from_pretrained(path: str) -> bool:
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
             _build(_model_class(config, None), config)
-    except Exception:
+    except Exception:  # what from_pretrained would refuse: plan as for a checkpoint alone
         return False
     return True
 
