@@ -120,6 +120,32 @@ def test_toy_format_loads_end_to_end_through_the_registry_alone(toy, scratch, ca
     assert "3 blocks" in out and "toy" in out
 
 
+def test_from_pretrained_reads_a_folder_whose_weights_are_in_the_toy_format(toy, scratch):
+    import deepoffload
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    config.save_pretrained(scratch / "llama")
+    toy.save(reference.state_dict(), scratch / "llama")  # config.json beside toy.json: no safetensors at all
+    ids = torch.randint(0, 64, (1, 12))
+    model, off = deepoffload.from_pretrained(
+        scratch / "llama", transformers.LlamaForCausalLM, path=str(scratch / "swap")
+    )
+    with off, torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 def test_toy_format_is_gone_once_unregistered(scratch):
     fmt = register_format(ToyFormat())
     fmt.save({"w": torch.ones(3)}, scratch / "toy")
