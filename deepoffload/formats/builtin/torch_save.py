@@ -1,13 +1,13 @@
-"""A ``torch.save`` file in torch's zip format holding a state dict, mapped into memory (read only here).
+"""A ``torch.save`` file in torch's zip format holding a state dict: mapped into memory to read, written through the op.
 
-``deepoffload.save`` writes such files (``deepoffload.checkpoint``, the layer above).
+``deepoffload.save`` (``deepoffload.checkpoint``, the layer above) writes any object so; this format saves state dicts.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from ...errors import CheckpointError
 from ..protocol import CheckpointFormat, OpenedCheckpoint
@@ -23,6 +23,7 @@ class TorchSave(CheckpointFormat):
 
     name = "torch"
     description = "a torch.save file (zip format) holding a state dict"
+    writes = True
 
     def detect(self, path: Path) -> bool:
         """Return whether ``path`` is a file that starts as a zip archive does.
@@ -51,6 +52,21 @@ class TorchSave(CheckpointFormat):
 
         identity = file_identity(os.stat(path))  # before mapping it: a change during the load shows
         return OpenedCheckpoint(mapped=load_torch(path), mapped_path=str(path), mapped_identity=identity)
+
+    def save(self, tensors: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
+        """Write ``tensors`` as ``torch.save(dict(tensors), path)`` would, through the op, with CRC-32s, fsynced.
+
+        Written under a private temporary name and renamed over ``path`` (``deepoffload.save`` without its wait for a
+        pending ``save_async``).
+
+        Args:
+            tensors: Name -> tensor.
+            path: The file to write.
+        """
+        from ..torch_zip.torch_format import record
+        from ..torch_zip.write_file import write_file
+
+        write_file(record(dict(tensors)), os.fspath(path), checksum=True, sync=True, config=None)
 
 
 def load_torch(path: Path) -> dict[str, torch.Tensor]:
