@@ -1,6 +1,6 @@
 """Checkpoint formats read and written through the async-IO op.
 
-Safetensors (single files and Hugging Face sharded folders) and torch.save state dicts (read only), each a
+Safetensors (single files and Hugging Face sharded folders) and torch.save state dicts, each a
 ``CheckpointFormat`` in ``registry`` (one file each under ``builtin/``; ``register_format`` adds one); ``torch_zip``
 moves ``torch.save``'s zip format through the op for ``deepoffload.checkpoint`` (``save``/``load``), the layer above.
 

@@ -119,7 +119,11 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Header:
-    """A parsed safetensors file: its tensors in file order, its metadata and where its data region starts."""
+    """A file of tensors at known byte ranges.
+
+    A parsed safetensors file (its tensors in file order, its metadata and where its data region starts), or a file
+    of raw tensors ``raw_file`` described (no metadata, data from byte 0).
+    """
 
     path: str
     entries: dict[str, TensorEntry]

@@ -55,7 +55,8 @@ class HfSharded(CheckpointFormat):
             The shards' tensors, shard by shard.
         """
         index = find_index(path) if path.is_dir() else path
-        return OpenedCheckpoint(files=tuple(open_sharded(index)))
+        headers = open_sharded(index)
+        return OpenedCheckpoint(files=tuple(headers), metadata=headers[0].metadata if len(headers) == 1 else None)
 
     def save(self, tensors: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
         """Write ``tensors`` as shards and an index in the folder ``path`` (``deepoffload.formats.save_sharded``).
