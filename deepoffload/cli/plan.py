@@ -119,12 +119,11 @@ def _sizes(path: str, key: str | None) -> tuple[dict[str, int], str]:
         OSError: When it cannot be opened.
     """
     import math
-    from pathlib import Path
 
     import torch
 
     from ..errors import CheckpointError
-    from ..formats import CheckpointReader
+    from ..formats import CheckpointReader, detect_format, get_format
     from ..swap.pool import round_up
     from ..swap.records import TENSOR_ALIGNMENT
 
@@ -136,7 +135,7 @@ def _sizes(path: str, key: str | None) -> tuple[dict[str, int], str]:
             with CheckpointReader(path) as reader:
                 return {name: stored(*reader.shape_dtype(name)) for name in reader.names()}, f" ({reader.format})"
         except CheckpointError:
-            if not Path(path).is_file() or path.endswith(".safetensors"):
+            if detect_format(path) is not get_format("torch"):  # --key reads inside torch.save files only
                 raise
     state, found = _nested_state_dict(path, key)
     return {
