@@ -111,8 +111,8 @@ def _sizes(path: str, key: str | None) -> tuple[dict[str, int], str]:
         key: The key of the state dict in a torch.save file holding a dict (None: found, where only one is).
 
     Returns:
-        ({tensor name: bytes as stored}, its format and where they were found: " (safetensors)" or " (torch, the
-        state dict under key 'k')").
+        ({tensor name: bytes as stored}, its format or where they were found in a torch.save file:
+        " (safetensors)" or " (the state dict under key 'k')").
 
     Raises:
         CheckpointError: When it cannot be read, or holds no state dict (see ``_nested_state_dict``).
@@ -138,9 +138,7 @@ def _sizes(path: str, key: str | None) -> tuple[dict[str, int], str]:
             if detect_format(path) is not get_format("torch"):  # --key reads inside torch.save files only
                 raise
     state, found = _nested_state_dict(path, key)
-    return {
-        name: stored(t.shape, t.dtype) for name, t in state.items()
-    }, f" (torch, the state dict under key {found!r})"
+    return {name: stored(t.shape, t.dtype) for name, t in state.items()}, f" (the state dict under key {found!r})"
 
 
 def _size(nbytes: int) -> str:
