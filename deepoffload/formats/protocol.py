@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Mapping
 
-from ..errors import UnsupportedError
+from ..errors import CheckpointError, UnsupportedError
 
 if TYPE_CHECKING:  # (torch is imported by the formats' methods: listing the registry stays cheap)
     import torch
@@ -56,6 +56,25 @@ class OpenedCheckpoint:
     mapped_path: str = ""
     mapped_identity: tuple[int, ...] = ()
     metadata: dict[str, str] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        """Refuse what a reader could only read one way or another: both kinds, or a name in two files.
+
+        Raises:
+            ValueError: When both ``files`` and ``mapped`` are given.
+            CheckpointError: When two files hold a tensor of the same name.
+        """
+        if self.files and self.mapped is not None:
+            raise ValueError("an OpenedCheckpoint holds files of raw tensors or mapped tensors, not both")
+        seen: dict[str, str] = {}
+        for header in self.files:
+            for name in header.entries:
+                if name in seen:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in both {seen[name]} and {header.path}: which one a reader gives "
+                        f"would depend on the order of the files"
+                    )
+                seen[name] = header.path
 
 
 class CheckpointFormat(abc.ABC):

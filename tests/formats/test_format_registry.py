@@ -172,6 +172,17 @@ def test_raw_file_refuses_a_tensor_past_the_end(scratch):
         raw_file(scratch / "short.raw", {"w": (torch.float32, (3,), 0)})
 
 
+def test_a_tensor_named_in_two_files_is_refused(scratch):
+    for file in ("a.raw", "b.raw"):
+        (scratch / file).write_bytes(bytes(8))
+    a = raw_file(scratch / "a.raw", {"w": (torch.float32, (2,), 0)})
+    b = raw_file(scratch / "b.raw", {"w": (torch.float32, (2,), 0)})
+    with pytest.raises(CheckpointError, match=r"'w' is in both .*a\.raw and .*b\.raw"):
+        OpenedCheckpoint(files=(a, b))
+    with pytest.raises(ValueError, match="not both"):
+        OpenedCheckpoint(files=(a,), mapped={"w": torch.ones(2)})
+
+
 def test_registering_checks_its_input(toy):
     with pytest.raises(ValueError, match="named 'toy' is registered already"):
         register_format(ToyFormat())
