@@ -8,6 +8,8 @@ import itertools
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -235,3 +237,14 @@ def test_plan_help_and_report_list_every_format(toy, capsys):
 def test_builtin_formats_are_found_by_their_name():
     assert [f.name for f in checkpoint_formats()] == ["safetensors-sharded", "torch", "safetensors", "dcp"]
     assert get_format("dcp").name == "dcp"
+
+
+def test_listing_the_formats_imports_no_torch():
+    """``deepoffload report`` and the CLI's parser list the formats; neither may import torch to do it."""
+    code = (
+        "import sys; from deepoffload.cli.main import build_parser; from deepoffload.cli.report import "
+        "checkpoint_format_rows; build_parser(); rows = checkpoint_format_rows(); "
+        "print('torch' in sys.modules, len(rows))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", str(len(checkpoint_formats()))], proc.stderr
