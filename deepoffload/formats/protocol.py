@@ -61,11 +61,17 @@ class OpenedCheckpoint:
         """Refuse what a reader could only read one way or another: both kinds, or a name in two files.
 
         Raises:
-            ValueError: When both ``files`` and ``mapped`` are given.
+            ValueError: When both ``files`` and ``mapped`` are given, or ``mapped`` without the file it is mapped
+                from and that file's identity (a change to the file could not be seen).
             CheckpointError: When two files hold a tensor of the same name.
         """
         if self.files and self.mapped is not None:
             raise ValueError("an OpenedCheckpoint holds files of raw tensors or mapped tensors, not both")
+        if self.mapped is not None and not (self.mapped_path and self.mapped_identity):
+            raise ValueError(
+                "mapped tensors need mapped_path and mapped_identity (file_identity(os.stat(path)) taken before "
+                "mapping), so that a change to the file is refused"
+            )
         seen: dict[str, str] = {}
         for header in self.files:
             for name in header.entries:

@@ -107,7 +107,7 @@ class CheckpointReader:
         self.metadata = opened.metadata
         if opened.mapped is not None:
             self._state_dict = opened.mapped
-            self._torch_identity = opened.mapped_identity
+            self._mapped_path, self._mapped_identity = opened.mapped_path, opened.mapped_identity
         else:
             self._headers = list(opened.files)
             self._entries = {name: entry for header in self._headers for name, entry in header.entries.items()}
@@ -236,11 +236,11 @@ class CheckpointReader:
             for name in selected:
                 t = self._state_dict[name]
                 target = self._target(name, t.dtype, dtype)
-                check_unchanged(str(self.path), self._torch_identity)
+                check_unchanged(self._mapped_path, self._mapped_identity)
                 copy = t.clone() if target == t.dtype else t.to(target)
-                check_unchanged(str(self.path), self._torch_identity)  # copied what was opened
+                check_unchanged(self._mapped_path, self._mapped_identity)  # copied what was opened
                 page_out(t)
-                drop_cached(self.path)
+                drop_cached(self._mapped_path)
                 yield name, copy
             return
         yield from self._iter_safetensors(selected, dtype)
@@ -364,14 +364,14 @@ class CheckpointReader:
         if problems:
             raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))
         if self._state_dict is not None:
-            check_unchanged(str(self.path), self._torch_identity)
+            check_unchanged(self._mapped_path, self._mapped_identity)
             for name, tensor in destinations.items():
                 with torch.no_grad():
                     tensor.copy_(self._state_dict[name])
-            check_unchanged(str(self.path), self._torch_identity)
+            check_unchanged(self._mapped_path, self._mapped_identity)
             for name in destinations:  # its pages leave the page cache (and this process's memory cgroup)
                 page_out(self._state_dict[name])
-            drop_cached(self.path)
+            drop_cached(self._mapped_path)
             return
         split = frozenset(name for name, tensor in destinations.items() if tensor.is_contiguous())
         for span, start, buffer in self._spans(list(destinations), self._pool, split):

@@ -30,6 +30,7 @@ from deepoffload.formats import (
     register_format,
     unregister_format,
 )
+from deepoffload.formats.header import file_identity
 from deepoffload.swap.params import offload_parameters
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "guides" / "checkpoints.md"
@@ -183,6 +184,37 @@ def test_a_tensor_named_in_two_files_is_refused(scratch):
         OpenedCheckpoint(files=(a, b))
     with pytest.raises(ValueError, match="not both"):
         OpenedCheckpoint(files=(a,), mapped={"w": torch.ones(2)})
+
+
+class MappedToy(CheckpointFormat):
+    """A folder holding inner.pt: mapped tensors from a file that is not the path given."""
+
+    name, description = "mapped-toy", "a folder holding inner.pt"
+
+    def detect(self, path: Path) -> bool:
+        return (path / "inner.pt").is_file()
+
+    def open(self, path: Path) -> OpenedCheckpoint:
+        inner = path / "inner.pt"
+        identity = file_identity(os.stat(inner))
+        state = torch.load(inner, mmap=True, weights_only=True)
+        return OpenedCheckpoint(mapped=state, mapped_path=str(inner), mapped_identity=identity)
+
+
+def test_mapped_tensors_are_checked_against_their_own_file(scratch):
+    (scratch / "m").mkdir()
+    torch.save({"w": torch.arange(6.0)}, scratch / "m" / "inner.pt")
+    register_format(MappedToy())
+    try:
+        with CheckpointReader(scratch / "m") as reader:
+            assert reader.format == "mapped-toy" and torch.equal(reader.read()["w"], torch.arange(6.0))
+            torch.save({"w": torch.zeros(6)}, scratch / "m" / "inner.pt")
+            with pytest.raises(CheckpointError, match="inner.pt was replaced or rewritten"):
+                reader.read()
+    finally:
+        unregister_format("mapped-toy")
+    with pytest.raises(ValueError, match="mapped_path and mapped_identity"):
+        OpenedCheckpoint(mapped={"w": torch.ones(1)})
 
 
 def test_registering_checks_its_input(toy):
