@@ -41,7 +41,7 @@ import deepoffload
 from deepoffload.bench.measure import BenchError, evict, scratch_file, time_transfer
 from deepoffload.bench.sizes import format_size, parse_size
 from deepoffload.checkpoint import api as checkpoint_api
-from deepoffload.checkpoint.torch_format import record, snapshot
+from deepoffload.formats.torch_zip.torch_format import record, snapshot
 from deepoffload.io import retire
 from deepoffload.io.buffers import aligned_empty
 

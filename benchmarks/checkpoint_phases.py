@@ -29,7 +29,9 @@ from common import run_main
 
 from deepoffload.bench.measure import evict
 from deepoffload.bench.sizes import format_size, parse_size
-from deepoffload.checkpoint import api, streams, zip_crc
+from deepoffload.checkpoint import api
+from deepoffload.formats.torch_zip import streams, zip_crc
+from deepoffload.formats.torch_zip import write_file as file_writer
 from deepoffload.io import staged_file
 
 
@@ -62,14 +64,14 @@ def main() -> int:
         setattr(owner, name, run)
 
     real_preallocate = streams._preallocate
-    timed(api, "write_records", "write", cpu=True)  # torch's zip writer, staging copies, CRCs, waits for buffers
+    timed(file_writer, "write_records", "write", cpu=True)  # torch zip writer, staging copies, CRCs, buffer waits
     timed(zip_crc.CrcFiller, "_digest", "crc")
     timed(staged_file.StagedWriter, "_wait", "wait")  # for a buffer's write (in the write phase and in close)
     timed(streams.DirectWriter, "close", "close")  # last writes, truncate, fsync
     timed(os, "ftruncate", "truncate")
     timed(os, "fsync", "fsync", first_only=True)  # the file's
     timed(os, "replace", "rename")
-    timed(api, "_fsync_folder", "folder fsync")
+    timed(file_writer, "fsync_folder", "folder fsync")
     totals: dict[str, list[float]] = {mode: [] for mode in phases}
     try:
         for r in range(args.rounds):

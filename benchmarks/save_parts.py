@@ -31,7 +31,7 @@ from common import run_main
 
 import deepoffload
 from deepoffload.bench.sizes import format_size, parse_size
-from deepoffload.checkpoint.streams import DirectWriter
+from deepoffload.formats.torch_zip.streams import DirectWriter
 from deepoffload.io import retire
 
 PAGE = 4096

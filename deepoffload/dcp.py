@@ -47,11 +47,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .checkpoint.dcp_metadata import check_metadata, read_metadata
-from .checkpoint.streams import DirectReader, DirectWriter
 from .config import AioConfig
 from .errors import CheckpointError
 from .formats.commit import new_generation, sync_folder
+from .formats.dcp_metadata import check_metadata, read_metadata
+from .formats.torch_zip.streams import DirectReader, DirectWriter
 from .io.folder_lock import folder_lock
 from .io.owners import PRIVATE_MODE, adopt_mode, create_private, remove_dead_temporaries, temporary_name
 

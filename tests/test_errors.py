@@ -100,7 +100,7 @@ def test_defined_exceptions_are_found():
         ("deepoffload.errors", "StreamedParameterError"),
         ("deepoffload.op_builder.build_errors", "BuildError"),
         ("deepoffload.op_builder.env", "EnvError"),
-        ("deepoffload.checkpoint.zip_crc", "ZipLayoutError"),
+        ("deepoffload.formats.torch_zip.zip_crc", "ZipLayoutError"),
         ("deepoffload.op_builder.errors", "DeepOffloadError"),
     } <= found
 
@@ -119,7 +119,6 @@ def test_the_family_keeps_the_builtin_bases_callers_catch():
     from deepoffload.op_builder.errors import DeepOffloadError as base
 
     import deepoffload
-    from deepoffload.checkpoint.zip_crc import ZipLayoutError
     from deepoffload.errors import (
         CheckpointError,
         CheckpointNotFoundError,
@@ -127,6 +126,7 @@ def test_the_family_keeps_the_builtin_bases_callers_catch():
         StreamedParameterError,
         UnsupportedError,
     )
+    from deepoffload.formats.torch_zip.zip_crc import ZipLayoutError
 
     assert DeepOffloadError is base is deepoffload.DeepOffloadError  # one base, also below deepoffload's layers
     assert deepoffload.BuildError is BuildError

@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The command's subparser.
     """
-    parser.add_argument("checkpoint", help="a .safetensors file, a sharded folder with its index, or a torch.save file")
+    from ..formats.registry import checkpoint_formats  # (imports no torch)
+
+    readable = "; ".join(f"{f.description} ({f.name})" for f in checkpoint_formats() if f.reads)
+    parser.add_argument("checkpoint", help=f"the checkpoint: {readable}")
     parser.add_argument(
         "--max-memory", required=True, metavar="N", help="the process's memory limit: bytes, or e.g. 6GB, 512MiB"
     )
@@ -101,26 +104,26 @@ def _nested_state_dict(path: str, key: str | None) -> tuple[dict, str]:
 
 
 def _sizes(path: str, key: str | None) -> tuple[dict[str, int], str]:
-    """The sizes of a checkpoint's tensors.
+    """The sizes of a checkpoint's tensors, and its format.
 
     Args:
         path: The checkpoint (a safetensors file, a sharded folder, a torch.save file).
         key: The key of the state dict in a torch.save file holding a dict (None: found, where only one is).
 
     Returns:
-        ({tensor name: bytes as stored}, where they were found: "" or " (the state dict under key 'k')").
+        ({tensor name: bytes as stored}, its format or where they were found in a torch.save file:
+        " (safetensors)" or " (the state dict under key 'k')").
 
     Raises:
         CheckpointError: When it cannot be read, or holds no state dict (see ``_nested_state_dict``).
         OSError: When it cannot be opened.
     """
     import math
-    from pathlib import Path
 
     import torch
 
     from ..errors import CheckpointError
-    from ..formats import CheckpointReader
+    from ..formats import CheckpointReader, detect_format, get_format
     from ..swap.pool import round_up
     from ..swap.records import TENSOR_ALIGNMENT
 
@@ -130,9 +133,9 @@ def _sizes(path: str, key: str | None) -> tuple[dict[str, int], str]:
     if key is None:
         try:
             with CheckpointReader(path) as reader:
-                return {name: stored(*reader.shape_dtype(name)) for name in reader.names()}, ""
+                return {name: stored(*reader.shape_dtype(name)) for name in reader.names()}, f" ({reader.format})"
         except CheckpointError:
-            if not Path(path).is_file() or path.endswith(".safetensors"):
+            if detect_format(path) is not get_format("torch"):  # --key reads inside torch.save files only
                 raise
     state, found = _nested_state_dict(path, key)
     return {name: stored(t.shape, t.dtype) for name, t in state.items()}, f" (the state dict under key {found!r})"
@@ -167,7 +170,7 @@ def _as_from_pretrained(path: str) -> bool:
         return False
     try:
         from transformers import AutoConfig
-    except ImportError:
+    except ImportError:  # no transformers: no from_pretrained either, so the plan counts torch alone
         return False
     from ..swap.params.pretrained import _build, _model_class
 
@@ -175,7 +178,7 @@ def _as_from_pretrained(path: str) -> bool:
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
             _build(_model_class(config, None), config)
-    except Exception:
+    except Exception:  # what from_pretrained would refuse: plan as for a checkpoint alone
         return False
     return True
 

@@ -131,6 +131,10 @@ def render(report: dict, style: Style) -> str:
             ["version", "value"],
         )
     )
+    if report.get("checkpoint_formats"):
+        out.append("")
+        rows = [[f["name"], yes(f["reads"]), yes(f["writes"]), f["description"]] for f in report["checkpoint_formats"]]
+        out.append(_table(rows, ["checkpoint format", "read", "written", "what it is"]))
     if "path" in report:
         p = report["path"]
         out.append("")
@@ -157,6 +161,20 @@ def render(report: dict, style: Style) -> str:
     return "\n".join(out)
 
 
+def checkpoint_format_rows() -> list[dict]:
+    """The registered checkpoint formats, in the order they are tried (``deepoffload.formats.registry``).
+
+    Returns:
+        One ``{"name", "description", "reads", "writes"}`` per format.
+    """
+    from ..formats.registry import checkpoint_formats  # (imports no torch)
+
+    return [
+        {"name": f.name, "description": f.description, "reads": f.reads, "writes": f.writes}
+        for f in checkpoint_formats()
+    ]
+
+
 def usable(report: dict) -> bool:
     """True when the async-IO op can be used here: compatible, and it loads when built."""
     op = next(o for o in report["ops"] if o["name"] == "async_io")
@@ -173,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         The exit status: 0 when the async-IO op can be used here (and in the ``--path`` folder), 1 when not.
     """
     report = gather(args.path, use_cache=not args.no_probe_cache)
+    report["checkpoint_formats"] = checkpoint_format_rows()
     if args.json:
         print(json.dumps(report, indent=2))
     else:

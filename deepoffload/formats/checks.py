@@ -112,7 +112,7 @@ def compare_keys(
     return KeyReport(missing, unexpected)
 
 
-def _check_unchanged(path: str, identity: tuple[int, ...]) -> None:
+def check_unchanged(path: str, identity: tuple[int, ...]) -> None:
     """Raise unless ``path`` is still the file whose header was read at open.
 
     The op reads by path, so a file replaced (a new save renamed over it) or rewritten since would be read at

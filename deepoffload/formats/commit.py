@@ -55,7 +55,7 @@ def sync_folder(folder: Path) -> None:
     """fsync ``folder`` so the renames in it are durable (a no-op where folders cannot be opened: Windows)."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
+    except OSError:  # no folder descriptors here (Windows): the renames are as durable as this system makes them
         return
     try:
         os.fsync(fd)

@@ -1,7 +1,7 @@
 """Fault in the pages of new read buffers before their reads are submitted, from one thread or two.
 
 A span buffer fresh from the allocator is backed page by page on first touch; doing that before the read is
-submitted keeps the faults off the read's path. ``_fault_in`` does it by ``MADV_POPULATE_WRITE`` or by writing a
+submitted keeps the faults off the read's path. ``fault_in`` does it by ``MADV_POPULATE_WRITE`` or by writing a
 zero to each page from two threads, the faster way when the memory faults in slowly (``SLOW_FAULT_BYTES_PER_S``).
 """
 
@@ -22,7 +22,7 @@ FAULT_SPLIT_PAGES = 1024  # buffers of fewer than twice this many pages are faul
 SLOW_FAULT_BYTES_PER_S = 3e9
 
 
-def _fault_in(buffer: torch.Tensor, threads: int) -> None:
+def fault_in(buffer: torch.Tensor, threads: int) -> None:
     """Back every page of the new (zero-filled) uint8 ``buffer`` now.
 
     Measured here (1 GiB of new huge-page memory, interleaved): writes from two threads fault in 1.5-1.7x as fast as

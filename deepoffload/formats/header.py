@@ -119,7 +119,11 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Header:
-    """A parsed safetensors file: its tensors in file order, its metadata and where its data region starts."""
+    """A file of tensors at known byte ranges.
+
+    A parsed safetensors file (its tensors in file order, its metadata and where its data region starts), or a file
+    of raw tensors ``raw_file`` described (no metadata, data from byte 0).
+    """
 
     path: str
     entries: dict[str, TensorEntry]
@@ -317,3 +321,44 @@ def encode_header(
         raise ValueError(f"header of {8 + len(text)} bytes does not fit in {total}")
     body = text + b" " * (total - 8 - len(text))
     return struct.pack("<Q", len(body)) + body
+
+
+def raw_file(path: str | os.PathLike, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], int]]) -> Header:
+    """Describe a file holding tensors as raw little-endian bytes at known offsets, for ``OpenedCheckpoint.files``.
+
+    Args:
+        path: The file.
+        tensors: Name -> (dtype, shape, offset of its first byte in the file).
+
+    Returns:
+        A ``Header`` with one ``TensorEntry`` per tensor, in file order, and the file's identity now (a file changed
+        after this is refused when read).
+
+    Raises:
+        CheckpointError: When a tensor runs past the end of the file, or the file cannot be opened.
+
+    Examples:
+        >>> import torch
+        >>> from deepoffload.formats import raw_file
+        >>> _ = open("w.raw", "wb").write(torch.arange(6.0).numpy().tobytes())
+        >>> header = raw_file("w.raw", {"w": (torch.float32, (2, 3), 0)})
+        >>> header.entries["w"].start, header.entries["w"].end, header.file_size
+        (0, 24, 24)
+    """
+    check_little_endian()
+    path = os.fspath(path)
+    try:
+        stat = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open it as a file of raw tensors: {e}") from None
+    entries = []
+    for name, (dtype, shape, start) in tensors.items():
+        end = start + math.prod(shape) * element_size(dtype)
+        if start < 0 or end > stat.st_size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({dtype}, shape {list(shape)}) at bytes [{start}, {end}) runs past the end "
+                f"of the {stat.st_size}-byte file"
+            )
+        entries.append(TensorEntry(name, path, dtype, tuple(shape), start, end))
+    entries.sort(key=lambda e: (e.start, e.end))
+    return Header(path, {e.name: e for e in entries}, None, 0, stat.st_size, file_identity(stat))

@@ -1,7 +1,8 @@
 """Read checkpoints tensor by tensor: safetensors files read through the async-IO op, torch.save files by mmap.
 
-``CheckpointReader`` opens a ``.safetensors`` file, a Hugging Face sharded folder (``model.safetensors.index.json``
-beside its shards) or a ``torch.save`` state dict, validates every header at open, and yields tensors lazily by
+``CheckpointReader`` opens a checkpoint of any registered format (``registry``: a ``.safetensors`` file, a Hugging
+Face sharded folder, a ``torch.save`` state dict, or one a user registered), validates it at open through its format,
+and yields tensors lazily by
 name, so a caller can load one block of a model at a time. Safetensors bytes are read with O_DIRECT (no page
 cache) into page-aligned buffers (huge pages where the system has them, faulted in before each read is submitted,
 while earlier reads are in flight): neighbouring tensors are read together in spans of up to ``span_bytes`` and
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import math
 import os
 import time
@@ -23,20 +23,17 @@ import torch
 
 from ..io.buffers import aligned_empty, drop_cached, page_out
 from ..io.handle import AsyncIOHandle
-from .checks import DtypeSpec, Expected, KeyReport, _check_unchanged, compare_keys, convertible
-from .discovery import INDEX_NAME, SINGLE_NAME, _find_index, _is_torch_zip, _open_sharded, load_torch
-from .fault_in import FAULT_SPLIT_PAGES, PAGE_BYTES, SLOW_FAULT_BYTES_PER_S, _fault_in
+from .checks import DtypeSpec, Expected, KeyReport, check_unchanged, compare_keys, convertible
+from .fault_in import FAULT_SPLIT_PAGES, PAGE_BYTES, SLOW_FAULT_BYTES_PER_S, fault_in
 from .header import (
     CheckpointError,
-    CheckpointNotFoundError,
     Header,
     TensorEntry,
     check_little_endian,
     element_size,
-    file_identity,
-    read_header,
 )
-from .spans import READ_ALIGNMENT, _Span, plan_spans
+from .registry import detect_format
+from .spans import READ_ALIGNMENT, Span, plan_spans
 
 NAMES_HINT = " (pass strict=False to allow missing and unexpected names)"
 
@@ -49,8 +46,11 @@ class CheckpointReader:
     rest.
 
     Args:
-        path: A ``.safetensors`` file, a folder of one (``model.safetensors``) or of sharded safetensors (with
-            ``model.safetensors.index.json``), an ``.index.json`` file, or a ``torch.save`` file (zip format).
+        path: A checkpoint of a registered format (``deepoffload.formats.checkpoint_formats()``, the first whose
+            ``detect`` accepts it): a ``.safetensors`` file, a folder of one (``model.safetensors``) or of sharded
+            safetensors (with ``model.safetensors.index.json``), an ``.index.json`` file, a ``torch.save`` file (zip
+            format), or one of a format added with ``register_format``. ``format`` then names its format and
+            ``serves`` says whether its tensors' bytes lie as stored in files.
         handle: An ``AsyncIOHandle`` to read with (default: one made here with the default settings, closed by
             ``close()``).
         span_bytes: The largest read that covers several tensors (at least ``READ_ALIGNMENT``).
@@ -101,53 +101,16 @@ class CheckpointReader:
 
     # -- opening ----------------------------------------------------------------------------------------------
     def _open(self) -> None:
-        path = self.path
-        if path.is_dir():
-            index = _find_index(path)
-            if index is not None:
-                self._headers = _open_sharded(index)
-                self.format = "safetensors-sharded"
-            elif (path / SINGLE_NAME).is_file():
-                self._headers = [read_header(path / SINGLE_NAME)]
-                self.format = "safetensors"
-            elif (path / ".metadata").is_file() or next(path.glob("*.distcp"), None) is not None:
-                raise CheckpointError(
-                    f"{path}: a torch.distributed.checkpoint (DCP) folder; this reads safetensors or torch.save: "
-                    "convert it once with torch.distributed.checkpoint.format_utils.dcp_to_torch_save(folder, "
-                    "'model.pt') and pass model.pt"
-                )
-            else:
-                raise CheckpointNotFoundError(
-                    errno.ENOENT,
-                    f"no {INDEX_NAME} or {SINGLE_NAME} in this folder; pass a .safetensors file, a folder of "
-                    f"sharded safetensors, or a torch.save file",
-                    str(path),
-                )
-        elif not path.exists():
-            raise CheckpointNotFoundError(errno.ENOENT, "no such checkpoint file or folder", str(path))
-        elif path.name.endswith(".index.json"):
-            self._headers = _open_sharded(path)
-            self.format = "safetensors-sharded"
-        elif _is_torch_zip(path):
-            self._torch_identity = file_identity(os.stat(path))  # before mapping it: a change during the load shows
-            self._state_dict = load_torch(path)
-            self.format = "torch"
+        fmt = detect_format(self.path)
+        opened = fmt.open(self.path)
+        self.format, self.serves = fmt.name, fmt.serves
+        self.metadata = opened.metadata
+        if opened.mapped is not None:
+            self._state_dict = opened.mapped
+            self._mapped_path, self._mapped_identity = opened.mapped_path, opened.mapped_identity
         else:
-            try:
-                self._headers = [read_header(path)]
-            except CheckpointError as e:
-                if path.suffix in (".pt", ".pth", ".bin"):
-                    raise CheckpointError(
-                        f"{e}; as a torch.save file it is not in torch's zip format (saved with "
-                        f"_use_new_zipfile_serialization=False?): re-save it with torch.save "
-                        f"defaults"
-                    ) from None
-                raise
-            self.format = "safetensors"
-        if self._headers:
+            self._headers = list(opened.files)
             self._entries = {name: entry for header in self._headers for name, entry in header.entries.items()}
-            if len(self._headers) == 1:
-                self.metadata = self._headers[0].metadata
 
     # -- what is in it ----------------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -273,11 +236,11 @@ class CheckpointReader:
             for name in selected:
                 t = self._state_dict[name]
                 target = self._target(name, t.dtype, dtype)
-                _check_unchanged(str(self.path), self._torch_identity)
+                check_unchanged(self._mapped_path, self._mapped_identity)
                 copy = t.clone() if target == t.dtype else t.to(target)
-                _check_unchanged(str(self.path), self._torch_identity)  # copied what was opened
+                check_unchanged(self._mapped_path, self._mapped_identity)  # copied what was opened
                 page_out(t)
-                drop_cached(self.path)
+                drop_cached(self._mapped_path)
                 yield name, copy
             return
         yield from self._iter_safetensors(selected, dtype)
@@ -294,13 +257,13 @@ class CheckpointReader:
         """
         return dict(self.iter_tensors(names, dtype))
 
-    def _plan(self, selected: list[str], split: frozenset[str] = frozenset()) -> list[_Span]:
+    def _plan(self, selected: list[str], split: frozenset[str] = frozenset()) -> list[Span]:
         """Spans covering ``selected`` in storage order (see ``plan_spans``)."""
         order = {header.path: i for i, header in enumerate(self._headers)}
         entries = sorted((self._entries[n] for n in selected), key=lambda e: (order[e.path], e.start))
         return plan_spans(entries, self.span_bytes, self.gap_bytes, split)
 
-    def _submit(self, span: _Span, file_sizes: dict[str, int], pool: list[torch.Tensor] | None):
+    def _submit(self, span: Span, file_sizes: dict[str, int], pool: list[torch.Tensor] | None):
         """Start reading ``span``: (first byte read, its buffer, the request, the pooled buffer or None)."""
         start = span.start // READ_ALIGNMENT * READ_ALIGNMENT
         end = min(-(-span.end // READ_ALIGNMENT) * READ_ALIGNMENT, file_sizes[span.path])
@@ -313,7 +276,7 @@ class CheckpointReader:
         else:  # faulted in here, while earlier spans are read, rather than page by page inside the read
             buffer = aligned_empty(end - start, pin=False)
             began = time.perf_counter()
-            _fault_in(buffer, self._fault_threads)
+            fault_in(buffer, self._fault_threads)
             if end - start >= FAULT_SPLIT_PAGES * 2 * PAGE_BYTES:  # (small buffers time too coarsely to tell)
                 slow = (end - start) / (time.perf_counter() - began) < SLOW_FAULT_BYTES_PER_S
                 self._fault_threads = 2 if slow else 1
@@ -325,7 +288,7 @@ class CheckpointReader:
 
     def _spans(
         self, selected: list[str], pool: list[torch.Tensor] | None, split: frozenset[str] = frozenset()
-    ) -> Iterator[tuple[_Span, int, torch.Tensor | None]]:
+    ) -> Iterator[tuple[Span, int, torch.Tensor | None]]:
         """Yield the spans covering ``selected``, each once its read is done, reading ahead up to ``inflight_bytes``.
 
         Args:
@@ -348,14 +311,14 @@ class CheckpointReader:
                     not queue or inflight + spans[next_span].end - spans[next_span].start <= self.inflight_bytes
                 ):
                     span = spans[next_span]
-                    _check_unchanged(span.path, identities[span.path])
+                    check_unchanged(span.path, identities[span.path])
                     queue.append((span, *self._submit(span, file_sizes, pool)))
                     inflight += span.end - span.start
                     next_span += 1
                 span, start, buffer, request, pooled = queue.popleft()
                 if request is not None:
                     request.wait()
-                    _check_unchanged(span.path, identities[span.path])  # not replaced before the op opened it
+                    check_unchanged(span.path, identities[span.path])  # not replaced before the op opened it
                 inflight -= span.end - span.start
                 yield span, start, buffer
                 if pooled is not None and pool is not None:  # (a pooled buffer came from pool)
@@ -401,14 +364,14 @@ class CheckpointReader:
         if problems:
             raise CheckpointError(f"{self.path}: cannot read into the given tensors: " + "; ".join(problems[:20]))
         if self._state_dict is not None:
-            _check_unchanged(str(self.path), self._torch_identity)
+            check_unchanged(self._mapped_path, self._mapped_identity)
             for name, tensor in destinations.items():
                 with torch.no_grad():
                     tensor.copy_(self._state_dict[name])
-            _check_unchanged(str(self.path), self._torch_identity)
+            check_unchanged(self._mapped_path, self._mapped_identity)
             for name in destinations:  # its pages leave the page cache (and this process's memory cgroup)
                 page_out(self._state_dict[name])
-            drop_cached(self.path)
+            drop_cached(self._mapped_path)
             return
         split = frozenset(name for name, tensor in destinations.items() if tensor.is_contiguous())
         for span, start, buffer in self._spans(list(destinations), self._pool, split):

@@ -14,7 +14,7 @@ READ_ALIGNMENT = 4096  # spans start and end on this boundary (or at the end of 
 
 
 @dataclass
-class _Span:
+class Span:
     """Neighbouring tensors of one file read by one request: bytes ``[start, end)`` of ``path``.
 
     A span with a ``piece`` holds bytes ``[lo, hi)`` (counted from the tensor's first byte) of its one tensor only.
@@ -29,7 +29,7 @@ class _Span:
 
 def plan_spans(
     entries: list[TensorEntry], span_bytes: int, gap_bytes: int, split: frozenset[str] = frozenset()
-) -> list[_Span]:
+) -> list[Span]:
     """Plan the spans that read ``entries``.
 
     Args:
@@ -41,7 +41,7 @@ def plan_spans(
     Returns:
         The spans covering ``entries``, in order.
     """
-    spans: list[_Span] = []
+    spans: list[Span] = []
     for entry in entries:
         if entry.name in split and entry.nbytes > span_bytes:
             spans.extend(pieces(entry, span_bytes))
@@ -57,11 +57,11 @@ def plan_spans(
             last.end = max(last.end, entry.end)
             last.entries.append(entry)
         else:
-            spans.append(_Span(entry.path, entry.start, entry.end, [entry]))
+            spans.append(Span(entry.path, entry.start, entry.end, [entry]))
     return spans
 
 
-def pieces(entry: TensorEntry, span_bytes: int) -> list[_Span]:
+def pieces(entry: TensorEntry, span_bytes: int) -> list[Span]:
     """Split ``entry`` into spans of at most ``span_bytes``.
 
     Pieces end on whole elements; where the tensor starts on a whole element of the file, they also end on the read
@@ -79,7 +79,7 @@ def pieces(entry: TensorEntry, span_bytes: int) -> list[_Span]:
     bounds = [0, *range(step - shift, entry.nbytes, step), entry.nbytes]
     size = element_size(entry.dtype)
     return [
-        _Span(
+        Span(
             entry.path,
             entry.start + lo,
             entry.start + hi,

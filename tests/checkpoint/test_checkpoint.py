@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import deepoffload
-from deepoffload.checkpoint import api, streams
+from deepoffload.checkpoint import api
 from deepoffload.errors import CheckpointError
+from deepoffload.formats.torch_zip import streams
 from deepoffload.swap.tensor_swapper import ChecksumError
 
 MiB = 1 << 20
@@ -261,7 +262,7 @@ def test_a_safetensors_path_loads_as_torch_load_loads_it(scratch):
 
 def test_a_file_replaced_while_it_is_read_is_read_again_not_mixed(scratch, monkeypatch):
     # the op reads by path: another process's save renamed over the file mid-load gave tensors half old, half new
-    from deepoffload.checkpoint import whole_file
+    from deepoffload.formats.torch_zip import whole_file
 
     path, newer = scratch / "latest.pt", scratch / "newer.pt"
     deepoffload.save({"w": torch.zeros(1 << 20)}, path)  # 4 MiB, read in 1 MiB requests
@@ -605,7 +606,7 @@ class _Sink:
 
 def zip_stream(obj) -> bytes:
     """What torch's zip writer passes to its sink for ``obj`` with its CRC off (the stream CrcFiller parses)."""
-    from deepoffload.checkpoint.torch_format import record
+    from deepoffload.formats.torch_zip.torch_format import record
 
     sink = io.BytesIO()
     writer = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())
@@ -617,7 +618,7 @@ def zip_stream(obj) -> bytes:
 
 @pytest.mark.parametrize("damage", ["signature", "compressed", "descriptor_size", "central_name", "truncated"])
 def test_a_zip_stream_it_does_not_know_is_refused(damage):
-    from deepoffload.checkpoint.zip_crc import CrcFiller, ZipLayoutError
+    from deepoffload.formats.torch_zip.zip_crc import CrcFiller, ZipLayoutError
 
     stream = bytearray(zip_stream({"w": torch.arange(100)}))
     if damage == "signature":
@@ -639,7 +640,7 @@ def test_a_zip_stream_it_does_not_know_is_refused(damage):
 
 
 def test_crc_filler_reproduces_torchs_crcs_and_serialization_id():
-    from deepoffload.checkpoint.zip_crc import CrcFiller
+    from deepoffload.formats.torch_zip.zip_crc import CrcFiller
 
     obj = training_state()
     sink = _Sink()
@@ -664,7 +665,7 @@ def _writes(stream: bytes):
             pieces.append(bytes(memoryview(b).cast("B")))
             return len(pieces[-1])
 
-    from deepoffload.checkpoint.torch_format import record
+    from deepoffload.formats.torch_zip.torch_format import record
 
     writer = torch._C.PyTorchFileWriter(Recording(), False, torch.serialization._get_storage_alignment())
     for name, data, nbytes in record(training_state()):
@@ -693,7 +694,7 @@ def test_whole_file_load_shares_one_buffer_that_outlives_the_other_tensors(scrat
 def test_checksums_of_a_truncated_file_are_refused_not_read_past_its_end(scratch):
     deepoffload.save({"w": torch.randn(100_000)}, scratch / "t.pt")
     data = (scratch / "t.pt").read_bytes()
-    from deepoffload.checkpoint.zip_crc import ZipChecksums
+    from deepoffload.formats.torch_zip.zip_crc import ZipChecksums
 
     checker = ZipChecksums(str(scratch / "t.pt"))
     with pytest.raises(ChecksumError, match="truncated"):

@@ -8,7 +8,7 @@ import io
 import torch
 
 import deepoffload
-from deepoffload.checkpoint import crc_ahead
+from deepoffload.formats.torch_zip import crc_ahead
 
 
 def test_records_checksummed_ahead_give_exactly_torch_saves_bytes(scratch, monkeypatch):

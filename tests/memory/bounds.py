@@ -29,7 +29,7 @@ from deepoffload.swap.params.budget import MIN_STATE_CHUNKS, MemoryPlan  # noqa:
 
 MiB = 1 << 20
 FORWARD_BYTES = 16 << 20  # the workloads' forward: a batch of 4, activations far below a block
-CHECKPOINT_STAGING = (8 + 4) * 16 * MiB  # deepoffload.save/load's staging pool (checkpoint.streams), kept idle
+CHECKPOINT_STAGING = (8 + 4) * 16 * MiB  # deepoffload.save/load's staging pool (formats.torch_zip.streams), kept idle
 SAVE_STAGING = 2 * 16 * MiB  # save_sharded's two staging buffers
 SAVE_SMALL_FILES = 1 * MiB  # the index and the shards' headers, written through the page cache the group is charged
 OPTIMIZER_POOL = 4  # SwapConfig's default buffer_count

@@ -83,7 +83,7 @@ def test_temporaries_are_private_while_they_are_written(name, scratch, monkeypat
         seen.append(mode(Path(temporary)))
         adopt(temporary, model)
 
-    monkeypatch.setattr("deepoffload.checkpoint.api.adopt_mode", spy)
+    monkeypatch.setattr("deepoffload.formats.torch_zip.write_file.adopt_mode", spy)
     monkeypatch.setattr("deepoffload.formats.commit.adopt_mode", spy)
     monkeypatch.setattr("deepoffload.formats.writer.adopt_mode", spy)
     monkeypatch.setattr("deepoffload.dcp.adopt_mode", spy)

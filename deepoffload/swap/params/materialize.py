@@ -145,7 +145,7 @@ class Materializer:
                 checkpoint, span_bytes=READER_SPAN_BYTES, inflight_bytes=READER_INFLIGHT_BYTES
             )
             try:
-                if serve and not self.reader.format.startswith("safetensors"):
+                if serve and not self.reader.serves:  # (the registry says which formats' bytes lie as stored)
                     raise ValueError(
                         f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
                         f"read where they lie); {checkpoint} is a {self.reader.format} file"

@@ -18,9 +18,9 @@ from typing import Any, cast
 import torch
 import torch.serialization as ts
 
-from ..io.buffers import aligned_empty, prefault
-from ..io.handle import AsyncIOHandle, wait_each
-from ..op_builder import env
+from ...io.buffers import aligned_empty, prefault
+from ...io.handle import AsyncIOHandle, wait_each
+from ...op_builder import env
 from .record_check import CheckedStorage, data_records
 from .streams import SeekableReader
 from .zip_layout import check_layout

@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
-from ..config import AioConfig
-from ..errors import ClosedError
-from ..io.handle import AsyncIOHandle
-from ..io.staged_file import StagedReader, StagedWriter, StagingPool
+from ...config import AioConfig
+from ...errors import ClosedError
+from ...io.handle import AsyncIOHandle
+from ...io.staged_file import StagedReader, StagedWriter, StagingPool
 
 STAGING_BYTES = 16 << 20  # per staging buffer; a multiple of every O_DIRECT alignment
 STAGING_BUFFERS = 8  # one fills while the others are written: IO stays queued while the disk is uneven
@@ -80,7 +80,7 @@ def _preallocate(fd: int, nbytes: int) -> bool:
         return False
     try:
         os.posix_fallocate(fd, 0, nbytes)
-    except OSError:
+    except OSError:  # this filesystem cannot preallocate: the writes extend the file instead, as the caller is told
         return False
     return True
 
@@ -240,14 +240,14 @@ class DirectWriter(io.RawIOBase):
         self._staged.wait_all()
         try:
             self.close()
-        except OSError:
+        except OSError:  # the abort's own error is recorded first and is what the caller reports
             pass
 
     def drain(self) -> None:
         """Submit the partly filled buffer and wait for every write in flight (errors go to ``error``)."""
         try:
             self._staged.drain()
-        except OSError:
+        except OSError:  # recorded in ``error``; fileno() and close() raise it
             pass
 
     def _fail(self, error: OSError) -> None:

@@ -19,7 +19,7 @@ from typing import Union
 import torch
 import torch.serialization
 
-from ..io.buffers import aligned_empty
+from ...io.buffers import aligned_empty
 from .crc_ahead import CrcAhead
 from .streams import DirectWriter
 from .zip_crc import CrcFiller
@@ -171,7 +171,7 @@ def not_a_checkpoint(path: str) -> str | None:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(10)
-    except OSError:
+    except OSError:  # unreadable: no judgement from its bytes (the load's own error stands)
         return None
     if size == 0:
         return "the file is empty (0 bytes; an interrupted save or copy?)"
@@ -199,5 +199,5 @@ def remove_quietly(path: str) -> None:
     """Remove ``path``, ignoring any ``OSError`` (a file that is gone, or cannot be removed)."""
     try:
         os.unlink(path)
-    except OSError:
+    except OSError:  # gone already, or the caller's own error is the one to report
         pass

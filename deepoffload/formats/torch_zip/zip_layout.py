@@ -15,7 +15,7 @@ import struct
 import zipfile
 from typing import Any
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # signature ... name length, extra length: 30 bytes
 _LOCAL_SIGNATURE, _DESCRIPTOR_SIGNATURE = b"PK\x03\x04", b"PK\x07\x08"

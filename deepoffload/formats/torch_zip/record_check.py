@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 
 def data_records(archive) -> dict[int, tuple[str, int]]:

@@ -15,8 +15,8 @@ import zipfile
 
 import torch
 
-from ..errors import ChecksumError, DeepOffloadError
-from ..io.crc import crc32
+from ...errors import ChecksumError, DeepOffloadError
+from ...io.crc import crc32
 from .crc_ahead import CrcAhead
 from .streams import DirectWriter
 

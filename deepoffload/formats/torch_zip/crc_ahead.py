@@ -17,8 +17,8 @@ import threading
 
 import torch
 
-from ..errors import CheckpointError
-from ..io.crc import crc32
+from ...errors import CheckpointError
+from ...io.crc import crc32
 
 AHEAD_MIN_BYTES = 1 << 20  # smaller records are checksummed as they are staged: a thread hop would cost more
 
