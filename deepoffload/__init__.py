@@ -42,6 +42,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".swap.optimizer": ["OffloadedOptimizer"],
         ".swap.params": ["offload_parameters", "ParameterOffload", "OffloadStats", "find_blocks"],
         ".swap.params.pretrained": ["from_pretrained"],
+        ".activations": ["offload_activations", "ActivationOffload"],
         ".checkpoint.api": ["save", "save_async", "load"],
         ".op_builder": ["BuildError"],
     },
@@ -72,5 +73,6 @@ if TYPE_CHECKING:
     from .swap.config import SwapConfig
     from .swap.optimizer import OffloadedOptimizer
     from .swap.params import OffloadStats, ParameterOffload, find_blocks, offload_parameters
+    from .activations import ActivationOffload, offload_activations
     from .swap.params.pretrained import from_pretrained
     from .swap.tensor_swapper import SwapIn, SwapOut, TensorSwapper
