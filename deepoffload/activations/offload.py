@@ -34,6 +34,7 @@ from .store import ActivationStore, StoredBytes
 MIN_BYTES = 1 << 20
 PREFETCH = 2
 CHUNK_BYTES = 8 << 20
+COUNTS = ("written", "deduplicated", "kept", "served_from_memory", "read")
 
 
 class _Saved:
@@ -137,7 +138,7 @@ class ActivationOffload:
                 "stored": store.live,
                 "file_bytes": store.file_bytes,
             }
-        return {**self.counts, **extra}
+        return {**{name: self.counts[name] for name in COUNTS}, **extra}
 
     @property
     def folder(self) -> str | None:
