@@ -28,10 +28,11 @@ from ..io.request import Request
 from ..swap.config import SwapConfig
 from ..swap.folder_checks import check_run_folder, create_swap_file
 from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
-from ..swap.pool import PAGE_SIZE, BufferPool, round_up
+from ..swap.pool import BufferPool, round_up, trim_heap
 from ..swap.records import _hash
 
 FILE_NAME = "activations.swp"
+TRIM_BYTES = 64 << 20  # bytes let go between two trims of the heap (see ``released``)
 
 
 class StoredBytes:
@@ -107,6 +108,7 @@ class ActivationStore:
         self.reported = False
         self.bytes_written = 0
         self.bytes_read = 0
+        self._released = 0
         self.closed = False
 
     # -- writes ---------------------------------------------------------------------------------------------
@@ -170,6 +172,19 @@ class ActivationStore:
         stored.pending -= 1
         if not stored.pending and stored.error is None:
             stored.original = None  # written: its memory goes (unless the caller still holds the tensor)
+            self.released(stored.nbytes)
+
+    def released(self, nbytes: int) -> None:
+        """``nbytes`` of tensors were let go; give freed heap pages back to the system every ``TRIM_BYTES``.
+
+        Activations (and their gradients in backward) are mostly above glibc's initial mmap threshold: freeing one
+        raises the threshold, later ones come from the heap, and freed heap memory stays in the process (RSS as high
+        as keeping every saved tensor) until ``malloc_trim`` (``swap.pool.trim_heap``).
+        """
+        self._released += nbytes
+        if self._released >= TRIM_BYTES:
+            self._released = 0
+            trim_heap()
 
     def reap(self, wait: bool = False) -> None:
         """Collect completed writes (``wait``: all of them), releasing their buffers and written tensors."""
@@ -254,6 +269,7 @@ class ActivationStore:
         stored.reading = None
         if stored.error is not None:
             stored.original = None
+        self.released(stored.nbytes)
         self.live -= 1
         if not self.live:
             self.reap(wait=True)
