@@ -1,5 +1,4 @@
-"""``offload_activations``: the tensors autograd saves for backward go to storage during the forward, and come back
-ahead of the backward.
+"""``offload_activations``: tensors saved for backward go to storage in the forward and come back ahead of the backward.
 
 A context manager over ``torch.autograd.graph.saved_tensors_hooks``. Its pack hook decides per saved tensor:
 
@@ -66,6 +65,14 @@ class ActivationOffload:
     Attributes:
         counts: How many saved tensors were ``written``, ``deduplicated`` (shared a stored tensor's bytes),
             ``kept`` in memory, ``served_from_memory`` (still being written when unpacked) and ``read``.
+
+    Examples:
+        >>> import torch, deepoffload
+        >>> x = torch.randn(512, 512, requires_grad=True)
+        >>> with deepoffload.offload_activations(".", min_bytes=0) as off:
+        ...     x.exp().sin().sum().backward()  # exp saves its result, sin its input: one storage
+        >>> off.stats()["written"], off.stats()["deduplicated"], off.stats()["stored"]
+        (1, 1, 0)
     """
 
     def __init__(self, config: SwapConfig, min_bytes: int, prefetch: int):
@@ -218,9 +225,10 @@ class ActivationOffload:
             original = stored.original
             if original is not None and original._version != stored.version:
                 if stored.error is not None:
-                    raise RuntimeError(
-                        "offload_activations: one of the tensors saved for backward has been modified by an inplace "
-                        "operation after it was saved, and its write had failed, so the saved value is lost"
+                    raise UnsupportedError(
+                        "offload_activations: a tensor saved for backward was changed in place after it was saved, "
+                        "and its write had failed, so the saved value is lost; do not change saved tensors in place "
+                        "(clone them first), or run this step without offload_activations"
                     )
                 store.wait_for(stored)  # changed in place after the save: the bytes written are the saved ones
             in_memory = stored.original is not None

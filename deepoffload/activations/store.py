@@ -291,4 +291,3 @@ class ActivationStore:
     def file_bytes(self) -> int:
         """Bytes of the file in use (up to the end of the last extent handed out)."""
         return self._end
-
