@@ -5,8 +5,8 @@ A context manager over ``torch.autograd.graph.saved_tensors_hooks``. Its pack ho
 - kept as it is (never written): tensors whose storage is smaller than ``min_bytes``; parameters (``nn.Parameter``,
   leaves requiring grad) and views of them; tensors already on storage (a storage mapped from a file, or one this
   run read back); tensors saved while a backward runs (a recomputation's short-lived graph); tensors that have no
-  plain strided storage (sparse, quantized, subclasses, conjugate or negative views, meta); every tensor after a write
-  failed;
+  plain strided storage (sparse, quantized, subclasses, conjugate or negative views); tensors not in CPU memory
+  (accelerator tensors, warned once); every tensor after a write failed;
 - stored once per storage: a tensor saved twice, or a view of a tensor already saved (same storage, same base, same
   version), shares the first one's bytes; the handle keeps dtype, shape, strides and offset and rebuilds the view;
 - otherwise written (``ActivationStore``), the tensor held only until its writes complete.
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 import weakref
 from typing import Any
 
 import torch
 
 from ..errors import UnsupportedError
-from ..io import accelerator
 from ..swap.config import SwapConfig
 from .store import ActivationStore, StoredBytes
 
@@ -91,7 +91,7 @@ class ActivationOffload:
         self._by_storage: dict[int, list[tuple[weakref.ref, weakref.ref, int, StoredBytes]]] = {}
         self._read_back: dict[int, tuple[weakref.ref, StoredBytes]] = {}
         self._dead: collections.deque[StoredBytes] = collections.deque()
-        self._device_type = accelerator.current().device_type
+        self._warned_device = False
 
     # -- the context ------------------------------------------------------------------------------------------
     def __enter__(self) -> "ActivationOffload":
@@ -188,7 +188,15 @@ class ActivationOffload:
             return None
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():
             return None
-        if tensor.device.type != "cpu" and tensor.device.type != self._device_type:
+        if tensor.device.type != "cpu":  # (accelerator tensors: not yet measured or tested on a device)
+            if not self._warned_device:
+                self._warned_device = True
+                warnings.warn(
+                    f"offload_activations: saved tensors on {tensor.device.type} stay in device memory; only CPU "
+                    f"tensors are written to storage (torch.autograd.graph.save_on_cpu moves them to CPU memory)",
+                    UserWarning,
+                    stacklevel=2,
+                )
             return None
         storage = tensor.untyped_storage()
         if storage.nbytes() < max(self.min_bytes, 1) or storage.filename is not None:

@@ -40,7 +40,7 @@ class StoredBytes:
 
     Attributes:
         nbytes: The storage's bytes. span: ``nbytes`` rounded up to the page size (the extent's length in the file).
-        offset: The extent's byte offset in the file. device: where the storage lived (and is restored).
+        offset: The extent's byte offset in the file. device: where the storage lived (CPU memory).
         original: The saved tensor (detached: it shares the version counter), kept while writes are pending or after
             one failed. version: its version counter at the save.
         pending: Writes of it not yet completed. hashes: xxh3-64 of each chunk (None: checksums off).
@@ -116,7 +116,7 @@ class ActivationStore:
         """Start writing the bytes of ``original``'s whole storage; ``original`` is kept until they are written.
 
         Args:
-            original: The saved tensor, detached (CPU or accelerator).
+            original: The saved tensor, detached (in CPU memory).
             version: The saved tensor's version counter at the save.
             index: The position in the forward's order.
 
@@ -129,7 +129,7 @@ class ActivationStore:
         if self.config.checksum:
             stored.hashes = []
         check_run_folder(self.folder)
-        data = torch.empty(0, dtype=torch.uint8, device=original.device).set_(original.untyped_storage())
+        data = torch.empty(0, dtype=torch.uint8).set_(original.untyped_storage())
         for start in range(0, stored.nbytes, self.chunk):
             nbytes = min(self.chunk, stored.nbytes - start)
             padded = round_up(nbytes)
@@ -223,7 +223,7 @@ class ActivationStore:
             stored: The record.
 
         Returns:
-            An untyped storage of at least ``stored.nbytes`` bytes, on ``stored.device``.
+            An untyped storage of at least ``stored.nbytes`` bytes, in CPU memory.
 
         Raises:
             OSError: When the read fails (errno, path, offset).
@@ -240,8 +240,7 @@ class ActivationStore:
         self.bytes_read += request.wait()
         if stored.hashes is not None:
             self._check(stored, buffer)
-        data = buffer if stored.device.type == "cpu" else buffer.to(stored.device)
-        storage = data.untyped_storage()
+        storage = buffer.untyped_storage()
         stored.restored = weakref.ref(storage)
         return storage
 

@@ -195,8 +195,11 @@ def test_exception_in_the_block_is_not_masked_and_files_go(scratch):
     assert os.listdir(scratch) == []
 
 
-def test_parameters_of_nn_module_on_another_device_type_are_kept(scratch):
+def test_tensors_off_the_cpu_stay_where_they_are_with_one_warning(scratch):
     w = nn.Parameter(torch.randn(64, 64, device="meta"))
-    with offload_activations(str(scratch), min_bytes=0, config=config()) as off:
-        (w * torch.randn(64, 64, device="meta")).sum()
-    assert off.stats()["written"] == 0
+    with pytest.warns(UserWarning, match="stay in device memory") as caught:
+        with offload_activations(str(scratch), min_bytes=0, config=config()) as off:
+            (w * torch.randn(64, 64, device="meta")).exp().sum()
+    assert off.stats()["written"] == 0 and off.stats()["kept"] >= 2
+    assert len([w for w in caught if "device memory" in str(w.message)]) == 1
+
