@@ -50,6 +50,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
 )
 
 if TYPE_CHECKING:
+    from .activations import ActivationOffload, offload_activations
     from .checkpoint.api import load, save, save_async
     from .config import AioConfig
     from .errors import (
@@ -73,6 +74,5 @@ if TYPE_CHECKING:
     from .swap.config import SwapConfig
     from .swap.optimizer import OffloadedOptimizer
     from .swap.params import OffloadStats, ParameterOffload, find_blocks, offload_parameters
-    from .activations import ActivationOffload, offload_activations
     from .swap.params.pretrained import from_pretrained
     from .swap.tensor_swapper import SwapIn, SwapOut, TensorSwapper
