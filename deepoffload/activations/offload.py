@@ -3,7 +3,7 @@
 A context manager over ``torch.autograd.graph.saved_tensors_hooks``. Its pack hook decides per saved tensor:
 
 - kept as it is (never written): tensors whose storage is smaller than ``min_bytes``; parameters (``nn.Parameter``,
-  leaves requiring grad) and views of them; tensors already on storage (a storage mapped from a file, or one this
+  leaves requiring grad) and views of them; tensors already on storage (a storage mapping a file shared, or one this
   run read back); tensors saved while a backward runs (a recomputation's short-lived graph); tensors that have no
   plain strided storage (sparse, quantized, subclasses, conjugate or negative views); tensors not in CPU memory
   (accelerator tensors, warned once); every tensor after a write failed;
@@ -51,7 +51,10 @@ class _Saved:
         stored.users += 1
 
     def __del__(self) -> None:
-        self.owner._drop(self.stored)
+        try:
+            self.owner._drop(self.stored)
+        except Exception:  # (at interpreter exit modules may be gone; the run folder goes by its own finalizer)
+            pass
 
 
 class ActivationOffload:

@@ -202,4 +202,3 @@ def test_tensors_off_the_cpu_stay_where_they_are_with_one_warning(scratch):
             (w * torch.randn(64, 64, device="meta")).exp().sum()
     assert off.stats()["written"] == 0 and off.stats()["kept"] >= 2
     assert len([w for w in caught if "device memory" in str(w.message)]) == 1
-

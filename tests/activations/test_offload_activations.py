@@ -242,3 +242,20 @@ def test_bad_arguments(scratch):
             offload_activations(str(scratch), min_bytes=bad)
         with pytest.raises(ValueError, match="prefetch"):
             offload_activations(str(scratch), prefetch=bad)
+
+
+def test_tensors_already_on_storage_are_not_written_again(scratch, tmp_path):
+    path = tmp_path / "mapped.bin"
+    torch.randn(512, 512).numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=True, size=512 * 512).view(512, 512)  # a storage mapped from a file
+    w = nn.Parameter(torch.randn(512, 512))
+    with offload_activations(str(scratch), min_bytes=0, config=config()) as off:
+        h = (w * mapped).sin()  # mul saves mapped (kept) and w (a parameter: kept); sin saves w * mapped
+        assert off.stats()["written"] == 1
+        assert off.store is not None
+        off.store.reap(wait=True)  # written: what the graph holds is on storage now
+        back = h.grad_fn._saved_self  # read back from the file
+        assert off.stats()["read"] == 1
+        (back * w).sum().backward()  # saves the tensor read back: it is on storage already
+        assert off.stats()["written"] == 1, "neither the mapped tensor nor the one read back was written"
+        del h, back
