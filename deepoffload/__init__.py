@@ -42,6 +42,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".swap.optimizer": ["OffloadedOptimizer"],
         ".swap.params": ["offload_parameters", "ParameterOffload", "OffloadStats", "find_blocks"],
         ".swap.params.pretrained": ["from_pretrained"],
+        ".activations": ["offload_activations", "ActivationOffload"],
         ".checkpoint.api": ["save", "save_async", "load"],
         ".op_builder": ["BuildError"],
     },
@@ -49,6 +50,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
 )
 
 if TYPE_CHECKING:
+    from .activations import ActivationOffload, offload_activations
     from .checkpoint.api import load, save, save_async
     from .config import AioConfig
     from .errors import (

@@ -50,7 +50,9 @@ ENTRIES = (
     "optimizer_step",
     "train_data_parallel",
     "train_data_parallel_grads",
+    "train_activations",
 )
+ONE_SHAPE = ("generate", "train_activations")  # entries measured at the "large" shape only (their own model)
 
 
 @dataclass
@@ -188,10 +190,30 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
         return CHECKPOINT_STAGING, total
     if entry == "checkpoint_load":  # the loaded state dict (one buffer) is the user's
         return CHECKPOINT_STAGING, total
+    if entry in ("train_activations", "train_activations_plain"):
+        return activation_bounds()
     if entry == "optimizer_step":  # the model and its gradients are the user's
         chunk = max(32 * MiB, 2 * largest + 2 * largest // 16)  # grows to the largest parameter's state
         return OPTIMIZER_POOL * chunk + OPTIMIZER_TEMPORARIES * largest, 2 * total + FORWARD_BYTES
     raise ValueError(entry)
+
+
+def activation_bounds() -> tuple[int, int]:
+    """(library, user) bytes of ``train_activations`` (offload_activations' defaults: 4 staging buffers of 8 MiB,
+    prefetch 2): the staging pool, the saved tensors still being written (at most one per staging buffer in flight,
+    and the one being staged), the ones read ahead and the one in use; the user's model, its gradients, the input, two
+    live activations of the forward and three of the backward (gradients and a temporary)."""
+    width, layers, _ = workloads.ACTIVATIONS
+    act = activation_bytes()
+    params = layers * (width * width + width) * 4
+    library = 4 * 8 * MiB + (4 // max(1, act // (8 * MiB)) + 1) * act + (2 + 1) * act
+    return library, 2 * params + act + 2 * act + 3 * act
+
+
+def activation_bytes() -> int:
+    """Bytes of one saved activation of ``train_activations``."""
+    width, _, rows = workloads.ACTIVATIONS
+    return rows * width * 4
 
 
 def measure(
@@ -234,7 +256,7 @@ def main(shapes: list[str]) -> None:
             folder = Path(tmp)
             bases = {kind: baseline(folder, kind) for kind in sorted({imports(entry) for entry in ENTRIES})}
             for entry in ENTRIES:
-                if entry == "generate" and shape != "large":
+                if entry in ONE_SHAPE and shape != "large":
                     continue
                 prepare(shape, folder, [needs(entry)])
                 m, run = measure(entry, shape, folder, bases[imports(entry)], compare=True)

@@ -36,6 +36,7 @@ NEEDS = {
     "checkpoint_save": None,
     "checkpoint_load": "torch",
     "optimizer_step": None,
+    "train_activations": None,
 }
 # the imports-only child that measures the process after the imports of each entry point (default "imports")
 IMPORTS = {
@@ -49,6 +50,7 @@ IMPORTS = {
     "train_data_parallel_grads": "imports_dist",
 }
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
+ACTIVATIONS = (512, 32, 8192)  # train_activations: width, layers, rows; 64 saved tensors of 16 MiB (1 GiB)
 
 
 class Tower(nn.Module):
@@ -114,6 +116,23 @@ def sizes(entry: str, shape: str) -> dict:
     if entry == "train_budget":
         found["resident_bytes"] = RESIDENT_BLOCKS * found["block_span"]
     return found
+
+
+def activation_step(folder: str, offload: bool) -> float:
+    """One step of a deep MLP whose saved activations (``ACTIVATIONS``) are several times its stated bound, inside
+    ``offload_activations`` (or plainly); returns a digest of the gradients."""
+    import contextlib
+
+    from deepoffload import offload_activations
+
+    width, layers, rows = ACTIVATIONS
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)))
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(1))
+    context = offload_activations(os.path.join(folder, "swap")) if offload else contextlib.nullcontext()
+    with context:
+        model(x).square().mean().backward()
+    return digest(p.grad for p in model.parameters())
 
 
 def digest(tensors) -> float:
@@ -209,7 +228,9 @@ def run(entry: str, shape: str, folder: str) -> dict:
         import deepoffload.swap.params  # noqa: F401
 
         return out
-    if entry.startswith("load_"):
+    if entry in ("train_activations", "train_activations_plain"):
+        out["result"] = activation_step(folder, offload=entry == "train_activations")
+    elif entry.startswith("load_"):
         model, off = offloaded(shape, folder, CHECKPOINTS[NEEDS.get(entry, "safetensors")])
         with torch.no_grad():
             out["result"] = model(batch(0)[0]).sum().item()

@@ -1,0 +1,292 @@
+"""``ActivationStore``: one run's file of saved activations, written through a bounded staging pool, read back ahead.
+
+Each stored tensor is one ``StoredBytes``: the bytes of one storage, at a page-aligned extent of the run's file
+``<run folder>/activations.swp``. A write copies the bytes into pooled staging buffers (``SwapConfig.chunk_bytes``
+each, at most ``buffer_count`` of them: a full pool waits for the oldest write) and submits one asynchronous write per
+buffer; the tensor is kept until all of them have completed, then let go (its memory is released once written). A
+failed write keeps it for good and is reported once (``take_error``). A read goes into a fresh page-aligned buffer
+and is checked against the xxh3-64 of each staged chunk when checksums are on. Extents are handed out from the end of
+the file; when no stored tensor is left the file starts again at offset 0.
+
+The run folder is made by ``swap.folders.create_run_folder`` (rank-aware, private, removed at close and at exit; the
+next run removes the folders of dead processes).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import weakref
+
+import torch
+
+from ..errors import ChecksumError
+from ..io.buffers import aligned_empty
+from ..io.handle import AsyncIOHandle
+from ..io.request import Request
+from ..swap.config import SwapConfig
+from ..swap.folder_checks import check_run_folder, create_swap_file
+from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
+from ..swap.pool import BufferPool, round_up, trim_heap
+from ..swap.records import _hash
+
+FILE_NAME = "activations.swp"
+TRIM_BYTES = 64 << 20  # bytes let go between two trims of the heap (see ``released``)
+
+
+class StoredBytes:
+    """The bytes of one storage on the run's file (or, until written, in memory).
+
+    Attributes:
+        nbytes: The storage's bytes. span: ``nbytes`` rounded up to the page size (the extent's length in the file).
+        offset: The extent's byte offset in the file. device: where the storage lived (CPU memory).
+        original: The saved tensor (detached: it shares the version counter), kept while writes are pending or after
+            one failed. version: its version counter at the save.
+        pending: Writes of it not yet completed. hashes: xxh3-64 of each chunk (None: checksums off).
+        error: The ``OSError`` of a failed write (the bytes then stay in ``original``).
+        reading: ``(request, buffer)`` of a read in flight. restored: the storage read back (weakly held).
+        index: The position in the forward's order (prefetch goes down from here). users: live handles.
+    """
+
+    __slots__ = (
+        "nbytes",
+        "span",
+        "offset",
+        "device",
+        "original",
+        "version",
+        "pending",
+        "hashes",
+        "error",
+        "reading",
+        "restored",
+        "index",
+        "users",
+    )
+
+    def __init__(self, original: torch.Tensor, version: int, offset: int, index: int):
+        self.nbytes = original.untyped_storage().nbytes()
+        self.span = round_up(self.nbytes)
+        self.offset = offset
+        self.device = original.device
+        self.original: torch.Tensor | None = original
+        self.version = version
+        self.pending = 0
+        self.hashes: list[int] | None = None
+        self.error: OSError | None = None
+        self.reading: tuple[Request, torch.Tensor] | None = None
+        self.restored: weakref.ref | None = None
+        self.index = index
+        self.users = 0
+
+
+class ActivationStore:
+    """One run's activation file, its staging pool and its async-IO handle.
+
+    Not thread-safe by itself: ``ActivationOffload`` calls it under its lock.
+
+    Args:
+        config: Where and how (folder, staging pool, pinning, checksums, aio settings).
+    """
+
+    def __init__(self, config: SwapConfig):
+        self.config = config
+        self.folder = create_run_folder(config.folder, None, config.trust_folder_owner)
+        if config.keep_files:
+            keep_run_folder(self.folder)
+        weakref.finalize(self, remove_run_folder_if_owned, self.folder).atexit = False
+        self.path = os.path.join(self.folder, FILE_NAME)
+        create_swap_file(self.path)
+        self.handle = AsyncIOHandle(config.aio)
+        self.pool = BufferPool(config.buffer_count, config.chunk_bytes, config.pin)
+        self.chunk = self.pool.buffer_bytes
+        self._writes: collections.deque[tuple[Request, torch.Tensor, StoredBytes]] = collections.deque()
+        self._end = 0  # the file's next free offset
+        self.live = 0  # StoredBytes not yet freed
+        self.failed: OSError | None = None  # the first failed write, until reported
+        self.reported = False
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._released = 0
+        self.closed = False
+
+    # -- writes ---------------------------------------------------------------------------------------------
+    def write(self, original: torch.Tensor, version: int, index: int) -> StoredBytes:
+        """Start writing the bytes of ``original``'s whole storage; ``original`` is kept until they are written.
+
+        Args:
+            original: The saved tensor, detached (in CPU memory).
+            version: The saved tensor's version counter at the save.
+            index: The position in the forward's order.
+
+        Returns:
+            The record; its ``pending`` writes complete in the background (``reap``).
+        """
+        stored = StoredBytes(original, version, self._end, index)
+        self._end += stored.span
+        self.live += 1
+        if self.config.checksum:
+            stored.hashes = []
+        check_run_folder(self.folder)
+        data = torch.empty(0, dtype=torch.uint8).set_(original.untyped_storage())
+        for start in range(0, stored.nbytes, self.chunk):
+            nbytes = min(self.chunk, stored.nbytes - start)
+            padded = round_up(nbytes)
+            buffer = self._acquire()
+            buffer[:nbytes].copy_(data[start : start + nbytes])
+            if padded > nbytes:
+                buffer[nbytes:padded].zero_()  # no stale bytes in the file's padding
+            if stored.hashes is not None:
+                stored.hashes.append(_hash(buffer[:padded]))
+            request = self.handle.write_async(buffer[:padded], self.path, stored.offset + start, truncate=False)
+            self._writes.append((request, buffer, stored))
+            stored.pending += 1
+        if not stored.pending:
+            stored.original = None
+        return stored
+
+    def _acquire(self) -> torch.Tensor:
+        """A free staging buffer, waiting for the oldest writes to free one."""
+        while True:
+            buffer = self.pool.try_acquire(self.chunk)
+            if buffer is not None:
+                return buffer
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        request, buffer, stored = self._writes.popleft()
+        try:
+            self.bytes_written += request.wait()
+        except OSError as e:
+            if stored.error is None:
+                stored.error = OSError(
+                    e.errno,
+                    f"offload_activations: writing a saved tensor of {stored.nbytes} bytes to {self.path} at offset "
+                    f"{stored.offset} failed ({e}); it stays in memory, and later saved tensors of this run too",
+                    self.path,
+                )
+                self.failed = self.failed or stored.error
+        finally:
+            self.pool.release(buffer)
+        stored.pending -= 1
+        if not stored.pending and stored.error is None:
+            stored.original = None  # written: its memory goes (unless the caller still holds the tensor)
+            self.released(stored.nbytes)
+
+    def released(self, nbytes: int) -> None:
+        """``nbytes`` of tensors were let go; give freed heap pages back to the system every ``TRIM_BYTES``.
+
+        Activations (and their gradients in backward) are mostly above glibc's initial mmap threshold: freeing one
+        raises the threshold, later ones come from the heap, and freed heap memory stays in the process (RSS as high
+        as keeping every saved tensor) until ``malloc_trim`` (``swap.pool.trim_heap``).
+        """
+        self._released += nbytes
+        if self._released >= TRIM_BYTES:
+            self._released = 0
+            trim_heap()
+
+    def reap(self, wait: bool = False) -> None:
+        """Collect completed writes (``wait``: all of them), releasing their buffers and written tensors."""
+        while self._writes and (wait or self._writes[0][0].done()):
+            self._finish_oldest()
+
+    def wait_for(self, stored: StoredBytes) -> None:
+        """Wait until every write of ``stored`` has completed."""
+        while stored.pending:
+            self._finish_oldest()
+
+    def take_error(self) -> OSError | None:
+        """The first failed write, once (later calls return None).
+
+        Returns:
+            The ``OSError`` (errno, path and offset in it), or None.
+        """
+        if self.failed is None or self.reported:
+            return None
+        self.reported = True
+        return self.failed
+
+    # -- reads ----------------------------------------------------------------------------------------------
+    def start_read(self, stored: StoredBytes) -> None:
+        """Start reading ``stored`` back into a fresh page-aligned buffer, unless in memory or already started."""
+        if stored.reading is not None or stored.original is not None or self._restored(stored) is not None:
+            return
+        check_run_folder(self.folder)
+        buffer = aligned_empty(stored.span, pin=False)
+        stored.reading = (self.handle.read_async(buffer, self.path, stored.offset), buffer)
+
+    def bytes_of(self, stored: StoredBytes) -> torch.UntypedStorage:
+        """The storage of ``stored``'s bytes in memory: the original, the storage read back, or a read now.
+
+        Args:
+            stored: The record.
+
+        Returns:
+            An untyped storage of at least ``stored.nbytes`` bytes, in CPU memory.
+
+        Raises:
+            OSError: When the read fails (errno, path, offset).
+            ChecksumError: When the bytes read differ from those written.
+        """
+        if stored.original is not None:
+            return stored.original.untyped_storage()
+        restored = self._restored(stored)
+        if restored is not None:
+            return restored
+        self.start_read(stored)
+        request, buffer = stored.reading  # type: ignore[misc]  # (set by start_read)
+        stored.reading = None
+        self.bytes_read += request.wait()
+        if stored.hashes is not None:
+            self._check(stored, buffer)
+        storage = buffer.untyped_storage()
+        stored.restored = weakref.ref(storage)
+        return storage
+
+    @staticmethod
+    def _restored(stored: StoredBytes) -> torch.UntypedStorage | None:
+        return None if stored.restored is None else stored.restored()
+
+    def _check(self, stored: StoredBytes, buffer: torch.Tensor) -> None:
+        for i, expected in enumerate(stored.hashes or ()):
+            start = i * self.chunk
+            end = min(start + self.chunk, stored.span)
+            if _hash(buffer[start:end]) != expected:
+                raise ChecksumError(
+                    errno.EIO,
+                    f"offload_activations: the saved tensor's bytes [{stored.offset + start}, {stored.offset + end}) "
+                    f"of {self.path} changed on storage after they were written (xxh3-64 differs): the file was "
+                    f"changed under the run; the backward cannot go on",
+                    self.path,
+                )
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+    def free(self, stored: StoredBytes) -> None:
+        """``stored`` is no longer needed; its extent is reused once nothing is stored (pending writes finish)."""
+        stored.restored = None
+        stored.reading = None
+        if stored.error is not None:
+            stored.original = None
+        self.released(stored.nbytes)
+        self.live -= 1
+        if not self.live:
+            self.reap(wait=True)
+            self._end = 0  # nothing stored: the file starts again
+
+    def close(self) -> None:
+        """Wait for pending writes, close the handle and remove the run folder (unless kept); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.reap(wait=True)
+        finally:
+            self.handle.close()
+            if not self.config.keep_files:
+                remove_run_folder(self.folder)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the file in use (up to the end of the last extent handed out)."""
+        return self._end
