@@ -39,11 +39,15 @@ COUNTS = ("written", "deduplicated", "kept", "served_from_memory", "read")
 class _Saved:
     """What the pack hook returns for a stored tensor: its bytes' record and how to rebuild the tensor on them."""
 
-    __slots__ = ("owner", "stored", "dtype", "size", "stride", "offset")
+    __slots__ = ("owner", "stored", "dtype", "size", "stride", "offset", "base", "version")
 
     def __init__(self, owner: "ActivationOffload", stored: StoredBytes, tensor: torch.Tensor):
         self.owner = owner
         self.stored = stored
+        # An in-place change after the save bumps the version counter its views share; every view holds its base, so
+        # while one could still change it the base lives and shows it (plain autograd raises at the backward then).
+        self.base = weakref.ref(tensor if tensor._base is None else tensor._base)
+        self.version = tensor._version
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()
@@ -233,15 +237,17 @@ class ActivationOffload:
                 raise error
             store.reap()
             stored = saved.stored
-            original = stored.original
-            if original is not None and original._version != stored.version:
-                if stored.error is not None:
-                    raise UnsupportedError(
-                        "offload_activations: a tensor saved for backward was changed in place after it was saved, "
-                        "and its write had failed, so the saved value is lost; do not change saved tensors in place "
-                        "(clone them first), or run this step without offload_activations"
-                    )
-                store.wait_for(stored)  # changed in place after the save: the bytes written are the saved ones
+            original, base = stored.original, saved.base()
+            if (original is not None and original._version != stored.version) or (
+                base is not None and base._version != saved.version
+            ):
+                raise UnsupportedError(
+                    f"offload_activations: a tensor saved for backward ({tuple(saved.size)}, {saved.dtype}) was "
+                    f"changed in place after it was saved (version {saved.version}, now "
+                    f"{(base if base is not None else original)._version}); plain autograd refuses this backward "
+                    f"too, as its gradients would not be those of the forward. Change a clone instead "
+                    f"(x = x.clone(); x.add_(...)), or use an out-of-place op"
+                )
             in_memory = stored.original is not None
             self.counts["served_from_memory" if in_memory else "read"] += 1
             storage = store.bytes_of(stored)

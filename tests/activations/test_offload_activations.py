@@ -88,6 +88,26 @@ def test_a_tensor_changed_in_place_between_two_saves_is_written_again(scratch):
     assert stats["deduplicated"] == 0 and stats["written"] == 3
 
 
+@pytest.mark.parametrize("through", ["itself", "a view"])
+def test_a_saved_tensor_changed_in_place_after_its_save_is_refused_at_backward_as_in_memory(scratch, through):
+    """Plain autograd refuses such a backward (its gradients would not be the forward's): so does the offload,
+    whether the write is done or still in flight, and whether the change went through the tensor or a view of it."""
+    w = nn.Parameter(torch.randn(512, 512))
+
+    def step():
+        h = torch.randn(512, 512, generator=torch.Generator().manual_seed(1)) @ w
+        y = h.sigmoid()  # saves its output y
+        loss = (y * 3).sum()
+        (y if through == "itself" else y[:8]).mul_(2)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step()
+    with offload_activations(str(scratch), min_bytes=0, config=config()):
+        with pytest.raises(RuntimeError, match="changed in place after it was saved.*clone"):
+            step()
+
+
 def test_non_contiguous_views_integer_and_bool_saved_tensors(scratch):
     w = nn.Parameter(torch.randn(64, 300))
     index = torch.randint(0, 300, (64, 4096), generator=torch.Generator().manual_seed(3))
