@@ -41,6 +41,12 @@ class SwapConfig:
             entries there can replace this run's folder with a link to theirs and read or change the swap files.
             Turns ``checksum`` on (a changed byte read back is then a ``ChecksumError``; xxh3 detects changes, it
             is not a cryptographic signature).
+        layout: the storage layout (where records live), by its registered name: ``folder`` (one run folder under
+            ``folder``). Resolved when a swapper is made (an unknown name is a ``ConfigError`` listing the registered
+            ones); see ``deepoffload.swap.layouts``.
+        codec: how a group's bytes are stored, by the byte codec's registered name: ``none`` (as they are).
+            Resolved when a swapper is made; see ``deepoffload.swap.codecs``. A packed swapper (the optimizer's)
+            takes ``none`` only.
 
     Raises:
         ConfigError: When a value has the wrong type or range (the message names the key).
@@ -64,6 +70,8 @@ class SwapConfig:
     checksum: bool = False
     keep_files: bool = False
     trust_folder_owner: bool = False
+    layout: str = "folder"
+    codec: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.aio, AioConfig):
@@ -76,6 +84,10 @@ class SwapConfig:
         _positive_int("chunk_bytes", self.chunk_bytes)
         for key in ("pin", "checksum", "keep_files", "trust_folder_owner"):
             _bool(key, getattr(self, key))
+        for key in ("layout", "codec"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{key}: expected the name of a registered {key}, got {value!r}")
 
     @classmethod
     def swap_keys(cls) -> tuple[str, ...]:

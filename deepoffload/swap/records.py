@@ -32,6 +32,8 @@ class SwapRecord:
     ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file; any offset in a file served by ``map_group``).
     device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
     global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
+    codec: the byte codec its group's file was stored with (``deepoffload.swap.codecs``; ``none``: as it is).
+    stored: the encoded length of its group's file (bytes, before page padding) when ``codec`` is not ``none``, else 0.
     """
 
     key: str
@@ -43,6 +45,8 @@ class SwapRecord:
     device: torch.device
     checksum: int | None = None
     dtensor: tuple | None = None
+    codec: str = "none"
+    stored: int = 0
 
 
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:

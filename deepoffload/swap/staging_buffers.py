@@ -2,7 +2,8 @@
 
 ``_StagingBuffers`` is what ``TensorSwapper`` inherits for them: acquiring a buffer (waiting for a write in flight to
 free one), a buffer leaving the pool while views of it stay in use, copying a group's tensors into a buffer for a
-write (skipped where a tensor already sits there), and whether all of them already sit there.
+write (skipped where a tensor already sits there), whether all of them already sit there, and a group's bytes
+encoded into a one-off buffer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .pool import round_up
 from .records import SwapRecord, _hash
 
 if TYPE_CHECKING:
+    from .codecs import ByteCodec
     from .config import SwapConfig
     from .packed import Extent
     from .pool import BufferPool
@@ -81,6 +83,24 @@ class _StagingBuffers:
                 self._pending_out[0].wait()
             except OSError:
                 pass  # reported to whoever waits for that write; its buffer left the pool, so look again
+
+    def _encoded(self, codec: ByteCodec, region: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``region`` encoded with ``codec`` into a one-off aligned buffer, zero-padded to whole pages.
+
+        Returns:
+            The padded bytes to write, and the encoded length.
+
+        Raises:
+            ValueError: When the codec reports a length outside the room ``max_stored_bytes`` promised.
+        """
+        room = codec.max_stored_bytes(region.numel())
+        out = self.pool.one_off(room)  # whole pages
+        nbytes = codec.encode(region, out)
+        if not isinstance(nbytes, int) or not 0 <= nbytes <= room:
+            raise ValueError(f"codec {codec.name!r}: encode returned {nbytes!r}, outside its max_stored_bytes")
+        end = round_up(nbytes)
+        out[nbytes:end].zero_()
+        return out[:end], nbytes
 
     @staticmethod
     def _in_place(layout: dict, buffer: torch.Tensor, alignment: int) -> bool:

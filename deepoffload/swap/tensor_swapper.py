@@ -16,23 +16,23 @@ keeps its tensors.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import os
-import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, cast
 
 import torch
 
-from ..errors import ChecksumError, ClosedError
+from ..errors import ChecksumError, ClosedError, UnsupportedError
 from ..io.handle import AsyncIOHandle
+from .codecs import ByteCodec, codec_class
 from .config import SwapConfig
-from .folder_checks import check_run_folder, create_swap_file
-from .folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
+from .layouts import layout_class
 from .packed import PACKED_ALIGNMENT, Extent, PackedLayout, PackFile
 from .pool import PAGE_SIZE, BufferPool, round_up
 from .records import TENSOR_ALIGNMENT, SwapRecord, _checked, _group_span, _hash, _identity, _local
 from .staging_buffers import _StagingBuffers
-from .transfers import SwapIn, SwapOut
+from .transfers import Decode, SwapIn, SwapOut
 
 __all__ = [
     "ChecksumError",
@@ -83,18 +83,24 @@ class TensorSwapper(_StagingBuffers):
             self.config = self.config.replace(checksum=True)
         if self.config.checksum:
             _hash(torch.zeros(1, dtype=torch.uint8))  # a missing xxhash fails here, not in the middle of a swap
-        self.folder = create_run_folder(self.config.folder, rank, self.config.trust_folder_owner)
-        if self.config.keep_files:
-            keep_run_folder(self.folder)
-        # Dropped without close(): its files go with it, not at exit (a loop making optimizers would fill the disk).
-        weakref.finalize(self, remove_run_folder_if_owned, self.folder).atexit = False
+        codec = codec_class(self.config.codec)()
+        if packed and not codec.identity:
+            raise UnsupportedError(
+                f"TensorSwapper: codec={self.config.codec!r} with packed=True (the layout OffloadedOptimizer uses): "
+                f"a packed extent is rewritten in place, which encoded bytes of another length cannot be; use "
+                f"codec='none' there, or packed=False"
+            )
+        self._encoder: ByteCodec | None = None if codec.identity else codec  # None: bytes stored as they are
+        self._codecs: dict[str, ByteCodec] = {codec.name: codec}  # name -> codec, for records written with it
+        self.layout = layout_class(self.config.layout)(self.config, rank)  # where records live; makes the run folder
+        self.folder = self.layout.folder
         self.handle = AsyncIOHandle(self.config.aio)
         self.pool = BufferPool(self.config.buffer_count, self.config.chunk_bytes, self.config.pin)
         self._records: dict[str, dict[str, SwapRecord]] = {}
         self._writing: dict[str, SwapOut] = {}
         self._reading: dict[str, SwapIn] = {}
         self._pending_out: collections.deque[SwapOut] = collections.deque()
-        self.pack = PackFile(os.path.join(self.folder, "pack.swp")) if packed else None
+        self.pack = PackFile(self.layout.pack_file()) if packed else None
         self._extents: dict[str, Extent] = {}  # packed: group -> the extent its current records point into
         self._packed = PackedLayout(self, self.pack) if self.pack is not None else None
         self._mapped: dict[str, tuple] = {}  # groups served read-only from other files -> the file's identity
@@ -106,7 +112,7 @@ class TensorSwapper(_StagingBuffers):
         self._closed = False
         self._created: set[str] = set()  # swap files made (0600) so far
         if self.pack is not None:
-            create_swap_file(self.pack.path)
+            self.layout.create_file(self.pack.path)
 
     # -- queries ------------------------------------------------------------------------------------------
     def records(self, group: str) -> Mapping[str, SwapRecord]:
@@ -280,16 +286,21 @@ class TensorSwapper(_StagingBuffers):
             return self._packed.swap_out(groups, layout, buffer, buffers, on_done)
         requests, records, start, shifts = [], {}, 0, {}
         for group, entries in layout.items():
-            file = os.path.join(self.folder, f"{group}.swp")
+            file = self.layout.group_file(group)
             group_records, span = self._stage(group, entries, buffer, start, file, 0)
-            records[group], shifts[group] = group_records, start
             if file not in self._created:
-                create_swap_file(file)  # 0600, before the op opens it (the op would create it 0644 & ~umask)
+                self.layout.create_file(file)  # 0600, before the op opens it (the op would create it 0644 & ~umask)
                 self._created.add(file)
-            if span:
+            if span and self._encoder is not None:
+                stored, nbytes = self._encoded(self._encoder, buffer[start : start + span])
+                name = self._encoder.name
+                group_records = {k: dataclasses.replace(r, codec=name, stored=nbytes) for k, r in group_records.items()}
+                requests.append(self.handle.write_async(stored, file))
+            elif span:
                 requests.append(self.handle.write_async(buffer[start : start + span], file))
             else:
                 os.truncate(file, 0)
+            records[group], shifts[group] = group_records, start
             start += span
         write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, shifts=shifts)
         for group in records:
@@ -348,6 +359,7 @@ class TensorSwapper(_StagingBuffers):
             return packed.read_extent(groups, whole)
         layout, total = {}, 0
         spans: list[tuple[str, int, int, int]] = []  # (file, offset in it, start in the buffer, length) to read
+        encoded: list[tuple[SwapRecord, int, int]] = []  # (a record of an encoded group, start in the buffer, span)
         for group in groups:
             self._wait_writing(group)
             records = self._records.get(group, {})
@@ -365,6 +377,12 @@ class TensorSwapper(_StagingBuffers):
             else:
                 span, base = _group_span(records.values()), 0
                 length = span
+                first = next(iter(records.values()), None)
+                if span and first is not None and first.codec != "none":  # read its stored bytes, decode at wait
+                    encoded.append((first, total, span))
+                    layout[group] = (total, records)
+                    total += span
+                    continue
             layout[group] = (total - base, records)  # buffer position of a tensor: this + its record's offset
             if span:
                 file = next(iter(records.values())).file
@@ -384,7 +402,15 @@ class TensorSwapper(_StagingBuffers):
             if buffer is not None
             else []
         )  # (no spans without bytes)
-        read = SwapIn(self, requests, layout, buffer)
+        decodes = []
+        for record, start, span in encoded:  # (buffer is set: encoded groups have bytes)
+            stored = self.pool.one_off(record.stored)
+            requests.append(self.handle.read_async(stored[: round_up(record.stored)], record.file))
+            codec = self._codecs.get(record.codec) or self._codecs.setdefault(record.codec, codec_class(record.codec)())
+            decodes.append(
+                Decode(codec, stored[: record.stored], cast(torch.Tensor, buffer)[start : start + span], record.file)
+            )
+        read = SwapIn(self, requests, layout, buffer, decodes=decodes)
         for group in layout:
             self._reading[group] = read
         return read
@@ -410,10 +436,7 @@ class TensorSwapper(_StagingBuffers):
         elif group in self._mapped:
             del self._mapped[group]  # the file is someone else's
         elif records:
-            try:
-                os.unlink(next(iter(records.values())).file)
-            except FileNotFoundError:
-                pass
+            self.layout.remove_file(next(iter(records.values())).file)
 
     def wait_all(self) -> None:
         """Wait for every write in flight; raise the first failure (an ``OSError``) after all have finished."""
@@ -435,8 +458,7 @@ class TensorSwapper(_StagingBuffers):
         finally:
             self._closed = True
             self.handle.close()
-            if not self.config.keep_files:
-                remove_run_folder(self.folder)
+            self.layout.close()  # (a kept one stays)
 
     def __enter__(self) -> "TensorSwapper":
         return self
@@ -448,7 +470,7 @@ class TensorSwapper(_StagingBuffers):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this TensorSwapper is closed")
-        check_run_folder(self.folder)  # a run folder replaced by a link to someone else's: nothing more moves
+        self.layout.check()  # a run folder replaced by a link to someone else's: nothing more moves
 
     @staticmethod
     def _check_group(group: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING, Callable, Mapping, cast
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, cast
 
 import torch
 
@@ -13,8 +13,18 @@ from ..pending import Pending, settle
 from .records import SwapRecord, _contiguous_strides, _hash
 
 if TYPE_CHECKING:
+    from .codecs import ByteCodec
     from .packed import Extent
     from .tensor_swapper import TensorSwapper
+
+
+class Decode(NamedTuple):
+    """One encoded group of a read: its stored bytes, decoded into its place in the staging buffer once read."""
+
+    codec: ByteCodec
+    stored: torch.Tensor  # exactly the encoded bytes (a view of a one-off buffer they are read into)
+    out: torch.Tensor  # the group's range of the staging buffer (its whole, page-aligned span)
+    file: str
 
 
 class SwapOut(Pending[int]):
@@ -173,6 +183,7 @@ class SwapIn(Pending[dict]):
         layout: ``{group: (start in the buffer, records)}``: where each tensor lands (start + its record's offset).
         buffer: The staging buffer read into (None when there is nothing to read).
         extent: Packed: the one extent read whole (its views may be reused), else None.
+        decodes: The groups stored encoded (``Decode``), decoded into ``buffer`` once the reads are done.
 
     Examples:
         >>> import torch
@@ -197,8 +208,10 @@ class SwapIn(Pending[dict]):
         layout: dict[str, tuple[int, dict]],
         buffer: torch.Tensor | None,
         extent: Extent | None = None,
+        decodes: list[Decode] | None = None,
     ):
         self._swapper = swapper
+        self._decodes = decodes or []
         self._extent = extent  # packed: the one extent read whole (its views may be reused), else None
         self._requests = requests
         self._layout = layout  # group -> (start in buffer, records)
@@ -313,12 +326,39 @@ class SwapIn(Pending[dict]):
             except OSError as e:
                 error = error or e
         self._requests = []
+        if error is None and self._decodes:
+            error = self._decode()
         self._error = error
         self._swapper.bytes_read += nbytes if error is None else 0
         for group in self._layout:
             if self._swapper._reading.get(group) is self:
                 del self._swapper._reading[group]
         return error
+
+    def _decode(self) -> ChecksumError | None:
+        """Decode the encoded groups read into their places in the buffer (once); their stored bytes are freed.
+
+        Returns:
+            A ``ChecksumError`` naming the file whose bytes do not decode to their recorded length, or None.
+        """
+        decodes, self._decodes = self._decodes, []
+        for decode in decodes:
+            try:
+                nbytes = decode.codec.decode(decode.stored, decode.out)
+            except Exception as e:  # noqa: BLE001 - whatever a codec raises on bad bytes is reported as corrupt
+                error = ChecksumError(
+                    errno.EIO, f"stored bytes do not decode with codec {decode.codec.name!r} ({e!r})", decode.file
+                )
+                error.__cause__ = e
+                return error
+            if nbytes != decode.out.numel():
+                return ChecksumError(
+                    errno.EIO,
+                    f"stored bytes decode with codec {decode.codec.name!r} to {nbytes} bytes, not the "
+                    f"{decode.out.numel()} written: the swap file was changed or corrupted",
+                    decode.file,
+                )
+        return None
 
     def _restore(self, start: int, record: SwapRecord, typed: dict) -> torch.Tensor:
         """The record's tensor as a view of the buffer (``typed``: the buffer viewed as each dtype, reused)."""
