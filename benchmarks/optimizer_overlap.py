@@ -67,7 +67,7 @@ def mlp(width: int, layers: int):
 
 def extents_of(opt) -> list:
     """The extents of ``opt``'s pack file, in file order."""
-    return sorted({id(e): e for e in opt.swapper._extents.values()}.values(), key=lambda e: e.offset)
+    return sorted({id(e): e for e in opt.swapper.packing.extents.values()}.values(), key=lambda e: e.offset)
 
 
 def io_buffers(opt, ahead: int) -> list:

@@ -295,7 +295,7 @@ def test_many_small_parameters_reuse_plans_and_stay_identical(config):
         assert len(optimizer._chunks([p for p in optimizer._params()])) > 3  # several chunks of 4 KiB
         stored = optimizer.stored_bytes()
         size = os.path.getsize(os.path.join(optimizer.swapper.folder, "pack.swp"))
-        chunks = len({id(e) for e in optimizer.swapper._extents.values()})
+        chunks = len({id(e) for e in optimizer.swapper.packing.extents.values()})
     for a, b in zip(ref + ref_extra, mine + mine_extra):
         assert torch.equal(a, b)
     # each chunk's extent is page-aligned; inside it the small tensors pack at 16 bytes, not 64
