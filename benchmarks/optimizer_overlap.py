@@ -164,7 +164,9 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
             runs[variant] = (model, loss_of, opt, timing(variant, opt.step))
             continue
         opt = OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=1e-4)
-        opt._inner_step = timing(variant, opt._inner_step)  # the wrapped AdamW's own step, chunk by chunk
+        opt.pipeline.inner_step = timing(
+            variant, opt.pipeline.inner_step
+        )  # the wrapped AdamW's own step, chunk by chunk
         if variant.startswith("step_in_backward"):
             opt.step_in_backward()
         if variant.endswith(" thr"):
