@@ -40,11 +40,11 @@ def start_time(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
-    except OSError:
+    except OSError:  # no such process, or no /proc here: the start time is unknown (0 says so)
         return 0
     try:  # the command name (field 2) may hold spaces and parentheses: count fields after its last ')'
         return int(text[text.rindex(b")") + 2 :].split()[19])
-    except (ValueError, IndexError):
+    except (ValueError, IndexError):  # a stat line of another shape: unknown, as documented
         return 0
 
 
@@ -56,7 +56,7 @@ def host_id() -> str:
         for read in (_boot_id, lambda: os.readlink("/proc/self/ns/pid")):
             try:
                 parts.append(read())
-            except OSError:
+            except OSError:  # not Linux, or /proc hidden: the host id is made of what can be read
                 pass
         _host = hashlib.sha1("|".join(parts).encode()).hexdigest()[:8]
     return _host
@@ -108,7 +108,7 @@ def is_alive(pid: int, start: int) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except ProcessLookupError:  # no such process: that is the answer
         return False
     except OSError:
         pass  # exists, owned by someone else
@@ -159,7 +159,7 @@ def remove_dead_temporaries(folder: str | os.PathLike[str], target: str) -> list
             continue
         try:
             os.unlink(entry.path)
-        except OSError:
+        except OSError:  # another user's, a read-only folder, or removed meanwhile: best effort (see docstring)
             continue
         removed.append(Path(entry.path))
     return removed

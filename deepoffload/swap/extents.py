@@ -115,7 +115,7 @@ class PackFile:
             self.end = offset
             try:
                 os.truncate(self.path, self.end)
-            except FileNotFoundError:
+            except FileNotFoundError:  # the file was never written (or the run folder is gone): nothing to cut
                 pass
         else:
             self._free.insert(i, (offset, nbytes))

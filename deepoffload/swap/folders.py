@@ -140,7 +140,7 @@ def memory_backed(folder: str) -> str | None:
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             mounts = f.read().splitlines()
-    except OSError:
+    except OSError:  # not Linux: mounts cannot be read, so no warning (documented)
         return None
     path, best, kind = os.path.realpath(folder), -1, None
     for line in mounts:

@@ -9,7 +9,7 @@ whose step reads each parameter alone: torch's built-in classes, or one declared
 ``per_parameter=False`` steps once over all parameters, its whole state in one staging buffer; any other is refused at
 construction (``torch_optim.per_parameter``). Non-tensor state (ints, floats) stays in memory, and so do tensors that
 share their memory (see ``optimizer_state._shares_memory``). The stored tensors belong to the state entry left in
-memory: resetting it resets them (see ``optimizer_state._StoredState``).
+memory: resetting it resets them (see ``optimizer_state.StoredState``).
 
 Optimizers whose ``step`` requires a closure (``LBFGS``) are refused at construction. The wrapped optimizer is stepped
 without its own step hooks (its class's ``step`` unwrapped), so step hooks fire once per step, on this wrapper. A step

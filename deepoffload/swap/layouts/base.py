@@ -91,5 +91,5 @@ class StorageLayout(abc.ABC):
         """
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except FileNotFoundError:  # never written, or removed already: the goal is reached
             pass
