@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper
+from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper, offload_parameters
 from deepoffload.errors import ChecksumError, ConfigError, UnsupportedError
 from deepoffload.swap.codecs import ByteCodec, codec_names, register_codec, unregister_codec
 from deepoffload.swap.folder_checks import check_run_folder
@@ -58,15 +58,19 @@ class SubFolders(StorageLayout):
 class Zlib(ByteCodec):
     """zlib at level 6: lossless, a stored length that depends on the bytes."""
 
+    calls = {"encode": 0, "decode": 0}
+
     def max_stored_bytes(self, nbytes):
         return nbytes + (nbytes >> 12) + 64  # zlib's worst case is nbytes + 5 per 16 KiB block + 6
 
     def encode(self, source, out):
+        Zlib.calls["encode"] += 1
         data = zlib.compress(source.numpy().tobytes(), 6)
         out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         return len(data)
 
     def decode(self, stored, out):
+        Zlib.calls["decode"] += 1
         data = zlib.decompress(stored.numpy().tobytes())
         out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         return len(data)
@@ -222,3 +226,19 @@ def test_a_codec_with_the_packed_layout_is_refused_and_unpacked_works(scratch):
         read = swapper.swap_in(["g"])
         assert read.wait()["g"]["w"].tolist() == list(map(float, range(10)))
         read.release()
+
+
+def test_offloaded_parameters_stream_through_a_toy_codec(scratch):
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(5, 8)
+    before = dict(Zlib.calls)
+    with offload_parameters(model, str(scratch), config=SwapConfig(codec="test-zlib", pin=False)) as offload:
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), reference(x))
+        state = offload.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+    assert Zlib.calls["encode"] > before["encode"] and Zlib.calls["decode"] > before["decode"]
