@@ -128,12 +128,14 @@ def test_every_registered_layout_and_codec_round_trips(scratch, layout, codec):
 
 def test_an_unknown_layout_or_codec_is_refused_naming_the_registered_ones(scratch):
     with pytest.raises(ConfigError, match="layout: no storage layout named 'nope'; registered: folder"):
-        TensorSwapper(SwapConfig(folder=str(scratch), layout="nope", pin=False))
+        SwapConfig(folder=str(scratch), layout="nope", pin=False)
     with pytest.raises(ConfigError, match="codec: no byte codec named 'nope'; registered: none"):
-        TensorSwapper(SwapConfig(folder=str(scratch), codec="nope", pin=False))
+        SwapConfig.from_dict({"nvme_path": str(scratch), "codec": "nope"})
     with pytest.raises(ConfigError, match="layout"):
         SwapConfig(layout="")
     assert os.listdir(scratch) == []  # refused before any folder was made
+    config = SwapConfig(folder=str(scratch), layout="test-subfolders", codec="test-zlib")  # this file's toys
+    assert SwapConfig.from_dict(config.to_dict()) == config
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -12,9 +12,10 @@ To add a codec: subclass ``ByteCodec`` in a file of its own and register it by n
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class ByteCodec(abc.ABC):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .base import ByteCodec
 from .registry import register_codec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @register_codec("none")

@@ -7,7 +7,7 @@ one, write a ``StorageLayout`` subclass in a file of its own and decorate it wit
 from __future__ import annotations
 
 from . import one_folder as one_folder
-from .base import StorageLayout
+from .base import LayoutSettings, StorageLayout
 from .registry import layout_class, layout_names, register_layout, unregister_layout
 
-__all__ = ["StorageLayout", "layout_class", "layout_names", "register_layout", "unregister_layout"]
+__all__ = ["LayoutSettings", "StorageLayout", "layout_class", "layout_names", "register_layout", "unregister_layout"]

@@ -14,12 +14,28 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 from ..folder_checks import create_swap_file
 
-if TYPE_CHECKING:
-    from ..config import SwapConfig
+
+class LayoutSettings(Protocol):
+    """The settings a layout reads (``SwapConfig`` has them; the config module imports the registry to check names)."""
+
+    @property
+    def folder(self) -> str | None:
+        """The base folder (None: the temp folder)."""
+        ...
+
+    @property
+    def keep_files(self) -> bool:
+        """Leave the files at close."""
+        ...
+
+    @property
+    def trust_folder_owner(self) -> bool:
+        """Accept a base folder another user owns."""
+        ...
 
 
 class StorageLayout(abc.ABC):
@@ -38,7 +54,7 @@ class StorageLayout(abc.ABC):
     folder: str
 
     @abc.abstractmethod
-    def __init__(self, config: SwapConfig, rank: int | None = None) -> None: ...
+    def __init__(self, config: LayoutSettings, rank: int | None = None) -> None: ...
 
     @abc.abstractmethod
     def group_file(self, group: str) -> str:

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING
 
 from ..folder_checks import check_run_folder
 from ..folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
-from .base import StorageLayout
+from .base import LayoutSettings, StorageLayout
 from .registry import register_layout
-
-if TYPE_CHECKING:
-    from ..config import SwapConfig
 
 
 @register_layout("folder")
@@ -30,7 +26,7 @@ class OneFolder(StorageLayout):
         rank: The rank in the run folder's name (None: taken from the environment).
     """
 
-    def __init__(self, config: SwapConfig, rank: int | None = None) -> None:
+    def __init__(self, config: LayoutSettings, rank: int | None = None) -> None:
         self.folder = create_run_folder(config.folder, rank, config.trust_folder_owner)
         if config.keep_files:
             keep_run_folder(self.folder)
