@@ -120,6 +120,14 @@ class PackFile:
         else:
             self._free.insert(i, (offset, nbytes))
 
+    def allocated_bytes(self) -> int:
+        """Bytes of the file held by extents.
+
+        Returns:
+            The bytes.
+        """
+        return self.end - self.free_bytes()
+
     def free_bytes(self) -> int:
         """Bytes inside the file not held by any extent."""
         return sum(size for _, size in self._free)

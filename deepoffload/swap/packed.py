@@ -1,6 +1,7 @@
-"""The packed layout of a ``TensorSwapper``: all groups in one pack file (``extents.py``'s ``PackFile``).
+"""The packed layout of a ``TensorSwapper``: all groups in the pack files its storage layout names (one by default).
 
-The groups of one ``swap_out`` call go in one page-aligned extent, written with one request; a read of one whole
+The groups of one ``swap_out`` call go in one page-aligned extent (``extents.py``) of one pack file, written with one
+request; each new extent goes to the pack file holding the fewest allocated bytes; a read of one whole
 extent into the buffer it was last read into hands back the same view objects. ``PackedLayout`` keeps which extent
 each group's current records point into; it knows its swapper only as a ``PackedOwner``.
 """
@@ -49,15 +50,16 @@ class PackedLayout:
 
     Args:
         swapper: The swapper whose groups these are.
-        pack: The pack file.
+        packs: The pack files (the layout's ``pack_files()``): each new extent goes to the one holding the fewest
+            allocated bytes, so a layout with a file per drive spreads a step's extents over its drives.
 
     Attributes:
         extents: Each group -> the extent its current records point into.
     """
 
-    def __init__(self, swapper: PackedOwner, pack: PackFile):
+    def __init__(self, swapper: PackedOwner, packs: list[PackFile]):
         self.swapper = swapper
-        self.pack = pack
+        self.packs = packs
         self.extents: dict[str, Extent] = {}
 
     def forget_views(self, buffer: torch.Tensor) -> None:
@@ -125,15 +127,17 @@ class PackedLayout:
             buffer[start:total].zero_()
         extent = self.extents.get(next(iter(members), ""))
         if extent is None or not extent.holds_exactly(members):
-            extent = self.pack.allocate(total, members)
+            extent = min(self.packs, key=PackFile.allocated_bytes).allocate(total, members)
         records = {}
         for group, entries in layout.items():
             begin, _ = members[group]
             records[group], _ = swapper.staging.stage(
-                group, entries, buffer, begin, self.pack.path, extent.offset + begin
+                group, entries, buffer, begin, extent.pack.path, extent.offset + begin
             )
         requests = (
-            [swapper.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] if total else []
+            [swapper.handle.write_async(buffer[:total], extent.pack.path, extent.offset, truncate=False)]
+            if total
+            else []
         )
         write = SwapOut(
             swapper,
@@ -217,7 +221,7 @@ class PackedLayout:
                     )
                     for key, r in records[group].items()
                 }
-        request = swapper.handle.write_async(buffer[: extent.nbytes], self.pack.path, extent.offset, truncate=False)
+        request = swapper.handle.write_async(buffer[: extent.nbytes], extent.pack.path, extent.offset, truncate=False)
         write = SwapOut(swapper, [request], records, [buffer], sources, on_done, extent, rewrite=True)
         swapper.track_write(write, names)
         return write
@@ -237,7 +241,7 @@ class PackedLayout:
             if old is not None and (old is not extent or not ok):
                 old.leave(group)
         if not extent.live:
-            self.pack.free(extent)
+            extent.pack.free(extent)
 
     def whole_extent(self, groups: list[str]) -> Extent | None:
         """Packed: the extent whose members are exactly ``groups``, in order, all living there; else None."""
@@ -252,7 +256,7 @@ class PackedLayout:
         layout = {group: (-extent.offset, swapper.current_records(group)) for group in groups}
         cached = extent.views
         buffer = swapper.staging.acquire(extent.nbytes, prefer=cached[0] if cached is not None else None)
-        request = swapper.handle.read_async(buffer[: extent.nbytes], self.pack.path, extent.offset)
+        request = swapper.handle.read_async(buffer[: extent.nbytes], extent.pack.path, extent.offset)
         read = SwapIn(swapper, [request], layout, buffer, extent)
         swapper.track_read(read, groups)
         return read

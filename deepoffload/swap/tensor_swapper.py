@@ -100,8 +100,9 @@ class TensorSwapper:
         self._writing: dict[str, SwapOut] = {}
         self._reading: dict[str, SwapIn] = {}
         self._pending_out: collections.deque[SwapOut] = collections.deque()
-        self.pack = PackFile(self.layout.pack_file()) if packed else None
-        self.packing = PackedLayout(self, self.pack) if self.pack is not None else None  # its extents
+        packs = [PackFile(path) for path in self.layout.pack_files()] if packed else []
+        self.pack = packs[0] if packs else None  # (the first pack file: the only one of the folder layout)
+        self.packing = PackedLayout(self, packs) if packs else None  # its extents
         self._mapped = MappedFiles()  # groups served read-only from other files
         self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
         self.checksum = self.config.checksum
@@ -118,8 +119,8 @@ class TensorSwapper:
         self.bytes_written = 0
         self._closed = False
         self._created: set[str] = set()  # swap files made (0600) so far
-        if self.pack is not None:
-            self.layout.create_file(self.pack.path)
+        for pack in packs:
+            self.layout.create_file(pack.path)
 
     # -- queries ------------------------------------------------------------------------------------------
     def records(self, group: str) -> Mapping[str, SwapRecord]:

@@ -76,12 +76,21 @@ class Zlib(ByteCodec):
         return len(data)
 
 
+class TwoPacks(SubFolders):
+    """As ``SubFolders``, with a packed swapper's extents spread over two pack files (as over two drives)."""
+
+    def pack_files(self):
+        return [self._in("packed", "first.bin"), self._in("packed", "second.bin")]
+
+
 @pytest.fixture(autouse=True)
 def toys():
     register_layout("test-subfolders")(SubFolders)
+    register_layout("test-two-packs")(TwoPacks)
     register_codec("test-zlib")(Zlib)
     yield
     unregister_layout("test-subfolders")
+    unregister_layout("test-two-packs")
     unregister_codec("test-zlib")
 
 
@@ -167,22 +176,25 @@ def test_a_toy_layout_places_the_files_and_round_trips(scratch, packed):
     assert not os.path.exists(run)
 
 
-def test_an_offloaded_optimizer_steps_through_a_toy_layout(scratch):
+@pytest.mark.parametrize("layout", ["test-subfolders", "test-two-packs"])
+def test_an_offloaded_optimizer_steps_through_a_toy_layout(scratch, layout):
     torch.manual_seed(0)
-    model = torch.nn.Linear(16, 8)
-    reference = torch.nn.Linear(16, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 32))  # two chunks of 4 KiB buffers
+    reference = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 32))
     reference.load_state_dict(model.state_dict())
-    config = SwapConfig(folder=str(scratch), layout="test-subfolders", pin=False, chunk_bytes=1 << 12)
+    config = SwapConfig(folder=str(scratch), layout=layout, pin=False, chunk_bytes=1 << 12)
     opt = OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=1e-2)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(3):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
         for m, o in ((model, opt), (reference, plain)):
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    pack = os.path.join(opt.swapper.folder, "packed", "all.bin")
-    assert os.path.getsize(pack) > 0 and opt.stored_bytes() > 0
+    names = ["all.bin"] if layout == "test-subfolders" else ["first.bin", "second.bin"]
+    pack = os.path.join(opt.swapper.folder, "packed", names[0])
+    assert sorted(os.listdir(os.path.dirname(pack))) == names and opt.stored_bytes() > 0
+    assert all(os.path.getsize(os.path.join(os.path.dirname(pack), name)) > 0 for name in names)  # each file used
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)
     for key, values in plain.state_dict()["state"].items():

@@ -75,6 +75,16 @@ class StorageLayout(abc.ABC):
             The file's path.
         """
 
+    def pack_files(self) -> list[str]:
+        """The files of a packed swapper: ``[pack_file()]``; a layout over several drives returns one per drive.
+
+        Each new extent goes to the file holding the fewest allocated bytes (``PackedLayout``).
+
+        Returns:
+            The files' paths (at least one).
+        """
+        return [self.pack_file()]
+
     @abc.abstractmethod
     def check(self) -> None:
         """Refuse to go on when this run's place is no longer the one made (called before every transfer).
