@@ -67,7 +67,7 @@ def mlp(width: int, layers: int):
 
 def extents_of(opt) -> list:
     """The extents of ``opt``'s pack file, in file order."""
-    return sorted({id(e): e for e in opt.swapper._extents.values()}.values(), key=lambda e: e.offset)
+    return sorted({id(e): e for e in opt.swapper.packing.extents.values()}.values(), key=lambda e: e.offset)
 
 
 def io_buffers(opt, ahead: int) -> list:
@@ -164,7 +164,9 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
             runs[variant] = (model, loss_of, opt, timing(variant, opt.step))
             continue
         opt = OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=1e-4)
-        opt._inner_step = timing(variant, opt._inner_step)  # the wrapped AdamW's own step, chunk by chunk
+        opt.pipeline.inner_step = timing(
+            variant, opt.pipeline.inner_step
+        )  # the wrapped AdamW's own step, chunk by chunk
         if variant.startswith("step_in_backward"):
             opt.step_in_backward()
         if variant.endswith(" thr"):

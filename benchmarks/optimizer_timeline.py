@@ -55,9 +55,9 @@ def timed(category: str, fn, outer: bool = False):
 
 def instrument() -> None:
     from deepoffload.io import handle as handle_module
-    from deepoffload.swap import optimizer as opt_module
     from deepoffload.swap import optimizer_pipeline as pipeline_module
     from deepoffload.swap import pool as pool_module
+    from deepoffload.swap import staging_buffers as staging_module
     from deepoffload.swap import tensor_swapper as ts
 
     def submitting(kind: str, fn):
@@ -73,14 +73,16 @@ def instrument() -> None:
     cls.read_async = submitting("read", cls.read_async)
     cls.write_async = submitting("write", cls.write_async)
     ts.SwapOut.wait = timed("wait write", ts.SwapOut.wait)
-    ts.TensorSwapper._acquire = timed("(within the above) acquire buffer", ts.TensorSwapper._acquire, True)
+    staging = staging_module.StagingBuffers
+    staging.acquire = timed("(within the above) acquire buffer", staging.acquire, True)
     pool_module.aligned_empty = timed("(within the above) allocate buffer", pool_module.aligned_empty, True)
-    ts.SwapIn._wait_io = timed("(within the above) wait read", ts.SwapIn._wait_io, True)
-    opt_module.OffloadedOptimizer._step_chunk = timed("optimizer compute", opt_module.OffloadedOptimizer._step_chunk)
+    ts.SwapIn.wait_io = timed("(within the above) wait read", ts.SwapIn.wait_io, True)
+    pipeline = pipeline_module.ChunkPipeline
+    pipeline.step_chunk = timed("optimizer compute", pipeline.step_chunk)
     pipeline_module.trim_heap = timed("malloc_trim", pipeline_module.trim_heap)
-    opt_module.OffloadedOptimizer._restore = timed("restore", opt_module.OffloadedOptimizer._restore)
-    opt_module.OffloadedOptimizer._write = timed("write submit", opt_module.OffloadedOptimizer._write)
-    opt_module.OffloadedOptimizer._read = timed("read submit", opt_module.OffloadedOptimizer._read)
+    pipeline.restore = timed("restore", pipeline.restore)
+    pipeline.write = timed("write submit", pipeline.write)
+    pipeline.read = timed("read submit", pipeline.read)
 
     def poll() -> None:
         while True:

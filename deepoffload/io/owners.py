@@ -1,8 +1,9 @@
 """Files and folders that belong to one process, and the permission rules of a save.
 
-Temporaries of a save and per-run swap folders carry their writer's process id and start time in their name, so that
-the next save or run in the same place removes what a dead process left (a SIGKILL runs no cleanup) and never touches
-what a live one still writes.
+Temporaries of a save and per-run swap folders (named and cleaned by ``deepoffload.swap.folders``) carry their
+writer's process id and start time in their name (``process_token``, ``OWNER_PATTERN``), so that the next save or run
+in the same place removes what a dead process left (a SIGKILL runs no cleanup) and never touches what a live one
+still writes.
 
 A process is judged only where it could be seen: the name also records a host id (this boot of this machine and
 this process's pid namespace), and files of another host id (another machine sharing the folder, another container)
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import re
 import socket
@@ -28,14 +28,10 @@ import stat
 import uuid
 from pathlib import Path
 
-from .tree import remove_tree
-
 PRIVATE_MODE = 0o600
-_OWNER = r"(?P<pid>\d+)\.(?P<start>\d+)\.(?P<host>[0-9a-f]{8})"  # what process_token() writes
-_TEMPORARY = re.compile(rf"\.(?P<target>.+?)\.(?:tmp|partial)-{_OWNER}-[0-9a-f]{{8}}.*")
-_RUN_FOLDER = re.compile(rf"deepoffload-rank\d+-{_OWNER}-[a-z0-9_]+")  # mkdtemp's random part
+OWNER_PATTERN = r"(?P<pid>\d+)\.(?P<start>\d+)\.(?P<host>[0-9a-f]{8})"  # what process_token() writes
+_TEMPORARY = re.compile(rf"\.(?P<target>.+?)\.(?:tmp|partial)-{OWNER_PATTERN}-[0-9a-f]{{8}}.*")
 _start_times: dict[int, int] = {}
-_log = logging.getLogger("deepoffload")
 _PID_MAX = 2**31 - 1  # process ids are C ints
 
 
@@ -44,11 +40,11 @@ def start_time(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
-    except OSError:
+    except OSError:  # no such process, or no /proc here: the start time is unknown (0 says so)
         return 0
     try:  # the command name (field 2) may hold spaces and parentheses: count fields after its last ')'
         return int(text[text.rindex(b")") + 2 :].split()[19])
-    except (ValueError, IndexError):
+    except (ValueError, IndexError):  # a stat line of another shape: unknown, as documented
         return 0
 
 
@@ -60,7 +56,7 @@ def host_id() -> str:
         for read in (_boot_id, lambda: os.readlink("/proc/self/ns/pid")):
             try:
                 parts.append(read())
-            except OSError:
+            except OSError:  # not Linux, or /proc hidden: the host id is made of what can be read
                 pass
         _host = hashlib.sha1("|".join(parts).encode()).hexdigest()[:8]
     return _host
@@ -84,8 +80,15 @@ def process_token() -> str:
     return f"{pid}.{start}.{host_id()}"
 
 
-def _owner_alive(match: re.Match) -> bool:
-    """Whether the owner a file name records may still run: another host's always may."""
+def owner_alive(match: re.Match) -> bool:
+    """Whether the owner a name records (``OWNER_PATTERN``'s groups) may still run: another host's always may.
+
+    Args:
+        match: A match of a pattern holding ``OWNER_PATTERN``.
+
+    Returns:
+        False only when that process ran on this host and is no longer alive.
+    """
     return match["host"] != host_id() or is_alive(int(match["pid"]), int(match["start"]))
 
 
@@ -105,7 +108,7 @@ def is_alive(pid: int, start: int) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except ProcessLookupError:  # no such process: that is the answer
         return False
     except OSError:
         pass  # exists, owned by someone else
@@ -152,63 +155,14 @@ def remove_dead_temporaries(folder: str | os.PathLike[str], target: str) -> list
     removed = []
     for entry in entries:
         match = _TEMPORARY.fullmatch(entry.name)
-        if match is None or match["target"] != target or _owner_alive(match):
+        if match is None or match["target"] != target or owner_alive(match):
             continue
         try:
             os.unlink(entry.path)
-        except OSError:
+        except OSError:  # another user's, a read-only folder, or removed meanwhile: best effort (see docstring)
             continue
         removed.append(Path(entry.path))
     return removed
-
-
-def run_folder_prefix(rank: int) -> str:
-    """The start of a per-run swap folder's name; ``tempfile.mkdtemp`` adds the random part."""
-    return f"deepoffload-rank{rank}-{process_token()}-"
-
-
-def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
-    """Remove the per-run swap folders in ``base`` of processes that are no longer alive.
-
-    Only a folder (not a link) named as ``run_folder_prefix`` names it, owned by this process's user and holding the
-    ``RUN_MARKER`` file is a candidate; one holding a ``KEPT`` file stays. Anything else in ``base`` may be another
-    user's, planted on purpose: it is never entered. Removal walks the tree without recursion and without following
-    links (``remove_tree``). Any error, listing ``base`` or removing one folder, is logged (logger ``deepoffload``)
-    and passed over: leftovers never stop a set-up.
-
-    Args:
-        base: The folder holding the run folders.
-
-    Returns:
-        The folders removed.
-    """
-    removed: list[Path] = []
-    try:
-        with os.scandir(base) as listing:
-            entries = [(entry, match) for entry in listing if (match := _RUN_FOLDER.fullmatch(entry.name))]
-    except OSError as e:
-        _log.warning("could not list %s to remove dead swap folders: %s", base, e)
-        return removed
-    uid = os.geteuid() if hasattr(os, "geteuid") else None
-    for entry, match in entries:
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
-                continue  # a link, a file, or another user's: not ours to judge
-            if not os.path.lexists(os.path.join(entry.path, RUN_MARKER)):
-                continue  # not made by this library (or by a version before the marker)
-            if os.path.lexists(os.path.join(entry.path, KEPT)) or _owner_alive(match):
-                continue
-            remove_tree(entry.path, owner=uid, last=RUN_MARKER)
-        except Exception as e:  # noqa: BLE001 - whatever someone else's leftover does, set-up goes on
-            _log.warning("left the dead swap folder %s in place: %s: %s", entry.path, type(e).__name__, e)
-            continue
-        removed.append(Path(entry.path))
-    return removed
-
-
-KEPT = "KEPT"  # a file in a run folder that is to outlive its process
-RUN_MARKER = ".deepoffload-run"  # a file in every run folder this library makes: what dead-run cleaning looks for
 
 
 def create_private(path: str | os.PathLike) -> int:

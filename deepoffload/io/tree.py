@@ -124,6 +124,6 @@ def _clear_files(fd: int, keep: str | None = None) -> str | None:
                 return entry.name
             try:
                 os.unlink(entry.name, dir_fd=fd)
-            except FileNotFoundError:
+            except FileNotFoundError:  # removed meanwhile: the goal is reached
                 pass
     return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,13 +22,13 @@ from ..errors import UnsupportedError
 from .ddp import refuse_step_in_backward_under_ddp
 from .grad_prints import GradPrint, GroupPrint
 from .interrupts import deferred
-from .optimizer_state import _StoredState
+from .optimizer_state import StoredState
 from .scaled_losses import LossGraph, unwatch, watch
 from .tensor_swapper import SwapOut
-from .torch_optim import _intra_op_threads
+from .torch_optim import intra_op_threads
 
 if TYPE_CHECKING:
-    from .optimizer import OffloadedOptimizer
+    from .optimizer_pipeline import ChunkPipeline
 
 
 def _on_grad(plan: weakref.ref, param: torch.Tensor) -> None:
@@ -44,16 +44,21 @@ def _remove(handles: list) -> None:
         handle.remove()
 
 
-class _BackwardSteps:
+class BackwardSteps:
     """``step_in_backward``'s plan and progress.
 
     The chunks (reverse parameter order), which of their gradients are ready, what the gradients of each completed
     chunk held, which chunks stepped in this backward, and their writes. Until a ``step()`` has found the gradients
     as backward left them (``checked``), backward only records them.
+
+    Args:
+        pipeline: The optimizer's chunk pipeline (its parameters, chunks, reads, steps and writes).
+        threads: The optimizer's ``compute_threads`` now (torch intra-op threads while a chunk steps; None: torch's).
     """
 
-    def __init__(self, optimizer: OffloadedOptimizer):
-        self.optimizer = optimizer
+    def __init__(self, pipeline: ChunkPipeline, threads: Callable[[], int | None]):
+        self.pipeline = pipeline
+        self.threads = threads
         self.ready: list[set[int]] = []
         self.checked = False  # a step() found the gradients of every completed chunk as backward left them
         self.prints: dict[int, GradPrint] = {}  # id(param) -> its gradient when its chunk completed in backward
@@ -67,7 +72,7 @@ class _BackwardSteps:
         # from C++, which the cycle collector does not see), and a strong one would keep an optimizer dropped without
         # close() stepping in every later backward, and refusing every GradScaler in the process.
         hook = functools.partial(_on_grad, weakref.ref(self))
-        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in optimizer._params() if p.requires_grad]
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in pipeline.params() if p.requires_grad]
         weakref.finalize(self, _remove, self.handles)
         self._plan()
         watch(self)
@@ -81,7 +86,7 @@ class _BackwardSteps:
         Returns:
             The error naming what works instead, or None when the loss reaches none of this optimizer's parameters.
         """
-        if not graph.reaches(p for p in self.optimizer._params() if p.requires_grad):
+        if not graph.reaches(p for p in self.pipeline.params() if p.requires_grad):
             return None
         return UnsupportedError(
             "OffloadedOptimizer.step_in_backward: a GradScaler scales this loss, but each chunk would step "
@@ -92,8 +97,8 @@ class _BackwardSteps:
 
     def _plan(self) -> None:
         """Chunks for the coming backward, and their first ones' state read now (during the forward)."""
-        opt = self.optimizer
-        self.chunks = opt._chunks([p for p in reversed(opt._params()) if p.requires_grad])
+        opt = self.pipeline
+        self.chunks = opt.chunks([p for p in reversed(opt.params()) if p.requires_grad])
         self.index = {id(p): k for k, chunk in enumerate(self.chunks) for p in chunk}
         self.ready = [set() for _ in self.chunks]
         self.next = 0  # reads are started for chunks from here on, in plan order
@@ -104,13 +109,13 @@ class _BackwardSteps:
 
         Unless ``wait``, only while a staging buffer is free (no waiting for a write to free one).
         """
-        opt = self.optimizer
+        opt = self.pipeline
         ahead = max(1, opt.config.buffer_count - 2)
-        while self.next < len(self.chunks) and len(opt._prefetched) < ahead and (wait or opt.swapper.pool.available()):
+        while self.next < len(self.chunks) and len(opt.prefetched) < ahead and (wait or opt.swapper.pool.available()):
             chunk = self.chunks[self.next]
             self.next += 1
             if len(self.ready[self.next - 1]) < len(chunk):
-                opt._prefetched[tuple(map(id, chunk))] = opt._read(chunk)
+                opt.prefetched[tuple(map(id, chunk))] = opt.read(chunk)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if id(param) in self.prints:
@@ -142,18 +147,18 @@ class _BackwardSteps:
                     if grad is not None:
                         self.prints[id(p)] = GradPrint(grad)
             if self.settings is None:
-                self.settings = GroupPrint(self.optimizer.param_groups, self.optimizer.defaults)
+                self.settings = GroupPrint(self.pipeline.param_groups, self.pipeline.optimizer.defaults)
             try:
                 if self.checked:
-                    with deferred(), torch.no_grad(), _intra_op_threads(self.optimizer._compute_threads):
+                    with deferred(), torch.no_grad(), intra_op_threads(self.threads()):
                         self._step(k)  # (a Ctrl-C is raised once the chunk is stepped: it then ends the backward)
             finally:  # (stepped or not) an in-place change from here on would come in the wrong order
                 for p in chunk:
                     self.marks[id(p)] = (p.data_ptr(), p._version)
 
     def _step(self, k: int) -> None:
-        opt, chunk = self.optimizer, self.chunks[k]
-        read = opt._prefetched.pop(tuple(map(id, chunk)), None) or opt._read(chunk)
+        opt, chunk = self.pipeline, self.chunks[k]
+        read = opt.prefetched.pop(tuple(map(id, chunk)), None) or opt.read(chunk)
         applied = False
         try:
             # The next chunks' reads go first: they start during this chunk's compute, queued before its write (one
@@ -161,17 +166,17 @@ class _BackwardSteps:
             self._collect_done()
             self.next = max(self.next, k + 1)
             self._read_ahead(wait=False)
-            opt._restore(chunk, read)
+            opt.restore(chunk, read)
             applied = True
-            opt._step_chunk(chunk)
-            self.writes.append(opt._write(chunk, read))
+            opt.step_chunk(chunk)
+            self.writes.append(opt.write(chunk, read))
         except BaseException:
             if applied:
                 read.detach()  # the state is in use (in memory): its buffer leaves the pool
             else:
                 read.release()
             raise
-        opt._trim()
+        opt.trim()
         for p in chunk:
             self.stepped.add(id(p))
             self.entries[id(p)] = opt.optimizer.state.get(p)
@@ -207,9 +212,9 @@ class _BackwardSteps:
                 was reset after backward stepped with it, a param group's setting (``lr``, ...) changed after
                 backward, or a parameter was changed in place (its version) or replaced after backward.
         """
-        opt = self.optimizer
+        opt = self.pipeline
         prints = self.prints
-        changed = [(p, how) for p in opt._params() if id(p) in prints and (how := prints[id(p)].changed(p.grad))]
+        changed = [(p, how) for p in opt.params() if id(p) in prints and (how := prints[id(p)].changed(p.grad))]
         try:
             if changed:
                 refuse_step_in_backward_under_ddp([p for p, _ in changed])  # a DDP built after step_in_backward()
@@ -234,7 +239,7 @@ class _BackwardSteps:
                     f"(opt.step_in_backward(False)), which steps exactly as in memory"
                 )
             marks = self.marks
-            edited = [p for p in opt._params() if id(p) in marks and marks[id(p)] != (p.data_ptr(), p._version)]
+            edited = [p for p in opt.params() if id(p) in marks and marks[id(p)] != (p.data_ptr(), p._version)]
             if edited:
                 raise UnsupportedError(
                     f"OffloadedOptimizer.step_in_backward: {len(edited)} parameter(s) were changed in place or "
@@ -246,11 +251,11 @@ class _BackwardSteps:
             state, entries = opt.optimizer.state, self.entries
             reset = [
                 p
-                for p in opt._params()
+                for p in opt.params()
                 if id(p) in entries
                 and (
                     state.get(p) is not entries[id(p)]
-                    or (type(entries[id(p)]) is _StoredState and entries[id(p)].cleared)
+                    or (type(entries[id(p)]) is StoredState and entries[id(p)].cleared)
                 )
             ]
             if reset:
@@ -260,30 +265,35 @@ class _BackwardSteps:
                     f"cleared) after backward stepped them with the state before; the reset applies "
                     f"from the next step. Reset state before backward, or turn step_in_backward off"
                 )
-            rest = [p for p in opt._params() if p.grad is not None and id(p) not in self.stepped]
-            with _intra_op_threads(opt._compute_threads):
-                opt._run(opt._chunks(rest), opt._step_chunk)
+            rest = [p for p in opt.params() if p.grad is not None and id(p) not in self.stepped]
+            with intra_op_threads(self.threads()):
+                opt.run(opt.chunks(rest), opt.step_chunk)
             self.checked = True
         finally:
             for write in self.writes:
                 self._collect(write)
-            opt._trim()
+            opt.trim()
             self.writes, self.stepped, self.entries, self.prints, self.settings = [], set(), {}, {}, None
             self.marks = {}
             error, self.error = self.error, None
-            opt._drop_prefetched()
+            opt.drop_prefetched()
             self._plan()
         if error is not None:
             raise error
 
     def close(self) -> None:
+        """Remove the hooks, collect the writes in flight and release the reads started early.
+
+        Raises:
+            OSError: The first write that failed and was not raised yet.
+        """
         unwatch(self)
         for handle in self.handles:
             handle.remove()
         for write in self.writes:
             self._collect(write)
         self.writes = []
-        self.optimizer._drop_prefetched()
+        self.pipeline.drop_prefetched()
         if self.error is not None:
             error, self.error = self.error, None
             raise error

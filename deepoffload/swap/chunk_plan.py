@@ -2,37 +2,47 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .optimizer_state import _state_bytes
+from .chunks import Chunk
+from .optimizer_state import state_bytes
 from .pool import PAGE_SIZE
 
 if TYPE_CHECKING:
-    from .optimizer import OffloadedOptimizer
+    from .config import SwapConfig
+    from .tensor_swapper import TensorSwapper
 
 
-class _Chunk(list):
-    """Parameters stepped together, with what each step needs of them worked out once.
+class PlanOwner(Protocol):
+    """What a ``ChunkPlanner`` reads of the pipeline it plans for (``ChunkPipeline`` is one)."""
 
-    That is their group names (``names``, ``by_name``) and, per param group, the chunk's parameters in it
-    (``in_groups``).
-    """
+    optimizer: torch.optim.Optimizer
+    swapper: TensorSwapper
+    config: SwapConfig
+    per_parameter: bool
 
-    def __init__(self, params: Iterable[torch.Tensor] = ()):
-        super().__init__(params)
-        self.names: list[str] = []
-        self.by_name: dict[str, torch.Tensor] = {}
-        self.in_groups: list[list[torch.Tensor]] | None = None
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups."""
+        ...
+
+    def name(self, param: torch.Tensor) -> str:
+        """The swapper's group name of ``param``'s state."""
+        ...
 
 
 class ChunkPlanner:
-    """An ``OffloadedOptimizer``'s chunk plans, made from its state's sizes and kept while they hold."""
+    """An ``OffloadedOptimizer``'s chunk plans, made from its state's sizes and kept while they hold.
 
-    def __init__(self, owner: OffloadedOptimizer):
+    Args:
+        owner: The pipeline planned for.
+    """
+
+    def __init__(self, owner: PlanOwner):
         self.owner = owner
-        self._plans: dict[tuple, list[_Chunk]] = {}  # chunk plans made at ``_plans_version`` of the swapper
+        self._plans: dict[tuple, list[Chunk]] = {}  # chunk plans made at ``_plans_version`` of the swapper
         self._plans_version = -1
 
     def estimate(self, param: torch.Tensor) -> int:
@@ -48,14 +58,14 @@ class ChunkPlanner:
         swapper = self.owner.swapper
         state = self.owner.optimizer.state.get(param)
         resident = [v for v in state.values() if isinstance(v, torch.Tensor)] if state else []
-        name = self.owner._name(param)
+        name = self.owner.name(param)
         count = len(resident) + len(swapper.records(name)) if swapper.has(name) else len(resident)
-        nbytes = swapper.stored_bytes(name) + sum(_state_bytes(v) for v in resident)
+        nbytes = swapper.stored_bytes(name) + sum(state_bytes(v) for v in resident)
         if not nbytes:
-            nbytes, count = 2 * _state_bytes(param), 3
+            nbytes, count = 2 * state_bytes(param), 3
         return nbytes + swapper.tensor_alignment * count
 
-    def plan(self, params: list[torch.Tensor]) -> list[_Chunk]:
+    def plan(self, params: list[torch.Tensor]) -> list[Chunk]:
         """Split ``params`` into chunks of consecutive parameters whose state fills at most one pooled buffer.
 
         A buffer holds ``chunk_bytes`` less a page for the extent's padding, so a step's buffers come from the
@@ -79,7 +89,7 @@ class ChunkPlanner:
             return plan
         estimates = [self.estimate(param) for param in params]
         if not owner.per_parameter:  # one chunk: the wrapped optimizer's step sees every parameter at once
-            whole = _Chunk(params)
+            whole = Chunk(params)
             owner.swapper.pool.fit(sum(estimates) + PAGE_SIZE)
             return self._keep(key, [whole])
         # A parameter whose state exceeds chunk_bytes would need a fresh buffer each step, made on the step's thread
@@ -94,11 +104,11 @@ class ChunkPlanner:
             owner.swapper.pool.buffer_bytes - PAGE_SIZE,
             largest + largest // 16 if largest > owner.config.chunk_bytes - PAGE_SIZE else 0,
         )
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         size = fullest = 0
         for param, nbytes in zip(params, estimates):
             if not chunks or size + nbytes > budget:
-                chunks.append(_Chunk())
+                chunks.append(Chunk())
                 size = 0
             chunks[-1].append(param)
             size += nbytes
@@ -106,7 +116,7 @@ class ChunkPlanner:
         owner.swapper.pool.fit(fullest + PAGE_SIZE)
         return self._keep(key, chunks)
 
-    def _keep(self, key: tuple, chunks: list[_Chunk]) -> list[_Chunk]:
+    def _keep(self, key: tuple, chunks: list[Chunk]) -> list[Chunk]:
         """Name the chunks' parameters and keep the plan for reuse.
 
         Returns:
@@ -114,7 +124,7 @@ class ChunkPlanner:
         """
         owner = self.owner
         for chunk in chunks:
-            chunk.names = [owner._name(p) for p in chunk]
+            chunk.names = [owner.name(p) for p in chunk]
             chunk.by_name = dict(zip(chunk.names, chunk))
         if len(self._plans) >= 8:  # a few plans (e.g. step, state_dict, step_in_backward's): bounded
             self._plans.clear()

@@ -14,6 +14,8 @@ from typing import Any, Mapping
 from ..config import ALIASES as AIO_ALIASES
 from ..config import AioConfig, ConfigError, _bool, _positive_int, read_json
 from ..io.engines import check_choice
+from .codecs import codec_class
+from .layouts import layout_class
 
 SWAP_ALIASES = {"nvme_path": "folder", "pin_memory": "pin"}
 
@@ -42,10 +44,14 @@ class SwapConfig:
             entries there can replace this run's folder with a link to theirs and read or change the swap files.
             Turns ``checksum`` on (a changed byte read back is then a ``ChecksumError``; xxh3 detects changes, it
             is not a cryptographic signature).
+        layout: the storage layout (where records live), by its registered name: ``folder`` (one run folder under
+            ``folder``); see ``deepoffload.swap.layouts``.
+        codec: how a group's bytes are stored, by the byte codec's registered name: ``none`` (as they are); see
+            ``deepoffload.swap.codecs``. A packed swapper (the optimizer's) takes ``none`` only.
 
     Raises:
-        ConfigError: When a value has the wrong type or range (the message names the key), or ``aio.engine`` names
-            no registered engine.
+        ConfigError: When a value has the wrong type or range (the message names the key), or ``aio.engine``,
+            ``layout`` or ``codec`` names nothing registered (the message lists what is).
 
     Examples:
         >>> from deepoffload import SwapConfig
@@ -66,6 +72,8 @@ class SwapConfig:
     checksum: bool = False
     keep_files: bool = False
     trust_folder_owner: bool = False
+    layout: str = "folder"
+    codec: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.aio, AioConfig):
@@ -79,6 +87,11 @@ class SwapConfig:
         _positive_int("chunk_bytes", self.chunk_bytes)
         for key in ("pin", "checksum", "keep_files", "trust_folder_owner"):
             _bool(key, getattr(self, key))
+        for key, lookup in (("layout", layout_class), ("codec", codec_class)):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{key}: expected the name of a registered {key}, got {value!r}")
+            lookup(value)  # ConfigError naming the key and the registered names
 
     @classmethod
     def swap_keys(cls) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ A run folder is ``<base>/deepoffload-rank<R>-<pid>.<start time>-<unique>``: two 
 same base path never share files, and the rank in the name tells them apart when kept for inspection. The owner's
 process id and start time in the name let the next run in the same base remove the folders of processes that died
 without cleaning up (killed, out of memory); a live process's folder, and one kept on purpose, is never touched.
+Names and the cleaning of dead runs' folders are ``dead_runs.py``'s.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import threading
 import warnings
 from typing import cast
 
-from ..io.owners import KEPT, RUN_MARKER, create_private, remove_dead_run_folders, run_folder_prefix
+from ..io.owners import create_private
 from ..io.tree import remove_tree
 from ..op_builder import env
+from .dead_runs import KEPT, RUN_MARKER, remove_dead_run_folders, run_folder_prefix
 from .folder_checks import adopt_run_folder, check_base, check_run_folder, forget_run_folder
 
 _owned_lock = threading.Lock()
@@ -138,7 +140,7 @@ def memory_backed(folder: str) -> str | None:
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             mounts = f.read().splitlines()
-    except OSError:
+    except OSError:  # not Linux: mounts cannot be read, so no warning (documented)
         return None
     path, best, kind = os.path.realpath(folder), -1, None
     for line in mounts:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .records import _hash
+from .records import hash_bytes
 
 _SLICE = 1 << 20  # words digested at a time (int64 temporaries of 8 MiB each)
 _MULTIPLIER = 2654435761
@@ -65,7 +65,7 @@ def digest(tensor: torch.Tensor) -> tuple[int, ...]:
     """
     words = _words(tensor)
     if words.device.type == "cpu":
-        return (_hash(words.view(torch.uint8)),)
+        return (hash_bytes(words.view(torch.uint8)),)
     return _sums(words)
 
 

@@ -9,7 +9,7 @@ whose step reads each parameter alone: torch's built-in classes, or one declared
 ``per_parameter=False`` steps once over all parameters, its whole state in one staging buffer; any other is refused at
 construction (``torch_optim.per_parameter``). Non-tensor state (ints, floats) stays in memory, and so do tensors that
 share their memory (see ``optimizer_state._shares_memory``). The stored tensors belong to the state entry left in
-memory: resetting it resets them (see ``optimizer_state._StoredState``).
+memory: resetting it resets them (see ``optimizer_state.StoredState``).
 
 Optimizers whose ``step`` requires a closure (``LBFGS``) are refused at construction. The wrapped optimizer is stepped
 without its own step hooks (its class's ``step`` unwrapped), so step hooks fire once per step, on this wrapper. A step
@@ -32,30 +32,29 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import UnsupportedError
-from .backward_steps import _BackwardSteps
-from .chunk_plan import ChunkPlanner
+from .backward_steps import BackwardSteps
 from .config import SwapConfig
 from .ddp import refuse_step_in_backward_under_ddp
 from .interrupts import deferred
 from .memory import parse_bytes, process_bytes
 from .optimizer_budget import fit_buffers
-from .optimizer_pipeline import _ChunkSteps
-from .optimizer_state import _holds_stored, read_stored
-from .tensor_swapper import SwapIn, TensorSwapper
+from .optimizer_pipeline import ChunkPipeline
+from .optimizer_state import holds_stored, read_stored
+from .tensor_swapper import TensorSwapper
 from .torch_optim import (
-    _WRAPPED,
     UNSUPPORTED,
-    _check_no_step_hooks,
-    _intra_op_threads,
-    _requires_closure,
-    _unhooked_step,
+    WRAPPED,
+    check_no_step_hooks,
+    intra_op_threads,
+    requires_closure,
+    unhooked_step,
 )
 from .torch_optim import (
     per_parameter as per_parameter_,
 )
 
 
-class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
+class OffloadedOptimizer(torch.optim.Optimizer):
     """Wraps a ``torch.optim`` optimizer so that the tensor state of every parameter lives in files between steps.
 
     Use this object wherever the optimizer is used: ``step``, ``zero_grad``, LR schedulers,
@@ -151,19 +150,19 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             )
         if isinstance(inner, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer: the optimizer is already offloaded")
-        if isinstance(inner, UNSUPPORTED) or _requires_closure(inner):
+        if isinstance(inner, UNSUPPORTED) or requires_closure(inner):
             raise TypeError(
                 f"OffloadedOptimizer: {type(inner).__name__}.step requires a closure (it evaluates the "
                 f"loss inside its step, across all parameters), so it cannot step in chunks; use an "
                 f"optimizer whose step works without a closure"
             )
-        if getattr(inner, _WRAPPED, False):
+        if getattr(inner, WRAPPED, False):
             raise TypeError(
                 f"OffloadedOptimizer: this {type(inner).__name__} is already wrapped by an "
                 f"OffloadedOptimizer, which moved its tensor state to storage; use that wrapper (or build "
                 f"a new optimizer: wrapping it again would silently restart its state)"
             )
-        _check_no_step_hooks(inner)
+        check_no_step_hooks(inner)
         known = per_parameter_(inner, per_parameter)
         if known is None:
             raise UnsupportedError(
@@ -181,20 +180,13 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             config = fit_buffers(
                 params_, parse_bytes(max_memory), process_bytes(), config, whole=not self.per_parameter
             )
-        setattr(inner, _WRAPPED, True)
+        setattr(inner, WRAPPED, True)
         self.optimizer = inner
-        self._inner_step = _unhooked_step(inner)
         self.config = config
         self.swapper = TensorSwapper(self.config, packed=True)
-        self._names: dict[int, str] = {}  # id(param) -> its group name (params stay alive in param_groups)
-        self._strides: dict[str, dict[str, tuple[int, ...]]] = {}  # group name -> key -> strides (not contiguous)
+        self.pipeline = ChunkPipeline(inner, unhooked_step(inner), self.swapper, config, self.per_parameter)
         self._compute_threads: int | None = None
-        self._prefetched: dict[tuple[int, ...], SwapIn] = {}  # chunk (ids of its params) -> read started early
-        self._backward: _BackwardSteps | None = None  # step_in_backward's plan and progress, when on
-        self._planner = ChunkPlanner(self)
-        self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
-        self._loading = False  # load_state_dict is storing the loaded state
-        self._trimmed_at = 0  # swapper.bytes_read at the last trim
+        self._backward: BackwardSteps | None = None  # step_in_backward's plan and progress, when on
         self._busy = threading.RLock()  # step, state_dict, load_state_dict, close: one at a time (others wait)
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
         self.defaults = inner.defaults
@@ -206,7 +198,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
         try:
-            self._swap_out_resident()  # e.g. Adagrad creates its state in __init__
+            self.pipeline.swap_out_resident()  # e.g. Adagrad creates its state in __init__
         except BaseException as e:
             self._unwrap(e)
             raise
@@ -219,10 +211,10 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         """
         try:
             saved = self._gather_state_dict()["state"]
-            params = self._params()
+            params = self.pipeline.params()
             for index, values in saved.items():
                 self.optimizer.state[params[index]] = values
-            delattr(self.optimizer, _WRAPPED)
+            delattr(self.optimizer, WRAPPED)
         except BaseException as failed:
             if hasattr(error, "add_note"):
                 error.add_note(
@@ -284,12 +276,6 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         """
         self.optimizer.zero_grad(set_to_none)
 
-    def _name(self, param: torch.Tensor) -> str:
-        name = self._names.get(id(param))
-        if name is None:
-            name = self._names[id(param)] = f"param{len(self._names)}"
-        return name
-
     # -- stepping ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -309,7 +295,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         Returns:
             The closure's result, or None without one.
         """
-        _check_no_step_hooks(self.optimizer)
+        check_no_step_hooks(self.optimizer)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -319,13 +305,13 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
                 with deferred():
                     self._backward.finish()
                 return loss
-            with deferred(), _intra_op_threads(self._compute_threads):  # Ctrl-C: once the whole step is done
+            with deferred(), intra_op_threads(self._compute_threads):  # Ctrl-C: once the whole step is done
                 try:
-                    params = self._params()  # (all at once when not per-parameter: the groups as they are)
+                    params = self.pipeline.params()  # (all at once when not per-parameter: the groups as they are)
                     chosen = [p for p in params if p.grad is not None] if self.per_parameter else params
-                    self._run(self._chunks(chosen), self._step_chunk)
+                    self.pipeline.run(self.pipeline.chunks(chosen), self.pipeline.step_chunk)
                 finally:
-                    self._trim()
+                    self.pipeline.trim()
         return loss
 
     def step_in_backward(self, enabled: bool = True) -> None:
@@ -365,8 +351,8 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
                     f"parameters at once (per_parameter=False), which needs every gradient: it cannot step inside "
                     f"backward. Call step() after backward"
                 )
-            refuse_step_in_backward_under_ddp(self._params())
-            self._backward = _BackwardSteps(self)
+            refuse_step_in_backward_under_ddp(self.pipeline.params())
+            self._backward = BackwardSteps(self.pipeline, lambda: self._compute_threads)
         elif not enabled and self._backward is not None:
             self._backward.close()
             self._backward = None
@@ -380,11 +366,11 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         Args:
             params: The parameters a coming step will step (others of this optimizer's are ignored).
         """
-        chosen = set(params)
-        for chunk in self._chunks([p for p in self._params() if p in chosen]):
+        chosen, pipeline = set(params), self.pipeline
+        for chunk in pipeline.chunks([p for p in pipeline.params() if p in chosen]):
             key = tuple(map(id, chunk))
-            if key not in self._prefetched:
-                self._prefetched[key] = self._read(chunk)
+            if key not in pipeline.prefetched:
+                pipeline.prefetched[key] = pipeline.read(chunk)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -408,18 +394,19 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         return result
 
     def _gather_state_dict(self) -> dict[str, Any]:
-        self._drop_prefetched()
+        pipeline = self.pipeline
+        pipeline.drop_prefetched()
         self.swapper.wait_all()
         result = self.optimizer.state_dict()
         state = {key: dict(values) for key, values in result["state"].items()}
-        params = self._params()
+        params = pipeline.params()
         index = {id(p): i for i, p in enumerate(params)}
         for p in params:  # state the user reset since it was stored
-            if self.swapper.has(self._name(p)) and not _holds_stored(self.optimizer.state.get(p)):
-                self.swapper.discard(self._name(p))
-                self._strides.pop(self._name(p), None)
-        stored = [p for p in params if self.swapper.has(self._name(p))]
-        read_stored(self._chunks(stored), self._read, index, state, self._strides)
+            if self.swapper.has(pipeline.name(p)) and not holds_stored(self.optimizer.state.get(p)):
+                self.swapper.discard(pipeline.name(p))
+                pipeline.strides.pop(pipeline.name(p), None)
+        stored = [p for p in params if self.swapper.has(pipeline.name(p))]
+        read_stored(pipeline.chunks(stored), pipeline.read, index, state, pipeline.strides)
         result["state"] = state
         return result
 
@@ -438,17 +425,18 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
             if changed is not None:
                 state_dict = changed
         with self._busy:  # (another thread's step finishes first)
-            self._drop_prefetched()
+            pipeline = self.pipeline
+            pipeline.drop_prefetched()
             self.swapper.wait_all()
             self.optimizer.load_state_dict(state_dict)
-            for param in self._params():
-                self.swapper.discard(self._name(param))
-                self._strides.pop(self._name(param), None)
-            self._loading = True
+            for param in pipeline.params():
+                self.swapper.discard(pipeline.name(param))
+                pipeline.strides.pop(pipeline.name(param), None)
+            pipeline.loading = True
             try:
-                self._swap_out_resident()
+                pipeline.swap_out_resident()
             finally:
-                self._loading = False
+                pipeline.loading = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -467,7 +455,7 @@ class OffloadedOptimizer(_ChunkSteps, torch.optim.Optimizer):
         with self._busy:  # (another thread's step finishes first)
             try:
                 self._close_backward()
-                self._drop_prefetched()
+                self.pipeline.drop_prefetched()
             finally:
                 self.swapper.close()
 

@@ -1,6 +1,6 @@
 """How ``OffloadedOptimizer`` steps: chunk by chunk, its state read from and written to storage around each chunk.
 
-``_ChunkSteps`` is the chunk pipeline ``OffloadedOptimizer`` inherits: chunk k+1.. is read and chunk k-1 written
+``ChunkPipeline`` is the chunk pipeline an ``OffloadedOptimizer`` holds: chunk k+1.. is read and chunk k-1 written
 while chunk k steps, each chunk's state restored into the wrapped optimizer before its step and stored after it, an
 interrupted step noted on its error, and freed heap pages returned to the system along the way.
 """
@@ -12,39 +12,85 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Callable
 import torch
 
 from ..io.handle import wait_each
-from .chunk_plan import _Chunk, index_ranges
-from .optimizer_state import _storable, restore, write_back, write_copy
+from .chunk_plan import ChunkPlanner, index_ranges
+from .chunks import Chunk
+from .optimizer_state import restore, storable, write_back, write_copy
 from .pool import trim_heap
 from .tensor_swapper import SwapIn, SwapOut
 
 if TYPE_CHECKING:
-    from .chunk_plan import ChunkPlanner
     from .config import SwapConfig
     from .tensor_swapper import TensorSwapper
 
 
-class _ChunkSteps:
-    """``OffloadedOptimizer``'s chunk pipeline; the attributes below are set by ``OffloadedOptimizer.__init__``."""
+class ChunkPipeline:
+    """An ``OffloadedOptimizer``'s steps over chunks of parameters, their state read, stepped and written back.
 
-    optimizer: torch.optim.Optimizer
-    config: SwapConfig
-    swapper: TensorSwapper
-    param_groups: list[dict[str, Any]]
-    _inner_step: Callable[[], Any]
-    _names: dict[int, str]
-    _strides: dict[str, dict[str, tuple[int, ...]]]
-    _prefetched: dict[tuple[int, ...], SwapIn]
-    _planner: ChunkPlanner
-    _copied: bool
-    _loading: bool
-    _trimmed_at: int
+    Args:
+        optimizer: The wrapped optimizer.
+        inner_step: Its own ``step`` without its hooks (called once per chunk, its param groups restricted).
+        swapper: Where the state lives (packed).
+        config: The swap settings (``buffer_count``, ``chunk_bytes``).
+        per_parameter: Whether the optimizer steps in chunks (else once over all parameters).
 
-    def _params(self) -> list[torch.Tensor]:
+    Attributes:
+        names: ``id(param)`` -> its group name in the swapper (params stay alive in the param groups).
+        strides: group name -> key -> strides of state that was not contiguous.
+        prefetched: chunk (ids of its params) -> its read, started early.
+        loading: ``load_state_dict`` is storing the loaded state.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inner_step: Callable[[], Any],
+        swapper: TensorSwapper,
+        config: SwapConfig,
+        per_parameter: bool,
+    ):
+        self.optimizer = optimizer
+        self.inner_step = inner_step
+        self.swapper = swapper
+        self.config = config
+        self.per_parameter = per_parameter
+        self.names: dict[int, str] = {}
+        self.strides: dict[str, dict[str, tuple[int, ...]]] = {}
+        self.prefetched: dict[tuple[int, ...], SwapIn] = {}
+        self.loading = False
+        self._planner = ChunkPlanner(self)
+        self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
+        self._trimmed_at = 0  # swapper.bytes_read at the last trim
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups."""
+        return self.optimizer.param_groups
+
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter, in param-groups order.
+
+        Returns:
+            The parameters.
+        """
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _note_stopped(self, error: BaseException, chunks: list[_Chunk], stepped: int, failed_inside: bool) -> None:
+    def name(self, param: torch.Tensor) -> str:
+        """The swapper's group name of ``param``'s state (given on first use).
+
+        Args:
+            param: The parameter.
+
+        Returns:
+            ``param<N>``.
+        """
+        name = self.names.get(id(param))
+        if name is None:
+            name = self.names[id(param)] = f"param{len(self.names)}"
+        return name
+
+    def note_stopped(self, error: BaseException, chunks: list[Chunk], stepped: int, failed_inside: bool) -> None:
         """Say on ``error`` which parameters the interrupted step changed and which it did not."""
-        position = {id(p): i for i, p in enumerate(self._params())}
+        position = {id(p): i for i, p in enumerate(self.params())}
         done = sorted(position[id(p)] for chunk in chunks[:stepped] for p in chunk)
         rest = sorted(position[id(p)] for chunk in chunks[stepped:] for p in chunk)
         note = (
@@ -61,13 +107,13 @@ class _ChunkSteps:
         if hasattr(error, "add_note"):
             error.add_note(note)
 
-    def _drop_prefetched(self, keep: AbstractSet[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], SwapIn]:
+    def drop_prefetched(self, keep: AbstractSet[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], SwapIn]:
         """Release the prefetched reads not in ``keep``.
 
         Returns:
             The others (which this optimizer forgets).
         """
-        kept, prefetched, self._prefetched = {}, self._prefetched, {}
+        kept, prefetched, self.prefetched = {}, self.prefetched, {}
         for key, read in prefetched.items():
             if key in keep:
                 kept[key] = read
@@ -75,7 +121,12 @@ class _ChunkSteps:
                 read.release()
         return kept
 
-    def _step_chunk(self, chunk: _Chunk) -> None:
+    def step_chunk(self, chunk: Chunk) -> None:
+        """Run the wrapped optimizer's step over ``chunk``'s parameters only (its state restored already).
+
+        Args:
+            chunk: The chunk.
+        """
         groups = self.param_groups
         saved = [group["params"] for group in groups]
         if chunk.in_groups is None or len(chunk.in_groups) != len(groups):
@@ -84,23 +135,30 @@ class _ChunkSteps:
         try:
             for group, params in zip(groups, chunk.in_groups):
                 group["params"] = params
-            self._inner_step()
+            self.inner_step()
         finally:
             for group, params in zip(groups, saved):
                 group["params"] = params
 
-    def _chunks(self, params: list[torch.Tensor]) -> list[_Chunk]:
-        """The chunks a pass over ``params`` steps in (see ``ChunkPlanner.plan``)."""
+    def chunks(self, params: list[torch.Tensor]) -> list[Chunk]:
+        """The chunks a pass over ``params`` steps in (see ``ChunkPlanner.plan``).
+
+        Args:
+            params: The parameters, in order.
+
+        Returns:
+            The chunks.
+        """
         return self._planner.plan(params)
 
-    def _run(self, chunks: list[_Chunk], action: Callable[[_Chunk], None] | None) -> None:
+    def run(self, chunks: list[Chunk], action: Callable[[Chunk], None] | None) -> None:
         """Read chunks k+1.. and write chunk k-1 while ``action`` runs on chunk k; return once every write is done.
 
         A failed write does not stop the step: its state stays in memory and the first such error is raised at the
         end. A failed read stops it (that chunk cannot step). Transfers in flight always finish first when it stops.
         """
         writes: list[SwapOut] = []
-        prefetched = self._drop_prefetched({tuple(map(id, chunk)) for chunk in chunks})
+        prefetched = self.drop_prefetched({tuple(map(id, chunk)) for chunk in chunks})
         reads: list[SwapIn] = []
         current: SwapIn | None = None
         error: OSError | None = None  # a failed write: the step still completes (that state stays in memory)
@@ -111,17 +169,17 @@ class _ChunkSteps:
                 while len(reads) <= ahead and k + len(reads) < len(chunks):
                     following = chunks[k + len(reads)]
                     early = prefetched.pop(tuple(map(id, following)), None)
-                    reads.append(early or self._read(following))
+                    reads.append(early or self.read(following))
                 current = reads.pop(0)
-                self._restore(chunk, current)
+                self.restore(chunk, current)
                 if action is not None:
                     inside = True
                     action(chunk)
                     inside = False
                 stepped = k + 1
-                writes.append(self._write(chunk, current))
+                writes.append(self.write(chunk, current))
                 current = None
-                self._trim()
+                self.trim()
                 pending = []
                 for write in writes:  # collect finished writes early: their memory is released sooner
                     if not write.done():
@@ -134,7 +192,7 @@ class _ChunkSteps:
                 writes = pending
         except BaseException as e:
             if action is not None:
-                self._note_stopped(e, chunks, stepped, inside)
+                self.note_stopped(e, chunks, stepped, inside)
             raise
         finally:
             if current is not None:  # its state stays in memory, in use: the buffer leaves the pool
@@ -146,7 +204,7 @@ class _ChunkSteps:
         if error is not None:
             raise error
 
-    def _trim(self) -> None:
+    def trim(self) -> None:
         """Return freed heap pages to the system (``trim_heap``, which costs milliseconds) when it is worth it.
 
         That is once state that lived in ordinary memory was stored and freed, or half of ``chunk_bytes`` of state
@@ -159,19 +217,36 @@ class _ChunkSteps:
             self._copied, self._trimmed_at = False, read
             trim_heap()
 
-    def _read(self, chunk: _Chunk) -> SwapIn:
+    def read(self, chunk: Chunk) -> SwapIn:
+        """Start reading the stored state of ``chunk``'s parameters.
+
+        Args:
+            chunk: The chunk.
+
+        Returns:
+            The read in flight.
+        """
         has = self.swapper.has
         return self.swapper.swap_in([name for name in chunk.names if has(name)])
 
-    def _restore(self, chunk: _Chunk, read: SwapIn) -> None:
-        """Put a chunk's state, read from storage, into the wrapped optimizer's state."""
+    def restore(self, chunk: Chunk, read: SwapIn) -> None:
+        """Put a chunk's state, read from storage, into the wrapped optimizer's state.
+
+        Args:
+            chunk: The chunk.
+            read: Its state's read.
+        """
         restore(self.optimizer, chunk, read)
 
-    def _write(self, chunk: _Chunk, staged: SwapIn) -> SwapOut:
+    def write(self, chunk: Chunk, staged: SwapIn) -> SwapOut:
         """Store a chunk's state after its step.
 
         The read's buffer is written back as it is where nothing but its values changed, the state copied out
         otherwise.
+
+        Args:
+            chunk: The chunk.
+            staged: The read its state came from.
 
         Returns:
             The write in flight.
@@ -180,11 +255,12 @@ class _ChunkSteps:
         if write is not None:
             return write
         self._copied = True
-        return write_copy(self.optimizer, self.swapper, chunk, staged, self._names, self._loading, self._strides)
+        return write_copy(self.optimizer, self.swapper, chunk, staged, self.names, self.loading, self.strides)
 
-    def _swap_out_resident(self) -> None:
-        params = [p for p in self._params() if any(_storable(v) for v in self.optimizer.state.get(p, {}).values())]
+    def swap_out_resident(self) -> None:
+        """Store the tensor state the wrapped optimizer holds in memory (e.g. made in its ``__init__``)."""
+        params = [p for p in self.params() if any(storable(v) for v in self.optimizer.state.get(p, {}).values())]
         try:
-            self._run(self._chunks(params), None)
+            self.run(self.chunks(params), None)
         finally:
-            self._trim()
+            self.trim()

@@ -16,10 +16,10 @@ from .tensor_swapper import SwapIn, SwapOut, TensorSwapper
 if TYPE_CHECKING:
     from typing_extensions import TypeGuard  # (typing has it from Python 3.10)
 
-    from .chunk_plan import _Chunk
+    from .chunks import Chunk
 
 
-def _storable(value: Any) -> bool:
+def storable(value: Any) -> bool:
     """Whether ``value`` can go to storage.
 
     Returns:
@@ -34,7 +34,7 @@ def _storable(value: Any) -> bool:
     )
 
 
-class _StoredState(dict):
+class StoredState(dict):
     """A parameter's entry in the wrapped optimizer's ``state`` while its tensors are on storage.
 
     It holds the non-tensor values. The stored tensors belong to this entry: once it is replaced or removed
@@ -49,6 +49,7 @@ class _StoredState(dict):
         self.offloaded: set = set()  # keys whose tensors went to storage (absent from memory between steps)
 
     def clear(self) -> None:
+        """Empty the entry; its stored tensors go with it."""
         self.cleared = True
         super().clear()
 
@@ -88,22 +89,30 @@ def _shares_memory(values: dict, key: Any, bases: set[int]) -> bool:
     )  # (+1: ``value`` here)
 
 
-def _holds_stored(values: Any) -> TypeGuard[_StoredState]:
-    """Whether a parameter's state entry still owns the tensors stored for it (see ``_StoredState``)."""
-    return type(values) is _StoredState and not values.cleared
+def holds_stored(values: Any) -> TypeGuard[StoredState]:
+    """Whether a parameter's state entry still owns the tensors stored for it (see ``StoredState``)."""
+    return type(values) is StoredState and not values.cleared
 
 
-def _state_bytes(tensor: torch.Tensor) -> int:
+def state_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a state tensor stores (a DTensor's local shard).
+
+    Args:
+        tensor: The tensor.
+
+    Returns:
+        Its bytes.
+    """
     local = tensor.to_local() if hasattr(tensor, "to_local") and hasattr(tensor, "placements") else tensor
     return local.numel() * local.element_size()
 
 
-def restore(optimizer: torch.optim.Optimizer, chunk: _Chunk, read: SwapIn) -> None:
+def restore(optimizer: torch.optim.Optimizer, chunk: Chunk, read: SwapIn) -> None:
     """Put a chunk's state, read from storage, into the wrapped optimizer's state."""
     state, by_name = optimizer.state, chunk.by_name
     for name, tensors in read.wait().items():
         values = state.get(by_name[name])
-        if not _holds_stored(values):
+        if not holds_stored(values):
             continue  # the user reset this state since it was stored: the optimizer starts it afresh
         if values:  # a tensor the user put there since wins over the stored one, as it would in memory
             for key, tensor in tensors.items():
@@ -113,7 +122,7 @@ def restore(optimizer: torch.optim.Optimizer, chunk: _Chunk, read: SwapIn) -> No
 
 
 def write_back(
-    optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: _Chunk, staged: SwapIn
+    optimizer: torch.optim.Optimizer, swapper: TensorSwapper, chunk: Chunk, staged: SwapIn
 ) -> SwapOut | None:
     """Store a chunk's state the cheap way, writing the read's buffer back as it is, when that is possible.
 
@@ -133,10 +142,10 @@ def write_back(
     if len(read) != len(chunk):
         return None
     state = optimizer.state
-    pairs: list[tuple[_StoredState, dict[str, torch.Tensor]]] = []
+    pairs: list[tuple[StoredState, dict[str, torch.Tensor]]] = []
     for param, name in zip(chunk, chunk.names):
         values, views = state.get(param), read.get(name)
-        if not _holds_stored(values) or views is None or len(values) != len(views):
+        if not holds_stored(values) or views is None or len(values) != len(views):
             return None
         for key, view in views.items():
             if values.get(key) is not view:
@@ -156,7 +165,7 @@ def write_back(
 def write_copy(
     optimizer: torch.optim.Optimizer,
     swapper: TensorSwapper,
-    chunk: _Chunk,
+    chunk: Chunk,
     staged: SwapIn,
     names: dict[int, str],
     loading: bool,
@@ -184,7 +193,7 @@ def write_copy(
         values = state.get(p)
         if not values:
             continue  # nothing to store: it leaves nothing behind on storage (below)
-        tensors = {k: v for k, v in values.items() if _storable(v)}
+        tensors = {k: v for k, v in values.items() if storable(v)}
         if tensors and not loading:  # (a loaded state's tensors may still be the caller's: copied)
             views = read.get(name, {})
             bases = {id(v._base) for v in tensors.values() if v._base is not None}
@@ -192,12 +201,12 @@ def write_copy(
             tensors = {
                 k: values[k]
                 for k in list(values)
-                if _storable(values[k]) and (values[k] is views.get(k) or not _shares_memory(values, k, bases))
+                if storable(values[k]) and (values[k] is views.get(k) or not _shares_memory(values, k, bases))
             }
         if tensors:
             written[p] = tensors
-            if not _holds_stored(values):
-                state[p] = _StoredState(values)
+            if not holds_stored(values):
+                state[p] = StoredState(values)
 
     def drop() -> None:  # the bytes are safe on storage: release the memory
         for param, tensors in written.items():
@@ -205,7 +214,7 @@ def write_copy(
             for key, tensor in tensors.items():
                 if state.get(key) is tensor:
                     del state[key]
-                    if type(state) is _StoredState:
+                    if type(state) is StoredState:
                         state.offloaded.add(key)
 
     for param, tensors in written.items():
@@ -266,8 +275,8 @@ def _given_back(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Te
 
 
 def read_stored(
-    chunks: list[_Chunk],
-    read: Callable[[_Chunk], SwapIn],
+    chunks: list[Chunk],
+    read: Callable[[Chunk], SwapIn],
     index: dict[int, int],
     state: dict[int, dict[str, Any]],
     strides: dict[str, dict[str, tuple[int, ...]]],

@@ -1,118 +1,104 @@
-"""The packed layout of a ``TensorSwapper``: all groups in one pack file.
+"""The packed layout of a ``TensorSwapper``: all groups in the pack files its storage layout names (one by default).
 
-The groups of one ``swap_out`` call go in one page-aligned extent, written with one request; a read of one whole
-extent into the buffer it was last read into hands back the same view objects.
-
-``PackFile`` hands out extents first-fit from the ranges freed earlier (merged with their neighbours), else at the
-end of the file, and cuts the file short when its last extent is freed, so the file stays about as large as the
-live extents. An ``Extent`` lists the groups it holds, in order, with each group's byte range inside it; it is freed
-once none of them lives there any more (each was rewritten elsewhere or discarded).
+The groups of one ``swap_out`` call go in one page-aligned extent (``extents.py``) of one pack file, written with one
+request; each new extent goes to the pack file holding the fewest allocated bytes; a read of one whole
+extent into the buffer it was last read into hands back the same view objects. ``PackedLayout`` keeps which extent
+each group's current records point into; it knows its swapper only as a ``PackedOwner``.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol
 
 import torch
 
+from .extents import Extent, PackFile
 from .pool import round_up
-from .records import _hash
-from .transfers import SwapIn, SwapOut
+from .records import SwapRecord, hash_bytes
+from .transfers import SwapIn, SwapOut, TransferOwner
 
 if TYPE_CHECKING:
-    from .tensor_swapper import Groups, TensorSwapper
+    from ..io.handle import AsyncIOHandle
 
+Groups = Mapping[str, Mapping[str, torch.Tensor]]
 PACKED_ALIGNMENT = 16  # packed: bytes between tensors and between groups (any dtype's item size divides it), so
 # many small tensors (e.g. Adam's 4-byte ``step``) do not each cost a cache line on storage
 
 
-class Extent:
-    """``nbytes`` bytes at byte ``offset`` of ``pack.path`` holding ``members``.
+class PackedOwner(TransferOwner, Protocol):
+    """What ``PackedLayout`` needs of its swapper besides a transfer's needs (``TensorSwapper`` is one)."""
 
-    ``members``: group -> (start, span) in bytes, relative to ``offset``, in write order. ``live``: the members whose
-    current records point here.
-    """
+    handle: AsyncIOHandle
 
-    __slots__ = ("pack", "offset", "nbytes", "members", "names", "live", "views")
+    def current_records(self, group: str) -> dict[str, SwapRecord]:
+        """The group's records in force (the swapper's own dict: read, never changed)."""
+        ...
 
-    def __init__(self, pack: "PackFile", offset: int, nbytes: int, members: dict[str, tuple[int, int]]):
-        self.pack, self.offset, self.nbytes, self.members = pack, offset, nbytes, members
-        self.names = list(members)
-        self.live: set[str] = set()
-        self.views: tuple | None = None  # the swapper's last views of this extent in a staging buffer, for reuse
+    def wait_writing(self, group: str) -> None:
+        """Wait for a write of ``group`` in flight, if any."""
 
-    def holds_exactly(self, members: dict[str, tuple[int, int]]) -> bool:
-        """True when ``members`` (same groups, order, starts and spans) all live here: a rewrite fits in place."""
-        return self.live == set(members) and list(self.members.items()) == list(members.items())
+    def track_write(self, write: SwapOut, groups: Iterable[str]) -> None:
+        """``write`` is in flight for ``groups``."""
 
-    def leave(self, group: str) -> None:
-        """``group`` no longer lives here; the last one out frees the extent."""
-        self.live.discard(group)
-        if not self.live:
-            self.pack.free(self)
-
-
-class PackFile:
-    """Page-aligned extents allocated in one file at ``path`` (created by the first write)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.end = 0  # bytes from the start of the file to the end of its last allocated extent
-        self._free: list[tuple[int, int]] = []  # (offset, nbytes), sorted, merged
-
-    def allocate(self, nbytes: int, members: dict[str, tuple[int, int]]) -> Extent:
-        """A new extent of ``nbytes`` (a multiple of the page size) for ``members``; no group lives there yet."""
-        for i, (offset, size) in enumerate(self._free):
-            if size >= nbytes:
-                if size == nbytes:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + nbytes, size - nbytes)
-                return Extent(self, offset, nbytes, members)
-        offset, self.end = self.end, self.end + nbytes
-        return Extent(self, offset, nbytes, members)
-
-    def free(self, extent: Extent) -> None:
-        """Give an extent's bytes back (merged with free neighbours); a free tail is cut from the file."""
-        if extent.nbytes == 0:
-            return
-        offset, nbytes = extent.offset, extent.nbytes
-        extent.nbytes = 0  # freed once only
-        extent.views = None
-        i = bisect.bisect_left(self._free, (offset, 0))
-        if i < len(self._free) and offset + nbytes == self._free[i][0]:
-            nbytes += self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
-            offset, nbytes = self._free[i - 1][0], self._free[i - 1][1] + nbytes
-            i -= 1
-            del self._free[i]
-        if offset + nbytes >= self.end:
-            self.end = offset
-            try:
-                os.truncate(self.path, self.end)
-            except FileNotFoundError:
-                pass
-        else:
-            self._free.insert(i, (offset, nbytes))
-
-    def free_bytes(self) -> int:
-        """Bytes inside the file not held by any extent."""
-        return sum(size for _, size in self._free)
+    def track_read(self, read: SwapIn, groups: Iterable[str]) -> None:
+        """``read`` is in flight for ``groups``."""
 
 
 class PackedLayout:
-    """A packed ``TensorSwapper``'s writes and reads of whole extents of its pack file.
+    """A packed ``TensorSwapper``'s extents, and its writes and reads of whole extents of its pack file.
 
-    The pack file is ``pack``, which is ``swapper.pack``; ``swapper._extents`` maps each group to the extent its
-    current records point into.
+    Args:
+        swapper: The swapper whose groups these are.
+        packs: The pack files (the layout's ``pack_files()``): each new extent goes to the one holding the fewest
+            allocated bytes, so a layout with a file per drive spreads a step's extents over its drives.
+
+    Attributes:
+        extents: Each group -> the extent its current records point into.
     """
 
-    def __init__(self, swapper: TensorSwapper, pack: PackFile):
+    def __init__(self, swapper: PackedOwner, packs: list[PackFile]):
         self.swapper = swapper
-        self.pack = pack
+        self.packs = packs
+        self.extents: dict[str, Extent] = {}
+
+    def forget_views(self, buffer: torch.Tensor) -> None:
+        """No extent keeps views of ``buffer`` for reuse any more (it leaves the pool).
+
+        Args:
+            buffer: The buffer.
+        """
+        for extent in set(self.extents.values()):
+            extent.forget_views(buffer)
+
+    def leave(self, group: str) -> bool:
+        """``group`` no longer lives in its extent (discarded); the last one out frees the extent.
+
+        Args:
+            group: The group.
+
+        Returns:
+            Whether it lived in one.
+        """
+        extent = self.extents.pop(group, None)
+        if extent is not None:
+            extent.leave(group)
+        return extent is not None
+
+    def span(self, group: str) -> tuple[int, int] | None:
+        """Where ``group``'s bytes lie in the pack file.
+
+        Args:
+            group: The group.
+
+        Returns:
+            ``(offset, bytes)``, or None when it lives in no extent.
+        """
+        extent = self.extents.get(group)
+        if extent is None:
+            return None
+        begin, span = extent.members[group]
+        return extent.offset + begin, span
 
     def swap_out(
         self,
@@ -139,15 +125,19 @@ class PackedLayout:
             last = next(reversed(members))
             members[last] = (members[last][0], members[last][1] + total - start)
             buffer[start:total].zero_()
-        extent = swapper._extents.get(next(iter(members), ""))
+        extent = self.extents.get(next(iter(members), ""))
         if extent is None or not extent.holds_exactly(members):
-            extent = self.pack.allocate(total, members)
+            extent = min(self.packs, key=PackFile.allocated_bytes).allocate(total, members)
         records = {}
         for group, entries in layout.items():
             begin, _ = members[group]
-            records[group], _ = swapper._stage(group, entries, buffer, begin, self.pack.path, extent.offset + begin)
+            records[group], _ = swapper.staging.stage(
+                group, entries, buffer, begin, extent.pack.path, extent.offset + begin
+            )
         requests = (
-            [swapper.handle.write_async(buffer[:total], self.pack.path, extent.offset, truncate=False)] if total else []
+            [swapper.handle.write_async(buffer[:total], extent.pack.path, extent.offset, truncate=False)]
+            if total
+            else []
         )
         write = SwapOut(
             swapper,
@@ -159,9 +149,7 @@ class PackedLayout:
             extent,
             shifts=dict.fromkeys(records, -extent.offset),
         )
-        for group in records:
-            swapper._writing[group] = write
-        swapper._pending_out.append(write)
+        swapper.track_write(write, records)
         return write
 
     def rewrite(self, groups: Groups, staged: SwapIn, on_done: Callable[[], None] | None) -> SwapOut | None:
@@ -178,46 +166,64 @@ class PackedLayout:
         Returns:
             The write in flight, or None (nothing done) when that does not hold.
         """
-        swapper = self.swapper
         names = list(groups)
-        extent = swapper._extents.get(names[0]) if names else None
+        extent = self.extents.get(names[0]) if names else None
         if (
             extent is None
             or extent.names != names
             or len(extent.live) != len(names)
-            or list(staged._layout) != names
+            or staged.groups() != names
             or not all(staged.views_of_buffer(g, groups[g]) for g in names)
         ):
             return None
         return self.write_back(extent, staged, on_done, tuple(groups.values()))
 
+    def write_back_read(self, staged: SwapIn, on_done: Callable[[], None] | None) -> SwapOut | None:
+        """``TensorSwapper.write_back``: ``staged``'s buffer written back over the extent it read whole, if it did.
+
+        Args:
+            staged: The read whose buffer is written back.
+            on_done: As for ``TensorSwapper.swap_out``.
+
+        Returns:
+            The write in flight, or None (nothing done) when ``staged`` did not read a whole extent, or its groups
+            live elsewhere now.
+        """
+        extent = staged.extent
+        if (
+            extent is None
+            or not staged.holds_buffer()
+            or self.extents.get(extent.names[0]) is not extent
+            or len(extent.live) != len(extent.names)
+            or staged.groups() != extent.names
+        ):
+            return None
+        return self.write_back(extent, staged, on_done, tuple(staged.wait().values()))
+
     def write_back(self, extent: Extent, staged: SwapIn, on_done: Callable[[], None] | None, sources: tuple) -> SwapOut:
         """Write ``staged``'s buffer (a read of all of ``extent``) back over ``extent``, keeping the records."""
         swapper = self.swapper
         names = extent.names
-        if swapper._writing:
-            for group in names:
-                swapper._wait_writing(group)
-        staged._wait_io()
-        buffer = staged._hand_over()
+        for group in names:
+            swapper.wait_writing(group)
+        staged.wait_io()
+        buffer = staged.hand_over()
         if buffer is None:
             raise ValueError("write_back: the read's buffer was already released or handed to another write")
-        records = {group: swapper._records[group] for group in names}
-        if swapper.config.checksum:
+        records = {group: swapper.current_records(group) for group in names}
+        if swapper.checksum:
             for group in names:
-                start = staged._layout[group][0]
+                start = staged.start(group)
                 records[group] = {
                     key: dataclasses.replace(
-                        r, checksum=_hash(buffer[start + r.offset : start + r.offset + r.nbytes]) if r.nbytes else 0
+                        r,
+                        checksum=hash_bytes(buffer[start + r.offset : start + r.offset + r.nbytes]) if r.nbytes else 0,
                     )
                     for key, r in records[group].items()
                 }
-        request = swapper.handle.write_async(buffer[: extent.nbytes], self.pack.path, extent.offset, truncate=False)
+        request = swapper.handle.write_async(buffer[: extent.nbytes], extent.pack.path, extent.offset, truncate=False)
         write = SwapOut(swapper, [request], records, [buffer], sources, on_done, extent, rewrite=True)
-        writing = swapper._writing
-        for group in names:
-            writing[group] = write
-        swapper._pending_out.append(write)
+        swapper.track_write(write, names)
         return write
 
     def settle(self, groups: list[str], extent: Extent | None, ok: bool) -> None:
@@ -227,21 +233,19 @@ class PackedLayout:
         """
         if extent is None:
             return
-        swapper = self.swapper
         for group in groups:
-            old = swapper._extents.pop(group, None)
+            old = self.extents.pop(group, None)
             if ok:
-                swapper._extents[group] = extent
+                self.extents[group] = extent
                 extent.live.add(group)
             if old is not None and (old is not extent or not ok):
                 old.leave(group)
         if not extent.live:
-            self.pack.free(extent)
+            extent.pack.free(extent)
 
     def whole_extent(self, groups: list[str]) -> Extent | None:
         """Packed: the extent whose members are exactly ``groups``, in order, all living there; else None."""
-        swapper = self.swapper
-        extent = swapper._extents.get(groups[0]) if groups and swapper._extents else None
+        extent = self.extents.get(groups[0]) if groups and self.extents else None
         if extent is None or len(extent.live) != len(groups) or extent.names != groups:
             return None  # live is a subset of the members: equal sizes and names mean all of them live there
         return extent
@@ -249,13 +253,10 @@ class PackedLayout:
     def read_extent(self, groups: list[str], extent: Extent) -> SwapIn:
         """Read one whole extent with one request, into the buffer it was last read into when that is free."""
         swapper = self.swapper
-        records = swapper._records
-        layout = {group: (-extent.offset, records[group]) for group in groups}
+        layout = {group: (-extent.offset, swapper.current_records(group)) for group in groups}
         cached = extent.views
-        buffer = swapper._acquire(extent.nbytes, prefer=cached[0] if cached is not None else None)
-        request = swapper.handle.read_async(buffer[: extent.nbytes], self.pack.path, extent.offset)
+        buffer = swapper.staging.acquire(extent.nbytes, prefer=cached[0] if cached is not None else None)
+        request = swapper.handle.read_async(buffer[: extent.nbytes], extent.pack.path, extent.offset)
         read = SwapIn(swapper, [request], layout, buffer, extent)
-        reading = swapper._reading
-        for group in groups:
-            reading[group] = read
+        swapper.track_read(read, groups)
         return read

@@ -27,7 +27,7 @@ def _malloc_trim():
         return None
     try:
         return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
+    except OSError:  # this process's symbols cannot be opened: no trimming (documented)
         return None
 
 

@@ -18,8 +18,15 @@ if TYPE_CHECKING:
 TENSOR_ALIGNMENT = 64  # bytes between tensors of a group; a group's file and buffer region are page-aligned
 
 
-def _identity(path: str) -> tuple[int, int, int, int]:
-    """What tells a file apart from a replacement or a rewrite: device, inode, size, modification time (ns)."""
+def file_identity(path: str) -> tuple[int, int, int, int]:
+    """What tells a file apart from a replacement or a rewrite.
+
+    Args:
+        path: The file.
+
+    Returns:
+        Its device, inode, size and modification time (ns).
+    """
     st = os.stat(path)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
@@ -32,6 +39,8 @@ class SwapRecord:
     ``TENSOR_ALIGNMENT``, or of ``PACKED_ALIGNMENT`` in a pack file; any offset in a file served by ``map_group``).
     device: where it is restored. checksum: xxh3-64 of its bytes, or None. dtensor: (device mesh, placements,
     global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
+    codec: the byte codec its group's file was stored with (``deepoffload.swap.codecs``; ``none``: as it is).
+    stored: the encoded length of its group's file (bytes, before page padding) when ``codec`` is not ``none``, else 0.
     """
 
     key: str
@@ -43,10 +52,19 @@ class SwapRecord:
     device: torch.device
     checksum: int | None = None
     dtensor: tuple | None = None
+    codec: str = "none"
+    stored: int = 0
 
 
-def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-    """A DTensor's local shard and its (mesh, placements, shape, stride); other tensors as they are."""
+def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """A DTensor's local shard and its (mesh, placements, shape, stride); other tensors as they are.
+
+    Args:
+        tensor: The tensor to store.
+
+    Returns:
+        The tensor whose bytes are stored, and the DTensor's description (None for other tensors).
+    """
     if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
         dtensor = cast("DTensor", tensor)  # (only DTensor has both)
         return dtensor.to_local(), (
@@ -58,7 +76,40 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     return tensor, None
 
 
-def _checked(group: str, key: str, tensor: object) -> torch.Tensor:
+def check_group_name(group: object) -> None:
+    """Refuse a group name that is not a file name.
+
+    Args:
+        group: The name.
+
+    Raises:
+        ValueError: Unless it is a non-empty string of letters, digits, ``-``, ``_`` and ``.``, not starting with
+            ``.``.
+    """
+    if (
+        not isinstance(group, str)
+        or not group
+        or not all(c.isalnum() or c in "-_." for c in group)
+        or group.startswith(".")
+    ):
+        raise ValueError(f"group name {group!r}: use letters, digits, '-', '_' and '.' (it names a file)")
+
+
+def checked_tensor(group: str, key: str, tensor: object) -> torch.Tensor:
+    """``tensor`` when it has one byte buffer a swapper can store.
+
+    Args:
+        group: Its group's name (for the message).
+        key: Its key (for the message).
+        tensor: What the caller passed.
+
+    Returns:
+        ``tensor``.
+
+    Raises:
+        TypeError: When it is not a tensor.
+        ValueError: When it is sparse or quantized.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"swap_out: {group}/{key} is a {type(tensor).__name__}, not a tensor")
     if tensor.is_sparse or tensor.is_quantized:
@@ -69,8 +120,18 @@ def _checked(group: str, key: str, tensor: object) -> torch.Tensor:
     return tensor
 
 
-def _hash(region: torch.Tensor) -> int:
-    """xxh3-64 of a contiguous CPU uint8 tensor's bytes, read in place (through ctypes, not numpy)."""
+def hash_bytes(region: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous CPU uint8 tensor's bytes, read in place (through ctypes, not numpy).
+
+    Args:
+        region: The bytes.
+
+    Returns:
+        Their hash (0 for none).
+
+    Raises:
+        ImportError: When the xxhash package is missing.
+    """
     try:
         import xxhash
     except ImportError as e:
@@ -81,7 +142,15 @@ def _hash(region: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (in elements).
+
+    Args:
+        shape: The shape.
+
+    Returns:
+        The strides.
+    """
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -89,6 +158,13 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _group_span(records: Iterable[SwapRecord]) -> int:
-    """Bytes a group's file holds (the end of its last tensor, rounded up to the page size)."""
+def group_span(records: Iterable[SwapRecord]) -> int:
+    """Bytes a group's file holds (the end of its last tensor, rounded up to the page size).
+
+    Args:
+        records: The group's records.
+
+    Returns:
+        The bytes.
+    """
     return round_up(max((r.offset + r.nbytes for r in records), default=0))

@@ -1,43 +1,65 @@
-"""Staging buffers of ``TensorSwapper``: every transfer goes through one, taken from its bounded pool.
+"""``StagingBuffers``: a ``TensorSwapper``'s staging buffers; every transfer goes through one, from its bounded pool.
 
-``_StagingBuffers`` is what ``TensorSwapper`` inherits for them: acquiring a buffer (waiting for a write in flight to
-free one), a buffer leaving the pool while views of it stay in use, copying a group's tensors into a buffer for a
-write (skipped where a tensor already sits there), and whether all of them already sit there.
+It acquires a buffer (waiting for the oldest write in flight to free one), lets a buffer leave the pool while views
+of it stay in use, copies a group's tensors into a buffer for a write (skipped where a tensor already sits there),
+tells whether all of them already sit there, and encodes a group's bytes into a one-off buffer.
 """
 
 from __future__ import annotations
 
-import collections
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .pool import round_up
-from .records import SwapRecord, _hash
+from ..pending import Pending
+from .pool import BufferPool, round_up
+from .records import SwapRecord, hash_bytes
 
 if TYPE_CHECKING:
-    from .config import SwapConfig
-    from .packed import Extent
-    from .pool import BufferPool
-    from .transfers import SwapOut
+    from .codecs import ByteCodec
 
 
-class _StagingBuffers:
-    """``TensorSwapper``'s staging buffers; the attributes below are set by ``TensorSwapper.__init__``."""
+class StagingBuffers:
+    """The staging buffers of one swapper.
 
-    config: SwapConfig
-    pool: BufferPool
-    _extents: dict[str, Extent]
-    _pending_out: collections.deque[SwapOut]
-    _group_alignment: int
+    Args:
+        pool: The bounded pool the buffers come from (owned by this object).
+        pending: The swapper's writes in flight, oldest first (its live deque): ``acquire`` waits for the oldest to
+            free a buffer.
+        checksum: Hash every tensor staged for a write (xxh3-64, into its record).
+        group_alignment: Where each group starts in a buffer (bytes).
+        on_forget: Called with a buffer that leaves the pool (whoever keeps views of it for reuse drops them).
+    """
 
-    def _stage(
+    def __init__(
+        self,
+        pool: BufferPool,
+        pending: Sequence[Pending[int]],
+        checksum: bool,
+        group_alignment: int,
+        on_forget: Callable[[torch.Tensor], None] | None = None,
+    ):
+        self.pool = pool
+        self.group_alignment = group_alignment
+        self._pending = pending
+        self._checksum = checksum
+        self._on_forget = on_forget
+
+    def stage(
         self, group: str, entries: dict, buffer: torch.Tensor, start: int, file: str, base: int
     ) -> tuple[dict[str, SwapRecord], int]:
         """Copy a group's tensors into ``buffer`` from ``start`` (unless already there) and zero its padding.
 
+        Args:
+            group: The group's name.
+            entries: ``{key: (tensor, DTensor description, offset in the group)}``.
+            buffer: The staging buffer.
+            start: Where the group starts in ``buffer`` (bytes).
+            file: The file the records will name.
+            base: The group's offset in ``file`` (bytes).
+
         Returns:
-            The group's records (offsets: ``base`` + offset in the group) and its span (bytes, page-aligned).
+            The group's records (offsets: ``base`` + offset in the group) and its span (bytes, ``group_alignment``).
         """
         group_records, end = {}, 0
         checksum = None
@@ -46,26 +68,41 @@ class _StagingBuffers:
             region = buffer[start + offset : start + offset + nbytes]
             if nbytes and region.data_ptr() != local.data_ptr():
                 region.view(local.dtype).view(local.shape).copy_(local)
-            if self.config.checksum:
-                checksum = _hash(region)
+            if self._checksum:
+                checksum = hash_bytes(region)
             group_records[key] = SwapRecord(
                 key, local.dtype, tuple(local.shape), nbytes, file, base + offset, local.device, checksum, spec
             )
             end = offset + nbytes
-        span = round_up(end, self._group_alignment)
+        span = round_up(end, self.group_alignment)
         if span > end:
             buffer[start + end : start + span].zero_()  # no stale bytes in the file's padding
         return group_records, span
 
-    def _forget(self, buffer: torch.Tensor) -> None:
-        """``buffer`` leaves the pool (views of it stay in use); no extent keeps views of it for reuse."""
-        self.pool.forget(buffer)
-        for extent in set(self._extents.values()):
-            if extent.views is not None and extent.views[0] is buffer:
-                extent.views = None
+    def release(self, buffer: torch.Tensor) -> None:
+        """Give ``buffer`` back to the pool; no view of it may be used afterwards.
 
-    def _acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor:
+        Args:
+            buffer: A buffer from ``acquire``.
+        """
+        self.pool.release(buffer)
+
+    def forget(self, buffer: torch.Tensor) -> None:
+        """``buffer`` leaves the pool (views of it stay in use); nothing keeps views of it for reuse.
+
+        Args:
+            buffer: A buffer from ``acquire``.
+        """
+        self.pool.forget(buffer)
+        if self._on_forget is not None:
+            self._on_forget(buffer)
+
+    def acquire(self, nbytes: int, prefer: torch.Tensor | None = None) -> torch.Tensor:
         """A staging buffer of ``nbytes`` (``prefer`` when it is free).
+
+        Args:
+            nbytes: The bytes needed.
+            prefer: The buffer to hand out when it is free.
 
         Returns:
             A pooled buffer, waiting for the oldest write to free one if needed, or a one-off buffer when nothing in
@@ -75,16 +112,47 @@ class _StagingBuffers:
             buffer = self.pool.try_acquire(nbytes, prefer)
             if buffer is not None:
                 return buffer
-            if not self._pending_out:
+            if not self._pending:
                 return self.pool.one_off(nbytes)
             try:
-                self._pending_out[0].wait()
+                self._pending[0].wait()
             except OSError:
                 pass  # reported to whoever waits for that write; its buffer left the pool, so look again
 
+    def encoded(self, codec: ByteCodec, region: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``region`` encoded with ``codec`` into a one-off aligned buffer, zero-padded to whole pages.
+
+        Args:
+            codec: The codec.
+            region: The bytes to encode.
+
+        Returns:
+            The padded bytes to write, and the encoded length.
+
+        Raises:
+            ValueError: When the codec reports a length outside the room ``max_stored_bytes`` promised.
+        """
+        room = codec.max_stored_bytes(region.numel())
+        out = self.pool.one_off(room)  # whole pages
+        nbytes = codec.encode(region, out)
+        if not isinstance(nbytes, int) or not 0 <= nbytes <= room:
+            raise ValueError(f"codec {codec.name!r}: encode returned {nbytes!r}, outside its max_stored_bytes")
+        end = round_up(nbytes)
+        out[nbytes:end].zero_()
+        return out[:end], nbytes
+
     @staticmethod
-    def _in_place(layout: dict, buffer: torch.Tensor, alignment: int) -> bool:
-        """True when every tensor already sits in ``buffer`` exactly where ``layout`` puts it."""
+    def in_place(layout: dict, buffer: torch.Tensor, alignment: int) -> bool:
+        """True when every tensor already sits in ``buffer`` exactly where ``layout`` puts it.
+
+        Args:
+            layout: ``{group: {key: (tensor, DTensor description, offset in the group)}}``.
+            buffer: The buffer.
+            alignment: Where each group starts (bytes).
+
+        Returns:
+            Whether no copy is needed.
+        """
         base, start = buffer.data_ptr(), 0
         for entries in layout.values():
             end = 0

@@ -1,38 +1,40 @@
-"""``TensorSwapper``: move named groups of tensors to files in a per-run folder and back, asynchronously.
+"""``TensorSwapper``: move named groups of tensors to files of this run and back, asynchronously.
 
-Transfers go through a bounded pool of aligned staging buffers. Each group is one file, or (``packed=True``, see
-``packed.py``) the groups of one ``swap_out`` call share one extent of a single pack file, written with one request,
-and groups read together from adjacent extents come back in one request (many small tensors then cost a few large
-transfers, not a file each; packed tensors are 16-byte aligned, and a read of one whole extent into the buffer it was
-last read into hands back the same view objects, which cost microseconds each to make). Records, helpers, staging and
-transfers in flight live in ``records.py``, ``staging_buffers.py`` and ``transfers.py``. Each tensor keeps a
-``SwapRecord`` (key, dtype, shape, bytes, file, offset, ...) and is read back sized from its own record. Tensors are
-staged through a pooled buffer (a copy, so any strides, dtype or device work; the copy is skipped when the tensor
-already sits in the staging buffer where it will be written, as tensors returned by ``swap_in`` do). A group's previous
-records stay valid until its new write has completed; a failed write drops them (the file is unknown now) and the caller
-keeps its tensors.
+Each tensor keeps a ``SwapRecord`` (key, dtype, shape, bytes, file, offset, codec, ...) and is read back sized from
+its own record. Tensors are staged through a pooled buffer (``staging_buffers.py``: a copy, so any strides, dtype or
+device work; skipped when the tensor already sits where it will be written, as tensors ``swap_in`` returned do).
+Each group is one file named by the storage layout (``layouts/``), stored through the byte codec (``codecs/``), or
+(``packed=True``, ``packed.py``) the groups of one ``swap_out`` call share one extent of one pack file, written with
+one request. Reads are planned in ``read_plan.py``, transfers in flight are ``transfers.py``'s, groups served from a
+checkpoint ``mapped.py``'s. A group's previous records stay valid until its new write has completed; a failed write
+drops them (the file is unknown now) and the caller keeps its tensors.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
+import dataclasses
 import os
-import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, cast
 
 import torch
 
-from ..errors import ChecksumError, ClosedError
+from ..errors import ChecksumError, ClosedError, UnsupportedError
 from ..io.handle import AsyncIOHandle
+from .codecs import ByteCodec, codec_class
 from .config import SwapConfig
-from .folder_checks import check_run_folder, create_swap_file
-from .folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
-from .packed import PACKED_ALIGNMENT, Extent, PackedLayout, PackFile
+from .extents import PackFile
+from .layouts import layout_class
+from .mapped import MappedFiles
+from .packed import PACKED_ALIGNMENT, Groups, PackedLayout
 from .pool import PAGE_SIZE, BufferPool, round_up
-from .records import TENSOR_ALIGNMENT, SwapRecord, _checked, _group_span, _hash, _identity, _local
-from .staging_buffers import _StagingBuffers
-from .transfers import SwapIn, SwapOut
+from .read_plan import ReadPlan
+from .records import TENSOR_ALIGNMENT, SwapRecord, check_group_name, checked_tensor, hash_bytes, local_shard
+from .staging_buffers import StagingBuffers
+from .transfers import Decode, SwapIn, SwapOut
+
+if TYPE_CHECKING:
+    from .extents import Extent
 
 __all__ = [
     "ChecksumError",
@@ -45,15 +47,14 @@ __all__ = [
     "TensorSwapper",
 ]
 
-Groups = Mapping[str, Mapping[str, torch.Tensor]]
 
-
-class TensorSwapper(_StagingBuffers):
-    """Swaps named groups of tensors to files in its own run folder.
+class TensorSwapper:
+    """Swaps named groups of tensors to files in its own run folder (its storage layout's, ``config.layout``).
 
     The run folder is rank-aware, and removed on ``close`` and at exit unless ``config.keep_files`` (a swapper
-    dropped without ``close`` removes it then). One group is one file ``<folder>/<group>.swp``; group names are file
-    names (letters, digits, ``-``, ``_``, ``.``). Usable as a context manager (``close`` on exit).
+    dropped without ``close`` removes it then). With the ``folder`` layout one group is one file
+    ``<folder>/<group>.swp``; group names are file names (letters, digits, ``-``, ``_``, ``.``). Usable as a context
+    manager (``close`` on exit).
 
     Args:
         config: Where and how to swap (default: ``SwapConfig()``).
@@ -82,31 +83,44 @@ class TensorSwapper(_StagingBuffers):
         if self.config.trust_folder_owner:  # others may change the files: changed bytes are then an error
             self.config = self.config.replace(checksum=True)
         if self.config.checksum:
-            _hash(torch.zeros(1, dtype=torch.uint8))  # a missing xxhash fails here, not in the middle of a swap
-        self.folder = create_run_folder(self.config.folder, rank, self.config.trust_folder_owner)
-        if self.config.keep_files:
-            keep_run_folder(self.folder)
-        # Dropped without close(): its files go with it, not at exit (a loop making optimizers would fill the disk).
-        weakref.finalize(self, remove_run_folder_if_owned, self.folder).atexit = False
+            hash_bytes(torch.zeros(1, dtype=torch.uint8))  # a missing xxhash fails here, not in the middle of a swap
+        codec = codec_class(self.config.codec)()
+        if packed and not codec.identity:
+            raise UnsupportedError(
+                f"TensorSwapper: codec={self.config.codec!r} with packed=True (the layout OffloadedOptimizer uses): "
+                f"a packed extent is rewritten in place, which encoded bytes of another length cannot be; use "
+                f"codec='none' there, or packed=False"
+            )
+        self._encoder: ByteCodec | None = None if codec.identity else codec  # None: bytes stored as they are
+        self._codecs: dict[str, ByteCodec] = {codec.name: codec}  # name -> codec, for records written with it
+        self.layout = layout_class(self.config.layout)(self.config, rank)  # where records live; makes the run folder
+        self.folder = self.layout.folder
         self.handle = AsyncIOHandle(self.config.aio)
-        self.pool = BufferPool(self.config.buffer_count, self.config.chunk_bytes, self.config.pin)
         self._records: dict[str, dict[str, SwapRecord]] = {}
         self._writing: dict[str, SwapOut] = {}
         self._reading: dict[str, SwapIn] = {}
         self._pending_out: collections.deque[SwapOut] = collections.deque()
-        self.pack = PackFile(os.path.join(self.folder, "pack.swp")) if packed else None
-        self._extents: dict[str, Extent] = {}  # packed: group -> the extent its current records point into
-        self._packed = PackedLayout(self, self.pack) if self.pack is not None else None
-        self._mapped: dict[str, tuple] = {}  # groups served read-only from other files -> the file's identity
+        packs = [PackFile(path) for path in self.layout.pack_files()] if packed else []
+        self.pack = packs[0] if packs else None  # (the first pack file: the only one of the folder layout)
+        self.packing = PackedLayout(self, packs) if packs else None  # its extents
+        self._mapped = MappedFiles()  # groups served read-only from other files
         self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
-        self._group_alignment = PACKED_ALIGNMENT if packed else PAGE_SIZE  # where each group starts in a buffer
+        self.checksum = self.config.checksum
+        self.staging = StagingBuffers(
+            BufferPool(self.config.buffer_count, self.config.chunk_bytes, self.config.pin),
+            self._pending_out,
+            self.checksum,
+            PACKED_ALIGNMENT if packed else PAGE_SIZE,  # where each group starts in a buffer
+            self.packing.forget_views if self.packing is not None else None,
+        )
+        self.pool = self.staging.pool
         self.version = 0  # changes whenever a group's records change in size or place (not on in-place rewrites)
         self.bytes_read = 0
         self.bytes_written = 0
         self._closed = False
         self._created: set[str] = set()  # swap files made (0600) so far
-        if self.pack is not None:
-            create_swap_file(self.pack.path)
+        for pack in packs:
+            self.layout.create_file(pack.path)
 
     # -- queries ------------------------------------------------------------------------------------------
     def records(self, group: str) -> Mapping[str, SwapRecord]:
@@ -170,27 +184,12 @@ class TensorSwapper(_StagingBuffers):
                 carry checksums or DTensor shards).
         """
         self._check_open()
-        self._check_group(group)
+        check_group_name(group)
         records = dict(records)
         if group in self._records:
             raise ValueError(f"group {group!r} is already on storage")
-        files = {r.file for r in records.values()}
-        base = min((r.offset for r in records.values()), default=0)
-        end = max((r.offset + r.nbytes for r in records.values()), default=0)
-        if (
-            len(files) != 1
-            or end - base != sum(r.nbytes for r in records.values())
-            or any(
-                r.offset % r.dtype.itemsize or r.checksum is not None or r.dtensor is not None for r in records.values()
-            )
-        ):
-            raise ValueError(
-                f"group {group!r}: map_group needs tensors back to back in one file, each at an offset "
-                f"that is a multiple of its element size, without checksums or DTensor shards"
-            )
-        identity = _identity(next(iter(files))) if files else ()
+        self._mapped.add(group, records)
         self._records[group] = records
-        self._mapped[group] = identity
         self.version += 1
 
     def mapped(self, group: str) -> bool:
@@ -203,21 +202,6 @@ class TensorSwapper(_StagingBuffers):
             Whether ``group`` is mapped.
         """
         return group in self._mapped
-
-    def _check_mapped(self, group: str, records: Mapping[str, SwapRecord]) -> None:
-        file = next(iter(records.values())).file
-        try:
-            same = _identity(file) == self._mapped[group]
-        except FileNotFoundError:
-            same = False
-        if not same:
-            raise ChecksumError(
-                errno.EIO,
-                f"group {group!r} is served from {file}, which was replaced, rewritten or "
-                f"removed since it was mapped: its values may differ from those checked "
-                f"then; map it (offload_parameters) again",
-                file,
-            )
 
     # -- transfers ------------------------------------------------------------------------------------------
     def swap_out(
@@ -243,58 +227,55 @@ class TensorSwapper(_StagingBuffers):
             PermissionError: When a group is served read-only from another file (``map_group``).
         """
         self._check_open()
-        if staged is not None and self._packed is not None:
-            write = self._packed.rewrite(groups, staged, on_done)
+        if staged is not None and self.packing is not None:
+            write = self.packing.rewrite(groups, staged, on_done)
             if write is not None:
                 return write
         layout: dict[str, dict[str, tuple[torch.Tensor, Any, int]]] = {}
         total = 0
         for group, tensors in groups.items():
-            self._check_group(group)
-            if group in self._mapped:
-                file = next(iter(self._records[group].values())).file
-                raise PermissionError(
-                    errno.EACCES,
-                    f"group {group!r} is served read-only from {file} (map_group): it cannot be written",
-                    file,
-                )
-            self._wait_writing(group)
+            check_group_name(group)
+            self._mapped.refuse_write(group, self._records.get(group, {}))
+            self.wait_writing(group)
             if group in self._reading:  # its file is about to be rewritten: let the read finish first
-                self._reading[group]._wait_io()
+                self._reading[group].wait_io()
             offset, entries = 0, {}
             for key, tensor in tensors.items():
-                local, spec = _local(_checked(group, key, tensor))
+                local, spec = local_shard(checked_tensor(group, key, tensor))
                 entries[key] = (local, spec, offset)
                 offset = round_up(offset + local.numel() * local.element_size(), self.tensor_alignment)
             layout[group] = entries
-            total += round_up(offset, self._group_alignment)
-        retired = staged._hand_over() if staged is not None else None
+            total += round_up(offset, self.staging.group_alignment)
+        retired = staged.hand_over() if staged is not None else None
         if self.pack is not None:
             total = round_up(total)  # the extent: whole pages
-        if retired is not None and self._in_place(layout, retired, self._group_alignment):
+        if retired is not None and StagingBuffers.in_place(layout, retired, self.staging.group_alignment):
             buffer, buffers = retired, [retired]
         else:
-            buffer = self._acquire(total)
+            buffer = self.staging.acquire(total)
             buffers = [buffer] + ([retired] if retired is not None else [])
-        if self._packed is not None:
-            return self._packed.swap_out(groups, layout, buffer, buffers, on_done)
+        if self.packing is not None:
+            return self.packing.swap_out(groups, layout, buffer, buffers, on_done)
         requests, records, start, shifts = [], {}, 0, {}
         for group, entries in layout.items():
-            file = os.path.join(self.folder, f"{group}.swp")
-            group_records, span = self._stage(group, entries, buffer, start, file, 0)
-            records[group], shifts[group] = group_records, start
+            file = self.layout.group_file(group)
+            group_records, span = self.staging.stage(group, entries, buffer, start, file, 0)
             if file not in self._created:
-                create_swap_file(file)  # 0600, before the op opens it (the op would create it 0644 & ~umask)
+                self.layout.create_file(file)  # 0600, before the op opens it (the op would create it 0644 & ~umask)
                 self._created.add(file)
-            if span:
+            if span and self._encoder is not None:
+                stored, nbytes = self.staging.encoded(self._encoder, buffer[start : start + span])
+                name = self._encoder.name
+                group_records = {k: dataclasses.replace(r, codec=name, stored=nbytes) for k, r in group_records.items()}
+                requests.append(self.handle.write_async(stored, file))
+            elif span:
                 requests.append(self.handle.write_async(buffer[start : start + span], file))
             else:
                 os.truncate(file, 0)
+            records[group], shifts[group] = group_records, start
             start += span
         write = SwapOut(self, requests, records, buffers, tuple(groups.values()), on_done, shifts=shifts)
-        for group in records:
-            self._writing[group] = write
-        self._pending_out.append(write)
+        self.track_write(write, records)
         return write
 
     def write_back(self, staged: SwapIn, on_done: Callable[[], None] | None = None) -> SwapOut | None:
@@ -312,17 +293,7 @@ class TensorSwapper(_StagingBuffers):
             live elsewhere now.
         """
         self._check_open()
-        extent, packed = staged._extent, self._packed
-        if (
-            extent is None
-            or packed is None
-            or staged._buffer is None
-            or self._extents.get(extent.names[0]) is not extent
-            or len(extent.live) != len(extent.names)
-            or list(staged._layout) != extent.names
-        ):
-            return None
-        return packed.write_back(extent, staged, on_done, tuple(staged.wait().values()))
+        return self.packing.write_back_read(staged, on_done) if self.packing is not None else None
 
     def swap_in(self, groups: Iterable[str]) -> SwapIn:
         """Start reading the named groups back, each sized from its records.
@@ -341,52 +312,34 @@ class TensorSwapper(_StagingBuffers):
         groups = list(groups)
         if self._writing:
             for group in groups:
-                self._wait_writing(group)
-        packed = self._packed
+                self.wait_writing(group)
+        packed = self.packing
         whole = packed.whole_extent(groups) if packed is not None else None
         if packed is not None and whole is not None:
             return packed.read_extent(groups, whole)
-        layout, total = {}, 0
-        spans: list[tuple[str, int, int, int]] = []  # (file, offset in it, start in the buffer, length) to read
+        plan = ReadPlan()
         for group in groups:
-            self._wait_writing(group)
+            self.wait_writing(group)
             records = self._records.get(group, {})
-            extent = self._extents.get(group)
-            if extent is not None:  # packed: records hold file offsets; the group starts at ``base``
-                begin, span = extent.members[group]
-                base = extent.offset + begin
-                length = span
-            elif group in self._mapped and records:  # another file's range, from its first tensor to its last,
-                self._check_mapped(group, records)
-                # from the page holding its first byte: file and buffer then share their alignment (direct reads)
-                base = min(r.offset for r in records.values()) // PAGE_SIZE * PAGE_SIZE
-                length = max(r.offset + r.nbytes for r in records.values()) - base  # exactly: not past its end
-                span = round_up(length)
-            else:
-                span, base = _group_span(records.values()), 0
-                length = span
-            layout[group] = (total - base, records)  # buffer position of a tensor: this + its record's offset
-            if span:
-                file = next(iter(records.values())).file
-                if (
-                    spans
-                    and spans[-1][0] == file
-                    and spans[-1][1] + spans[-1][3] == base
-                    and spans[-1][2] + spans[-1][3] == total
-                ):  # adjacent on storage and in the buffer:
-                    spans[-1] = (*spans[-1][:3], spans[-1][3] + length)  # one request
-                else:
-                    spans.append((file, base, total, length))
-            total += span
-        buffer = self._acquire(total) if total else None
+            mapped = bool(records) and group in self._mapped
+            if mapped:
+                self._mapped.check(group, records)
+            plan.add(group, records, packed.span(group) if packed is not None else None, mapped)
+        total, spans, layout = plan.total, plan.spans, plan.layout
+        buffer = self.staging.acquire(total) if total else None
         requests = (
             [self.handle.read_async(buffer[start : start + span], file, offset) for file, offset, start, span in spans]
             if buffer is not None
             else []
         )  # (no spans without bytes)
-        read = SwapIn(self, requests, layout, buffer)
-        for group in layout:
-            self._reading[group] = read
+        decodes = []
+        for record, start, span in plan.encoded:  # (buffer is set: encoded groups have bytes)
+            stored, out = self.pool.one_off(record.stored), cast(torch.Tensor, buffer)[start : start + span]
+            requests.append(self.handle.read_async(stored[: round_up(record.stored)], record.file))
+            codec = self._codecs.setdefault(record.codec, codec_class(record.codec)())
+            decodes.append(Decode(codec, stored[: record.stored], out, record.file))
+        read = SwapIn(self, requests, layout, buffer, decodes=decodes)
+        self.track_read(read, layout)
         return read
 
     def discard(self, group: str) -> None:
@@ -398,22 +351,18 @@ class TensorSwapper(_StagingBuffers):
         Args:
             group: The group's name (unknown groups are ignored).
         """
-        self._wait_writing(group)
+        self.wait_writing(group)
         if group in self._reading:  # its bytes may be reused: let the read finish first
-            self._reading[group]._wait_io()
+            self._reading[group].wait_io()
         records = self._records.pop(group, None)
         if records is not None:
             self.version += 1
-        extent = self._extents.pop(group, None)
-        if extent is not None:
-            extent.leave(group)
-        elif group in self._mapped:
-            del self._mapped[group]  # the file is someone else's
+        if self.packing is not None and self.packing.leave(group):
+            pass  # (its extent is freed once no group lives there)
+        elif self._mapped.forget(group):
+            pass  # the file is someone else's
         elif records:
-            try:
-                os.unlink(next(iter(records.values())).file)
-            except FileNotFoundError:
-                pass
+            self.layout.remove_file(next(iter(records.values())).file)
 
     def wait_all(self) -> None:
         """Wait for every write in flight; raise the first failure (an ``OSError``) after all have finished."""
@@ -435,8 +384,7 @@ class TensorSwapper(_StagingBuffers):
         finally:
             self._closed = True
             self.handle.close()
-            if not self.config.keep_files:
-                remove_run_folder(self.folder)
+            self.layout.close()  # (a kept one stays)
 
     def __enter__(self) -> "TensorSwapper":
         return self
@@ -448,19 +396,103 @@ class TensorSwapper(_StagingBuffers):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this TensorSwapper is closed")
-        check_run_folder(self.folder)  # a run folder replaced by a link to someone else's: nothing more moves
+        self.layout.check()  # a run folder replaced by a link to someone else's: nothing more moves
 
-    @staticmethod
-    def _check_group(group: str) -> None:
-        if (
-            not isinstance(group, str)
-            or not group
-            or not all(c.isalnum() or c in "-_." for c in group)
-            or group.startswith(".")
-        ):
-            raise ValueError(f"group name {group!r}: use letters, digits, '-', '_' and '.' (it names a file)")
+    # -- what transfers and the packed layout hand back (inside the package) ---------------------------------
+    def wait_writing(self, group: str) -> None:
+        """Wait for a write of ``group`` in flight, if any (its error is raised).
 
-    def _wait_writing(self, group: str) -> None:
+        Args:
+            group: The group's name.
+        """
         write = self._writing.get(group)
         if write is not None:
             write.wait()
+
+    def current_records(self, group: str) -> dict[str, SwapRecord]:
+        """The group's records in force: this swapper's own dict, to read and never change (see ``records``).
+
+        Args:
+            group: The group's name.
+
+        Returns:
+            ``{key: SwapRecord}`` (empty for an unknown group).
+        """
+        return self._records.get(group, {})
+
+    def track_write(self, write: SwapOut, groups: Iterable[str]) -> None:
+        """``write`` is in flight for ``groups``: later transfers of them wait for it.
+
+        Args:
+            write: The write.
+            groups: Its groups.
+        """
+        for group in groups:
+            self._writing[group] = write
+        self._pending_out.append(write)
+
+    def track_read(self, read: SwapIn, groups: Iterable[str]) -> None:
+        """``read`` is in flight for ``groups``: a rewrite or discard of them lets it finish first.
+
+        Args:
+            read: The read.
+            groups: Its groups.
+        """
+        for group in groups:
+            self._reading[group] = read
+
+    def settle_write(
+        self,
+        write: SwapOut,
+        records: dict[str, dict[str, SwapRecord]],
+        extent: Extent | None,
+        rewrite: bool,
+        ok: bool,
+        nbytes: int,
+    ) -> None:
+        """Put a finished write's records in force, or drop its groups' records when it failed (bytes unknown).
+
+        Args:
+            write: The write.
+            records: ``{group: {key: SwapRecord}}`` it wrote.
+            extent: Packed: where they were written.
+            rewrite: The groups' records stay as they were (same sizes, same place).
+            ok: Whether every request succeeded.
+            nbytes: The bytes written.
+        """
+        for group in records:
+            if self._writing.get(group) is write:
+                del self._writing[group]
+        # packed (an extent means a packed swapper): a rewrite in place that worked moves nothing
+        if (not ok or not rewrite) and extent is not None and self.packing is not None:
+            self.packing.settle(list(records), extent, ok)
+        if not ok or not rewrite:
+            self.version += 1
+        if ok:
+            self._records.update(records)
+            self.bytes_written += nbytes
+        else:
+            for group in records:
+                self._records.pop(group, None)
+
+    def forget_write(self, write: SwapOut) -> None:
+        """``write`` has finished and handed back its buffers.
+
+        Args:
+            write: The write.
+        """
+        if write in self._pending_out:
+            self._pending_out.remove(write)
+
+    def read_done(self, read: SwapIn, groups: Iterable[str], nbytes: int) -> None:
+        """The reads of ``groups`` by ``read`` have finished.
+
+        Args:
+            read: The read.
+            groups: Its groups.
+            nbytes: The bytes read (0 when they failed).
+        """
+        self.bytes_read += nbytes
+        for group in groups:
+            if self._reading.get(group) is read:
+                del self._reading[group]

@@ -13,10 +13,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 UNSUPPORTED = (torch.optim.LBFGS,)
-_WRAPPED = "_deepoffload_wrapped"  # set on an optimizer once an OffloadedOptimizer has taken its state
+WRAPPED = "_deepoffload_wrapped"  # set on an optimizer once an OffloadedOptimizer has taken its state
 
 
-def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
+def requires_closure(optimizer: torch.optim.Optimizer) -> bool:
     """True when the optimizer's ``step`` has a first argument without a default (it needs a closure)."""
     try:
         signature = inspect.signature(type(optimizer).step)  # follows torch's hook wrapper to the real step
@@ -31,7 +31,7 @@ def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """The optimizer's own ``step`` without torch's hook wrapper.
 
     That wrapper would run every global step hook once per chunk, with the wrapped optimizer as argument.
@@ -45,7 +45,15 @@ def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     return optimizer.step
 
 
-def _check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+def check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a wrapped optimizer with step hooks of its own (they would not run).
+
+    Args:
+        optimizer: The wrapped optimizer.
+
+    Raises:
+        TypeError: When it has step pre- or post-hooks.
+    """
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         raise TypeError(
             "OffloadedOptimizer: the wrapped optimizer has step hooks of its own, which would not run; "
@@ -55,7 +63,7 @@ def _check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
 
 
 @contextlib.contextmanager
-def _intra_op_threads(count: int | None) -> Iterator[None]:
+def intra_op_threads(count: int | None) -> Iterator[None]:
     """torch's intra-op thread count set to ``count`` inside the block (None: left as it is), then restored."""
     previous = torch.get_num_threads()
     if count is None or count == previous:

@@ -1,20 +1,58 @@
-"""Transfers in flight between a ``TensorSwapper`` and its files: ``SwapOut`` (writes) and ``SwapIn`` (reads)."""
+"""Transfers in flight between a ``TensorSwapper`` and its files: ``SwapOut`` (writes) and ``SwapIn`` (reads).
+
+They know their swapper only as a ``TransferOwner``: its staging buffers, whether it checksums, and the three calls
+through which a transfer that finished hands its outcome back (the swapper keeps its own books).
+"""
 
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING, Callable, Mapping, cast
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, NamedTuple, Protocol, cast
 
 import torch
 
 from ..errors import ChecksumError, ClosedError
 from ..io.request import Request
 from ..pending import Pending, settle
-from .records import SwapRecord, _contiguous_strides, _hash
+from .records import SwapRecord, contiguous_strides, hash_bytes
 
 if TYPE_CHECKING:
-    from .packed import Extent
-    from .tensor_swapper import TensorSwapper
+    from .codecs import ByteCodec
+    from .extents import Extent
+    from .staging_buffers import StagingBuffers
+
+
+class TransferOwner(Protocol):
+    """What a transfer needs of its swapper (``TensorSwapper`` is one)."""
+
+    staging: StagingBuffers
+    checksum: bool  # records carry checksums: views of a read are not kept for reuse (each read checks them)
+
+    def settle_write(
+        self,
+        write: SwapOut,
+        records: dict[str, dict[str, SwapRecord]],
+        extent: Extent | None,
+        rewrite: bool,
+        ok: bool,
+        nbytes: int,
+    ) -> None:
+        """Put a finished write's records in force (``ok``) or drop the groups' records (it failed)."""
+
+    def forget_write(self, write: SwapOut) -> None:
+        """The write has finished and handed back its buffers: it is no longer in flight."""
+
+    def read_done(self, read: SwapIn, groups: Iterable[str], nbytes: int) -> None:
+        """The reads of ``groups`` have finished (``nbytes`` read; 0 when they failed)."""
+
+
+class Decode(NamedTuple):
+    """One encoded group of a read: its stored bytes, decoded into its place in the staging buffer once read."""
+
+    codec: ByteCodec
+    stored: torch.Tensor  # exactly the encoded bytes (a view of a one-off buffer they are read into)
+    out: torch.Tensor  # the group's range of the staging buffer (its whole, page-aligned span)
+    file: str
 
 
 class SwapOut(Pending[int]):
@@ -49,7 +87,7 @@ class SwapOut(Pending[int]):
 
     def __init__(
         self,
-        swapper: "TensorSwapper",
+        swapper: TransferOwner,
         requests: list[Request],
         records: dict[str, dict[str, SwapRecord]],
         buffers: list[torch.Tensor],
@@ -101,7 +139,7 @@ class SwapOut(Pending[int]):
                     view = typed[r.dtype] = buffer.view(r.dtype)
                 views[group][key] = view.as_strided(
                     r.shape,
-                    _contiguous_strides(r.shape),
+                    contiguous_strides(r.shape),
                     view.storage_offset() + (r.offset + shift) // r.dtype.itemsize,
                 )
         self._sources = ()
@@ -134,31 +172,18 @@ class SwapOut(Pending[int]):
                 nbytes += request.wait()
             except OSError as e:
                 error = error or e
-        for group in self._records:
-            if swapper._writing.get(group) is self:
-                del swapper._writing[group]
-        # packed (an extent means a packed swapper): a rewrite in place that worked moves nothing
-        packed = swapper._packed
-        if (error is not None or not self._rewrite) and self._extent is not None and packed is not None:
-            packed.settle(list(self._records), self._extent, error is None)
-        if error is not None or not self._rewrite:
-            swapper.version += 1
+        swapper.settle_write(self, self._records, self._extent, self._rewrite, error is None, nbytes)
         if error is None:
-            swapper._records.update(self._records)
-            swapper.bytes_written += nbytes
             if self._on_done is not None:
                 self._on_done()
             for buffer in self._buffers:
-                swapper.pool.release(buffer)
+                swapper.staging.release(buffer)
         else:
-            for group in self._records:
-                swapper._records.pop(group, None)
             for buffer in self._buffers:
-                swapper._forget(buffer)  # views of it may stay resident in the caller's hands
+                swapper.staging.forget(buffer)  # views of it may stay resident in the caller's hands
         self._result = error if error is not None else nbytes
         self._requests, self._sources, self._buffers, self._on_done, self._extent = [], (), [], None, None
-        if self in swapper._pending_out:
-            swapper._pending_out.remove(self)
+        swapper.forget_write(self)
 
 
 class SwapIn(Pending[dict]):
@@ -173,6 +198,7 @@ class SwapIn(Pending[dict]):
         layout: ``{group: (start in the buffer, records)}``: where each tensor lands (start + its record's offset).
         buffer: The staging buffer read into (None when there is nothing to read).
         extent: Packed: the one extent read whole (its views may be reused), else None.
+        decodes: The groups stored encoded (``Decode``), decoded into ``buffer`` once the reads are done.
 
     Examples:
         >>> import torch
@@ -192,13 +218,15 @@ class SwapIn(Pending[dict]):
 
     def __init__(
         self,
-        swapper: "TensorSwapper",
+        swapper: TransferOwner,
         requests: list[Request],
         layout: dict[str, tuple[int, dict]],
         buffer: torch.Tensor | None,
         extent: Extent | None = None,
+        decodes: list[Decode] | None = None,
     ):
         self._swapper = swapper
+        self._decodes = decodes or []
         self._extent = extent  # packed: the one extent read whole (its views may be reused), else None
         self._requests = requests
         self._layout = layout  # group -> (start in buffer, records)
@@ -230,7 +258,7 @@ class SwapIn(Pending[dict]):
         if self._tensors is None:
             if timeout is not None:
                 settle(self._requests, timeout)  # TimeoutError before anything changes; a later wait finishes
-            error = self._wait_io()
+            error = self.wait_io()
             if error is not None:
                 self.release()
                 raise error
@@ -258,12 +286,9 @@ class SwapIn(Pending[dict]):
         Returns:
             A copy of the cached ``{group: {key: view}}``, or None when there is none to reuse.
         """
-        cached = self._extent.views if self._extent is not None else None
-        if cached is None or cached[0] is not self._buffer or len(cached[1]) != len(self._layout):
+        if self._extent is None:
             return None
-        if not all(a is b[1] for a, b in zip(cached[1], self._layout.values())):
-            return None
-        return dict(cached[2])
+        return self._extent.cached_views(self._buffer, [records for _, records in self._layout.values()])
 
     def _cache_views(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
         """Keep ``tensors`` for the next read of this extent into this buffer, when that is safe.
@@ -271,11 +296,12 @@ class SwapIn(Pending[dict]):
         That is when they are plain CPU views of a pooled buffer and carry no checksum to verify.
         """
         swapper = self._swapper
-        if self._extent is None or swapper.config.checksum or not swapper.pool.pooled(self._buffer):
+        buffer = self._buffer
+        if self._extent is None or buffer is None or swapper.checksum or not swapper.staging.pool.pooled(buffer):
             return
         records = [records for _, records in self._layout.values()]
         if all(r.device.type == "cpu" and r.dtensor is None and r.nbytes for rs in records for r in rs.values()):
-            self._extent.views = (self._buffer, records, dict(tensors))
+            self._extent.keep_views(buffer, records, tensors)
 
     def views_of_buffer(self, group: str, tensors: Mapping[str, torch.Tensor]) -> bool:
         """True when ``tensors`` are exactly the tensors ``wait()`` returned for ``group``.
@@ -300,7 +326,39 @@ class SwapIn(Pending[dict]):
             for key, value in mine.items()
         )
 
-    def _wait_io(self) -> OSError | None:
+    @property
+    def extent(self) -> Extent | None:
+        """Packed: the one extent this read read whole, else None."""
+        return self._extent
+
+    def groups(self) -> list[str]:
+        """The groups read, in the order of the buffer.
+
+        Returns:
+            Their names.
+        """
+        return list(self._layout)
+
+    def start(self, group: str) -> int:
+        """Where ``group``'s tensors are counted from in the buffer (a tensor lies at this + its record's offset).
+
+        Args:
+            group: A group this read read.
+
+        Returns:
+            The position (bytes; negative for a packed extent, whose records hold file offsets).
+        """
+        return self._layout[group][0]
+
+    def holds_buffer(self) -> bool:
+        """True while this read still has its staging buffer (not released nor handed to a write).
+
+        Returns:
+            Whether it has one.
+        """
+        return self._buffer is not None
+
+    def wait_io(self) -> OSError | None:
         """Finish the reads (the files may be rewritten after this).
 
         Returns:
@@ -313,12 +371,36 @@ class SwapIn(Pending[dict]):
             except OSError as e:
                 error = error or e
         self._requests = []
+        if error is None and self._decodes:
+            error = self._decode()
         self._error = error
-        self._swapper.bytes_read += nbytes if error is None else 0
-        for group in self._layout:
-            if self._swapper._reading.get(group) is self:
-                del self._swapper._reading[group]
+        self._swapper.read_done(self, self._layout, nbytes if error is None else 0)
         return error
+
+    def _decode(self) -> ChecksumError | None:
+        """Decode the encoded groups read into their places in the buffer (once); their stored bytes are freed.
+
+        Returns:
+            A ``ChecksumError`` naming the file whose bytes do not decode to their recorded length, or None.
+        """
+        decodes, self._decodes = self._decodes, []
+        for decode in decodes:
+            try:
+                nbytes = decode.codec.decode(decode.stored, decode.out)
+            except Exception as e:  # noqa: BLE001 - whatever a codec raises on bad bytes is reported as corrupt
+                error = ChecksumError(
+                    errno.EIO, f"stored bytes do not decode with codec {decode.codec.name!r} ({e!r})", decode.file
+                )
+                error.__cause__ = e
+                return error
+            if nbytes != decode.out.numel():
+                return ChecksumError(
+                    errno.EIO,
+                    f"stored bytes decode with codec {decode.codec.name!r} to {nbytes} bytes, not the "
+                    f"{decode.out.numel()} written: the swap file was changed or corrupted",
+                    decode.file,
+                )
+        return None
 
     def _restore(self, start: int, record: SwapRecord, typed: dict) -> torch.Tensor:
         """The record's tensor as a view of the buffer (``typed``: the buffer viewed as each dtype, reused)."""
@@ -334,7 +416,7 @@ class SwapIn(Pending[dict]):
                 )
             if record.checksum is not None:
                 region = buffer[position : position + record.nbytes]
-                if _hash(region) != record.checksum:
+                if hash_bytes(region) != record.checksum:
                     self.release()
                     raise ChecksumError(
                         errno.EIO,
@@ -347,7 +429,7 @@ class SwapIn(Pending[dict]):
                 view = typed[record.dtype] = buffer.view(record.dtype)
             local = view.as_strided(
                 record.shape,
-                _contiguous_strides(record.shape),
+                contiguous_strides(record.shape),
                 view.storage_offset() + position // record.dtype.itemsize,
             )
         if record.device.type != "cpu":
@@ -361,18 +443,22 @@ class SwapIn(Pending[dict]):
 
     def release(self) -> None:
         """Give the staging buffer back (after waiting for the reads); the tensors from ``wait()`` die with it."""
-        self._wait_io()
+        self.wait_io()
         if self._buffer is not None:
-            self._swapper.pool.release(self._buffer)
+            self._swapper.staging.release(self._buffer)
             self._buffer = None
 
     def detach(self) -> None:
         """The tensors from ``wait()`` stay in use indefinitely: the buffer leaves the pool (freed with them)."""
-        buffer = self._hand_over()
+        buffer = self.hand_over()
         if buffer is not None:
-            self._swapper._forget(buffer)
+            self._swapper.staging.forget(buffer)
 
-    def _hand_over(self) -> torch.Tensor | None:
-        """Give up the staging buffer to a ``SwapOut`` that takes charge of it."""
+    def hand_over(self) -> torch.Tensor | None:
+        """Give up the staging buffer to a ``SwapOut`` that takes charge of it.
+
+        Returns:
+            The buffer (None when it was released or handed over already).
+        """
         buffer, self._buffer = self._buffer, None
         return buffer

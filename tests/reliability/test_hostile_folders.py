@@ -17,6 +17,7 @@ from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper
 from deepoffload.errors import ChecksumError
 from deepoffload.io import owners
 from deepoffload.io.tree import remove_tree
+from deepoffload.swap import dead_runs
 from deepoffload.swap.folders import create_run_folder, remove_run_folder
 
 OTHER_UID = 65534
@@ -58,7 +59,7 @@ def plant(base: Path, made: list[Path], uid: int | None = None, marker: bool = T
     folder.mkdir()
     made.append(folder)
     if marker:
-        (folder / owners.RUN_MARKER).write_bytes(b"")
+        (folder / dead_runs.RUN_MARKER).write_bytes(b"")
     nest(folder, DEPTH)
     if uid is not None:
         os.chown(folder, uid, uid)
@@ -84,7 +85,7 @@ def test_a_dead_run_folder_of_this_user_is_removed_however_deep(scratch, planted
     (outside / "keep.txt").write_text("mine")
     (planted / "d" / "d" / "link").symlink_to(outside)
     (planted / "d" / "file-link").symlink_to(outside / "keep.txt")
-    assert owners.remove_dead_run_folders(scratch) == [planted]
+    assert dead_runs.remove_dead_run_folders(scratch) == [planted]
     assert not planted.exists() and (outside / "keep.txt").read_text() == "mine"
 
 
@@ -93,7 +94,7 @@ def test_only_marked_folders_are_cleaned(scratch, planted):
     unmarked = plant(scratch, made, marker=False)  # a folder of the right name that the library did not make
     link = scratch / dead_name(1)
     link.symlink_to(unmarked)  # a link of the right name: removed never, followed never
-    assert owners.remove_dead_run_folders(scratch) == []
+    assert dead_runs.remove_dead_run_folders(scratch) == []
     assert unmarked.is_dir() and link.is_symlink()
     remove_tree(unmarked)
     assert not unmarked.exists()
@@ -102,7 +103,7 @@ def test_only_marked_folders_are_cleaned(scratch, planted):
 def test_a_run_folder_carries_the_marker(scratch):
     folder = create_run_folder(str(scratch), 0)
     try:
-        assert (Path(folder) / owners.RUN_MARKER).is_file()
+        assert (Path(folder) / dead_runs.RUN_MARKER).is_file()
     finally:
         remove_run_folder(folder)
     assert not os.path.exists(folder)
@@ -115,7 +116,7 @@ def test_an_error_cleaning_leftovers_is_logged_and_passed_over(scratch, planted,
     def broken(path, owner=None, last=None):
         raise RuntimeError("cannot happen, but must not stop set-up")
 
-    monkeypatch.setattr(owners, "remove_tree", broken)
+    monkeypatch.setattr(dead_runs, "remove_tree", broken)
     with caplog.at_level(logging.WARNING, logger="deepoffload"):
         swapper = TensorSwapper(SwapConfig(folder=str(scratch), pin=False))
     swapper.close()

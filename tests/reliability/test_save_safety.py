@@ -20,6 +20,7 @@ import torch
 import deepoffload
 from deepoffload.formats import save_file, save_sharded
 from deepoffload.io import owners
+from deepoffload.swap import dead_runs
 from deepoffload.swap.folders import create_run_folder, keep_run_folder, remove_run_folder
 
 TENSORS = {f"w{i}": torch.full((256,), float(i)) for i in range(3)}
@@ -150,12 +151,12 @@ def test_the_next_run_removes_the_swap_folders_of_dead_processes_only(scratch):
     dead = scratch / f"deepoffload-rank0-{pid}.0.{host}-abc_12xy"
     (dead / "sub").mkdir(parents=True)
     (dead / "state.swp").write_bytes(b"x" * 100)
-    (dead / owners.RUN_MARKER).write_bytes(b"")  # what every run folder this library makes carries
+    (dead / dead_runs.RUN_MARKER).write_bytes(b"")  # what every run folder this library makes carries
     elsewhere = scratch / f"deepoffload-rank2-{pid}.0.0badc0de-abc_12xy"  # another host's, sharing the folder
     elsewhere.mkdir()
     kept = scratch / f"deepoffload-rank1-{pid}.0.{host}-kept1234"
     kept.mkdir()
-    (kept / owners.KEPT).write_text("")
+    (kept / dead_runs.KEPT).write_text("")
     unknown = scratch / "deepoffload-rank0-oldstyle"  # no owner recorded: never touched
     unknown.mkdir()
     live = create_run_folder(str(scratch), 0)
@@ -164,7 +165,7 @@ def test_the_next_run_removes_the_swap_folders_of_dead_processes_only(scratch):
     mine = create_run_folder(str(scratch), 1)
     assert os.path.isdir(live)  # this process's folder, in use
     keep_run_folder(mine)
-    assert (Path(mine) / owners.KEPT).exists()
+    assert (Path(mine) / dead_runs.KEPT).exists()
     remove_run_folder(live)
     remove_run_folder(mine)
 

@@ -59,7 +59,7 @@ def test_disk_full_during_swap_out_loses_nothing_and_the_run_continues_identical
         assert "write" in str(info.value) and ".swp" in str(info.value), "the message names the operation and file"
         assert all(torch.equal(a, b) for a, b in zip(params, reference)), "every parameter took its step"
         resident = [p for p in params if "exp_avg" in offloaded.state.get(p, {})]
-        stored = [p for p in params if offloaded.swapper.records(offloaded._name(p))]
+        stored = [p for p in params if offloaded.swapper.records(offloaded.pipeline.name(p))]
         assert resident and stored and len(resident) + len(stored) == len(params), (
             "each parameter's state is either safely on storage or still in memory"
         )

@@ -132,9 +132,8 @@ def test_random_sequences_match_a_model_and_extents_never_overlap(swapper, seed)
                 swapper.discard(name)
                 model.pop(name, None)
         swapper.wait_all()
-        spans = sorted(
-            (e.offset, e.offset + e.nbytes) for e in {id(e): e for e in swapper._extents.values()}.values() if e.nbytes
-        )
+        extents = {id(e): e for e in swapper.packing.extents.values()}.values()
+        spans = sorted((e.offset, e.offset + e.nbytes) for e in extents if e.nbytes)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "extents overlap"
         live = sum(end - start for start, end in spans)
         assert swapper.pack.end == live + swapper.pack.free_bytes()
@@ -174,7 +173,7 @@ def test_whole_extent_reads_reuse_their_views_and_write_back_in_place(swapper):
     assert fresh["p1"]["m"] is not views["p1"]["m"] and set(fresh["p1"]) == {"m"}
     assert all(torch.equal(fresh[n]["m"], torch.full((32,), 7.0)) for n in names)
     third.detach()  # the views stay in use: the buffer leaves the pool and no extent keeps views of it
-    assert swapper._extents["p1"].views is None
+    assert swapper.packing.extents["p1"].views is None
     kept = fresh["p1"]["m"].clone()
     fourth = swapper.swap_in(names)
     assert fourth.wait()["p1"]["m"] is not fresh["p1"]["m"] and torch.equal(fresh["p1"]["m"], kept)

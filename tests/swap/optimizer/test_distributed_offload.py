@@ -71,7 +71,7 @@ def worker(rank: int, wrap: str, folder: str, store: str, results: str) -> None:
         )
         losses = train(model, optimizer, rank)
         weight = next(model.parameters())
-        record = optimizer.swapper.records(optimizer._name(weight))["exp_avg"]
+        record = optimizer.swapper.records(optimizer.pipeline.name(weight))["exp_avg"]
         local_shape = tuple(weight.to_local().shape) if hasattr(weight, "to_local") else tuple(weight.shape)
         same_params = all(torch.equal(full(a), full(b)) for a, b in zip(plain_model.parameters(), model.parameters()))
         result = {

@@ -65,7 +65,7 @@ def test_step_hooks_fire_once_per_step_with_the_wrapper(config):
         for step in range(2):
             set_grads(params, step)
             opt.step()
-            assert len(opt._chunks(params)) > 1, "several chunks, so a per-chunk hook would show"
+            assert len(opt.pipeline.chunks(params)) > 1, "several chunks, so a per-chunk hook would show"
     finally:
         for handle in handles:
             handle.remove()
@@ -144,7 +144,7 @@ def test_sparse_gradients_with_momentum_step_fully_and_identically(config):
     ) as opt:
         run(emb, lin, opt)
         assert opt.state[emb.weight]["momentum_buffer"].is_sparse
-        assert opt.swapper.has(opt._name(lin.weight))
+        assert opt.swapper.has(opt.pipeline.name(lin.weight))
     assert torch.equal(emb.weight, ref_emb.weight) and torch.equal(lin.weight, ref_lin.weight)
 
 
@@ -159,7 +159,7 @@ def test_error_inside_the_wrapped_step_leaves_parameters_stepped_or_untouched_an
     emb(torch.tensor([1])).sum().backward()
     before = [p.detach().clone() for p in params]
     plain.step()
-    chunks = opt._chunks([*params, emb.weight])
+    chunks = opt.pipeline.chunks([*params, emb.weight])
     with pytest.raises(RuntimeError, match="sparse") as info:
         opt.step()
     stepped = sum(len(c) for c in chunks[:-1])
@@ -177,7 +177,7 @@ def test_failed_read_leaves_the_rest_untouched_and_says_which(config):
     set_grads(params, 0)
     opt.step()
     victim = params[4]
-    record = next(iter(opt.swapper.records(opt._name(victim)).values()))
+    record = next(iter(opt.swapper.records(opt.pipeline.name(victim)).values()))
     with open(record.file, "r+b") as f:
         f.seek(record.offset)
         byte = f.read(1)
@@ -187,7 +187,7 @@ def test_failed_read_leaves_the_rest_untouched_and_says_which(config):
     before = [p.detach().clone() for p in params]
     with pytest.raises(ChecksumError) as info:
         opt.step()
-    chunks = opt._chunks(params)
+    chunks = opt.pipeline.chunks(params)
     failed = next(k for k, c in enumerate(chunks) if any(p is victim for p in c))
     untouched = {id(p) for c in chunks[failed:] for p in c}
     note = " ".join(getattr(info.value, "__notes__", []))
@@ -209,7 +209,7 @@ def test_checksums_need_no_numpy(config, monkeypatch):
             set_grads(params, step), set_grads(plain_params, step)
             opt.step()
             plain.step()
-        assert all(r.checksum is not None for r in opt.swapper.records(opt._name(params[0])).values())
+        assert all(r.checksum is not None for r in opt.swapper.records(opt.pipeline.name(params[0])).values())
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
 
 

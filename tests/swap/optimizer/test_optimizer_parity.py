@@ -167,7 +167,7 @@ def test_state_of_other_shape_and_dtype_round_trips(config):
     with OffloadedOptimizer(OddStateSGD, param_groups(model), config) as optimizer:
         assert train(model, optimizer) == expected
         weight = model[0].weight
-        records = optimizer.swapper.records(optimizer._name(weight))
+        records = optimizer.swapper.records(optimizer.pipeline.name(weight))
         assert {k: (r.dtype, r.shape) for k, r in records.items()} == {
             "count": (torch.int64, ()),
             "scale": (torch.float64, (48,)),
@@ -184,7 +184,7 @@ def test_adafactor_factored_state_is_stored_with_its_own_shape(config):
     model = make_model()
     with OffloadedOptimizer(torch.optim.Adafactor, param_groups(model), config, lr=0.01) as optimizer:
         train(model, optimizer, steps=2)
-        records = optimizer.swapper.records(optimizer._name(model[0].weight))
+        records = optimizer.swapper.records(optimizer.pipeline.name(model[0].weight))
         shapes = {k: r.shape for k, r in records.items()}
     assert shapes["row_var"] != tuple(model[0].weight.shape)
     assert shapes["step"] == ()
@@ -292,10 +292,10 @@ def test_many_small_parameters_reuse_plans_and_stay_identical(config):
     mine, mine_extra = params(0), params(1)[:20]
     with OffloadedOptimizer(torch.optim.Adam, mine, config, lr=0.01) as optimizer:
         run(optimizer, mine, mine_extra)
-        assert len(optimizer._chunks([p for p in optimizer._params()])) > 3  # several chunks of 4 KiB
+        assert len(optimizer.pipeline.chunks([p for p in optimizer.pipeline.params()])) > 3  # several chunks of 4 KiB
         stored = optimizer.stored_bytes()
         size = os.path.getsize(os.path.join(optimizer.swapper.folder, "pack.swp"))
-        chunks = len({id(e) for e in optimizer.swapper._extents.values()})
+        chunks = len({id(e) for e in optimizer.swapper.packing.extents.values()})
     for a, b in zip(ref + ref_extra, mine + mine_extra):
         assert torch.equal(a, b)
     # each chunk's extent is page-aligned; inside it the small tensors pack at 16 bytes, not 64

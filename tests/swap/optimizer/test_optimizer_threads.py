@@ -36,13 +36,13 @@ def test_one_thread_matches_in_memory_step_on_all_threads(optimizer, config):
     seen: list[int] = []
     with OffloadedOptimizer(optimizer, params, config, lr=1e-2) as offloaded:
         offloaded.compute_threads = 1
-        inner_step = offloaded._inner_step  # the wrapped optimizer's step, once per chunk
+        inner_step = offloaded.pipeline.inner_step  # the wrapped optimizer's step, once per chunk
 
         def counted() -> None:
             seen.append(torch.get_num_threads())
             inner_step()
 
-        offloaded._inner_step = counted
+        offloaded.pipeline.inner_step = counted
         for step in range(5):
             set_grads(reference, step)
             set_grads(params, step)
@@ -59,14 +59,14 @@ def test_none_leaves_torch_setting_alone(config):
     seen: list[int] = []
     with OffloadedOptimizer(torch.optim.SGD, make_params(1), config, lr=0.1, momentum=0.9) as offloaded:
         assert offloaded.compute_threads is None
-        inner_step = offloaded._inner_step  # the wrapped optimizer's step, once per chunk
+        inner_step = offloaded.pipeline.inner_step  # the wrapped optimizer's step, once per chunk
 
         def counted() -> None:
             seen.append(torch.get_num_threads())
             inner_step()
 
-        offloaded._inner_step = counted
-        set_grads(offloaded._params(), 0)
+        offloaded.pipeline.inner_step = counted
+        set_grads(offloaded.pipeline.params(), 0)
         offloaded.step()
     assert set(seen) == {threads}
 
@@ -79,8 +79,8 @@ def test_restored_when_the_step_fails(config):
         def fail():
             raise RuntimeError("boom")
 
-        offloaded._inner_step = fail  # the wrapped optimizer's step fails
-        set_grads(offloaded._params(), 0)
+        offloaded.pipeline.inner_step = fail  # the wrapped optimizer's step fails
+        set_grads(offloaded.pipeline.params(), 0)
         with pytest.raises(RuntimeError, match="boom"):
             offloaded.step()
         assert torch.get_num_threads() == threads
