@@ -29,13 +29,37 @@ UNITS = {
 }
 
 
-def _positive_int(key: str, value: Any) -> int:
+def positive_int(key: str, value: Any) -> int:
+    """``value`` when it is a positive integer (not a bool).
+
+    Args:
+        key: The setting's name, for the message.
+        value: What was given.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ConfigError: When it is not, naming ``key`` and its unit.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key}: must be a positive integer ({UNITS.get(key, 'a count')}), got {value!r}")
     return value
 
 
-def _bool(key: str, value: Any) -> bool:
+def check_bool(key: str, value: Any) -> bool:
+    """``value`` when it is a bool.
+
+    Args:
+        key: The setting's name, for the message.
+        value: What was given.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ConfigError: When it is not, naming ``key``.
+    """
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     return value
@@ -89,9 +113,9 @@ class AioConfig:
 
     def __post_init__(self) -> None:
         for key in ("block_size", "queue_depth", "intra_op_parallelism"):
-            _positive_int(key, getattr(self, key))
+            positive_int(key, getattr(self, key))
         for key in ("single_submit", "overlap_events"):
-            _bool(key, getattr(self, key))
+            check_bool(key, getattr(self, key))
         if not isinstance(self.engine, str) or not self.engine:  # the name is looked up when a handle opens
             raise ConfigError(f"engine: expected 'auto' or an engine's name, got {self.engine!r}")
 

@@ -29,7 +29,7 @@ from ..swap.config import SwapConfig
 from ..swap.folder_checks import check_run_folder, create_swap_file
 from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
 from ..swap.pool import BufferPool, round_up, trim_heap
-from ..swap.records import _hash
+from ..swap.records import hash_bytes
 
 FILE_NAME = "activations.swp"
 TRIM_BYTES = 64 << 20  # bytes let go between two trims of the heap (see ``released``)
@@ -138,7 +138,7 @@ class ActivationStore:
             if padded > nbytes:
                 buffer[nbytes:padded].zero_()  # no stale bytes in the file's padding
             if stored.hashes is not None:
-                stored.hashes.append(_hash(buffer[:padded]))
+                stored.hashes.append(hash_bytes(buffer[:padded]))
             request = self.handle.write_async(buffer[:padded], self.path, stored.offset + start, truncate=False)
             self._writes.append((request, buffer, stored))
             stored.pending += 1
@@ -252,7 +252,7 @@ class ActivationStore:
         for i, expected in enumerate(stored.hashes or ()):
             start = i * self.chunk
             end = min(start + self.chunk, stored.span)
-            if _hash(buffer[start:end]) != expected:
+            if hash_bytes(buffer[start:end]) != expected:
                 raise ChecksumError(
                     errno.EIO,
                     f"offload_activations: the saved tensor's bytes [{stored.offset + start}, {stored.offset + end}) "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..config import ALIASES as AIO_ALIASES
-from ..config import AioConfig, ConfigError, _bool, _positive_int, read_json
+from ..config import AioConfig, ConfigError, check_bool, positive_int, read_json
 from ..io.engines import check_choice
 from .codecs import codec_class
 from .layouts import layout_class
@@ -83,10 +83,10 @@ class SwapConfig:
             raise ConfigError(f"folder: expected a path to a folder (or null for the temp folder), got {self.folder!r}")
         if self.folder is not None:
             object.__setattr__(self, "folder", os.fspath(self.folder))
-        _positive_int("buffer_count", self.buffer_count)
-        _positive_int("chunk_bytes", self.chunk_bytes)
+        positive_int("buffer_count", self.buffer_count)
+        positive_int("chunk_bytes", self.chunk_bytes)
         for key in ("pin", "checksum", "keep_files", "trust_folder_owner"):
-            _bool(key, getattr(self, key))
+            check_bool(key, getattr(self, key))
         for key, lookup in (("layout", layout_class), ("codec", codec_class)):
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
