@@ -1,4 +1,5 @@
-"""``ByteCodec``: how a group's bytes are stored (encoded) and read back (decoded), bit for bit.
+"""``ByteCodec``: how a group's bytes are stored (encoded) and read back (decoded), bit for bit
+(``tests/swap/test_swap_seams.py``).
 
 A ``TensorSwapper`` stages a group's tensors into one contiguous range of a buffer (page-aligned, zero padding
 between tensors) and, unless its codec is the identity, stores that range encoded; the records then name the codec
