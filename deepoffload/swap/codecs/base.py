@@ -1,5 +1,6 @@
-"""``ByteCodec``: how a group's bytes are stored (encoded) and read back (decoded), bit for bit
-(``tests/swap/test_swap_seams.py``).
+"""``ByteCodec``: how a group's bytes are stored (encoded) and read back (decoded) exactly.
+
+Every registered codec round-trips tensors bit for bit (``tests/swap/test_swap_seams.py``).
 
 A ``TensorSwapper`` stages a group's tensors into one contiguous range of a buffer (page-aligned, zero padding
 between tensors) and, unless its codec is the identity, stores that range encoded; the records then name the codec
