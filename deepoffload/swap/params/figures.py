@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .residency import nbytes
+from .blocks.residency import nbytes
 from .stats import OffloadStats
 
 if TYPE_CHECKING:

@@ -24,15 +24,15 @@ from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE, trim_heap
 from ..scaled_losses import watch
-from . import closing, figures, stepping
+from . import figures
+from .autograd.recompute import BlockCall, Recompute
+from .autograd.shared_inputs import SharedInputs
+from .blocks.patches import ModulePatches
+from .blocks.placeholders import internal_call
+from .blocks.residency import Block, Residency, dense_layout, nbytes
+from .blocks.schedule import upcoming
 from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
-from .data_parallel import DataParallel, GradientAverager, process_group
-from .export import state_items
-from .materialize import Materializer
-from .patches import ModulePatches
-from .placeholders import internal_call
-from .recompute import BlockCall, Recompute
-from .refusals import (
+from .guards.refusals import (
     check_backward,
     check_budget,
     check_per_parameter,
@@ -40,13 +40,15 @@ from .refusals import (
     optimized_ids,
     scaled_loss_error,
 )
-from .residency import Block, Residency, dense_layout, nbytes
-from .schedule import upcoming
-from .shared_inputs import SharedInputs
+from .guards.structure import Structure
+from .setup.materialize import Materializer
 from .stats import OffloadStats
-from .store import BlockStore
-from .structure import Structure
-from .training import MODES as TRAINING_MODES
+from .storage import closing
+from .storage.export import state_items
+from .storage.store import BlockStore
+from .training import stepping
+from .training.data_parallel import DataParallel, GradientAverager, process_group
+from .training.modes import MODES as TRAINING_MODES
 
 MODES = tuple(TRAINING_MODES)
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]

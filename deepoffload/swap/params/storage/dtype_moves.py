@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .residency import Block, Residency, nbytes
+from ..blocks.residency import Block, Residency, nbytes
 from .store import BlockStore
 
 

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...errors import UnsupportedError
-from . import dtype_moves
-from .loading import load_hooks
+from ....errors import UnsupportedError
+from ..storage import dtype_moves
+from ..storage.loading import load_hooks
+from ..storage.store import BlockStore
 from .placeholders import internal
 from .residency import Block
-from .store import BlockStore
 
 Run = Callable[[Block, Callable, tuple, dict], Any]  # runs a block's forward with its parameters resident
 

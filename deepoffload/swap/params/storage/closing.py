@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .residency import Residency
+from ..blocks.residency import Residency
 
 if TYPE_CHECKING:
-    from .offload import ParameterOffload
+    from ..offload import ParameterOffload
 
 
 def close(offload: ParameterOffload, restore: bool) -> None:

@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from ...errors import UnsupportedError
-from .placeholders import internal
-from .residency import Block, Residency
+from ....errors import UnsupportedError
+from ..blocks.placeholders import internal
+from ..blocks.residency import Block, Residency
 from .store import BlockStore
 
 

@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 import torch
 from torch import nn
 
-from ...errors import StreamedParameterError
-from ..interrupts import deferred
-from .wrappers import wrapper_in_stack, wrapper_message
+from ....errors import StreamedParameterError
+from ...interrupts import deferred
+from ..guards.wrappers import wrapper_in_stack, wrapper_message
 
 if TYPE_CHECKING:
     from .residency import Block

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ...errors import StreamedParameterError
-from .recompute import BlockCall
-from .residency import Block
+from ....errors import StreamedParameterError
+from ..autograd.recompute import BlockCall
+from ..blocks.residency import Block
 
 if TYPE_CHECKING:
-    from ..optimizer import OffloadedOptimizer
-    from .offload import ParameterOffload
+    from ...optimizer import OffloadedOptimizer
+    from ..offload import ParameterOffload
 
 
 def check_budget(budget: object) -> None:

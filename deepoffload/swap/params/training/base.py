@@ -12,10 +12,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ...errors import StreamedParameterError
-from ..optimizer import OffloadedOptimizer
-from .residency import Block
-from .store import BlockStore
+from ....errors import StreamedParameterError
+from ...optimizer import OffloadedOptimizer
+from ..blocks.residency import Block
+from ..storage.store import BlockStore
 
 
 class Training:

@@ -19,8 +19,8 @@ from typing import Any, Callable, Protocol, Sequence, cast
 import torch
 from torch.utils import _pytree as pytree
 
+from ..blocks.residency import Block
 from .forward_state import ForwardState
-from .residency import Block
 from .side_effects import Captured, check_caches
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import UnsupportedError
+from ....errors import UnsupportedError
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
 

@@ -11,11 +11,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import grad_norm
-from ..pool import trim_heap
-from ..tensor_swapper import SwapIn, SwapOut
-from .residency import Block, Residency, nbytes
-from .training_mode import Training
+from ... import grad_norm
+from ...pool import trim_heap
+from ...tensor_swapper import SwapIn, SwapOut
+from ..blocks.residency import Block, Residency, nbytes
+from .base import Training
 
 
 class Grads(Training):

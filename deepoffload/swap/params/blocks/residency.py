@@ -29,9 +29,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ...errors import ResidencyError
-from ..pool import round_up
-from ..tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
+from ....errors import ResidencyError
+from ...pool import round_up
+from ...tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
 from .placeholders import plain, refuse_grad, streamed
 
 

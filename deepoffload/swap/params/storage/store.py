@@ -12,13 +12,13 @@ from typing import Sequence
 
 import torch
 
-from ...errors import ResidencyError, StreamedParameterError
-from ..config import SwapConfig
-from ..pool import PAGE_SIZE
-from ..tensor_swapper import SwapIn, SwapOut, SwapRecord, TensorSwapper
+from ....errors import ResidencyError, StreamedParameterError
+from ...config import SwapConfig
+from ...pool import PAGE_SIZE
+from ...tensor_swapper import SwapIn, SwapOut, SwapRecord, TensorSwapper
+from ..blocks.placeholders import plain
+from ..blocks.residency import Block, Residency, span
 from . import user_changes
-from .placeholders import plain
-from .residency import Block, Residency, span
 
 
 class BlockStore:

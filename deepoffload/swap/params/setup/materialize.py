@@ -33,18 +33,18 @@ from typing import Iterator, cast
 import torch
 from torch import nn
 
-from ...errors import ResidencyError
-from ...formats.checks import KeyReport
-from ...formats.header import CheckpointError
-from ...formats.reader import NAMES_HINT, CheckpointReader
-from ...io.buffers import aligned_empty
-from ..pool import trim_heap
-from ..tensor_swapper import SwapRecord
-from .budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
+from ....errors import ResidencyError
+from ....formats.checks import KeyReport
+from ....formats.header import CheckpointError
+from ....formats.reader import NAMES_HINT, CheckpointReader
+from ....io.buffers import aligned_empty
+from ...pool import trim_heap
+from ...tensor_swapper import SwapRecord
+from ..blocks.residency import Block, Residency, dense_layout
+from ..budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
 from .deferred_init import init_ancestors
 from .hf_keys import ConvertedCheckpoint, is_transformers_model, kept_in_float32, tie_hf_weights
 from .init_policy import Init, InitPolicy
-from .residency import Block, Residency, dense_layout
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import sys
 
-from ...errors import StreamedParameterError, UnsupportedError
-from .grads_mode import Grads
-from .residency import Block, nbytes
-from .training_mode import Training
+from ....errors import StreamedParameterError, UnsupportedError
+from ..blocks.residency import Block, nbytes
+from .base import Training
+from .grads import Grads
 
 
 def accumulating() -> bool:

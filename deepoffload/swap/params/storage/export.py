@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .residency import Block
+from ..blocks.residency import Block
 from .store import BlockStore
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...errors import StreamedParameterError
-from .residency import Block, Residency
+from ....errors import StreamedParameterError
+from ..blocks.residency import Block, Residency
 
 if TYPE_CHECKING:
     from .store import BlockStore

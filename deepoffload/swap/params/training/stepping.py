@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import grad_norm
+from ... import grad_norm
 
 if TYPE_CHECKING:
-    from .offload import ParameterOffload
+    from ..offload import ParameterOffload
 
 
 def step(offload: ParameterOffload, clip_grad_norm: float | None, norm_type: float) -> torch.Tensor | None:

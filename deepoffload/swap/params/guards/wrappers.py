@@ -16,7 +16,7 @@ from types import FrameType
 
 from torch import nn
 
-from ..ddp import ddp_class, ddp_holding
+from ...ddp import ddp_class, ddp_holding
 
 DDP_ADVICE = (
     "streamed blocks step (fused mode) or write their gradients away (grads mode) inside their backward, "

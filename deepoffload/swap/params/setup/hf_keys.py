@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ...formats.checks import KeyReport, compare_keys, convertible
-from ...formats.header import CheckpointError
-from ...formats.reader import NAMES_HINT, CheckpointReader
+from ....formats.checks import KeyReport, compare_keys, convertible
+from ....formats.header import CheckpointError
+from ....formats.reader import NAMES_HINT, CheckpointReader
 
 
 def is_transformers_model(module: nn.Module) -> bool:

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from ...errors import CheckpointError
-from .offload import ParameterOffload
-from .placeholders import internal_call
+from ....errors import CheckpointError
+from ..blocks.placeholders import internal_call
+from ..offload import ParameterOffload
 
 
 class StreamedOptimizer(torch.optim.Optimizer):

@@ -12,8 +12,8 @@ from typing import Sequence
 
 from torch import nn
 
-from ...errors import UnsupportedError
-from .residency import Block
+from ....errors import UnsupportedError
+from ..blocks.residency import Block
 
 ORDER = (
     "make such changes (resize_token_embeddings, get_peft_model, add_module, replacing modules) before "

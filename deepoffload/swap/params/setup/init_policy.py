@@ -19,7 +19,7 @@ from typing import Callable, Collection, Union
 import torch
 from torch import nn
 
-from ...formats.header import CheckpointError
+from ....formats.header import CheckpointError
 from .hf_keys import is_transformers_model
 
 InitFunction = Callable[[nn.Module], None]
