@@ -1,15 +1,19 @@
-"""Which submodules are blocks by default."""
+"""Which submodules are blocks: the registered block adapters decide (``adapters``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from . import adapters
+
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The default blocks of ``module``: the children of every ``nn.ModuleList`` / ``nn.Sequential`` in it.
+    """The blocks of ``module``: by default the children of every ``nn.ModuleList`` / ``nn.Sequential`` in it.
 
     The module is walked from the top (the module itself included), not looking inside a block once chosen; children
-    without parameters are skipped.
+    without parameters are skipped. Each module met is asked of the registered block adapters, newest first
+    (``deepoffload.swap.params.blocks.adapters.register_adapter``): the first that knows it says which children are
+    blocks, in the order they run.
 
     Args:
         module: The model to look through.
@@ -28,17 +32,4 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
         >>> [name for name, block in deepoffload.find_blocks(Model())]  # the ReLU has no parameters
         ['layers.0', 'layers.2']
     """
-
-    def walk(node: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
-        found = []
-        container = isinstance(node, (nn.ModuleList, nn.Sequential))
-        for name, child in node.named_children():
-            qualified = f"{prefix}{name}"
-            if container and not isinstance(child, nn.ModuleList):
-                if any(True for _ in child.parameters()):
-                    found.append((qualified, child))
-            else:
-                found.extend(walk(child, qualified + "."))
-        return found
-
-    return walk(module, "")
+    return adapters.find_blocks(module)

@@ -32,6 +32,7 @@ from torch import nn
 from ....errors import ResidencyError
 from ...pool import round_up
 from ...tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
+from .adapters import streamed_parameters
 from .placeholders import plain, refuse_grad, streamed
 
 
@@ -155,7 +156,7 @@ class Block:
     ):
         self.index, self.prefix, self.module = index, prefix, module
         self.group, self.grad_group = f"block{index}", f"grad{index}"
-        named = list(module.named_parameters())
+        named = streamed_parameters(module)  # what the block is made of, as its adapter says
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         own = own_dtype_parameters(module, compute_dtype)
