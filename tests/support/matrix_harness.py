@@ -192,12 +192,10 @@ class Setup:
         if self.off is not None:
             names = [
                 [b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters) if m.requires_grad],
-                [n for n, p in self.off._rest_named if p.requires_grad],
+                [n for n, p in self.off.rest_named if p.requires_grad],
             ]
-            optimizers = [
-                o for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names) if o is not None
-            ]
-            names = [ns for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names) if o is not None]
+            optimizers = self.off.optimizers  # the blocks', then the rest's: each made when it has parameters to step
+            names = [ns for ns in names if ns]
         else:
             by_id = {id(p): n for n, p in self.model.named_parameters()}
             optimizers = [self.optimizer]

@@ -41,7 +41,7 @@ def autocast_types() -> tuple[str, ...]:
                     torch.get_autocast_dtype(device_type)
                     known.append(device_type)
             except (RuntimeError, ValueError):
-                pass
+                pass  # this torch build has no autocast for that device type: not one to record
         _autocast_types = tuple(known)
     return _autocast_types
 
@@ -110,7 +110,7 @@ def _flags() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
         try:
             getter()
         except (AttributeError, RuntimeError):
-            continue
+            continue  # a flag this torch build lacks or cannot read: nothing to record or restore
         flags.append((name, getter, setter))
     return flags
 

@@ -31,11 +31,12 @@ deepoffload's own code runs inside ``internal()``, where nothing is checked.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import math
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
+from typing import Any, Callable, Iterator, Protocol, cast
 
 import torch
 from torch import nn
@@ -44,8 +45,29 @@ from ....errors import StreamedParameterError
 from ...interrupts import deferred
 from ..guards.wrappers import wrapper_in_stack, wrapper_message
 
-if TYPE_CHECKING:
-    from .residency import Block
+
+class Block(Protocol):
+    """What a placeholder asks of the block it stands in for (``residency.Block``, which imports this module)."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    discarded: bool
+    grads_read_as_none: bool
+    exporting: int
+
+    @property
+    def state(self) -> enum.Enum:
+        """Its residency."""
+        ...
+
+    def qualified(self, name: str) -> str:
+        """The qualified name of the block's parameter ``name``."""
+        ...
+
+    def grads_away(self) -> str | None:
+        """Where the block's gradients are while not on its parameters, or None."""
+        ...
+
 
 _local = threading.local()
 

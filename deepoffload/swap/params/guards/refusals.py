@@ -17,8 +17,7 @@ from ..autograd.recompute import BlockCall
 from ..blocks.residency import Block
 
 if TYPE_CHECKING:
-    from ...optimizer import OffloadedOptimizer
-    from ..offload import ParameterOffload
+    from ..training.optimizers import Optimizers
 
 
 def check_budget(budget: object) -> None:
@@ -49,7 +48,7 @@ def check_sharing(module: nn.Module, blocks: list[Block]) -> None:
             )
 
 
-def check_backward(offload: ParameterOffload, call: BlockCall) -> None:
+def check_backward(call: BlockCall, optimizers: Optimizers) -> None:
     """Refuse the backward of ``call`` when it cannot train its block (see ``ParameterOffload.before_backward``)."""
     block = call.block
     if call.steps != block.steps:
@@ -65,8 +64,8 @@ def check_backward(offload: ParameterOffload, call: BlockCall) -> None:
             f"written: offload without serve_from_checkpoint= to train, or freeze them "
             f"(requires_grad_(False))"
         )
-    check_unfrozen(offload, block)
-    if block.trainable and offload._block_optimizer is None:
+    optimizers.check_unfrozen(block)
+    if block.trainable and optimizers.block is None:
         raise StreamedParameterError(
             f"block {block.prefix}: backward needs gradients of its parameters but "
             f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
@@ -74,37 +73,7 @@ def check_backward(offload: ParameterOffload, call: BlockCall) -> None:
         )
 
 
-def check_unfrozen(offload: ParameterOffload, block: Block) -> None:
-    """Refuse a backward once a parameter frozen when the optimizers were made requires a gradient.
-
-    No optimizer holds it, so it would never step (in memory, an optimizer made over ``model.parameters()``
-    would step it).
-
-    Raises:
-        StreamedParameterError: When such a parameter requires a gradient (of ``block`` or outside the blocks).
-    """
-    if not offload._optimizing:
-        return
-    named = [(block.qualified(n), m) for n, p, m in zip(block.names, block.params, block.masters) if p.requires_grad]
-    named += [(n, p) for n, p in offload._rest_named if p.requires_grad]
-    for name, param in named:
-        if id(param) not in offload._stepped_ids:
-            offload._stepped_ids = optimized_ids(offload.optimizers)  # a param group added since?
-        if id(param) not in offload._stepped_ids:
-            raise StreamedParameterError(
-                f"parameter {name} was frozen when offload_parameters() made the optimizers and "
-                f"requires a gradient now (requires_grad_(True) after it), so no optimizer would "
-                f"step it: unfreeze before offload_parameters() (freeze later instead: a frozen "
-                f"parameter gets no gradient and is not stepped), or offload again"
-            )
-
-
-def optimized_ids(optimizers: list[OffloadedOptimizer]) -> set[int]:
-    """The identities of the parameters ``optimizers`` step (those of their param groups)."""
-    return {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
-
-
-def scaled_loss_error(offload: ParameterOffload) -> StreamedParameterError | None:
+def scaled_loss_error(mode: str) -> StreamedParameterError:
     """The refusal of a ``GradScaler``'s scaled loss over ``offload`` (asked by ``scaled_losses`` at ``scale()``).
 
     The blocks' gradients never pass through ``scaler.unscale_``/``scaler.step``: fused mode steps each block inside
@@ -112,41 +81,15 @@ def scaled_loss_error(offload: ParameterOffload) -> StreamedParameterError | Non
     scaled gradients, and an overflowing step would not be skipped.
 
     Args:
-        offload: A ``ParameterOffload`` made with ``optimizer=``.
+        mode: The ``ParameterOffload``'s mode ("fused" or "grads"), which trains blocks.
 
     Returns:
-        The error naming what works, or None when it is closed or trains no block.
+        The error naming what works.
     """
-    if offload._closed or offload._block_optimizer is None:
-        return None
     return StreamedParameterError(
-        f"offload_parameters(mode={offload.mode!r}): a GradScaler scales this loss, but the streamed blocks' "
+        f"offload_parameters(mode={mode!r}): a GradScaler scales this loss, but the streamed blocks' "
         f"gradients never reach scaler.unscale_()/scaler.step() (fused mode steps each block inside backward, "
         f"grads mode keeps them for off.step()), so the blocks would step on scaled gradients and an overflow "
         f"would not be skipped; nothing was stepped. bfloat16 needs no loss scaling: drop the GradScaler (with "
         f"compute_dtype=torch.bfloat16 or bf16 autocast, or in fp32), which trains exactly as the same loop in memory"
     )
-
-
-def check_per_parameter(optimizers: list[OffloadedOptimizer]) -> None:
-    """Refuse an optimizer declared to read several parameters in one step (``per_parameter=False``).
-
-    A ``ParameterOffload`` steps each block, and the parameters outside the blocks, in steps of their own. The
-    optimizers are closed first.
-
-    Args:
-        optimizers: The block and rest optimizers just made.
-
-    Raises:
-        StreamedParameterError: When one is not per-parameter.
-    """
-    whole = [opt for opt in optimizers if not opt.per_parameter]
-    if whole:
-        for opt in optimizers:
-            opt.close()
-        raise StreamedParameterError(
-            f"offload_parameters(optimizer=...): this {type(whole[0].optimizer).__name__} is declared to read several "
-            f"parameters in one step (deepoffload_per_parameter = False), but streamed blocks step block by block; "
-            f"use an optimizer whose step reads each parameter alone (torch's built-in ones), or keep the model in "
-            f"memory and put only its state on storage with OffloadedOptimizer(..., per_parameter=False)"
-        )

@@ -3,7 +3,7 @@
 A parameter added, replaced or removed afterwards (``resize_token_embeddings``, ``get_peft_model``, ``add_module``, a
 replaced ``nn.Linear``) would be in no optimizer (never stepped, its gradient piling up) or, inside a block, outside the
 streamed set; such a change is refused at the next forward, naming it and the order that works. (A parameter unfrozen
-after offloading is refused at backward: see ``refusals.check_unfrozen``.)
+after offloading is refused at backward: see ``training.optimizers.Optimizers.check_unfrozen``.)
 """
 
 from __future__ import annotations

@@ -459,7 +459,7 @@ class Materializer:
             try:
                 store.close()
             except OSError:
-                pass
+                pass  # the error being raised is the one to report; closing is best effort here
             self.undo()
             raise
         self.close()

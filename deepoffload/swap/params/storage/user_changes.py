@@ -9,13 +9,40 @@ its entry points.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ....errors import StreamedParameterError
 from ..blocks.residency import Block, Residency
 
-if TYPE_CHECKING:
-    from .store import BlockStore
+
+class Store(Protocol):
+    """What these checks ask of the blocks' store (``store.BlockStore``, which imports this module)."""
+
+    blocks: list[Block]
+
+    def release(self, block: Block) -> None:
+        """Release ``block`` (writing a change it holds)."""
+        ...
+
+    def drop_unwritable(self, block: Block) -> None:
+        """Refuse, for ``block``, changes storage cannot hold."""
+        ...
+
+    def check_kept_values(self, block: Block) -> None:
+        """Refuse, before ``block`` is used, a change its masters cannot take."""
+        ...
+
+    def wait_write(self, block: Block) -> None:
+        """Wait for ``block``'s write in flight."""
+        ...
+
+    def start_read(self, block: Block) -> None:
+        """Start reading ``block``."""
+        ...
+
+    def materialize(self, block: Block) -> None:
+        """Make ``block`` resident once its read is done."""
+        ...
 
 
 def lost_change(block: Block, lost: dict[str, str], outcome: str) -> StreamedParameterError:
@@ -38,7 +65,7 @@ def lost_change(block: Block, lost: dict[str, str], outcome: str) -> StreamedPar
     )
 
 
-def drop_unwritable(store: BlockStore, block: Block) -> None:
+def drop_unwritable(store: Store, block: Block) -> None:
     """Raise if user code changed ``block``'s parameters in a way that cannot be kept, after dropping the change.
 
     See ``BlockStore.release``. A RESIDENT block is released; an in-memory one's compute copies are cast again from its
@@ -67,7 +94,7 @@ def drop_unwritable(store: BlockStore, block: Block) -> None:
     )
 
 
-def check_kept_values(store: BlockStore, block: Block) -> None:
+def check_kept_values(store: Store, block: Block) -> None:
     """Run ``drop_unwritable`` before a block in memory is computed with, stepped or copied.
 
     No release checks a pinned block, hence this. When it raises, the other blocks in memory drop their changes
@@ -90,7 +117,7 @@ def check_kept_values(store: BlockStore, block: Block) -> None:
         raise
 
 
-def hold_for_change(store: BlockStore, block: Block) -> bool:
+def hold_for_change(store: Store, block: Block) -> bool:
     """Bring ``block``'s stored values into memory for a change made outside training.
 
     Its pending write is waited for and changes made before are checked first.

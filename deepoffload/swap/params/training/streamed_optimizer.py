@@ -214,7 +214,7 @@ def from_memory(offload: ParameterOffload, state_dict: dict[str, Any]) -> tuple[
         name: (g, key) for g, group in enumerate(groups) for name, key in zip(group["param_names"], group["params"])
     }
     names = {id(m): block.qualified(n) for block in offload.blocks for n, m in zip(block.names, block.masters)}
-    names.update((id(p), n) for n, p in offload._rest_named)
+    names.update((id(p), n) for n, p in offload.rest_named)
     used: set[str] = set()
     result = []
     sources: list[int | None] = []

@@ -98,10 +98,7 @@ def streamed_parameters(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
     Raises:
         ValueError: When the adapter's answer is not the block's parameters, each once.
     """
-    for adapter in adapters():
-        named = adapter.parameters(block)
-        if named is not None:
-            break
+    adapter, named = next((a, n) for a in adapters() if (n := a.parameters(block)) is not None)  # the last answers
     own = {id(p): n for n, p in block.named_parameters()}
     if sorted(id(p) for _, p in named) != sorted(own) or any(own[id(p)] != n for n, p in named):
         raise ValueError(
