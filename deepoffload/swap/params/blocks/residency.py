@@ -13,7 +13,7 @@
 
 A PINNED block (within ``max_resident_bytes``) stays in memory, outside the staging pool, and steps there: from its
 first step on, storage holds stale values, so it leaves memory only through a write (unpinning) or into RESTORED;
-straight to ON_STORAGE only when served read-only from a checkpoint (``Block.served``: never stepped or changed).
+straight to ON_STORAGE only when its ``ByteSource`` is read-only (a checkpoint: never stepped or changed).
 ``close(restore=True)`` ends every block in RESTORED. Releasing a RESIDENT block that user code changed in place
 (``Block.changed``) starts its write instead of dropping the change. A move not in ``TRANSITIONS`` raises
 ``ResidencyError`` at once, so a bookkeeping bug stops the program instead of computing with a placeholder or
@@ -32,6 +32,7 @@ from torch import nn
 from ....errors import ResidencyError
 from ...pool import round_up
 from ...tensor_swapper import TENSOR_ALIGNMENT, SwapIn, SwapOut
+from ..storage.sources import ByteSource, SwapFiles
 from .adapters import streamed_parameters
 from .placeholders import plain, refuse_grad, streamed
 
@@ -192,10 +193,15 @@ class Block:
         self.grads_stored = False  # grads mode: its gradients are on storage, waiting for ``step()``
         self.exporting = 0  # inside ``module.state_dict()`` of the block (its hooks put the real weights in)
         self.discarded = False  # ``close(restore=False)`` dropped its values
-        self.served: str | None = None  # the checkpoint file its parameters are read from, read-only (never written)
+        self.source: ByteSource = SwapFiles()  # where its stored values live (a checkpoint serves them read-only)
         self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
         self.seen: list[tuple] = []  # per parameter: version counter, data pointer, dtype, device when in memory
         self.record_versions()
+
+    @property
+    def served(self) -> str | None:
+        """The checkpoint file the block's values are served from read-only, or None (its source is writable)."""
+        return None if self.source.writable else self.source.where
 
     @property
     def trainable(self) -> bool:
@@ -307,11 +313,9 @@ class Block:
 
     def unwritable(self, names: list[str]) -> dict[str, str]:
         """Of the changed ``names``, those whose values cannot be written to storage exactly, with the reason."""
-        if self.served:
-            return {
-                name: f"its block is served read-only from the checkpoint {self.served} (serve_from_checkpoint=True)"
-                for name in names
-            }
+        read_only = self.source.read_only()
+        if read_only is not None:
+            return {name: f"its block is {read_only}" for name in names}
         reasons = {}
         for name in names:
             k = self.names.index(name)

@@ -57,10 +57,10 @@ def check_backward(call: BlockCall, optimizers: Optimizers) -> None:
             f"optimizer step (its weights changed since; in memory PyTorch would refuse too). "
             f"Run validation under torch.no_grad(), and backward each forward before step()"
         )
-    if block.trainable and block.served:
+    read_only = block.source.read_only()
+    if block.trainable and read_only is not None:
         raise StreamedParameterError(
-            f"block {block.prefix}: backward would train parameters that are served read-only "
-            f"from the checkpoint {block.served} (serve_from_checkpoint=True), which is never "
+            f"block {block.prefix}: backward would train parameters that are {read_only}, which is never "
             f"written: offload without serve_from_checkpoint= to train, or freeze them "
             f"(requires_grad_(False))"
         )

@@ -42,6 +42,7 @@ from ...pool import trim_heap
 from ...tensor_swapper import SwapRecord
 from ..blocks.residency import Block, Residency, dense_layout
 from ..budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
+from ..storage.sources import CheckpointFiles
 from .deferred_init import init_ancestors
 from .hf_keys import ConvertedCheckpoint, is_transformers_model, kept_in_float32, tie_hf_weights
 from .init_policy import Init, InitPolicy
@@ -421,7 +422,7 @@ class Materializer:
                 served = self._served_records(block)
                 if served is not None:
                     store.serve(block, served)
-                    block.served = next(iter(served.values())).file
+                    block.source = CheckpointFiles(next(iter(served.values())).file)
                     block.clear_data()
                     block.move(Residency.ON_STORAGE)
                     continue

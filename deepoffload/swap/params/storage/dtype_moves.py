@@ -53,10 +53,10 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
                 f"with compute_dtype={block.compute_dtype} copies of their stored values: convert the "
                 f"model before offload_parameters(), or change compute_dtype= instead"
             )
-        if block.served:
+        read_only = block.source.read_only()
+        if read_only is not None:
             raise ValueError(
-                f"this would convert the parameters of block {block.prefix}, served read-only from the "
-                f"checkpoint {block.served} (serve_from_checkpoint=True): pass dtype= to "
+                f"this would convert the parameters of block {block.prefix}, {read_only}: pass dtype= to "
                 f"offload_parameters() or offload without serve_from_checkpoint="
             )
         todo.append(block)

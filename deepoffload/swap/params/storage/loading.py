@@ -44,10 +44,10 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
                 values[name] = value
         if not values:
             return
-        if block.served:
+        read_only = block.source.read_only()
+        if read_only is not None:
             raise UnsupportedError(
-                f"load_state_dict: block {block.prefix} is served read-only from the checkpoint "
-                f"{block.served} (serve_from_checkpoint=True), which is never written: offload "
+                f"load_state_dict: block {block.prefix} is {read_only}, which is never written: offload "
                 f"without serve_from_checkpoint= to load other values"
             )
         with internal():

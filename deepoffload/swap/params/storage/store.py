@@ -213,13 +213,13 @@ class BlockStore:
     def unpin(self, block: Block) -> None:
         """Write a PINNED block's values (storage is stale once it stepped) and release its memory once written.
 
-        A block served from a checkpoint is released without a write. A write that cannot start raises and leaves it
-        PINNED; one that fails raises and leaves it KEPT.
+        A block whose source is read-only (a checkpoint) is released without a write. A write that cannot start raises
+        and leaves it PINNED; one that fails raises and leaves it KEPT.
         """
         if block.state is not Residency.PINNED:
             return
         self.drop_unwritable(block)
-        if block.served:  # unchanged (drop_unwritable raised otherwise): the checkpoint holds its values
+        if not block.source.writable:  # unchanged (drop_unwritable raised otherwise): the source holds its values
             block.clear_data()
             block.move(Residency.ON_STORAGE)
             return
@@ -345,12 +345,12 @@ class BlockStore:
             block: The block to write.
 
         Raises:
-            StreamedParameterError: When the block is served read-only from a checkpoint.
+            StreamedParameterError: When the block's source is read-only (served from a checkpoint).
         """
-        if block.served:
+        read_only = block.source.read_only()
+        if read_only is not None:
             raise StreamedParameterError(
-                f"block {block.prefix}: its parameters are served read-only from the checkpoint "
-                f"{block.served} (serve_from_checkpoint=True), which is never written: offload without "
+                f"block {block.prefix}: its parameters are {read_only}, which is never written: offload without "
                 f"serve_from_checkpoint= to change or train them"
             )
         self.wait_writes()

@@ -82,7 +82,7 @@ def drop_unwritable(store: Store, block: Block) -> None:
         return
     if block.state is Residency.RESIDENT:
         store.release(block)  # raises
-    if block.served and block.state is Residency.PINNED:  # the checkpoint holds its values
+    if not block.source.writable and block.state is Residency.PINNED:  # the source holds its values
         block.clear_data()
         block.move(Residency.ON_STORAGE)
         raise lost_change(block, lost, "it was dropped and the parameter holds its stored values again")
