@@ -92,7 +92,7 @@ def sizes(entry: str, shape: str) -> dict:
     """The sizes the stated bound of ``entry`` is made of (bytes), from the model built on meta: every parameter,
     the largest block's staging span, the parameters and buffers outside blocks, the largest parameter."""
     from deepoffload.swap.params import find_blocks
-    from deepoffload.swap.params.residency import span
+    from deepoffload.swap.params.blocks.residency import span
 
     if entry == "generate":
         import accelerate

@@ -192,12 +192,10 @@ class Setup:
         if self.off is not None:
             names = [
                 [b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters) if m.requires_grad],
-                [n for n, p in self.off._rest_named if p.requires_grad],
+                [n for n, p in self.off.rest_named if p.requires_grad],
             ]
-            optimizers = [
-                o for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names) if o is not None
-            ]
-            names = [ns for o, ns in zip((self.off._block_optimizer, self.off._rest_optimizer), names) if o is not None]
+            optimizers = self.off.optimizers  # the blocks', then the rest's: each made when it has parameters to step
+            names = [ns for ns in names if ns]
         else:
             by_id = {id(p): n for n, p in self.model.named_parameters()}
             optimizers = [self.optimizer]
@@ -234,7 +232,7 @@ def _compute_bf16_in_memory(model: nn.Module) -> nn.Module:
     back; parameters of submodules with fp32 buffers (BatchNorm) stay fp32."""
     from torch.utils import _pytree as pytree
 
-    from deepoffload.swap.params.residency import own_dtype_parameters
+    from deepoffload.swap.params.blocks.residency import own_dtype_parameters
 
     for _, block in find_blocks(model):
         own = own_dtype_parameters(block, torch.bfloat16)
@@ -486,7 +484,7 @@ def run_cell(name: str, precision: str, loop: str, feature: str, folder: str | o
 # models whose streamed training is not bit-identical to memory, and why: "rounding" when equal within a tolerance,
 # else "not exact" (a known limitation the support matrix shows, accepted for these models only). None now: T5's
 # encoder output and position bias, which reach several blocks, have their gradients summed in memory's order
-# (deepoffload/swap/params/shared_inputs.py)
+# (deepoffload/swap/params/autograd/shared_inputs.py)
 ROUNDING: dict[str, str] = {}
 
 

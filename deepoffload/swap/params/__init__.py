@@ -79,31 +79,29 @@ and so is any enabled ``GradScaler``'s ``scale()`` while blocks are trained (``r
 backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile(model)`` compiles around
 the streamed blocks (each a graph break, run outside the graph: equal to the model in memory compiled with its blocks
 excluded, with a warning saying so); ``block.compile()`` on a streamed block compiles its forward, run with the
-parameters resident (``patches``). ``transformers.Trainer``: see ``trainer``.
+parameters resident (``patches``). ``transformers.Trainer``: see ``training.streamed_optimizer``.
 
-Layout: ``residency`` (each block's state: on storage, reading, resident, writing, kept, with checked transitions),
-``placeholders`` (what a parameter is while its block is not in memory), ``store`` (the blocks' IO as residency moves),
-``schedule`` (prefetch order), ``recompute`` (the autograd function), ``side_effects`` (what recomputation must not
-repeat), ``training`` (the fused mode and the modes' table; ``training_mode`` what both modes share, ``grads_mode`` the
-grads mode, clipping), ``user_changes`` (values user code changed in a block), ``api`` (``offload_parameters``, the
-public entry point), ``offload`` (``ParameterOffload``, what it returns), ``patches`` (what is attached to the user's
-modules), ``export`` (the state streamed out for ``save``), ``stats`` (``OffloadStats``), ``blocks`` (the default block
-rule), ``pretrained`` (``from_pretrained``: a Hugging Face folder built on meta and loaded streamed), ``trainer`` (an
-optimizer-shaped view for training loops such as ``transformers.Trainer``), ``materialize`` (a model built on the
-``meta`` device made block by block from a checkpoint or an initializer, straight to storage), ``data_parallel``
-(``data_parallel=``: gradients averaged across ranks as DDP averages them), ``wrappers`` (DDP and FSDP2 around a
-streamed model, refused).
-``ParameterOffload``'s refusals, step, figures and close are in ``refusals``, ``stepping``, ``figures`` and
-``closing``.
+Layout, by job: ``api`` (``offload_parameters``, the public entry point), ``offload`` (``ParameterOffload``, what it
+returns), ``stats`` (``OffloadStats``), ``budget`` (the memory plan); ``blocks/`` (``finding``: the default block
+rule; ``residency``: each block's state with checked transitions; ``placeholders``: what a parameter is while its
+block is not in memory; ``schedule``: prefetch order; ``patches``: what is attached to the user's modules);
+``storage/`` (``store``: the blocks' IO as residency moves; ``user_changes``, ``loading``, ``dtype_moves``,
+``export``, ``closing``); ``training/`` (``modes``: the fused mode and the modes' table; ``base``: what both modes
+share; ``grads``: the grads mode and clipping; ``stepping``; ``data_parallel``; ``streamed_optimizer``: an
+optimizer-shaped view for training loops such as ``transformers.Trainer``); ``autograd/`` (``recompute``: the
+autograd function; ``forward_state``; ``side_effects``: what recomputation must not repeat; ``shared_inputs``);
+``setup/`` (``materialize``: a model built on ``meta`` made block by block from a checkpoint or an initializer,
+straight to storage; ``init_policy``, ``deferred_init``, ``hf_keys``); ``guards/`` (``refusals``, ``structure``,
+``wrappers``: DDP and FSDP2 around a streamed model, refused); ``pretrained`` (``from_pretrained``).
 """
 
 from .api import offload_parameters
-from .blocks import find_blocks
+from .blocks.finding import find_blocks
+from .blocks.placeholders import StreamedParameter
+from .blocks.residency import Residency, ResidencyError
 from .offload import MODES, OptimizerFactory, ParameterOffload
-from .placeholders import StreamedParameter
-from .residency import Residency, ResidencyError
 from .stats import OffloadStats
-from .trainer import StreamedOptimizer, trainer_arguments
+from .training.streamed_optimizer import StreamedOptimizer, trainer_arguments
 
 __all__ = [
     "MODES",

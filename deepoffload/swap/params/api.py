@@ -13,14 +13,14 @@ from torch import nn
 
 from ...errors import UnsupportedError
 from ..config import SwapConfig
-from .blocks import find_blocks
+from .blocks.finding import find_blocks
 from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, fit, parse_bytes, process_bytes
-from .data_parallel import process_group
-from .init_policy import Init, check_arguments
-from .materialize import Materializer, has_meta
+from .guards.refusals import check_budget
+from .guards.wrappers import refuse_wrapped
 from .offload import MODES, OptimizerFactory, ParameterOffload
-from .refusals import check_budget
-from .wrappers import refuse_wrapped
+from .setup.init_policy import Init, check_arguments
+from .setup.materialize import Materializer, has_meta
+from .training.data_parallel import process_group
 
 
 def offload_parameters(
@@ -269,7 +269,7 @@ def fit_limit(
     Returns:
         The plan fitted from the blocks' sizes and this process's memory now.
     """
-    from .residency import dense_layout, nbytes, span
+    from .blocks.residency import dense_layout, nbytes, span
 
     layout = layout_of or dense_layout
     limit = parse_bytes(max_memory)

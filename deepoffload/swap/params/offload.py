@@ -24,32 +24,26 @@ from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
 from ..pool import PAGE_SIZE, trim_heap
 from ..scaled_losses import LossGraph, watch
-from . import closing, figures, stepping
+from .autograd.recompute import BlockCall, Recompute
+from .autograd.shared_inputs import SharedInputs
+from .blocks.patches import ModulePatches
+from .blocks.placeholders import internal_call
+from .blocks.residency import Block, Residency, dense_layout, nbytes
+from .blocks.schedule import upcoming
 from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
-from .data_parallel import DataParallel, GradientAverager, process_group
-from .export import state_items
-from .materialize import Materializer
-from .patches import ModulePatches
-from .placeholders import internal_call
-from .recompute import BlockCall, Recompute
-from .refusals import (
-    check_backward,
-    check_budget,
-    check_per_parameter,
-    check_sharing,
-    optimized_ids,
-    scaled_loss_error,
-)
-from .residency import Block, Residency, dense_layout, nbytes
-from .schedule import upcoming
-from .shared_inputs import SharedInputs
+from .guards.refusals import check_backward, check_budget, check_sharing, scaled_loss_error
+from .guards.structure import Structure
+from .setup.materialize import Materializer
 from .stats import OffloadStats
-from .store import BlockStore
-from .structure import Structure
-from .training import MODES as TRAINING_MODES
+from .storage import closing
+from .storage.export import state_items
+from .storage.store import BlockStore
+from .training.data_parallel import DataParallel, GradientAverager, process_group
+from .training.modes import MODES as TRAINING_MODES
+from .training.optimizers import OptimizerFactory, Optimizers
+from .training.stepping import Stepper
 
 MODES = tuple(TRAINING_MODES)
-OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
 class ParameterOffload:
@@ -120,7 +114,7 @@ class ParameterOffload:
         self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         self.rest = [p for p in module.parameters() if id(p) not in in_blocks]
-        self._rest_named = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
+        self.rest_named = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
         rest_bytes = nbytes(self.rest) + nbytes(module.buffers())
         self.plan = MemoryPlan(
             self.store.block_span,
@@ -137,18 +131,10 @@ class ParameterOffload:
         # The parameters outside blocks get buffers of their own size when smaller (they grow to their largest chunk)
         state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=state_chunks)
         rest_config = config.replace(chunk_bytes=self.plan.rest_chunk_bytes, buffer_count=STATE_CHUNKS)
-        block_optimizer = rest_optimizer = None
-        if optimizer is not None:
-            masters = [m for b in self.blocks for m in b.masters if m.requires_grad]
-            block_optimizer = OffloadedOptimizer(optimizer, masters, state_config) if masters else None
-            rest = [p for p in self.rest if p.requires_grad]
-            rest_optimizer = OffloadedOptimizer(optimizer, rest, rest_config) if rest else None
-        check_per_parameter([opt for opt in (block_optimizer, rest_optimizer) if opt is not None])
-        self._block_optimizer, self._rest_optimizer = block_optimizer, rest_optimizer
-        # the parameters the optimizers step: one frozen at this call and unfrozen later is not among them
-        self._optimizing = optimizer is not None
-        self._stepped_ids = optimized_ids(self.optimizers)
+        self._optimizers = Optimizers(optimizer, self.blocks, self.rest_named, state_config, rest_config)
+        block_optimizer, rest_optimizer = self._optimizers.block, self._optimizers.rest
         self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer, rest_optimizer)
+        self._stepper = Stepper(self.blocks, self.store, self.training, self.rest, self._optimizers)
         self._token = torch.empty(0, requires_grad=True)
         self._shared = SharedInputs()  # tensors passed to several blocks: their gradients summed as in memory
         self._closed = False
@@ -172,7 +158,7 @@ class ParameterOffload:
         self.patches.guard_moves()
         self._structure = Structure(module, self.blocks)
         if data_parallel is not False:  # last: its hooks stay only on a ParameterOffload that was made
-            self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self._rest_named])
+            self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self.rest_named])
             self.training.average = self.data_parallel.average_block
             self.training.average_start = self.data_parallel.start_block
 
@@ -213,7 +199,7 @@ class ParameterOffload:
                 self.store.unpin(block)
         for block in chosen:
             self.store.pin(block)
-        self._guard_grads()
+        self._stepper.guard_grads()
 
     # -- running blocks (the ``Streamer`` that ``Recompute`` talks to) ---------------------------------------
     def _run(self, block: Block, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -303,7 +289,7 @@ class ParameterOffload:
         """
         block = call.block
         self._shared.clear()
-        check_backward(self, call)
+        check_backward(call, self._optimizers)
         if last and call.nested and self.training.defers_nested:
             last, block.deferred = False, True  # its gradients wait in memory for step()
         self.training.before_backward(block, last)
@@ -359,11 +345,8 @@ class ParameterOffload:
         Raises:
             ValueError: When ``offload_parameters()`` got no ``optimizer=``.
         """
-        return stepping.step(self, clip_grad_norm, norm_type)
-
-    def _guard_grads(self) -> None:
-        for block in self.blocks:
-            block.guard_grads()
+        self._check_open()
+        return self._stepper.step(clip_grad_norm, norm_type)
 
     @internal_call
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -372,7 +355,8 @@ class ParameterOffload:
         Args:
             set_to_none: For the gradients outside blocks: set them to None rather than to zero.
         """
-        stepping.zero_grad(self, set_to_none)
+        self._check_open()
+        self._stepper.zero_grad(set_to_none)
 
     @internal_call
     def flush(self) -> None:
@@ -380,7 +364,8 @@ class ParameterOffload:
 
         The first failure (an ``OSError``) is raised once all were tried; those blocks stay in memory.
         """
-        stepping.flush(self)
+        self._check_open()
+        self._stepper.flush()
 
     # -- figures, checkpoints, lifetime --------------------------------------------------------------------------
     def reset_peak(self) -> None:
@@ -410,12 +395,12 @@ class ParameterOffload:
     @property
     def stats(self) -> OffloadStats:
         """The offload's figures since it was made (its peaks since ``reset_peak``)."""
-        return figures.gather(self)
+        return OffloadStats.gather(self.blocks, self.rest, self.store, self.optimizers, self.training.optimizer_seconds)
 
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
         """The optimizers in use (blocks, then the rest), e.g. to attach LR schedulers to each."""
-        return [o for o in (self._block_optimizer, self._rest_optimizer) if o is not None]
+        return self._optimizers.all()
 
     @internal_call
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -470,7 +455,13 @@ class ParameterOffload:
         Returns:
             The error, or None when a scaled loss is fine (closed, no block trained, or a loss not of this model).
         """
-        return scaled_loss_error(self, graph)
+        if self._closed or self._optimizers.block is None:
+            return None
+        # every streamed block's Recompute takes the token: a loss reaching neither it nor a parameter of the model
+        # is another model's
+        if not graph.reaches([self._token, *self.module.parameters()]):
+            return None
+        return scaled_loss_error(self.mode)
 
     def close(self, restore: bool = True) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.
@@ -482,7 +473,16 @@ class ParameterOffload:
                 them (take ``state_dict()`` first to keep them); calling a block then raises; blocks held in memory
                 (pinned, or kept after a failed write) free theirs with the module.
         """
-        closing.close(self, restore)
+        if self._closed:
+            return
+        values = closing.read_back(self.blocks, self.store, self.training) if restore else None  # may raise: still open
+        try:
+            closing.put_back(self.blocks, self.store, self.training, values)
+        finally:
+            self._closed = True
+            others: list[closing.Closable] = [*self.optimizers]
+            others += [self.data_parallel] if self.data_parallel is not None else []
+            closing.detach(self.blocks, self.store, others, restore, self.patches)
 
     def _check_open(self) -> None:
         if self._closed:

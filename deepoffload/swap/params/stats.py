@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .blocks.residency import Block, nbytes
+
+if TYPE_CHECKING:
+    from ..optimizer import OffloadedOptimizer
+    from .storage.store import BlockStore
 
 
 @dataclass(frozen=True)
@@ -55,3 +62,42 @@ class OffloadStats:
     block_bytes: int
     rest_bytes: int
     staging_bytes: int
+
+    @classmethod
+    def gather(
+        cls,
+        blocks: list[Block],
+        rest: list,
+        store: BlockStore,
+        optimizers: list[OffloadedOptimizer],
+        optimizer_seconds: float,
+    ) -> OffloadStats:
+        """The figures of a ``ParameterOffload`` from its parts (``ParameterOffload.stats``).
+
+        Args:
+            blocks: Its blocks.
+            rest: Its parameters outside blocks.
+            store: The blocks' store (their IO and memory).
+            optimizers: Its optimizers (the optimizer state's IO and staging).
+            optimizer_seconds: The time its training mode spent stepping.
+
+        Returns:
+            The figures since it was made (its peaks since ``reset_peak``).
+        """
+        state_read = sum(o.swapper.bytes_read for o in optimizers)
+        state_written = sum(o.swapper.bytes_written for o in optimizers)
+        return cls(
+            bytes_read=store.bytes_read,
+            bytes_written=store.bytes_written,
+            state_bytes_read=state_read,
+            state_bytes_written=state_written,
+            io_wait_seconds=store.io_wait,
+            optimizer_seconds=optimizer_seconds,
+            resident_bytes=store.resident_bytes(),
+            peak_bytes=store.peak,
+            grad_bytes=store.grad_bytes,
+            peak_grad_bytes=store.peak_grad,
+            block_bytes=max((b.nbytes + b.compute_nbytes for b in blocks), default=0),
+            rest_bytes=nbytes(rest),
+            staging_bytes=store.staging_bytes() + sum(o.swapper.pool.held_bytes() for o in optimizers),
+        )

@@ -70,7 +70,7 @@ def main() -> None:
     optimizer.close()
     results["left"] = sorted(os.listdir(folder))
     # a data-parallel setup failing part way (here: writing the blocks out) leaves no hook on the model
-    from deepoffload.swap.params.store import BlockStore
+    from deepoffload.swap.params.storage.store import BlockStore
 
     def disk_full(self):
         raise OSError(28, "No space left on device (simulated)")

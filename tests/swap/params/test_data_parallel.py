@@ -19,7 +19,8 @@ from torch import nn
 
 from deepoffload import offload_parameters
 from deepoffload.errors import UnsupportedError
-from deepoffload.swap.params import data_parallel, wrappers
+from deepoffload.swap.params.guards import wrappers
+from deepoffload.swap.params.training import data_parallel
 
 HERE = Path(__file__).resolve().parent  # the child-process scripts lie beside this file
 REPO = Path(__file__).resolve().parents[3]

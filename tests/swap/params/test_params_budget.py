@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from deepoffload.swap.params import offload_parameters
-from deepoffload.swap.params.residency import Residency
+from deepoffload.swap.params.blocks.residency import Residency
 from tests.support.models import ModelSize, SyntheticText, build_model
 
 SIZE = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
@@ -369,7 +369,7 @@ def test_ctrl_c_while_unpinning_takes_effect_once_the_blocks_are_consistent(scra
     # and an untracked write: state_dict() and close() failed after it. Now it is raised when the call is done.
     import signal
 
-    from deepoffload.swap.params.residency import Block
+    from deepoffload.swap.params.blocks.residency import Block
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     expected_losses, reference = train_in_memory(steps=3)

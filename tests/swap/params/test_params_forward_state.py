@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from deepoffload.swap.params import offload_parameters
-from deepoffload.swap.params.forward_state import ForwardState, flags
+from deepoffload.swap.params.autograd.forward_state import ForwardState, flags
 
 
 class Net(nn.Module):

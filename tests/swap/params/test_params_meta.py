@@ -13,7 +13,7 @@ from torch import nn
 
 from deepoffload.formats import CheckpointError, CheckpointReader, save_sharded
 from deepoffload.swap.params import offload_parameters
-from deepoffload.swap.params.placeholders import internal
+from deepoffload.swap.params.blocks.placeholders import internal
 from tests.support.stepping import offload_step, reference_step
 
 transformers = pytest.importorskip("transformers")

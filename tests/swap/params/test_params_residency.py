@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from deepoffload.swap.params import Residency, ResidencyError, offload_parameters
-from deepoffload.swap.params.residency import TRANSITIONS, Block
+from deepoffload.swap.params.blocks.residency import TRANSITIONS, Block
 
 
 def test_only_listed_transitions_are_allowed():

@@ -12,7 +12,7 @@ import torch
 
 from deepoffload.formats import save_sharded
 from deepoffload.swap.params import offload_parameters
-from deepoffload.swap.params.residency import Residency, span
+from deepoffload.swap.params.blocks.residency import Residency, span
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from deepoffload.swap.params import offload_parameters
-from deepoffload.swap.params.shared_inputs import SharedInputs
+from deepoffload.swap.params.autograd.shared_inputs import SharedInputs
 
 
 class Cross(nn.Module):
