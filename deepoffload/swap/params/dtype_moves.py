@@ -56,8 +56,8 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
         if block.served:
             raise ValueError(
                 f"this would convert the parameters of block {block.prefix}, served read-only from the "
-                f"checkpoint {block.served} (serve_from_checkpoint=True): pass dtype= to "
-                f"offload_parameters() or offload without serve_from_checkpoint="
+                f"checkpoint {block.served} (serve_from_checkpoint=True): pass LoadOptions(dtype=) "
+                f"to offload_parameters() or offload without serve_from_checkpoint="
             )
         todo.append(block)
     return todo
