@@ -35,7 +35,7 @@ class LoadOptions:
             floating point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing
             every missing, unexpected or mis-shaped name). A transformers model's checkpoint is read through
             transformers' own renaming and conversion rules, as its ``from_pretrained`` reads it (see ``hf_keys``).
-            None: the module's own values (a module built on the ``meta`` device then needs ``init``).
+            None: the module's own values (tensors on the ``meta`` device get theirs from ``init``).
             ``from_pretrained`` sets it to its folder.
         init: For a module with tensors on the ``meta`` device: which of them may get values from an initializer
             (see ``init_policy``). A function: called with each module owning tensors no checkpoint gives, children
