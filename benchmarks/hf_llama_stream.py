@@ -84,6 +84,7 @@ def adam(params):
 
 def train_child(variant: str, folder: str) -> None:
     """One variant's training steps; prints JSON: seconds of each step after the first, peak RSS bytes."""
+    from deepoffload import TrainOptions
     from deepoffload.swap.params import offload_parameters
 
     model = build().train()
@@ -92,7 +93,7 @@ def train_child(variant: str, folder: str) -> None:
         optimizer = adam(model.parameters())
         step = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
     else:
-        offload = offload_parameters(model, folder, optimizer=adam)
+        offload = offload_parameters(model, folder, train=TrainOptions(optimizer=adam))
         step = lambda: (offload.step(), offload.zero_grad())  # noqa: E731
     peak, stop = [rss_bytes()], threading.Event()
 
@@ -232,6 +233,7 @@ def inference(folder: str, rounds: int) -> list[dict]:
 def budget(folder: str, rounds: int) -> None:
     from accelerate import dispatch_model
 
+    from deepoffload import StreamOptions
     from deepoffload.swap.params import offload_parameters
 
     reference = build()
@@ -241,7 +243,9 @@ def budget(folder: str, rounds: int) -> None:
         expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
     for resident in (0, 4, 8):
         ours = build()
-        offload = offload_parameters(ours, f"{folder}/ours-{resident}", max_resident_bytes=resident * layer_bytes)
+        offload = offload_parameters(
+            ours, f"{folder}/ours-{resident}", stream=StreamOptions(max_resident_bytes=resident * layer_bytes)
+        )
         device_map = {
             "model.embed_tokens": "cpu",
             "model.rotary_emb": "cpu",
@@ -273,6 +277,7 @@ def budget(folder: str, rounds: int) -> None:
 
 
 def train_budget(folder: str, rounds: int, mode: str) -> None:
+    from deepoffload import StreamOptions, TrainOptions
     from deepoffload.swap.params import offload_parameters
 
     ids = torch.randint(0, SIZE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -281,7 +286,10 @@ def train_budget(folder: str, rounds: int, mode: str) -> None:
         model = build().train()
         layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
         offload = offload_parameters(
-            model, f"{folder}/train-{resident}", optimizer=adam, mode=mode, max_resident_bytes=resident * layer_bytes
+            model,
+            f"{folder}/train-{resident}",
+            train=TrainOptions(optimizer=adam, mode=mode),
+            stream=StreamOptions(max_resident_bytes=resident * layer_bytes),
         )
         runs[resident] = (model, offload)
     times: dict[int, list[float]] = {k: [] for k in runs}
@@ -326,6 +334,7 @@ def serve(folder: str, rounds: int) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
+    from deepoffload import LoadOptions
     from deepoffload.swap.params import offload_parameters
 
     reference = build()
@@ -344,9 +353,9 @@ def serve(folder: str, rounds: int) -> None:
             offload = offload_parameters(
                 model,
                 f"{folder}/{variant}",
-                checkpoint=checkpoint,
-                init=model._init_weights,
-                serve_from_checkpoint=variant == "served",
+                load=LoadOptions(
+                    checkpoint=checkpoint, init=model._init_weights, serve_from_checkpoint=variant == "served"
+                ),
             )
             timings[variant]["setup"].append(time.perf_counter() - start)
             written[variant] = offload.stats.bytes_written

@@ -38,6 +38,7 @@ def adam(params):
 
 
 def timing(folder: str, steps: int, width: int, depth: int, batch: int, checksum: bool = False) -> None:
+    from deepoffload import StreamOptions, TrainOptions
     from deepoffload.swap.config import SwapConfig
     from deepoffload.swap.params import offload_parameters
     from deepoffload.swap.tensor_swapper import TensorSwapper
@@ -45,10 +46,17 @@ def timing(folder: str, steps: int, width: int, depth: int, batch: int, checksum
     reference, model = make_model(width, depth), make_model(width, depth)
     optimizer = adam(reference.parameters())
     config = SwapConfig(folder=folder)
-    offload = offload_parameters(model, prefetch=1, optimizer=adam, config=config)
+    offload = offload_parameters(
+        model, config=config, train=TrainOptions(optimizer=adam), stream=StreamOptions(prefetch=1)
+    )
     hashed_model = make_model(width, depth)  # --checksum: the same, every swapped tensor hashed and checked
     hashed = (
-        offload_parameters(hashed_model, prefetch=1, optimizer=adam, config=config.replace(checksum=True))
+        offload_parameters(
+            hashed_model,
+            config=config.replace(checksum=True),
+            train=TrainOptions(optimizer=adam),
+            stream=StreamOptions(prefetch=1),
+        )
         if checksum
         else None
     )
@@ -150,10 +158,16 @@ def rss_child(folder: str, width: int, depth: int, streamed: bool) -> None:
     model = make_model(width, depth)
     x = torch.randn(8, width)
     if streamed:
+        from deepoffload import StreamOptions, TrainOptions
         from deepoffload.swap.config import SwapConfig
         from deepoffload.swap.params import offload_parameters
 
-        offload = offload_parameters(model, prefetch=1, optimizer=adam, config=SwapConfig(folder=folder))
+        offload = offload_parameters(
+            model,
+            config=SwapConfig(folder=folder),
+            train=TrainOptions(optimizer=adam),
+            stream=StreamOptions(prefetch=1),
+        )
         step = lambda: (model(x).square().mean().backward(), offload.step(), offload.zero_grad())  # noqa: E731
     else:
         optimizer = adam(model.parameters())

@@ -41,6 +41,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".swap.tensor_swapper": ["TensorSwapper", "SwapIn", "SwapOut"],
         ".swap.optimizer": ["OffloadedOptimizer"],
         ".swap.params": ["offload_parameters", "ParameterOffload", "OffloadStats", "find_blocks"],
+        ".swap.params.options": ["LoadOptions", "TrainOptions", "StreamOptions"],
         ".swap.params.pretrained": ["from_pretrained"],
         ".activations": ["offload_activations", "ActivationOffload"],
         ".checkpoint.api": ["save", "save_async", "load"],
@@ -74,5 +75,6 @@ if TYPE_CHECKING:
     from .swap.config import SwapConfig
     from .swap.optimizer import OffloadedOptimizer
     from .swap.params import OffloadStats, ParameterOffload, find_blocks, offload_parameters
+    from .swap.params.options import LoadOptions, StreamOptions, TrainOptions
     from .swap.params.pretrained import from_pretrained
     from .swap.tensor_swapper import SwapIn, SwapOut, TensorSwapper

@@ -43,7 +43,7 @@ def streamed_trainer_class():
 
     # --8<-- [start:resume]
     class StreamedTrainer(transformers.Trainer):
-        """A Trainer that leaves loading a checkpoint's weights to offload_parameters(checkpoint=...)."""
+        """A Trainer that leaves loading a checkpoint's weights to offload_parameters(load=LoadOptions(checkpoint=))."""
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
             pass
@@ -84,9 +84,14 @@ def run(
         )
         trainer.train(resume_from_checkpoint=resume)
         return [p.detach().clone() for p in model.parameters()]
-    # resuming: the checkpoint's weights are loaded block by block by offload_parameters(checkpoint=...), since
+    # resuming: the weights are loaded block by block by offload_parameters(load=LoadOptions(checkpoint=...)), since
     # streamed parameters refuse load_state_dict; the Trainer then loads the optimizer, scheduler and RNG states
-    with deepoffload.offload_parameters(model, swap_folder, optimizer=adamw, checkpoint=resume) as off:
+    with deepoffload.offload_parameters(
+        model,
+        swap_folder,
+        train=deepoffload.TrainOptions(optimizer=adamw),
+        load=deepoffload.LoadOptions(checkpoint=resume),
+    ) as off:
         trainer = StreamedTrainer(model, args, train_dataset=dataset(), **trainer_arguments(off))
         trainer.train(resume_from_checkpoint=resume)
     # --8<-- [end:trainer]

@@ -238,13 +238,12 @@ class ActivationOffload:
             store.reap()
             stored = saved.stored
             original, base = stored.original, saved.base()
-            if (original is not None and original._version != stored.version) or (
-                base is not None and base._version != saved.version
-            ):
+            changed = [t for t in (base, original) if t is not None and t._version != saved.version]
+            if changed:
                 raise UnsupportedError(
                     f"offload_activations: a tensor saved for backward ({tuple(saved.size)}, {saved.dtype}) was "
                     f"changed in place after it was saved (version {saved.version}, now "
-                    f"{(base if base is not None else original)._version}); plain autograd refuses this backward "
+                    f"{changed[0]._version}); plain autograd refuses this backward "
                     f"too, as its gradients would not be those of the forward. Change a clone instead "
                     f"(x = x.clone(); x.add_(...)), or use an out-of-place op"
                 )

@@ -1,7 +1,7 @@
 """``deepoffload plan CHECKPOINT --max-memory N``: what streaming the checkpoint's model keeps in memory.
 
-That is what ``offload_parameters(..., checkpoint=CHECKPOINT, max_memory=N)`` would keep in memory, part by part,
-and its expected peak; or the least limit that works.
+That is what ``offload_parameters(..., load=LoadOptions(checkpoint=CHECKPOINT), stream=StreamOptions(max_memory=N))``
+would keep in memory, part by part, and its expected peak; or the least limit that works.
 
 Blocks are read from the checkpoint's names: tensors sharing a prefix that ends in a number (``model.layers.3.``,
 or ``3.`` for a top-level ``nn.Sequential``) form one block, as the children of an ``nn.ModuleList`` do; the rest

@@ -22,6 +22,7 @@ import torch
 from ..formats import save_sharded
 from ..swap.config import SwapConfig
 from ..swap.params import offload_parameters
+from ..swap.params.options import LoadOptions, StreamOptions, TrainOptions
 from .model import ModelSize, SyntheticText, TinyLM, build_model
 
 # Blocks dominate (a small vocabulary keeps the embedding and head, which stay in memory, small): 16 blocks of 0.8M
@@ -106,7 +107,11 @@ def run_stream_demo(
         with torch.device("meta"):
             model = TinyLM(STREAM_SIZE)
         offload = offload_parameters(
-            model, prefetch=prefetch, optimizer=make, config=config, checkpoint=checkpoint, init=_causal_mask
+            model,
+            config=config,
+            train=TrainOptions(optimizer=make),
+            load=LoadOptions(checkpoint=checkpoint, init=_causal_mask),
+            stream=StreamOptions(prefetch=prefetch),
         )
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)

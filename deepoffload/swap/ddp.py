@@ -52,8 +52,8 @@ STEP_IN_BACKWARD_REASON = (
     "DistributedDataParallel averages gradients in buckets asynchronously and writes the averages into param.grad "
     "only when backward ends, so a chunk stepped inside backward would step with this rank's own, unaveraged "
     "gradients and the ranks would drift apart. Call step() after backward (DDP's gradients are averaged by then), "
-    "or stream the model with offload_parameters(..., data_parallel=True), which averages each block's gradients "
-    "inside its backward"
+    "or stream the model with offload_parameters(..., train=TrainOptions(optimizer, data_parallel=True)), which "
+    "averages each block's gradients inside its backward"
 )
 
 

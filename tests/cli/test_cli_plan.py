@@ -164,28 +164,32 @@ def test_streaming_from_a_saved_dict_names_the_key_and_the_model_alone_works(scr
     with torch.device("meta"):
         meta = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     with pytest.raises(CheckpointError, match=r"state dicts under \['model'\].*plan --key model"):
-        deepoffload.offload_parameters(meta, str(scratch / "swap"), checkpoint=scratch / "ckpt.pt")
+        deepoffload.offload_parameters(
+            meta, str(scratch / "swap"), load=deepoffload.LoadOptions(checkpoint=scratch / "ckpt.pt")
+        )
     torch.save(torch.load(scratch / "ckpt.pt", weights_only=True)["model"], scratch / "model.pt")
     with torch.device("meta"):
         meta = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     x = torch.randn(2, 8)
-    with deepoffload.offload_parameters(meta, str(scratch / "swap2"), checkpoint=scratch / "model.pt"):
+    with deepoffload.offload_parameters(
+        meta, str(scratch / "swap2"), load=deepoffload.LoadOptions(checkpoint=scratch / "model.pt")
+    ):
         with torch.no_grad():
             assert torch.equal(meta(x), model(x))
 
 
 @pytest.mark.slow  # plan and from_pretrained in fresh processes
 def test_the_smallest_limit_plan_names_for_a_folder_works_with_from_pretrained(quick_start):
-    """The README's route for a Hugging Face folder is ``from_pretrained(folder, max_memory=...)``: the limit plan
-    names as the smallest that works must work there, where transformers and the model (on meta) are in the
-    process already when the limit is fitted."""
+    """The README's route for a Hugging Face folder is ``from_pretrained(folder, stream=StreamOptions(max_memory=
+    ...))``: the limit plan names as the smallest that works must work there, where transformers and the model (on
+    meta) are in the process already when the limit is fitted."""
     code, out, _ = plan(str(quick_start / "llama"), "--max-memory", "10MB")
     assert code == 1, out
     smallest = int(figures(out)["= the smallest --max-memory"] + 2e6)  # 2 MB: the process measured again
     code = (
         "import sys, deepoffload\n"
         f"model, off = deepoffload.from_pretrained({str(quick_start / 'llama')!r}, path={str(quick_start)!r},"
-        f" max_memory={smallest})\n"
+        f" stream=deepoffload.StreamOptions(max_memory={smallest}))\n"
         "off.close(restore=False)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -212,7 +216,9 @@ def test_a_dcp_folder_is_named_with_the_conversion_that_works(scratch, capsys):
     assert "3 blocks" in capsys.readouterr().out
     with torch.device("meta"):
         streamed = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
-    off = deepoffload.offload_parameters(streamed, scratch / "swap", checkpoint=scratch / "model.pt")
+    off = deepoffload.offload_parameters(
+        streamed, scratch / "swap", load=deepoffload.LoadOptions(checkpoint=scratch / "model.pt")
+    )
     with off, torch.no_grad():
         assert torch.equal(streamed(torch.ones(2, 64)), expected.detach())
     off.close(restore=False)

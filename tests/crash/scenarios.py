@@ -137,7 +137,10 @@ def budget_act(work: Path, version: int) -> None:
 
     model = _block_model(version)
     off = deepoffload.offload_parameters(
-        model, str(work / "swap"), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), max_resident_bytes=1 << 30
+        model,
+        str(work / "swap"),
+        train=deepoffload.TrainOptions(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        stream=deepoffload.StreamOptions(max_resident_bytes=1 << 30),
     )
     try:
         for _ in range(2):

@@ -31,7 +31,8 @@ def test_stream_demo_summary(tiny_model, scratch, capsys, monkeypatch):
     original = stream.offload_parameters
 
     def spy(model, *args, **kwargs):  # the streamed model reaches offload_parameters with no values in memory
-        on_meta.append(all(p.is_meta for p in model.parameters()) and kwargs.get("checkpoint") is not None)
+        loading = kwargs.get("load") is not None and kwargs["load"].checkpoint is not None
+        on_meta.append(all(p.is_meta for p in model.parameters()) and loading)
         return original(model, *args, **kwargs)
 
     monkeypatch.setattr(stream, "offload_parameters", spy)

@@ -92,13 +92,14 @@ def test_offloaded_optimizer_on_device_parameters_matches_in_memory_adam(scratch
 
 
 def test_parameter_streaming_of_a_model_on_the_device(scratch):
+    from deepoffload import StreamOptions, TrainOptions
     from deepoffload.swap.params import Residency, offload_parameters
     from tests.support.models import ModelSize, SyntheticText, build_model
 
     size = ModelSize(vocab=64, width=32, layers=4, heads=2, context=16, batch=3)
     reference, model = build_model(size).to(DEVICE), build_model(size).to(DEVICE)
     tokens = SyntheticText(size, 0).batch()[:, :-1].to(DEVICE)
-    with offload_parameters(model, str(scratch), prefetch=1) as offload:
+    with offload_parameters(model, str(scratch), stream=StreamOptions(prefetch=1)) as offload:
         assert all(
             b.state is Residency.ON_STORAGE and p.device.type == DEVICE.type
             for b in offload.blocks
@@ -110,7 +111,7 @@ def test_parameter_streaming_of_a_model_on_the_device(scratch):
     optimizer = torch.optim.Adam(ref.parameters(), lr=1e-2)
     data = SyntheticText(size)
     with offload_parameters(
-        trained, str(scratch), mode="grads", optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2)
+        trained, str(scratch), train=TrainOptions(mode="grads", optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
     ) as offload:
         for _ in range(2):
             batch = data.batch().to(DEVICE)

@@ -66,12 +66,13 @@ save_sharded(tensors(), sys.argv[1], max_shard_bytes=512 << 20)
 RUN = (
     MODEL
     + """
+from deepoffload import LoadOptions, StreamOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 
 with torch.device("meta"):
     model = LM()
-off = offload_parameters(model, sys.argv[2], checkpoint=sys.argv[1], max_memory=int(sys.argv[3]),
-                         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+off = offload_parameters(model, sys.argv[2], train=TrainOptions(lambda ps: torch.optim.Adam(ps, lr=1e-3)),
+                         load=LoadOptions(checkpoint=sys.argv[1]), stream=StreamOptions(max_memory=int(sys.argv[3])))
 losses = []
 for step in range(2):
     g = torch.Generator().manual_seed(step)

@@ -169,12 +169,14 @@ def prepare_llama(path: str) -> None:
 
 
 # -- the entry points -------------------------------------------------------------------------------------------
-def offloaded(shape: str, folder: str, checkpoint: str = "model.safetensors", **kwargs):
+def offloaded(shape: str, folder: str, checkpoint: str = "model.safetensors", **options):
+    from deepoffload import LoadOptions
     from deepoffload.swap.params import offload_parameters
 
     with torch.device("meta"):
         model = Tower(*SHAPES[shape])
-    off = offload_parameters(model, os.path.join(folder, "swap"), checkpoint=os.path.join(folder, checkpoint), **kwargs)
+    load = LoadOptions(checkpoint=os.path.join(folder, checkpoint))
+    off = offload_parameters(model, os.path.join(folder, "swap"), load=load, **options)
     return model, off
 
 
@@ -236,16 +238,18 @@ def run(entry: str, shape: str, folder: str) -> dict:
             out["result"] = model(batch(0)[0]).sum().item()
         off.close(restore=False)
     elif entry.startswith("train_"):
-        kwargs = {
-            "train_fused": {},
-            "train_grads": {"mode": "grads"},
-            "train_max_memory": {"max_memory": os.environ.get("MAX_MEMORY")},
-            "train_data_parallel": {"data_parallel": True},
-            "train_data_parallel_grads": {"mode": "grads", "data_parallel": True},
-        }.get(entry, {})
+        from deepoffload import StreamOptions, TrainOptions
+
+        train_options = {
+            "train_fused": TrainOptions(adam),
+            "train_grads": TrainOptions(adam, mode="grads"),
+            "train_data_parallel": TrainOptions(adam, data_parallel=True),
+            "train_data_parallel_grads": TrainOptions(adam, mode="grads", data_parallel=True),
+        }.get(entry, TrainOptions(adam))
+        stream = StreamOptions(max_memory=os.environ.get("MAX_MEMORY")) if entry == "train_max_memory" else None
         if entry.startswith("train_data_parallel"):
             one_rank_group(folder)
-        model, off = offloaded(shape, folder, optimizer=adam, **kwargs)
+        model, off = offloaded(shape, folder, train=train_options, stream=stream)
         if entry == "train_budget":
             off.set_max_resident_bytes(sizes(entry, shape)["resident_bytes"])
         out["result"] = train(model, off)
@@ -254,12 +258,13 @@ def run(entry: str, shape: str, folder: str) -> dict:
         import accelerate
         from transformers import LlamaForCausalLM
 
+        from deepoffload import LoadOptions
         from deepoffload.swap.params import offload_parameters
 
         with accelerate.init_empty_weights():  # buffers (rotary inv_freq) in memory, parameters on meta
             model = LlamaForCausalLM(llama_config())
         off = offload_parameters(
-            model, os.path.join(folder, "swap"), checkpoint=os.path.join(folder, "llama.safetensors")
+            model, os.path.join(folder, "swap"), load=LoadOptions(checkpoint=os.path.join(folder, "llama.safetensors"))
         )
         prompt = torch.arange(1, 9).unsqueeze(0)
         out["result"] = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()

@@ -77,6 +77,7 @@ from deepoffload.io.buffers import _locked
 from deepoffload.swap.config import SwapConfig
 from deepoffload.swap.optimizer import OffloadedOptimizer
 from deepoffload.swap.params import offload_parameters
+from deepoffload import TrainOptions
 
 folder = sys.argv[1]
 
@@ -102,7 +103,8 @@ def train(net, step, zero):
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     streamed = model()
-    off = offload_parameters(streamed, folder + "/params", optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    adam = TrainOptions(lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    off = offload_parameters(streamed, folder + "/params", train=adam)
     losses = train(streamed, off.step, off.zero_grad)
     locked = sum(_locked.values())
     off.close()

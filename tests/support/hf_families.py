@@ -110,7 +110,9 @@ def compare(model_class: Any, config_class: Any, folder: Path, **sizes: Any) -> 
         model.save_pretrained(folder / "ckpt")
     reference = model_class.from_pretrained(folder / "ckpt", dtype=torch.float32).eval()
     assert isinstance(reference, transformers.PreTrainedModel)
-    streamed, off = deepoffload.from_pretrained(folder / "ckpt", model_class, path=str(folder / "swap"), prefetch=0)
+    streamed, off = deepoffload.from_pretrained(
+        folder / "ckpt", model_class, path=str(folder / "swap"), stream=deepoffload.StreamOptions(prefetch=0)
+    )
     with off:
         expected = reference.state_dict()
         state = streamed.state_dict()

@@ -32,6 +32,7 @@ from torch import nn
 from deepoffload.swap.config import SwapConfig
 from deepoffload.swap.optimizer import OffloadedOptimizer
 from deepoffload.swap.params import StreamedOptimizer, find_blocks, offload_parameters, trainer_arguments
+from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOptions
 
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
@@ -138,7 +139,7 @@ class Setup:
             self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
         elif feature == "optimizer":
             if precision == "compute_bf16":
-                raise NotApplicable("compute_dtype= is an offload_parameters() option")
+                raise NotApplicable("compute_dtype= is an offload_parameters() option (StreamOptions)")
             self.optimizer = OffloadedOptimizer(
                 torch.optim.AdamW,
                 [p for p in model.parameters() if p.requires_grad],
@@ -146,19 +147,19 @@ class Setup:
                 lr=LR,
             )
         else:
-            options: dict[str, Any] = dict(
-                mode="fused" if feature == "fused" else "grads",
-                optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-                compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None,
+            train = TrainOptions(
+                lambda ps: torch.optim.AdamW(ps, lr=LR), mode="fused" if feature == "fused" else "grads"
             )
+            stream = StreamOptions(compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None)
+            load = None
             if feature == "half":
                 blocks = find_blocks(model)
                 size = sum(p.numel() * p.element_size() for _, b in blocks for p in b.parameters())
-                options["max_resident_bytes"] = size // 2 * (3 if precision == "compute_bf16" else 2) // 2
+                stream = stream.replace(max_resident_bytes=size // 2 * (3 if precision == "compute_bf16" else 2) // 2)
             if feature == "serve":
                 model = self.model = self._served(model)
-                options.update(checkpoint=folder / "ckpt", serve_from_checkpoint=True, init=_init_of(model))
-            self.off = offload_parameters(model, str(folder / "swap"), **options)
+                load = LoadOptions(checkpoint=folder / "ckpt", serve_from_checkpoint=True, init=_init_of(model))
+            self.off = offload_parameters(model, str(folder / "swap"), train=train, load=load, stream=stream)
             if loop == "lora" and feature == "serve":  # a served model exists only offloaded: LoRA comes after
                 self.model = _lora(model, name)
             self.optimizer = StreamedOptimizer(
@@ -577,15 +578,16 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "too**: the training loop itself refuses the combination on this machine; **not applicable**: the "
         "combination has no meaning; **not run**: the run that wrote this file did not reach it.",
         "",
-        "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `offload_parameters(mode=...)`; "
-        "`half` = grads mode with half the blocks resident (`max_resident_bytes`); `serve` = "
-        "`serve_from_checkpoint=True` (inference; training refused). Loops: `plain` (hand-written), `trainer` "
-        "(transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
+        "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `TrainOptions(mode=...)`; "
+        "`half` = grads mode with half the blocks resident (`StreamOptions(max_resident_bytes)`); `serve` = "
+        "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused). Loops: `plain` (hand-written), "
+        "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
-        "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = `compute_dtype=torch.bfloat16`. On a CPU "
-        "(where this matrix runs) accelerate, and the `Trainer` through it, ignore fp16 (no autocast, no "
-        "scaler): their fp16 rows train in fp32; on an accelerator they use fp16 autocast with a `GradScaler`, "
-        "which streamed training refuses as the plain-loop fp16 rows show.",
+        "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "
+        "`StreamOptions(compute_dtype=torch.bfloat16)`. On a CPU (where this matrix runs) accelerate, and the "
+        "`Trainer` through it, ignore fp16 (no autocast, no scaler): their fp16 rows train in fp32; on an "
+        "accelerator they use fp16 autocast with a `GradScaler`, which streamed training refuses as the "
+        "plain-loop fp16 rows show.",
         "",
     ]
     refusals: dict[str, int] = {}

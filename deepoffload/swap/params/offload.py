@@ -76,7 +76,7 @@ class ParameterOffload:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)
-        >>> off = deepoffload.offload_parameters(model, "swap", mode="grads", optimizer=sgd)
+        >>> off = deepoffload.offload_parameters(model, "swap", train=deepoffload.TrainOptions(sgd, mode="grads"))
         >>> len(off.blocks)
         2
         >>> model(torch.randn(4, 8)).sum().backward()  # gradients go to storage

@@ -1,4 +1,4 @@
-"""``deepoffload.from_pretrained(path, **offload options)``: a Hugging Face model folder loaded streamed.
+"""``deepoffload.from_pretrained(folder, path, train=, load=, stream=)``: a Hugging Face model folder loaded streamed.
 
 The folder (``config.json`` and safetensors weights, sharded or not) is built on the ``meta`` device and loaded block
 by block, so the model is never whole in memory. transformers is imported only here.
@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointNotFoundError
+from ..config import SwapConfig
 from .api import offload_parameters
 from .offload import ParameterOffload
+from .options import LoadOptions, StreamOptions, TrainOptions, check_options, moved_keywords
 
 
 def _model_class(config: Any, model_class: Any) -> Any:
@@ -39,34 +41,46 @@ def _build(model_class: Any, config: Any) -> nn.Module:
     return model_class(config)
 
 
+@moved_keywords
 def from_pretrained(
-    folder: str | os.PathLike, /, model_class: Any = None, *, dtype: torch.dtype | None = None, **options: Any
+    folder: str | os.PathLike,
+    /,
+    model_class: Any = None,
+    *,
+    path: str | os.PathLike | None = None,
+    train: TrainOptions | None = None,
+    load: LoadOptions | None = None,
+    stream: StreamOptions | None = None,
+    config: SwapConfig | None = None,
 ) -> tuple[nn.Module, ParameterOffload]:
     """Build the model of a Hugging Face folder on the ``meta`` device and load its weights streamed.
 
-    The model is built from the folder's ``config.json`` and loaded by ``offload_parameters(model,
-    checkpoint=folder, ...)``, so it is never whole in memory.
+    The model is built from the folder's ``config.json`` and loaded by ``offload_parameters(model, path,
+    load=LoadOptions(checkpoint=folder, ...), ...)``, so it is never whole in memory.
 
     Args:
         folder: A ``save_pretrained`` folder: ``config.json`` and safetensors weights, sharded or not.
         model_class: The class to build (a model class or any ``AutoModel*`` class); default: the class named first
             in the config's ``architectures``, else ``AutoModel``.
-        dtype: Floating-point parameters get this dtype (default: the class's as built, float32; transformers 5
-            defaults to the config's dtype, so pass it to load a half-precision folder as transformers does), except
-            those transformers keeps in float32 (the model's ``_keep_in_fp32_modules``, by its own dtype plan).
-        **options: ``offload_parameters`` keyword arguments (``path=`` the swap folder, ``mode``, ``optimizer``,
-            ``compute_dtype``, ``max_resident_bytes``, ``serve_from_checkpoint``, ``strict``, ``init``, ...);
-            ``checkpoint`` is ``folder``, read through transformers' own key renaming and conversion rules (GPT-NeoX's
-            ``embed_out``, per-expert MoE weights, ``base_model_prefix``), and non-persistent buffers (rotary
-            ``inv_freq``, BERT's ``position_ids``) are computed by the model's ``_init_weights``. Weights the folder
-            lacks are refused unless ``init=`` names them (``init=["classifier.*"]`` initializes them as
-            transformers does).
+        path: The swap folder (see ``offload_parameters``).
+        train: To train, a ``TrainOptions`` (see ``offload_parameters``). None: inference only.
+        load: A ``LoadOptions`` without ``checkpoint`` (the checkpoint is ``folder``, read through transformers' own
+            key renaming and conversion rules: GPT-NeoX's ``embed_out``, per-expert MoE weights,
+            ``base_model_prefix``). Its ``dtype`` is the parameters' dtype (default: the class's as built, float32;
+            transformers 5 defaults to the config's dtype, so pass it to load a half-precision folder as
+            transformers does), except those transformers keeps in float32 (the model's ``_keep_in_fp32_modules``).
+            Non-persistent buffers (rotary ``inv_freq``, BERT's ``position_ids``) are computed by the model's
+            ``_init_weights``; weights the folder lacks are refused unless ``init`` names them
+            (``LoadOptions(init=["classifier.*"])`` initializes them as transformers does).
+        stream: A ``StreamOptions`` (see ``offload_parameters``).
+        config: A ``SwapConfig`` (see ``offload_parameters``).
 
     Returns:
         The model (in eval mode, as ``from_pretrained`` returns it) and its ``ParameterOffload``.
 
     Raises:
-        TypeError: When ``options`` hold a ``checkpoint`` (the checkpoint is ``folder``).
+        TypeError: When ``load`` holds a ``checkpoint`` (the checkpoint is ``folder``), or a keyword moved into an
+            options object is given.
         CheckpointNotFoundError: When ``folder`` has no ``config.json`` (also a ``FileNotFoundError``).
         CheckpointError: When the folder's tensors do not match the model's (see ``offload_parameters``).
 
@@ -89,18 +103,22 @@ def from_pretrained(
     from transformers import AutoConfig
 
     folder = Path(folder)
-    if "checkpoint" in options:
-        raise TypeError("from_pretrained: the checkpoint is the folder given; pass no checkpoint=")
+    if isinstance(load, LoadOptions) and load.checkpoint is not None:
+        raise TypeError(
+            "from_pretrained: the checkpoint is the folder given; pass a LoadOptions without checkpoint= "
+            f"(got checkpoint={os.fspath(load.checkpoint)!r})"
+        )
+    check_options(load=load, train=train, stream=stream)
     if not (folder / "config.json").is_file():
         raise CheckpointNotFoundError(
             errno.ENOENT,
             "from_pretrained: no config.json (expected a save_pretrained folder)",
             str(folder / "config.json"),
         )
-    config = AutoConfig.from_pretrained(folder)
+    hf_config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = _build(_model_class(config, model_class), config)
-    swap = options.pop("path", None)
-    offload = offload_parameters(model, swap, checkpoint=folder, dtype=dtype, **options)
+        model = _build(_model_class(hf_config, model_class), hf_config)
+    load = (load or LoadOptions()).replace(checkpoint=folder)
+    offload = offload_parameters(model, path, train=train, load=load, stream=stream, config=config)
     model.eval()
     return model, offload

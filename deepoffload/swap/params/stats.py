@@ -38,7 +38,8 @@ class OffloadStats:
         >>> import torch, deepoffload
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-        >>> with deepoffload.offload_parameters(model, "swap", prefetch=0) as off, torch.no_grad():
+        >>> prefetch0 = deepoffload.StreamOptions(prefetch=0)
+        >>> with deepoffload.offload_parameters(model, "swap", stream=prefetch0) as off, torch.no_grad():
         ...     y = model(torch.randn(2, 8))
         ...     stats = off.stats
         >>> stats.block_bytes  # 8 * 8 weights and 8 biases, float32

@@ -113,6 +113,7 @@ def test_max_memory_plans_the_whole_state_in_one_buffer():
 
 
 def test_offload_parameters_refuses_an_optimizer_declared_cross_parameter(scratch):
+    from deepoffload import TrainOptions
     from deepoffload.swap.params import offload_parameters
 
     class Declared(GlobalNormSGD):
@@ -121,9 +122,9 @@ def test_offload_parameters_refuses_an_optimizer_declared_cross_parameter(scratc
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(StreamedParameterError, match="block by block.*per_parameter=False"):
-        offload_parameters(model, str(scratch), optimizer=lambda ps: Declared(ps))
+        offload_parameters(model, str(scratch), train=TrainOptions(optimizer=lambda ps: Declared(ps)))
     with pytest.raises(UnsupportedError, match="per_parameter=True"):
-        offload_parameters(model, str(scratch), optimizer=lambda ps: GlobalNormSGD(ps))
+        offload_parameters(model, str(scratch), train=TrainOptions(optimizer=lambda ps: GlobalNormSGD(ps)))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the model is left as it was"
     model(torch.ones(2, 8)).sum().backward()
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from deepoffload import OffloadedOptimizer, SwapConfig, offload_parameters
+from deepoffload import OffloadedOptimizer, SwapConfig, TrainOptions, offload_parameters
 
 
 def net() -> nn.Module:
@@ -37,23 +37,35 @@ def main() -> None:
     results: dict = {}
     inner = net()
     wrapper = DistributedDataParallel(inner)
-    attempt(results, "ddp_then_offload", lambda: offload_parameters(inner, folder, optimizer=adam))
-    attempt(results, "ddp_wrapper_offloaded", lambda: offload_parameters(wrapper, folder, optimizer=adam))
+    attempt(results, "ddp_then_offload", lambda: offload_parameters(inner, folder, train=TrainOptions(optimizer=adam)))
+    attempt(
+        results,
+        "ddp_wrapper_offloaded",
+        lambda: offload_parameters(wrapper, folder, train=TrainOptions(optimizer=adam)),
+    )
     streamed = net()
-    off = offload_parameters(streamed, folder, optimizer=adam)
+    off = offload_parameters(streamed, folder, train=TrainOptions(optimizer=adam))
     attempt(results, "offload_then_ddp", lambda: DistributedDataParallel(streamed))
     attempt(results, "offload_then_fully_shard", lambda: fully_shard(streamed))
     off.close()
     sharded = net()
     fully_shard(sharded)
-    attempt(results, "fully_shard_then_offload", lambda: offload_parameters(sharded, folder, optimizer=adam))
     attempt(
-        results, "bad_data_parallel", lambda: offload_parameters(net(), folder, optimizer=adam, data_parallel="yes")
+        results,
+        "fully_shard_then_offload",
+        lambda: offload_parameters(sharded, folder, train=TrainOptions(optimizer=adam)),
+    )
+    attempt(
+        results,
+        "bad_data_parallel",
+        lambda: offload_parameters(net(), folder, train=TrainOptions(optimizer=adam, data_parallel="yes")),
     )
     with torch.device("meta"):
         meta = net()
     attempt(
-        results, "meta_without_checkpoint", lambda: offload_parameters(meta, folder, optimizer=adam, data_parallel=True)
+        results,
+        "meta_without_checkpoint",
+        lambda: offload_parameters(meta, folder, train=TrainOptions(optimizer=adam, data_parallel=True)),
     )
     in_ddp = net()
     ddp = DistributedDataParallel(in_ddp)  # noqa: F841  (alive, as a training loop keeps it)
@@ -77,7 +89,11 @@ def main() -> None:
 
     original, BlockStore.offload_all = BlockStore.offload_all, disk_full
     failed = net()
-    attempt(results, "failed_setup", lambda: offload_parameters(failed, folder, optimizer=adam, data_parallel=True))
+    attempt(
+        results,
+        "failed_setup",
+        lambda: offload_parameters(failed, folder, train=TrainOptions(optimizer=adam, data_parallel=True)),
+    )
     BlockStore.offload_all = original
     results["hooks_left_after_failed_setup"] = [
         len(failed._forward_pre_hooks),

@@ -1,5 +1,5 @@
 """One rank of tests/swap/params/test_data_parallel.py, started by torchrun (gloo, CPU): data-parallel streaming
-(``offload_parameters(..., data_parallel=True)``) trained against DistributedDataParallel in memory on the same
+(``TrainOptions(optimizer, data_parallel=True)``) trained against DistributedDataParallel in memory on the same
 data, in fused mode and in grads mode (two micro-batches per step, clipping by the global norm), with an evaluation
 on the first rank alone after the second step (``ddp.module`` / ``off.rank_local()``).
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from deepoffload import offload_parameters
+from deepoffload import StreamOptions, TrainOptions, offload_parameters
 
 WIDTH, STEPS, LR = 16, 4, 1e-2
 
@@ -92,10 +92,8 @@ def train_streamed(
     off = offload_parameters(
         model,
         str(folder),
-        mode=mode,
-        optimizer=adam,
-        data_parallel=group,
-        max_resident_bytes=3000 if mode == "grads" else None,
+        train=TrainOptions(mode=mode, optimizer=adam, data_parallel=group),
+        stream=StreamOptions(max_resident_bytes=3000 if mode == "grads" else None),
     )
     assert len(off.pinned) == (1 if mode == "grads" else 0), off.pinned
     runs = [p.name for p in folder.iterdir()]

@@ -1,4 +1,4 @@
-"""Data-parallel streaming (``offload_parameters(..., data_parallel=True)``) against DistributedDataParallel in
+"""Data-parallel streaming (``TrainOptions(optimizer, data_parallel=True)``) against DistributedDataParallel in
 memory, bit for bit, with torchrun on gloo (127.0.0.1 only): 2 ranks on one node, and 2 nodes (two torchrun
 processes joined by a c10d rendezvous) with per-node swap folders; and the wrappings that cannot hold a streamed
 model (DDP or FSDP2 around it, either order; ``step_in_backward`` under DDP), refused naming what to use."""
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepoffload import offload_parameters
+from deepoffload import TrainOptions, offload_parameters
 from deepoffload.errors import UnsupportedError
 from deepoffload.swap.params.guards import wrappers
 from deepoffload.swap.params.training import data_parallel
@@ -166,7 +166,9 @@ def test_wrappings_that_cannot_hold_a_streamed_model_are_refused(scratch):
 
 def test_data_parallel_needs_an_initialised_process_group(tmp_path):
     with pytest.raises(RuntimeError, match="init_process_group"):
-        offload_parameters(nn.Sequential(nn.Linear(2, 2)), str(tmp_path), data_parallel=True)
+        offload_parameters(
+            nn.Sequential(nn.Linear(2, 2)), str(tmp_path), train=TrainOptions(torch.optim.SGD, data_parallel=True)
+        )
     assert list(tmp_path.iterdir()) == []
 
 

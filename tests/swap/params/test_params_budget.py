@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.blocks.residency import Residency
 from tests.support.models import ModelSize, SyntheticText, build_model
@@ -116,7 +117,10 @@ def test_budget_training_equals_in_memory_and_pinned_blocks_never_move(scratch, 
     else:
         model = build_model(SIZE)
         with offload_parameters(
-            model, str(scratch / "ref"), mode=mode, optimizer=adam, compute_dtype=compute_dtype
+            model,
+            str(scratch / "ref"),
+            train=TrainOptions(mode=mode, optimizer=adam),
+            stream=StreamOptions(compute_dtype=compute_dtype),
         ) as off:
             expected_losses = train_streamed(off, model, SyntheticText(SIZE), STEPS, clip)
             expected_state = off.state_dict()
@@ -124,7 +128,10 @@ def test_budget_training_equals_in_memory_and_pinned_blocks_never_move(scratch, 
     per_block = block_bytes(model) + (block_bytes(model) // 2 if compute_dtype is not None else 0)
     budget = SIZE.layers * per_block if share == "whole" else SIZE.layers // 2 * per_block
     off = offload_parameters(
-        model, str(scratch / "run"), mode=mode, optimizer=adam, compute_dtype=compute_dtype, max_resident_bytes=budget
+        model,
+        str(scratch / "run"),
+        train=TrainOptions(mode=mode, optimizer=adam),
+        stream=StreamOptions(compute_dtype=compute_dtype, max_resident_bytes=budget),
     )
     try:
         pinned = set(range(SIZE.layers if share == "whole" else SIZE.layers // 2))
@@ -174,7 +181,9 @@ def test_block_called_twice_with_budget_steps_once_like_in_memory(scratch):
     model.load_state_dict(reference.state_dict())
     optimizer = adam(reference.parameters())
     x = torch.randn(4, 8)
-    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=1 << 20) as off:
+    with offload_parameters(
+        model, str(scratch), train=TrainOptions(optimizer=adam), stream=StreamOptions(max_resident_bytes=1 << 20)
+    ) as off:
         traffic = ParameterTraffic(off)
         for _ in range(3):
             reference(x).square().mean().backward()
@@ -191,7 +200,9 @@ def test_lowering_the_budget_writes_the_stepped_values_first(scratch):
     expected_losses, reference = train_in_memory(steps=4)
     model, data = build_model(SIZE), SyntheticText(SIZE)
     whole = SIZE.layers * block_bytes(model)
-    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=whole) as off:
+    with offload_parameters(
+        model, str(scratch), train=TrainOptions(optimizer=adam), stream=StreamOptions(max_resident_bytes=whole)
+    ) as off:
         traffic = ParameterTraffic(off)
         losses = train_streamed(off, model, data, 2)
         assert traffic.bytes_written == 0
@@ -213,7 +224,9 @@ def test_failed_write_when_unpinning_keeps_the_values_in_memory(scratch):
     expected_losses, reference = train_in_memory(steps=3)
     model, data = build_model(SIZE), SyntheticText(SIZE)
     whole = SIZE.layers * block_bytes(model)
-    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=whole) as off:
+    with offload_parameters(
+        model, str(scratch), train=TrainOptions(optimizer=adam), stream=StreamOptions(max_resident_bytes=whole)
+    ) as off:
         losses = train_streamed(off, model, data, 2)
         swap_out = off.store.swapper.swap_out
 
@@ -234,7 +247,12 @@ def test_failed_write_when_unpinning_keeps_the_values_in_memory(scratch):
 
 def test_close_without_restore_after_pinned_steps(scratch):
     model, data = build_model(SIZE), SyntheticText(SIZE)
-    off = offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=SIZE.layers * block_bytes(model))
+    off = offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(optimizer=adam),
+        stream=StreamOptions(max_resident_bytes=SIZE.layers * block_bytes(model)),
+    )
     train_streamed(off, model, data, 1)
     off.close(restore=False)
     with pytest.raises(RuntimeError, match="closed"):
@@ -282,7 +300,12 @@ def test_gradient_accumulation_with_budget_equals_in_memory(scratch, share, repi
     model = TwoPaths()
     per_block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     budget = {"none": 0, "half": 2 * per_block, "whole": 4 * per_block}[share]
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=adam, max_resident_bytes=budget) as off:
+    with offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode="grads", optimizer=adam),
+        stream=StreamOptions(max_resident_bytes=budget),
+    ) as off:
         traffic = ParameterTraffic(off)
         pinned = {f"grad{b.index}" for b in off.blocks if b.state is Residency.PINNED}
         for k in range(0, len(xs), 2):
@@ -310,7 +333,12 @@ def test_pinned_blocks_refuse_grad_reads_until_step(scratch, mode):
     alone); the blocks still compute (an eval pass, a second backward in grads mode), and after step() p.grad reads
     None again and the parameters are plain."""
     model, data = build_model(SIZE), SyntheticText(SIZE)
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, max_resident_bytes=1 << 30) as off:
+    with offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=adam),
+        stream=StreamOptions(max_resident_bytes=1 << 30),
+    ) as off:
         assert off.pinned == set(range(SIZE.layers))
         param = next(model.blocks.parameters())
         model.loss(data.batch()).backward()
@@ -342,10 +370,8 @@ def test_loading_into_a_pinned_compute_copy_sets_its_masters(scratch, mode, then
     with offload_parameters(
         model,
         str(scratch),
-        optimizer=adam,
-        mode=mode,
-        compute_dtype=torch.bfloat16,
-        max_resident_bytes=10 * SIZE.layers * block_bytes(model),
+        train=TrainOptions(optimizer=adam, mode=mode),
+        stream=StreamOptions(compute_dtype=torch.bfloat16, max_resident_bytes=10 * SIZE.layers * block_bytes(model)),
     ) as off:
         assert off.pinned == {0, 1, 2, 3}
         if then == "step":
@@ -375,7 +401,9 @@ def test_ctrl_c_while_unpinning_takes_effect_once_the_blocks_are_consistent(scra
     expected_losses, reference = train_in_memory(steps=3)
     model, data = build_model(SIZE), SyntheticText(SIZE)
     whole = SIZE.layers * block_bytes(model)
-    with offload_parameters(model, str(scratch), optimizer=adam, max_resident_bytes=whole) as off:
+    with offload_parameters(
+        model, str(scratch), train=TrainOptions(optimizer=adam), stream=StreamOptions(max_resident_bytes=whole)
+    ) as off:
         losses = train_streamed(off, model, data, 2)
         clear_data, calls = Block.clear_data, []
 
@@ -403,7 +431,10 @@ def test_a_write_wait_interrupted_by_a_signal_handler_is_collected_by_the_next_w
     expected_losses, reference = train_in_memory(steps=3)
     model, data = build_model(SIZE), SyntheticText(SIZE)
     with offload_parameters(
-        model, str(scratch), optimizer=adam, max_resident_bytes=SIZE.layers * block_bytes(model)
+        model,
+        str(scratch),
+        train=TrainOptions(optimizer=adam),
+        stream=StreamOptions(max_resident_bytes=SIZE.layers * block_bytes(model)),
     ) as off:
         losses = train_streamed(off, model, data, 2)
         block = off.blocks[0]

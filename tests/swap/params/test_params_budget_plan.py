@@ -79,20 +79,32 @@ def tower():
 
 
 def test_max_memory_too_small_is_refused_at_once_with_the_least_that_works(scratch):
+    from deepoffload import StreamOptions, TrainOptions
     from deepoffload.swap.params import offload_parameters
 
     model = tower()
     with pytest.raises(MemoryBudgetError, match=r"max_memory=100000000 bytes .* the least that works is \d+ bytes"):
-        offload_parameters(model, str(scratch), max_memory="100MB", optimizer=torch.optim.Adam)
+        offload_parameters(
+            model,
+            str(scratch),
+            train=TrainOptions(optimizer=torch.optim.Adam),
+            stream=StreamOptions(max_memory="100MB"),
+        )
     assert all(p.is_meta for p in model.parameters())  # nothing was made, read or written
     assert not any(scratch.iterdir())
 
 
 def test_max_memory_sizes_prefetch_buffers_and_kept_blocks(scratch):
+    from deepoffload import StreamOptions, TrainOptions
     from deepoffload.swap.params import offload_parameters
 
     model = tower()
-    off = offload_parameters(model, str(scratch), prefetch=2, max_memory="64GB", optimizer=torch.optim.Adam)
+    off = offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(optimizer=torch.optim.Adam),
+        stream=StreamOptions(prefetch=2, max_memory="64GB"),
+    )
     try:
         assert off.plan.prefetch == 2 and off.plan.state_chunks == 6 and off.prefetch == 2
         assert len(off.pinned) == len(off.blocks)  # all blocks fit: kept in memory
@@ -105,13 +117,16 @@ def test_optimizer_of_the_parameters_outside_blocks_gets_buffers_of_its_size(scr
     """Its state is tiny next to a block's: buffers of a block's span (pinned where allowed) would be wasted."""
     from torch import nn
 
+    from deepoffload import TrainOptions
     from deepoffload.swap.params import offload_parameters
 
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(4, 8), *(nn.Linear(512, 512) if i else nn.Linear(8, 512) for i in range(3)), nn.Linear(512, 2)
     )
-    off = offload_parameters(model, str(scratch), blocks=list(model)[1:4], optimizer=torch.optim.Adam)
+    off = offload_parameters(
+        model, str(scratch), blocks=list(model)[1:4], train=TrainOptions(optimizer=torch.optim.Adam)
+    )
     try:
         model(torch.randn(2, 4)).sum().backward()
         off.step()
@@ -126,6 +141,7 @@ def test_parameters_read_into_their_own_layout_count_in_the_plan(scratch):
     the plan (streaming and max_memory's), a block's bytes in memory and the pinning budget count that copy."""
     from torch import nn
 
+    from deepoffload import StreamOptions, TrainOptions
     from deepoffload.swap.params import offload_parameters
 
     seen = []
@@ -142,7 +158,10 @@ def test_parameters_read_into_their_own_layout_count_in_the_plan(scratch):
     x = torch.randn(2, 16, 4, 4).to(memory_format=torch.channels_last)
     for max_memory in (None, "64GB"):
         off = offload_parameters(
-            model, str(scratch), prefetch=1, optimizer=torch.optim.SGD, max_memory=max_memory, max_resident_bytes=0
+            model,
+            str(scratch),
+            train=TrainOptions(optimizer=torch.optim.SGD),
+            stream=StreamOptions(prefetch=1, max_memory=max_memory, max_resident_bytes=0),
         )
         try:
             assert off.plan.layout_bytes == weight_bytes

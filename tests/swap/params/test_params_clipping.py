@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.swap import grad_norm
 from deepoffload.swap.params import offload_parameters
 from tests.support.models import ModelSize, SyntheticText, build_model
@@ -29,7 +30,9 @@ def test_clipped_training_bit_identical_to_in_memory(scratch, prefetch, max_norm
     reference, model = build_model(SIZE), build_model(SIZE)
     optimizer = adam(reference.parameters())
     data = SyntheticText(SIZE)
-    with offload_parameters(model, str(scratch), prefetch=prefetch, mode="grads", optimizer=adam) as offload:
+    with offload_parameters(
+        model, str(scratch), train=TrainOptions(mode="grads", optimizer=adam), stream=StreamOptions(prefetch=prefetch)
+    ) as offload:
         for _ in range(3):
             optimizer.zero_grad()
             for _ in range(2):  # two micro-batches per step: the stored gradients accumulate
@@ -55,7 +58,7 @@ def test_other_norm_orders(scratch, norm_type):
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     data = SyntheticText(SIZE)
     make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=make) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode="grads", optimizer=make)) as offload:
         for _ in range(2):
             batch = data.batch()
             optimizer.zero_grad()
@@ -77,7 +80,7 @@ def test_frozen_block_parameters_are_left_out_of_the_norm(scratch):
         m.blocks.layers[1].linear1.weight.requires_grad_(False)
     optimizer = adam([p for p in reference.parameters() if p.requires_grad])
     batch = SyntheticText(SIZE).batch()
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode="grads", optimizer=adam)) as offload:
         reference.loss(batch).backward()
         expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), BITES)
         optimizer.step()
@@ -89,7 +92,7 @@ def test_frozen_block_parameters_are_left_out_of_the_norm(scratch):
 
 def test_fused_mode_refuses_to_clip(scratch):
     model = build_model(SIZE)
-    with offload_parameters(model, str(scratch), mode="fused", optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode="fused", optimizer=adam)) as offload:
         model.loss(SyntheticText(SIZE).batch()).backward()
         head = model.head.weight.detach().clone()
         with pytest.raises(ValueError, match='impossible in fused mode.*mode="grads"'):
@@ -111,7 +114,7 @@ def test_fused_mode_refuses_to_clip(scratch):
 )
 def test_bad_clip_arguments(scratch, max_norm, norm_type, match):
     model = build_model(SIZE)
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode="grads", optimizer=adam)) as offload:
         with pytest.raises(ValueError, match=match):
             offload.step(clip_grad_norm=max_norm, norm_type=norm_type)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepoffload import TrainOptions
 from deepoffload.errors import UnsupportedError
 from deepoffload.swap.params import offload_parameters
 from tests.support.stepping import offload_step, reference_step
@@ -59,7 +60,7 @@ def test_compiled_model_equals_memory_compiled_with_blocks_excluded(scratch):
     for block in reference.blocks:
         block.forward = torch.compiler.disable(block.forward)
     optimizer = adam(reference.parameters())
-    with offload_parameters(model, str(scratch), optimizer=adam) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)) as off:
         with pytest.warns(UserWarning, match="graph break.*bit for bit.*torch.compiler.disable") as caught:
             both_ways(model, reference, off, optimizer, torch.compile(model), torch.compile(reference))
         assert sum("streamed blocks" in str(w.message) for w in caught) == 1  # once, at the first compiled forward
@@ -72,7 +73,7 @@ def test_block_compile_runs_the_compiled_forward(scratch, mode):
     for block in reference.blocks:
         block.compile(backend=counting_backend(reference_runs))
     optimizer = adam(reference.parameters())
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=adam)) as off:
         for block in model.blocks:
             block.compile(backend=counting_backend(runs))
         both_ways(model, reference, off, optimizer, model, reference)
@@ -86,7 +87,7 @@ def test_block_compile_with_inductor_is_bit_identical(scratch):
     for block in reference.blocks:
         block.compile()
     optimizer = adam(reference.parameters())
-    with offload_parameters(model, str(scratch), optimizer=adam) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)) as off:
         for block in model.blocks:
             block.compile()
         both_ways(model, reference, off, optimizer, model, reference)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 from tests.swap.params.test_params_forward_state import Net, sgd
 
@@ -28,7 +29,9 @@ def test_dtype_move_after_offloading_equals_converting_in_memory(scratch, move, 
     model = copy.deepcopy(ref)
     size = sum(p.numel() * p.element_size() for p in ref.layers.parameters())
     x = torch.randn(4, 16)
-    with offload_parameters(model, str(scratch), max_resident_bytes=size // 2 if budget else None) as off:
+    with offload_parameters(
+        model, str(scratch), stream=StreamOptions(max_resident_bytes=size // 2 if budget else None)
+    ) as off:
         assert MOVES[move](model) is model
         MOVES[move](ref)
         state = off.state_dict()
@@ -44,7 +47,7 @@ def test_training_after_a_dtype_move_equals_in_memory(scratch):
     torch.manual_seed(0)
     ref = Net().train()
     model = copy.deepcopy(ref)
-    with offload_parameters(model, str(scratch), optimizer=sgd, mode="grads") as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=sgd, mode="grads")) as off:
         model.double()
         ref.double()
         opt = sgd(ref.parameters())
@@ -62,7 +65,7 @@ def test_training_after_a_dtype_move_equals_in_memory(scratch):
 def test_dtype_moves_of_compute_copies_and_device_moves_are_refused_before_anything_converts(scratch):
     torch.manual_seed(0)
     model = Net()
-    with offload_parameters(model, str(scratch), compute_dtype=torch.bfloat16) as off:
+    with offload_parameters(model, str(scratch), stream=StreamOptions(compute_dtype=torch.bfloat16)) as off:
         before = off.state_dict()
         with pytest.raises(ValueError, match="compute_dtype=.*before offload_parameters"):
             model.half()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.swap.params import Residency, offload_parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # O_DIRECT falls back on tmpfs, with a warning
@@ -74,7 +75,7 @@ def test_storage_full_during_fused_write_back_keeps_the_block(small_fs):
     optimizer = adam(reference.parameters())
     reference(x).square().mean().backward()
     optimizer.step()
-    offload = offload_parameters(model, str(small_fs), optimizer=adam)
+    offload = offload_parameters(model, str(small_fs), train=TrainOptions(optimizer=adam))
     try:
         filler = fill(small_fs)
         with pytest.raises(OSError) as info:
@@ -99,7 +100,7 @@ def test_storage_full_while_writing_gradients_keeps_them(small_fs, clip):
     reference, model = pair()
     x = torch.randn(4, 128)
     reference(x).square().mean().backward()
-    offload = offload_parameters(model, str(small_fs), mode="grads", optimizer=adam)
+    offload = offload_parameters(model, str(small_fs), train=TrainOptions(mode="grads", optimizer=adam))
     try:
         filler = fill(small_fs)
         with pytest.raises(OSError) as info:
@@ -140,11 +141,11 @@ def test_missing_swap_file_names_the_parameter(scratch):
 def test_bad_arguments_are_clear_errors(scratch):
     _, model = pair()
     with pytest.raises(ValueError, match="mode 'sync'"):
-        offload_parameters(model, str(scratch), mode="sync")
+        offload_parameters(model, str(scratch), train=TrainOptions(torch.optim.SGD, mode="sync"))
     with pytest.raises(ValueError, match="prefetch=-1"):
-        offload_parameters(model, str(scratch), prefetch=-1)
+        offload_parameters(model, str(scratch), stream=StreamOptions(prefetch=-1))
     with pytest.raises(ValueError, match="compute_dtype"):
-        offload_parameters(model, str(scratch), compute_dtype=torch.int8)
+        offload_parameters(model, str(scratch), stream=StreamOptions(compute_dtype=torch.int8))
     with pytest.raises(ValueError, match="no blocks"):
         offload_parameters(nn.Linear(2, 2), str(scratch))
     with pytest.raises(ValueError, match="not a submodule"):

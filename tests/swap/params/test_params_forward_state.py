@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import TrainOptions
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.autograd.forward_state import ForwardState, flags
 
@@ -57,7 +58,7 @@ def test_bf16_autocast_trains_like_in_memory(scratch, mode):
         opt.zero_grad()
 
     expected = train(ref, ref_step, dtype=torch.bfloat16)
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=sgd)) as off:
 
         def off_step():
             off.step()
@@ -84,7 +85,7 @@ def test_recompute_restores_kernel_settings_and_puts_back_the_callers(scratch):
             return self.lin(x)
 
     model = nn.Sequential(Probe(), Probe())
-    with offload_parameters(model, str(scratch), optimizer=sgd) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=sgd)) as off:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(torch.randn(2, 4))
         torch.set_default_dtype(torch.float64)
@@ -119,7 +120,7 @@ def test_fp16_autocast_training_is_refused_at_the_first_forward(scratch, mode):
     torch.manual_seed(0)
     model = Net()
     before = copy.deepcopy(model.state_dict())
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=sgd)) as off:
         scaler = torch.amp.GradScaler("cpu")
         with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="float16.*GradScaler.*bf"):
             scaler.scale(model(torch.randn(4, 16)).float().mean()).backward()

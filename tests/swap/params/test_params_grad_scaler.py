@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.errors import StreamedParameterError
 from deepoffload.swap.params import StreamedOptimizer, offload_parameters
 
@@ -40,9 +41,8 @@ def test_a_grad_scaler_is_refused_before_backward_and_no_scaler_is_exact(scratch
     off = offload_parameters(
         model,
         str(scratch),
-        mode=mode,
-        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-        compute_dtype=torch.bfloat16,
+        train=TrainOptions(mode=mode, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        stream=StreamOptions(compute_dtype=torch.bfloat16),
     )
     opt = StreamedOptimizer(off)
     with pytest.raises(StreamedParameterError, match="GradScaler.*nothing was stepped.*drop the GradScaler"):

@@ -12,6 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from deepoffload import StreamOptions, TrainOptions  # noqa: E402
 from deepoffload.swap.params import StreamedParameter, offload_parameters  # noqa: E402
 from tests.support.stepping import offload_step, reference_step  # noqa: E402
 
@@ -103,7 +104,7 @@ def test_training_with_defaults_is_bit_identical(scratch, name, attention, mode)
     reference.train(), model.train()
     optimizer = adam(reference.parameters())
     ids = tokens()
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=adam)) as offload:
         assert train(model, offload_step(offload), ids) == train(reference, reference_step(optimizer), ids)
         assert states_equal(model.state_dict(), reference.state_dict())
 
@@ -118,7 +119,12 @@ def test_training_with_a_resident_budget_and_validation_is_bit_identical(scratch
     ids, held_out = tokens(), tokens(seed=2)
     layers = model.base_model.get_submodule("layers" if name == "llama" else "h")
     budget = sum(p.numel() * p.element_size() for p in layers[0].parameters())  # about one block of three
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, max_resident_bytes=budget) as off:
+    with offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=adam),
+        stream=StreamOptions(max_resident_bytes=budget),
+    ) as off:
         assert len(off.pinned) == 1
         for k in range(3):
             torch.manual_seed(100 + k)
@@ -147,7 +153,7 @@ def test_gradient_checkpointing_is_bit_identical(scratch, name):
         m.gradient_checkpointing_enable()
     optimizer = adam(reference.parameters())
     ids = tokens()
-    with offload_parameters(model, str(scratch), optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)) as offload:
         assert train(model, offload_step(offload), ids) == train(reference, reference_step(optimizer), ids)
         assert states_equal(model.state_dict(), reference.state_dict())
 
@@ -158,7 +164,7 @@ def test_frozen_blocks_train_the_rest(scratch):
         m.model.layers.requires_grad_(False)
     optimizer = adam([p for p in reference.parameters() if p.requires_grad])
     ids = tokens()
-    with offload_parameters(model, str(scratch), optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)) as offload:
         assert train(model, offload_step(offload), ids) == train(reference, reference_step(optimizer), ids)
         assert states_equal(model.state_dict(), reference.state_dict())
 
@@ -168,7 +174,7 @@ def test_save_pretrained_holds_the_trained_weights(scratch, tmp_path, name):
     reference, model = pair(name)
     optimizer = adam(reference.parameters())
     ids = tokens()
-    with offload_parameters(model, str(scratch), optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)) as offload:
         train(model, offload_step(offload), ids, steps=2), train(reference, reference_step(optimizer), ids, steps=2)
         model.save_pretrained(tmp_path / "saved")
         assert all(
@@ -210,7 +216,7 @@ def test_trainer_streams_the_blocks(scratch, tmp_path):
     transformers.Trainer(
         reference, arguments(), train_dataset=data, optimizers=(adamw(reference.parameters()), None)
     ).train()
-    with offload_parameters(model, str(scratch), optimizer=adamw) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adamw)) as offload:
         transformers.Trainer(model, arguments(), train_dataset=data, **trainer_arguments(offload)).train()
         assert states_equal(model.state_dict(), reference.state_dict())
         with pytest.raises(ValueError, match="max_grad_norm"):
@@ -280,7 +286,10 @@ def test_trainer_with_a_resident_budget_evaluation_and_checkpoints(scratch, tmp_
     model = build()
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     with offload_parameters(
-        model, str(scratch), mode=mode, optimizer=adamw, max_resident_bytes=2 * layer_bytes
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=adamw),
+        stream=StreamOptions(max_resident_bytes=2 * layer_bytes),
     ) as offload:
         assert offload.pinned == {0, 1}
         logged = train(model, tmp_path / "streamed", **trainer_arguments(offload))
@@ -328,7 +337,7 @@ def test_trainer_resumes_a_streamed_run_from_an_in_memory_checkpoint(scratch, tm
     trainer(unnamed, tmp_path / "unnamed", optimizers=(adamw(unnamed.parameters()), None)).train()
     trainer(named, tmp_path / "named", optimizers=(adamw(named.named_parameters()), None)).train()
     assert states_equal(unnamed.state_dict(), named.state_dict())
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adamw) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=adamw)) as offload:
         streamed = trainer(model, tmp_path / "streamed", **trainer_arguments(offload))
         with pytest.raises(CheckpointError, match=r"model\.named_parameters\(\)"):
             streamed.train(resume_from_checkpoint=str(tmp_path / "unnamed" / "checkpoint-2"))
@@ -361,7 +370,7 @@ def test_compute_dtype_bf16_on_a_float32_model(scratch):
 
         layer.forward = cast_forward
     ids = tokens()
-    with offload_parameters(model, str(scratch), compute_dtype=torch.bfloat16), torch.no_grad():
+    with offload_parameters(model, str(scratch), stream=StreamOptions(compute_dtype=torch.bfloat16)), torch.no_grad():
         reference.eval(), model.eval()
         logits = model(ids).logits
         assert logits.dtype == torch.float32 and torch.equal(logits, reference(ids).logits)

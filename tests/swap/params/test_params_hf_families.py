@@ -110,7 +110,11 @@ def _load_following_advice(folder, model_class, scratch, **options):
     for attempt in range(3):
         try:
             return deepoffload.from_pretrained(
-                folder, model_class, path=str(scratch / f"swap{attempt}"), prefetch=0, **options
+                folder,
+                model_class,
+                path=str(scratch / f"swap{attempt}"),
+                load=deepoffload.LoadOptions(**options),
+                stream=deepoffload.StreamOptions(prefetch=0),
             )
         except CheckpointError as e:
             options.update(_follow(str(e)))
@@ -160,11 +164,15 @@ def test_strict_false_never_leaves_a_missing_parameter_initialized_unasked(scrat
     folder = _bert(transformers.BertModel, scratch, "ckpt")
     model_class = transformers.BertForSequenceClassification
     with pytest.raises(CheckpointError, match=r"init=\['classifier.bias', 'classifier.weight'\]"):
-        deepoffload.from_pretrained(folder, model_class, path=str(scratch / "a"), strict=False)
+        deepoffload.from_pretrained(
+            folder, model_class, path=str(scratch / "a"), load=deepoffload.LoadOptions(strict=False)
+        )
     with pytest.raises(CheckpointError, match=r"classifier.weight"):
-        deepoffload.from_pretrained(folder, model_class, path=str(scratch / "b"), strict=False, init=["*.bias"])
+        deepoffload.from_pretrained(
+            folder, model_class, path=str(scratch / "b"), load=deepoffload.LoadOptions(strict=False, init=["*.bias"])
+        )
     model, off = deepoffload.from_pretrained(
-        folder, model_class, path=str(scratch / "c"), strict=False, init="classifier.*"
+        folder, model_class, path=str(scratch / "c"), load=deepoffload.LoadOptions(strict=False, init="classifier.*")
     )
     with off:
         assert sorted(off.load_report.missing) == ["classifier.bias", "classifier.weight"]
@@ -182,7 +190,9 @@ def test_dtype_keeps_what_transformers_keeps_in_float32(scratch):
     with contextlib.redirect_stdout(io.StringIO()):
         build(transformers.T5ForConditionalGeneration, transformers.T5Config).save_pretrained(scratch / "ckpt")
     expected = transformers.T5ForConditionalGeneration.from_pretrained(scratch / "ckpt", dtype=torch.float16)
-    model, off = deepoffload.from_pretrained(scratch / "ckpt", path=str(scratch / "swap"), dtype=torch.float16)
+    model, off = deepoffload.from_pretrained(
+        scratch / "ckpt", path=str(scratch / "swap"), load=deepoffload.LoadOptions(dtype=torch.float16)
+    )
     with off:
         state, reference = model.state_dict(), expected.state_dict()
         assert {n: t.dtype for n, t in state.items()} == {n: t.dtype for n, t in reference.items()}

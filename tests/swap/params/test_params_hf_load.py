@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepoffload import LoadOptions
 from deepoffload.swap.params import offload_parameters
 from tests.support.matrix_harness import batch, build
 
@@ -19,7 +20,10 @@ def test_meta_model_loads_its_own_folder_without_init(scratch, name):
     ref = build(name).eval()
     ref.save_pretrained(scratch / "ckpt")
     model = build(name, "meta").eval()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt"), torch.no_grad():
+    with (
+        offload_parameters(model, str(scratch / "swap"), load=LoadOptions(checkpoint=scratch / "ckpt")),
+        torch.no_grad(),
+    ):
         buffers = dict(ref.named_buffers())
         assert [n for n, b in model.named_buffers() if not torch.equal(b, buffers[n])] == []
         assert torch.equal(model(**batch(name, 0)).logits, ref(**batch(name, 0)).logits)
@@ -31,7 +35,9 @@ def test_from_pretrained_builds_on_meta_and_loads_streamed(scratch, name, shard)
 
     ref = build(name).eval()
     ref.save_pretrained(scratch / "ckpt", **({"max_shard_size": shard} if shard else {}))
-    model, off = deepoffload.from_pretrained(scratch / "ckpt", path=str(scratch / "swap"), prefetch=0)
+    model, off = deepoffload.from_pretrained(
+        scratch / "ckpt", path=str(scratch / "swap"), stream=deepoffload.StreamOptions(prefetch=0)
+    )
     with off, torch.no_grad():
         assert type(model) is type(ref) and not model.training
         assert off.load_report == ([], [])
@@ -63,7 +69,9 @@ def test_from_pretrained_trains_like_the_model_in_memory(scratch):
     ref = transformers.AutoModelForCausalLM.from_pretrained(scratch / "ckpt").train()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     model, off = deepoffload.from_pretrained(
-        scratch / "ckpt", path=str(scratch / "swap"), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+        scratch / "ckpt",
+        path=str(scratch / "swap"),
+        train=deepoffload.TrainOptions(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
     )
     model.train()
     for step in range(3):

@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from deepoffload import TrainOptions  # noqa: E402
 from deepoffload.errors import CheckpointError  # noqa: E402
 from deepoffload.swap.params import offload_parameters, trainer_arguments  # noqa: E402
 from tests.swap.params.test_params_hf import pair, states_equal  # noqa: E402
@@ -81,21 +82,25 @@ def test_the_trainers_own_optimizer_resumes_streamed_by_following_the_refusal(sc
 
         return factory
 
-    with offload_parameters(model, str(scratch / "a"), mode=mode, optimizer=adamw) as offload:
+    with offload_parameters(model, str(scratch / "a"), train=TrainOptions(mode=mode, optimizer=adamw)) as offload:
         streamed = trainer(model, tmp_path / "a", **trainer_arguments(offload))
         with pytest.raises(CheckpointError, match=r"param_names"):
             streamed.train(resume_from_checkpoint=str(tmp_path / "memory" / "checkpoint-2"))
     name_the_parameters(tmp_path / "memory" / "checkpoint-2", memory_model, memory)
-    with offload_parameters(model, str(scratch / "a2"), mode=mode, optimizer=adamw) as offload:
+    with offload_parameters(model, str(scratch / "a2"), train=TrainOptions(mode=mode, optimizer=adamw)) as offload:
         streamed = trainer(model, tmp_path / "a", **trainer_arguments(offload))
         with pytest.raises(CheckpointError, match=r"make the optimizer factory of offload_parameters\(\) group them"):
             streamed.train(resume_from_checkpoint=str(tmp_path / "memory" / "checkpoint-2"))
-    with offload_parameters(model, str(scratch / "a3"), mode=mode, optimizer=grouped(model)) as offload:
+    with offload_parameters(
+        model, str(scratch / "a3"), train=TrainOptions(mode=mode, optimizer=grouped(model))
+    ) as offload:
         streamed = trainer(model, tmp_path / "a", **trainer_arguments(offload))
         streamed.train(resume_from_checkpoint=str(tmp_path / "memory" / "checkpoint-2"))
         assert streamed.state.global_step == 6
         assert states_equal(model.state_dict(), memory_model.state_dict())
-    with offload_parameters(again, str(scratch / "b"), mode=mode, optimizer=grouped(again)) as offload:
+    with offload_parameters(
+        again, str(scratch / "b"), train=TrainOptions(mode=mode, optimizer=grouped(again))
+    ) as offload:
         streamed = trainer(again, tmp_path / "b", **trainer_arguments(offload))
         streamed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
         assert streamed.state.global_step == 6

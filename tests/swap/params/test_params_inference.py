@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import StreamOptions
 from deepoffload.swap.params import Residency, find_blocks, offload_parameters
 from tests.support.models import ModelSize, SyntheticText, build_model
 
@@ -26,7 +27,7 @@ def tokens(seed: int = 0) -> torch.Tensor:
 def test_outputs_identical_to_in_memory(scratch, prefetch, train_mode):
     reference, model = build_model(SIZE), build_model(SIZE)
     reference.train(train_mode), model.train(train_mode)
-    offload = offload_parameters(model, str(scratch), prefetch=prefetch)
+    offload = offload_parameters(model, str(scratch), stream=StreamOptions(prefetch=prefetch))
     try:
         assert [b.prefix for b in offload.blocks] == [f"blocks.layers.{i}" for i in range(SIZE.layers)]
         block_bytes = offload.stats.block_bytes
@@ -71,7 +72,7 @@ def test_compute_dtype_inference_matches_the_same_casts_in_memory(scratch):
         for name in ("embed", "norm", "head"):
             getattr(module, name).to(torch.bfloat16)
         module.position.data = module.position.data.to(torch.bfloat16)
-    with offload_parameters(model, str(scratch), compute_dtype=torch.bfloat16) as offload:
+    with offload_parameters(model, str(scratch), stream=StreamOptions(compute_dtype=torch.bfloat16)) as offload:
         assert offload.blocks[0].masters[0].dtype == torch.float32  # on storage: the fp32 master weights
         with torch.no_grad():
             assert torch.equal(model(tokens()), reference(tokens()))
@@ -82,6 +83,7 @@ RSS_CHILD = """
 import gc, sys, threading
 import torch
 from torch import nn
+from deepoffload import StreamOptions
 from deepoffload.swap.params import offload_parameters
 
 def rss_bytes():  # anonymous memory: the weights; not the code pages a first use maps in (CPU and page cache)
@@ -98,7 +100,7 @@ with torch.no_grad():
     expected = model(x)
 gc.collect()
 before = rss_bytes()
-offload = offload_parameters(model, sys.argv[1], prefetch=1)
+offload = offload_parameters(model, sys.argv[1], stream=StreamOptions(prefetch=1))
 gc.collect()
 after = rss_bytes()
 peak = after

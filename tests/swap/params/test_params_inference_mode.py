@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 from tests.swap.params.test_params_forward_state import Net, sgd
 
@@ -24,7 +25,10 @@ def test_inference_mode_before_between_and_after_training(scratch, mode, budget,
     opt = sgd(ref.parameters())
     x = torch.randn(4, 16)
     with offload_parameters(
-        model, str(scratch), mode=mode, optimizer=sgd, max_resident_bytes=budget, compute_dtype=compute_dtype
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=sgd),
+        stream=StreamOptions(max_resident_bytes=budget, compute_dtype=compute_dtype),
     ) as off:
         for k in range(3):
             with torch.inference_mode():

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from deepoffload import LoadOptions, StreamOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 from tests.swap.params.test_params_forward_state import Net, sgd
 
@@ -23,7 +24,7 @@ def test_accelerate_accumulation_in_fused_mode_is_refused_before_any_block_steps
     torch.manual_seed(0)
     model = Net()
     before = copy.deepcopy(model.state_dict())
-    with offload_parameters(model, str(scratch), optimizer=sgd) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=sgd)) as off:
         accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
         model = accelerator.prepare(model)
         try:
@@ -71,10 +72,8 @@ def test_load_state_dict_resumes_bit_identically(scratch, mode, budget, compute_
         off = offload_parameters(
             model,
             str(scratch / folder),
-            mode=mode,
-            optimizer=adam,
-            compute_dtype=compute_dtype,
-            max_resident_bytes=budget,
+            train=TrainOptions(mode=mode, optimizer=adam),
+            stream=StreamOptions(compute_dtype=compute_dtype, max_resident_bytes=budget),
         )
         return model, off
 
@@ -99,7 +98,7 @@ def test_load_state_dict_resumes_bit_identically(scratch, mode, budget, compute_
 def test_load_state_dict_reports_missing_and_mis_shaped_entries_as_in_memory(scratch):
     torch.manual_seed(0)
     model = Net()
-    with offload_parameters(model, str(scratch), optimizer=adam) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)) as off:
         state = off.state_dict()
         del state["layers.1.0.bias"]
         result = model.load_state_dict(state, strict=False)
@@ -117,7 +116,9 @@ def test_served_blocks_refuse_a_load(scratch):
     save_sharded({k: v.detach() for k, v in ref.state_dict().items()}, scratch / "ckpt")
     with torch.device("meta"):
         model = Net()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt", serve_from_checkpoint=True):
+    with offload_parameters(
+        model, str(scratch / "swap"), load=LoadOptions(checkpoint=scratch / "ckpt", serve_from_checkpoint=True)
+    ):
         with pytest.raises(RuntimeError, match="served read-only.*serve_from_checkpoint"):
             model.load_state_dict(ref.state_dict())
 
@@ -134,7 +135,7 @@ def test_resize_token_embeddings_after_offloading_is_refused_at_the_next_forward
 
     model = build("llama")
     ids = torch.randint(3, 64, (2, 6))
-    with offload_parameters(model, str(scratch), optimizer=adam):
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)):
         model.resize_token_embeddings(80)
         _refused_next_forward(
             model,
@@ -151,7 +152,7 @@ def test_get_peft_model_after_offloading_is_refused_at_the_next_forward(scratch)
 
     model = build("llama")
     ids = torch.randint(3, 64, (2, 6))
-    with offload_parameters(model, str(scratch), optimizer=adam):
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)):
         wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
         _refused_next_forward(
             wrapped,
@@ -166,7 +167,7 @@ def test_get_peft_model_after_offloading_is_refused_at_the_next_forward(scratch)
 def test_modules_changed_after_offloading_are_refused_at_the_next_forward(scratch, change):
     torch.manual_seed(0)
     model = Net()
-    with offload_parameters(model, str(scratch), optimizer=adam):
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)):
         if change == "replace":
             model.layers[1][0] = torch.nn.Linear(16, 16)
             match = r"block layers\.1: parameters layers\.1\.0\.weight, layers\.1\.0\.bias were replaced"
@@ -213,7 +214,9 @@ def test_an_in_memory_optimizer_and_scheduler_resume_a_streamed_loop(scratch, mo
     model.load_state_dict(reference.state_dict())
     expected = run(reference, optimizer, scheduler, 2, 3)
 
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1)) as off:
+    with offload_parameters(
+        model, str(scratch), train=TrainOptions(mode=mode, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1))
+    ) as off:
         streamed = StreamedOptimizer(off)
         streamed_scheduler = warmup(streamed)  # made before loading, as in memory (its first step sets the lr)
         unnamed = copy.deepcopy(saved_optimizer)

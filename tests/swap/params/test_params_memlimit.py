@@ -54,12 +54,13 @@ CHILD = (
     MODEL
     + """
 import json, sys
+from deepoffload import LoadOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 
 checkpoint, swap, saved = sys.argv[1:4]
 with torch.device("meta"):
     model = Tower()
-off = offload_parameters(model, swap, checkpoint=checkpoint, optimizer=adam)
+off = offload_parameters(model, swap, train=TrainOptions(adam), load=LoadOptions(checkpoint=checkpoint))
 losses = []
 for step in range(STEPS):
     x, y = batch(step)

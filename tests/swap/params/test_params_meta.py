@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import LoadOptions, StreamOptions, TrainOptions
 from deepoffload.formats import CheckpointError, CheckpointReader, save_sharded
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.blocks.placeholders import internal
@@ -101,7 +102,7 @@ def test_hf_init_weights_gives_initialize_weights_values(scratch):
     reference.initialize_weights()
     model = meta_llama()
     torch.manual_seed(0)
-    with offload_parameters(model, str(scratch), init=model._init_weights), torch.no_grad():
+    with offload_parameters(model, str(scratch), load=LoadOptions(init=model._init_weights)), torch.no_grad():
         assert equal_states(model.state_dict(), reference.state_dict())
         buffers = dict(reference.named_buffers())
         assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
@@ -131,9 +132,8 @@ def test_loads_a_checkpoint_and_trains_like_in_memory(scratch, kind):
     off = offload_parameters(
         model,
         str(scratch / "swap"),
-        checkpoint=path,
-        init=model._init_weights,
-        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        train=TrainOptions(optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2)),
+        load=LoadOptions(checkpoint=path, init=model._init_weights),
     )
     assert off.load_report == ([], [])
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_dtype_converts_what_is_loaded(scratch):
     path = write_checkpoint("safetensors", reference.state_dict(), scratch)
     model = meta_llama()
     with offload_parameters(
-        model, str(scratch / "swap"), checkpoint=path, init=model._init_weights, dtype=torch.bfloat16
+        model, str(scratch / "swap"), load=LoadOptions(checkpoint=path, init=model._init_weights, dtype=torch.bfloat16)
     ):
         state = model.state_dict()
         assert state["model.layers.1.mlp.up_proj.weight"].dtype == torch.bfloat16
@@ -172,19 +172,21 @@ def test_key_problems_are_listed_and_the_model_is_left_on_meta(scratch):
     path = write_checkpoint("safetensors", state, scratch)
     model = meta_llama()
     with pytest.raises(CheckpointError) as raised:
-        offload_parameters(model, str(scratch / "swap"), checkpoint=path, init=model._init_weights)
+        offload_parameters(model, str(scratch / "swap"), load=LoadOptions(checkpoint=path, init=model._init_weights))
     message = str(raised.value)
     for part in ("model.layers.2.mlp.down_proj.weight", "model.extra", "model.norm.weight", "strict=False"):
         assert part in message
     assert all(p.is_meta for p in model.parameters())
     # mis-shaped stays an error with strict=False
     with pytest.raises(CheckpointError, match="model.norm.weight"):
-        offload_parameters(model, str(scratch / "swap"), checkpoint=path, init=model._init_weights, strict=False)
+        offload_parameters(
+            model, str(scratch / "swap"), load=LoadOptions(checkpoint=path, init=model._init_weights, strict=False)
+        )
     state["model.norm.weight"] = torch.ones(32)
     path = write_checkpoint("safetensors", state, scratch)
     torch.manual_seed(3)
     with offload_parameters(
-        model, str(scratch / "swap"), checkpoint=path, init=model._init_weights, strict=False
+        model, str(scratch / "swap"), load=LoadOptions(checkpoint=path, init=model._init_weights, strict=False)
     ) as off:
         assert off.load_report == (["model.layers.2.mlp.down_proj.weight"], ["model.extra"])
         loaded = model.state_dict()
@@ -215,7 +217,7 @@ def test_a_value_left_unset_is_refused_and_undone(scratch):
     with torch.device("meta"):
         net = Net()
     with pytest.raises(ValueError, match=r"layers\.0\.0\.bias.*init= left them unset"):
-        offload_parameters(net, str(scratch), init=partial)
+        offload_parameters(net, str(scratch), load=LoadOptions(init=partial))
     assert all(p.is_meta for p in net.parameters())
 
 
@@ -236,7 +238,7 @@ def test_at_most_a_few_blocks_are_in_memory_while_made(scratch):
         made.append(with_memory)
         (getattr(module, "reset_parameters", None) or module._reset_parameters)()
 
-    with offload_parameters(model, str(scratch), init=counting_init) as off:
+    with offload_parameters(model, str(scratch), load=LoadOptions(init=counting_init)) as off:
         assert off.stats.bytes_written >= sum(p.numel() * 4 for p in Net(layers=12).layers.parameters())
     assert max(made) <= 3, made  # the block being made plus up to two being written
 
@@ -246,7 +248,9 @@ def test_save_without_residency_loads_in_safetensors_and_transformers(scratch):
     reference = transformers.LlamaForCausalLM(llama_config(layers=4))
     path = write_checkpoint("safetensors", reference.state_dict(), scratch)
     model = meta_llama(layers=4)
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=path, init=model._init_weights) as off:
+    with offload_parameters(
+        model, str(scratch / "swap"), load=LoadOptions(checkpoint=path, init=model._init_weights)
+    ) as off:
         reads = off.stats.bytes_read
         off.reset_peak()
         shards = off.save(scratch / "saved", max_shard_bytes=30_000)
@@ -278,7 +282,10 @@ def test_resident_budget_keeps_blocks_and_reads_nothing_more(scratch):
     for budget in (None, 2 * block_bytes + 100, 4 * block_bytes):
         model = transformers.LlamaForCausalLM(llama_config(layers=4)).eval()
         model.load_state_dict(reference.state_dict())
-        with offload_parameters(model, str(scratch), max_resident_bytes=budget) as off, torch.no_grad():
+        with (
+            offload_parameters(model, str(scratch), stream=StreamOptions(max_resident_bytes=budget)) as off,
+            torch.no_grad(),
+        ):
             assert off.pinned == frozenset(range({None: 0, 4 * block_bytes: 4}.get(budget, 2)))
             setup = off.stats.bytes_read
             assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
@@ -287,7 +294,7 @@ def test_resident_budget_keeps_blocks_and_reads_nothing_more(scratch):
     assert reads[4 * block_bytes] == 0  # every block in memory: none is read again
     assert 0 < reads[2 * block_bytes + 100] < reads[None]
     with pytest.raises(ValueError, match="max_resident_bytes"):
-        offload_parameters(Net(), str(scratch), max_resident_bytes=-1)
+        offload_parameters(Net(), str(scratch), stream=StreamOptions(max_resident_bytes=-1))
 
 
 @pytest.mark.parametrize("mode", ["fused", "grads"])
@@ -300,9 +307,8 @@ def test_resident_budget_trains_like_in_memory(scratch, mode):
     off = offload_parameters(
         model,
         str(scratch),
-        mode=mode,
-        max_resident_bytes=2 * block_bytes,
-        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        train=TrainOptions(mode=mode, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2)),
+        stream=StreamOptions(max_resident_bytes=2 * block_bytes),
     )
     assert off.pinned == frozenset({0, 1})
     optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
@@ -321,9 +327,12 @@ def test_meta_build_with_compute_dtype_matches_the_offloaded_in_memory_model(scr
     path = write_checkpoint("safetensors", reference.state_dict(), scratch)
     model = meta_llama()
     with (
-        offload_parameters(reference, str(scratch / "a"), compute_dtype=torch.bfloat16),
+        offload_parameters(reference, str(scratch / "a"), stream=StreamOptions(compute_dtype=torch.bfloat16)),
         offload_parameters(
-            model, str(scratch / "b"), checkpoint=path, init=model._init_weights, compute_dtype=torch.bfloat16
+            model,
+            str(scratch / "b"),
+            load=LoadOptions(checkpoint=path, init=model._init_weights),
+            stream=StreamOptions(compute_dtype=torch.bfloat16),
         ),
         torch.no_grad(),
     ):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from deepoffload import LoadOptions, StreamOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 from tests.support.stepping import offload_step, reference_step
 
@@ -110,7 +111,7 @@ def test_training_bit_identical_with_side_effects(scratch, mode, kwargs):
     checkpoint is back-propagated in two nested passes: in fused mode it steps in step())."""
     reference, model = pair(**kwargs)
     optimizer = adam(reference.parameters())
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=adam)) as offload:
         for x in batches(3):
             assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
             assert not any(b.calls for b in offload.blocks)  # no call left pending from one step to the next
@@ -130,7 +131,7 @@ def test_forward_with_grad_and_no_backward_does_not_stop_training(scratch, mode,
     reference, model = pair()
     optimizer = adam(reference.parameters())
     data = batches(4)
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=adam)) as offload:
         kept = []
         for step, x in enumerate(data):
             outputs = []
@@ -154,7 +155,7 @@ def test_eval_forward_with_grad_enabled_matches(scratch):
     x = batches(1)[0]
     for optimizer in (None, adam):
         r, m = copy.deepcopy(reference), copy.deepcopy(model)
-        with offload_parameters(m, str(scratch), optimizer=optimizer):
+        with offload_parameters(m, str(scratch), train=TrainOptions(optimizer) if optimizer else None):
             r.eval(), m.eval()
             assert torch.equal(m(x), r(x))
 
@@ -170,7 +171,7 @@ def test_backward_without_optimizer_is_refused(scratch):
 def test_two_backward_passes_per_step_in_fused_mode_are_refused(scratch):
     _, model = pair()
     x = batches(1)[0]
-    with offload_parameters(model, str(scratch), optimizer=sgd) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=sgd)) as offload:
         model(x).sum().backward()
         with pytest.raises(RuntimeError, match="two backward passes"):
             model(x).sum().backward()
@@ -185,7 +186,7 @@ def test_frozen_blocks_after_a_trainable_layer(scratch, mode):
     for m in (reference, model):
         m.blocks.requires_grad_(False)
     optimizer = sgd([p for p in reference.parameters() if p.requires_grad])
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=sgd)) as offload:
         for x in batches(3):
             assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
         assert states_equal(model.state_dict(), reference.state_dict())
@@ -194,7 +195,7 @@ def test_frozen_blocks_after_a_trainable_layer(scratch, mode):
 def test_module_state_dict_holds_the_weights(scratch):
     reference, model = pair()
     optimizer = adam(reference.parameters())
-    offload = offload_parameters(model, str(scratch), optimizer=adam)
+    offload = offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam))
     x = batches(1)[0]
     train(model, offload_step(offload), x), train(reference, reference_step(optimizer), x)
     state = model.state_dict()
@@ -252,7 +253,7 @@ def test_compute_dtype_on_a_float32_model(scratch):
     reference, model = pair(norm=nn.LayerNorm)
     reference.blocks = nn.ModuleList([Cast(b.to(torch.bfloat16)) for b in reference.blocks])
     x = batches(1)[0]
-    with offload_parameters(model, str(scratch), compute_dtype=torch.bfloat16), torch.no_grad():
+    with offload_parameters(model, str(scratch), stream=StreamOptions(compute_dtype=torch.bfloat16)), torch.no_grad():
         model.eval(), reference.eval()
         out = model(x)
         assert out.dtype == torch.float32 and torch.equal(out, reference(x))
@@ -275,7 +276,12 @@ def test_compute_dtype_with_batchnorm_in_a_block(scratch, mode):
         unit.linear.load_state_dict(linear.state_dict())
     reference.blocks = nn.ModuleList([Cast(b) for b in reference.blocks])
     optimizer = adam(reference.parameters())
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, compute_dtype=torch.bfloat16) as offload:
+    with offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=adam),
+        stream=StreamOptions(compute_dtype=torch.bfloat16),
+    ) as offload:
         assert model.blocks[0].norm.weight.dtype == torch.float32
         assert model.blocks[0].linear.weight.dtype == torch.bfloat16  # (its compute copy's dtype)
         for x in batches(3):
@@ -300,7 +306,7 @@ def test_unfreezing_a_parameter_frozen_at_offload_is_refused_at_its_backward(scr
         m.embed.requires_grad_(False)
     optimizer = sgd(reference.parameters())
     xs = batches(3)
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=sgd)) as offload:
         for m in (reference, model):
             m.blocks[2].requires_grad_(False)  # frozen later: no gradient, not stepped, as in memory
         for x in xs[:2]:
@@ -333,7 +339,10 @@ def test_parameters_keep_their_strides(scratch, mode, pinned):
     x = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
     optimizer = sgd(reference.parameters())
     offload = offload_parameters(
-        model, str(scratch), mode=mode, optimizer=sgd, max_resident_bytes=1 << 30 if pinned else None
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=sgd),
+        stream=StreamOptions(max_resident_bytes=1 << 30 if pinned else None),
     )
     try:
         for _ in range(2):
@@ -363,12 +372,9 @@ def test_a_model_built_on_meta_keeps_its_strides_when_loaded(scratch, mode, serv
     offload = offload_parameters(
         model,
         str(scratch / "swap"),
-        checkpoint=str(scratch / "model.safetensors"),
-        mode=mode,
-        optimizer=None if serve else sgd,
-        serve_from_checkpoint=serve,
-        max_memory="64GB",
-        max_resident_bytes=0,
+        train=None if serve else TrainOptions(mode=mode, optimizer=sgd),
+        load=LoadOptions(checkpoint=str(scratch / "model.safetensors"), serve_from_checkpoint=serve),
+        stream=StreamOptions(max_memory="64GB", max_resident_bytes=0),
     )
     try:
         assert offload.plan.layout_bytes == 288 * 5 * 4  # the transposed linear weight, the largest
@@ -396,7 +402,9 @@ def test_a_module_placed_twice_is_one_block_run_twice(scratch, listed, mode):
     assert model[0] is model[3]
     optimizer = adam(reference.parameters())
     blocks = [model[0], model[2], model[3]] if listed else None
-    with offload_parameters(model, str(scratch), blocks=blocks, mode=mode, optimizer=adam) as offload:
+    with offload_parameters(
+        model, str(scratch), blocks=blocks, train=TrainOptions(mode=mode, optimizer=adam)
+    ) as offload:
         assert [b.prefix for b in offload.blocks] == ["0", "2"]
         for x in batches(3):
             assert train(model, offload_step(offload), x) == train(reference, reference_step(optimizer), x)
@@ -420,7 +428,9 @@ def test_a_module_placed_twice_accumulates_over_micro_batches_and_steps_once(scr
     optimizer = adam(reference.parameters())
     blocks = [model[0], model[2], model[3]] if listed else None
     xs = batches(6)
-    with offload_parameters(model, str(scratch), blocks=blocks, mode="grads", optimizer=adam) as offload:
+    with offload_parameters(
+        model, str(scratch), blocks=blocks, train=TrainOptions(mode="grads", optimizer=adam)
+    ) as offload:
         for i in range(0, 6, 2):
             for x in xs[i : i + 2]:
                 expected = reference(x).square().mean()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.errors import StreamedParameterError
 from deepoffload.swap.params import StreamedParameter, offload_parameters
 from tests.support.stepping import offload_step, reference_step
@@ -22,7 +23,7 @@ def streamed(scratch):
     """A trained streamed model (one step), its in-memory reference after the same step, and the offload."""
     reference, model = pair()
     optimizer = adam(reference.parameters())
-    offload = offload_parameters(model, str(scratch), optimizer=adam)
+    offload = offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam))
     x = batches(1)[0]
     train(model, offload_step(offload), x), train(reference, reference_step(optimizer), x)
     yield reference, model, offload
@@ -116,7 +117,7 @@ def test_clip_grad_norm_over_model_parameters_is_refused(scratch, mode):
     reference, model = pair()
     optimizer = adam(reference.parameters())
     x = batches(1)[0]
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=adam)) as offload:
         assert all(p.grad is None for p in model.parameters())
         model(x).square().mean().backward()
         with pytest.raises(StreamedParameterError, match="clip_grad_norm_.*off.step"):
@@ -174,7 +175,12 @@ def test_writes_to_a_resident_block_are_written_back(scratch, mode):
     reference, model = pair()
     optimizer = adam(reference.parameters())
     x = batches(2)
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=adam, prefetch=len(model.blocks)) as offload:
+    with offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=adam),
+        stream=StreamOptions(prefetch=len(model.blocks)),
+    ) as offload:
         with torch.no_grad():
             model(x[0]), reference(x[0])
         resident = _resident(model)
@@ -200,7 +206,10 @@ def test_a_write_to_a_compute_dtype_copy_is_refused_not_dropped(scratch):
     reference, model = pair()
     x = batches(1)[0]
     offload = offload_parameters(
-        model, str(scratch), mode="grads", optimizer=adam, compute_dtype=torch.bfloat16, prefetch=len(model.blocks)
+        model,
+        str(scratch),
+        train=TrainOptions(mode="grads", optimizer=adam),
+        stream=StreamOptions(compute_dtype=torch.bfloat16, prefetch=len(model.blocks)),
     )
     with torch.no_grad():
         model(x)
@@ -215,7 +224,9 @@ def test_a_write_to_a_compute_dtype_copy_is_refused_not_dropped(scratch):
     offload.close()
 
     _, model = pair()
-    offload = offload_parameters(model, str(scratch / "2"), compute_dtype=torch.bfloat16, prefetch=len(model.blocks))
+    offload = offload_parameters(
+        model, str(scratch / "2"), stream=StreamOptions(compute_dtype=torch.bfloat16, prefetch=len(model.blocks))
+    )
     with torch.no_grad():
         model(x)
     nn.init.zeros_(dict(model.named_parameters())[name])

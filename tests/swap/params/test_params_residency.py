@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.swap.params import Residency, ResidencyError, offload_parameters
 from deepoffload.swap.params.blocks.residency import TRANSITIONS, Block
 
@@ -26,7 +27,12 @@ def test_only_listed_transitions_are_allowed():
 
 def test_blocks_follow_the_machine_while_streaming(scratch):
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
-    offload = offload_parameters(model, str(scratch), prefetch=1, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    offload = offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        stream=StreamOptions(prefetch=1),
+    )
     try:
         assert [b.state for b in offload.blocks] == [Residency.ON_STORAGE] * 3
         block = offload.blocks[1]

@@ -10,6 +10,7 @@ import hashlib
 import pytest
 import torch
 
+from deepoffload import LoadOptions, StreamOptions, TrainOptions
 from deepoffload.formats import save_sharded
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.blocks.residency import Residency, span
@@ -39,9 +40,9 @@ def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(seed))
 
 
-def offload(model, path, **kwargs):
+def offload(model, path, load: LoadOptions | None = None, **options):
     """``offload_parameters`` with the model's own initializer for what no checkpoint holds (rotary ``inv_freq``)."""
-    return offload_parameters(model, path, init=model._init_weights, **kwargs)
+    return offload_parameters(model, path, load=(load or LoadOptions()).replace(init=model._init_weights), **options)
 
 
 def digest(path) -> str:
@@ -75,13 +76,17 @@ def test_served_blocks_equal_the_copied_path_and_write_nothing(scratch, referenc
     ids = tokens()
     copied_model, served_model = meta_llama(), meta_llama()
     with (
-        offload(copied_model, str(scratch / "copied"), checkpoint=checkpoint, compute_dtype=compute_dtype) as copied,
+        offload(
+            copied_model,
+            str(scratch / "copied"),
+            load=LoadOptions(checkpoint=checkpoint),
+            stream=StreamOptions(compute_dtype=compute_dtype),
+        ) as copied,
         offload(
             served_model,
             str(scratch / "served"),
-            checkpoint=checkpoint,
-            compute_dtype=compute_dtype,
-            serve_from_checkpoint=True,
+            load=LoadOptions(checkpoint=checkpoint, serve_from_checkpoint=True),
+            stream=StreamOptions(compute_dtype=compute_dtype),
         ) as served,
         torch.no_grad(),
     ):
@@ -109,7 +114,10 @@ def test_sharded_checkpoint_serves_the_blocks_inside_one_shard(scratch, referenc
     save_sharded(reference.state_dict(), folder, max_shard_bytes=60_000)
     ids = tokens()
     model = meta_llama()
-    with offload(model, str(scratch / "swap"), checkpoint=folder, serve_from_checkpoint=True) as off, torch.no_grad():
+    with (
+        offload(model, str(scratch / "swap"), load=LoadOptions(checkpoint=folder, serve_from_checkpoint=True)) as off,
+        torch.no_grad(),
+    ):
         served = [b for b in off.blocks if b.served is not None]
         assert served and all(b.served.startswith(str(folder)) for b in served)
         assert off.stats.bytes_written == sum(span(b.masters) for b in off.blocks if b.served is None) > 0
@@ -121,7 +129,10 @@ def test_budget_pins_served_blocks_and_unpins_them_without_a_write(scratch, refe
     model = meta_llama()
     with (
         offload(
-            model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True, max_resident_bytes=1 << 30
+            model,
+            str(scratch / "swap"),
+            load=LoadOptions(checkpoint=checkpoint, serve_from_checkpoint=True),
+            stream=StreamOptions(max_resident_bytes=1 << 30),
         ) as off,
         torch.no_grad(),
     ):
@@ -147,7 +158,9 @@ def test_a_checkpoint_changed_under_a_served_model_is_refused(scratch, reference
 
     ids = tokens()
     model = meta_llama().eval()
-    with offload(model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True) as off:
+    with offload(
+        model, str(scratch / "swap"), load=LoadOptions(checkpoint=checkpoint, serve_from_checkpoint=True)
+    ) as off:
         with torch.no_grad():
             first = model(ids).logits
         other = {k: v + 1 if v.is_floating_point() else v for k, v in reference.state_dict().items()}
@@ -171,9 +184,8 @@ def test_training_a_served_block_is_refused_and_the_checkpoint_is_unchanged(scra
     with offload(
         model,
         str(scratch / "swap"),
-        checkpoint=checkpoint,
-        serve_from_checkpoint=True,
-        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        train=TrainOptions(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        load=LoadOptions(checkpoint=checkpoint, serve_from_checkpoint=True),
     ) as off:
         loss = model(ids, labels=ids).loss
         with pytest.raises(RuntimeError, match="served read-only from the checkpoint .*serve_from_checkpoint"):
@@ -188,7 +200,10 @@ def test_a_changed_served_block_is_dropped_with_an_error(scratch, reference, che
     model = meta_llama()
     with (
         offload(
-            model, str(scratch / "swap"), checkpoint=checkpoint, serve_from_checkpoint=True, max_resident_bytes=1 << 30
+            model,
+            str(scratch / "swap"),
+            load=LoadOptions(checkpoint=checkpoint, serve_from_checkpoint=True),
+            stream=StreamOptions(max_resident_bytes=1 << 30),
         ) as off,
         torch.no_grad(),
     ):
@@ -202,10 +217,12 @@ def test_a_changed_served_block_is_dropped_with_an_error(scratch, reference, che
 
 def test_serving_needs_a_safetensors_checkpoint(scratch, reference):
     with pytest.raises(ValueError, match="needs checkpoint="):
-        offload(meta_llama(), str(scratch), serve_from_checkpoint=True)
+        offload(meta_llama(), str(scratch), load=LoadOptions(serve_from_checkpoint=True))
     torch.save(reference.state_dict(), scratch / "model.pt")
     with pytest.raises(ValueError, match="needs a safetensors checkpoint"):
-        offload(meta_llama(), str(scratch), checkpoint=scratch / "model.pt", serve_from_checkpoint=True)
+        offload(
+            meta_llama(), str(scratch), load=LoadOptions(checkpoint=scratch / "model.pt", serve_from_checkpoint=True)
+        )
 
 
 def test_blocks_converted_to_another_dtype_are_copied(scratch, reference, checkpoint):
@@ -213,9 +230,11 @@ def test_blocks_converted_to_another_dtype_are_copied(scratch, reference, checkp
     model, copied = meta_llama(), meta_llama()
     with (
         offload(
-            model, str(scratch / "a"), checkpoint=checkpoint, serve_from_checkpoint=True, dtype=torch.bfloat16
+            model,
+            str(scratch / "a"),
+            load=LoadOptions(checkpoint=checkpoint, serve_from_checkpoint=True, dtype=torch.bfloat16),
         ) as off,
-        offload(copied, str(scratch / "b"), checkpoint=checkpoint, dtype=torch.bfloat16),
+        offload(copied, str(scratch / "b"), load=LoadOptions(checkpoint=checkpoint, dtype=torch.bfloat16)),
         torch.no_grad(),
     ):
         assert all(b.served is None for b in off.blocks) and off.stats.bytes_written > 0

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import TrainOptions
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.autograd.shared_inputs import SharedInputs
 
@@ -78,7 +79,7 @@ def test_shared_inputs_train_bit_identical_to_memory(scratch, mode, autocast):
 
     expected = run(ref, ref_step, autocast)
     blocks = [*model.encoder, *model.decoder]
-    with offload_parameters(model, str(scratch), blocks=blocks, mode=mode, optimizer=adam) as off:
+    with offload_parameters(model, str(scratch), blocks=blocks, train=TrainOptions(mode=mode, optimizer=adam)) as off:
 
         def off_step():
             off.step()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import StreamOptions, TrainOptions
 from deepoffload.swap.params import offload_parameters
 from tests.support.models import ModelSize, SyntheticText, build_model
 
@@ -30,7 +31,9 @@ def test_training_bit_identical_to_in_memory(scratch, mode, prefetch):
     reference, model = build_model(SIZE), build_model(SIZE)
     make = OPTIMIZERS["adam"]
     optimizer = make(reference.parameters())
-    offload = offload_parameters(model, str(scratch), prefetch=prefetch, mode=mode, optimizer=make)
+    offload = offload_parameters(
+        model, str(scratch), train=TrainOptions(mode=mode, optimizer=make), stream=StreamOptions(prefetch=prefetch)
+    )
     block_bytes = offload.stats.block_bytes
     data, peaks = SyntheticText(SIZE), []
     try:
@@ -61,7 +64,7 @@ def test_other_per_parameter_optimizers_fused(scratch, name):
     reference, model = build_model(SIZE), build_model(SIZE)
     optimizer = OPTIMIZERS[name](reference.parameters())
     data = SyntheticText(SIZE)
-    with offload_parameters(model, str(scratch), optimizer=OPTIMIZERS[name]) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=OPTIMIZERS[name])) as offload:
         for _ in range(3):
             batch = data.batch()
             optimizer.zero_grad()
@@ -79,7 +82,7 @@ def test_gradient_accumulation_in_grads_mode(scratch):
     make = OPTIMIZERS["adam"]
     optimizer = make(reference.parameters())
     data = SyntheticText(SIZE)
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=make) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode="grads", optimizer=make)) as offload:
         for _ in range(2):
             optimizer.zero_grad()
             for _ in range(3):  # three micro-batches per step
@@ -117,7 +120,12 @@ def test_mixed_precision_matches_in_memory_with_the_same_casts(scratch, mode, cl
     compute.to(torch.bfloat16)
     make = OPTIMIZERS["adam"]
     optimizer = make(masters_model.parameters())
-    offload = offload_parameters(model, str(scratch), mode=mode, optimizer=make, compute_dtype=torch.bfloat16)
+    offload = offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode=mode, optimizer=make),
+        stream=StreamOptions(compute_dtype=torch.bfloat16),
+    )
     generator = torch.Generator().manual_seed(1)
     try:
         for _ in range(3):
@@ -164,7 +172,7 @@ def test_block_called_twice_steps_once_after_its_last_backward(scratch):
     make = OPTIMIZERS["sgd"]
     optimizer = make(reference.parameters())
     x = torch.randn(4, 8)
-    with offload_parameters(model, str(scratch), optimizer=make) as offload:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=make)) as offload:
         for _ in range(2):
             optimizer.zero_grad()
             reference(x).square().mean().backward()
@@ -180,7 +188,7 @@ def test_input_gradients_reach_the_rest_of_the_model(scratch):
     reference, model = build_model(SIZE), build_model(SIZE)
     batch = SyntheticText(SIZE).batch()
     reference.loss(batch).backward()
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=OPTIMIZERS["sgd"]):
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode="grads", optimizer=OPTIMIZERS["sgd"])):
         model.loss(batch).backward()
         assert torch.equal(model.embed.weight.grad, reference.embed.weight.grad)
         assert torch.equal(model.position.grad, reference.position.grad)

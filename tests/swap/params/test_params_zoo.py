@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
+from deepoffload import LoadOptions, StreamOptions, TrainOptions  # noqa: E402
 from deepoffload.swap.params import offload_parameters  # noqa: E402
 from tests.support.stepping import offload_step, reference_step  # noqa: E402
 
@@ -177,7 +178,9 @@ def test_sharded_save_pretrained_checkpoint_loads_like_in_memory(scratch, name, 
     model = empty(name, how).eval()
     with (
         offload_parameters(
-            model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights, strict=False
+            model,
+            str(scratch / "swap"),
+            load=LoadOptions(checkpoint=scratch / "ckpt", init=model._init_weights, strict=False),
         ) as off,
         torch.no_grad(),
     ):
@@ -235,7 +238,11 @@ def test_trains_generates_and_saves_like_in_memory(scratch, name, mode, half):
     model = empty(name, "accelerate").train()
     budget = sum(p.numel() * p.element_size() for p in ref.parameters()) // 2 if half else None
     off = offload_parameters(
-        model, str(scratch / "swap"), checkpoint=scratch / "ckpt", mode=mode, optimizer=adam, max_resident_bytes=budget
+        model,
+        str(scratch / "swap"),
+        train=TrainOptions(mode=mode, optimizer=adam),
+        load=LoadOptions(checkpoint=scratch / "ckpt"),
+        stream=StreamOptions(max_resident_bytes=budget),
     )
     assert bool(off.pinned) == half
     for streamed, in_memory in train_both(model, off, ref, adam(ref.parameters()), 3):
@@ -269,7 +276,7 @@ def test_encoder_decoder_trains_with_its_defaults(scratch, name, mode):
     ref.train(), model.train()
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     optimizer = sgd(ref.parameters())
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=sgd) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=sgd)) as off:
         for k, outputs in enumerate(train_both(model, off, ref, optimizer, 3)):
             if k == 0:  # the forward is bit-identical: only the backward's sums differ
                 assert outputs[0].loss.item() == outputs[1].loss.item()
@@ -291,7 +298,7 @@ def test_encoder_decoder_with_reentrant_checkpointing_is_bit_identical(scratch, 
     model = copy.deepcopy(ref)
     for m in (ref, model):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=adam) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(mode="grads", optimizer=adam)) as off:
         for streamed, in_memory in train_both(model, off, ref, adam(ref.parameters()), 2):
             assert streamed.loss.item() == in_memory.loss.item()
         assert equal_states(off.state_dict(), ref.state_dict()) == []
@@ -303,7 +310,7 @@ def test_forward_with_gradients_is_bit_identical(scratch, name):
     from a streamed block either: it did, and the next block then took other kernels (logits differed by 7e-7)."""
     ref = reference(name).eval()
     model = copy.deepcopy(ref)
-    with offload_parameters(model, str(scratch), optimizer=adam) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=adam)) as off:
         ids = tokens()
         out, expected = run(model, ids, labels=True), run(ref, ids, labels=True)
         assert torch.equal(out.logits, expected.logits)
@@ -333,7 +340,7 @@ def test_fresh_init_gives_initialize_weights_values(scratch, name, how):
     ref.initialize_weights()
     model = empty(name, how)
     torch.manual_seed(0)
-    with offload_parameters(model, str(scratch), init=model._init_weights), torch.no_grad():
+    with offload_parameters(model, str(scratch), load=LoadOptions(init=model._init_weights)), torch.no_grad():
         assert tied_groups(model) == tied_groups(ref)
         assert equal_states(model.state_dict(), ref.state_dict()) == []
         ref.eval(), model.eval()
@@ -347,7 +354,10 @@ def test_checkpoint_in_names_transformers_converts_loads_as_transformers_loads_i
     ref = reference(name).eval()
     ref.save_pretrained(scratch / "ckpt", safe_serialization=True, max_shard_size="50KB")
     model = empty(name, "meta").eval()
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "ckpt") as off, torch.no_grad():
+    with (
+        offload_parameters(model, str(scratch / "swap"), load=LoadOptions(checkpoint=scratch / "ckpt")) as off,
+        torch.no_grad(),
+    ):
         assert off.load_report == ([], [])
         assert equal_states(model.state_dict(), ref.state_dict()) == []
         assert torch.equal(run(model, tokens()).logits, run(ref, tokens()).logits)
@@ -361,7 +371,7 @@ def test_serve_from_a_sharded_save_pretrained_checkpoint(scratch, name):
     model = empty(name, "accelerate").eval()
     with (
         offload_parameters(
-            model, str(scratch / "swap"), checkpoint=scratch / "ckpt", serve_from_checkpoint=True
+            model, str(scratch / "swap"), load=LoadOptions(checkpoint=scratch / "ckpt", serve_from_checkpoint=True)
         ) as off,
         torch.no_grad(),
     ):
@@ -385,7 +395,12 @@ def test_router_logits_recorded_inside_blocks_are_refused_in_training(scratch, b
     model = copy.deepcopy(ref)
     size = sum(p.numel() * p.element_size() for p in ref.parameters()) if budget else None
     ids = tokens()
-    with offload_parameters(model, str(scratch), mode="grads", optimizer=adam, max_resident_bytes=size) as off:
+    with offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode="grads", optimizer=adam),
+        stream=StreamOptions(max_resident_bytes=size),
+    ) as off:
         with pytest.raises(
             ValueError, match="model.layers.0: a tensor computed inside it outlives.*output_router_logits=True"
         ):
@@ -418,7 +433,7 @@ def test_a_block_output_read_twice_trains_within_rounding(scratch):
     model = copy.deepcopy(ref)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     optimizer = sgd(ref.parameters())
-    with offload_parameters(model, str(scratch), optimizer=sgd) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(optimizer=sgd)) as off:
         for k in range(3):
             ids = tokens(10 + k)
             losses = []
@@ -443,7 +458,9 @@ def test_dtype_bf16_on_meta_equals_from_pretrained_in_bf16(scratch, name):
     model = empty(name, "meta").eval()
     with (
         offload_parameters(
-            model, str(scratch / "swap"), checkpoint=scratch / "ckpt", init=model._init_weights, dtype=torch.bfloat16
+            model,
+            str(scratch / "swap"),
+            load=LoadOptions(checkpoint=scratch / "ckpt", init=model._init_weights, dtype=torch.bfloat16),
         ),
         torch.no_grad(),
     ):

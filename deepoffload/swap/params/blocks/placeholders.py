@@ -332,9 +332,9 @@ def _message(param: StreamedParameter, what: str, kind: str) -> str:
         )
     return (
         f"{where}: {what} (a torch.optim optimizer built over model.parameters() after offloading) would never "
-        f"see the streamed blocks' gradients, which offload_parameters steps itself. Pass optimizer=<factory> "
-        f"to offload_parameters(...) and call off.step(); an optimizer for other parameters must leave out "
-        f"StreamedParameter instances"
+        f"see the streamed blocks' gradients, which offload_parameters steps itself. Pass train=TrainOptions("
+        f"optimizer=<factory>) to offload_parameters(...) and call off.step(); an optimizer for other parameters "
+        f"must leave out StreamedParameter instances"
     )
 
 

@@ -68,7 +68,7 @@ def check_backward(call: BlockCall, optimizers: Optimizers) -> None:
     if block.trainable and optimizers.block is None:
         raise StreamedParameterError(
             f"block {block.prefix}: backward needs gradients of its parameters but "
-            f"offload_parameters() got no optimizer=: pass optimizer= to train, or freeze the "
+            f"offload_parameters() got no optimizer: pass train=TrainOptions(optimizer) to train, or freeze the "
             f"parameters (requires_grad_(False))"
         )
 

@@ -3,7 +3,7 @@
 ``DistributedDataParallel`` keeps every parameter's gradient in its own flat buckets and reduces them after the
 backward, but a streamed block steps (fused mode) or writes its gradients away (grads mode) inside its backward,
 before DDP's reduction: the ranks would step with their own gradients and drift apart silently.
-``offload_parameters(..., data_parallel=True)`` averages each block's gradients inside its backward instead (see
+``TrainOptions(optimizer, data_parallel=True)`` averages each block's gradients inside its backward instead (see
 ``data_parallel``). FSDP2's ``fully_shard`` replaces each parameter by a sharded ``DTensor`` that it gathers before
 each forward; a streamed block's parameters are 0-element placeholders filled from storage just before the block
 runs, which FSDP2's gathering cannot see.
@@ -21,14 +21,16 @@ from ...ddp import ddp_class, ddp_holding
 DDP_ADVICE = (
     "streamed blocks step (fused mode) or write their gradients away (grads mode) inside their backward, "
     "before DistributedDataParallel would reduce them, so the ranks would drift apart: do not wrap the "
-    "model in DistributedDataParallel; pass offload_parameters(model, ..., data_parallel=True) (or a "
+    "model in DistributedDataParallel; pass offload_parameters(model, ..., train=TrainOptions(optimizer, "
+    "data_parallel=True)) (or a "
     "ProcessGroup), which averages each block's gradients across the ranks inside its backward, as DDP "
     "does"
 )
 FSDP_ADVICE = (
     "FSDP2 (fully_shard) gathers sharded parameters it owns before each forward, and streaming fills a "
     "block's parameters from storage just before it runs: the two cannot hold the same parameters. Use "
-    "offload_parameters(model, ..., data_parallel=True) (each rank streams the whole model from its own "
+    "offload_parameters(model, ..., train=TrainOptions(optimizer, data_parallel=True)) (each rank streams the "
+    "whole model from its own "
     "storage), FSDP2 with deepoffload's OffloadedOptimizer (optimizer state on storage, parameters sharded "
     "in memory), or DeepSpeed ZeRO-3 with offload_param on NVMe through "
     "deepoffload.integrations.deepspeed.enable()"

@@ -56,8 +56,8 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
         read_only = block.source.read_only()
         if read_only is not None:
             raise ValueError(
-                f"this would convert the parameters of block {block.prefix}, {read_only}: pass dtype= to "
-                f"offload_parameters() or offload without serve_from_checkpoint="
+                f"this would convert the parameters of block {block.prefix}, {read_only}: pass "
+                f"LoadOptions(dtype=) to offload_parameters() or offload without serve_from_checkpoint="
             )
         todo.append(block)
     return todo

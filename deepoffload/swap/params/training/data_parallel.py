@@ -1,4 +1,4 @@
-"""Data-parallel streaming: ``offload_parameters(..., data_parallel=True or a ProcessGroup)``.
+"""Data-parallel streaming: ``TrainOptions(optimizer, data_parallel=True or a ProcessGroup)``.
 
 Every rank streams the whole model from its own storage and gradients are averaged across the ranks with DDP's
 arithmetic.
@@ -52,7 +52,7 @@ def process_group(data_parallel: object):
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise UnsupportedError(
-            "offload_parameters(..., data_parallel=...): torch.distributed is not initialized: call "
+            "TrainOptions(data_parallel=...): torch.distributed is not initialized: call "
             "torch.distributed.init_process_group() first (torchrun sets its environment)"
         )
     if data_parallel is True:

@@ -66,14 +66,14 @@ class Fused(Training):
                 f"block {block.prefix}: accelerate accumulates gradients here (Accelerator("
                 f"gradient_accumulation_steps>1) inside accelerator.accumulate(), before its step), but "
                 f"in fused mode each block steps inside its backward. Use offload_parameters(..., "
-                f'mode="grads") to accumulate gradients'
+                f'train=TrainOptions(optimizer, mode="grads")) to accumulate gradients'
             )
         if block.stepped:
             raise StreamedParameterError(
                 f"block {block.prefix}: two backward passes per step() in fused mode (gradient "
                 f"accumulation, or a second loss): each block steps inside its backward, so the "
                 f"second pass would step it again. Call step() after each backward, or use "
-                f'offload_parameters(..., mode="grads") to accumulate gradients'
+                f'offload_parameters(..., train=TrainOptions(optimizer, mode="grads")) to accumulate gradients'
             )
         self.stepping_optimizer(block).prefetch(m for m in block.masters if m.requires_grad)
 
@@ -116,7 +116,7 @@ class Fused(Training):
             raise ValueError(
                 "step(clip_grad_norm=...): clipping by the global gradient norm is impossible in "
                 "fused mode (each block already stepped inside backward, before the other blocks' "
-                'gradients existed); use offload_parameters(..., mode="grads") to clip'
+                'gradients existed); use offload_parameters(..., train=TrainOptions(optimizer, mode="grads")) to clip'
             )
         deferred = [b for b in self.store.blocks if b.deferred]
         for k, block in enumerate(deferred):

@@ -38,10 +38,13 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, offload: ParameterOffload, clip_grad_norm: float | None = None):
         if not offload.optimizers:
-            raise ValueError("StreamedOptimizer: offload_parameters() got no optimizer=; pass one to train")
+            raise ValueError(
+                "StreamedOptimizer: offload_parameters() got no train=TrainOptions(optimizer); pass one to train"
+            )
         if clip_grad_norm is not None and offload.mode != "grads":
             raise ValueError(
-                'StreamedOptimizer(clip_grad_norm=...): clipping needs offload_parameters(..., mode="grads")'
+                "StreamedOptimizer(clip_grad_norm=...): clipping needs offload_parameters(..., "
+                'train=TrainOptions(optimizer, mode="grads"))'
             )
         # not Optimizer.__init__: the parameters and their state belong to offload's optimizers
         self.offload, self.clip_grad_norm = offload, clip_grad_norm
@@ -287,7 +290,7 @@ def trainer_arguments(offload: ParameterOffload, clip_grad_norm: float | None = 
             if args.gradient_accumulation_steps > 1 and offload.mode == "fused":
                 raise ValueError(
                     "Trainer gradient_accumulation_steps > 1 needs offload_parameters(..., "
-                    'mode="grads"): in fused mode each block steps inside its backward'
+                    'train=TrainOptions(optimizer, mode="grads")): in fused mode each block steps inside its backward'
                 )
             # the Trainer logs a gradient norm over model.parameters() before each step: the streamed blocks'
             # gradients read None there (that logged norm covers the parameters in memory only)
