@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepoffload import offload_activations
+from deepoffload import TrainOptions, offload_activations
 from deepoffload.swap.params import offload_parameters
 from tests.support.models import ModelSize, SyntheticText, build_model
 
@@ -24,7 +24,7 @@ def test_streamed_training_with_saved_activations_on_storage(scratch, mode, back
     optimizer = make(reference.parameters())
     data = SyntheticText(SIZE)
     (scratch / "params").mkdir()
-    offload = offload_parameters(model, str(scratch / "params"), mode=mode, optimizer=make)
+    offload = offload_parameters(model, str(scratch / "params"), train=TrainOptions(make, mode=mode))
     written = 0
     try:
         for _ in range(3):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import LoadOptions
 from deepoffload.cli.main import main
 from deepoffload.errors import CheckpointError, CheckpointNotFoundError, UnsupportedError
 from deepoffload.formats import (
@@ -113,7 +114,7 @@ def test_toy_format_loads_end_to_end_through_the_registry_alone(toy, scratch, ca
     with torch.device("meta"):
         model = Net()
     x = torch.randn(2, 8)
-    with offload_parameters(model, str(scratch / "swap"), checkpoint=scratch / "toy") as off:
+    with offload_parameters(model, str(scratch / "swap"), load=LoadOptions(checkpoint=scratch / "toy")) as off:
         assert off.load_report == ([], [])
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import TrainOptions
 from deepoffload.swap.params import find_blocks, offload_parameters
 from deepoffload.swap.params.blocks.adapters import Child, adapters, register_adapter, unregister_adapter
 
@@ -89,7 +90,7 @@ def test_a_model_found_by_the_adapter_trains_bit_identically_to_memory(scratch, 
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
     optimizer = make(reference.parameters())
     inputs = [torch.randn(5, 8) for _ in range(3)]
-    with offload_parameters(model, str(scratch), mode=mode, optimizer=make) as off:
+    with offload_parameters(model, str(scratch), train=TrainOptions(make, mode=mode)) as off:
         assert [b.prefix for b in off.blocks] == ["stages.a", "stages.c", "stages.b"]
         assert off.blocks[0].names == ["down.bias", "down.weight", "up.bias", "up.weight", "norm.bias", "norm.weight"]
         for x in inputs:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepoffload import StreamOptions
 from deepoffload.swap.params import offload_parameters
 from deepoffload.swap.params.blocks.residency import Block
 from deepoffload.swap.params.storage.sources import CheckpointFiles, SwapFiles
@@ -41,7 +42,7 @@ def test_offloaded_blocks_read_from_swap_files(scratch):
 
 def test_a_read_only_source_refuses_the_write_back(scratch):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    with offload_parameters(model, str(scratch), max_resident_bytes=1 << 20) as off:
+    with offload_parameters(model, str(scratch), stream=StreamOptions(max_resident_bytes=1 << 20)) as off:
         block = off.blocks[0]
         block.source = CheckpointFiles("elsewhere.safetensors")  # as if served: the store must not write it
         with pytest.raises(RuntimeError, match="served read-only from the checkpoint elsewhere.safetensors"):

@@ -66,7 +66,7 @@ def test_a_grad_scaler_over_another_model_is_not_refused_while_blocks_train(scra
     """Only a scaled loss that runs the offload's blocks (or reaches its model's parameters) is refused: a model in
     memory beside a streamed one trains with its GradScaler as it would alone."""
     model = harness.build("plain").train()
-    off = offload_parameters(model, str(scratch), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    off = offload_parameters(model, str(scratch), train=TrainOptions(lambda ps: torch.optim.SGD(ps, lr=0.1)))
     try:
         other, alone = harness.build("plain").train(), harness.build("plain").train()
         expected = _loop(alone, torch.optim.SGD(alone.parameters(), lr=0.1), torch.amp.GradScaler("cpu"))

@@ -87,7 +87,8 @@ def scaled_loss_error(mode: str) -> StreamedParameterError:
         The error naming what works.
     """
     return StreamedParameterError(
-        f"offload_parameters(mode={mode!r}): a GradScaler scales this loss, but the streamed blocks' "
+        f"offload_parameters(train=TrainOptions(mode={mode!r})): a GradScaler scales this loss, but the streamed "
+        f"blocks' "
         f"gradients never reach scaler.unscale_()/scaler.step() (fused mode steps each block inside backward, "
         f"grads mode keeps them for off.step()), so the blocks would step on scaled gradients and an overflow "
         f"would not be skipped; nothing was stepped. bfloat16 needs no loss scaling: drop the GradScaler (with "

@@ -108,7 +108,8 @@ def check_per_parameter(optimizers: list[OffloadedOptimizer]) -> None:
         for opt in optimizers:
             opt.close()
         raise StreamedParameterError(
-            f"offload_parameters(optimizer=...): this {type(whole[0].optimizer).__name__} is declared to read several "
+            f"offload_parameters(train=TrainOptions(optimizer)): this {type(whole[0].optimizer).__name__} is "
+            f"declared to read several "
             f"parameters in one step (deepoffload_per_parameter = False), but streamed blocks step block by block; "
             f"use an optimizer whose step reads each parameter alone (torch's built-in ones), or keep the model in "
             f"memory and put only its state on storage with OffloadedOptimizer(..., per_parameter=False)"
