@@ -172,12 +172,12 @@ def _as_from_pretrained(path: str) -> bool:
         from transformers import AutoConfig
     except ImportError:  # no transformers: no from_pretrained either, so the plan counts torch alone
         return False
-    from ..swap.params.pretrained import _build, _model_class
+    from ..swap.params.pretrained import build_model, model_class_for
 
     try:  # a config transformers cannot build (unknown model_type, remote code): from_pretrained refuses it too
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
-            _build(_model_class(config, None), config)
+            build_model(model_class_for(config, None), config)
     except Exception:  # what from_pretrained would refuse: plan as for a checkpoint alone
         return False
     return True

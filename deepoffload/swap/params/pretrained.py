@@ -21,7 +21,17 @@ from .offload import ParameterOffload
 from .options import LoadOptions, StreamOptions, TrainOptions, check_options, moved_keywords
 
 
-def _model_class(config: Any, model_class: Any) -> Any:
+def model_class_for(config: Any, model_class: Any) -> Any:
+    """The class ``from_pretrained`` builds for a transformers ``config``.
+
+    Args:
+        config: A transformers ``PretrainedConfig``.
+        model_class: The class asked for, or None.
+
+    Returns:
+        ``model_class`` when given, else the first of the config's ``architectures`` that transformers has, else
+        ``transformers.AutoModel``.
+    """
     import transformers
 
     if model_class is not None:
@@ -33,7 +43,16 @@ def _model_class(config: Any, model_class: Any) -> Any:
     return transformers.AutoModel
 
 
-def _build(model_class: Any, config: Any) -> nn.Module:
+def build_model(model_class: Any, config: Any) -> nn.Module:
+    """``model_class`` built from ``config`` as transformers builds it (under the caller's default device).
+
+    Args:
+        model_class: A transformers model class or an ``AutoModel*`` class.
+        config: Its config.
+
+    Returns:
+        The model, its weights initialised as the class does (on the meta device under ``torch.device("meta")``).
+    """
     if hasattr(model_class, "from_config"):  # an AutoModel* class
         return model_class.from_config(config)
     if hasattr(model_class, "_from_config"):
@@ -117,7 +136,7 @@ def from_pretrained(
         )
     hf_config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = _build(_model_class(hf_config, model_class), hf_config)
+        model = build_model(model_class_for(hf_config, model_class), hf_config)
     load = (load or LoadOptions()).replace(checkpoint=folder)
     offload = offload_parameters(model, path, train=train, load=load, stream=stream, config=config)
     model.eval()
