@@ -359,7 +359,7 @@ def check_private(package: Package) -> list[Violation]:
 
         def module_at(node: ast.expr) -> str | None:
             if isinstance(node, ast.Name):
-                return bound.get(node.id)  # noqa: B023 - used within this iteration only
+                return bound.get(node.id)
             if isinstance(node, ast.Attribute):
                 parent = module_at(node.value)
                 if parent is not None and f"{parent}.{node.attr}" in package.modules:
@@ -370,9 +370,7 @@ def check_private(package: Package) -> list[Violation]:
             if isinstance(node, ast.Attribute) and is_private(node.attr):
                 owner = module_at(node.value)
                 if owner is not None and owner != name and f"{owner}.{node.attr}" not in package.modules:
-                    found.append(
-                        Violation(package.path(name), node.lineno, "private", f"reads {node.attr} of {owner}")
-                    )
+                    found.append(Violation(package.path(name), node.lineno, "private", f"reads {node.attr} of {owner}"))
     return found
 
 
@@ -425,9 +423,7 @@ def check(root: Path, under: str | None = None) -> list[Violation]:
         def inside(path: str) -> bool:
             return path == prefix or path.startswith(prefix + "/")
 
-        found = [
-            v for v in found if inside(v.path) or any(inside(package.path(m)) for m in v.modules if m in package.modules)
-        ]
+        found = [v for v in found if inside(v.path) or any(inside(package.path(m)) for m in v.modules)]
     return sorted(set(found), key=lambda v: (v.path, v.line, v.kind, v.message))
 
 
