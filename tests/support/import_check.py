@@ -327,7 +327,7 @@ def _bound_modules(package: Package, name: str) -> dict[str, str]:
                     bound[alias.asname] = full
                 elif not alias.asname:
                     top = alias.name.partition(".")[0]
-                    if _absolute(top) in package.modules:
+                    if _absolute(alias.name) in package.modules:
                         bound[top] = _absolute(top)
         else:
             base = _from_base(node, name, package_init)
@@ -369,7 +369,7 @@ def check_private(package: Package) -> list[Violation]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and is_private(node.attr):
                 owner = module_at(node.value)
-                if owner is not None and owner != name and f"{owner}.{node.attr}" not in package.modules:
+                if owner in package.modules and owner != name and f"{owner}.{node.attr}" not in package.modules:
                     found.append(Violation(package.path(name), node.lineno, "private", f"reads {node.attr} of {owner}"))
     return found
 
