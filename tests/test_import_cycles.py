@@ -116,6 +116,15 @@ def write(root: Path, files: dict[str, str]) -> None:
             [],
             [["deepoffload.a", "deepoffload.b", "deepoffload.a"]],
         ),
+        (  # a name taken from the package's own __init__, which imports the taker for the type checker
+            {
+                "deepoffload/io/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from .handle import H\nLIMIT = 1\n",
+                "deepoffload/io/handle.py": "from . import LIMIT\n",
+            },
+            [],
+            [["deepoffload.io", "deepoffload.io.handle", "deepoffload.io"]],
+        ),
     ],
 )
 def test_the_check_finds_a_cycle(tmp_path, files, at_import, everywhere):
@@ -135,7 +144,8 @@ def test_the_check_finds_imports_up_a_layer(tmp_path):
             "from . import b\n"  # same part: fine
             "if TYPE_CHECKING:\n    from ..swap.t import T\n"  # up, even only for the type checker
             "def f():\n    from ..checkpoint import api\n",  # up, even on first use
-            "deepoffload/io/b.py": "",
+            "deepoffload/io/b.py": "from .. import AsyncIOHandle\n",  # up: a name of the facade
+            "deepoffload/__init__.py": "",
             "deepoffload/errors.py": "",
             "deepoffload/swap/t.py": "from ..formats.r import R\n",  # sibling part of the same layer
             "deepoffload/formats/r.py": "",
@@ -146,6 +156,7 @@ def test_the_check_finds_imports_up_a_layer(tmp_path):
     assert [(v.path, v.line, v.kind) for v in check(tmp_path)] == [
         ("deepoffload/io/a.py", 5, "upward"),
         ("deepoffload/io/a.py", 7, "upward"),
+        ("deepoffload/io/b.py", 1, "upward"),
         ("deepoffload/storage.py", 1, "unlayered"),
         ("deepoffload/swap/t.py", 1, "sideways"),
     ]

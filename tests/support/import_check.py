@@ -171,7 +171,10 @@ class Package:
                     base = _from_base(node, name, package)
                     targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in self.modules else base for a in node.names]
                 for target in targets:
-                    for module in sorted(_parents_run(target, name)):
+                    run = _parents_run(target, name)
+                    if target != name and isinstance(node, ast.ImportFrom):
+                        run.add(target)  # a name taken from a package above: its __init__ runs that import
+                    for module in sorted(run):
                         if module in self.modules:
                             found.append(Edge(name, module, node.lineno, where, module == target))
         return found
