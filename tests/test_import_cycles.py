@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.import_check import Package, check, cycles, layer_of
+from tests.support.import_check import LAYERS, Package, check, cycles, layer_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKER = ROOT / "tests" / "support" / "import_check.py"
@@ -57,6 +57,15 @@ def test_no_private_name_is_used_across_modules():
 def test_no_error_is_swallowed_without_a_comment():
     swallowed = found(("swallow",))
     assert swallowed == [], "\n".join(swallowed)
+
+
+def test_architecture_names_every_part_of_the_layer_table():
+    """ARCHITECTURE.md's table of layers is this one: each part of ``LAYERS`` is named there as a folder or file."""
+    text = (ROOT / "ARCHITECTURE.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    for part in (p for parts in LAYERS for p in parts):
+        folder = "op_builder" if part == "deepoffload.op_builder" else part.replace(".", "/")
+        leaf = "__init__" if part == "deepoffload" else part.rpartition(".")[2]
+        assert f"`{folder}/`" in text or f"{leaf}.py`" in text, f"ARCHITECTURE.md's layers do not name {part}"
 
 
 def write(root: Path, files: dict[str, str]) -> None:
