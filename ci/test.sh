@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the test dependencies, lints (ruff, configured in pyproject.toml), type-checks (mypy) and runs the whole suite (slow tests
-# included), as docs/development.md says; then the core tests again under `python -O` (library code must not rely on assert,
+# included), as dev-notes/development.md says; then the core tests again under `python -O` (library code must not rely on assert,
 # which tests/test_no_assert.py checks statically; pytest still rewrites the tests' own asserts and conftest's into
 # real checks, so they are not vacuous there), the op-level tests under ASan/UBSan, and the documentation site
 # (mkdocs build --strict, with the docs extra installed).

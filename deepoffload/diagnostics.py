@@ -28,7 +28,7 @@ CANNOT_CREATE = "cannot create a file there"
 def _first_line(cmd: list[str], any_status: bool = False) -> str | None:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):  # the tool is missing or hangs: the fact is unknown (None)
         return None
     lines = (out.stdout or out.stderr).strip().splitlines()
     return lines[0].strip() if (out.returncode == 0 or any_status) and lines else None
@@ -160,7 +160,7 @@ def filesystem(path: Path) -> tuple[str, str]:
             mount = parts[1].replace("\\040", " ")
             if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[1]):
                 best = (parts[2], mount)
-    except OSError:
+    except OSError:  # no /proc/mounts (not Linux): the documented ("unknown", "/")
         pass
     return best
 

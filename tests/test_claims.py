@@ -36,6 +36,7 @@ def pages() -> list[Path]:
     docs = REPO / "docs"
     return [
         REPO / "README.md",
+        REPO / "ARCHITECTURE.md",
         *sorted(p for p in docs.rglob("*.md") if "notes" not in p.relative_to(docs).parts and p.name != "changelog.md"),
     ]
 

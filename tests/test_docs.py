@@ -1,6 +1,7 @@
-"""The README and the documentation are true to the code: every ``python`` block runs as printed (or is marked
-``<!-- no-run: reason -->`` just above it, or only includes an example, which tests/test_examples.py runs), every
-repository file they name exists, and the build-time figure they quote is the builder's.
+"""The README, ``ARCHITECTURE.md`` (which the site includes) and the documentation are true to the code: every
+``python`` block runs as printed (or is marked ``<!-- no-run: reason -->`` just above it, or only includes an
+example, which tests/test_examples.py runs), every repository file and folder they name exists, and the build-time
+figure they quote is the builder's.
 
 Blocks run in one child process (one import of torch and transformers for all), each block in a fresh namespace, in
 a scratch folder where ``/nvme`` is a scratch sub-folder and ``llama/`` a tiny Llama written by ``save_pretrained``
@@ -20,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
+PAGES = [README, REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").rglob("*.md"))]
 pytestmark = pytest.mark.skipif(not README.exists() or not (REPO / "docs").exists(), reason="needs the source tree")
 
 BLOCK = re.compile(r"(?:<!-- no-run: (?P<reason>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)
@@ -97,6 +98,10 @@ def test_named_files_exist():
             if "/" in name and not name.startswith(("/", "out/", "llama/")) and name not in GENERATED:
                 candidates = [REPO / name, REPO / "tests" / name, REPO / "csrc" / "aio" / name]
                 assert any(c.exists() for c in candidates), f"{page.relative_to(REPO)} names {name}, which is not here"
+        for name in set(
+            re.findall(r"`((?:deepoffload|op_builder|csrc|tests|benchmarks|examples)/[\w./-]*/)`", page.read_text())
+        ):
+            assert (REPO / name).is_dir(), f"{page.relative_to(REPO)} names the folder {name}, which is not here"
 
 
 def test_build_message_names_no_figure_but_the_machines_own(tmp_path, monkeypatch):

@@ -1,182 +1,71 @@
-"""No import cycle among the modules of ``deepoffload/`` and ``op_builder/`` (module-level imports; those under
-``if TYPE_CHECKING:`` and inside functions are not run at import and are left out), and none even through the
-imports functions make on first use. Checked statically over the import graph, so it holds for modules no
-test imports. ``op_builder`` is imported as ``deepoffload.op_builder``."""
+"""The import structure of ``deepoffload/`` and ``op_builder/``, checked statically (so it holds for modules no test
+imports) by ``tests/support/import_check.py``, which also runs alone on any checkout:
+
+- no import circle, counting imports under ``if TYPE_CHECKING:`` and inside functions;
+- no import into a higher layer or a sibling part of the same layer (the layer table is ``LAYERS`` there), and no
+  module the table does not place;
+- no underscore name of one module imported or read by another;
+- no ``except`` clause that swallows an error without a comment saying why.
+
+``op_builder`` is checked as ``deepoffload.op_builder``, the name it is installed under."""
 
 from __future__ import annotations
 
-import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.import_check import LAYERS, Package, check, cycles, layer_of
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"deepoffload": "deepoffload", "op_builder": "deepoffload.op_builder"}  # folder -> module name
+CHECKER = ROOT / "tests" / "support" / "import_check.py"
 
 
-def module_files(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
-    """Module name -> (its file, whether it is a package's ``__init__``)."""
-    found = {}
-    for folder, name in PACKAGES.items():
-        for path in sorted((root / folder).rglob("*.py")):
-            parts = list(path.relative_to(root / folder).with_suffix("").parts)
-            package = parts[-1] == "__init__"
-            if package:
-                parts.pop()
-            found[".".join([name, *parts])] = (path, package)
-    return found
-
-
-def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _module_level_imports(body: list[ast.stmt]):
-    """The import statements a module runs when imported: at top level and in its top-level if/try blocks, not in
-    functions, classes or ``if TYPE_CHECKING:``."""
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If):
-            if not _type_checking(node.test):
-                yield from _module_level_imports(node.body)
-            yield from _module_level_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
-                yield from _module_level_imports(block)
-
-
-def _all_imports(body: list[ast.stmt]):
-    """Every import statement a module may run, in functions too, except under ``if TYPE_CHECKING:``."""
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If) and _type_checking(node.test):
-            yield from _all_imports(node.orelse)
-        else:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.stmt):
-                    yield from _all_imports([child])
-                elif isinstance(child, ast.excepthandler):
-                    yield from _all_imports(child.body)
-
-
-def _run_by_importing(target: str, importer: str) -> set[str]:
-    """``target`` and the packages above it, whose ``__init__`` runs first when ``importer`` imports ``target``;
-    less the packages above ``importer`` (and ``importer`` itself), imported before ``importer`` runs."""
-    parts, mine = target.split("."), importer.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} - {
-        ".".join(mine[:i]) for i in range(1, len(mine) + 1)
-    }
-
-
-def import_graph(modules: dict[str, tuple[Path, bool]], in_functions: bool = False) -> dict[str, set[str]]:
-    """Module -> the modules of ``modules`` it imports at module level (``in_functions``: anywhere). ``from P
-    import n`` imports ``P.n`` when that is a module, else ``P``; importing a module also runs the ``__init__`` of
-    each package above it that is not above the importer."""
-    graph: dict[str, set[str]] = {}
-    imports = _all_imports if in_functions else _module_level_imports
-    for name, (path, package) in modules.items():
-        here = name if package else name.rpartition(".")[0]
-        edges = graph[name] = set()
-        for node in imports(ast.parse(path.read_text(), str(path)).body):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = here
-                for _ in range(node.level - 1 if node.level else 0):
-                    base = base.rpartition(".")[0]
-                base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            edges.update(m for t in targets for m in _run_by_importing(t, name) if m in modules)
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle (as a path that returns to its start) per strongly connected group of modules that has one."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    groups: list[list[str]] = []
-
-    def visit(start: str) -> None:  # Tarjan's algorithm, iterative (deep graphs would exhaust recursion)
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                group = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    group.append(member)
-                    if member == node:
-                        break
-                if len(group) > 1:
-                    groups.append(sorted(group))
-
-    for name in sorted(graph):
-        if name not in index:
-            visit(name)
-    return [_cycle_in(graph, set(group)) for group in groups]
-
-
-def _cycle_in(graph: dict[str, set[str]], group: set[str]) -> list[str]:
-    start = min(group)
-    path, seen, node = [start], {start}, start
-    while True:
-        node = min(n for n in graph[node] if n in group)
-        path.append(node)
-        if node in seen:
-            return path[path.index(node) :]
-        seen.add(node)
+def found(kinds: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    return [str(v) for v in check(root) if v.kind in kinds]
 
 
 def test_every_module_is_in_the_graph():
-    modules = module_files()
+    package = Package(ROOT)
     assert {
         "deepoffload.io.handle",
-        "deepoffload.io.staging",
         "deepoffload.op_builder.builder",
-        "deepoffload.swap.params.offload",
-    } <= set(modules)
-    graph = import_graph(modules)
-    assert (
-        "deepoffload.io.handle" in graph["deepoffload.io.staging"]
-        or "deepoffload.io.inputs" in graph["deepoffload.io.staging"]
-    )
+        "deepoffload.swap.params",
+    } <= set(package.modules)
+    graph = package.graph(("module",))
     assert "deepoffload.op_builder.builder" in graph["deepoffload.op_builder.async_io"]
+    assert all(layer_of(name) is not None for name in package.modules)
 
 
 def test_no_import_cycle():
-    found = cycles(import_graph(module_files()))
-    assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+    cycles_found = found(("cycle",))
+    assert cycles_found == [], "\n".join(cycles_found)
 
 
-def test_no_import_cycle_even_through_imports_on_first_use():
-    """E.g. ``handle`` imports ``staging`` when a device tensor first needs it: ``staging`` and ``staged_file`` take
-    their shared helpers from ``inputs``, not from ``handle``; ``op_builder``'s lazy names import ``builder``, which
-    imports ``deepoffload.io.compat`` only by name when an op is loaded."""
-    found = cycles(import_graph(module_files(), in_functions=True))
-    assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+def test_no_import_runs_up_a_layer():
+    layers = found(("upward", "sideways", "unlayered"))
+    assert layers == [], "\n".join(layers)
+
+
+def test_no_private_name_is_used_across_modules():
+    private = found(("private",))
+    assert private == [], "\n".join(private)
+
+
+def test_no_error_is_swallowed_without_a_comment():
+    swallowed = found(("swallow",))
+    assert swallowed == [], "\n".join(swallowed)
+
+
+def test_architecture_names_every_part_of_the_layer_table():
+    """ARCHITECTURE.md's table of layers is this one: each part of ``LAYERS`` is named there as a folder or file."""
+    text = (ROOT / "ARCHITECTURE.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    for part in (p for parts in LAYERS for p in parts):
+        folder = "op_builder" if part == "deepoffload.op_builder" else part.replace(".", "/")
+        leaf = "__init__" if part == "deepoffload" else part.rpartition(".")[2]
+        assert f"`{folder}/`" in text or f"{leaf}.py`" in text, f"ARCHITECTURE.md's layers do not name {part}"
 
 
 def write(root: Path, files: dict[str, str]) -> None:
@@ -187,10 +76,11 @@ def write(root: Path, files: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "files, expected",
+    "files, at_import, everywhere",
     [
         (
             {"deepoffload/io/a.py": "from .b import x\n", "deepoffload/io/b.py": "from . import a\n"},
+            [["deepoffload.io.a", "deepoffload.io.b", "deepoffload.io.a"]],
             [["deepoffload.io.a", "deepoffload.io.b", "deepoffload.io.a"]],
         ),
         (
@@ -199,12 +89,14 @@ def write(root: Path, files: dict[str, str]) -> None:
                 "deepoffload/c.py": "try:\n    from .a import y\nexcept ImportError:\n    pass\n",
             },
             [["deepoffload.a", "deepoffload.c", "deepoffload.a"]],
+            [["deepoffload.a", "deepoffload.c", "deepoffload.a"]],
         ),
         (
             {
                 "deepoffload/x/__init__.py": "from ..op_builder import builder\n",
                 "op_builder/builder.py": "from deepoffload.x import thing\n",
             },
+            [["deepoffload.op_builder.builder", "deepoffload.x", "deepoffload.op_builder.builder"]],
             [["deepoffload.op_builder.builder", "deepoffload.x", "deepoffload.op_builder.builder"]],
         ),
         (  # importing p.c runs p's __init__ first, which imports p.a, which imports m (still importing): a cycle
@@ -215,30 +107,136 @@ def write(root: Path, files: dict[str, str]) -> None:
                 "deepoffload/m.py": "from .p.c import C\nM = 1\n",
             },
             [["deepoffload.m", "deepoffload.p", "deepoffload.p.a", "deepoffload.m"]],
+            [["deepoffload.m", "deepoffload.p", "deepoffload.p.a", "deepoffload.m"]],
         ),
-        (
+        (  # not run at import, but a circle in the design all the same
             {
                 "deepoffload/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n",
                 "deepoffload/b.py": "from .a import A\ndef f():\n    from .a import g\n",
             },
             [],
+            [["deepoffload.a", "deepoffload.b", "deepoffload.a"]],
+        ),
+        (
+            {
+                "deepoffload/a.py": "class A:\n    def f(self):\n        from .b import g\n",
+                "deepoffload/b.py": "from .a import A\n",
+            },
+            [],
+            [["deepoffload.a", "deepoffload.b", "deepoffload.a"]],
+        ),
+        (  # a name taken from the package's own __init__, which imports the taker for the type checker
+            {
+                "deepoffload/io/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from .handle import H\nLIMIT = 1\n",
+                "deepoffload/io/handle.py": "from . import LIMIT\n",
+            },
+            [],
+            [["deepoffload.io", "deepoffload.io.handle", "deepoffload.io"]],
         ),
     ],
 )
-def test_the_check_finds_a_cycle(tmp_path, files, expected):
+def test_the_check_finds_a_cycle(tmp_path, files, at_import, everywhere):
     write(tmp_path, files)
-    assert cycles(import_graph(module_files(tmp_path))) == expected
+    package = Package(tmp_path)
+    assert cycles(package.graph(("module",))) == at_import
+    assert cycles(package.graph()) == everywhere
+    assert [list(v.modules) for v in check(tmp_path) if v.kind == "cycle"] == [sorted(set(c)) for c in everywhere]
 
 
-def test_the_check_in_functions_finds_a_cycle_through_a_lazy_import(tmp_path):
+def test_the_check_finds_imports_up_a_layer(tmp_path):
     write(
         tmp_path,
         {
-            "deepoffload/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
-            "class A:\n    def f(self):\n        from .b import g\n",
-            "deepoffload/b.py": "from .a import A\n",
+            "deepoffload/io/a.py": "from typing import TYPE_CHECKING\n"
+            "from ..errors import E\n"  # down: fine
+            "from . import b\n"  # same part: fine
+            "if TYPE_CHECKING:\n    from ..swap.t import T\n"  # up, even only for the type checker
+            "def f():\n    from ..checkpoint import api\n",  # up, even on first use
+            "deepoffload/io/b.py": "from .. import AsyncIOHandle\n",  # up: a name of the facade
+            "deepoffload/__init__.py": "",
+            "deepoffload/errors.py": "",
+            "deepoffload/swap/t.py": "from ..formats.r import R\n",  # sibling part of the same layer
+            "deepoffload/formats/r.py": "",
+            "deepoffload/checkpoint/api.py": "from ..formats import r\n",  # down: fine
+            "deepoffload/storage.py": "",  # no part of the table
         },
     )
-    modules = module_files(tmp_path)
-    assert cycles(import_graph(modules)) == []
-    assert cycles(import_graph(modules, in_functions=True)) == [["deepoffload.a", "deepoffload.b", "deepoffload.a"]]
+    assert [(v.path, v.line, v.kind) for v in check(tmp_path)] == [
+        ("deepoffload/io/a.py", 5, "upward"),
+        ("deepoffload/io/a.py", 7, "upward"),
+        ("deepoffload/io/b.py", 1, "upward"),
+        ("deepoffload/storage.py", 1, "unlayered"),
+        ("deepoffload/swap/t.py", 1, "sideways"),
+    ]
+
+
+def test_the_check_finds_private_names_used_across_modules(tmp_path):
+    write(
+        tmp_path,
+        {
+            "deepoffload/io/__init__.py": "_shared = 1\n",
+            "deepoffload/io/a.py": "from . import _shared\n"  # from the package's __init__: another module
+            "from .b import _hidden, __all__, _\n"  # only _hidden is private
+            "from .. import _lazy\n"  # an underscore module, not a name
+            "import deepoffload.io.b as bee\n"
+            "import deepoffload.io.b\n"
+            "from . import b\n"
+            "def f():\n    return bee._x, b._y, b.__name__, deepoffload.io.b._z, deepoffload._lazy.go, _own\n"
+            "_own = 1\n",
+            "deepoffload/io/b.py": "_hidden = __all__ = _ = _x = _y = _z = 1\n",
+            "deepoffload/_lazy.py": "go = 1\n",
+        },
+    )
+    assert [(v.line, v.message) for v in check(tmp_path) if v.kind == "private"] == [
+        (1, "imports _shared from deepoffload.io"),
+        (2, "imports _hidden from deepoffload.io.b"),
+        (8, "reads _x of deepoffload.io.b"),
+        (8, "reads _y of deepoffload.io.b"),
+        (8, "reads _z of deepoffload.io.b"),
+    ]
+
+
+def test_the_check_finds_swallowed_errors(tmp_path):
+    write(
+        tmp_path,
+        {
+            "deepoffload/errors.py": "def f(path):\n"
+            "    try:\n        open(path)\n    except OSError:\n        pass\n"  # 4: swallowed
+            "    for p in path:\n"
+            "        try:\n            open(p)\n        except OSError:\n            continue\n"  # 9: swallowed
+            "    try:\n        open(path)\n    except OSError:\n        return None\n"  # 13: swallowed
+            "    try:\n        open(path)\n"
+            "    # the file may be gone: nothing to close\n    except OSError:\n        pass\n"  # 18: says why
+            "    try:\n        open(path)\n    except OSError:  # says why\n        pass\n"
+            "    try:\n        open(path)\n    except OSError:\n        pass  # says why\n"
+            "    try:\n        open(path)\n    except OSError:\n        raise\n"
+            "    try:\n        open(path)\n    except OSError as e:\n        log(e)\n"  # handled
+            "    try:\n        open(path)\n    except OSError:\n        s = '# not a comment'\n        return s\n",
+        },
+    )
+    assert [v.line for v in check(tmp_path) if v.kind == "swallow"] == [4, 9, 13]
+
+
+def test_the_script_runs_on_a_checkout_and_filters_by_folder(tmp_path):
+    write(
+        tmp_path,
+        {
+            "deepoffload/io/a.py": "from ..swap import t\n",
+            "deepoffload/swap/t.py": "try:\n    import os\nexcept ImportError:\n    pass\n",
+        },
+    )
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(CHECKER), str(tmp_path), *args], capture_output=True, text=True)
+
+    everything = run()
+    assert everything.returncode == 1
+    assert everything.stdout.splitlines() == [
+        "deepoffload/io/a.py:1: upward: deepoffload.io.a (layer 3, deepoffload.io) imports deepoffload.swap.t"
+        " (layer 5, deepoffload.swap)",
+        "deepoffload/swap/t.py:3: swallow: except ImportError: pass (no comment why)",
+    ]
+    assert run("--under", "deepoffload/swap").stdout.splitlines() == everything.stdout.splitlines()[1:]
+    (tmp_path / "deepoffload/swap/t.py").write_text("")
+    assert run("--under", "deepoffload/swap").returncode == 0

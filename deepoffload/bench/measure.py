@@ -105,7 +105,7 @@ def available_memory() -> int | None:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError):  # no /proc or an unexpected line: unknown, as documented
         pass
     return None
 
