@@ -135,6 +135,10 @@ def render(report: dict, style: Style) -> str:
         out.append("")
         rows = [[f["name"], yes(f["reads"]), yes(f["writes"]), f["description"]] for f in report["checkpoint_formats"]]
         out.append(_table(rows, ["checkpoint format", "read", "written", "what it is"]))
+    if report.get("extensions"):
+        out.append("")
+        rows = [[e["kind"], e["name"], e["description"]] for e in report["extensions"]]
+        out.append(_table(rows, ["extension", "name", "what it is"]))
     if "path" in report:
         p = report["path"]
         out.append("")
@@ -175,6 +179,19 @@ def checkpoint_format_rows() -> list[dict]:
     ]
 
 
+def extension_rows() -> list[dict]:
+    """The registered storage layouts and byte codecs (``SwapConfig(layout=, codec=)``), from their registries.
+
+    Returns:
+        One ``{"kind", "name", "description"}`` per layout, then per codec (registries that import no torch).
+    """
+    from ..swap.codecs import codec_class, codec_names
+    from ..swap.layouts import layout_class, layout_names
+
+    rows = [{"kind": "storage layout", "name": n, "description": layout_class(n).description} for n in layout_names()]
+    return rows + [{"kind": "byte codec", "name": n, "description": codec_class(n).description} for n in codec_names()]
+
+
 def usable(report: dict) -> bool:
     """True when the async-IO op can be used here: compatible, and it loads when built."""
     op = next(o for o in report["ops"] if o["name"] == "async_io")
@@ -192,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     """
     report = gather(args.path, use_cache=not args.no_probe_cache)
     report["checkpoint_formats"] = checkpoint_format_rows()
+    report["extensions"] = extension_rows()
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -150,3 +150,23 @@ def test_report_does_not_import_torch(aio, tmp_path, built):
         env={**os.environ, "DEEPOFFLOAD_CACHE_DIR": cache},
     )
     assert proc.stdout.split() == ["False", str(built)], proc.stderr
+
+
+def test_the_report_lists_the_registered_layouts_and_codecs_from_their_registries(monkeypatch):
+    from deepoffload.cli.report import extension_rows
+    from deepoffload.swap.codecs import ByteCodec, codec_names, register_codec, unregister_codec
+    from deepoffload.swap.layouts import layout_names
+
+    rows = extension_rows()
+    assert [r["name"] for r in rows if r["kind"] == "storage layout"] == layout_names()
+    assert [r["name"] for r in rows if r["kind"] == "byte codec"] == codec_names()
+    assert all(r["description"] for r in rows), "every built-in says what it is"
+
+    @register_codec("report-toy")
+    class Toy(ByteCodec):
+        description = "a codec registered by this test"
+
+    try:
+        assert {"kind": "byte codec", "name": "report-toy", "description": Toy.description} in extension_rows()
+    finally:
+        unregister_codec("report-toy")

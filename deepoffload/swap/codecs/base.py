@@ -25,10 +25,12 @@ class ByteCodec(abc.ABC):
 
     Attributes:
         name: The name it is registered under (set by ``register_codec``), recorded with every record it encodes.
+        description: One line for ``deepoffload report``'s table of extensions.
         identity: True for the codec that stores bytes as they are: the swapper then skips it (no copy, no cost).
     """
 
     name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
     identity: ClassVar[bool] = False
 
     @abc.abstractmethod

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 class Identity(ByteCodec):
     """Stores bytes as they are; ``TensorSwapper`` never calls it (``identity``), others may."""
 
+    description = "bytes stored as they are (the swapper skips it: no copy)"
     identity = True
 
     def max_stored_bytes(self, nbytes: int) -> int:

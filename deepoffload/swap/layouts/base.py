@@ -47,10 +47,12 @@ class StorageLayout(abc.ABC):
 
     Attributes:
         name: The name it is registered under (set by ``register_layout``).
+        description: One line for ``deepoffload report``'s table of extensions.
         folder: This run's folder (the first one, for a layout with several), shown in reprs and messages.
     """
 
     name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
     folder: str
 
     @abc.abstractmethod

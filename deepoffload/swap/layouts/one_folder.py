@@ -26,6 +26,8 @@ class OneFolder(StorageLayout):
         rank: The rank in the run folder's name (None: taken from the environment).
     """
 
+    description = "every file of a run in one private run folder under the swap folder"
+
     def __init__(self, config: LayoutSettings, rank: int | None = None) -> None:
         self.folder = create_run_folder(config.folder, rank, config.trust_folder_owner)
         if config.keep_files:
