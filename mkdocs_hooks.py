@@ -8,6 +8,8 @@
 - ``<!-- generated: config -->`` becomes the tables of configuration keys (``AioConfig``, ``SwapConfig``) and
   environment variables (``op_builder.env.VARIABLES``);
 - ``<!-- generated: engines -->`` becomes the table of IO engines, from their registry (``deepoffload.io.engines``);
+- ``<!-- generated: extensions -->`` becomes the table of storage layouts, byte codecs and block adapters, from their
+  registries;
 - every ``benchmarks/results/*.json`` becomes a plot ``assets/plots/<name>.png`` (``benchmarks/plot.py``).
 
 It lives beside mkdocs.yml, outside ``docs/``, so that the site holds user documentation only (development notes
@@ -44,6 +46,7 @@ def on_page_markdown(markdown, page, config, files):
         "cli": cli_markdown,
         "config": config_markdown,
         "engines": engines_markdown,
+        "extensions": extensions_markdown,
         "residency": residency_markdown,
     }
     for name, make in generators.items():
@@ -156,6 +159,17 @@ def engines_markdown() -> str:
 
     rows = [(f"`{e.name}`", "native op" if e.native else "Python", e.description) for e in engines()]
     return _table(("engine", "runs in", "what it is"), rows)
+
+
+def extensions_markdown() -> str:
+    from deepoffload.swap.codecs import codec_class, codec_names
+    from deepoffload.swap.layouts import layout_class, layout_names
+    from deepoffload.swap.params.blocks.adapters import adapters
+
+    rows = [("storage layout", f"`{n}`", "`SwapConfig(layout=)`", layout_class(n).description) for n in layout_names()]
+    rows += [("byte codec", f"`{n}`", "`SwapConfig(codec=)`", codec_class(n).description) for n in codec_names()]
+    rows += [("block adapter", f"`{a.name}`", "`register_adapter`", getattr(a, "description", "")) for a in adapters()]
+    return _table(("kind", "name", "chosen by", "what it is"), rows)
 
 
 def config_markdown() -> str:

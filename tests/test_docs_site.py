@@ -69,6 +69,18 @@ def test_the_engines_table_is_the_registry_s(hooks):
     assert sum("<!-- generated: engines -->" in p.read_text() for p in (REPO / "docs").rglob("*.md")) == 1
 
 
+def test_the_extensions_table_is_the_registries(hooks):
+    from deepoffload.swap.codecs import codec_names
+    from deepoffload.swap.layouts import layout_names
+    from deepoffload.swap.params.blocks.adapters import adapters
+
+    rows = hooks.extensions_markdown().splitlines()[2:]
+    names = [row.split(" | ")[1] for row in rows]
+    assert names == [f"`{n}`" for n in (*layout_names(), *codec_names(), *(a.name for a in adapters()))]
+    assert all(row.split(" | ")[3].strip(" |") for row in rows), "every built-in says what it is"
+    assert sum("<!-- generated: extensions -->" in p.read_text() for p in (REPO / "docs").rglob("*.md")) == 1
+
+
 def test_the_cli_page_has_every_command(hooks):
     from deepoffload.cli.main import COMMANDS
 

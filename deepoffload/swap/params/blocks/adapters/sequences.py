@@ -15,6 +15,7 @@ class Sequences:
     """Blocks are the children of ``nn.ModuleList`` / ``nn.Sequential`` containers."""
 
     name = "sequences"
+    description = "the children of nn.ModuleList and nn.Sequential containers (always asked last)"
 
     def children(self, module: nn.Module) -> list[Child] | None:
         """The container's children, each a block unless it is an ``nn.ModuleList``; None for other modules."""
