@@ -32,10 +32,12 @@ def run_python(code: str, env_value: str | None, extra_path: Path | None = None)
 
 PTH_PROBE = f"""
 import json, sys
-before = len(sys.meta_path)
+before = list(sys.meta_path)
 exec({children.PTH_LINE!r})
+# (importing deepoffload from a checkout also adds _link's op_builder alias finder: not the line's)
+added = [f for f in sys.meta_path if f not in before and type(f).__module__ != "deepoffload._link"]
 print(json.dumps({{"imported": sorted(m for m in sys.modules if m.startswith("deepoffload")),
-                   "finders": len(sys.meta_path) - before}}))
+                   "finders": len(added)}}))
 """
 
 

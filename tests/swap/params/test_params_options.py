@@ -137,11 +137,11 @@ def test_train_and_stream_options_reach_the_offload(scratch):
     with offload_parameters(model, str(scratch), train=train, stream=stream) as off:
         assert (off.mode, off.prefetch, off.compute_dtype) == ("grads", 0, torch.bfloat16)
         assert all(b.compute_dtype == torch.bfloat16 for b in off.blocks)
-        assert off.plan.resident_bytes == 1 << 20 and off._block_optimizer is not None
+        assert off.plan.resident_bytes == 1 << 20 and off.training.block_optimizer is not None
         model(torch.randn(2, 8)).sum().backward()
         off.step()  # grads mode: the step streams the blocks through SGD
     with offload_parameters(net(), str(scratch)) as off:  # none given: inference, the defaults
-        assert (off.mode, off.prefetch, off.compute_dtype, off._block_optimizer) == ("fused", 1, None, None)
+        assert (off.mode, off.prefetch, off.compute_dtype, off.training.block_optimizer) == ("fused", 1, None, None)
 
 
 def test_max_memory_reaches_the_plan(scratch):
@@ -183,6 +183,6 @@ def test_from_pretrained_takes_the_same_objects(scratch):
         stream=StreamOptions(prefetch=0),
     )
     with off:
-        assert (off.mode, off.prefetch) == ("grads", 0) and off._block_optimizer is not None
+        assert (off.mode, off.prefetch) == ("grads", 0) and off.training.block_optimizer is not None
         assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
         assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # buffers keep theirs, as transformers does
