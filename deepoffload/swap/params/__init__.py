@@ -92,9 +92,10 @@ share; ``grads``: the grads mode and clipping; ``stepping``; ``data_parallel``; 
 optimizer-shaped view for training loops such as ``transformers.Trainer``); ``autograd/`` (``recompute``: the
 autograd function; ``forward_state``; ``side_effects``: what recomputation must not repeat; ``shared_inputs``);
 ``setup/`` (``materialize``: a model built on ``meta`` made block by block from a checkpoint or an initializer,
-straight to storage; ``init_policy``, ``deferred_init``, ``hf_keys``); ``guards/`` (``refusals``, ``structure``,
-``wrappers``: DDP and FSDP2 around a streamed model, refused). ``from_pretrained`` and ``trainer_arguments`` live
-in ``deepoffload/integrations/hugging_face/``.
+straight to storage; ``init_policy``, ``deferred_init``, ``model_rules``: a family's checkpoint names, float32
+parameters, tying, initializer and caches, asked of a registry); ``guards/`` (``refusals``, ``structure``,
+``wrappers``: DDP and FSDP2 around a streamed model, refused). ``from_pretrained``, ``trainer_arguments`` and the
+Hugging Face model rules live in ``deepoffload/integrations/hugging_face/``.
 """
 
 from .api import offload_parameters
