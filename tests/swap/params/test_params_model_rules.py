@@ -142,7 +142,7 @@ with contextlib.redirect_stdout(io.StringIO()):
     source.save_pretrained("neox")
 with torch.device("meta"):
     model = transformers.GPTNeoXForCausalLM(config)
-off = offload_parameters(model, "swap", load=LoadOptions(checkpoint="neox"))  # embed_out is stored as lm_head
+off = offload_parameters(model, "swap", load=LoadOptions(checkpoint="neox"))  # its checkpoint names lm_head embed_out
 assert "deepoffload.integrations.hugging_face.rules" in sys.modules
 x = torch.tensor([[1, 2, 3]])
 with torch.no_grad():
