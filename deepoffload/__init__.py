@@ -42,7 +42,8 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".swap.optimizer": ["OffloadedOptimizer"],
         ".swap.params": ["offload_parameters", "ParameterOffload", "OffloadStats", "find_blocks"],
         ".swap.params.options": ["LoadOptions", "TrainOptions", "StreamOptions"],
-        ".swap.params.pretrained": ["from_pretrained"],
+        ".integrations.hugging_face.pretrained": ["from_pretrained"],
+        ".integrations.hugging_face.trainer": ["trainer_arguments"],
         ".activations": ["offload_activations", "ActivationOffload"],
         ".checkpoint.api": ["save", "save_async", "load"],
         ".op_builder": ["BuildError"],
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
         UnsupportedError,
         ValidationError,
     )
+    from .integrations.hugging_face.pretrained import from_pretrained
+    from .integrations.hugging_face.trainer import trainer_arguments
     from .io.buffers import aligned_empty, is_aligned, is_pinned
     from .io.handle import AsyncIOHandle
     from .io.request import Request
@@ -76,5 +79,4 @@ if TYPE_CHECKING:
     from .swap.optimizer import OffloadedOptimizer
     from .swap.params import OffloadStats, ParameterOffload, find_blocks, offload_parameters
     from .swap.params.options import LoadOptions, StreamOptions, TrainOptions
-    from .swap.params.pretrained import from_pretrained
     from .swap.tensor_swapper import SwapIn, SwapOut, TensorSwapper

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 import deepoffload
-from deepoffload.swap.params import trainer_arguments
+from deepoffload import trainer_arguments
 
 
 def make_model(layers: int, hidden: int):

@@ -172,7 +172,7 @@ def _as_from_pretrained(path: str) -> bool:
         from transformers import AutoConfig
     except ImportError:  # no transformers: no from_pretrained either, so the plan counts torch alone
         return False
-    from ..swap.params.pretrained import build_model, model_class_for
+    from ..integrations.hugging_face.pretrained import build_model, model_class_for
 
     try:  # a config transformers cannot build (unknown model_type, remote code): from_pretrained refuses it too
         config = AutoConfig.from_pretrained(path)

@@ -29,9 +29,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from deepoffload import trainer_arguments
 from deepoffload.swap.config import SwapConfig
 from deepoffload.swap.optimizer import OffloadedOptimizer
-from deepoffload.swap.params import StreamedOptimizer, find_blocks, offload_parameters, trainer_arguments
+from deepoffload.swap.params import StreamedOptimizer, find_blocks, offload_parameters
 from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOptions
 
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")

@@ -79,7 +79,8 @@ and so is any enabled ``GradScaler``'s ``scale()`` while blocks are trained (``r
 backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile(model)`` compiles around
 the streamed blocks (each a graph break, run outside the graph: equal to the model in memory compiled with its blocks
 excluded, with a warning saying so); ``block.compile()`` on a streamed block compiles its forward, run with the
-parameters resident (``patches``). ``transformers.Trainer``: see ``training.streamed_optimizer``.
+parameters resident (``patches``). ``transformers.Trainer``: ``deepoffload.trainer_arguments``
+(``integrations/hugging_face/trainer.py``).
 
 Layout, by job: ``api`` (``offload_parameters``, the public entry point), ``offload`` (``ParameterOffload``, what it
 returns), ``stats`` (``OffloadStats``), ``budget`` (the memory plan); ``blocks/`` (``finding``: the default block
@@ -91,8 +92,10 @@ share; ``grads``: the grads mode and clipping; ``stepping``; ``data_parallel``; 
 optimizer-shaped view for training loops such as ``transformers.Trainer``); ``autograd/`` (``recompute``: the
 autograd function; ``forward_state``; ``side_effects``: what recomputation must not repeat; ``shared_inputs``);
 ``setup/`` (``materialize``: a model built on ``meta`` made block by block from a checkpoint or an initializer,
-straight to storage; ``init_policy``, ``deferred_init``, ``hf_keys``); ``guards/`` (``refusals``, ``structure``,
-``wrappers``: DDP and FSDP2 around a streamed model, refused); ``pretrained`` (``from_pretrained``).
+straight to storage; ``init_policy``, ``deferred_init``, ``model_rules``: a family's checkpoint names, float32
+parameters, tying, initializer and caches, asked of a registry); ``guards/`` (``refusals``, ``structure``,
+``wrappers``: DDP and FSDP2 around a streamed model, refused). ``from_pretrained``, ``trainer_arguments`` and the
+Hugging Face model rules live in ``deepoffload/integrations/hugging_face/``.
 """
 
 from .api import offload_parameters
@@ -101,7 +104,7 @@ from .blocks.placeholders import StreamedParameter
 from .blocks.residency import Residency, ResidencyError
 from .offload import MODES, OptimizerFactory, ParameterOffload
 from .stats import OffloadStats
-from .training.streamed_optimizer import StreamedOptimizer, trainer_arguments
+from .training.streamed_optimizer import StreamedOptimizer
 
 __all__ = [
     "MODES",
@@ -114,5 +117,4 @@ __all__ = [
     "StreamedParameter",
     "find_blocks",
     "offload_parameters",
-    "trainer_arguments",
 ]

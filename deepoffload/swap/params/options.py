@@ -34,7 +34,8 @@ class LoadOptions:
             folder with its index, or a ``torch.save`` state dict) block by block while offloading, converting
             floating point dtypes to the module's; names and shapes are checked first (``CheckpointError`` listing
             every missing, unexpected or mis-shaped name). A transformers model's checkpoint is read through
-            transformers' own renaming and conversion rules, as its ``from_pretrained`` reads it (see ``hf_keys``).
+            transformers' own renaming and conversion rules, as its ``from_pretrained`` reads it (the model rules of
+            ``setup/model_rules.py``; transformers' are in ``deepoffload/integrations/hugging_face/``).
             None: the module's own values (tensors on the ``meta`` device get theirs from ``init``).
             ``from_pretrained`` sets it to its folder.
         init: For a module with tensors on the ``meta`` device: which of them may get values from an initializer

@@ -190,7 +190,7 @@ def test_trainer_streams_the_blocks(scratch, tmp_path):
     """transformers.Trainer with trainer_arguments(offload): the same weights as a Trainer run in memory with the
     same optimizer and learning-rate schedule; max_grad_norm > 0 is refused (the Trainer would clip only the
     gradients in memory)."""
-    from deepoffload.swap.params import trainer_arguments
+    from deepoffload import trainer_arguments
 
     reference, model = pair("llama")
     generator = torch.Generator().manual_seed(3)
@@ -232,7 +232,7 @@ def test_trainer_with_a_resident_budget_evaluation_and_checkpoints(scratch, tmp_
     checkpoint's weights and the final parameters equal those of the same Trainer run in memory."""
     from safetensors.torch import load_file
 
-    from deepoffload.swap.params import trainer_arguments
+    from deepoffload import trainer_arguments
 
     def build():
         torch.manual_seed(0)
@@ -308,8 +308,8 @@ def test_trainer_resumes_a_streamed_run_from_an_in_memory_checkpoint(scratch, tm
     """A Trainer checkpoint of a run in memory resumes streamed (Trainer(resume_from_checkpoint=...)) exactly when its
     optimizer named its parameters; one that did not is refused, and the refusal names what works: following it (an
     optimizer over model.named_parameters()) gives the weights of the uninterrupted in-memory run."""
+    from deepoffload import trainer_arguments
     from deepoffload.errors import CheckpointError
-    from deepoffload.swap.params import trainer_arguments
 
     generator = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12), generator=generator)]

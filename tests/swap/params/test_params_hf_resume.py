@@ -9,9 +9,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from deepoffload import TrainOptions  # noqa: E402
+from deepoffload import TrainOptions, trainer_arguments  # noqa: E402
 from deepoffload.errors import CheckpointError  # noqa: E402
-from deepoffload.swap.params import offload_parameters, trainer_arguments  # noqa: E402
+from deepoffload.swap.params import offload_parameters  # noqa: E402
 from tests.swap.params.test_params_hf import pair, states_equal  # noqa: E402
 
 

@@ -2,34 +2,27 @@
 
 A tensor the checkpoint gives is read from it. One it lacks gets a value from an initializer only where the user
 asked for it: ``init=`` a function (it initializes every such tensor), or ``init=`` names and ``fnmatch`` patterns
-of ``state_dict()`` names (those tensors are initialized by the model's own initializer: a transformers model's
-``_init_weights``, as transformers' ``from_pretrained`` initializes missing weights, else each module's
-``reset_parameters()``). Without a checkpoint, ``init=None`` initializes everything with the model's own
+of ``state_dict()`` names (those tensors are initialized by the model's own initializer, as its model rules name it:
+a transformers model's ``_init_weights``, as transformers' ``from_pretrained`` initializes missing weights; else
+each module's ``reset_parameters()``). Without a checkpoint, ``init=None`` initializes everything with the model's own
 initializer (the model as its constructor makes it). Tensors no checkpoint holds by design (non-persistent buffers,
 such as rotary ``inv_freq`` or BERT's ``position_ids``) are always computed by that initializer, and so are the
-names a transformers model declares may be missing (``_keys_to_ignore_on_load_missing``).
+names the model rules declare may be missing (a transformers model's ``_keys_to_ignore_on_load_missing``).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
-from typing import Callable, Collection, Union
+from typing import Collection, Union
 
 import torch
 from torch import nn
 
 from ....formats.header import CheckpointError
-from .hf_keys import is_transformers_model
+from .model_rules import InitFunction, rules_for
 
-InitFunction = Callable[[nn.Module], None]
 Init = Union[InitFunction, Collection[str], str]
-
-
-def hf_init(module: nn.Module) -> InitFunction | None:
-    """A Hugging Face ``PreTrainedModel``'s own ``_init_weights`` (None for other modules)."""
-    init = getattr(module, "_init_weights", None)
-    return init if is_transformers_model(module) and callable(init) else None
 
 
 class InitPolicy:
@@ -43,7 +36,7 @@ class InitPolicy:
 
     def __init__(self, module: nn.Module, init: Init | None, checkpoint: bool):
         self.explicit = callable(init)
-        self.function: InitFunction | None = init if callable(init) else hf_init(module)
+        self.function: InitFunction | None = init if callable(init) else rules_for(module).init_function(module)
         if init is None or callable(init):
             self.patterns: list[str] | None = None if (self.explicit or not checkpoint) else []
         else:

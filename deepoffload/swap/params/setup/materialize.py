@@ -20,9 +20,10 @@ before initialization and any such value left afterwards is an error naming the 
 them) are initialized twice, from False and from True, and an element that differs is an error. A non-persistent buffer
 of a block still unset is left for its ancestors' initializer after the walk (``deferred_init``). A tensor of the
 ``state_dict()`` that the checkpoint lacks gets a value from an initializer only where ``init=`` asks for it
-(``InitPolicy``); a transformers model's checkpoint is read in the model's names by transformers' own loading rules
-(``ConvertedCheckpoint``). Meta parameters are replaced by new ``nn.Parameter`` objects (a meta tensor cannot take CPU
-data in place); on any failure the original meta parameters and buffers are put back.
+(``InitPolicy``); the checkpoint is read in the model's names by the rules of its family (``model_rules``: a
+transformers model's by transformers' own loading rules). Meta parameters are replaced by new ``nn.Parameter``
+objects (a meta tensor cannot take CPU data in place); on any failure the original meta parameters and buffers are
+put back.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from ..blocks.residency import Block, Residency, dense_layout
 from ..budget import READER_INFLIGHT_BYTES, READER_SPAN_BYTES
 from ..storage.sources import CheckpointFiles
 from .deferred_init import init_ancestors
-from .hf_keys import ConvertedCheckpoint, is_transformers_model, kept_in_float32, tie_hf_weights
 from .init_policy import Init, InitPolicy
+from .model_rules import CheckpointView, rules_for, tie_weights
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +100,8 @@ class Materializer:
         init: Which tensors the checkpoint lacks may be initialized, and by what (see ``InitPolicy``): a function
             called with each module owning such tensors, ``state_dict()`` names/patterns, or None (only what no
             checkpoint holds: non-persistent buffers; everything without a checkpoint). The default initializer
-            is a Hugging Face model's own ``_init_weights``, else each module's ``reset_parameters()``.
+            is the model's own (its model rules': a Hugging Face model's ``_init_weights``), else each module's
+            ``reset_parameters()``.
         dtype: The dtype of floating-point parameters made from meta (None: as built); buffers keep theirs (rotary
             ``inv_freq`` stays fp32, as in ``from_pretrained``).
         strict: Refuse missing and unexpected checkpoint names (mis-shaped ones always are).
@@ -129,7 +131,7 @@ class Materializer:
         self.init = self.policy.function
         self.dtype = dtype
         self.block_prefixes = block_prefixes
-        self.reader: CheckpointReader | ConvertedCheckpoint | None = None
+        self.reader: CheckpointView | None = None
         self.report = KeyReport([], [])
         self._swapped: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, original) to put back
         self._todo: set[int] = set()  # ids of tensors made here that need a value
@@ -138,24 +140,23 @@ class Materializer:
         self._initialized: set[int] = set()  # ids of tensors made here that init= (not a checkpoint) gave values
         self._deferred: dict[str, torch.Tensor] = {}  # unset non-persistent buffers left for init_ancestors
         self._non_persistent = {n for n, _ in module.named_buffers()} - set(module.state_dict(keep_vars=True))
-        tie_hf_weights(module)
-        self._kept_fp32 = kept_in_float32(module, dtype) if dtype is not None else set()
+        tie_weights(module)
+        self.rules = rules_for(module)
+        self._kept_fp32 = self.rules.kept_in_float32(module, dtype) if dtype is not None else set()
         if checkpoint is not None:
             # read_into keeps at most inflight + one span of buffers (budget.READER_BYTES), whatever the model's size
-            self.reader = CheckpointReader(
-                checkpoint, span_bytes=READER_SPAN_BYTES, inflight_bytes=READER_INFLIGHT_BYTES
-            )
+            reader = CheckpointReader(checkpoint, span_bytes=READER_SPAN_BYTES, inflight_bytes=READER_INFLIGHT_BYTES)
+            self.reader = reader
             try:
-                if serve and not self.reader.serves:  # (the registry says which formats' bytes lie as stored)
+                if serve and not reader.serves:  # (the registry says which formats' bytes lie as stored)
                     raise ValueError(
                         f"serve_from_checkpoint=True needs a safetensors checkpoint (its tensors are "
-                        f"read where they lie); {checkpoint} is a {self.reader.format} file"
+                        f"read where they lie); {checkpoint} is a {reader.format} file"
                     )
-                if is_transformers_model(module):  # read through transformers' own renaming and conversion rules
-                    self.reader = ConvertedCheckpoint(self.reader, module)
+                self.reader = self.rules.checkpoint(reader, module)  # (in the model's names: transformers' rules)
                 self.report = self._check(self.reader, strict)
             except BaseException:
-                self.reader.close()
+                reader.close()
                 raise
         elif self.policy.patterns is not None:
             state = module.state_dict(keep_vars=True)
@@ -164,13 +165,13 @@ class Materializer:
 
     # -- preparing ----------------------------------------------------------------------------------------------
     def _target_dtype(self, t: torch.Tensor) -> torch.dtype:
-        if id(t) in self._kept_fp32:  # (a transformers model's _keep_in_fp32_modules: kept as built, float32)
+        if id(t) in self._kept_fp32:  # (the model rules': transformers' _keep_in_fp32_modules, kept as built)
             return t.dtype
         if self.dtype is not None and t.is_meta and t.is_floating_point() and isinstance(t, nn.Parameter):
             return self.dtype
         return t.dtype
 
-    def _check(self, reader: CheckpointReader | ConvertedCheckpoint, strict: bool) -> KeyReport:
+    def _check(self, reader: CheckpointView, strict: bool) -> KeyReport:
         """Compare the checkpoint with the module's state (names, shapes, convertible dtypes).
 
         A tensor shared by several names (tied weights) needs only one of them in the checkpoint. A tensor on the
@@ -204,7 +205,7 @@ class Materializer:
                 raise
             message = str(e).replace(NAMES_HINT, "")  # strict=False alone leaves these without a value
             raise CheckpointError(f"{message}{self.policy.missing_advice(needy, strict=True)}") from None
-        declared = reader.missing_allowed(report.missing) if isinstance(reader, ConvertedCheckpoint) else set()
+        declared = self.rules.missing_allowed(self.module, report.missing)
         self.policy.check_missing([n for n in report.missing if state[n].is_meta], declared, str(reader.path))
         return report
 

@@ -1,15 +1,11 @@
-"""Training loops that own the optimizer calls, Hugging Face ``transformers.Trainer`` first among them.
+"""Training loops that own the optimizer calls (Hugging Face ``transformers.Trainer`` among them).
 
 ``StreamedOptimizer(offload)`` is an optimizer-shaped view of a ``ParameterOffload``: ``step()`` is ``offload.step()``,
 ``zero_grad()`` is ``offload.zero_grad()``, and ``param_groups`` are the live groups of its optimizers, so learning-rate
-schedulers drive the streamed blocks too. ``trainer_arguments(offload)`` gives the ``optimizers=`` and ``callbacks=`` to
-pass to ``Trainer``; the callback refuses ``max_grad_norm > 0``, since the Trainer would clip only the parameters in
-memory (clip with ``StreamedOptimizer(offload, clip_grad_norm=...)`` in grads mode instead), and lets the streamed
-parameters' ``.grad`` read None during training (outside a Trainer that read is refused until ``step()``), so the
-gradient norm the Trainer logs covers the parameters in memory only. ``StreamedOptimizer.load_state_dict`` also takes
-the state of an optimizer that ran in memory and named its parameters (``from_memory``), so a Trainer checkpoint of an
-in-memory run resumes streamed; the callback then gives the scheduler one entry per streamed group. transformers is
-imported only by ``trainer_arguments``.
+schedulers drive the streamed blocks too. ``StreamedOptimizer.load_state_dict`` also takes the state of an optimizer
+that ran in memory and named its parameters (``from_memory``), so a Trainer checkpoint of an in-memory run resumes
+streamed. The ``Trainer``'s arguments are ``deepoffload.trainer_arguments``
+(``deepoffload/integrations/hugging_face/trainer.py``), whose callback gives the scheduler one entry per streamed group.
 """
 
 from __future__ import annotations
@@ -261,47 +257,3 @@ def from_memory(offload: ParameterOffload, state_dict: dict[str, Any]) -> tuple[
             f"now, or another model?)"
         )
     return result, sources
-
-
-def trainer_arguments(offload: ParameterOffload, clip_grad_norm: float | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``transformers.Trainer`` that stream ``offload``'s blocks.
-
-    Use as ``Trainer(model, args, ..., **trainer_arguments(offload))``.
-
-    Args:
-        offload: The ``ParameterOffload`` of the model trained.
-        clip_grad_norm: Grads mode only: clip by the global norm (see ``StreamedOptimizer``).
-
-    Returns:
-        ``optimizers=`` (a ``StreamedOptimizer``, the Trainer's default scheduler) and ``callbacks=`` (checks the
-        arguments at the start of training: ``max_grad_norm`` must be 0, and gradient accumulation needs grads mode).
-    """
-    from transformers import TrainerCallback
-
-    class StreamingCallback(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            if args.max_grad_norm and args.max_grad_norm > 0:
-                raise ValueError(
-                    f"Trainer max_grad_norm={args.max_grad_norm} with streamed blocks: the Trainer "
-                    f"would clip only the gradients in memory, not the streamed blocks'. Set "
-                    f'TrainingArguments(max_grad_norm=0) and, to clip, use mode="grads" and '
-                    f"trainer_arguments(offload, clip_grad_norm=...)"
-                )
-            if args.gradient_accumulation_steps > 1 and offload.mode == "fused":
-                raise ValueError(
-                    "Trainer gradient_accumulation_steps > 1 needs offload_parameters(..., "
-                    'train=TrainOptions(optimizer, mode="grads")): in fused mode each block steps inside its backward'
-                )
-            # the Trainer logs a gradient norm over model.parameters() before each step: the streamed blocks'
-            # gradients read None there (that logged norm covers the parameters in memory only)
-            for block in offload.blocks:
-                block.grads_read_as_none = True
-            if kwargs.get("lr_scheduler") is not None:  # loaded from an in-memory run's checkpoint: one entry per group
-                optimizer.adapt_scheduler(kwargs["lr_scheduler"])
-
-        def on_train_end(self, args, state, control, **kwargs):
-            for block in offload.blocks:
-                block.grads_read_as_none = False
-
-    optimizer = StreamedOptimizer(offload, clip_grad_norm)
-    return {"optimizers": (optimizer, None), "callbacks": [StreamingCallback()]}

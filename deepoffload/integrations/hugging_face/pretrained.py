@@ -1,7 +1,7 @@
 """``deepoffload.from_pretrained(folder, path, train=, load=, stream=)``: a Hugging Face model folder loaded streamed.
 
 The folder (``config.json`` and safetensors weights, sharded or not) is built on the ``meta`` device and loaded block
-by block, so the model is never whole in memory. transformers is imported only here.
+by block, so the model is never whole in memory. transformers is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointNotFoundError
-from ..config import SwapConfig
-from .api import offload_parameters
-from .offload import ParameterOffload
-from .options import LoadOptions, StreamOptions, TrainOptions, check_options, moved_keywords
+from ...swap.config import SwapConfig
+from ...swap.params.api import offload_parameters
+from ...swap.params.offload import ParameterOffload
+from ...swap.params.options import LoadOptions, StreamOptions, TrainOptions, check_options, moved_keywords
 
 
 def model_class_for(config: Any, model_class: Any) -> Any:

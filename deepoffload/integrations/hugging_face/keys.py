@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ....formats.checks import KeyReport, compare_keys, convertible
-from ....formats.header import CheckpointError
-from ....formats.reader import NAMES_HINT, CheckpointReader
+from ...formats.checks import KeyReport, compare_keys, convertible
+from ...formats.header import CheckpointError
+from ...formats.reader import NAMES_HINT, CheckpointReader
 
 
 def is_transformers_model(module: nn.Module) -> bool:
@@ -72,6 +72,23 @@ def tie_hf_weights(module: nn.Module) -> None:
     meta = any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
     if meta and callable(tie) and hasattr(module, "config"):
         tie()
+
+
+def missing_allowed(module: nn.Module, missing: list[str]) -> set[str]:
+    """The names of ``missing`` a transformers model declares may be missing (``_keys_to_ignore_on_load_missing``).
+
+    Args:
+        module: The model.
+        missing: ``state_dict()`` names the checkpoint lacks.
+
+    Returns:
+        Those the model's ``_adjust_missing_and_unexpected_keys`` removes from the missing ones.
+    """
+    report = types.SimpleNamespace(missing_keys=set(missing), unexpected_keys=set())
+    adjust = getattr(module, "_adjust_missing_and_unexpected_keys", None)
+    if callable(adjust):
+        adjust(report)
+    return set(missing) - report.missing_keys
 
 
 class _Group:
@@ -174,11 +191,7 @@ class ConvertedCheckpoint:
 
     def missing_allowed(self, missing: list[str]) -> set[str]:
         """The names of ``missing`` the model declares may be missing (``_keys_to_ignore_on_load_missing``)."""
-        report = types.SimpleNamespace(missing_keys=set(missing), unexpected_keys=set())
-        adjust = getattr(self.model, "_adjust_missing_and_unexpected_keys", None)
-        if callable(adjust):
-            adjust(report)
-        return set(missing) - report.missing_keys
+        return missing_allowed(self.model, missing)
 
     def check(self, expected: Mapping[str, Any], strict: bool = True) -> KeyReport:
         """Compare what the checkpoint gives with ``expected`` (as ``CheckpointReader.check`` does, in model names).
