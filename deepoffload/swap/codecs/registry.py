@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from ...errors import ConfigError
+from ..class_registry import ClassRegistry
 from .base import ByteCodec
 
-_CODECS: dict[str, type[ByteCodec]] = {}
 C = TypeVar("C", bound=type[ByteCodec])
+_REGISTRY: ClassRegistry = ClassRegistry(ByteCodec, "byte codec", "codec", "register_codec")
 
 
 def register_codec(name: str) -> Callable[[C], C]:
@@ -26,19 +26,7 @@ def register_codec(name: str) -> Callable[[C], C]:
     Raises:
         ValueError: When ``name`` is empty or already taken.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_codec: expected a non-empty name, got {name!r}")
-    if name in _CODECS:
-        raise ValueError(f"register_codec: a codec named {name!r} is registered already ({_CODECS[name]!r})")
-
-    def register(cls: C) -> C:
-        if not (isinstance(cls, type) and issubclass(cls, ByteCodec)):
-            raise TypeError(f"register_codec({name!r}): {cls!r} is not a ByteCodec subclass")
-        cls.name = name
-        _CODECS[name] = cls
-        return cls
-
-    return register
+    return _REGISTRY.register(name)
 
 
 def unregister_codec(name: str) -> None:
@@ -47,7 +35,7 @@ def unregister_codec(name: str) -> None:
     Args:
         name: The codec's name.
     """
-    _CODECS.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def codec_class(name: str) -> type[ByteCodec]:
@@ -62,10 +50,7 @@ def codec_class(name: str) -> type[ByteCodec]:
     Raises:
         ConfigError: When no codec has that name (the message lists those that do).
     """
-    cls = _CODECS.get(name)
-    if cls is None:
-        raise ConfigError(f"codec: no byte codec named {name!r}; registered: {', '.join(codec_names())}")
-    return cls
+    return _REGISTRY.get(name)
 
 
 def codec_names() -> list[str]:
@@ -74,4 +59,4 @@ def codec_names() -> list[str]:
     Returns:
         The names.
     """
-    return list(_CODECS)
+    return _REGISTRY.names()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from ...errors import ConfigError
+from ..class_registry import ClassRegistry
 from .base import StorageLayout
 
-_LAYOUTS: dict[str, type[StorageLayout]] = {}
 L = TypeVar("L", bound=type[StorageLayout])
+_REGISTRY: ClassRegistry = ClassRegistry(StorageLayout, "storage layout", "layout", "register_layout")
 
 
 def register_layout(name: str) -> Callable[[L], L]:
@@ -26,19 +26,7 @@ def register_layout(name: str) -> Callable[[L], L]:
     Raises:
         ValueError: When ``name`` is empty or already taken.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_layout: expected a non-empty name, got {name!r}")
-    if name in _LAYOUTS:
-        raise ValueError(f"register_layout: a layout named {name!r} is registered already ({_LAYOUTS[name]!r})")
-
-    def register(cls: L) -> L:
-        if not (isinstance(cls, type) and issubclass(cls, StorageLayout)):
-            raise TypeError(f"register_layout({name!r}): {cls!r} is not a StorageLayout subclass")
-        cls.name = name
-        _LAYOUTS[name] = cls
-        return cls
-
-    return register
+    return _REGISTRY.register(name)
 
 
 def unregister_layout(name: str) -> None:
@@ -47,7 +35,7 @@ def unregister_layout(name: str) -> None:
     Args:
         name: The layout's name.
     """
-    _LAYOUTS.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def layout_class(name: str) -> type[StorageLayout]:
@@ -62,10 +50,7 @@ def layout_class(name: str) -> type[StorageLayout]:
     Raises:
         ConfigError: When no layout has that name (the message lists those that do).
     """
-    cls = _LAYOUTS.get(name)
-    if cls is None:
-        raise ConfigError(f"layout: no storage layout named {name!r}; registered: {', '.join(layout_names())}")
-    return cls
+    return _REGISTRY.get(name)
 
 
 def layout_names() -> list[str]:
@@ -74,4 +59,4 @@ def layout_names() -> list[str]:
     Returns:
         The names.
     """
-    return list(_LAYOUTS)
+    return _REGISTRY.names()
