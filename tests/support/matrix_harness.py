@@ -615,10 +615,33 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def page_outcomes(text: str) -> dict[tuple[str, str, str, str], Outcome]:
+    """The outcomes a support-matrix page (``support_matrix``'s output) shows, with their messages; columns are read
+    from each table's header, so a page written before a feature was added still reads (its new cells are absent)."""
+    messages = dict(re.findall(r"^(\d+)\. (.*)$", text, flags=re.M))
+    out: dict[tuple[str, str, str, str], Outcome] = {}
+    model, features = None, []
+    for line in text.splitlines():
+        heading = re.match(r"## (\w+)$", line)
+        if heading:
+            model, features = heading.group(1), []
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:2] == ["precision", "loop"]:
+            features = cells[2:]
+        elif model in MODELS and features and len(cells) == 2 + len(features) and cells[0] in PRECISIONS:
+            for feature, mark in zip(features, cells[2:]):
+                found = re.match(r"(.*?)(?: \[(\d+)\])?$", mark)
+                status, number = (found.group(1), found.group(2)) if found else (mark, None)
+                out[(model, cells[0], cells[1], feature)] = Outcome(status, messages.get(number or "", ""))
+    return out
+
+
 def main(argv: list[str]) -> int:
-    """``--models a,b`` and ``--loops c,d`` run those cells only; ``--json FILE`` saves the outcomes; ``--write
-    FILE`` writes the support matrix of the outcomes run here plus those of ``--merge FILE,...`` (saved by other
-    runs; a later file's outcome of a cell replaces an earlier one's)."""
+    """``--models a,b``, ``--loops c,d`` and ``--features e,f`` run those cells only; ``--json FILE`` saves the
+    outcomes; ``--write FILE`` writes the support matrix of the outcomes run here plus those of ``--merge FILE,...``
+    (saved by other runs; a later file's outcome of a cell replaces an earlier one's) and, with ``--keep``, those
+    that FILE already shows for the cells not run here (to add one column without running the other 400 cells)."""
     import json
 
     def option(name: str) -> str | None:
@@ -626,9 +649,12 @@ def main(argv: list[str]) -> int:
 
     models = (option("--models") or ",".join(MODELS)).split(",")
     loops = (option("--loops") or ",".join(LOOPS)).split(",")
-    results = {}
+    features = (option("--features") or ",".join(FEATURES)).split(",")
+    results: dict[tuple, Outcome] = {}
+    if "--keep" in argv and option("--write") and Path(option("--write")).exists():
+        results.update(page_outcomes(Path(option("--write")).read_text()))
     with tempfile.TemporaryDirectory() as base:
-        for k, cell in enumerate(c for c in cells() if c[0] in models and c[2] in loops):
+        for k, cell in enumerate(c for c in cells() if c[0] in models and c[2] in loops and c[3] in features):
             results[cell] = run_cell(*cell, Path(base) / str(k))
             print(*cell, results[cell].status, results[cell].detail[:150], flush=True)
             if option("--json"):  # after each cell: an interrupted run keeps what it did

@@ -7,7 +7,6 @@ per model), and each outcome must be the one ``docs/support-matrix.md`` shows (t
 from __future__ import annotations
 
 import itertools
-import re
 from pathlib import Path
 
 import pytest
@@ -39,16 +38,7 @@ def pairwise() -> list[tuple[str, str, str, str]]:
 
 def documented() -> dict[tuple[str, str, str, str], str]:
     """The outcome of each cell as docs/support-matrix.md shows it."""
-    out, model = {}, None
-    for line in DOC.read_text().splitlines():
-        heading = re.match(r"## (\w+)$", line)
-        if heading:
-            model = heading.group(1)
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if model in harness.MODELS and len(cells) == 2 + len(harness.FEATURES) and cells[0] in harness.PRECISIONS:
-            for feature, mark in zip(harness.FEATURES, cells[2:]):
-                out[(model, cells[0], cells[1], feature)] = re.sub(r" \[\d+\]$", "", mark)
-    return out
+    return {cell: outcome.status for cell, outcome in harness.page_outcomes(DOC.read_text()).items()}
 
 
 def check(cell, folder) -> harness.Outcome:
