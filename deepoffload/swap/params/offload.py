@@ -29,6 +29,7 @@ from .autograd.shared_inputs import SharedInputs
 from .blocks.patches import ModulePatches
 from .blocks.placeholders import internal_call
 from .blocks.residency import Block, Residency, dense_layout, nbytes
+from .blocks.resident_set import ResidentSet
 from .blocks.schedule import upcoming
 from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
 from .guards.refusals import check_backward, check_budget, check_sharing, scaled_loss_error
@@ -110,6 +111,7 @@ class ParameterOffload:
         layout_of = materializer.layout_of if materializer is not None else dense_layout
         self.blocks = [Block(i, p, block, compute_dtype, layout_of) for i, (p, block) in enumerate(blocks)]
         check_sharing(module, self.blocks)
+        self.resident_set = ResidentSet(len(self.blocks))  # runs per block: the most-run stay in memory
         serving = materializer is not None and materializer.serve
         self.store = BlockStore(self.blocks, prefetch, config, slack=PAGE_SIZE if serving else 0)
         in_blocks = {id(p) for b in self.blocks for p in b.params}
@@ -172,11 +174,12 @@ class ParameterOffload:
     def set_max_resident_bytes(self, budget: int | None) -> None:
         """Keep in memory the blocks that fit in ``budget`` bytes (stored plus compute copy); the rest stream.
 
-        Blocks are taken in block order (every block is read once per sweep anyway, and the first ones' reads are
-        the least hidden behind compute). Pinned blocks are read once, outside the staging pool, never released by
-        the schedule, and step in memory (no write, no read back per step). A block leaving the budget is written
-        first (its values in memory are the valid copy); a failed write raises and keeps it in memory. Call between
-        steps.
+        The most-run blocks are taken, ties in block order (``ResidentSet``: before anything ran, and when every
+        block runs once per token, the first blocks first, whose reads are the least hidden behind compute); an
+        inference forward re-chooses when others have run at least two times more. Pinned blocks are read once,
+        outside the staging pool, never released by the schedule, and step in memory (no write, no read back per
+        step). A block leaving the budget is written first (its values in memory are the valid copy); a failed
+        write raises and keeps it in memory. Call between steps.
 
         Args:
             budget: The bytes of blocks to keep in memory; 0 or None: stream every block.
@@ -187,12 +190,7 @@ class ParameterOffload:
         budget = budget or 0
         self.training.finish_writes()
         self.store.wait_writes()
-        chosen = []
-        for block in self.blocks:
-            need = block.nbytes + block.compute_nbytes
-            if need <= budget:
-                chosen.append(block)
-                budget -= need
+        chosen = self.resident_set.choose(self.blocks, budget)
         keep = {b.index for b in chosen}
         for block in self.blocks:
             if block.index not in keep:
@@ -244,6 +242,9 @@ class ParameterOffload:
             phase: "forward" or "backward": the pass it runs in, which decides the blocks expected next.
             training: Whether a backward follows the forward (blocks are then expected again in reverse).
         """
+        self.resident_set.count(block.index)
+        if not training and self.resident_set.stale(self.blocks, self._budget or 0, self.pinned):
+            self.set_max_resident_bytes(self._budget)  # (a block leaving the set is written back first if writable)
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}
         self.store.check_kept_values(block)  # pinned or kept: a change its masters cannot take raises here
