@@ -22,6 +22,7 @@ TINY = {
     "checkpoint.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
     "checkpoint_load.py": ["--path", "{folder}", "--size", "4M", "--shard-size", "2M", "--rounds", "1"],
     "checkpoint_phases.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
+    "codec.py": ["--folder", "{folder}", "--quick"],
     "deepspeed_zero3_ab.py": ["--path", "{folder}", "--rounds", "1", "--steps", "1", "--width", "64", "--layers", "1"],
     "device_staging.py": ["--path", "{folder}", "--size", "4M", "--chunk", "1M", "--rounds", "1"],
     "engines_vs_fio.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],

@@ -38,7 +38,7 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
 LOOPS = ("plain", "trainer", "accelerate", "lora")
-FEATURES = ("optimizer", "fused", "grads", "half", "serve")
+FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec")
 STEPS = 3
 LR = 1e-2
 LORA_TARGETS = {
@@ -160,7 +160,10 @@ class Setup:
             if feature == "serve":
                 model = self.model = self._served(model)
                 load = LoadOptions(checkpoint=folder / "ckpt", serve_from_checkpoint=True, init=_init_of(model))
-            self.off = offload_parameters(model, str(folder / "swap"), train=train, load=load, stream=stream)
+            config = SwapConfig(codec="lossless") if feature == "codec" else None
+            self.off = offload_parameters(
+                model, str(folder / "swap"), train=train, load=load, stream=stream, config=config
+            )
             if loop == "lora" and feature == "serve":  # a served model exists only offloaded: LoRA comes after
                 self.model = _lora(model, name)
             self.optimizer = StreamedOptimizer(
@@ -581,7 +584,8 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "",
         "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `TrainOptions(mode=...)`; "
         "`half` = grads mode with half the blocks resident (`StreamOptions(max_resident_bytes)`); `serve` = "
-        "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused). Loops: `plain` (hand-written), "
+        "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused); `codec` = grads mode with "
+        '`SwapConfig(codec="lossless")`. Loops: `plain` (hand-written), '
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "

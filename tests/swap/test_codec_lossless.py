@@ -161,3 +161,32 @@ def test_serving_from_a_checkpoint_with_it_is_refused_and_loading_it_encoded_wor
         assert {r.codec for b in offload.blocks for r in offload.store.swapper.records(b.group).values()} == {
             "lossless"
         }
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_training_through_it_steps_exactly_as_in_memory(scratch, mode):
+    """Blocks are written encoded after each step; the optimizer's packed state stays as it is (codec none)."""
+    from deepoffload import TrainOptions
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]).to(torch.bfloat16)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]).to(torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    train = TrainOptions(lambda ps: torch.optim.AdamW(ps, lr=1e-2), mode=mode)
+    config = SwapConfig(codec="lossless", pin=False)
+    batches = [torch.randn(4, 32).to(torch.bfloat16) for _ in range(3)]
+    with offload_parameters(model, str(scratch), train=train, config=config) as offload:
+        for x in batches:
+            reference(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            offload.step()
+            offload.zero_grad()
+        state = offload.state_dict()
+        assert {r.codec for b in offload.blocks for r in offload.store.swapper.records(b.group).values()} == {
+            "lossless"
+        }
+    for key, value in reference.state_dict().items():
+        assert same(state[key], value), key

@@ -131,8 +131,9 @@ class ParameterOffload:
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
         # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes.
         # The parameters outside blocks get buffers of their own size when smaller (they grow to their largest chunk)
-        state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=state_chunks)
-        rest_config = config.replace(chunk_bytes=self.plan.rest_chunk_bytes, buffer_count=STATE_CHUNKS)
+        packed = config.replace(codec="none")  # the state's packed extents are rewritten in place: bytes as they are
+        state_config = packed.replace(chunk_bytes=self.store.block_span, buffer_count=state_chunks)
+        rest_config = packed.replace(chunk_bytes=self.plan.rest_chunk_bytes, buffer_count=STATE_CHUNKS)
         self._optimizers = Optimizers(optimizer, self.blocks, self.rest_named, state_config, rest_config)
         block_optimizer, rest_optimizer = self._optimizers.block, self._optimizers.rest
         self.training = TRAINING_MODES[mode](module, self.store, prefetch, self.rest, block_optimizer, rest_optimizer)
