@@ -190,3 +190,18 @@ def test_training_through_it_steps_exactly_as_in_memory(scratch, mode):
         }
     for key, value in reference.state_dict().items():
         assert same(state[key], value), key
+
+
+def test_the_memory_plan_counts_the_encoded_bytes_beside_each_block_in_flight(scratch):
+    """A read holds a block's stored bytes until they are decoded into its staging buffer, a write its encoded copy:
+    the plan behind max_memory counts S = max_stored_bytes(B) per block in flight, which codec none does not hold."""
+    plans = {}
+    for codec in ("none", "lossless"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)]).to(torch.bfloat16)
+        with offload_parameters(model, str(scratch), config=SwapConfig(codec=codec, pin=False)) as offload:
+            plans[codec] = offload.plan
+    block = plans["none"].block_bytes
+    assert plans["none"].stored_bytes == 0
+    assert plans["lossless"].stored_bytes == codec_class("lossless")().max_stored_bytes(block)
+    extra = plans["lossless"].staging_bytes - plans["none"].staging_bytes
+    assert extra == (plans["none"].prefetch + 2) * plans["lossless"].stored_bytes

@@ -15,7 +15,7 @@ from ...errors import UnsupportedError
 from ..codecs import codec_class
 from ..config import SwapConfig
 from .blocks.finding import find_blocks
-from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, fit, parse_bytes, process_bytes
+from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, encoded_bytes, fit, parse_bytes, process_bytes
 from .guards.wrappers import refuse_wrapped
 from .offload import ParameterOffload
 from .options import LoadOptions, StreamOptions, TrainOptions, check_options, moved_keywords
@@ -166,6 +166,7 @@ def offload_parameters(
                 reading=checkpoint is not None,
                 max_resident_bytes=max_resident_bytes,
                 layout_of=materializer.layout_of if materializer is not None else None,
+                codec=config.codec,
             )
         except BaseException:
             if materializer is not None:
@@ -203,6 +204,7 @@ def fit_limit(
     reading: bool,
     max_resident_bytes: int | None,
     layout_of: Callable[[torch.Tensor], tuple[int, ...] | None] | None = None,
+    codec: str = "none",
 ) -> Fitted:
     """The settings for ``max_memory`` (see ``offload_parameters``).
 
@@ -216,6 +218,7 @@ def fit_limit(
         max_resident_bytes: The most bytes of blocks kept in memory (None: as many as fit).
         layout_of: A parameter's strides when not row-major, else None (default ``dense_layout``; for a model on
             meta, ``Materializer.layout_of``).
+        codec: ``SwapConfig.codec`` (a codec's encoded bytes count beside each block's staging buffer).
 
     Returns:
         The plan fitted from the blocks' sizes and this process's memory now.
@@ -228,13 +231,15 @@ def fit_limit(
         import torch._dynamo  # noqa: F401
     in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
     rest = nbytes(p for p in module.parameters() if id(p) not in in_blocks) + nbytes(module.buffers())
+    largest = max(span(b.parameters()) for _, b in blocks)
     plan = MemoryPlan(
-        max(span(b.parameters()) for _, b in blocks),
+        largest,
         rest,
         prefetch,
         training=training,
         resident_bytes=max_resident_bytes,
         reader_bytes=READER_BYTES if reading else 0,
         layout_bytes=max(nbytes(p for p in b.parameters() if layout(p) is not None) for _, b in blocks),
+        stored_bytes=encoded_bytes(codec, largest),
     )
     return fit(plan, limit, process_bytes())

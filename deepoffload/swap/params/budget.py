@@ -12,7 +12,9 @@ bytes of the largest block's parameters laid out other than row-major, which a r
 - setup (building on meta and loading a checkpoint): R + the checkpoint reader's buffers (``READER_BYTES``) + 3 B
   (the block being made; the previous one being written, with its staging copy);
 - streaming: R + (prefetch + 2) B of staging buffers (the block computing, the prefetched ones, one written back)
-  and (prefetch + 2) L for those blocks' layout copies (0 for row-major models);
+  and (prefetch + 2) L for those blocks' layout copies (0 for row-major models), and with a codec other than
+  ``none`` (prefetch + 2) S for their encoded bytes, read or written beside the staging buffer (S: the codec's
+  ``max_stored_bytes`` of B);
 - training adds: the gradients outside blocks (R), the blocks' optimizer state buffers (``state_chunks`` x B) and
   those of the optimizer of the parameters outside blocks (``STATE_CHUNKS`` x min(B, R)), and
   ``TRAINING_BLOCKS`` x B for a block's gradients, its compute copy and the optimizer's temporaries;
@@ -49,6 +51,7 @@ class MemoryPlan:
     resident_bytes: int | None = 0  # blocks kept in memory (max_resident_bytes); None: to be fitted
     reader_bytes: int = READER_BYTES  # 0 without a checkpoint
     layout_bytes: int = 0  # the largest block's parameters not row-major (L): copied into their layout when read
+    stored_bytes: int = 0  # the largest block's encoded bytes at most (S; 0 for codec none): beside its staging
 
     @property
     def setup_bytes(self) -> int:
@@ -57,8 +60,14 @@ class MemoryPlan:
 
     @property
     def staging_bytes(self) -> int:
-        """The blocks' staging buffers while streaming, and their layout copies: (prefetch + 2) (B + L)."""
-        return (self.prefetch + 2) * (self.block_bytes + self.layout_bytes)
+        """Staging buffers while streaming, with layout copies and encoded bytes: (prefetch + 2) (B + L + S)."""
+        return (self.prefetch + 2) * (self.block_bytes + self.layout_bytes + self.stored_bytes)
+
+    @property
+    def _staged(self) -> str:
+        """What one block in flight holds, as printed: B, (B + L), (B + S) or (B + L + S)."""
+        parts = "B" + (" + L" if self.layout_bytes else "") + (" + S" if self.stored_bytes else "")
+        return f"({parts})" if "+" in parts else parts
 
     @property
     def rest_chunk_bytes(self) -> int:
@@ -96,7 +105,7 @@ class MemoryPlan:
             ("outside blocks (R)", self.rest_bytes),
             (f"setup: R + reader + {SETUP_BLOCKS} B", self.setup_bytes),
             (
-                f"staging: (prefetch {self.prefetch} + 2) " + ("(B + L)" if self.layout_bytes else "B"),
+                f"staging: (prefetch {self.prefetch} + 2) {self._staged}",
                 self.staging_bytes,
             ),
         ]
@@ -185,3 +194,19 @@ def fit(
     resident = plan.resident_bytes if plan.resident_bytes is not None else spare
     chosen = replace(chosen, resident_bytes=max(0, min(resident, spare)))
     return Fitted(chosen, limit, process, forward)
+
+
+def encoded_bytes(codec: str, block_bytes: int) -> int:
+    """S: the most bytes ``codec`` stores a block span of ``block_bytes`` in (0 for a codec storing bytes as they are).
+
+    Args:
+        codec: ``SwapConfig.codec``.
+        block_bytes: The largest block's staging span (B).
+
+    Returns:
+        The encoded bytes a read or write holds beside the staging buffer.
+    """
+    from ..codecs import codec_class
+
+    kind = codec_class(codec)
+    return 0 if kind.identity else kind().max_stored_bytes(block_bytes)

@@ -31,7 +31,7 @@ from .blocks.placeholders import internal_call
 from .blocks.residency import Block, Residency, dense_layout, nbytes
 from .blocks.resident_set import ResidentSet
 from .blocks.schedule import upcoming
-from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan
+from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan, encoded_bytes
 from .guards.refusals import check_backward, check_budget, check_sharing, scaled_loss_error
 from .guards.structure import Structure
 from .setup.materialize import Materializer
@@ -127,6 +127,7 @@ class ParameterOffload:
             resident_bytes=max_resident_bytes or 0,
             reader_bytes=READER_BYTES if materializer is not None and materializer.reader else 0,
             layout_bytes=max((b.layout_nbytes for b in self.blocks), default=0),
+            stored_bytes=encoded_bytes(config.codec, self.store.block_span),
         )
         # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
         # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes.
