@@ -47,7 +47,7 @@ class SwapConfig:
         layout: the storage layout (where records live), by its registered name: ``folder`` (one run folder under
             ``folder``); see ``deepoffload.swap.layouts``.
         codec: how a group's bytes are stored, by the byte codec's registered name: ``none`` (as they are) or
-            ``lossless`` (bf16/fp16 exponent byte plane compressed, bit for bit; needs ``deepoffload[codec]``); see
+            ``lossless`` (bf16/fp16 exponent byte plane compressed, values unchanged; needs ``deepoffload[codec]``); see
             ``deepoffload.swap.codecs``. A packed swapper (the optimizer's) takes ``none`` only.
 
     Raises:

@@ -1,10 +1,11 @@
-"""The ``lossless`` codec: 16-bit floats stored with their exponent byte plane entropy-coded (zstandard), bit for bit.
+"""The ``lossless`` codec: 16-bit floats stored with their exponent byte plane entropy-coded (zstandard).
 
-A bf16 value's high byte holds its sign and 7 of its 8 exponent bits (fp16: sign, exponent, 2 mantissa bits); across
-a weight tensor those bytes carry about 2.6 bits of entropy, its low bytes (mantissa) nearly 8. So the bytes are
-split into two planes: the high bytes compressed with zstandard (level 1), the low bytes stored as they are. On real
-bf16 weights that stores about 0.68 of the bytes (``docs/guides/codec.md`` has the measurement and its command).
-Bytes that are not 16-bit floats (float32 norms, padding) round-trip too, compressed less or not at all.
+Values come back bit for bit (``tests/swap/test_codec_lossless.py``). A bf16 value's high byte holds its sign and 7 of
+its 8 exponent bits (fp16: sign, exponent, 2 mantissa bits); across a weight tensor those bytes carry about 2.6 bits of
+entropy, its low bytes (mantissa) nearly 8. So the bytes are split into two planes: the high bytes compressed with
+zstandard (level 1), the low bytes stored as they are. On real bf16 weights that stores about 0.68 of the bytes
+(``docs/guides/codec.md``; ``benchmarks/codec.py`` measures it). Bytes that are not 16-bit floats (float32 norms,
+padding) round-trip too, compressed less or not at all.
 
 Stored layout (little-endian): a 32-byte header ``magic (4) | version (1) | 3 zero bytes | decoded length (8) |
 compressed high plane length (8) | xxh3-64 of the decoded bytes (8)``, then the compressed high plane, then the low
@@ -47,10 +48,10 @@ def _zstandard() -> Any:
 
 @register_codec("lossless")
 class Lossless(ByteCodec):
-    """16-bit floats' high (exponent) byte plane compressed with zstandard, the low plane as it is; bit-exact."""
+    """16-bit floats' high (exponent) byte plane compressed with zstandard, the low plane as it is."""
 
     description = (
-        "bf16/fp16 exponent byte plane compressed with zstandard, bit for bit (pip install deepoffload[codec])"
+        "bf16/fp16 exponent byte plane compressed with zstandard, values unchanged (pip install deepoffload[codec])"
     )
 
     def __init__(self) -> None:
