@@ -176,12 +176,12 @@ class ParameterOffload:
     def set_max_resident_bytes(self, budget: int | None) -> None:
         """Keep in memory the blocks that fit in ``budget`` bytes (stored plus compute copy); the rest stream.
 
-        The most-run blocks are taken, ties in block order (``ResidentSet``: before anything ran, and when every
-        block runs once per token, the first blocks first, whose reads are the least hidden behind compute); an
-        inference forward re-chooses when others have run at least two times more. Pinned blocks are read once,
-        outside the staging pool, never released by the schedule, and step in memory (no write, no read back per
-        step). A block leaving the budget is written first (its values in memory are the valid copy); a failed
-        write raises and keeps it in memory. Call between steps.
+        The most-run blocks are taken, ties in block order (``ResidentSet``: before anything ran, and when every block
+        runs once per token, the first blocks first, whose reads are the least hidden behind compute); a forward of an
+        offload without an optimizer re-chooses when others have run at least two times more. Pinned blocks are read
+        once, outside the staging pool, never released by the schedule, and step in memory (no write, no read back per
+        step). A block leaving the budget is written first (its values in memory are the valid copy); a failed write
+        raises and keeps it in memory. Call between steps.
 
         Args:
             budget: The bytes of blocks to keep in memory; 0 or None: stream every block.
@@ -245,7 +245,8 @@ class ParameterOffload:
             training: Whether a backward follows the forward (blocks are then expected again in reverse).
         """
         self.resident_set.count(block.index)
-        if not training and self.resident_set.stale(self.blocks, self._budget or 0, self.pinned):
+        stale = self.resident_set.stale(self.blocks, self._budget or 0, self.pinned)
+        if stale and not (training or self.plan.training):  # inference only: no gradients or steps pending
             self.set_max_resident_bytes(self._budget)  # (a block leaving the set is written back first if writable)
         window = self._upcoming(block.index, phase, training)
         keep = {block.index, *window}

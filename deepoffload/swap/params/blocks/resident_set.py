@@ -5,7 +5,7 @@ compute copy), ties in block order: before anything ran, and in a decoder-only m
 token, that is the first blocks first. Where blocks run unequally often, as in an encoder-decoder ``generate`` (the
 encoder once, the decoder once per token), the set follows the counts: ``stale`` says when the most-run blocks that fit
 differ from those kept, by at least ``MARGIN`` runs, so that blocks run about equally often are never swapped back and
-forth. ``ParameterOffload`` asks it before an inference forward of a block and re-pins then
+forth. ``ParameterOffload`` without an optimizer asks it before an inference forward of a block and re-pins then
 (``tests/swap/params/test_resident_set.py``).
 """
 
