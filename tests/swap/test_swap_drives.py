@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper, offload_parameters
-from deepoffload.errors import ConfigError
+from deepoffload.errors import ConfigError, UnsupportedError
 from deepoffload.swap.layouts.multi_folder import distinct_drives
 from tests.support.drives import Drives, unavailable
 
@@ -167,3 +167,53 @@ def test_every_drive_is_cleaned_by_the_next_run_after_a_crash(two):
     with TensorSwapper(SwapConfig(folder=two, pin=False)) as swapper:
         mine = [os.path.basename(f) for f in swapper.layout.folders]
         assert [_run_folders(base) for base in two] == [[mine[0]], [mine[1]]]
+
+
+def test_offload_activations_refuses_several_folders_naming_one_that_works(tmp_path):
+    import deepoffload
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with pytest.raises(UnsupportedError, match=r"several folders .* pass one of them"):
+        deepoffload.offload_activations(folders)
+    model = torch.nn.Linear(64, 64)
+    with deepoffload.offload_activations(folders[0], min_bytes=0) as off:  # the alternative the message names
+        model(torch.randn(32, 64)).sum().backward()
+    assert off.stats()["written"] > 0
+
+
+def test_from_pretrained_trains_over_two_drives_bit_identical_to_in_memory(two, tmp_path):
+    """``path=[a, b]`` through ``from_pretrained`` (hence ``offload_parameters``): both drives hold blocks, and fused
+    training gives the in-memory losses and weights bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    import deepoffload
+    from deepoffload import TrainOptions
+    from tests.support.stepping import offload_step
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4
+    )
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.save_pretrained(tmp_path / "tiny")
+    plain = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    model, off = deepoffload.from_pretrained(
+        tmp_path / "tiny", path=two, train=TrainOptions(lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    )
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with off:
+        assert all(_run_folders(base) for base in two)
+        files = [os.listdir(os.path.join(base, _run_folders(base)[0])) for base in two]
+        assert all(any(name.endswith(".swp") for name in names) for names in files)  # blocks on both drives
+        for _ in range(3):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            offload_step(off)()
+            expected = reference(ids, labels=ids).loss
+            expected.backward()
+            plain.step()
+            plain.zero_grad()
+            assert loss.item() == expected.item()
+        state = {k: v.clone() for k, v in off.state_dict().items()}
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
