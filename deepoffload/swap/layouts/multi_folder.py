@@ -77,6 +77,29 @@ def distinct_drives(folders: Sequence[str], weights: Sequence[float] | None = No
     return kept, kept_weights
 
 
+def _next(credit: list[float], weights: Sequence[float]) -> int:
+    """One step of smooth weighted round robin: every drive earns its weight, the richest pays the total and is next."""
+    for i, weight in enumerate(weights):
+        credit[i] += weight
+    best = max(range(len(credit)), key=credit.__getitem__)
+    credit[best] -= sum(weights)
+    return best
+
+
+def placement(weights: Sequence[float], count: int) -> list[int]:
+    """The drives of the first ``count`` groups a fresh ``drives`` layout places (what ``deepoffload plan`` shows).
+
+    Args:
+        weights: Each drive's share (``MultiFolder.weights``).
+        count: How many groups.
+
+    Returns:
+        The drive index of each group, in the order the groups are first written.
+    """
+    credit = [0.0] * len(weights)
+    return [_next(credit, weights) for _ in range(count)]
+
+
 @register_layout("drives")
 class MultiFolder(StorageLayout):
     """A run folder under each of ``config.folder``'s folders, one per drive, with records spread over them.
@@ -141,12 +164,7 @@ class MultiFolder(StorageLayout):
         Returns:
             The drive's index.
         """
-        total = sum(self.weights)
-        for i, weight in enumerate(self.weights):
-            self._credit[i] += weight
-        best = max(range(len(self._credit)), key=self._credit.__getitem__)
-        self._credit[best] -= total
-        return best
+        return _next(self._credit, self.weights)
 
     def group_file(self, group: str) -> str:
         """``<run folder of the group's drive>/<group>.swp``; a new group's drive is ``next_drive()``.
