@@ -20,7 +20,6 @@ import torch
 
 from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper, offload_parameters
 from deepoffload.errors import ConfigError, UnsupportedError
-from deepoffload.swap.layouts.multi_folder import distinct_drives
 from tests.support.drives import Drives, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,6 +81,8 @@ def test_shares_follow_the_measured_speeds(two):
 
 
 def test_folders_on_one_device_are_counted_once_with_a_warning(tmp_path):
+    from deepoffload.swap.layouts.multi_folder import distinct_drives
+
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with pytest.warns(UserWarning, match="same device .* counted once"):
