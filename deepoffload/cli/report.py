@@ -207,14 +207,15 @@ def folder_rows(paths: list[str]) -> list[dict]:
     """
     from ..diagnostics import path_status
 
-    rows, seen = [], {}
+    rows: list[dict] = []
+    seen: dict[str, str] = {}
     for path in paths:
         row = path_status(path)
-        first = seen.get(row.get("device")) if "error" not in row else None
-        row["same_device_as"] = first
-        if "error" not in row and first is None:
-            seen[row["device"]] = path
-        row["drive"] = list(seen).index(row["device"]) if "error" not in row else None
+        row["same_device_as"] = row["drive"] = None
+        if "error" not in row:
+            row["same_device_as"] = seen.get(row["device"])
+            seen.setdefault(row["device"], path)
+            row["drive"] = list(seen).index(row["device"])
         rows.append(row)
     return rows
 
