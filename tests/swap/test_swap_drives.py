@@ -218,3 +218,24 @@ def test_from_pretrained_trains_over_two_drives_bit_identical_to_in_memory(two, 
             assert loss.item() == expected.item()
         state = {k: v.clone() for k, v in off.state_dict().items()}
     assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+
+
+def test_a_slow_drive_does_not_hold_back_the_writes_to_the_others():
+    """Drive 0 throttled to 2 MB/s, drive 1 not: a write to drive 1 submitted after a 6 MiB write to drive 0 (3 s
+    there) completes while that one is still in flight: each drive has its own queue."""
+    reason = unavailable("loop", throttle=True)
+    if reason is not None:
+        pytest.skip(reason)
+    with Drives(2, size=32 << 20, bps=2_000_000) as drives:
+        fast = os.stat(drives.devices[1]).st_rdev
+        for key in ("read", "write"):  # (0 removes drive 1's limit)
+            (drives.cgroup / f"blkio.throttle.{key}_bps_device").write_text(f"{os.major(fast)}:{os.minor(fast)} 0")
+        with drives.throttled():
+            swapper = TensorSwapper(SwapConfig(folder=drives.folders, pin=False))
+            slow = swapper.swap_out({"a": {"w": torch.ones(6 << 18)}})  # the first group: drive 0
+            quick = swapper.swap_out({"b": {"w": torch.ones(6 << 18)}})  # the second: drive 1
+            assert [swapper.layout.drive(swapper.layout.group_file(g)) for g in "ab"] == [0, 1]
+            quick.wait()
+            assert not slow.done(), "the write to the fast drive waited for the slow drive's"
+            slow.wait()
+            swapper.close()
