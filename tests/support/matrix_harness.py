@@ -601,7 +601,8 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "",
         "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `TrainOptions(mode=...)`; "
         "`half` = grads mode with half the blocks resident (`StreamOptions(max_resident_bytes)`); `serve` = "
-        "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused). Loops: `plain` (hand-written), "
+        "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused); `two_folders` = fused mode with "
+        "swap folders on two drives (`path=[a, b]`, two tmpfs mounts). Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "
