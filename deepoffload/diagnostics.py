@@ -225,7 +225,8 @@ def path_status(path: str) -> dict:
         path: The folder.
 
     Returns:
-        Its free and total bytes, filesystem, mount point, whether it is writable, O_DIRECT support and its
+        Its free and total bytes, filesystem, mount point, device (``major:minor`` of ``st_dev``), whether it is
+        writable, O_DIRECT support and its
         alignment; ``error`` says why deepoffload cannot use it (only the path and ``error`` when it is not an
         existing folder).
     """
@@ -236,9 +237,11 @@ def path_status(path: str) -> dict:
         return row
     usage = shutil.disk_usage(p)
     fstype, mount = filesystem(p)
+    device = os.stat(p).st_dev
     row.update(
         free_bytes=usage.free, total_bytes=usage.total, filesystem=fstype, mount=mount, writable=os.access(p, os.W_OK)
     )
+    row["device"] = f"{os.major(device)}:{os.minor(device)}"  # (st_dev: folders on one device are one drive)
     if row["writable"]:
         direct = direct_io(p)
         row.update(direct_io=direct.works, alignment=direct.alignment, direct_io_reason=direct.reason)

@@ -24,6 +24,7 @@ TINY = {
     "checkpoint_phases.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
     "codec.py": ["--folder", "{folder}", "--quick"],
     "deepspeed_zero3_ab.py": ["--path", "{folder}", "--rounds", "1", "--steps", "1", "--width", "64", "--layers", "1"],
+    "drives.py": ["--quick"],
     "device_staging.py": ["--path", "{folder}", "--size", "4M", "--chunk", "1M", "--rounds", "1"],
     "engines_vs_fio.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
     "hf_llama_stream.py": ["--folder", "{folder}", "--tiny", "--rounds", "1"],
@@ -66,6 +67,7 @@ TINY = {
 HELPERS = {"common.py", "plot.py"}  # imported by the scripts; plot.py draws results (tests/test_docs_site.py runs it)
 # measured against DeepSpeed's own ops, which take minutes to build (as in tests/integrations, opt-in)
 NEEDS_DEEPSPEED_OPS = {"deepspeed_zero3_ab.py", "vs_deepspeed.py"}
+NEEDS_ROOT = {"drives.py"}  # throttled loop-device drives (tests/support/drives.py)
 
 
 def has_accelerator() -> bool:
@@ -84,6 +86,12 @@ def test_every_script_is_listed():
 def test_script_runs_at_a_tiny_size(script, scratch, aio):
     if script in NEEDS_DEEPSPEED_OPS and os.environ.get("DEEPOFFLOAD_TEST_DEEPSPEED_OP") != "1":
         pytest.skip("set DEEPOFFLOAD_TEST_DEEPSPEED_OP=1 to run the scripts that build DeepSpeed's own ops (minutes)")
+    if script in NEEDS_ROOT:
+        from tests.support.drives import unavailable
+
+        reason = unavailable("loop", throttle=True)
+        if reason is not None:
+            pytest.skip(f"{script} needs throttled loop drives: {reason}")
     args = [a.format(folder=scratch, python=sys.executable) for a in TINY[script]]
     env = {
         **os.environ,

@@ -340,6 +340,7 @@ def offload_activations(
 
     Raises:
         ValueError: When ``min_bytes`` or ``prefetch`` is negative or not an integer.
+        UnsupportedError: When given several folders (a list): activations go to one folder.
 
     Examples:
         >>> import torch, deepoffload
@@ -352,4 +353,10 @@ def offload_activations(
     """
     config = config or SwapConfig(chunk_bytes=CHUNK_BYTES)
     config = config.replace(checksum=checksum, **({} if path is None else {"folder": path}))
+    if isinstance(config.folder, tuple):  # (its one file per run has no per-drive placement yet)
+        raise UnsupportedError(
+            f"offload_activations: several folders {list(config.folder)}: saved activations go to one file in one "
+            f"folder; pass one of them (path={config.folder[0]!r}); parameters and optimizer state "
+            f"(offload_parameters, OffloadedOptimizer) take the list"
+        )
     return ActivationOffload(config, min_bytes, prefetch)

@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from ..errors import ChecksumError
+from ..errors import ChecksumError, UnsupportedError
 from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle
 from ..io.request import Request
@@ -88,10 +88,15 @@ class ActivationStore:
 
     Args:
         config: Where and how (folder, staging pool, pinning, checksums, aio settings).
+
+    Raises:
+        UnsupportedError: When ``config.folder`` is several folders.
     """
 
     def __init__(self, config: SwapConfig):
         self.config = config
+        if isinstance(config.folder, tuple):  # (offload_activations refuses it first, naming the alternative)
+            raise UnsupportedError(f"saved activations go to one folder, got {list(config.folder)}")
         self.folder = create_run_folder(config.folder, None, config.trust_folder_owner)
         if config.keep_files:
             keep_run_folder(self.folder)

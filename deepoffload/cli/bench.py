@@ -80,7 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The command's subparser.
     """
-    parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to measure")
+    parser.add_argument(
+        "--path",
+        "--folder",
+        dest="path",
+        action="append",
+        required=True,
+        metavar="DIR",
+        help="folder on the storage to measure; repeat for several drives: each alone, then all together",
+    )
     parser.add_argument(
         "--size",
         type=size_argument,
@@ -139,8 +147,10 @@ def _run(args: argparse.Namespace) -> int:
     from ..bench.runner import BenchSettings
     from ..bench.runner import run as run_bench
 
+    if len(args.path) > 1:
+        return _run_drives(args)
     settings = BenchSettings(
-        folder=Path(args.path),
+        folder=Path(args.path[0]),
         nbytes=args.size,
         config=config_from_args(args),
         ops=args.ops or ("write", "read"),
@@ -159,6 +169,17 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(format_table(result.to_dict()))
+    return 0
+
+
+def _run_drives(args: argparse.Namespace) -> int:
+    from ..bench.drives import format_drives, measure_drives
+    from ..bench.measure import BenchError
+
+    if args.compare_fio or args.baselines or args.buffer != "pinned":
+        raise BenchError("--compare-fio, --baselines and --buffer take one --folder; several drives are measured alone")
+    result = measure_drives(args.path, args.size, config_from_args(args), args.ops or ("write", "read"), args.loops)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_drives(result.to_dict()))
     return 0
 
 

@@ -107,8 +107,12 @@ def run(args: argparse.Namespace) -> int:
         config = config.replace(chunk_bytes=min(config.chunk_bytes, max(1 << 20, state_estimate(args) // 16)))
     folder = args.path or config.folder or os.getcwd()
     config = config.replace(folder=folder, keep_files=args.keep or config.keep_files)
-    if not os.path.isdir(folder):  # as bench and tune: never create (and leave) a folder the user mistyped
-        print(f"deepoffload demo: {folder} is not an existing folder; choose another folder with --path (or create it)")
+    missing = [f for f in config.folders if f is not None and not os.path.isdir(f)]
+    if missing:  # as bench and tune: never create (and leave) a folder the user mistyped
+        print(
+            f"deepoffload demo: {missing[0]} is not an existing folder; choose another folder with --path "
+            "(or create it)"
+        )
         return 1
     try:  # before any progress bar: a first use builds the op and says so on its own line
         from ..io.native import native

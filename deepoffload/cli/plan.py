@@ -38,6 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch", type=int, default=1, help="the most blocks read ahead (default: 1)")
     parser.add_argument("--train", action="store_true", help="with an optimizer (Adam-like state buffers)")
     parser.add_argument(
+        "--folder",
+        action="append",
+        metavar="DIR",
+        help="a swap folder; repeat for several drives: shows which drive each block goes to",
+    )
+    parser.add_argument(
+        "--folder-speeds",
+        metavar="GBPS,...",
+        help="each folder's measured speed (what `tune --folder A --folder B` writes); default: equal shares",
+    )
+    parser.add_argument(
         "--key",
         metavar="KEY",
         help="a torch.save file holding a dict: the key of the model's state dict in it (found when only one is)",
@@ -360,4 +371,45 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(_report(fitted, blocks, label)))
     if not args.train:
         print("\n".join(_per_token(blocks, kept)))
+    if args.folder:
+        try:
+            print("\n".join(_placement(args.folder, args.folder_speeds, blocks, args.train)))
+        except (OSError, ValueError) as e:
+            print(f"deepoffload plan: {e}", file=sys.stderr)
+            return 1
     return 0
+
+
+def _placement(folders: list[str], speeds: str | None, blocks: dict[str, int], train: bool) -> list[str]:
+    """Which drive each block's swap file goes to, as the ``drives`` layout places them (blocks in run order).
+
+    Args:
+        folders: ``--folder``s.
+        speeds: ``--folder-speeds`` (comma-separated GB/s), or None.
+        blocks: {block prefix: bytes}.
+        train: Whether optimizer state is placed too.
+
+    Returns:
+        The lines to print.
+
+    Raises:
+        OSError: When a folder is missing.
+        ValueError: When the speeds are not one positive number per folder.
+    """
+    from ..swap.layouts.multi_folder import distinct_drives, placement
+
+    weights = [float(x) for x in speeds.split(",")] if speeds else None
+    kept, shares = distinct_drives(folders, weights)
+    order = sorted(blocks, key=lambda b: [int(p) if p.isdigit() else p for p in b.split(".")])
+    drives = placement(shares, len(order))
+    lines = ["", f"placement over {len(kept)} drive{'s' if len(kept) != 1 else ''} (blocks in run order; each step "]
+    lines[-1] += "reads and writes every drive at once):"
+    for i, folder in enumerate(kept):
+        mine = [b for b, d in zip(order, drives) if d == i]
+        share = shares[i] / sum(shares)
+        names = ", ".join(mine[:6]) + (f", ... ({len(mine)} blocks)" if len(mine) > 6 else "")
+        lines.append(f"  drive {i}  {folder}  share {share:.2f}  {_mb(sum(blocks[b] for b in mine))}  {names}")
+    if train:
+        lines.append("  optimizer state: one pack file per drive, each new extent on the drive with the fewest bytes")
+        lines[-1] += " per unit of share"
+    return lines

@@ -23,7 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The command's subparser.
     """
-    parser.add_argument("--path", metavar="DIR", help="also check this folder: free space, filesystem, O_DIRECT")
+    parser.add_argument(
+        "--path",
+        "--folder",
+        dest="path",
+        action="append",
+        metavar="DIR",
+        help="also check this folder: free space, filesystem, device, O_DIRECT (repeat for each drive's folder)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--no-probe-cache", action="store_true", help="run the probes again instead of using the cache")
 
@@ -162,7 +169,55 @@ def render(report: dict, style: Style) -> str:
                     ["path check", "value"],
                 )
             )
+    if len(report.get("folders", [])) > 1:
+        out.append("")
+        out.append(_table([_folder_row(f, style) for f in report["folders"]], FOLDER_HEADER))
     return "\n".join(out)
+
+
+FOLDER_HEADER = ["swap folder", "filesystem", "device", "free", "O_DIRECT", "drive"]
+
+
+def _folder_row(folder: dict, style: Style) -> list[str]:
+    if "error" in folder:
+        return [folder["path"], style.bad(folder["error"]), "", "", "", ""]
+    direct = style.ok("yes") if folder["direct_io"] else style.bad(f"no ({folder['direct_io_reason']})")
+    drive = (
+        folder["drive"] if folder["same_device_as"] is None else style.bad(f"same device as {folder['same_device_as']}")
+    )
+    return [
+        folder["path"],
+        f"{folder['filesystem']} ({folder['mount']})",
+        folder["device"],
+        f"{folder['free_bytes'] / 1e9:.1f} GB",
+        direct,
+        str(drive),
+    ]
+
+
+def folder_rows(paths: list[str]) -> list[dict]:
+    """``path_status`` of each swap folder, with the drive it counts as (``SwapConfig(folder=[...])``).
+
+    Args:
+        paths: The folders, in the order a folder list gives them.
+
+    Returns:
+        One row per folder: ``path_status``'s keys plus ``drive`` (its index among distinct devices) and
+        ``same_device_as`` (the earlier folder on its device, whose drive it is counted as; else None).
+    """
+    from ..diagnostics import path_status
+
+    rows: list[dict] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        row = path_status(path)
+        row["same_device_as"] = row["drive"] = None
+        if "error" not in row:
+            row["same_device_as"] = seen.get(row["device"])
+            seen.setdefault(row["device"], path)
+            row["drive"] = list(seen).index(row["device"])
+        rows.append(row)
+    return rows
 
 
 def checkpoint_format_rows() -> list[dict]:
@@ -205,15 +260,18 @@ def run(args: argparse.Namespace) -> int:
         args: The parsed options.
 
     Returns:
-        The exit status: 0 when the async-IO op can be used here (and in the ``--path`` folder), 1 when not.
+        The exit status: 0 when the async-IO op can be used here (and in every ``--path`` folder), 1 when not.
     """
-    report = gather(args.path, use_cache=not args.no_probe_cache)
+    paths = args.path or []
+    report = gather(paths[0] if paths else None, use_cache=not args.no_probe_cache)
     report["checkpoint_formats"] = checkpoint_format_rows()
     report["extensions"] = extension_rows()
+    if len(paths) > 1:
+        report["folders"] = folder_rows(paths)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         color = sys.stdout.isatty() and not env.get("NO_COLOR")
         print(render(report, Style(color)))
-    path_ok = report.get("path") is None or "error" not in report["path"]
+    path_ok = all("error" not in f for f in report.get("folders", [report.get("path") or {}]))
     return 0 if usable(report) and path_ok else 1

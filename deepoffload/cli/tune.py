@@ -28,7 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The command's subparser.
     """
-    parser.add_argument("--path", required=True, metavar="DIR", help="folder on the storage to tune for")
+    parser.add_argument(
+        "--path",
+        "--folder",
+        dest="path",
+        action="append",
+        required=True,
+        metavar="DIR",
+        help="folder on the storage to tune for; repeat for several drives: the search runs on the first, then each "
+        "drive is measured and the output gets folder and folder_speeds (each drive's share)",
+    )
     parser.add_argument(
         "--budget",
         type=float,
@@ -133,7 +142,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
     start = AioConfig.from_env()
     start = dataclasses.replace(start, engine=resolve_engine(start.engine).name)
     buffer = make_buffer(args.size, "pinned")
-    with scratch_file(args.path, args.size) as path:
+    with scratch_file(args.path[0], args.size) as path:
         direct = direct_io_works(path)
         round_trip(start, buffer, path, direct)  # lays the file out (untimed for the search)
         with tqdm(
@@ -159,8 +168,14 @@ def _run(args: argparse.Namespace, started: float) -> int:
             )
             result = search.run()
     config = result.best.to_dict()
+    drives_table = ""
+    if len(args.path) > 1:
+        drives, drives_table = per_drive(args.path, args.size, result.best)
+        config = {"aio": config, **drives}
     Path(args.output).write_text(json.dumps(config, indent=2) + "\n")  # first: printing fails when piped to head
     print(format_trials(result, direct))
+    if drives_table:
+        print(f"\n{drives_table}")
     print(f"\noptimised for {SCORE_DESCRIPTION}")
     print(f"best: {json.dumps(config)}")
     print(
@@ -183,6 +198,23 @@ def _run(args: argparse.Namespace, started: float) -> int:
         plot(result, args.plot)
         print(f"plotted {args.plot}")
     return 0
+
+
+def per_drive(folders: list[str], nbytes: int, config) -> tuple[dict, str]:
+    """``folder`` and ``folder_speeds`` for a swap config: each drive measured with the settings found.
+
+    Args:
+        folders: One folder per drive.
+        nbytes: Bytes per transfer.
+        config: The ``AioConfig`` the search found.
+
+    Returns:
+        ``{"folder": folders, "folder_speeds": [GB/s per drive]}``, and the measurements' table.
+    """
+    from ..bench.drives import drive_speeds, format_drives, measure_drives
+
+    report = measure_drives(folders, nbytes, config).to_dict()
+    return {"folder": list(folders), "folder_speeds": drive_speeds(report)}, format_drives(report)
 
 
 def format_trials(result, direct: bool) -> str:

@@ -101,7 +101,7 @@ def run_stream_demo(
     data = SyntheticText(STREAM_SIZE)
     optimizer = make(reference.parameters())
     result = StreamResult(parameters=sum(p.numel() for p in reference.parameters()))
-    checkpoint = os.path.join(config.folder or tempfile.gettempdir(), f"demo-checkpoint-{uuid.uuid4().hex[:8]}")
+    checkpoint = os.path.join(config.folders[0] or tempfile.gettempdir(), f"demo-checkpoint-{uuid.uuid4().hex[:8]}")
     try:
         save_sharded(reference.state_dict(), checkpoint, max_shard_bytes=16 << 20)
         with torch.device("meta"):

@@ -28,7 +28,9 @@ class SwapConfig:
         aio: how bytes move (block size, queue depth, threads, engine); see ``AioConfig``.
         folder: the base folder for swap files (None: the system temp folder). Each run gets its own sub-folder
             there. A missing folder is created, but not its parents (a mistyped path is an error, not a new tree on
-            another disk); a folder on tmpfs gets a warning (its files stay in memory).
+            another disk); a folder on tmpfs gets a warning (its files stay in memory). A list of folders (one per
+            drive) is kept as a tuple and selects the ``drives`` layout: records spread over every folder, each
+            folder's drive with its own IO queue; there every folder must exist. A list of one is that folder.
         buffer_count: aligned staging buffers in the pool (the pipeline uses 3: read ahead, step, write behind).
         chunk_bytes: bytes of optimizer state per pipelined chunk, and the size of each pooled buffer (page-aligned).
             Peak memory of an offloaded step is about ``buffer_count * chunk_bytes``, whatever the model size; an
@@ -45,10 +47,14 @@ class SwapConfig:
             Turns ``checksum`` on (a changed byte read back is then a ``ChecksumError``; xxh3 detects changes, it
             is not a cryptographic signature).
         layout: the storage layout (where records live), by its registered name: ``folder`` (one run folder under
-            ``folder``); see ``deepoffload.swap.layouts``.
+            ``folder``), ``drives`` (a run folder in each of several folders, records spread over them; chosen
+            when ``folder`` is a list); see ``deepoffload.swap.layouts``.
         codec: how a group's bytes are stored, by the byte codec's registered name: ``none`` (as they are) or
             ``lossless`` (bf16/fp16 exponent byte plane compressed, values unchanged; needs ``deepoffload[codec]``); see
             ``deepoffload.swap.codecs``. A packed swapper (the optimizer's) takes ``none`` only.
+        folder_speeds: with several folders, each one's measured speed (GB/s, in ``folder``'s order; what
+            ``deepoffload tune --folder A --folder B`` writes): each drive gets that share of the records. None:
+            equal shares.
 
     Raises:
         ConfigError: When a value has the wrong type or range (the message names the key), or ``aio.engine``,
@@ -66,7 +72,7 @@ class SwapConfig:
     """
 
     aio: AioConfig = field(default_factory=AioConfig.from_env)
-    folder: str | None = None
+    folder: str | tuple[str, ...] | None = None
     buffer_count: int = 4
     chunk_bytes: int = 32 << 20
     pin: bool = True
@@ -75,15 +81,15 @@ class SwapConfig:
     trust_folder_owner: bool = False
     layout: str = "folder"
     codec: str = "none"
+    folder_speeds: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.aio, AioConfig):
             raise ConfigError(f"aio: expected an AioConfig, got {type(self.aio).__name__}")
         check_choice(self.aio.engine)  # a registered engine (AioConfig, lower down, cannot see the registry)
-        if self.folder is not None and (not isinstance(self.folder, (str, os.PathLike)) or not os.fspath(self.folder)):
-            raise ConfigError(f"folder: expected a path to a folder (or null for the temp folder), got {self.folder!r}")
-        if self.folder is not None:
-            object.__setattr__(self, "folder", os.fspath(self.folder))
+        object.__setattr__(self, "folder", _folders(self.folder))
+        if isinstance(self.folder, tuple) and self.layout == "folder":
+            object.__setattr__(self, "layout", "drives")  # several folders: the layout made for them
         positive_int("buffer_count", self.buffer_count)
         positive_int("chunk_bytes", self.chunk_bytes)
         for key in ("pin", "checksum", "keep_files", "trust_folder_owner"):
@@ -93,6 +99,7 @@ class SwapConfig:
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{key}: expected the name of a registered {key}, got {value!r}")
             lookup(value)  # ConfigError naming the key and the registered names
+        object.__setattr__(self, "folder_speeds", _speeds(self.folder_speeds, self.folder))
 
     @classmethod
     def swap_keys(cls) -> tuple[str, ...]:
@@ -166,6 +173,11 @@ class SwapConfig:
         """
         return dataclasses.replace(self, **changes)
 
+    @property
+    def folders(self) -> tuple[str | None, ...]:
+        """``folder`` as a tuple: one entry (a path, or None for the temp folder), or the folders of a list."""
+        return self.folder if isinstance(self.folder, tuple) else (self.folder,)
+
     def to_dict(self) -> dict[str, Any]:
         """Swap keys plus an ``aio`` section; ``from_dict`` reads it back.
 
@@ -173,5 +185,37 @@ class SwapConfig:
             A dict of the swap keys and an ``aio`` dict of the aio keys.
         """
         values = {key: getattr(self, key) for key in self.swap_keys()}
+        for key in ("folder", "folder_speeds"):
+            if isinstance(values[key], tuple):
+                values[key] = list(values[key])  # (JSON has lists)
         values["aio"] = self.aio.to_dict()
         return values
+
+
+def _folders(folder: Any) -> str | tuple[str, ...] | None:
+    """``SwapConfig.folder`` checked: None, one path as a string, or two or more paths as a tuple of strings."""
+    if folder is None:
+        return None
+    paths = list(folder) if isinstance(folder, (list, tuple)) else [folder]
+    if not paths:
+        raise ConfigError("folder: expected a path to a folder, a list of folders, or null, got an empty list")
+    for path in paths:
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ConfigError(f"folder: expected a path to a folder (or null for the temp folder), got {path!r}")
+    names = tuple(os.fspath(p) for p in paths)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"folder: a folder is listed twice in {list(names)}; list each drive's folder once")
+    return names[0] if len(names) == 1 else names
+
+
+def _speeds(speeds: Any, folder: str | tuple[str, ...] | None) -> tuple[float, ...] | None:
+    """``SwapConfig.folder_speeds`` checked: None, or one positive finite number per folder of a list."""
+    if speeds is None:
+        return None
+    count = len(folder) if isinstance(folder, tuple) else 1
+    if not isinstance(speeds, (list, tuple)) or len(speeds) != count:
+        raise ConfigError(f"folder_speeds: expected one speed per folder ({count}), got {speeds!r}")
+    for speed in speeds:
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < float("inf"):
+            raise ConfigError(f"folder_speeds: expected positive numbers (GB/s), got {speeds!r}")
+    return tuple(float(s) for s in speeds)

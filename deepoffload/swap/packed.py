@@ -19,7 +19,7 @@ from .records import SwapRecord, hash_bytes
 from .transfers import SwapIn, SwapOut, TransferOwner
 
 if TYPE_CHECKING:
-    from ..io.handle import AsyncIOHandle
+    from .drive_handles import DriveHandles
 
 Groups = Mapping[str, Mapping[str, torch.Tensor]]
 PACKED_ALIGNMENT = 16  # packed: bytes between tensors and between groups (any dtype's item size divides it), so
@@ -29,7 +29,7 @@ PACKED_ALIGNMENT = 16  # packed: bytes between tensors and between groups (any d
 class PackedOwner(TransferOwner, Protocol):
     """What ``PackedLayout`` needs of its swapper besides a transfer's needs (``TensorSwapper`` is one)."""
 
-    handle: AsyncIOHandle
+    io: DriveHandles  # the IO handle of each drive
 
     def current_records(self, group: str) -> dict[str, SwapRecord]:
         """The group's records in force (the swapper's own dict: read, never changed)."""
@@ -51,15 +51,18 @@ class PackedLayout:
     Args:
         swapper: The swapper whose groups these are.
         packs: The pack files (the layout's ``pack_files()``): each new extent goes to the one holding the fewest
-            allocated bytes, so a layout with a file per drive spreads a step's extents over its drives.
+            allocated bytes per unit of weight, so a layout with a file per drive spreads a step's extents over its
+            drives.
+        weights: Each pack file's share (the layout's ``pack_weights()``; None: equal).
 
     Attributes:
         extents: Each group -> the extent its current records point into.
     """
 
-    def __init__(self, swapper: PackedOwner, packs: list[PackFile]):
+    def __init__(self, swapper: PackedOwner, packs: list[PackFile], weights: list[float] | None = None):
         self.swapper = swapper
         self.packs = packs
+        self.weights = {id(pack): w for pack, w in zip(packs, weights or [1.0] * len(packs))}
         self.extents: dict[str, Extent] = {}
 
     def forget_views(self, buffer: torch.Tensor) -> None:
@@ -127,17 +130,16 @@ class PackedLayout:
             buffer[start:total].zero_()
         extent = self.extents.get(next(iter(members), ""))
         if extent is None or not extent.holds_exactly(members):
-            extent = min(self.packs, key=PackFile.allocated_bytes).allocate(total, members)
+            extent = min(self.packs, key=lambda p: p.allocated_bytes() / self.weights[id(p)]).allocate(total, members)
         records = {}
         for group, entries in layout.items():
             begin, _ = members[group]
             records[group], _ = swapper.staging.stage(
                 group, entries, buffer, begin, extent.pack.path, extent.offset + begin
             )
+        pack = extent.pack.path
         requests = (
-            [swapper.handle.write_async(buffer[:total], extent.pack.path, extent.offset, truncate=False)]
-            if total
-            else []
+            [swapper.io.of(pack).write_async(buffer[:total], pack, extent.offset, truncate=False)] if total else []
         )
         write = SwapOut(
             swapper,
@@ -221,7 +223,8 @@ class PackedLayout:
                     )
                     for key, r in records[group].items()
                 }
-        request = swapper.handle.write_async(buffer[: extent.nbytes], extent.pack.path, extent.offset, truncate=False)
+        pack = extent.pack.path
+        request = swapper.io.of(pack).write_async(buffer[: extent.nbytes], pack, extent.offset, truncate=False)
         write = SwapOut(swapper, [request], records, [buffer], sources, on_done, extent, rewrite=True)
         swapper.track_write(write, names)
         return write
@@ -256,7 +259,7 @@ class PackedLayout:
         layout = {group: (-extent.offset, swapper.current_records(group)) for group in groups}
         cached = extent.views
         buffer = swapper.staging.acquire(extent.nbytes, prefer=cached[0] if cached is not None else None)
-        request = swapper.handle.read_async(buffer[: extent.nbytes], extent.pack.path, extent.offset)
+        request = swapper.io.of(extent.pack.path).read_async(buffer[: extent.nbytes], extent.pack.path, extent.offset)
         read = SwapIn(swapper, [request], layout, buffer, extent)
         swapper.track_read(read, groups)
         return read

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, cast
 import torch
 
 from ..errors import ChecksumError, ClosedError, UnsupportedError
-from ..io.handle import AsyncIOHandle
 from .codecs import ByteCodec, codec_class
 from .config import SwapConfig
+from .drive_handles import DriveHandles
 from .extents import PackFile
 from .layouts import layout_class
 from .mapped import MappedFiles
@@ -95,14 +95,15 @@ class TensorSwapper:
         self._codecs: dict[str, ByteCodec] = {codec.name: codec}  # name -> codec, for records written with it
         self.layout = layout_class(self.config.layout)(self.config, rank)  # where records live; makes the run folder
         self.folder = self.layout.folder
-        self.handle = AsyncIOHandle(self.config.aio)
+        self.io = DriveHandles(self.layout, self.config.aio)  # one handle (queue, threads) per drive
+        self.handle = self.io.handles[0]
         self._records: dict[str, dict[str, SwapRecord]] = {}
         self._writing: dict[str, SwapOut] = {}
         self._reading: dict[str, SwapIn] = {}
         self._pending_out: collections.deque[SwapOut] = collections.deque()
         packs = [PackFile(path) for path in self.layout.pack_files()] if packed else []
         self.pack = packs[0] if packs else None  # (the first pack file: the only one of the folder layout)
-        self.packing = PackedLayout(self, packs) if packs else None  # its extents
+        self.packing = PackedLayout(self, packs, self.layout.pack_weights()) if packs else None  # its extents
         self._mapped = MappedFiles()  # groups served read-only from other files
         self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
         self.checksum = self.config.checksum
@@ -267,9 +268,9 @@ class TensorSwapper:
                 stored, nbytes = self.staging.encoded(self._encoder, buffer[start : start + span])
                 name = self._encoder.name
                 group_records = {k: dataclasses.replace(r, codec=name, stored=nbytes) for k, r in group_records.items()}
-                requests.append(self.handle.write_async(stored, file))
+                requests.append(self.io.of(file).write_async(stored, file))
             elif span:
-                requests.append(self.handle.write_async(buffer[start : start + span], file))
+                requests.append(self.io.of(file).write_async(buffer[start : start + span], file))
             else:
                 os.truncate(file, 0)
             records[group], shifts[group] = group_records, start
@@ -328,14 +329,14 @@ class TensorSwapper:
         total, spans, layout = plan.total, plan.spans, plan.layout
         buffer = self.staging.acquire(total) if total else None
         requests = (
-            [self.handle.read_async(buffer[start : start + span], file, offset) for file, offset, start, span in spans]
+            [self.io.of(f).read_async(buffer[start : start + span], f, offset) for f, offset, start, span in spans]
             if buffer is not None
             else []
         )  # (no spans without bytes)
         decodes = []
         for record, start, span in plan.encoded:  # (buffer is set: encoded groups have bytes)
             stored, out = self.pool.one_off(record.stored), cast(torch.Tensor, buffer)[start : start + span]
-            requests.append(self.handle.read_async(stored[: round_up(record.stored)], record.file))
+            requests.append(self.io.of(record.file).read_async(stored[: round_up(record.stored)], record.file))
             codec = self._codecs.setdefault(record.codec, codec_class(record.codec)())
             decodes.append(Decode(codec, stored[: record.stored], out, record.file))
         read = SwapIn(self, requests, layout, buffer, decodes=decodes)
@@ -383,7 +384,7 @@ class TensorSwapper:
             self.wait_all()
         finally:
             self._closed = True
-            self.handle.close()
+            self.io.close()
             self.layout.close()  # (a kept one stays)
 
     def __enter__(self) -> "TensorSwapper":

@@ -172,6 +172,28 @@ def optimizer_act(work: Path, version: int) -> None:
         opt.close()
 
 
+SECOND_DRIVE = "DEEPOFFLOAD_TEST_SECOND_DRIVE"  # a folder on a device of its own (the test mounts one), listed too
+
+
+def two_drives_act(work: Path, version: int) -> None:
+    """Fused training with blocks and optimizer state spread over two drives' swap folders, then ``off.save``."""
+    import deepoffload
+
+    (work / "swap").mkdir(exist_ok=True)  # (with several folders each must exist)
+    second = os.environ.get(SECOND_DRIVE) or str(work / "swap")  # without one: the same device, counted once
+    model = _block_model(version)
+    off = deepoffload.offload_parameters(
+        model,
+        [str(work / "swap"), second] if second != str(work / "swap") else str(work / "swap"),
+        train=deepoffload.TrainOptions(optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01)),
+    )
+    try:
+        model(torch.ones(2, 32)).sum().backward()
+        off.save(work / "ckpt")
+    finally:
+        off.close(restore=False)
+
+
 # -- DCP -----------------------------------------------------------------------------------------------------------
 def dcp_act(work: Path, version: int) -> None:
     import torch.distributed.checkpoint as dcp
@@ -210,6 +232,7 @@ SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] 
     "dcp": (dcp_act, dcp_load),
     "optimizer_step": (optimizer_act, torch_load),
     "max_resident_bytes": (budget_act, sharded_folder_load),
+    "two_drives": (two_drives_act, sharded_folder_load),
 }
 
 
@@ -235,7 +258,9 @@ def listing(work: Path) -> list[str]:
     import re
 
     names = []
-    for root, folders, files in os.walk(work):
-        for name in folders + files:
-            names.append(re.sub(r"[0-9a-f]{8}", "G", os.path.relpath(os.path.join(root, name), work)))
+    second = os.environ.get(SECOND_DRIVE)
+    for top, prefix in ((work, ""), *(((Path(second), "second drive/"),) if second else ())):
+        for root, folders, files in os.walk(top):
+            for name in folders + files:
+                names.append(prefix + re.sub(r"[0-9a-f]{8}", "G", os.path.relpath(os.path.join(root, name), top)))
     return sorted(names)

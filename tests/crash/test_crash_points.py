@@ -17,12 +17,25 @@ from pathlib import Path
 import pytest
 
 import deepoffload
+from tests.support.drives import Drives, unavailable
 
-from .scenarios import SCENARIOS
+from .scenarios import SCENARIOS, SECOND_DRIVE
 
 RUNNER = Path(__file__).with_name("runner.py")
 TWO_WRITERS = Path(__file__).with_name("two_writers.py")
 OVERLAPPING = ["save_sharded", "offload_save_sharded", "save", "dcp"]  # sharded safetensors, off.save, save, DCP
+
+
+@pytest.fixture(autouse=True)
+def second_drive(monkeypatch):
+    """The ``two_drives`` scenario's second swap folder, on a device of its own (a tmpfs) where one can be mounted;
+    the harness lists it with the work folder, so a dead run's folder left there counts as left behind."""
+    if unavailable("tmpfs") is not None:
+        yield
+        return
+    with Drives(1, size=64 << 20, kind="tmpfs") as drive:
+        monkeypatch.setenv(SECOND_DRIVE, drive.folders[0])
+        yield
 
 
 def child_env() -> dict[str, str]:

@@ -38,7 +38,7 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
 LOOPS = ("plain", "trainer", "accelerate", "lora")
-FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec")
+FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders")
 STEPS = 3
 LR = 1e-2
 LORA_TARGETS = {
@@ -149,7 +149,8 @@ class Setup:
             )
         else:
             train = TrainOptions(
-                lambda ps: torch.optim.AdamW(ps, lr=LR), mode="fused" if feature == "fused" else "grads"
+                lambda ps: torch.optim.AdamW(ps, lr=LR),
+                mode="fused" if feature in ("fused", "two_folders") else "grads",
             )
             stream = StreamOptions(compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None)
             load = None
@@ -161,9 +162,12 @@ class Setup:
                 model = self.model = self._served(model)
                 load = LoadOptions(checkpoint=folder / "ckpt", serve_from_checkpoint=True, init=_init_of(model))
             config = SwapConfig(codec="lossless") if feature == "codec" else None
-            self.off = offload_parameters(
-                model, str(folder / "swap"), train=train, load=load, stream=stream, config=config
-            )
+            path = _two_drives(self) if feature == "two_folders" else str(folder / "swap")  # fused, over two drives
+            try:
+                self.off = offload_parameters(model, path, train=train, load=load, stream=stream, config=config)
+            except BaseException:
+                self.close()  # (the drives too)
+                raise
             if loop == "lora" and feature == "serve":  # a served model exists only offloaded: LoRA comes after
                 self.model = _lora(model, name)
             self.optimizer = StreamedOptimizer(
@@ -187,6 +191,8 @@ class Setup:
             self.off.close(restore=False)
         elif isinstance(self.optimizer, OffloadedOptimizer):
             self.optimizer.close()
+        if getattr(self, "drives", None) is not None:
+            self.drives.__exit__(None, None, None)
 
     # -- results ----------------------------------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
@@ -221,6 +227,18 @@ def _lora(model: nn.Module, name: str) -> nn.Module:
     import peft
 
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[name], lora_dropout=0.1))
+
+
+def _two_drives(setup: Setup) -> list[str]:
+    """Two tmpfs mounts (distinct devices: ``tests/support/drives.py``, root only), unmounted at ``setup.close()``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (run as a script: the repository's tests/)
+    from tests.support.drives import Drives, unavailable
+
+    reason = unavailable("tmpfs")
+    if reason is not None:
+        raise NotApplicable(f"two drives: {reason}")
+    setup.drives = Drives(2, size=256 << 20, kind="tmpfs").__enter__()
+    return setup.drives.folders
 
 
 class NotApplicable(Exception):
@@ -585,7 +603,8 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `TrainOptions(mode=...)`; "
         "`half` = grads mode with half the blocks resident (`StreamOptions(max_resident_bytes)`); `serve` = "
         "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused); `codec` = grads mode with "
-        '`SwapConfig(codec="lossless")`. Loops: `plain` (hand-written), '
+        '`SwapConfig(codec="lossless")`; `two_folders` = fused mode with '
+        "swap folders on two drives (`path=[a, b]`, two tmpfs mounts). Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -66,7 +66,7 @@ def from_pretrained(
     /,
     model_class: Any = None,
     *,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     train: TrainOptions | None = None,
     load: LoadOptions | None = None,
     stream: StreamOptions | None = None,
@@ -81,7 +81,7 @@ def from_pretrained(
         folder: A ``save_pretrained`` folder: ``config.json`` and safetensors weights, sharded or not.
         model_class: The class to build (a model class or any ``AutoModel*`` class); default: the class named first
             in the config's ``architectures``, else ``AutoModel``.
-        path: The swap folder (see ``offload_parameters``).
+        path: The swap folder, or a list of them, one per drive (see ``offload_parameters``).
         train: To train, a ``TrainOptions`` (see ``offload_parameters``). None: inference only.
         load: A ``LoadOptions`` without ``checkpoint`` (the checkpoint is ``folder``, read through transformers' own
             key renaming and conversion rules: GPT-NeoX's ``embed_out``, per-expert MoE weights,

@@ -1,6 +1,6 @@
 """``StorageLayout``: where a ``TensorSwapper``'s records live on storage, and the life of this run's files there.
 
-A layout owns this run's place on storage (one run folder today; several folders on several drives next): it makes
+A layout owns this run's place on storage (one run folder, or one on each of several drives): it makes
 it at construction (removing what dead runs left there), names the file of each group (and the one pack file of a
 packed swapper), creates swap files readable by their owner only, checks before each transfer that its place is
 still the one it made, and removes everything at ``close`` unless kept. The swapper asks it for nothing else: the
@@ -23,8 +23,8 @@ class LayoutSettings(Protocol):
     """The settings a layout reads (``SwapConfig`` has them; the config module imports the registry to check names)."""
 
     @property
-    def folder(self) -> str | None:
-        """The base folder (None: the temp folder)."""
+    def folder(self) -> str | tuple[str, ...] | None:
+        """The base folder (None: the temp folder), or several (a tuple: one per drive)."""
         ...
 
     @property
@@ -86,6 +86,30 @@ class StorageLayout(abc.ABC):
             The files' paths (at least one).
         """
         return [self.pack_file()]
+
+    def pack_weights(self) -> list[float]:
+        """Each pack file's share of new extents (``PackedLayout`` puts one where allocated bytes / weight is least).
+
+        Returns:
+            One positive weight per ``pack_files()`` entry (equal by default).
+        """
+        return [1.0] * len(self.pack_files())
+
+    @property
+    def drives(self) -> int:
+        """How many drives this layout's files lie on; the swapper opens one IO handle (one queue) per drive."""
+        return 1
+
+    def drive(self, path: str) -> int:
+        """The drive holding ``path`` (an index below ``drives``), whose IO handle moves its bytes.
+
+        Args:
+            path: A path this layout named.
+
+        Returns:
+            0 here (one drive).
+        """
+        return 0
 
     @abc.abstractmethod
     def check(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import weakref
 
+from ...errors import ConfigError
 from ..folder_checks import check_run_folder
 from ..folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
 from .base import LayoutSettings, StorageLayout
@@ -24,11 +25,16 @@ class OneFolder(StorageLayout):
         config: Where (``folder``), and whether the files are kept (``keep_files``) or the base folder's owner
             trusted (``trust_folder_owner``).
         rank: The rank in the run folder's name (None: taken from the environment).
+
+    Raises:
+        ConfigError: When ``config.folder`` is several folders.
     """
 
     description = "every file of a run in one private run folder under the swap folder"
 
     def __init__(self, config: LayoutSettings, rank: int | None = None) -> None:
+        if isinstance(config.folder, tuple):  # (SwapConfig picks the drives layout for a list)
+            raise ConfigError(f"layout 'folder' takes one folder, got {list(config.folder)}; use layout='drives'")
         self.folder = create_run_folder(config.folder, rank, config.trust_folder_owner)
         if config.keep_files:
             keep_run_folder(self.folder)

@@ -26,7 +26,7 @@ from .training.data_parallel import process_group
 @moved_keywords
 def offload_parameters(
     module: nn.Module,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     *,
     blocks: Sequence[nn.Module] | None = None,
     train: TrainOptions | None = None,
@@ -44,7 +44,8 @@ def offload_parameters(
     Args:
         module: The model whose blocks are offloaded.
         path: The folder for swap files (default: ``config.folder``, else the temp folder); each run gets its own
-            sub-folder, removed on ``close()``.
+            sub-folder, removed on ``close()``. A list of folders (one per drive) spreads the blocks and their
+            optimizer state over every drive (``SwapConfig.folder``).
         blocks: The submodules to stream (default: see ``find_blocks``), in the order they run; a module at two
             places in the model (or listed twice) is one block, run at each place.
         train: To train, a ``TrainOptions`` (its optimizer's state is offloaded too). None: inference only.
