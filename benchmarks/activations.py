@@ -3,7 +3,7 @@ several times the memory ``offload_activations`` holds for them, four ways, each
 A B C D per round:
 
 - ``plain``: saved activations in memory;
-- ``offload``: inside ``deepoffload.offload_activations(folder)`` (defaults: 4 staging buffers of 8 MiB, prefetch 2);
+- ``offload``: inside ``deepoffload.offload_activations(folder)`` (defaults: at most 32 MiB being written, prefetch 2);
 - ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) on every layer: the usual way to the same memory;
 - ``disk``: the raw disk doing the same bytes: the bytes ``offload`` wrote, written in 8 MiB requests through the
   async-IO handle and read back, with no compute (what the step's IO costs when nothing overlaps it).

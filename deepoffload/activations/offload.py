@@ -65,7 +65,7 @@ class ActivationOffload:
     """One run of ``offload_activations``: use it once, as a context manager.
 
     Args:
-        config: Folder, staging pool (``buffer_count`` buffers of ``chunk_bytes``), pinning, checksums, aio settings.
+        config: Folder, bytes being written at once (``buffer_count * chunk_bytes``), checksums, aio settings.
         min_bytes: Saved tensors whose storage holds fewer bytes stay in memory.
         prefetch: Stored tensors read ahead of the backward (>= 0).
 
@@ -309,8 +309,8 @@ def offload_activations(
     """Store the tensors autograd saves for backward on disk during the forward, and read them back for the backward.
 
     Use it as a context manager around the forward (and, typically, the backward). Each saved tensor whose storage
-    holds at least ``min_bytes`` bytes is copied into a staging buffer and written asynchronously while the forward
-    goes on; its memory is released once written. The backward reads them back ahead of use, in reverse order.
+    holds at least ``min_bytes`` bytes is written asynchronously, straight from its memory, while the forward goes
+    on; its memory is released once written. The backward reads them back ahead of use, in reverse order.
     Parameters, views of parameters and tensors already on storage are never written; a tensor saved twice (or
     several views of one storage) is written once. The gradients are bit-identical to those of the same step
     without the context (``tests/activations/test_offload_activations.py``).
@@ -332,8 +332,8 @@ def offload_activations(
         min_bytes: Saved tensors whose storage is smaller stay in memory (bytes).
         prefetch: Stored tensors read ahead of the backward.
         checksum: Hash each staged chunk (xxh3-64) and check it when read back (replaces ``config.checksum``).
-        config: Staging pool (``buffer_count`` buffers of ``chunk_bytes``: the memory writes in flight take at most),
-            pinning, aio settings (default: 4 buffers of 8 MiB, pinned).
+        config: Bytes of saved tensors being written at once (at most ``buffer_count * chunk_bytes``, or one tensor
+            when larger), bytes per checksum (``chunk_bytes``), aio settings (default: 4 x 8 MiB).
 
     Returns:
         The context manager (an ``ActivationOffload``; ``stats()`` gives its counts and bytes).

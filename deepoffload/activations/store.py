@@ -1,11 +1,13 @@
-"""``ActivationStore``: one run's file of saved activations, written through a bounded staging pool, read back ahead.
+"""``ActivationStore``: one run's file of saved activations, written straight from the tensors, read back ahead.
 
 Each stored tensor is one ``StoredBytes``: the bytes of one storage, at a page-aligned extent of the run's file
-``<run folder>/activations.swp``. A write copies the bytes into pooled staging buffers (``SwapConfig.chunk_bytes``
-each, at most ``buffer_count`` of them: a full pool waits for the oldest write) and submits one asynchronous write per
-buffer; the tensor is kept until all of them have completed, then let go (its memory is released once written). A
-failed write keeps it for good and is reported once (``take_error``). A read goes into a fresh page-aligned buffer
-and is checked against the xxh3-64 of each staged chunk when checksums are on. Extents are handed out from the end of
+``<run folder>/activations.swp``. A write is one asynchronous write from the tensor's own memory (no copy in the
+calling thread: the op's worker threads bounce memory that is not aligned for direct IO); at most
+``buffer_count * chunk_bytes`` bytes of tensors are being written at once (beyond it the next save waits for the
+oldest writes, or one tensor when larger). The tensor is kept until its write has completed, then let go (its memory
+is released once written). A failed write keeps it for good and is reported once (``take_error``). A read goes into
+a fresh page-aligned buffer and is checked against the xxh3-64 of each ``chunk_bytes`` of the tensor's bytes, hashed
+at the save, when checksums are on. Extents are handed out from the end of
 the file; when no stored tensor is left the file starts again at offset 0.
 
 The run folder is made by ``swap.folders.create_run_folder`` (rank-aware, private, removed at close and at exit; the
@@ -28,7 +30,7 @@ from ..io.request import Request
 from ..swap.config import SwapConfig
 from ..swap.folder_checks import check_run_folder, create_swap_file
 from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
-from ..swap.pool import BufferPool, round_up, trim_heap
+from ..swap.pool import round_up, trim_heap
 from ..swap.records import hash_bytes
 
 FILE_NAME = "activations.swp"
@@ -82,12 +84,12 @@ class StoredBytes:
 
 
 class ActivationStore:
-    """One run's activation file, its staging pool and its async-IO handle.
+    """One run's activation file and its async-IO handle.
 
     Not thread-safe by itself: ``ActivationOffload`` calls it under its lock.
 
     Args:
-        config: Where and how (folder, staging pool, pinning, checksums, aio settings).
+        config: Where and how (folder, bytes being written at once, checksums, aio settings).
 
     Raises:
         UnsupportedError: When ``config.folder`` is several folders.
@@ -104,9 +106,10 @@ class ActivationStore:
         self.path = os.path.join(self.folder, FILE_NAME)
         create_swap_file(self.path)
         self.handle = AsyncIOHandle(config.aio)
-        self.pool = BufferPool(config.buffer_count, config.chunk_bytes, config.pin)
-        self.chunk = self.pool.buffer_bytes
-        self._writes: collections.deque[tuple[Request, torch.Tensor, StoredBytes]] = collections.deque()
+        self.chunk = config.chunk_bytes  # bytes per checksum
+        self.in_flight_bytes = config.buffer_count * config.chunk_bytes  # bytes of tensors being written, at most
+        self._in_flight = 0
+        self._writes: collections.deque[tuple[Request, StoredBytes]] = collections.deque()
         self._end = 0  # the file's next free offset
         self.live = 0  # StoredBytes not yet freed
         self.failed: OSError | None = None  # the first failed write, until reported
@@ -131,36 +134,24 @@ class ActivationStore:
         stored = StoredBytes(original, version, self._end, index)
         self._end += stored.span
         self.live += 1
-        if self.config.checksum:
-            stored.hashes = []
         check_run_folder(self.folder)
         data = torch.empty(0, dtype=torch.uint8).set_(original.untyped_storage())
-        for start in range(0, stored.nbytes, self.chunk):
-            nbytes = min(self.chunk, stored.nbytes - start)
-            padded = round_up(nbytes)
-            buffer = self._acquire()
-            buffer[:nbytes].copy_(data[start : start + nbytes])
-            if padded > nbytes:
-                buffer[nbytes:padded].zero_()  # no stale bytes in the file's padding
-            if stored.hashes is not None:
-                stored.hashes.append(hash_bytes(buffer[:padded]))
-            request = self.handle.write_async(buffer[:padded], self.path, stored.offset + start, truncate=False)
-            self._writes.append((request, buffer, stored))
+        while self._writes and self._in_flight + stored.nbytes > self.in_flight_bytes:
+            self._finish_oldest()  # bounded: wait for the oldest writes (and let their tensors go)
+        if self.config.checksum:
+            stored.hashes = [hash_bytes(data[s : s + self.chunk]) for s in range(0, stored.nbytes, self.chunk)]
+        if stored.nbytes:  # straight from the tensor's memory: the op bounces misaligned memory on its own threads
+            request = self.handle.write_async(data, self.path, stored.offset, truncate=False)
+            self._writes.append((request, stored))
+            self._in_flight += stored.nbytes
             stored.pending += 1
-        if not stored.pending:
+        else:
             stored.original = None
         return stored
 
-    def _acquire(self) -> torch.Tensor:
-        """A free staging buffer, waiting for the oldest writes to free one."""
-        while True:
-            buffer = self.pool.try_acquire(self.chunk)
-            if buffer is not None:
-                return buffer
-            self._finish_oldest()
-
     def _finish_oldest(self) -> None:
-        request, buffer, stored = self._writes.popleft()
+        request, stored = self._writes.popleft()
+        self._in_flight -= stored.nbytes
         try:
             self.bytes_written += request.wait()
         except OSError as e:
@@ -172,8 +163,6 @@ class ActivationStore:
                     self.path,
                 )
                 self.failed = self.failed or stored.error
-        finally:
-            self.pool.release(buffer)
         stored.pending -= 1
         if not stored.pending and stored.error is None:
             stored.original = None  # written: its memory goes (unless the caller still holds the tensor)
@@ -219,7 +208,7 @@ class ActivationStore:
             return
         check_run_folder(self.folder)
         buffer = aligned_empty(stored.span, pin=False)
-        stored.reading = (self.handle.read_async(buffer, self.path, stored.offset), buffer)
+        stored.reading = (self.handle.read_async(buffer[: stored.nbytes], self.path, stored.offset), buffer)
 
     def bytes_of(self, stored: StoredBytes) -> torch.UntypedStorage:
         """The storage of ``stored``'s bytes in memory: the original, the storage read back, or a read now.
@@ -256,7 +245,7 @@ class ActivationStore:
     def _check(self, stored: StoredBytes, buffer: torch.Tensor) -> None:
         for i, expected in enumerate(stored.hashes or ()):
             start = i * self.chunk
-            end = min(start + self.chunk, stored.span)
+            end = min(start + self.chunk, stored.nbytes)
             if hash_bytes(buffer[start:end]) != expected:
                 raise ChecksumError(
                     errno.EIO,

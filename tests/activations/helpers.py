@@ -8,11 +8,11 @@ import torch
 
 from deepoffload import SwapConfig, offload_activations
 
-CHUNK = 64 << 10  # small staging buffers: every stored tensor here spans several
+CHUNK = 64 << 10  # small checksum chunks and write bound: every stored tensor here spans several
 
 
 def config(**changes) -> SwapConfig:
-    """Four unpinned staging buffers of 64 KiB (tests need no memlock)."""
+    """At most 4 x 64 KiB being written, checksums per 64 KiB, unpinned (tests need no memlock)."""
     return SwapConfig(chunk_bytes=CHUNK, buffer_count=4, pin=False).replace(**changes)
 
 

@@ -52,7 +52,7 @@ ENTRIES = (
     "train_data_parallel_grads",
     "train_activations",
 )
-ONE_SHAPE = ("generate", "train_activations")  # entries measured at the "large" shape only (their own model)
+ONE_SHAPE = ("generate",)  # entries measured at the "large" shape only (their own model)
 
 
 @dataclass
@@ -191,28 +191,29 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
     if entry == "checkpoint_load":  # the loaded state dict (one buffer) is the user's
         return CHECKPOINT_STAGING, total
     if entry in ("train_activations", "train_activations_plain"):
-        return activation_bounds()
+        return activation_bounds(sizes["activation_rows"])
     if entry == "optimizer_step":  # the model and its gradients are the user's
         chunk = max(32 * MiB, 2 * largest + 2 * largest // 16)  # grows to the largest parameter's state
         return OPTIMIZER_POOL * chunk + OPTIMIZER_TEMPORARIES * largest, 2 * total + FORWARD_BYTES
     raise ValueError(entry)
 
 
-def activation_bounds() -> tuple[int, int]:
-    """(library, user) bytes of ``train_activations`` (offload_activations' defaults: 4 staging buffers of 8 MiB,
-    prefetch 2): the staging pool, the saved tensors still being written (at most one per staging buffer in flight,
-    and the one being staged), the ones read ahead and the one in use; the user's model, its gradients, the input, two
-    live activations of the forward and three of the backward (gradients and a temporary)."""
+def activation_bounds(rows: int = workloads.ACTIVATIONS[2]) -> tuple[int, int]:
+    """(library, user) bytes of ``train_activations`` at ``rows`` rows (offload_activations' defaults: at most
+    4 x 8 MiB of saved tensors being written, or one when larger; prefetch 2): the resident part, a fixed number of
+    one layer's activations whatever the number of layers: the tensors being written, the ones read ahead and the
+    one in use; the user's model, its gradients, the input, two live activations of the forward and three of the
+    backward (gradients and a temporary). Only the resident part grows with the sequence (``rows``)."""
     width, layers, _ = workloads.ACTIVATIONS
-    act = activation_bytes()
+    act = activation_bytes(rows)
     params = layers * (width * width + width) * 4
-    library = 4 * 8 * MiB + (4 // max(1, act // (8 * MiB)) + 1) * act + (2 + 1) * act
+    library = max(4 * 8 * MiB, act) + (2 + 1) * act
     return library, 2 * params + act + 2 * act + 3 * act
 
 
-def activation_bytes() -> int:
-    """Bytes of one saved activation of ``train_activations``."""
-    width, _, rows = workloads.ACTIVATIONS
+def activation_bytes(rows: int = workloads.ACTIVATIONS[2]) -> int:
+    """Bytes of one saved activation of ``train_activations`` at ``rows`` rows."""
+    width, _, _ = workloads.ACTIVATIONS
     return rows * width * 4
 
 

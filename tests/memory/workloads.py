@@ -51,6 +51,7 @@ IMPORTS = {
 }
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
 ACTIVATIONS = (512, 32, 8192)  # train_activations: width, layers, rows; 64 saved tensors of 16 MiB (1 GiB)
+ACTIVATION_ROWS = {"large": 8192, "small": 2048}  # train_activations' sequence length (rows) at each shape
 
 
 class Tower(nn.Module):
@@ -115,17 +116,19 @@ def sizes(entry: str, shape: str) -> dict:
     }
     if entry == "train_budget":
         found["resident_bytes"] = RESIDENT_BLOCKS * found["block_span"]
+    if entry in ("train_activations", "train_activations_plain"):
+        found["activation_rows"] = ACTIVATION_ROWS[shape]
     return found
 
 
-def activation_step(folder: str, offload: bool) -> float:
-    """One step of a deep MLP whose saved activations (``ACTIVATIONS``) are several times its stated bound, inside
-    ``offload_activations`` (or plainly); returns a digest of the gradients."""
+def activation_step(folder: str, offload: bool, rows: int = ACTIVATIONS[2]) -> float:
+    """One step of a deep MLP whose saved activations (``ACTIVATIONS``, ``rows`` rows) are several times its stated
+    bound, inside ``offload_activations`` (or plainly); returns a digest of the gradients."""
     import contextlib
 
     from deepoffload import offload_activations
 
-    width, layers, rows = ACTIVATIONS
+    width, layers, _ = ACTIVATIONS
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)))
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(1))
@@ -231,7 +234,7 @@ def run(entry: str, shape: str, folder: str) -> dict:
 
         return out
     if entry in ("train_activations", "train_activations_plain"):
-        out["result"] = activation_step(folder, offload=entry == "train_activations")
+        out["result"] = activation_step(folder, entry == "train_activations", ACTIVATION_ROWS[shape])
     elif entry.startswith("load_"):
         model, off = offloaded(shape, folder, CHECKPOINTS[NEEDS.get(entry, "safetensors")])
         with torch.no_grad():

@@ -38,7 +38,7 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
 LOOPS = ("plain", "trainer", "accelerate", "lora")
-FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders")
+FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders", "activations")
 STEPS = 3
 LR = 1e-2
 LORA_TARGETS = {
@@ -135,7 +135,7 @@ class Setup:
         if loop == "lora" and feature != "serve":
             model = _lora(model, name)
         self.model = model.train()
-        if feature is None:
+        if feature in (None, "activations"):  # (activations: this in-memory model, under offload_activations)
             self.model = model if precision != "compute_bf16" else _compute_bf16_in_memory(model)
             self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
         elif feature == "optimizer":
@@ -444,7 +444,10 @@ def _train(name: str, precision: str, loop: str, feature: str | None, folder: Pa
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             try:
-                losses = runner(setup)
+                with _activations(feature, folder) as off:
+                    losses = runner(setup)
+                if off is not None and not off.stats()["written"]:  # a cell that stored nothing would prove nothing
+                    raise RuntimeError("offload_activations wrote no saved tensor")  # (an "error" cell)
             except (ValueError, RuntimeError, TypeError) as e:
                 if feature is None:
                     raise
@@ -452,6 +455,16 @@ def _train(name: str, precision: str, loop: str, feature: str | None, folder: Pa
         return Run(losses, setup.state(), {} if runner is serve_loop else setup.optimizer_state())
     finally:
         setup.close()
+
+
+def _activations(feature: str | None, folder: Path) -> contextlib.AbstractContextManager:
+    """The ``activations`` column: every step's forward and backward (the whole loop) inside one
+    ``offload_activations`` context that writes every saved tensor (``min_bytes=0``: the models are tiny)."""
+    if feature != "activations":
+        return contextlib.nullcontext()
+    from deepoffload import offload_activations
+
+    return offload_activations(str(folder / "activations"), min_bytes=0)
 
 
 def _changed(setup: Setup, name: str) -> bool:
@@ -604,7 +617,9 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "`half` = grads mode with half the blocks resident (`StreamOptions(max_resident_bytes)`); `serve` = "
         "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused); `codec` = grads mode with "
         '`SwapConfig(codec="lossless")`; `two_folders` = fused mode with '
-        "swap folders on two drives (`path=[a, b]`, two tmpfs mounts). Loops: `plain` (hand-written), "
+        "swap folders on two drives (`path=[a, b]`, two tmpfs mounts); `activations` = the in-memory model "
+        "trained inside `offload_activations(min_bytes=0)` (every saved tensor written to storage and read back for "
+        "the backward). Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "
