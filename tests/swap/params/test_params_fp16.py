@@ -191,3 +191,77 @@ def test_offloaded_optimizer_with_a_grad_scaler_equals_memory(scratch):
         assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
     finally:
         optimizer.close()
+
+
+def _trainer_run(model, folder: Path, kwargs: dict, steps: int = 6):
+    """transformers' Trainer with ``fp16=True`` as it runs on an accelerator: accelerate makes no GradScaler and no
+    fp16 autocast on a CPU, so its accelerator is given what it makes on a GPU (mixed precision "fp16", native AMP, a
+    GradScaler): the forward runs under fp16 autocast, accelerator.backward scales the loss, the Trainer's grad-norm
+    logging unscales (accelerator.clip_grad_norm_) and its AcceleratedOptimizer calls scaler.step/update."""
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState
+
+    data = [harness.batch("plain", k) for k in range(steps)]
+    dataset = [{k: v[i] for k, v in b.items()} for b in data for i in range(2)]
+    args = transformers.TrainingArguments(
+        output_dir=str(folder),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        save_strategy="no",
+        logging_steps=1,
+        report_to=[],
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, **kwargs)
+    accelerator = trainer.accelerator
+    try:
+        accelerator.state._mixed_precision, accelerator.native_amp = "fp16", True
+        scaler = accelerator.scaler = _scaler()
+        scales: list[float] = []
+        record = type(
+            "Scales",
+            (transformers.TrainerCallback,),
+            {"on_step_end": lambda *a, **k: scales.append(scaler.get_scale())},
+        )
+        trainer.add_callback(record())
+        trainer.train()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log], scales
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        5,
+        pytest.param(
+            6,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open: in Trainer only, the step after a skipped one gives block gradients that differ from "
+                "memory in rounding (block parameters 1e-7 apart after it; losses and scales equal); the same "
+                "sequence in a plain loop, with accelerate's autocast wrapper and unscale_ + clip_grad_norm_(inf) "
+                "as the Trainer does, is exact",
+            ),
+        ),
+    ],
+)
+def test_trainer_fp16_in_grads_mode_equals_memory(scratch, steps):
+    """The Trainer's own fp16 (autocast, loss scaling, unscaling for its grad-norm log, scaler.step) over a streamed
+    model in grads mode: same losses, scales, skipped steps (the 4th or 5th overflows) and parameters as in memory."""
+    from deepoffload import trainer_arguments
+
+    reference = harness.build("plain").train()
+    optimizer = _adamw(reference.parameters())
+    expected = _trainer_run(reference, scratch / "memory", {"optimizers": (optimizer, None)}, steps)
+    assert _skipped([(None, s) for s in expected[1]]) >= 1, "a step overflows and is skipped"
+    model = harness.build("plain").train()
+    with offload_parameters(model, str(scratch / "swap"), train=TrainOptions(_adamw, mode="grads")) as off:
+        assert _trainer_run(model, scratch / "streamed", trainer_arguments(off), steps) == expected
+        assert _same_state(reference, off)
