@@ -4,8 +4,9 @@ In grads mode a block's gradients wait on storage (or in memory, pinned) until `
 so a ``GradScaler`` can treat them exactly as in memory: ``scaler.unscale_(opt)`` (and ``scaler.step(opt)``, which
 calls it) reaches ``StreamedOptimizer.deepoffload_unscale_`` (see ``scaled_losses``), which reads each block's
 gradients, unscales them and records any inf/NaN with torch's own kernel, and writes them back; ``scaler.step`` then
-skips ``step()`` on an overflow, so no weight, optimizer state or weight file changes. Fused mode steps each block
-inside backward, before the scaler can see it: ``ParameterOffload.scaled_loss_error`` refuses its scaled losses.
+skips ``step()`` on an overflow, so no weight, optimizer state or weight file changes
+(tests/swap/params/test_params_fp16.py). Fused mode steps each block inside backward, before the scaler can see it:
+``ParameterOffload.scaled_loss_error`` refuses its scaled losses.
 """
 
 from __future__ import annotations
