@@ -78,9 +78,9 @@ in grads mode a ``GradScaler`` unscales and checks the stored gradients in ``sca
 (``training.scaling``), so fp16 autocast trains as in memory; fused mode steps blocks inside backward, so fp16
 autocast training and an enabled ``GradScaler``'s ``scale()`` are refused there (``refusals.scaled_loss_error``,
 before that backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile(model)``
-compiles around the streamed blocks (each a graph break, run outside the graph: equal to the model in memory compiled with its blocks
-excluded, with a warning saying so); ``block.compile()`` on a streamed block compiles its forward, run with the
-parameters resident (``patches``). ``transformers.Trainer``: ``deepoffload.trainer_arguments``
+compiles around the streamed blocks (each a graph break, run outside the graph: equal to the model in memory compiled
+with its blocks excluded, with a warning saying so); ``block.compile()`` on a streamed block compiles its forward, run
+with the parameters resident (``patches``). ``transformers.Trainer``: ``deepoffload.trainer_arguments``
 (``integrations/hugging_face/trainer.py``).
 
 Layout, by job: ``api`` (``offload_parameters``, the public entry point), ``offload`` (``ParameterOffload``, what it
