@@ -61,6 +61,7 @@ def unscale_blocks(
             f'offload_parameters(..., train=TrainOptions(optimizer, mode="grads")): its step() comes after the '
             f"whole backward, so scaler.step() unscales, checks and skips exactly as in memory"
         )
+    training.unscaled = True  # a backward before step()/zero_grad() is refused (Grads.before_backward)
     for block in blocks:
         block.unguard_grads()  # as step() does: blocks in memory with their gradients away read None, plainly
     try:
