@@ -10,6 +10,12 @@ autograd graph reaches, and raises the error one returns, before the loss is eve
 reach (another model's optimizer, one dropped without ``close()`` that the cycle collector has not freed yet) is not
 asked: its parameters step in no backward of this loss. With no owner alive it only costs an empty-set test; with one,
 a walk of the loss's graph (once per ``scale()``).
+
+``GradScaler._unscale_grads_`` (what ``unscale_`` and ``step`` use to unscale and find overflows) is wrapped too: an
+optimizer with a ``deepoffload_unscale_`` method (``StreamedOptimizer``) runs the scaler's own pass over the
+parameters whose ``.grad`` it holds and is given the same inverse scale and overflow flags, so gradients it keeps
+elsewhere (a streamed model's, on storage in grads mode) are unscaled and checked exactly as torch checks those in
+memory, before ``step`` decides to skip.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ class LossGraph:
 
     Args:
         outputs: What ``GradScaler.scale`` was given: a tensor or an iterable (nested) of tensors.
+        scaler: The ``GradScaler`` scaling it (None when unknown).
     """
 
-    def __init__(self, outputs: Any):
+    def __init__(self, outputs: Any, scaler: Any = None):
         self._outputs = outputs
+        self.scaler = scaler
         self._leaves: set[int] | None = None
 
     def reaches(self, tensors: Iterable[torch.Tensor]) -> bool:
@@ -106,6 +114,7 @@ def _install() -> None:
     base = torch.amp.GradScaler
     if getattr(base.__dict__["scale"], _MARK, False):
         return
+    _wrap_unscale(base)
     classes = [base]
     while classes:
         cls = classes.pop()
@@ -132,7 +141,7 @@ def _wrap(cls: type) -> None:
     @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
         if _owners and getattr(self, "_enabled", True):
-            graph = LossGraph(outputs)
+            graph = LossGraph(outputs, self)
             for owner in list(_owners):
                 error = owner.scaled_loss_error(graph)
                 if error is not None:
@@ -141,3 +150,67 @@ def _wrap(cls: type) -> None:
 
     setattr(scale, _MARK, True)
     cls.scale = scale  # type: ignore[attr-defined]
+
+
+def unscales_own_grads(scaler: Any) -> bool:
+    """Whether ``scaler``'s class unscales through the wrapped ``GradScaler._unscale_grads_``.
+
+    It then reaches ``deepoffload_unscale_``; an override of its own (torch's ``ShardedGradScaler``) does not.
+
+    Args:
+        scaler: A ``GradScaler``.
+
+    Returns:
+        True when its ``_unscale_grads_`` is the wrapped one of ``torch.amp.GradScaler``.
+    """
+    return getattr(type(scaler)._unscale_grads_, _MARK, False)
+
+
+def _wrap_unscale(base: type) -> None:
+    """Make ``base._unscale_grads_`` also unscale what an optimizer's ``deepoffload_unscale_`` holds."""
+    original = base.__dict__["_unscale_grads_"]
+
+    @functools.wraps(original)
+    def _unscale_grads_(
+        self: Any, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        hook = getattr(optimizer, "deepoffload_unscale_", None)
+        if hook is None:
+            return original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        return hook(
+            lambda groups: original(self, groups, inv_scale, found_inf, allow_fp16), inv_scale, found_inf, allow_fp16
+        )
+
+    setattr(_unscale_grads_, _MARK, True)
+    base._unscale_grads_ = _unscale_grads_  # type: ignore[attr-defined]
+
+
+def unscale_(
+    tensors: Iterable[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    per_device: dict[torch.device, torch.Tensor],
+    allow_fp16: bool,
+) -> None:
+    """Unscale ``tensors`` in place and record any inf/NaN, as ``GradScaler._unscale_grads_`` does for ``.grad``.
+
+    Args:
+        tensors: The gradients (dense).
+        inv_scale: The scaler's inverse scale.
+        found_inf: The scaler's overflow flag (copied to each device that has none in ``per_device`` yet).
+        per_device: The overflow flag of each device, which ``GradScaler.step``/``update`` read; completed here.
+        allow_fp16: Whether float16 gradients may be unscaled (``GradScaler`` refuses them otherwise).
+
+    Raises:
+        ValueError: For a float16 gradient when ``allow_fp16`` is False (torch's own message).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if not allow_fp16 and tensor.dtype == torch.float16:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for (device, _), group in groups.items():
+            if device not in per_device:
+                per_device[device] = found_inf.to(device, copy=True)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, per_device[device], inv_scale.to(device))

@@ -194,6 +194,35 @@ def two_drives_act(work: Path, version: int) -> None:
         off.close(restore=False)
 
 
+def scaled_overflow_act(work: Path, version: int) -> None:
+    """Grads-mode training through a ``GradScaler``: a step, then one whose scaled gradients overflow (skipped: the
+    weights, the optimizer state and their swap files must not change, checked here), then ``off.save``."""
+    import deepoffload
+    from deepoffload.swap.params import StreamedOptimizer
+
+    model = _block_model(version)
+    train = deepoffload.TrainOptions(lambda ps: torch.optim.Adam(ps, lr=0.01), mode="grads")
+    off = deepoffload.offload_parameters(model, str(work / "swap"), train=train)
+    try:
+        opt, scaler = StreamedOptimizer(off), torch.amp.GradScaler("cpu")
+        for scale in (None, 3e38):  # the second scale overflows the float32 loss
+            if scale is not None:
+                scaler.update(new_scale=scale)
+                before, files = off.state_dict(), {p: p.read_bytes() for p in (work / "swap").rglob("*.swp")}
+            scaler.scale(model(torch.ones(2, 32)).pow(2).sum() * 1e3).backward()  # gradients times 3e38: inf
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        after = off.state_dict()
+        if any(not torch.equal(before[k], after[k]) for k in before) or files != {
+            p: p.read_bytes() for p in (work / "swap").rglob("*.swp")
+        }:
+            raise RuntimeError("an overflowing GradScaler step changed the weights or a swap file")
+        off.save(work / "ckpt")
+    finally:
+        off.close(restore=False)
+
+
 # -- DCP -----------------------------------------------------------------------------------------------------------
 def dcp_act(work: Path, version: int) -> None:
     import torch.distributed.checkpoint as dcp
@@ -233,6 +262,7 @@ SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] 
     "optimizer_step": (optimizer_act, torch_load),
     "max_resident_bytes": (budget_act, sharded_folder_load),
     "two_drives": (two_drives_act, sharded_folder_load),
+    "scaled_overflow": (scaled_overflow_act, sharded_folder_load),
 }
 
 

@@ -625,8 +625,9 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "
         "`StreamOptions(compute_dtype=torch.bfloat16)`. On a CPU (where this matrix runs) accelerate, and the "
         "`Trainer` through it, ignore fp16 (no autocast, no scaler): their fp16 rows train in fp32; on an "
-        "accelerator they use fp16 autocast with a `GradScaler`, which streamed training refuses as the "
-        "plain-loop fp16 rows show.",
+        "accelerator they use fp16 autocast with a `GradScaler`, which grads mode trains as the plain-loop fp16 rows "
+        "show and fused mode refuses (the Trainer's own fp16 path is tested on a CPU in "
+        "tests/swap/params/test_params_fp16.py).",
         "",
     ]
     refusals: dict[str, int] = {}
@@ -676,10 +677,11 @@ def page_outcomes(text: str) -> dict[tuple[str, str, str, str], Outcome]:
 
 
 def main(argv: list[str]) -> int:
-    """``--models a,b``, ``--loops c,d`` and ``--features e,f`` run those cells only; ``--json FILE`` saves the
-    outcomes; ``--write FILE`` writes the support matrix of the outcomes run here plus those of ``--merge FILE,...``
-    (saved by other runs; a later file's outcome of a cell replaces an earlier one's) and, with ``--keep``, those
-    that FILE already shows for the cells not run here (to add one column without running the other 400 cells)."""
+    """``--models a,b``, ``--precisions p,q``, ``--loops c,d`` and ``--features e,f`` run those cells only;
+    ``--json FILE`` saves the outcomes; ``--write FILE`` writes the support matrix of the outcomes run here plus those
+    of ``--merge FILE,...`` (saved by other runs; a later file's outcome of a cell replaces an earlier one's) and, with
+    ``--keep``, those that FILE already shows for the cells not run here (to add one column without running the
+    other 400 cells)."""
     import json
 
     def option(name: str) -> str | None:
@@ -688,11 +690,13 @@ def main(argv: list[str]) -> int:
     models = (option("--models") or ",".join(MODELS)).split(",")
     loops = (option("--loops") or ",".join(LOOPS)).split(",")
     features = (option("--features") or ",".join(FEATURES)).split(",")
+    precisions = (option("--precisions") or ",".join(PRECISIONS)).split(",")
     results: dict[tuple, Outcome] = {}
     if "--keep" in argv and option("--write") and Path(option("--write")).exists():
         results.update(page_outcomes(Path(option("--write")).read_text()))
     with tempfile.TemporaryDirectory() as base:
-        for k, cell in enumerate(c for c in cells() if c[0] in models and c[2] in loops and c[3] in features):
+        wanted = (models, precisions, loops, features)
+        for k, cell in enumerate(c for c in cells() if all(part in w for part, w in zip(c, wanted))):
             results[cell] = run_cell(*cell, Path(base) / str(k))
             print(*cell, results[cell].status, results[cell].detail[:150], flush=True)
             if option("--json"):  # after each cell: an interrupted run keeps what it did

@@ -62,6 +62,12 @@ def trainer_arguments(offload: ParameterOffload, clip_grad_norm: float | None = 
             if kwargs.get("lr_scheduler") is not None:  # loaded from an in-memory run's checkpoint: one entry per group
                 optimizer.adapt_scheduler(kwargs["lr_scheduler"])
 
+        def on_step_end(self, args, state, control, **kwargs):
+            # the Trainer's model.zero_grad() reaches the gradients in memory only; those the blocks keep (on storage
+            # in grads mode) are dropped here, as it drops them in memory. step() already consumed them, except
+            # after a step a GradScaler skipped, where they would be added to the next step's.
+            offload.zero_grad()
+
         def on_train_end(self, args, state, control, **kwargs):
             for block in offload.blocks:
                 block.grads_read_as_none = False

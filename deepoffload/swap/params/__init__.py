@@ -74,12 +74,13 @@ values (``loading``). Dtype moves (``model.to(dtype)``, ``.half()``, ``.double()
 holding a block) convert the stored blocks one at a time (``dtype_moves``); device moves of streamed parameters raise
 ValueError before anything is converted. Parameters added or replaced after offloading are refused at the next forward
 (``structure``). A block's recompute runs under its forward's autocast, RNG and kernel settings (``forward_state``);
-training streamed blocks under fp16 autocast is refused (a ``GradScaler`` cannot see their gradients before they step),
-and so is any enabled ``GradScaler``'s ``scale()`` while blocks are trained (``refusals.scaled_loss_error``, before that
-backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile(model)`` compiles around
-the streamed blocks (each a graph break, run outside the graph: equal to the model in memory compiled with its blocks
-excluded, with a warning saying so); ``block.compile()`` on a streamed block compiles its forward, run with the
-parameters resident (``patches``). ``transformers.Trainer``: ``deepoffload.trainer_arguments``
+in grads mode a ``GradScaler`` unscales and checks the stored gradients in ``scaler.step(StreamedOptimizer(off))``
+(``training.scaling``), so fp16 autocast trains as in memory; fused mode steps blocks inside backward, so fp16
+autocast training and an enabled ``GradScaler``'s ``scale()`` are refused there (``refusals.scaled_loss_error``,
+before that backward: with ``compute_dtype`` it stepped the blocks on scaled gradients). ``torch.compile(model)``
+compiles around the streamed blocks (each a graph break, run outside the graph: equal to the model in memory compiled
+with its blocks excluded, with a warning saying so); ``block.compile()`` on a streamed block compiles its forward, run
+with the parameters resident (``patches``). ``transformers.Trainer``: ``deepoffload.trainer_arguments``
 (``integrations/hugging_face/trainer.py``).
 
 Layout, by job: ``api`` (``offload_parameters``, the public entry point), ``offload`` (``ParameterOffload``, what it

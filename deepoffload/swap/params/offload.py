@@ -465,7 +465,7 @@ class ParameterOffload:
         # is another model's
         if not graph.reaches([self._token, *self.module.parameters()]):
             return None
-        return scaled_loss_error(self.mode)
+        return scaled_loss_error(self.mode, graph.scaler)
 
     def close(self, restore: bool = True) -> None:
         """End offloading: finish writes, unhook the blocks and remove the swap files and optimizer state files.

@@ -2,8 +2,9 @@
 
 The blocks' gradients never reach the scaler (fused mode steps them inside backward, grads mode keeps them for
 ``off.step()``): it stepped on the scaled gradients (a weight moved by about 1e12 where memory moves it by 1e-3) and
-took steps it should have skipped. Now refused at the first ``scaler.scale()``, before that backward, in both modes;
-the alternative the error names (no scaler: bf16 needs none) equals the same loop in memory."""
+took steps it should have skipped. Fused mode is now refused at the first ``scaler.scale()``, before that backward;
+grads mode, which the error names, unscales and checks the stored gradients in ``scaler.step`` and equals the same
+loop with the scaler in memory (and so does dropping the scaler: bf16 needs none)."""
 
 from __future__ import annotations
 
@@ -34,27 +35,33 @@ def _loop(model, optimizer, scaler=None, steps=3):
     return losses
 
 
-@pytest.mark.parametrize("mode", ["fused", "grads"])
-def test_a_grad_scaler_is_refused_before_backward_and_no_scaler_is_exact(scratch, mode):
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_grad_scaler_is_refused_in_fused_mode_and_grads_mode_is_exact(scratch, scaled):
     model = harness.build("plain").train()
     before = {k: p.detach().clone() for k, p in model.named_parameters()}  # (the forward moves BatchNorm's stats)
+    fused = offload_parameters(
+        model,
+        str(scratch / "fused"),
+        train=TrainOptions(mode="fused", optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        stream=StreamOptions(compute_dtype=torch.bfloat16),
+    )
+    with pytest.raises(StreamedParameterError, match='GradScaler.*nothing was stepped.*mode="grads"'):
+        _loop(model, StreamedOptimizer(fused), torch.amp.GradScaler("cpu"))
+    after = fused.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "refused before any parameter moved"
+    fused.close(restore=False)
+    model = harness.build("plain").train()
     off = offload_parameters(
         model,
-        str(scratch),
-        train=TrainOptions(mode=mode, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        str(scratch / "grads"),
+        train=TrainOptions(mode="grads", optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
         stream=StreamOptions(compute_dtype=torch.bfloat16),
     )
     opt = StreamedOptimizer(off)
-    with pytest.raises(StreamedParameterError, match="GradScaler.*nothing was stepped.*drop the GradScaler"):
-        _loop(model, opt, torch.amp.GradScaler("cpu"))
-    opt.zero_grad()
-    after = off.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before), "refused before any parameter moved"
-    losses = _loop(model, opt)  # the alternative: bf16 needs no loss scaling
+    losses = _loop(model, opt, torch.amp.GradScaler("cpu") if scaled else None)  # what the error names
     reference = harness._compute_bf16_in_memory(harness.build("plain").train())
-    torch.manual_seed(100)
-    reference(**harness.batch("plain", 0))  # the refused step's forward (it moved BatchNorm's running stats)
-    expected = _loop(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    expected = _loop(reference, torch.optim.SGD(reference.parameters(), lr=0.1), scaler)
     assert losses == expected
     got = off.state_dict()
     assert all(torch.equal(v, got[k]) for k, v in reference.state_dict().items())
@@ -63,10 +70,11 @@ def test_a_grad_scaler_is_refused_before_backward_and_no_scaler_is_exact(scratch
 
 
 def test_a_grad_scaler_over_another_model_is_not_refused_while_blocks_train(scratch):
-    """Only a scaled loss that runs the offload's blocks (or reaches its model's parameters) is refused: a model in
-    memory beside a streamed one trains with its GradScaler as it would alone."""
+    """Only a scaled loss that runs the offload's blocks (or reaches its model's parameters) is refused (fused
+    mode): a model in memory beside a streamed one trains with its GradScaler as it would alone."""
     model = harness.build("plain").train()
-    off = offload_parameters(model, str(scratch), train=TrainOptions(lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    train = TrainOptions(lambda ps: torch.optim.SGD(ps, lr=0.1), mode="fused")
+    off = offload_parameters(model, str(scratch), train=train)
     try:
         other, alone = harness.build("plain").train(), harness.build("plain").train()
         expected = _loop(alone, torch.optim.SGD(alone.parameters(), lr=0.1), torch.amp.GradScaler("cpu"))

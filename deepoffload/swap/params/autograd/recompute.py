@@ -27,6 +27,8 @@ from .side_effects import Captured, check_caches
 class Streamer(Protocol):
     """The streaming side ``Recompute`` talks to (``ParameterOffload``, whose methods these are)."""
 
+    mode: str  # the training mode, "fused" or "grads"
+
     def acquire(self, block: Block, phase: str, training: bool) -> None:
         """Make ``block`` resident and read ahead the blocks expected next."""
         ...
@@ -171,30 +173,31 @@ def as_given(leaves: Sequence[torch.Tensor], was_leaf: Sequence[bool]) -> list[t
     return [t.view_as(t) if t.requires_grad and not leaf else t for t, leaf in zip(leaves, was_leaf)]
 
 
-def check_loss_scaling(block: Block, state: ForwardState) -> None:
-    """Refuse training a block under float16 autocast.
+def check_loss_scaling(block: Block, state: ForwardState, mode: str) -> None:
+    """Refuse training a block under float16 autocast in fused mode.
 
     fp16 training needs a loss scaler (``torch.amp.GradScaler``) that unscales every gradient and skips the step when
-    one is inf/NaN, before any parameter steps, and a streamed block's gradients never sit in memory for it (fused
-    mode steps the block inside its backward).
+    one is inf/NaN, before any parameter steps; fused mode steps the block inside its backward, before that. Grads
+    mode keeps the gradients until ``step()``, where the scaler unscales and checks them (``training.scaling``).
 
     Args:
         block: The block called.
         state: Its forward's state (autocast).
+        mode: The offload's training mode ("fused" or "grads").
 
     Raises:
-        ValueError: When ``block`` has trainable parameters and autocast is on with float16.
+        ValueError: When ``block`` has trainable parameters, autocast is on with float16 and ``mode`` is "fused".
     """
     half = [d for d, dtype in state.autocast_enabled.items() if dtype == torch.float16]
-    if half and block.trainable:
+    if half and block.trainable and mode != "grads":
         raise ValueError(
             f"block {block.prefix}: training streamed blocks under torch.autocast({half[0]!r}, "
-            f"dtype=torch.float16) is not supported: fp16 needs a GradScaler, which must unscale and "
-            f"check every gradient for inf/NaN before any parameter steps, and streamed blocks' "
-            f"gradients are stepped or stored block by block. Use bfloat16 instead "
-            f"(torch.autocast(dtype=torch.bfloat16), TrainingArguments(bf16=True), "
-            f'Accelerator(mixed_precision="bf16")), or compute_dtype=torch.bfloat16; fp16 autocast '
-            f"works for inference (torch.no_grad()) and for frozen blocks"
+            f'dtype=torch.float16) in mode="{mode}" is not supported: fp16 needs a GradScaler, which must unscale '
+            f"and check every gradient for inf/NaN before any parameter steps, and {mode} mode steps each block "
+            f'inside its backward. Use offload_parameters(..., train=TrainOptions(optimizer, mode="grads")) '
+            f"with scaler.step(StreamedOptimizer(off)) (exact, overflowing steps skipped), or bfloat16 "
+            f"(torch.autocast(dtype=torch.bfloat16), compute_dtype=torch.bfloat16), which needs no GradScaler; fp16 "
+            f"autocast works for inference (torch.no_grad()) and for frozen blocks"
         )
 
 
@@ -211,7 +214,7 @@ class Recompute(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         call.state = ForwardState.capture(tensors)
         streamer, block = call.streamer, call.block
-        check_loss_scaling(block, call.state)
+        check_loss_scaling(block, call.state, streamer.mode)
         streamer.acquire(block, "forward", training=True)
         saved: list[weakref.ref] = []  # the tensors the block's graph saves, to see whether the graph outlives it
         try:

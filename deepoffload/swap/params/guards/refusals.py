@@ -8,11 +8,12 @@ and unfrozen since (no optimizer holds it), or of parameters needing gradients w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ....errors import StreamedParameterError
+from ...scaled_losses import unscales_own_grads
 from ..autograd.recompute import BlockCall
 from ..blocks.residency import Block
 
@@ -73,24 +74,36 @@ def check_backward(call: BlockCall, optimizers: Optimizers) -> None:
         )
 
 
-def scaled_loss_error(mode: str) -> StreamedParameterError:
-    """The refusal of a ``GradScaler``'s scaled loss over ``offload`` (asked by ``scaled_losses`` at ``scale()``).
+def scaled_loss_error(mode: str, scaler: Any) -> StreamedParameterError | None:
+    """The refusal of a ``GradScaler``'s scaled loss over a training offload, or None where that is exact.
 
-    The blocks' gradients never pass through ``scaler.unscale_``/``scaler.step``: fused mode steps each block inside
-    backward, grads mode keeps them for ``step()`` where the scaler cannot reach them. The blocks would step on
-    scaled gradients, and an overflowing step would not be skipped.
+    Asked by ``scaled_losses`` at ``scale()``: None where the scaler sees every gradient before any block steps.
+
+    Fused mode steps each block inside backward, before ``scaler.unscale_``/``scaler.step`` can unscale its
+    gradients or skip an overflowing step. Grads mode keeps them until ``step()``, and ``scaler.step`` on a
+    ``StreamedOptimizer`` unscales and checks them where they are (``training.scaling``), unless the scaler's class
+    unscales with its own ``_unscale_grads_`` (torch's ``ShardedGradScaler``), which cannot reach them.
 
     Args:
         mode: The ``ParameterOffload``'s mode ("fused" or "grads"), which trains blocks.
+        scaler: The ``GradScaler`` scaling the loss (None: unknown).
 
     Returns:
-        The error naming what works.
+        The error naming what works, or None.
     """
+    if mode == "grads" and scaler is not None and unscales_own_grads(scaler):
+        return None
+    if mode == "grads":
+        return StreamedParameterError(
+            f"offload_parameters(train=TrainOptions(mode='grads')): this {type(scaler).__name__} unscales "
+            f"gradients with its own _unscale_grads_, which cannot reach the streamed blocks' gradients on storage, "
+            f"so they would step scaled and an overflow would not be skipped; nothing was stepped. Use "
+            f"torch.amp.GradScaler with scaler.step(StreamedOptimizer(off)), which unscales them exactly as in memory"
+        )
     return StreamedParameterError(
-        f"offload_parameters(train=TrainOptions(mode={mode!r})): a GradScaler scales this loss, but the streamed "
-        f"blocks' "
-        f"gradients never reach scaler.unscale_()/scaler.step() (fused mode steps each block inside backward, "
-        f"grads mode keeps them for off.step()), so the blocks would step on scaled gradients and an overflow "
-        f"would not be skipped; nothing was stepped. bfloat16 needs no loss scaling: drop the GradScaler (with "
-        f"compute_dtype=torch.bfloat16 or bf16 autocast, or in fp32), which trains exactly as the same loop in memory"
+        f"offload_parameters(train=TrainOptions(mode={mode!r})): a GradScaler scales this loss, but {mode} mode "
+        f"steps each block inside backward, before scaler.unscale_()/scaler.step() can unscale its gradients or "
+        f"skip an overflowing step; nothing was stepped. Use offload_parameters(..., train=TrainOptions(optimizer, "
+        f'mode="grads")) and scaler.step(StreamedOptimizer(off)): the blocks then step after the whole backward and '
+        f"the scaler unscales, checks and skips exactly as in memory (bfloat16 needs no GradScaler at all)"
     )

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ....errors import StreamedParameterError
 from ... import grad_norm
 from ...pool import trim_heap
 from ...tensor_swapper import SwapIn, SwapOut
@@ -33,6 +34,27 @@ class Grads(Training):
         self.grad_writes: list[tuple[Block, SwapOut, dict]] = []
         # the block whose average is in flight: (block, its result, had stored gradients, bytes)
         self.averaging: tuple[Block, Callable[[], dict], bool, int] | None = None
+        self.unscaled = False  # a GradScaler unscaled the stored gradients (``scaling``); step() or zero_grad() next
+
+    def before_backward(self, block: Block, last: bool) -> None:
+        """Refuse a backward onto gradients a ``GradScaler`` unscaled and no ``step()``/``zero_grad()`` consumed.
+
+        Args:
+            block: The block.
+            last: Whether it back-propagates for the last time in this pass.
+
+        Raises:
+            StreamedParameterError: After ``scaler.unscale_``/``scaler.step`` on this offload's gradients, before
+                ``step()`` or ``zero_grad()`` (a step the scaler skipped leaves them stored; ``model.zero_grad()``
+                does not reach them).
+        """
+        if self.unscaled and block.trainable:
+            raise StreamedParameterError(
+                f"block {block.prefix}: backward after a GradScaler unscaled the stored gradients (scaler.unscale_ or "
+                f"scaler.step) and before StreamedOptimizer.step() or zero_grad(): after a step the scaler skipped "
+                f"they are still stored, and model.zero_grad() does not reach them, so they would be added to this "
+                f"backward's. Call opt.zero_grad() (StreamedOptimizer) or off.zero_grad() after scaler.update()"
+            )
 
     def after_backward(self, block: Block) -> None:
         """Send the block's gradients to storage (added to those already there).
@@ -121,6 +143,7 @@ class Grads(Training):
 
     def zero_grad(self) -> None:
         """Drop every gradient of the blocks, in memory and on storage (after the writes in flight)."""
+        self.unscaled = False
         self.finish_writes()
         for block in self.store.blocks:
             self.store.discard_grads(block)
@@ -235,6 +258,7 @@ class Grads(Training):
             coefficient = grad_norm.clip_coefficient(clip_grad_norm, total)
         if self.block_optimizer is not None:
             self._step_streamed(self.blocks_with_grads(), coefficient)
+        self.unscaled = False
         return total, coefficient
 
     def _step_streamed(self, todo: list[Block], coefficient: torch.Tensor | None) -> None:

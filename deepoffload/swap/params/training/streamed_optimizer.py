@@ -18,6 +18,7 @@ import torch
 from ....errors import CheckpointError
 from ..blocks.placeholders import internal_call
 from ..offload import ParameterOffload
+from .scaling import unscale_blocks
 
 
 class StreamedOptimizer(torch.optim.Optimizer):
@@ -100,6 +101,32 @@ class StreamedOptimizer(torch.optim.Optimizer):
             set_to_none: For the gradients outside blocks: set them to None rather than to zero.
         """
         self.offload.zero_grad(set_to_none)
+
+    def deepoffload_unscale_(
+        self,
+        unscale_groups: Callable[[Any], dict[torch.device, torch.Tensor]],
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale and check every gradient for a ``GradScaler``, the streamed blocks' too (``training.scaling``).
+
+        ``scaler.unscale_(self)`` and ``scaler.step(self)`` call it in place of their pass over ``param_groups``.
+
+        Args:
+            unscale_groups: The scaler's own pass, over the ``param_groups`` of what it is given; returns the
+                overflow flag per device.
+            inv_scale: The scaler's inverse scale.
+            found_inf: The scaler's overflow flag.
+            allow_fp16: Whether float16 gradients may be unscaled.
+
+        Returns:
+            The overflow flag per device, which the scaler reads in ``step``/``update``.
+        """
+        off = self.offload
+        return unscale_blocks(
+            off.training, off.blocks, off.optimizers, unscale_groups, inv_scale, found_inf, allow_fp16
+        )
 
     @internal_call
     def state_dict(self) -> dict[str, Any]:
