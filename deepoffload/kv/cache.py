@@ -107,6 +107,7 @@ class StorageCache(Cache):
             keep_run_folder(self.folder)
         weakref.finalize(self, remove_run_folder_if_owned, self.folder).atexit = False
         self.handle = AsyncIOHandle(self.swap.aio)
+        self.storage_layers: list[StorageLayer] = []  # self.layers, typed
         self._reads: dict[int, tuple[StreamRead, StreamRead]] = {}
         self._lock = threading.Lock()
         self.closed = False
@@ -165,8 +166,10 @@ class StorageCache(Cache):
         if index >= self.layer_count:
             raise UnsupportedError(f"StorageCache: layer {index} of a model with {self.layer_count} layers (config)")
         while len(self.layers) <= index:
-            self.layers.append(StorageLayer(self._stream(len(self.layers), "keys"), self._stream(len(self.layers), "values")))
-        return self.layers[index]  # type: ignore[return-value]
+            count = len(self.layers)
+            self.storage_layers.append(StorageLayer(self._stream(count, "keys"), self._stream(count, "values")))
+            self.layers.append(self.storage_layers[-1])
+        return self.storage_layers[index]
 
     def _stream(self, index: int, kind: str) -> ByteStream:
         path = os.path.join(self.folder, f"layer{index}.{kind}")
@@ -174,18 +177,19 @@ class StorageCache(Cache):
         return ByteStream(self.handle, path, self.flush_bytes)
 
     def _streams(self) -> list[ByteStream]:
-        return [s for layer in self.layers for s in (layer.key_stream, layer.value_stream)]  # type: ignore[union-attr]
+        return [s for layer in self.storage_layers for s in (layer.key_stream, layer.value_stream)]
 
     def _read_ahead(self, index: int) -> None:
         """Start reading the ``resident_layers - 1`` layers after ``index`` (wrapping), unless started."""
         for step in range(1, min(self.resident_layers, self.layer_count)):
             ahead = (index + step) % self.layer_count
-            if ahead < len(self.layers) and ahead not in self._reads and self.layers[ahead].get_seq_length():
-                self._reads[ahead] = self.layers[ahead].start_read()  # type: ignore[union-attr]
+            layers = self.storage_layers
+            if ahead < len(layers) and ahead not in self._reads and layers[ahead].get_seq_length():
+                self._reads[ahead] = layers[ahead].start_read()
 
     def _raise_write_error(self) -> None:
         for stream in self._streams():
-            stream.poll()
+            stream.settle()  # the last forward's writes: so a failure is raised here, between two forwards
         for stream in self._streams():
             error = stream.take_error()
             if error is not None:

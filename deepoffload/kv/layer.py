@@ -15,8 +15,8 @@ from ..errors import UnsupportedError
 from .stream import ByteStream, StreamRead
 
 
-def _refuse(what: str) -> UnsupportedError:
-    return UnsupportedError(
+def _refused(what: str) -> str:
+    return (
         f"StorageCache: {what} is not supported: its files are append-only and one batch size wide. Use a "
         f"DynamicCache for assisted decoding, prompt lookup, contrastive search or batch changes"
     )
@@ -70,9 +70,11 @@ class StorageLayer(CacheLayerMixin):
         """
         for states, shape, dtype in zip((key_states, value_states), self.shapes or (), self.dtypes or ()):
             if states.dim() != 4 or (*states.shape[:2], 1, states.shape[3]) != tuple(shape) or states.dtype != dtype:
-                raise _refuse(
-                    f"new keys or values of shape {tuple(states.shape)} and {states.dtype} after "
-                    f"{tuple(shape)} (tokens as 1) and {dtype}: a change of batch, heads or dtype"
+                raise UnsupportedError(
+                    _refused(
+                        f"new keys or values of shape {tuple(states.shape)} and {states.dtype} after "
+                        f"{tuple(shape)} (tokens as 1) and {dtype}: a change of batch, heads or dtype"
+                    )
                 )
 
     def start_read(self) -> tuple[StreamRead, StreamRead]:
@@ -148,7 +150,7 @@ class StorageLayer(CacheLayerMixin):
         Raises:
             UnsupportedError: Always.
         """
-        raise _refuse("a StorageLayer used outside its StorageCache")
+        raise UnsupportedError(_refused("a StorageLayer used outside its StorageCache"))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The attention mask's key length and offset, as a ``DynamicLayer``'s.
@@ -204,7 +206,7 @@ class StorageLayer(CacheLayerMixin):
             return
         batch = self.shapes[0][0] if self.shapes else 0
         if beam_idx.dim() != 1 or beam_idx.numel() != batch:
-            raise _refuse(f"reorder_cache to {beam_idx.numel()} beams from {batch}")
+            raise UnsupportedError(_refused(f"reorder_cache to {beam_idx.numel()} beams from {batch}"))
         rows = self.rows if self.rows is not None else torch.arange(batch).expand(self.length, -1)
         self.rows = rows[:, beam_idx.to("cpu", torch.long)].contiguous()
 
@@ -218,7 +220,7 @@ class StorageLayer(CacheLayerMixin):
             UnsupportedError: For anything but 0 on a filled layer.
         """
         if tokens_to_remove != 0 and self.length:
-            raise _refuse(f"crop({tokens_to_remove})")
+            raise UnsupportedError(_refused(f"crop({tokens_to_remove})"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Refused on a filled layer (changes the batch size).
@@ -230,7 +232,7 @@ class StorageLayer(CacheLayerMixin):
             UnsupportedError: When the layer holds tokens.
         """
         if self.length:
-            raise _refuse("batch_repeat_interleave")
+            raise UnsupportedError(_refused("batch_repeat_interleave"))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Refused on a filled layer (changes the batch size).
@@ -242,4 +244,4 @@ class StorageLayer(CacheLayerMixin):
             UnsupportedError: When the layer holds tokens.
         """
         if self.length:
-            raise _refuse("batch_select_indices")
+            raise UnsupportedError(_refused("batch_select_indices"))

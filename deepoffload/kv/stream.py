@@ -115,11 +115,6 @@ class ByteStream:
         self.writing = (request, buffer, self.flushed)
         self.flushed += nbytes
 
-    def poll(self) -> None:
-        """Collect the write in flight if it has completed (without waiting)."""
-        if self.writing is not None and self.writing[0].done():
-            self.settle()
-
     def settle(self) -> None:
         """Wait for the write in flight; a failed one puts its bytes back in the tail and stops writing."""
         if self.writing is None:
