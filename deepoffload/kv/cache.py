@@ -190,10 +190,11 @@ class StorageCache(Cache):
     def _raise_write_error(self) -> None:
         for stream in self._streams():
             stream.settle()  # the last forward's writes: so a failure is raised here, between two forwards
-        for stream in self._streams():
-            error = stream.take_error()
-            if error is not None:
-                raise error
+        errors = [error for stream in self._streams() if (error := stream.take_error()) is not None]
+        if errors:
+            first = errors[0]
+            more = f" (and {len(errors) - 1} other files of this cache)" if len(errors) > 1 else ""
+            raise OSError(first.errno, f"{first.strerror}{more}", first.filename)
 
     # -- the rest of the Cache API ------------------------------------------------------------------------------
     def reset(self) -> None:
