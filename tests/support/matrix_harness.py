@@ -38,7 +38,7 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
 LOOPS = ("plain", "trainer", "accelerate", "lora")
-FEATURES = ("optimizer", "fused", "grads", "half", "serve")
+FEATURES = ("optimizer", "fused", "grads", "half", "serve", "storage_cache")
 STEPS = 3
 LR = 1e-2
 LORA_TARGETS = {
@@ -461,6 +461,10 @@ def reference(name: str, precision: str, loop: str, serving: bool, folder: Path)
 
 def run_cell(name: str, precision: str, loop: str, feature: str, folder: str | os.PathLike) -> Outcome:
     folder = Path(folder)
+    if feature == "storage_cache":  # generate cells: tests/support/matrix_generate.py
+        from tests.support.matrix_generate import storage_cache_cell
+
+        return storage_cache_cell(name, precision, loop, folder)
     serving = feature == "serve" and loop == "plain"
     expected = reference(name, precision, loop, serving, folder / "reference")
     if isinstance(expected, BaseException):
@@ -581,7 +585,8 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "",
         "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `TrainOptions(mode=...)`; "
         "`half` = grads mode with half the blocks resident (`StreamOptions(max_resident_bytes)`); `serve` = "
-        "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused). Loops: `plain` (hand-written), "
+        "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused); `storage_cache` = `generate` with "
+        "`deepoffload.StorageCache` against `DynamicCache` (greedy, sampling, beams: same tokens; plain loop only). Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "
