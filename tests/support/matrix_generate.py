@@ -10,15 +10,14 @@ import contextlib
 import io
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import torch
-
-from tests.support import matrix_harness as harness
 
 MODES = ({"do_sample": False}, {"do_sample": True, "top_k": 10}, {"do_sample": False, "num_beams": 3})
 
 
-def _tokens(model, make_cache, precision: str) -> list[float]:
+def _tokens(harness: ModuleType, model, make_cache, precision: str) -> list[float]:
     out: list[float] = []
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(7))
     for mode in MODES:
@@ -35,8 +34,9 @@ def _tokens(model, make_cache, precision: str) -> list[float]:
     return out
 
 
-def storage_cache_cell(name: str, precision: str, loop: str, folder: Path) -> harness.Outcome:
-    """The outcome of the generate cell ``(name, precision, loop, "storage_cache")``."""
+def storage_cache_cell(harness: ModuleType, name: str, precision: str, loop: str, folder: Path):
+    """The outcome (``harness.Outcome``) of the generate cell ``(name, precision, loop, "storage_cache")``; ``harness``
+    is the matrix harness module (passed in: it may run as a script)."""
     from transformers import DynamicCache
 
     from deepoffload import StorageCache
@@ -52,11 +52,13 @@ def storage_cache_cell(name: str, precision: str, loop: str, folder: Path) -> ha
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         try:
-            expected = _tokens(model, lambda: DynamicCache(config=model.config), precision)
+            expected = _tokens(harness, model, lambda: DynamicCache(config=model.config), precision)
         except Exception as e:  # noqa: BLE001  (the combination fails in memory too)
             return harness.Outcome("in-memory fails too", harness._first_line(e))
         try:
-            got = _tokens(model, lambda: StorageCache(folder, config=model.config, flush_bytes=4096), precision)
+            got = _tokens(
+                harness, model, lambda: StorageCache(folder, config=model.config, flush_bytes=4096), precision
+            )
         except (ValueError, RuntimeError, TypeError) as e:
             text = harness._first_line(e)
             return harness.Outcome("refused" if harness._from_deepoffload(e) else "error", text)

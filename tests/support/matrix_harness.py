@@ -15,6 +15,7 @@ Tiny models built from configs (no downloads), 3 steps each."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import itertools
 import os
@@ -461,10 +462,9 @@ def reference(name: str, precision: str, loop: str, serving: bool, folder: Path)
 
 def run_cell(name: str, precision: str, loop: str, feature: str, folder: str | os.PathLike) -> Outcome:
     folder = Path(folder)
-    if feature == "storage_cache":  # generate cells: tests/support/matrix_generate.py
-        from tests.support.matrix_generate import storage_cache_cell
-
-        return storage_cache_cell(name, precision, loop, folder)
+    if feature == "storage_cache":  # generate cells: tests/support/matrix_generate.py (also when run as a script)
+        generate = importlib.import_module("tests.support.matrix_generate" if __package__ else "matrix_generate")
+        return generate.storage_cache_cell(sys.modules[__name__], name, precision, loop, folder)
     serving = feature == "serve" and loop == "plain"
     expected = reference(name, precision, loop, serving, folder / "reference")
     if isinstance(expected, BaseException):
@@ -586,7 +586,8 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "Features: `optimizer` = `OffloadedOptimizer` alone; `fused`, `grads` = `TrainOptions(mode=...)`; "
         "`half` = grads mode with half the blocks resident (`StreamOptions(max_resident_bytes)`); `serve` = "
         "`LoadOptions(serve_from_checkpoint=True)` (inference; training refused); `storage_cache` = `generate` with "
-        "`deepoffload.StorageCache` against `DynamicCache` (greedy, sampling, beams: same tokens; plain loop only). Loops: `plain` (hand-written), "
+        "`deepoffload.StorageCache` against `DynamicCache` (greedy, sampling, beams: same tokens; plain loop only). "
+        "Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "
