@@ -152,6 +152,8 @@ class StorageCache(Cache):
             keys, values = layer.past_and_new(reads, key_states, value_states)
             del reads
             layer.append(key_states, value_states)
+            if layer_idx:  # the previous layer's writes ran while this one computed: let their buffers go
+                self.storage_layers[layer_idx - 1].settle()
             self._read_ahead(layer_idx)
             return keys, values
         finally:

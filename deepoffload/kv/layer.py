@@ -85,6 +85,11 @@ class StorageLayer(CacheLayerMixin):
         """
         return self.key_stream.start_read(), self.value_stream.start_read()
 
+    def settle(self) -> None:
+        """Wait for the writes in flight of both streams (a failure is kept in the stream's ``error``)."""
+        self.key_stream.settle()
+        self.value_stream.settle()
+
     def _stored(self, read: StreamRead, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         data, _ = read.wait()
         rows = data.view(dtype).view(self.length, shape[0], shape[1], shape[3])

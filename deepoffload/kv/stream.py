@@ -4,7 +4,9 @@ The file holds the layer's rows, token after token (token-major: ``[tokens, batc
 Appended bytes go to an in-memory tail; once the tail holds ``flush_bytes`` or more, its largest whole-page prefix is
 written (one asynchronous write at the file's end, from a page-aligned buffer of its own) and the rest stays in the
 tail. So the file is always a whole number of pages, every write and read is page-aligned (O_DIRECT), and at most
-one write per stream is in flight. A read of the stream is one read of the whole file plus a copy of the tail.
+one write per stream is in flight; the write goes from the tail's own buffer (no copy), which it holds until settled.
+In memory per stream: the tail (under ``flush_bytes`` plus the last append) and the write in flight. A read of the
+stream is one read of the whole file plus a copy of the tail.
 
 A failed write (a full disk) puts its bytes back in front of the tail and stops further writes: every byte stays in
 memory, exact, and the error (errno, path, offset) waits in ``error`` until the owner reports it.
@@ -62,7 +64,7 @@ class ByteStream:
         self.path = path
         self.flush_bytes = round_up(max(flush_bytes, 1))
         self.flushed = 0  # bytes on the file (whole pages), counting a write in flight
-        self.tail = torch.empty(0, dtype=torch.uint8)
+        self.tail = aligned_empty(round_up(1), pin=False)  # page-aligned: its whole pages are written from it
         self.tail_bytes = 0
         self.writing: tuple[Request, torch.Tensor, int] | None = None  # (request, buffer, offset)
         self.error: OSError | None = None  # the failed write, until the owner takes it
@@ -88,31 +90,32 @@ class ByteStream:
     def _put_tail(self, data: torch.Tensor, at_front: bool) -> None:
         n = data.numel()
         needed = self.tail_bytes + n
-        if needed > self.tail.numel():
-            grown = torch.empty(max(needed, 2 * self.tail.numel(), 4096), dtype=torch.uint8)
-            grown[: self.tail_bytes].copy_(self.tail[: self.tail_bytes])
+        if needed > self.tail.numel() or at_front:
+            # grow by doubling up to flush_bytes (decode appends a token at a time), never beyond what is needed
+            grown = aligned_empty(round_up(max(needed, min(2 * self.tail.numel(), self.flush_bytes))), pin=False)
+            start = n if at_front else 0
+            grown[start : start + self.tail_bytes].copy_(self.tail[: self.tail_bytes])
             self.tail = grown
         if at_front:
-            self.tail[n:needed].copy_(self.tail[: self.tail_bytes].clone())
             self.tail[:n].copy_(data)
         else:
             self.tail[self.tail_bytes : needed].copy_(data)
         self.tail_bytes = needed
 
     def _flush(self) -> None:
+        """Write the tail's whole pages from the tail itself (it goes with the write); the rest starts a new tail."""
         self.settle()
         if self.stopped:
             return
         nbytes = self.tail_bytes - self.tail_bytes % round_up(1)
         if nbytes == 0:
             return
-        buffer = aligned_empty(nbytes, pin=False)
-        buffer.copy_(self.tail[:nbytes])
-        rest = self.tail_bytes - nbytes
-        self.tail[:rest].copy_(self.tail[nbytes : self.tail_bytes].clone())
+        written, rest = self.tail, self.tail_bytes - nbytes
+        self.tail = aligned_empty(round_up(max(rest, 1)), pin=False)
+        self.tail[:rest].copy_(written[nbytes : self.tail_bytes])
         self.tail_bytes = rest
-        request = self.handle.write_async(buffer, self.path, self.flushed, truncate=False)
-        self.writing = (request, buffer, self.flushed)
+        request = self.handle.write_async(written[:nbytes], self.path, self.flushed, truncate=False)
+        self.writing = (request, written[:nbytes], self.flushed)
         self.flushed += nbytes
 
     def settle(self) -> None:
@@ -164,5 +167,5 @@ class ByteStream:
         self.settle()
         self.error = None
         self.flushed = 0
-        self.tail = torch.empty(0, dtype=torch.uint8)
+        self.tail = aligned_empty(round_up(1), pin=False)
         self.tail_bytes = 0
