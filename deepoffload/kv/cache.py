@@ -29,11 +29,13 @@ from ..io.handle import AsyncIOHandle
 from ..swap.config import SwapConfig
 from ..swap.folder_checks import check_run_folder, create_swap_file
 from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
+from ..swap.pool import trim_heap
 from .layer import StorageLayer
 from .stream import ByteStream, StreamRead
 
 RESIDENT_LAYERS = 2
 FLUSH_BYTES = 1 << 20
+TRIM_BYTES = 16 << 20  # bytes of layers assembled between two trims of the heap (see ``update``)
 
 
 def _full_attention_layers(config: Any) -> int:
@@ -110,6 +112,7 @@ class StorageCache(Cache):
         self.storage_layers: list[StorageLayer] = []  # self.layers, typed
         self._reads: dict[int, tuple[StreamRead, StreamRead]] = {}
         self._lock = threading.Lock()
+        self._assembled = 0  # bytes assembled since the last trim of the heap
         self.closed = False
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -151,6 +154,7 @@ class StorageCache(Cache):
             reads = self._reads.pop(layer_idx, None) or layer.start_read()
             keys, values = layer.past_and_new(reads, key_states, value_states)
             del reads
+            self._trim(keys.nbytes + values.nbytes)
             layer.append(key_states, value_states)
             if layer_idx:  # the previous layer's writes ran while this one computed: let their buffers go
                 self.storage_layers[layer_idx - 1].settle()
@@ -158,6 +162,18 @@ class StorageCache(Cache):
             return keys, values
         finally:
             self._lock.release()
+
+    def _trim(self, nbytes: int) -> None:
+        """Give freed heap pages back to the system every ``TRIM_BYTES`` of layers assembled.
+
+        Layers are read and assembled into fresh buffers, freed a layer later: above glibc's initial mmap threshold,
+        so freeing them raises it and later ones come from the heap, whose freed pages stay in the process until
+        ``malloc_trim`` (``swap.pool.trim_heap``).
+        """
+        self._assembled += nbytes
+        if self._assembled >= TRIM_BYTES:
+            self._assembled = 0
+            trim_heap()
 
     def _check_open(self) -> None:
         if self.closed:

@@ -3,7 +3,7 @@
 The layer keeps no keys or values of its own between forwards: ``past`` builds them from a read of its two streams
 (``stream.ByteStream``, token-major rows), ``append`` adds a forward's new tokens. Beam search's reordering never
 rewrites a file: ``rows[t, b]`` says which stored batch row is the beam ``b`` of token ``t``, and ``past`` gathers
-by it (a copy, bit-exact). Cropping and changing the batch size of a filled layer are refused.
+by it (a copy of the same values). Cropping and changing the batch size of a filled layer are refused.
 """
 
 from __future__ import annotations
