@@ -45,6 +45,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".integrations.hugging_face.pretrained": ["from_pretrained"],
         ".integrations.hugging_face.trainer": ["trainer_arguments"],
         ".activations": ["offload_activations", "ActivationOffload"],
+        ".kv": ["StorageCache"],
         ".checkpoint.api": ["save", "save_async", "load"],
         ".op_builder": ["BuildError"],
     },
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from .io.buffers import aligned_empty, is_aligned, is_pinned
     from .io.handle import AsyncIOHandle
     from .io.request import Request
+    from .kv import StorageCache
     from .op_builder import BuildError
     from .pending import Pending
     from .swap.config import SwapConfig

@@ -27,6 +27,7 @@ TINY = {
     "drives.py": ["--quick"],
     "device_staging.py": ["--path", "{folder}", "--size", "4M", "--chunk", "1M", "--rounds", "1"],
     "engines_vs_fio.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
+    "kv_cache.py": ["--folder", "{folder}", "--quick"],
     "hf_llama_stream.py": ["--folder", "{folder}", "--tiny", "--rounds", "1"],
     "optimizer_many_tensors.py": ["--folder", "{folder}", "--params", "100", "--rounds", "1"],
     "optimizer_offload.py": [

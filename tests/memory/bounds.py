@@ -51,8 +51,9 @@ ENTRIES = (
     "train_data_parallel",
     "train_data_parallel_grads",
     "train_activations",
+    "generate_storage_cache",
 )
-ONE_SHAPE = ("generate",)  # entries measured at the "large" shape only (their own model)
+ONE_SHAPE = ("generate", "generate_storage_cache")  # entries measured at the "large" shape only (their own model)
 
 
 @dataclass
@@ -192,6 +193,8 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
         return CHECKPOINT_STAGING, total
     if entry in ("train_activations", "train_activations_plain"):
         return activation_bounds(sizes["activation_rows"])
+    if entry == "generate_storage_cache":
+        return kv_cache_bounds()
     if entry == "optimizer_step":  # the model and its gradients are the user's
         chunk = max(32 * MiB, 2 * largest + 2 * largest // 16)  # grows to the largest parameter's state
         return OPTIMIZER_POOL * chunk + OPTIMIZER_TEMPORARIES * largest, 2 * total + FORWARD_BYTES
@@ -209,6 +212,27 @@ def activation_bounds(rows: int = workloads.ACTIVATIONS[2]) -> tuple[int, int]:
     params = layers * (width * width + width) * 4
     library = max(4 * 8 * MiB, act) + (2 + 1) * act
     return library, 2 * params + act + 2 * act + 3 * act
+
+
+def kv_layer_bytes() -> int:
+    """Bytes of one layer's keys and values at the end of ``generate_storage_cache`` (prompt + 4 tokens)."""
+    _, heads, head_dim, tokens, _, _ = workloads.KV_CACHE
+    return 2 * heads * head_dim * (tokens + 4) * 4
+
+
+def kv_cache_bounds() -> tuple[int, int]:
+    """(library, user) bytes of ``generate_storage_cache``. The library: ``resident_layers`` (2) layers' keys and
+    values (the one computing, the one read ahead; they grow with the sequence: the documented resident part), and,
+    not growing with it, every file's tail (under ``flush_bytes`` plus a page), two layers' writes in flight (a
+    flush plus a chunk's append each) and a chunk's new rows. The user's: the model, and a chunk's forward (queries
+    of ``chunk`` tokens against the whole sequence: scores and softmax) plus ``FORWARD_BYTES``."""
+    layers, heads, head_dim, tokens, chunk, flush = workloads.KV_CACHE
+    hidden = heads * head_dim
+    append = 2 * chunk * hidden * 4  # a chunk's keys and values
+    library = 2 * kv_layer_bytes() + 2 * layers * (flush + 4096) + 2 * (2 * flush + append) + append
+    params = layers * (4 * hidden * hidden + 3 * hidden * hidden + 2 * hidden) + 2 * 256 * hidden + hidden
+    forward = 2 * heads * chunk * (tokens + 4) * 4
+    return library, 4 * params + forward + FORWARD_BYTES
 
 
 def activation_bytes(rows: int = workloads.ACTIVATIONS[2]) -> int:

@@ -37,10 +37,12 @@ NEEDS = {
     "checkpoint_load": "torch",
     "optimizer_step": None,
     "train_activations": None,
+    "generate_storage_cache": None,
 }
 # the imports-only child that measures the process after the imports of each entry point (default "imports")
 IMPORTS = {
     "generate": "imports_hf",
+    "generate_storage_cache": "imports_hf",
     "train_fused": "imports_optim",
     "train_grads": "imports_optim",
     "train_budget": "imports_optim",
@@ -52,6 +54,7 @@ IMPORTS = {
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
 ACTIVATIONS = (512, 32, 8192)  # train_activations: width, layers, rows; 64 saved tensors of 16 MiB (1 GiB)
 ACTIVATION_ROWS = {"large": 8192, "small": 2048}  # train_activations' sequence length (rows) at each shape
+KV_CACHE = (32, 4, 64, 4096, 512, 256 << 10)  # generate_storage_cache: layers, heads, head_dim, prompt, chunk, flush
 
 
 class Tower(nn.Module):
@@ -136,6 +139,36 @@ def activation_step(folder: str, offload: bool, rows: int = ACTIVATIONS[2]) -> f
     with context:
         model(x).square().mean().backward()
     return digest(p.grad for p in model.parameters())
+
+
+def kv_generate(folder: str, on_storage: bool) -> list[int]:
+    """Greedy tokens after a ``KV_CACHE`` prompt prefilled in chunks, its keys and values in a ``StorageCache``
+    (2 layers resident) or a ``DynamicCache``; the model (float32, random) is the user's."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from deepoffload import StorageCache
+
+    layers, heads, head_dim, tokens, chunk, flush = KV_CACHE
+    config = LlamaConfig(
+        hidden_size=heads * head_dim,
+        intermediate_size=heads * head_dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=256,
+        max_position_embeddings=tokens + 8,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    if on_storage:
+        cache = StorageCache(os.path.join(folder, "swap"), config=config, flush_bytes=flush)
+    else:
+        cache = DynamicCache(config=config)
+    prompt = torch.randint(1, 256, (1, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, prefill_chunk_size=chunk, cache=cache)
+    getattr(cache, "close", lambda: None)()
+    return out[0, tokens:].tolist()
 
 
 def digest(tensors) -> float:
@@ -235,6 +268,8 @@ def run(entry: str, shape: str, folder: str) -> dict:
         return out
     if entry in ("train_activations", "train_activations_plain"):
         out["result"] = activation_step(folder, entry == "train_activations", ACTIVATION_ROWS[shape])
+    elif entry in ("generate_storage_cache", "generate_dynamic_cache"):
+        out["result"] = kv_generate(folder, on_storage=entry == "generate_storage_cache")
     elif entry.startswith("load_"):
         model, off = offloaded(shape, folder, CHECKPOINTS[NEEDS.get(entry, "safetensors")])
         with torch.no_grad():

@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("deepoffload.swap", "deepoffload.formats", "deepoffload.bench"),  # tensor/optimizer swapping; file formats
     ("deepoffload.checkpoint",),  # save/load of whole checkpoints, over formats
     ("deepoffload.dcp",),
-    ("deepoffload.swap.params", "deepoffload.activations"),  # parameter and activation streaming, over swap
+    ("deepoffload.swap.params", "deepoffload.activations", "deepoffload.kv"),  # parameter, activation, KV streaming
     ("deepoffload.integrations",),  # DeepSpeed, Hugging Face
     ("deepoffload.demo",),
     ("deepoffload.cli",),

@@ -15,6 +15,7 @@ Tiny models built from configs (no downloads), 3 steps each."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import itertools
 import os
@@ -38,7 +39,7 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
 LOOPS = ("plain", "trainer", "accelerate", "lora")
-FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders", "activations")
+FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders", "activations", "storage_cache")
 STEPS = 3
 LR = 1e-2
 LORA_TARGETS = {
@@ -495,6 +496,9 @@ def reference(name: str, precision: str, loop: str, serving: bool, folder: Path)
 
 def run_cell(name: str, precision: str, loop: str, feature: str, folder: str | os.PathLike) -> Outcome:
     folder = Path(folder)
+    if feature == "storage_cache":  # generate cells: tests/support/matrix_generate.py (also when run as a script)
+        generate = importlib.import_module("tests.support.matrix_generate" if __package__ else "matrix_generate")
+        return generate.storage_cache_cell(sys.modules[__name__], name, precision, loop, folder)
     serving = feature == "serve" and loop == "plain"
     expected = reference(name, precision, loop, serving, folder / "reference")
     if isinstance(expected, BaseException):
@@ -619,7 +623,9 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         '`SwapConfig(codec="lossless")`; `two_folders` = fused mode with '
         "swap folders on two drives (`path=[a, b]`, two tmpfs mounts); `activations` = the in-memory model "
         "trained inside `offload_activations(min_bytes=0)` (every saved tensor written to storage and read back for "
-        "the backward). Loops: `plain` (hand-written), "
+        "the backward); `storage_cache` = `generate` with "
+        "`deepoffload.StorageCache` against `DynamicCache` (greedy, sampling, beams: same tokens; plain loop only). "
+        "Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "

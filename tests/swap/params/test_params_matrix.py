@@ -55,6 +55,7 @@ def check(cell, folder) -> harness.Outcome:
         ("gpt2", "fp16", "plain", "fused"),
         ("llama", "fp32", "plain", "serve"),
         ("llama", "bf16", "plain", "activations"),
+        ("llama", "fp32", "plain", "storage_cache"),
     ],
     ids="-".join,
 )
