@@ -126,9 +126,9 @@ class ParameterOffload:
             reader_bytes=READER_BYTES if materializer is not None and materializer.reader else 0,
             layout_bytes=max((b.layout_nbytes for b in self.blocks), default=0),
         )
-        # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of
-        # its step being written: 6 chunks of a block span; with more state per block, reads wait for those writes.
-        # The parameters outside blocks get buffers of their own size when smaller (they grow to their largest chunk)
+        # a block's state (Adam: about two block spans, 3 chunks) read ahead during its backward, plus the chunks of its
+        # step being written: 6 chunks of a block span (more state: reads wait for those writes). The parameters
+        # outside blocks get buffers of their own size when smaller (they grow to their largest chunk)
         state_config = config.replace(chunk_bytes=self.store.block_span, buffer_count=state_chunks)
         rest_config = config.replace(chunk_bytes=self.plan.rest_chunk_bytes, buffer_count=STATE_CHUNKS)
         self._optimizers = Optimizers(optimizer, self.blocks, self.rest_named, state_config, rest_config)
@@ -143,7 +143,6 @@ class ParameterOffload:
         group = process_group(data_parallel) if data_parallel is not False else None
         if data_parallel is not False and materializer is None:  # DDP's construction: the first rank's values
             GradientAverager(group).broadcast([*module.parameters(), *module.buffers()])
-        # what the checkpoint lacked / had beyond the model (strict=False), when loaded from one
         self.load_report = materializer.report if materializer is not None else None
         if materializer is None:
             self.store.offload_all()
@@ -208,10 +207,11 @@ class ParameterOffload:
                 f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
                 f"without restore=True, so they are gone; close(restore=True) keeps them"
             )
-        self._structure.check(block, rest=block.index == 0)  # parameters added or replaced since offloading
+        self._adopt_adapters()
+        self._structure.check(block, rest=block.index == 0)  # other parameters added or replaced since offloading
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        wants_grad = any(p.requires_grad for p in block.params)
+        wants_grad = any(p.requires_grad for p in block.module.parameters())  # (adapters in memory too)
         if not torch.is_grad_enabled() or not (wants_grad or any(t.requires_grad for t in tensors)):
             self.acquire(block, "forward", training=False)
             try:
@@ -225,6 +225,10 @@ class ParameterOffload:
         n = len(call.out_positions)
         self._shared.record(tensors, chained, outputs[n:])
         return call.rebuild(outputs[:n])
+
+    def _adopt_adapters(self) -> None:  # adapter layers added inside the blocks since offloading (Structure.adopt)
+        if not self._closed:
+            self._structure.adopt(lambda added: self._optimizers.adopt(added, self.rest))
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)
@@ -400,6 +404,7 @@ class ParameterOffload:
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
         """The optimizers in use (blocks, then the rest), e.g. to attach LR schedulers to each."""
+        self._adopt_adapters()
         return self._optimizers.all()
 
     @internal_call
