@@ -89,7 +89,9 @@ def merged_items(offload: ParameterOffload) -> Iterator[tuple[str, torch.Tensor]
             yield name, tensor
 
 
-def save_merged(offload: ParameterOffload, folder: str | os.PathLike, *, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
+def save_merged(
+    offload: ParameterOffload, folder: str | os.PathLike, *, max_shard_bytes: int = 5 * 10**9
+) -> list[Path]:
     """Write a streamed base with its LoRA adapters merged into ``folder``: what ``merge_and_unload()`` would give.
 
     The base's checkpoint (served or not) is only read; ``folder`` gets safetensors shards under the base's names and
