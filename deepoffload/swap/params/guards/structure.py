@@ -112,6 +112,15 @@ class Structure:
             UnsupportedError: When a parameter was added, replaced, moved or removed since offloading (named).
         """
         now = _identities(block.module.named_parameters(remove_duplicate=False))
+        outside = _moved_outside(self.rest, self._rest()) if rest or now != self.blocks[block.index] else None
+        if outside:
+            raise UnsupportedError(
+                f"parameter {outside[0]} is outside the streamed blocks and was wrapped by an adapter layer after "
+                f"offload_parameters() (PEFT: it is now {outside[1]}): adapters are taken only on modules inside "
+                f"the blocks, whose base streams while the adapters stay in memory. Leave it out of the adapter's "
+                f"target_modules (e.g. target_modules=['q_proj', 'v_proj'] names modules inside the blocks), or "
+                f"make such changes before offload_parameters()"
+            )
         if now != self.blocks[block.index]:
             raise UnsupportedError(
                 f"block {block.prefix}: {_difference(self.blocks[block.index], now, block.prefix)} "
@@ -121,15 +130,6 @@ class Structure:
         if rest:
             now = self._rest()
             if now != self.rest:
-                moved = _moved_outside(self.rest, now)
-                if moved:
-                    raise UnsupportedError(
-                        f"parameter {moved[0]} is outside the streamed blocks and was wrapped by an adapter layer "
-                        f"after offload_parameters() (PEFT: it is now {moved[1]}): adapters are taken only on modules "
-                        f"inside the blocks, whose base streams while the adapters stay in memory. Leave it out of "
-                        f"the adapter's target_modules (e.g. target_modules=['q_proj', 'v_proj'] names modules "
-                        f"inside the blocks), or make such changes before offload_parameters()"
-                    )
                 raise UnsupportedError(
                     f"{_difference(self.rest, now, '')} after offload_parameters(), so no optimizer "
                     f"made there would step it (its gradient would pile up, untrained): {ORDER}"
