@@ -37,7 +37,7 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
-LOOPS = ("plain", "trainer", "accelerate", "lora")
+LOOPS = ("plain", "trainer", "accelerate", "lora", "lora_served")
 FEATURES = ("optimizer", "fused", "grads", "half", "serve")
 STEPS = 3
 LR = 1e-2
@@ -132,7 +132,10 @@ class Setup:
         folder.mkdir(parents=True, exist_ok=True)  # (deepoffload makes the last part of a swap path only)
         self.off = None
         model = build(name)
-        if loop == "lora" and feature != "serve":
+        lora_after = loop == "lora_served" and feature is not None  # LoRA over a served base: after offloading
+        if loop == "lora_served" and feature in ("optimizer", "serve"):
+            raise NotApplicable("lora_served serves the base from its checkpoint in every training column")
+        if loop in ("lora", "lora_served") and feature != "serve" and not lora_after:
             model = _lora(model, name)
         self.model = model.train()
         if feature is None:
@@ -157,11 +160,13 @@ class Setup:
                 blocks = find_blocks(model)
                 size = sum(p.numel() * p.element_size() for _, b in blocks for p in b.parameters())
                 stream = stream.replace(max_resident_bytes=size // 2 * (3 if precision == "compute_bf16" else 2) // 2)
-            if feature == "serve":
+            if feature == "serve" or lora_after:
                 model = self.model = self._served(model)
                 load = LoadOptions(checkpoint=folder / "ckpt", serve_from_checkpoint=True, init=_init_of(model))
             self.off = offload_parameters(model, str(folder / "swap"), train=train, load=load, stream=stream)
-            if loop == "lora" and feature == "serve":  # a served model exists only offloaded: LoRA comes after
+            if (
+                loop == "lora" and feature == "serve"
+            ) or lora_after:  # a served model exists only offloaded: LoRA after
                 self.model = _lora(model, name)
             self.optimizer = StreamedOptimizer(
                 self.off, clip_grad_norm=1.0 if loop == "accelerate" and self.off.mode == "grads" else None
@@ -187,17 +192,18 @@ class Setup:
 
     # -- results ----------------------------------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
-        source = self.off.state_dict() if self.off is not None else self.model.state_dict()
+        if self.off is not None:
+            self.off.flush()  # (then the model's own state_dict: a PEFT model around the offloaded one has its names)
+        source = self.model.state_dict()
         return {k: v.detach().clone() for k, v in source.items()}
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         if self.off is not None:
-            names = [
-                [b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters) if m.requires_grad],
-                [n for n, p in self.off.rest_named if p.requires_grad],
-            ]
+            by_id = {id(p): n for n, p in self.model.named_parameters()}  # (a PEFT model around it: its names)
+            named = {id(m): b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters)}
+            named.update({id(p): by_id.get(id(p), n) for n, p in self.off.rest_named})
             optimizers = self.off.optimizers  # the blocks', then the rest's: each made when it has parameters to step
-            names = [ns for ns in names if ns]
+            names = [[named[id(p)] for g in o.param_groups for p in g["params"]] for o in optimizers]
         else:
             by_id = {id(p): n for n, p in self.model.named_parameters()}
             optimizers = [self.optimizer]
@@ -217,6 +223,7 @@ class Setup:
 def _lora(model: nn.Module, name: str) -> nn.Module:
     import peft
 
+    torch.manual_seed(1)  # (the adapters' initial values: the same in memory and offloaded)
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[name], lora_dropout=0.1))
 
 
@@ -395,7 +402,13 @@ def trainer_loop(setup: Setup) -> list[float]:
     return losses
 
 
-LOOP_RUNNERS = {"plain": plain_loop, "trainer": trainer_loop, "accelerate": accelerate_loop, "lora": plain_loop}
+LOOP_RUNNERS = {
+    "plain": plain_loop,
+    "trainer": trainer_loop,
+    "accelerate": accelerate_loop,
+    "lora": plain_loop,
+    "lora_served": plain_loop,
+}
 
 
 # -- one cell ---------------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_a_served_base_file_changed_during_training_is_an_error_never_other_valu
         with pytest.raises(
             ChecksumError,
             match=r"model\.layers\.0\..*served from .*\.safetensors, which was "
-            r"changed or removed since.*Put the file back.*load the model again",
+            r"replaced, rewritten or removed since.*Put the file back.*load the model again",
         ):
             model(**s.batch(1)).loss.backward()
         after = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -28,6 +28,11 @@ def test_lora_over_a_served_base_trains_bit_identical_to_in_memory_peft(tmp_path
         assert sorted(got) == sorted(want) and len(got) == 8
         for name, value in want.items():
             assert torch.equal(got[name], value), name
+        # the whole state dict under PEFT's names, the wrapped base weights read from the checkpoint (it held
+        # 0-element placeholders under "base_layer" names before the block's state_dict hook followed the move)
+        state, expected_state = model.state_dict(), reference.state_dict()
+        assert state.keys() == expected_state.keys()
+        assert all(torch.equal(state[k], v) for k, v in expected_state.items())
         # the base is read from the folder's own file, never written to the swap folder (only the adapters' state)
         base = s.folder_bytes(folder)
         assert s.folder_bytes(tmp_path / "swap") < base / 10

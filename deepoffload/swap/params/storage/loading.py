@@ -39,9 +39,9 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
     def pre(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         written.clear()
         check_adapter_shapes(module, block, state_dict, prefix)
-        values = {}
+        values, now = {}, block.names_now()
         for name, shape in zip(block.names, block.shapes):
-            value = state_dict.get(prefix + name)
+            value = state_dict.get(prefix + now[name])
             if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
                 values[name] = value
         if not values:
@@ -55,8 +55,8 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
         with internal():
             write(store, block, values)
         for name in values:
-            del state_dict[prefix + name]
-            written.append(prefix + name)
+            del state_dict[prefix + now[name]]
+            written.append(prefix + now[name])
 
     def post(module, incompatible_keys) -> None:
         if written:

@@ -161,10 +161,10 @@ class BlockStore:
         if block.served and isinstance(error, ChecksumError):
             return ChecksumError(
                 error.errno,
-                f"parameters {names} (block {block.prefix}) are served from {path}, which was changed or removed "
-                f"since the model was loaded (its size, modification time or inode differ), so they were not read "
-                f"(its values may differ from those loaded). Put the file back as it was, or load the model again "
-                f"from the folder as it is now; keep a served checkpoint unchanged while it is in use",
+                f"parameters {names} (block {block.prefix}) are served from {path}, which was replaced, rewritten "
+                f"or removed since the model was loaded (its size, modification time or inode differ), so they were "
+                f"not read (its values may differ from those loaded). Put the file back as it was, or load the model "
+                f"again from the folder as it is now; keep a served checkpoint unchanged while it is in use",
                 path,
             )
         return OSError(error.errno, f"reading parameters {names} (block {block.prefix}) failed: {error.strerror}", path)
