@@ -651,10 +651,11 @@ def page_outcomes(text: str) -> dict[tuple[str, str, str, str], Outcome]:
 
 
 def main(argv: list[str]) -> int:
-    """``--models a,b``, ``--loops c,d`` and ``--features e,f`` run those cells only; ``--json FILE`` saves the
-    outcomes; ``--write FILE`` writes the support matrix of the outcomes run here plus those of ``--merge FILE,...``
-    (saved by other runs; a later file's outcome of a cell replaces an earlier one's) and, with ``--keep``, those
-    that FILE already shows for the cells not run here (to add one column without running the other 400 cells)."""
+    """``--models a,b``, ``--precisions g,h``, ``--loops c,d`` and ``--features e,f`` run those cells only;
+    ``--json FILE`` saves the outcomes; ``--write FILE`` writes the support matrix of the outcomes run here plus
+    those of ``--merge FILE,...`` (saved by other runs; a later file's outcome of a cell replaces an earlier one's)
+    and, with ``--keep``, those that FILE already shows for the cells not run here (to add one column without
+    running the other 400 cells)."""
     import json
 
     def option(name: str) -> str | None:
@@ -663,11 +664,14 @@ def main(argv: list[str]) -> int:
     models = (option("--models") or ",".join(MODELS)).split(",")
     loops = (option("--loops") or ",".join(LOOPS)).split(",")
     features = (option("--features") or ",".join(FEATURES)).split(",")
+    precisions = (option("--precisions") or ",".join(PRECISIONS)).split(",")
     results: dict[tuple, Outcome] = {}
     if "--keep" in argv and option("--write") and Path(option("--write")).exists():
         results.update(page_outcomes(Path(option("--write")).read_text()))
     with tempfile.TemporaryDirectory() as base:
-        for k, cell in enumerate(c for c in cells() if c[0] in models and c[2] in loops and c[3] in features):
+        for k, cell in enumerate(
+            c for c in cells() if c[0] in models and c[1] in precisions and c[2] in loops and c[3] in features
+        ):
             results[cell] = run_cell(*cell, Path(base) / str(k))
             print(*cell, results[cell].status, results[cell].detail[:150], flush=True)
             if option("--json"):  # after each cell: an interrupted run keeps what it did

@@ -4,8 +4,9 @@ PEFT's ``merge_and_unload`` adds each adapter's delta into its base weight in pl
 its checkpoint (``serve_from_checkpoint=True``) that would write into the user's checkpoint, and over swap files it
 would change values that are read again, so both are refused (naming this function). Here each block is read from
 storage one at a time, each wrapped weight gets its delta added as PEFT's ``merge`` adds it (``weight += delta``, the
-same arithmetic, so the values are bit-identical to ``merge_and_unload`` in memory), and the result is written under
-the base's own names with ``save_sharded``; the served checkpoint is only read.
+same arithmetic, so the values are bit-identical to ``merge_and_unload`` in memory:
+``tests/integrations/peft/test_peft_merge.py``), and the result is written under the base's own names with
+``save_sharded``; the served checkpoint is only read.
 """
 
 from __future__ import annotations
