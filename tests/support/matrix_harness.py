@@ -430,7 +430,12 @@ class Refused(Exception):
 
 
 def _train(name: str, precision: str, loop: str, feature: str | None, folder: Path) -> Run:
-    setup = Setup(name, precision, loop, feature, folder)
+    try:
+        setup = Setup(name, precision, loop, feature, folder)
+    except (ValueError, RuntimeError, TypeError) as e:  # refused while setting up (lora_served: adapters taken)
+        if feature is None:
+            raise
+        raise Refused(e, False) from e
     try:
         runner = serve_loop if feature == "serve" and loop == "plain" else LOOP_RUNNERS[loop]
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):

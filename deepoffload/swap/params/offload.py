@@ -228,7 +228,7 @@ class ParameterOffload:
 
     def _adopt_adapters(self) -> None:  # adapter layers added inside the blocks since offloading (Structure.adopt)
         if not self._closed:
-            self._structure.adopt(lambda added: self._optimizers.adopt(added, self.rest))
+            self._structure.adopt(lambda added: self._optimizers.adopt(added, self.rest, self.compute_dtype))
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)

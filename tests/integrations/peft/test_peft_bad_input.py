@@ -71,3 +71,23 @@ def test_an_adapter_folder_of_another_base_is_refused_naming_the_parameter(tmp_p
     match += r"shape \(4, 64\).*another base"
     with off, pytest.raises(CheckpointError, match=match):
         peft.PeftModel.from_pretrained(model, tmp_path / "adapter")
+
+
+def test_adapters_after_offloading_with_compute_dtype_are_refused_before_a_step(tmp_path):
+    """They computed in float32 inside blocks computing in bfloat16: losses differed from in-memory compute_dtype
+    from the second step on (the differential matrix's compute_bf16 lora_served rows), with nothing raised."""
+    import deepoffload
+    from deepoffload.errors import StreamedParameterError
+
+    folder = s.save_base(tmp_path / "base")
+    model, off = deepoffload.from_pretrained(
+        folder,
+        path=tmp_path / "swap",
+        train=deepoffload.TrainOptions(s.adam),
+        load=deepoffload.LoadOptions(serve_from_checkpoint=True),
+        stream=deepoffload.StreamOptions(compute_dtype=torch.bfloat16),
+    )
+    with off:
+        wrapped = peft.get_peft_model(model, s.lora_config())
+        with pytest.raises(StreamedParameterError, match=r"lora_A.*compute_dtype=torch\.bfloat16.*torch\.autocast"):
+            wrapped(**s.batch(0))

@@ -60,7 +60,9 @@ class Optimizers:
         """The optimizers in use: the blocks', then the rest's."""
         return [o for o in (self.block, self.rest) if o is not None]
 
-    def adopt(self, added: list[tuple[str, nn.Parameter]], rest: list[nn.Parameter]) -> None:
+    def adopt(
+        self, added: list[tuple[str, nn.Parameter]], rest: list[nn.Parameter], compute_dtype: torch.dtype | None
+    ) -> None:
         """Step the adapter parameters ``added`` with the parameters outside the blocks, in memory.
 
         The rest's optimizer is made again over its parameters that require a gradient now and the trainable ones of
@@ -69,10 +71,19 @@ class Optimizers:
         Args:
             added: The adapter parameters taken into the blocks since offloading, by qualified name.
             rest: The parameters outside the blocks (the list the step and the clipping read), extended in place.
+            compute_dtype: The blocks' compute dtype (None: their own).
 
         Raises:
-            StreamedParameterError: When an optimizer stepped already (the adapters would start mid-run).
+            StreamedParameterError: When an optimizer stepped already (the adapters would start mid-run), or the
+                blocks compute in another dtype (the adapters, in memory, would compute in theirs).
         """
+        if compute_dtype is not None:
+            raise StreamedParameterError(
+                f"adapter parameters (e.g. {added[0][0]}) were added after offload_parameters() with "
+                f"compute_dtype={compute_dtype}: the blocks compute in it, the adapters (in memory) would not. "
+                f"Use torch.autocast(dtype={compute_dtype}) instead of compute_dtype=, or add the adapters "
+                f"before offload_parameters() (then they stream with the blocks)"
+            )
         stepped = [o for o in self.all() if o.state_dict()["state"]]
         if stepped:
             raise StreamedParameterError(
