@@ -54,6 +54,7 @@ def check(cell, folder) -> harness.Outcome:
         ("plain", "fp32", "plain", "grads"),
         ("gpt2", "fp16", "plain", "fused"),
         ("llama", "fp32", "plain", "serve"),
+        ("llama", "fp32", "lora_served", "fused"),
     ],
     ids="-".join,
 )
