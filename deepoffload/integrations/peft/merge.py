@@ -85,8 +85,9 @@ def merged_items(offload: ParameterOffload) -> Iterator[tuple[str, torch.Tensor]
         # the blocks' parameters come under their names at offloading (the base's), their adapters are left out
         for name, tensor in state_items(offload.module, offload.blocks, offload.store):
             layer = layers.get(name)
-            for adapter in layer.active_adapters if layer is not None else ():
-                tensor += layer.get_delta_weight(adapter)  # as peft's Linear.merge: base_layer.weight.data += delta
+            if layer is not None:
+                for adapter in layer.active_adapters:
+                    tensor += layer.get_delta_weight(adapter)  # as peft's Linear.merge: base_layer.weight.data += delta
             yield name, tensor
 
 

@@ -60,6 +60,11 @@ class Block(Protocol):
         """Its residency."""
         ...
 
+    @property
+    def served(self) -> str | None:
+        """The checkpoint file it is served from read-only, or None."""
+        ...
+
     def qualified(self, name: str) -> str:
         """The qualified name of the block's parameter ``name``."""
         ...
@@ -320,7 +325,8 @@ def _message(param: StreamedParameter, what: str, kind: str) -> str:
         )
     if kind == "write" and block.served:
         return (
-            f"{where}: {what} would change values {block.source.read_only()}, which is never written. Merging "
+            f"{where}: {what} would change values served read-only from the checkpoint {block.served} "
+            f"(serve_from_checkpoint=True), which is never written. Merging "
             f"adapters into it (PEFT's merge_and_unload, merge_adapter) would: write the merged model to a new "
             f"folder with deepoffload.integrations.peft.save_merged(off, folder), or keep the adapters unmerged"
         )
