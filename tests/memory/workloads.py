@@ -106,6 +106,7 @@ def lora_llama_config(layers: int | None = None):
         num_key_value_heads=8,
         vocab_size=LORA["vocab_size"],
         max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],  # (what from_pretrained builds; save_pretrained of a model writes it)
     )
 
 
