@@ -207,7 +207,7 @@ class ParameterOffload:
                 f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
                 f"without restore=True, so they are gone; close(restore=True) keeps them"
             )
-        self._adopt_adapters()
+        self._adopt_adapters(block)
         self._structure.check(block, rest=block.index == 0)  # other parameters added or replaced since offloading
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -226,9 +226,9 @@ class ParameterOffload:
         self._shared.record(tensors, chained, outputs[n:])
         return call.rebuild(outputs[:n])
 
-    def _adopt_adapters(self) -> None:  # adapter layers added inside the blocks since offloading (Structure.adopt)
+    def _adopt_adapters(self, block: Block | None = None) -> None:  # adapters added since offloading (Structure.adopt)
         if not self._closed:
-            self._structure.adopt(lambda added: self._optimizers.adopt(added, self.rest, self.compute_dtype))
+            self._structure.adopt(lambda added: self._optimizers.adopt(added, self.rest, self.compute_dtype), block)
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)

@@ -86,12 +86,19 @@ class Structure:
             return None
         return added
 
-    def adopt(self, take: Callable[[list[tuple[str, nn.Parameter]]], None]) -> None:
+    def adopt(self, take: Callable[[list[tuple[str, nn.Parameter]]], None], block: Block | None = None) -> None:
         """Hand the parameters of adapter layers added since offloading to ``take``, then record the blocks anew.
 
         Args:
             take: Called with the added parameters by qualified name (see ``adapter_layers``), when there are any.
+            block: The block about to run: when its parameters are those recorded, nothing is looked at (the
+                blocks are wrapped all at once, and a forward runs the first block first); None: look at every block.
         """
+        if (
+            block is not None
+            and _identities(block.module.named_parameters(remove_duplicate=False)) == self.blocks[block.index]
+        ):
+            return
         added = self.adapter_layers()
         if not added:
             return
