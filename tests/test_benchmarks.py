@@ -29,6 +29,7 @@ TINY = {
     "engines_vs_fio.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
     "kv_cache.py": ["--folder", "{folder}", "--quick"],
     "hf_llama_stream.py": ["--folder", "{folder}", "--tiny", "--rounds", "1"],
+    "lora.py": ["--folder", "{folder}", "--quick"],
     "optimizer_many_tensors.py": ["--folder", "{folder}", "--params", "100", "--rounds", "1"],
     "optimizer_offload.py": [
         "--folder",

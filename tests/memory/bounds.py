@@ -52,8 +52,10 @@ ENTRIES = (
     "train_data_parallel_grads",
     "train_activations",
     "generate_storage_cache",
+    "lora_served",
 )
-ONE_SHAPE = ("generate", "generate_storage_cache")  # entries measured at the "large" shape only (their own model)
+# entries measured at the "large" shape only (their own model)
+ONE_SHAPE = ("generate", "generate_storage_cache", "lora_served")
 
 
 @dataclass
@@ -164,7 +166,7 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
         block_bytes=block,
         rest_bytes=rest,
         prefetch=1,
-        training=entry.startswith("train_"),
+        training=entry.startswith("train_") or entry == "lora_served",
         resident_bytes=sizes.get("resident_bytes", 0),
     )
     if entry == "train_max_memory":  # about the least limit max_memory= accepts: the process, the least plan, the
@@ -195,6 +197,10 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
         return activation_bounds(sizes["activation_rows"])
     if entry == "generate_storage_cache":
         return kv_cache_bounds()
+    if entry == "lora_served":  # the streaming plan (blocks in flight) and the adapters: values, gradients, Adam's
+        # two states; nothing grows with the number of blocks but the adapters (1.5% of a block each) and the
+        # inputs each block keeps for its recomputation (a (1, 8) batch: 16 KiB a block), in the forward's bytes
+        return plan.peak_bytes + 4 * sizes["adapter_bytes"], FORWARD_BYTES
     if entry == "optimizer_step":  # the model and its gradients are the user's
         chunk = max(32 * MiB, 2 * largest + 2 * largest // 16)  # grows to the largest parameter's state
         return OPTIMIZER_POOL * chunk + OPTIMIZER_TEMPORARIES * largest, 2 * total + FORWARD_BYTES

@@ -48,3 +48,27 @@ def test_entry_point_holds_its_stated_bound(entry, shape, prepared):
     assert run.peak_bytes is not None and run.peak_bytes <= measured.bound, (
         f"{entry} ({shape}): peak {run.peak_bytes} bytes over its stated bound {measured.bound} ({measured})"
     )
+
+
+def test_lora_over_a_served_base_states_a_bound_that_does_not_grow_with_the_base():
+    """The bound is the process, the streaming plan of one block span, the adapters (values, gradients, Adam's two
+    states) and the forward: a base of 4 times the blocks (the same adapters per block) adds only adapter bytes."""
+    small, large = (bounds.workloads.sizes("lora_served", "large", layers) for layers in (50, 200))
+    assert large["param_bytes"] > 3.9 * small["param_bytes"]
+    (lib_small, user_small), (lib_large, user_large) = (bounds.stated("lora_served", s) for s in (small, large))
+    assert user_small == user_large
+    assert lib_large - lib_small == 4 * (large["adapter_bytes"] - small["adapter_bytes"])
+
+
+@pytest.mark.slow
+def test_lora_over_a_served_base_trains_in_a_quarter_of_the_base_with_the_unconfined_results(prepared):
+    """LoRA over a 2.7 GB base served from its folder, confined to its bound + 10%, which is under a quarter of the
+    base's bytes; losses, adapters and the swap folder's bytes equal the unconfined run's, the base never copied."""
+    folder, base = prepared("lora_served", "large")
+    sizes = bounds.workloads.sizes("lora_served", "large")
+    measured, run = bounds.measure("lora_served", "large", folder, base, compare=True)
+    assert measured.bound * 1.1 <= sizes["param_bytes"] / 4, (measured, sizes)
+    assert run.returncode == 0 and run.oom_kills == 0, run
+    assert run.peak_bytes is not None and run.peak_bytes <= measured.bound
+    swap_bytes = measured.result[2]
+    assert swap_bytes < sizes["param_bytes"] / 10

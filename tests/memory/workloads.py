@@ -27,6 +27,7 @@ CHECKPOINTS = {
     "sharded": "sharded",
     "torch": "model.pt",
     "llama": "llama.safetensors",
+    "llama_lora": "llama-lora",  # a save_pretrained-style folder (config.json, shards, index)
 }
 # the checkpoint each entry point reads (None: none)
 NEEDS = {
@@ -38,6 +39,7 @@ NEEDS = {
     "optimizer_step": None,
     "train_activations": None,
     "generate_storage_cache": None,
+    "lora_served": "llama_lora",
 }
 # the imports-only child that measures the process after the imports of each entry point (default "imports")
 IMPORTS = {
@@ -50,6 +52,7 @@ IMPORTS = {
     "train_max_memory": "imports_optim",
     "train_data_parallel": "imports_dist",
     "train_data_parallel_grads": "imports_dist",
+    "lora_served": "imports_peft",
 }
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
 ACTIVATIONS = (512, 32, 8192)  # train_activations: width, layers, rows; 64 saved tensors of 16 MiB (1 GiB)
@@ -92,18 +95,43 @@ def llama_config():
     )
 
 
-def sizes(entry: str, shape: str) -> dict:
+LORA = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=200, vocab_size=1024, rank=8)
+
+
+def lora_llama_config(layers: int | None = None):
+    """lora_served's base: 200 blocks of 12.8 MiB (fp32), 2.7 GB in all, over 4 times its stated bound."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=LORA["hidden_size"],
+        intermediate_size=LORA["intermediate_size"],
+        num_hidden_layers=layers or LORA["num_hidden_layers"],
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=LORA["vocab_size"],
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],  # (what from_pretrained builds; save_pretrained of a model writes it)
+    )
+
+
+def lora_adapter_bytes(layers: int | None = None) -> int:
+    """The LoRA adapters' bytes (rank 8 on q_proj and v_proj, fp32): A (r x h) and B (h x r) per module."""
+    hidden, rank = LORA["hidden_size"], LORA["rank"]
+    return (layers or LORA["num_hidden_layers"]) * 2 * 2 * rank * hidden * 4
+
+
+def sizes(entry: str, shape: str, layers: int | None = None) -> dict:
     """The sizes the stated bound of ``entry`` is made of (bytes), from the model built on meta: every parameter,
     the largest block's staging span, the parameters and buffers outside blocks, the largest parameter."""
     from deepoffload.swap.params import find_blocks
     from deepoffload.swap.params.blocks.residency import span
 
-    if entry == "generate":
+    if entry in ("generate", "lora_served"):
         import accelerate
         from transformers import LlamaForCausalLM
 
         with accelerate.init_empty_weights():
-            model = LlamaForCausalLM(llama_config())
+            model = LlamaForCausalLM(llama_config() if entry == "generate" else lora_llama_config(layers))
     else:
         with torch.device("meta"):
             model = Tower(*SHAPES[shape])
@@ -121,6 +149,8 @@ def sizes(entry: str, shape: str) -> dict:
         found["resident_bytes"] = RESIDENT_BLOCKS * found["block_span"]
     if entry in ("train_activations", "train_activations_plain"):
         found["activation_rows"] = ACTIVATION_ROWS[shape]
+    if entry == "lora_served":
+        found["adapter_bytes"] = lora_adapter_bytes(layers)
     return found
 
 
@@ -192,6 +222,8 @@ def prepare(shape: str, folder: str, kinds: list[str]) -> None:
             save_sharded(state.items(), path, max_shard_bytes=64 << 20)
         elif kind == "torch":
             torch.save(state, path)
+        elif kind == "llama_lora":
+            prepare_lora_base(path)
         else:
             prepare_llama(path)
 
@@ -202,6 +234,56 @@ def prepare_llama(path: str) -> None:
 
     torch.manual_seed(0)
     save_file(LlamaForCausalLM(llama_config()).state_dict(), path)
+
+
+def prepare_lora_base(path: str) -> None:
+    """lora_served's base as ``save_pretrained`` lays it out, written tensor by tensor (never whole in memory)."""
+    import accelerate
+    from transformers import LlamaForCausalLM
+
+    from deepoffload.formats import save_sharded
+
+    config = lora_llama_config()
+    with accelerate.init_empty_weights():
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+
+    def tensors():
+        for name, shape in shapes.items():
+            yield name, (torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * 0.02)
+
+    config.save_pretrained(path)
+    save_sharded(tensors(), path, max_shard_bytes=1 << 30)
+
+
+def lora_served(folder: str) -> list:
+    """LoRA (PEFT) over the base served from its folder: 2 steps; the losses and a digest of the adapters."""
+    import peft
+
+    import deepoffload
+    from deepoffload import LoadOptions, TrainOptions
+
+    model, off = deepoffload.from_pretrained(
+        os.path.join(folder, CHECKPOINTS["llama_lora"]),
+        path=os.path.join(folder, "swap"),
+        train=TrainOptions(adam),
+        load=LoadOptions(serve_from_checkpoint=True),
+    )
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=LORA["rank"], target_modules=["q_proj", "v_proj"]))
+    model.train()
+    losses = []
+    for step in range(STEPS):
+        ids = torch.randint(3, LORA["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(step))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        off.step()
+        off.zero_grad()
+        losses.append(loss.item())
+    adapters = digest(p.detach() for p in model.parameters() if p.requires_grad)
+    swap = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(folder, "swap")) for f in fs)
+    off.close(restore=False)
+    return [losses, adapters, swap]
 
 
 # -- the entry points -------------------------------------------------------------------------------------------
@@ -258,6 +340,15 @@ def run(entry: str, shape: str, folder: str) -> dict:
         torch.optim.Adam([nn.Parameter(torch.zeros(1))])
         one_rank_group(folder)
         return out
+    if entry == "imports_peft":  # transformers and peft, and a torch optimizer constructed once (torch._dynamo)
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import LlamaForCausalLM  # noqa: F401
+
+        import deepoffload.swap.params  # noqa: F401
+
+        torch.optim.Adam([nn.Parameter(torch.zeros(1))])
+        return out
     if entry == "imports_hf":
         import accelerate  # noqa: F401
         import transformers  # noqa: F401
@@ -270,6 +361,8 @@ def run(entry: str, shape: str, folder: str) -> dict:
         out["result"] = activation_step(folder, entry == "train_activations", ACTIVATION_ROWS[shape])
     elif entry in ("generate_storage_cache", "generate_dynamic_cache"):
         out["result"] = kv_generate(folder, on_storage=entry == "generate_storage_cache")
+    elif entry == "lora_served":
+        out["result"] = lora_served(folder)
     elif entry.startswith("load_"):
         model, off = offloaded(shape, folder, CHECKPOINTS[NEEDS.get(entry, "safetensors")])
         with torch.no_grad():

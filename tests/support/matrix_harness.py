@@ -38,7 +38,7 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
-LOOPS = ("plain", "trainer", "accelerate", "lora")
+LOOPS = ("plain", "trainer", "accelerate", "lora", "lora_served")
 FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders", "activations", "storage_cache")
 STEPS = 3
 LR = 1e-2
@@ -133,7 +133,11 @@ class Setup:
         folder.mkdir(parents=True, exist_ok=True)  # (deepoffload makes the last part of a swap path only)
         self.off = None
         model = build(name)
-        if loop == "lora" and feature != "serve":
+        # LoRA over a served base, after offloading (the in-memory columns put LoRA on the in-memory model first)
+        lora_after = loop == "lora_served" and feature not in (None, "activations", "storage_cache")
+        if loop == "lora_served" and feature in ("optimizer", "serve"):
+            raise NotApplicable("lora_served serves the base from its checkpoint in every training column")
+        if loop in ("lora", "lora_served") and feature != "serve" and not lora_after:
             model = _lora(model, name)
         self.model = model.train()
         if feature in (None, "activations"):  # (activations: this in-memory model, under offload_activations)
@@ -159,7 +163,7 @@ class Setup:
                 blocks = find_blocks(model)
                 size = sum(p.numel() * p.element_size() for _, b in blocks for p in b.parameters())
                 stream = stream.replace(max_resident_bytes=size // 2 * (3 if precision == "compute_bf16" else 2) // 2)
-            if feature == "serve":
+            if feature == "serve" or lora_after:
                 model = self.model = self._served(model)
                 load = LoadOptions(checkpoint=folder / "ckpt", serve_from_checkpoint=True, init=_init_of(model))
             config = SwapConfig(codec="lossless") if feature == "codec" else None
@@ -169,7 +173,9 @@ class Setup:
             except BaseException:
                 self.close()  # (the drives too)
                 raise
-            if loop == "lora" and feature == "serve":  # a served model exists only offloaded: LoRA comes after
+            if (
+                loop == "lora" and feature == "serve"
+            ) or lora_after:  # a served model exists only offloaded: LoRA after
                 self.model = _lora(model, name)
             self.optimizer = StreamedOptimizer(
                 self.off, clip_grad_norm=1.0 if loop == "accelerate" and self.off.mode == "grads" else None
@@ -197,17 +203,18 @@ class Setup:
 
     # -- results ----------------------------------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
-        source = self.off.state_dict() if self.off is not None else self.model.state_dict()
+        if self.off is not None:
+            self.off.flush()  # (then the model's own state_dict: a PEFT model around the offloaded one has its names)
+        source = self.model.state_dict()
         return {k: v.detach().clone() for k, v in source.items()}
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         if self.off is not None:
-            names = [
-                [b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters) if m.requires_grad],
-                [n for n, p in self.off.rest_named if p.requires_grad],
-            ]
+            by_id = {id(p): n for n, p in self.model.named_parameters()}  # (a PEFT model around it: its names)
+            named = {id(m): b.qualified(n) for b in self.off.blocks for n, m in zip(b.names, b.masters)}
+            named.update({id(p): by_id.get(id(p), n) for n, p in self.off.rest_named})
             optimizers = self.off.optimizers  # the blocks', then the rest's: each made when it has parameters to step
-            names = [ns for ns in names if ns]
+            names = [[named[id(p)] for g in o.param_groups for p in g["params"]] for o in optimizers]
         else:
             by_id = {id(p): n for n, p in self.model.named_parameters()}
             optimizers = [self.optimizer]
@@ -227,6 +234,7 @@ class Setup:
 def _lora(model: nn.Module, name: str) -> nn.Module:
     import peft
 
+    torch.manual_seed(1)  # (the adapters' initial values: the same in memory and offloaded)
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[name], lora_dropout=0.1))
 
 
@@ -417,7 +425,13 @@ def trainer_loop(setup: Setup) -> list[float]:
     return losses
 
 
-LOOP_RUNNERS = {"plain": plain_loop, "trainer": trainer_loop, "accelerate": accelerate_loop, "lora": plain_loop}
+LOOP_RUNNERS = {
+    "plain": plain_loop,
+    "trainer": trainer_loop,
+    "accelerate": accelerate_loop,
+    "lora": plain_loop,
+    "lora_served": plain_loop,
+}
 
 
 # -- one cell ---------------------------------------------------------------------------------------------------
@@ -439,7 +453,12 @@ class Refused(Exception):
 
 
 def _train(name: str, precision: str, loop: str, feature: str | None, folder: Path) -> Run:
-    setup = Setup(name, precision, loop, feature, folder)
+    try:
+        setup = Setup(name, precision, loop, feature, folder)
+    except (ValueError, RuntimeError, TypeError) as e:  # refused while setting up (lora_served: adapters taken)
+        if feature is None:
+            raise
+        raise Refused(e, False) from e
     try:
         runner = serve_loop if feature == "serve" and loop == "plain" else LOOP_RUNNERS[loop]
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
@@ -625,9 +644,11 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "trained inside `offload_activations(min_bytes=0)` (every saved tensor written to storage and read back for "
         "the backward); `storage_cache` = `generate` with "
         "`deepoffload.StorageCache` against `DynamicCache` (greedy, sampling, beams: same tokens; plain loop only). "
-        "Loops: `plain` (hand-written), "
+        "In the `lora` row PEFT LoRA comes after offloading, over the served base. Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
-        "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading). Precisions: `bf16`/`fp16` "
+        "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading), "
+        "`lora_served` (PEFT LoRA after offloading over a base "
+        "served from its checkpoint, in each mode). Precisions: `bf16`/`fp16` "
         "= `torch.autocast` (fp16 with `GradScaler`), `compute_bf16` = "
         "`StreamOptions(compute_dtype=torch.bfloat16)`. On a CPU (where this matrix runs) accelerate, and the "
         "`Trainer` through it, ignore fp16 (no autocast, no scaler): their fp16 rows train in fp32; on an "

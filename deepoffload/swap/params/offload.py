@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,7 +17,6 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...errors import ClosedError
-from ...formats.commit import install_files
 from ...formats.writer import save_sharded
 from ..config import SwapConfig
 from ..optimizer import OffloadedOptimizer
@@ -37,7 +35,7 @@ from .guards.structure import Structure
 from .setup.materialize import Materializer
 from .stats import OffloadStats
 from .storage import closing
-from .storage.export import state_items
+from .storage.export import save_config, state_items
 from .storage.store import BlockStore
 from .training.data_parallel import DataParallel, GradientAverager, process_group
 from .training.modes import MODES as TRAINING_MODES
@@ -147,7 +145,6 @@ class ParameterOffload:
         group = process_group(data_parallel) if data_parallel is not False else None
         if data_parallel is not False and materializer is None:  # DDP's construction: the first rank's values
             GradientAverager(group).broadcast([*module.parameters(), *module.buffers()])
-        # what the checkpoint lacked / had beyond the model (strict=False), when loaded from one
         self.load_report = materializer.report if materializer is not None else None
         if materializer is None:
             self.store.offload_all()
@@ -208,10 +205,11 @@ class ParameterOffload:
                 f"block {block.prefix}: its parameters were offloaded by a ParameterOffload closed "
                 f"without restore=True, so they are gone; close(restore=True) keeps them"
             )
-        self._structure.check(block, rest=block.index == 0)  # parameters added or replaced since offloading
+        self._adopt_adapters(block)
+        self._structure.check(block, rest=block.index == 0)  # other parameters added or replaced since offloading
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        wants_grad = any(p.requires_grad for p in block.params)
+        wants_grad = any(p.requires_grad for p in block.module.parameters())  # (adapters in memory too)
         if not torch.is_grad_enabled() or not (wants_grad or any(t.requires_grad for t in tensors)):
             self.acquire(block, "forward", training=False)
             try:
@@ -225,6 +223,10 @@ class ParameterOffload:
         n = len(call.out_positions)
         self._shared.record(tensors, chained, outputs[n:])
         return call.rebuild(outputs[:n])
+
+    def _adopt_adapters(self, block: Block | None = None) -> None:  # adapters added since offloading (Structure.adopt)
+        if not self._closed:
+            self._structure.adopt(lambda added: self._optimizers.adopt(added, self.rest, self.compute_dtype), block)
 
     def _upcoming(self, index: int, phase: str, training: bool) -> list[int]:
         return upcoming(index, len(self.blocks), self.prefetch, phase, training)
@@ -404,6 +406,7 @@ class ParameterOffload:
     @property
     def optimizers(self) -> list[OffloadedOptimizer]:
         """The optimizers in use (blocks, then the rest), e.g. to attach LR schedulers to each."""
+        self._adopt_adapters()
         return self._optimizers.all()
 
     @internal_call
@@ -442,11 +445,7 @@ class ParameterOffload:
         self.training.finish_writes()
         self.store.wait_writes()
         shards = save_sharded(state_items(self.module, self.blocks, self.store), path, max_shard_bytes=max_shard_bytes)
-        config = getattr(self.module, "config", None)
-        if config is not None and callable(getattr(config, "save_pretrained", None)):
-            with tempfile.TemporaryDirectory() as staging:  # it writes in place: aside first, then renamed in
-                config.save_pretrained(staging)
-                install_files(Path(staging), Path(path))
+        save_config(self.module, path)
         return shards
 
     @internal_call

@@ -56,6 +56,7 @@ def check(cell, folder) -> harness.Outcome:
         ("llama", "fp32", "plain", "serve"),
         ("llama", "bf16", "plain", "activations"),
         ("llama", "fp32", "plain", "storage_cache"),
+        ("llama", "fp32", "lora_served", "fused"),
     ],
     ids="-".join,
 )

@@ -145,9 +145,10 @@ class ModulePatches:
             with internal():
                 self.store.wait_write(block)
                 copies = self.store.read_copy(block)
+            now = block.names_now()  # (an adapter layer may have moved a parameter: PEFT's base_layer)
             for name, tensor in copies.items():
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = tensor
+                if prefix + now[name] in state_dict:
+                    state_dict[prefix + now[name]] = tensor
 
         return hook
 

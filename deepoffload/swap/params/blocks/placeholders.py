@@ -60,6 +60,11 @@ class Block(Protocol):
         """Its residency."""
         ...
 
+    @property
+    def served(self) -> str | None:
+        """The checkpoint file it is served from read-only, or None."""
+        ...
+
     def qualified(self, name: str) -> str:
         """The qualified name of the block's parameter ``name``."""
         ...
@@ -318,11 +323,19 @@ def _message(param: StreamedParameter, what: str, kind: str) -> str:
             f"cannot work on a streamed model: use model.state_dict() (the real weights, read one block at a "
             f"time; save_pretrained uses it too), or off.close() to have them in memory again"
         )
+    if kind == "write" and block.served:
+        return (
+            f"{where}: {what} would change values served read-only from the checkpoint {block.served} "
+            f"(serve_from_checkpoint=True), which is never written. Merging "
+            f"adapters into it (PEFT's merge_and_unload, merge_adapter) would: write the merged model to a new "
+            f"folder with deepoffload.integrations.peft.save_merged(off, folder), or keep the adapters unmerged"
+        )
     if kind == "write":
         return (
             f"{where}: {what} would change values that live on storage and are read again before each use, so "
             f"the change would be lost. Load weights with model.load_state_dict() (it writes to storage), or "
-            f"change them (nn.init, p.data = ...) before offload_parameters() or after off.close()"
+            f"change them (nn.init, p.data = ...) before offload_parameters() or after off.close(); merge adapters "
+            f"with deepoffload.integrations.peft.save_merged(off, folder)"
         )
     if kind == "copy":
         return (

@@ -208,6 +208,17 @@ class Block:
         """Whether any parameter requires a gradient now (``requires_grad_`` may change it after offloading)."""
         return any(p.requires_grad for p in self.params)
 
+    def names_now(self) -> dict[str, str]:
+        """Each streamed parameter's name in the block now, by its name at offloading.
+
+        The same unless an adapter layer wrapped its module since (``q_proj.weight`` -> ``q_proj.base_layer.weight``).
+
+        Returns:
+            ``{name at offloading: name now}``.
+        """
+        now = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return {name: now.get(id(param), name) for name, param in zip(self.names, self.params)}
+
     def qualified(self, name: str) -> str:
         """The model's name of the block's parameter ``name``."""
         return f"{self.prefix}.{name}" if self.prefix else name

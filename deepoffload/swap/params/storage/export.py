@@ -5,11 +5,15 @@ Each block's parameters are read from storage when reached, the rest is taken as
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch import nn
 
+from ....formats.commit import install_files
 from ..blocks.residency import Block
 from .store import BlockStore
 
@@ -47,3 +51,20 @@ def state_items(module: nn.Module, blocks: list[Block], store: BlockStore) -> It
             yield from visit(child, f"{prefix}{name}.")
 
     yield from visit(module, "")
+
+
+def save_config(module: nn.Module, path: str | os.PathLike) -> None:
+    """Write a module's ``config`` (one with ``save_pretrained``, as Hugging Face models have) into ``path``.
+
+    Written aside first and renamed in: ``config.save_pretrained`` writes in place, so a kill would leave it half
+    written.
+
+    Args:
+        module: The module.
+        path: The checkpoint folder.
+    """
+    config = getattr(module, "config", None)
+    if config is not None and callable(getattr(config, "save_pretrained", None)):
+        with tempfile.TemporaryDirectory() as staging:
+            config.save_pretrained(staging)
+            install_files(Path(staging), Path(path))

@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
-from ....errors import UnsupportedError
+from ....errors import CheckpointError, UnsupportedError
 from ..blocks.placeholders import internal
 from ..blocks.residency import Block, Residency
 from .store import BlockStore
@@ -37,9 +38,10 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
 
     def pre(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         written.clear()
-        values = {}
+        check_adapter_shapes(module, block, state_dict, prefix)
+        values, now = {}, block.names_now()
         for name, shape in zip(block.names, block.shapes):
-            value = state_dict.get(prefix + name)
+            value = state_dict.get(prefix + now[name])
             if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
                 values[name] = value
         if not values:
@@ -53,8 +55,8 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
         with internal():
             write(store, block, values)
         for name in values:
-            del state_dict[prefix + name]
-            written.append(prefix + name)
+            del state_dict[prefix + now[name]]
+            written.append(prefix + now[name])
 
     def post(module, incompatible_keys) -> None:
         if written:
@@ -63,6 +65,34 @@ def load_hooks(store: BlockStore, block: Block) -> tuple[Callable, Callable]:
             written.clear()
 
     return pre, post
+
+
+def check_adapter_shapes(module: nn.Module, block: Block, state_dict: dict, prefix: str) -> None:
+    """Refuse loading values of another shape into the in-memory (adapter) parameters of ``block``.
+
+    torch would refuse too, after the load (a ``RuntimeError`` listing size mismatches); this says which parameter
+    and what to do, before anything is loaded: an adapter (``PeftModel.from_pretrained``, ``load_adapter``) saved
+    over another base has the other base's shapes.
+
+    Args:
+        module: The block's module.
+        block: The block.
+        state_dict: What is loaded.
+        prefix: The module's prefix in ``state_dict``.
+
+    Raises:
+        CheckpointError: When an entry for a parameter of ``block``'s module that is not streamed has another shape.
+    """
+    streamed = {id(p) for p in block.params}
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if id(param) not in streamed and isinstance(value, torch.Tensor) and value.shape != param.shape:
+            raise CheckpointError(
+                f"load_state_dict: parameter {block.qualified(name)} (an adapter over block {block.prefix}) has "
+                f"shape {tuple(param.shape)}, but the values loaded have shape {tuple(value.shape)}: an adapter "
+                f"saved over another base (other sizes) cannot load onto this one. Load an adapter trained on this "
+                f"base (the one its adapter_config.json names in base_model_name_or_path), or this base's own"
+            )
 
 
 def write(store: BlockStore, block: Block, values: dict[str, torch.Tensor]) -> None:

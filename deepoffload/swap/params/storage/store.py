@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ....errors import ResidencyError, StreamedParameterError
+from ....errors import ChecksumError, ResidencyError, StreamedParameterError
 from ...config import SwapConfig
 from ...pool import PAGE_SIZE
 from ...tensor_swapper import SwapIn, SwapOut, SwapRecord, TensorSwapper
@@ -156,6 +156,15 @@ class BlockStore:
                 f"the swap file of parameter {block.qualified(block.names[0])} "
                 f"(block {block.prefix}: {names}) is missing; it was deleted while "
                 f"offloaded, so these parameters are lost",
+                path,
+            )
+        if block.served and isinstance(error, ChecksumError):
+            return ChecksumError(
+                error.errno,
+                f"parameters {names} (block {block.prefix}) are served from {path}, which was replaced, rewritten "
+                f"or removed since the model was loaded (its size, modification time or inode differ), so they were "
+                f"not read (its values may differ from those loaded). Put the file back as it was, or load the model "
+                f"again from the folder as it is now; keep a served checkpoint unchanged while it is in use",
                 path,
             )
         return OSError(error.errno, f"reading parameters {names} (block {block.prefix}) failed: {error.strerror}", path)

@@ -52,12 +52,54 @@ class Optimizers:
             self.rest = OffloadedOptimizer(factory, rest, rest_config) if rest else None
         check_per_parameter(self.all())
         self.training = factory is not None
+        self.factory, self.rest_config = factory, rest_config
         self.rest_named = rest_named
         self.stepped_ids = optimized_ids(self.all())  # one frozen at this call and unfrozen later is not here
 
     def all(self) -> list[OffloadedOptimizer]:
         """The optimizers in use: the blocks', then the rest's."""
         return [o for o in (self.block, self.rest) if o is not None]
+
+    def adopt(
+        self, added: list[tuple[str, nn.Parameter]], rest: list[nn.Parameter], compute_dtype: torch.dtype | None
+    ) -> None:
+        """Step the adapter parameters ``added`` with the parameters outside the blocks, in memory.
+
+        The rest's optimizer is made again over its parameters that require a gradient now and the trainable ones of
+        ``added`` (appended to ``rest`` and ``rest_named``, which the other parts read), before any step.
+
+        Args:
+            added: The adapter parameters taken into the blocks since offloading, by qualified name.
+            rest: The parameters outside the blocks (the list the step and the clipping read), extended in place.
+            compute_dtype: The blocks' compute dtype (None: their own).
+
+        Raises:
+            StreamedParameterError: When an optimizer stepped already (the adapters would start mid-run), or the
+                blocks compute in another dtype (the adapters, in memory, would compute in theirs).
+        """
+        if compute_dtype is not None:
+            raise StreamedParameterError(
+                f"adapter parameters (e.g. {added[0][0]}) were added after offload_parameters() with "
+                f"compute_dtype={compute_dtype}: the blocks compute in it, the adapters (in memory) would not. "
+                f"Use torch.autocast(dtype={compute_dtype}) instead of compute_dtype=, or add the adapters "
+                f"before offload_parameters() (then they stream with the blocks)"
+            )
+        stepped = [o for o in self.all() if o.state_dict()["state"]]
+        if stepped:
+            raise StreamedParameterError(
+                f"adapter parameters (e.g. {added[0][0]}) were added after the optimizers stepped: add adapters "
+                f"(get_peft_model, PeftModel.from_pretrained) before the first step"
+            )
+        rest.extend(p for _, p in added)
+        self.rest_named.extend(added)
+        if self.factory is None:
+            return
+        if self.rest is not None:
+            self.rest.close()
+        params = [p for _, p in self.rest_named if p.requires_grad]
+        self.rest = OffloadedOptimizer(self.factory, params, self.rest_config) if params else None
+        check_per_parameter(self.all())
+        self.stepped_ids = optimized_ids(self.all())
 
     def check_unfrozen(self, block: Block) -> None:
         """Refuse a backward once a parameter frozen when the optimizers were made requires a gradient.
