@@ -27,12 +27,14 @@ CHECKPOINTS = {
     "sharded": "sharded",
     "torch": "model.pt",
     "llama": "llama.safetensors",
+    "mixtral": "mixtral",  # a save_pretrained folder
 }
 # the checkpoint each entry point reads (None: none)
 NEEDS = {
     "load_sharded": "sharded",
     "load_torch": "torch",
     "generate": "llama",
+    "moe_generate": "mixtral",
     "checkpoint_save": None,
     "checkpoint_load": "torch",
     "optimizer_step": None,
@@ -41,6 +43,7 @@ NEEDS = {
 # the imports-only child that measures the process after the imports of each entry point (default "imports")
 IMPORTS = {
     "generate": "imports_hf",
+    "moe_generate": "imports_hf",
     "train_fused": "imports_optim",
     "train_grads": "imports_optim",
     "train_budget": "imports_optim",
@@ -50,6 +53,7 @@ IMPORTS = {
     "train_data_parallel_grads": "imports_dist",
 }
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
+EXPERT_CACHE = 12 << 20  # moe_generate: max_resident_bytes, below a block: all of it holds experts (6 of 24)
 ACTIVATIONS = (512, 32, 8192)  # train_activations: width, layers, rows; 64 saved tensors of 16 MiB (1 GiB)
 
 
@@ -88,6 +92,22 @@ def llama_config():
     )
 
 
+def mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=1024,
+        max_position_embeddings=64,
+    )
+
+
 def sizes(entry: str, shape: str) -> dict:
     """The sizes the stated bound of ``entry`` is made of (bytes), from the model built on meta: every parameter,
     the largest block's staging span, the parameters and buffers outside blocks, the largest parameter."""
@@ -100,6 +120,11 @@ def sizes(entry: str, shape: str) -> dict:
 
         with accelerate.init_empty_weights():
             model = LlamaForCausalLM(llama_config())
+    elif entry == "moe_generate":
+        from transformers import MixtralForCausalLM
+
+        with torch.device("meta"):
+            model = MixtralForCausalLM(mixtral_config())
     else:
         with torch.device("meta"):
             model = Tower(*SHAPES[shape])
@@ -115,6 +140,8 @@ def sizes(entry: str, shape: str) -> dict:
     }
     if entry == "train_budget":
         found["resident_bytes"] = RESIDENT_BLOCKS * found["block_span"]
+    if entry == "moe_generate":
+        found["resident_bytes"] = EXPERT_CACHE
     return found
 
 
@@ -156,6 +183,10 @@ def prepare(shape: str, folder: str, kinds: list[str]) -> None:
             save_sharded(state.items(), path, max_shard_bytes=64 << 20)
         elif kind == "torch":
             torch.save(state, path)
+        elif kind == "mixtral":
+            from transformers import MixtralForCausalLM
+
+            MixtralForCausalLM(mixtral_config()).save_pretrained(path)
         else:
             prepare_llama(path)
 
@@ -268,6 +299,21 @@ def run(entry: str, shape: str, folder: str) -> dict:
         )
         prompt = torch.arange(1, 9).unsqueeze(0)
         out["result"] = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+        off.close(restore=False)
+    elif entry == "moe_generate":  # experts read one by one, an expert cache within max_resident_bytes
+        import deepoffload
+
+        model, off = deepoffload.from_pretrained(
+            os.path.join(folder, "mixtral"),
+            path=os.path.join(folder, "swap"),
+            stream=deepoffload.StreamOptions(max_resident_bytes=EXPERT_CACHE),
+        )
+        prompt = torch.arange(1, 9).unsqueeze(0)
+        with torch.no_grad():
+            out["result"] = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+        stats = off.experts.stats
+        if not 0 < stats.cached_bytes <= EXPERT_CACHE or off.pinned:
+            raise RuntimeError(f"the expert cache is not what moe_generate states: {stats}, pinned {off.pinned}")
         off.close(restore=False)
     elif entry in ("save", "state_dict"):
         model, off = offloaded(shape, folder)
