@@ -26,6 +26,7 @@ TINY = {
     "device_staging.py": ["--path", "{folder}", "--size", "4M", "--chunk", "1M", "--rounds", "1"],
     "engines_vs_fio.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
     "hf_llama_stream.py": ["--folder", "{folder}", "--tiny", "--rounds", "1"],
+    "moe.py": ["--folder", "{folder}", "--quick", "--rounds", "1"],
     "optimizer_many_tensors.py": ["--folder", "{folder}", "--params", "100", "--rounds", "1"],
     "optimizer_offload.py": [
         "--folder",

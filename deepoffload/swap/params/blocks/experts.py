@@ -222,11 +222,13 @@ class ExpertReads:
         self.cache.clear()
 
     def close(self) -> None:
-        """Remove the hooks and drop what is cached."""
+        """Remove the hooks and drop what is cached; the blocks are read whole from now on."""
         self.forget()
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for entry in self.experts:
+            entry.block.skip = entry.block.skip - set(entry.names)
 
 
 def _waiting(waits: list[Callable[[], None]]) -> Callable[[], None]:
