@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ....io.buffers import aligned_empty
 from .expert_cache import ExpertCache, ExpertStats
 from .placeholders import plain, streamed
 from .residency import Block, Residency
@@ -147,7 +148,7 @@ class ExpertReads:
             One tensor per parameter, of first dimension ``len(chosen)``.
         """
         self.check_stored(entry)
-        out = [torch.empty((len(chosen), *s[1:]), dtype=p.dtype) for p, s in zip(entry.params, entry.shapes)]
+        out = [aligned_empty((len(chosen), *s[1:]), p.dtype, pin=False) for p, s in zip(entry.params, entry.shapes)]
         missing: dict[int, int] = {}
         for k, e in enumerate(chosen):
             key = (entry.block.index, e)
@@ -205,7 +206,7 @@ class ExpertReads:
             key = (following.block.index, e)
             if key in self.cache or key in self.pending:
                 continue
-            parts = [torch.empty(s[1:], dtype=p.dtype) for p, s in zip(following.params, following.shapes)]
+            parts = [aligned_empty(s[1:], p.dtype, pin=False) for p, s in zip(following.params, following.shapes)]
             waits = [
                 self.store.read_slices(following.block, name, following.count, {e: t})
                 for name, t in zip(following.names, parts)
