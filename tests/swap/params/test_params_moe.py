@@ -143,3 +143,22 @@ def test_training_through_moe_blocks_reads_them_whole_and_stays_exact(tmp_path):
         assert off.experts.stats.misses > 0 and off.experts.stats.cached_bytes > 0
         state = off.state_dict()
         assert [k for k, v in ref.state_dict().items() if not torch.equal(state[k], v)] == []
+
+
+def test_a_change_to_a_block_read_without_its_experts_is_refused(tmp_path):
+    """Writing back a block read without its experts would write expert bytes never read: a parameter changed in
+    place during an inference forward is refused (the change dropped, the stored values kept), naming why."""
+    ref = saved(tmp_path, "mixtral")
+    model, off = deepoffload.from_pretrained(tmp_path / "ckpt", path=tmp_path / "swap")
+    attention = model.model.layers[0].self_attn
+
+    def change(module, args):
+        module.q_proj.weight.add_(0)  # (in place: a change user code made)
+
+    handle = attention.register_forward_pre_hook(change)
+    ids = torch.tensor([[3, 17, 5]])
+    with off, torch.no_grad():
+        with pytest.raises(deepoffload.StreamedParameterError, match="read without its experts"):
+            model(ids)
+        handle.remove()
+        assert torch.equal(model(ids).logits, ref(ids).logits)

@@ -320,6 +320,9 @@ class Block:
         read_only = self.source.read_only()
         if read_only is not None:
             return {name: f"its block is {read_only}" for name in names}
+        if self.read_partly:  # (writing it back would write experts never read)
+            why = "its block was read without its experts (an inference forward reads the chosen experts alone)"
+            return dict.fromkeys(names, f"{why}; change it with gradients enabled, where the block is read whole")
         reasons = {}
         for name in names:
             k = self.names.index(name)
