@@ -30,6 +30,7 @@ TINY = {
     "kv_cache.py": ["--folder", "{folder}", "--quick"],
     "hf_llama_stream.py": ["--folder", "{folder}", "--tiny", "--rounds", "1"],
     "lora.py": ["--folder", "{folder}", "--quick"],
+    "moe.py": ["--folder", "{folder}", "--quick", "--rounds", "1"],
     "optimizer_many_tensors.py": ["--folder", "{folder}", "--params", "100", "--rounds", "1"],
     "optimizer_offload.py": [
         "--folder",

@@ -9,6 +9,8 @@ into its place once read.
 
 from __future__ import annotations
 
+from typing import Collection, Iterable
+
 from .pool import PAGE_SIZE, round_up
 from .records import SwapRecord, group_span
 
@@ -29,7 +31,14 @@ class ReadPlan:
         self.spans: list[tuple[str, int, int, int]] = []
         self.encoded: list[tuple[SwapRecord, int, int]] = []
 
-    def add(self, group: str, records: dict[str, SwapRecord], placed: tuple[int, int] | None, mapped: bool) -> None:
+    def add(
+        self,
+        group: str,
+        records: dict[str, SwapRecord],
+        placed: tuple[int, int] | None,
+        mapped: bool,
+        left_out: Collection[str] = (),
+    ) -> None:
         """Plan the read of ``group`` after the groups added before it.
 
         Args:
@@ -37,7 +46,12 @@ class ReadPlan:
             records: Its records in force (empty: nothing to read).
             placed: Packed: ``(offset, bytes)`` of its part of its extent (records hold file offsets), else None.
             mapped: It is served from another file (``map_group``) and has records.
+            left_out: Keys of the group not to read (not in the result): only the pages of the others are read, in
+                their places in the buffer.
         """
+        sparse = bool(left_out)
+        if sparse:
+            records = {key: r for key, r in records.items() if key not in left_out}
         total = self.total
         if placed is not None:
             base, span = placed
@@ -56,7 +70,10 @@ class ReadPlan:
                 self.total += span
                 return
         self.layout[group] = (total - base, records)
-        if span:
+        if span and sparse and placed is None:
+            for start, end in runs(records.values(), base, exact=mapped):
+                self.spans.append((next(iter(records.values())).file, start, total + start - base, end - start))
+        elif span:
             file = next(iter(records.values())).file
             spans = self.spans
             if (
@@ -69,3 +86,25 @@ class ReadPlan:
             else:
                 spans.append((file, base, total, length))
         self.total += span
+
+
+def runs(records: Iterable[SwapRecord], base: int, exact: bool = False) -> list[tuple[int, int]]:
+    """The file ranges ``(start, end)`` holding ``records`` (from ``base`` on, from page starts), adjacent ones merged.
+
+    Args:
+        records: The records to read.
+        base: The first file offset read.
+        exact: Each range ends where its last tensor ends (a file served in place may end there), else at a page end.
+
+    Returns:
+        ``(start, end)`` file offsets, ascending.
+    """
+    found: list[tuple[int, int]] = []
+    for r in sorted(records, key=lambda r: r.offset):
+        start = max(base, r.offset // PAGE_SIZE * PAGE_SIZE)
+        end = r.offset + r.nbytes if exact else round_up(r.offset + r.nbytes)
+        if found and start <= found[-1][1]:
+            found[-1] = (found[-1][0], max(end, found[-1][1]))
+        else:
+            found.append((start, end))
+    return found

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, cast
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, cast
 
 import torch
 
@@ -296,7 +296,7 @@ class TensorSwapper:
         self._check_open()
         return self.packing.write_back_read(staged, on_done) if self.packing is not None else None
 
-    def swap_in(self, groups: Iterable[str]) -> SwapIn:
+    def swap_in(self, groups: Iterable[str], skip: Mapping[str, Collection[str]] | None = None) -> SwapIn:
         """Start reading the named groups back, each sized from its records.
 
         Groups read together from adjacent places in one file come back with one request. Raises ``ClosedError``
@@ -305,6 +305,7 @@ class TensorSwapper:
 
         Args:
             groups: The names of the groups to read; groups with nothing on storage come back empty.
+            skip: Group -> keys of it left unread (not in the result; a packed swapper reads them anyway).
 
         Returns:
             The read in flight; its ``wait()`` returns ``{group: {key: tensor}}``.
@@ -325,7 +326,8 @@ class TensorSwapper:
             mapped = bool(records) and group in self._mapped
             if mapped:
                 self._mapped.check(group, records)
-            plan.add(group, records, packed.span(group) if packed is not None else None, mapped)
+            left_out = (skip or {}).get(group, ()) if packed is None else ()
+            plan.add(group, records, packed.span(group) if packed is not None else None, mapped, left_out)
         total, spans, layout = plan.total, plan.spans, plan.layout
         buffer = self.staging.acquire(total) if total else None
         requests = (

@@ -53,9 +53,10 @@ ENTRIES = (
     "train_activations",
     "generate_storage_cache",
     "lora_served",
+    "moe_generate",
 )
 # entries measured at the "large" shape only (their own model)
-ONE_SHAPE = ("generate", "generate_storage_cache", "lora_served")
+ONE_SHAPE = ("generate", "generate_storage_cache", "lora_served", "moe_generate")
 
 
 @dataclass
@@ -185,6 +186,9 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
         "generate",
     ):
         return plan.peak_bytes, FORWARD_BYTES
+    if entry == "moe_generate":  # the plan (its resident bytes: the expert cache), the chosen experts of one layer
+        # assembled for its experts module and the next layer's read ahead (each at most a block span)
+        return plan.peak_bytes + 2 * block, FORWARD_BYTES
     if entry == "save":  # a block's copy, the writer's staging and its small files on top of the streaming plan
         return plan.peak_bytes + block + SAVE_STAGING + SAVE_SMALL_FILES, FORWARD_BYTES
     if entry == "state_dict":  # the returned state dict is the user's

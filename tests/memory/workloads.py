@@ -28,12 +28,14 @@ CHECKPOINTS = {
     "torch": "model.pt",
     "llama": "llama.safetensors",
     "llama_lora": "llama-lora",  # a save_pretrained-style folder (config.json, shards, index)
+    "mixtral": "mixtral",  # a save_pretrained folder
 }
 # the checkpoint each entry point reads (None: none)
 NEEDS = {
     "load_sharded": "sharded",
     "load_torch": "torch",
     "generate": "llama",
+    "moe_generate": "mixtral",
     "checkpoint_save": None,
     "checkpoint_load": "torch",
     "optimizer_step": None,
@@ -45,6 +47,7 @@ NEEDS = {
 IMPORTS = {
     "generate": "imports_hf",
     "generate_storage_cache": "imports_hf",
+    "moe_generate": "imports_hf",
     "train_fused": "imports_optim",
     "train_grads": "imports_optim",
     "train_budget": "imports_optim",
@@ -55,6 +58,7 @@ IMPORTS = {
     "lora_served": "imports_peft",
 }
 RESIDENT_BLOCKS = 3  # train_budget: max_resident_bytes of this many block spans
+EXPERT_CACHE = 12 << 20  # moe_generate: max_resident_bytes, below a block: all of it holds experts (6 of 24)
 ACTIVATIONS = (512, 32, 8192)  # train_activations: width, layers, rows; 64 saved tensors of 16 MiB (1 GiB)
 ACTIVATION_ROWS = {"large": 8192, "small": 2048}  # train_activations' sequence length (rows) at each shape
 KV_CACHE = (32, 4, 64, 4096, 512, 256 << 10)  # generate_storage_cache: layers, heads, head_dim, prompt, chunk, flush
@@ -120,6 +124,22 @@ def lora_adapter_bytes(layers: int | None = None) -> int:
     return (layers or LORA["num_hidden_layers"]) * 2 * 2 * rank * hidden * 4
 
 
+def mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=1024,
+        max_position_embeddings=64,
+    )
+
+
 def sizes(entry: str, shape: str, layers: int | None = None) -> dict:
     """The sizes the stated bound of ``entry`` is made of (bytes), from the model built on meta: every parameter,
     the largest block's staging span, the parameters and buffers outside blocks, the largest parameter."""
@@ -132,6 +152,11 @@ def sizes(entry: str, shape: str, layers: int | None = None) -> dict:
 
         with accelerate.init_empty_weights():
             model = LlamaForCausalLM(llama_config() if entry == "generate" else lora_llama_config(layers))
+    elif entry == "moe_generate":
+        from transformers import MixtralForCausalLM
+
+        with torch.device("meta"):
+            model = MixtralForCausalLM(mixtral_config())
     else:
         with torch.device("meta"):
             model = Tower(*SHAPES[shape])
@@ -151,6 +176,8 @@ def sizes(entry: str, shape: str, layers: int | None = None) -> dict:
         found["activation_rows"] = ACTIVATION_ROWS[shape]
     if entry == "lora_served":
         found["adapter_bytes"] = lora_adapter_bytes(layers)
+    if entry == "moe_generate":
+        found["resident_bytes"] = EXPERT_CACHE
     return found
 
 
@@ -224,6 +251,10 @@ def prepare(shape: str, folder: str, kinds: list[str]) -> None:
             torch.save(state, path)
         elif kind == "llama_lora":
             prepare_lora_base(path)
+        elif kind == "mixtral":
+            from transformers import MixtralForCausalLM
+
+            MixtralForCausalLM(mixtral_config()).save_pretrained(path)
         else:
             prepare_llama(path)
 
@@ -399,6 +430,21 @@ def run(entry: str, shape: str, folder: str) -> dict:
         )
         prompt = torch.arange(1, 9).unsqueeze(0)
         out["result"] = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+        off.close(restore=False)
+    elif entry == "moe_generate":  # experts read one by one, an expert cache within max_resident_bytes
+        import deepoffload
+
+        model, off = deepoffload.from_pretrained(
+            os.path.join(folder, "mixtral"),
+            path=os.path.join(folder, "swap"),
+            stream=deepoffload.StreamOptions(max_resident_bytes=EXPERT_CACHE),
+        )
+        prompt = torch.arange(1, 9).unsqueeze(0)
+        with torch.no_grad():
+            out["result"] = model.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist()
+        stats = off.experts.stats
+        if not 0 < stats.cached_bytes <= EXPERT_CACHE or off.pinned:
+            raise RuntimeError(f"the expert cache is not what moe_generate states: {stats}, pinned {off.pinned}")
         off.close(restore=False)
     elif entry in ("save", "state_dict"):
         model, off = offloaded(shape, folder)

@@ -36,7 +36,7 @@ from deepoffload.swap.optimizer import OffloadedOptimizer
 from deepoffload.swap.params import StreamedOptimizer, find_blocks, offload_parameters
 from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOptions
 
-MODELS = ("llama", "gpt2", "t5", "mixtral", "plain")
+MODELS = ("llama", "gpt2", "t5", "mixtral", "plain", "qwen2_moe", "deepseek_v3")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
 LOOPS = ("plain", "trainer", "accelerate", "lora", "lora_served")
 FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders", "activations", "storage_cache")
@@ -48,6 +48,8 @@ LORA_TARGETS = {
     "t5": ["q", "v"],
     "mixtral": ["q_proj", "v_proj"],
     "plain": ["fc"],
+    "qwen2_moe": ["q_proj", "v_proj"],
+    "deepseek_v3": ["q_proj", "o_proj"],
 }
 
 
@@ -102,6 +104,31 @@ def build(name: str, device: str | None = None) -> nn.Module:
         ),
         "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)),
         "plain": PlainModel,
+        "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(
+            T.Qwen2MoeConfig(
+                **small,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+            )
+        ),
+        "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(  # shared experts; MLA attention
+            T.DeepseekV3Config(
+                **{**small, "num_key_value_heads": 4},
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                first_k_dense_replace=0,
+                n_group=1,
+                topk_group=1,
+                q_lora_rank=None,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+            )
+        ),
     }
     torch.manual_seed(0)
     with torch.device(device) if device else contextlib.nullcontext():

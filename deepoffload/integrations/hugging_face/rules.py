@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...swap.params.blocks.experts import ExpertSet
 from ...swap.params.setup.model_rules import CheckpointView, InitFunction, ModelRules, register_rules
-from . import caches, keys
+from . import caches, keys, moe
 
 
 class HuggingFaceRules(ModelRules):
@@ -47,6 +48,9 @@ class HuggingFaceRules(ModelRules):
 
     def cache_objects(self, cache: object) -> list[object]:  # noqa: D102
         return caches.cache_objects(cache)
+
+    def experts(self, module: nn.Module) -> list[ExpertSet]:  # noqa: D102
+        return moe.experts_of(module)
 
 
 register_rules(HuggingFaceRules())

@@ -24,6 +24,7 @@ from ..pool import PAGE_SIZE, trim_heap
 from ..scaled_losses import LossGraph, watch
 from .autograd.recompute import BlockCall, Recompute
 from .autograd.shared_inputs import SharedInputs
+from .blocks.experts import ExpertReads
 from .blocks.patches import ModulePatches
 from .blocks.placeholders import internal_call
 from .blocks.residency import Block, Residency, dense_layout, nbytes
@@ -33,6 +34,7 @@ from .budget import READER_BYTES, STATE_CHUNKS, MemoryPlan, encoded_bytes
 from .guards.refusals import check_backward, check_budget, check_sharing, scaled_loss_error
 from .guards.structure import Structure
 from .setup.materialize import Materializer
+from .setup.model_rules import rules_for
 from .stats import OffloadStats
 from .storage import closing
 from .storage.export import save_config, state_items
@@ -158,6 +160,7 @@ class ParameterOffload:
             self.patches.stream(block)
         self.patches.guard_moves()
         self._structure = Structure(module, self.blocks)
+        self.experts = ExpertReads(self.blocks, self.store, rules_for(module).experts(module), lambda: self._budget)
         if data_parallel is not False:  # last: its hooks stay only on a ParameterOffload that was made
             self.data_parallel = DataParallel(group, module, self.rest, [n for n, _ in self.rest_named])
             self.training.average = self.data_parallel.average_block
@@ -256,9 +259,9 @@ class ParameterOffload:
         for other in self.blocks:
             if other.index not in keep:
                 self.store.release(other)  # (a no-op for a PINNED block)
-        self.store.start_read(block)
-        for j in window:
-            self.store.start_read(self.blocks[j])
+        partial = phase == "forward" and not training  # (experts read on demand: ``ExpertReads``)
+        for j in (block.index, *window):
+            self.store.start_read(self.blocks[j], partial)
         self.store.materialize(block)
         block.unguard_grads()  # it computes with plain parameters
         if phase == "backward":
@@ -483,7 +486,7 @@ class ParameterOffload:
             closing.put_back(self.blocks, self.store, self.training, values)
         finally:
             self._closed = True
-            others: list[closing.Closable] = [*self.optimizers]
+            others: list[closing.Closable] = [*self.optimizers, self.experts]
             others += [self.data_parallel] if self.data_parallel is not None else []
             closing.detach(self.blocks, self.store, others, restore, self.patches)
 

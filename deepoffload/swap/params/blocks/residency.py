@@ -196,6 +196,8 @@ class Block:
         self.source: ByteSource = SwapFiles()  # where its stored values live (a checkpoint serves them read-only)
         self.grads_read_as_none = False  # ``.grad`` reads None while ``grads_away()`` (a Trainer's logged norm)
         self.seen: list[tuple] = []  # per parameter: version counter, data pointer, dtype, device when in memory
+        self.skip: frozenset[str] = frozenset()  # parameters an inference read leaves out (experts read on demand)
+        self.read_partly = False  # read without ``skip``: those parameters still hold placeholders
         self.record_versions()
 
     @property
@@ -284,6 +286,8 @@ class Block:
     def set_data(self, tensors: dict[str, torch.Tensor]) -> None:
         """Point the parameters at ``tensors`` (master values; compute copies are cast from them)."""
         for name, param, master, layout in zip(self.names, self.params, self.masters, self.layouts):
+            if name not in tensors and name in self.skip:  # (a partial read: it stays a placeholder)
+                continue
             tensor = tensors[name]
             if layout is not None and tensor.stride() != layout:  # a copy outside the pool, in the layout it had
                 strided = torch.empty_strided(tensor.shape, layout, dtype=tensor.dtype, device=tensor.device)
@@ -327,6 +331,9 @@ class Block:
         read_only = self.source.read_only()
         if read_only is not None:
             return {name: f"its block is {read_only}" for name in names}
+        if self.read_partly:  # (writing it back would write experts never read)
+            why = "its block was read without its experts (an inference forward reads the chosen experts alone)"
+            return dict.fromkeys(names, f"{why}; change it with gradients enabled, where the block is read whole")
         reasons = {}
         for name in names:
             k = self.names.index(name)

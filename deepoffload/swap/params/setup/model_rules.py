@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ....formats.checks import KeyReport
+from ..blocks.experts import ExpertSet
 
 InitFunction = Callable[[nn.Module], None]
 
@@ -89,6 +90,10 @@ class ModelRules:
     def cache_objects(self, cache: object) -> list[object]:
         """The objects whose attributes (and lists and dicts held there) are the state of ``cache``."""
         return [cache]
+
+    def experts(self, module: nn.Module) -> list[ExpertSet]:
+        """The Mixture-of-Experts modules of ``module`` whose experts are read one by one (``ExpertSet``; none)."""
+        return []
 
 
 DEFAULT = ModelRules()

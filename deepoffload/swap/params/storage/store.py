@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ class BlockStore:
         self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE) + slack
         self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
         self.io_wait = 0.0
+        self.slice_bytes = 0  # bytes of parameter slices read alone (``read_slices``: experts)
         self.grad_bytes = 0
         self.peak = 0
         self.peak_grad = 0
@@ -89,15 +90,20 @@ class BlockStore:
             ) from e
 
     # -- reads and releases -----------------------------------------------------------------------------------
-    def start_read(self, block: Block) -> None:
+    def start_read(self, block: Block, partial: bool = False) -> None:
         """Start reading ``block`` unless it is being read or in memory (a write in flight is waited for).
+
+        A block read partially (without ``block.skip``) and now wanted whole is released and read again.
 
         Args:
             block: The block to read.
+            partial: Leave ``block.skip`` unread (an inference forward whose experts are read on demand).
 
         Raises:
             ResidencyError: When storage holds nothing valid for it (an earlier write failed).
         """
+        if block.read_partly and not partial and block.state in (Residency.READING, Residency.RESIDENT):
+            self.release(block, keep_changes=False)  # (a partial read changes nothing)
         if block.state is Residency.READING or block.in_memory:
             return
         self.wait_write(block)
@@ -109,9 +115,12 @@ class BlockStore:
                 f"failed and the copy in memory is gone)"
             )
         try:
-            block.read = self.swapper.swap_in([block.group])
+            partial = partial and bool(block.skip) and self.swapper.packing is None
+            partial = partial and all(records[name].codec == "none" for name in block.skip)  # (raw bytes: sliceable)
+            block.read = self.swapper.swap_in([block.group], skip={block.group: block.skip} if partial else None)
         except OSError as e:
             raise self._read_error(block, e) from e
+        block.read_partly = partial
         block.move(Residency.READING)
         self.note_peak()
 
@@ -444,11 +453,40 @@ class BlockStore:
         """Forget ``block``'s stored gradients."""
         self.swapper.discard(block.grad_group)
 
+    def read_slices(self, block: Block, name: str, count: int, wanted: dict[int, torch.Tensor]) -> Callable[[], None]:
+        """Start reading slices of ``block``'s stored parameter ``name`` along its first dimension (one expert each).
+
+        Args:
+            block: The block (ON_STORAGE or read without the parameter).
+            name: The parameter's name in the block; its record holds ``count`` equal slices, raw (codec ``none``).
+            count: How many slices the record holds (its first dimension).
+            wanted: Slice index -> contiguous tensor of one slice's shape and dtype to read into.
+
+        Returns:
+            A function that waits for the reads; it raises ``OSError`` naming the parameter and block when one failed.
+        """
+        record = self.swapper.records(block.group)[name]
+        size = record.nbytes // count
+        requests = [self.swapper.handle.read_async(t, record.file, record.offset + k * size) for k, t in wanted.items()]
+        self.slice_bytes += size * len(wanted)
+
+        def wait() -> None:
+            start = time.perf_counter()
+            try:
+                for request in requests:
+                    request.wait()
+            except OSError as e:
+                raise self._read_error(block, e) from e
+            finally:
+                self.io_wait += time.perf_counter() - start
+
+        return wait
+
     # -- counters and closing -------------------------------------------------------------------------------------
     @property
     def bytes_read(self) -> int:
-        """Bytes read from the swap files so far (parameters and gradients)."""
-        return self.swapper.bytes_read
+        """Bytes read from storage so far (parameters, experts read alone and gradients)."""
+        return self.swapper.bytes_read + self.slice_bytes
 
     @property
     def bytes_written(self) -> int:

@@ -1,0 +1,150 @@
+"""A Mixture-of-Experts model (Mixtral layout, top-2 of 8 experts, random weights) written by ``save_pretrained``,
+``generate`` greedy from its folder, interleaved A B C per round:
+
+- ``experts``: ``deepoffload.from_pretrained`` as it is: a forward reads the attention, the router and the chosen
+  experts only (an expert cache within ``--cache-mb``, the next layer's router applied early);
+- ``whole``: the same, with expert reads turned off (``off.experts.close()``): every block read whole each token;
+- ``accelerate``: accelerate's ``dispatch_model`` with every decoder layer on "disk" (its disk offload).
+
+Printed: tokens/s of each, storage bytes read per generated token (deepoffload's ``stats.bytes_read``; accelerate
+reads every layer's weights each token by construction: its bytes are the layers' bytes, not measured), the expert
+cache's hits, misses and prefetch accuracy, and the ratios experts/whole and experts/accelerate. Every variant's tokens
+are checked equal to the model's in memory.
+
+    python benchmarks/moe.py [--folder DIR] [--rounds N] [--tokens N] [--cache-mb N] [--quick] [--json PATH]
+
+The 2 cores and the disk are shared: read the ratios, not the absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402
+
+warnings.filterwarnings("ignore")
+FULL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8)
+QUICK = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+def build(size: dict):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(**size, num_key_value_heads=size["num_attention_heads"], num_local_experts=8)
+    return MixtralForCausalLM(config).eval()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=24, help="tokens generated per run")
+    parser.add_argument("--cache-mb", type=float, default=0, help="expert cache (max_resident_bytes), MB")
+    parser.add_argument("--quick", action="store_true", help="a smoke run at a tiny size (tests/test_benchmarks.py)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    from accelerate import dispatch_model
+
+    import deepoffload
+
+    size = QUICK if args.quick else FULL
+    folder = args.folder or tempfile.mkdtemp(prefix="moe-bench-")
+    reference = build(size)
+    with contextlib.redirect_stdout(io.StringIO()):
+        reference.save_pretrained(f"{folder}/ckpt")
+    ids = torch.randint(3, size["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=args.tokens, do_sample=False)
+    cache = int(args.cache_mb * 1e6) or None
+    stream = deepoffload.StreamOptions(max_resident_bytes=cache)
+    ours = {}
+    for name in ("experts", "whole"):
+        model, off = deepoffload.from_pretrained(f"{folder}/ckpt", path=f"{folder}/{name}", stream=stream)
+        if name == "whole":
+            off.experts.close()
+        ours[name] = (model, off)
+    theirs = build(size)
+    layers = range(size["num_hidden_layers"])
+    device_map = {
+        **dict.fromkeys(("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"), "cpu"),
+        **{f"model.layers.{i}": "disk" for i in layers},
+    }
+    theirs = dispatch_model(theirs, device_map=device_map, main_device="cpu", offload_dir=f"{folder}/accelerate")
+    layer_bytes = sum(p.numel() * p.element_size() for p in reference.model.layers.parameters())
+    seconds: dict[str, list[float]] = {"experts": [], "whole": [], "accelerate": []}
+    read: dict[str, list[float]] = {"experts": [], "whole": []}
+    order = list(seconds)
+    with torch.no_grad():
+        for r in range(args.rounds):
+            for name in order[r % 3 :] + order[: r % 3]:
+                model = ours[name][0] if name in ours else theirs
+                before = ours[name][1].stats.bytes_read if name in ours else 0
+                start = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=args.tokens, do_sample=False)
+                seconds[name].append(time.perf_counter() - start)
+                if not torch.equal(out, expected):
+                    print(f"moe: {name} generated other tokens than the model in memory", file=sys.stderr)
+                    return 1
+                if name in ours:
+                    read[name].append((ours[name][1].stats.bytes_read - before) / args.tokens)
+    rate = {k: args.tokens / statistics.median(v) for k, v in seconds.items()}
+    per_token = {k: statistics.median(v) for k, v in read.items()}
+    per_token["accelerate"] = float(layer_bytes)
+    print(
+        f"Mixtral-layout MoE, {size['num_hidden_layers']} layers, top-2 of 8, {args.tokens} tokens, "
+        f"{args.rounds} rounds"
+    )
+    print(f"{'variant':<12}{'tokens/s':>10}{'MB read/token':>16}")
+    for name in seconds:
+        note = " (every layer's bytes, by construction)" if name == "accelerate" else ""
+        print(f"{name:<12}{rate[name]:>10.2f}{per_token[name] / 1e6:>16.3f}{note}")
+    stats = ours["experts"][1].experts.stats
+    accuracy = stats.prefetch_accuracy
+    print(
+        f"expert cache: {stats.hits} hits, {stats.misses} misses, prefetch accuracy "
+        f"{'n/a' if accuracy is None else f'{accuracy:.2f}'}, {stats.cached_bytes / 1e6:.2f} MB cached"
+    )
+    bytes_ratio = per_token["experts"] / per_token["whole"]
+    print(f"bytes read experts/whole: {bytes_ratio:.3f} (goal <= 0.45)")
+    print(
+        f"tokens/s experts/whole: {rate['experts'] / rate['whole']:.2f}, experts/accelerate: "
+        f"{rate['experts'] / rate['accelerate']:.2f} (goal >= 5)"
+    )
+    for _, off in ours.values():
+        off.close(restore=False)
+    if args.json:
+        write_json(
+            args.json,
+            "moe",
+            "MoE generate: experts read one by one",
+            [
+                {
+                    "label": "bytes read per token, experts / whole blocks",
+                    "value": bytes_ratio,
+                    "bound": 0.45,
+                    "higher_is_better": False,
+                },
+                {
+                    "label": "tokens/s, experts / accelerate disk offload",
+                    "value": rate["experts"] / rate["accelerate"],
+                    "bound": 5.0,
+                },
+            ],
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
