@@ -74,7 +74,7 @@ class StorageCache(Cache):
     Raises:
         ValueError: When ``resident_layers`` < 1 or ``flush_bytes`` < 1.
         TypeError: When ``config`` is not a transformers config.
-        UnsupportedError: For layers other than full attention, or an encoder-decoder model.
+        UnsupportedError: For layers other than full attention, an encoder-decoder model, or several folders.
 
     Examples:
         >>> import torch, transformers, deepoffload
@@ -104,6 +104,10 @@ class StorageCache(Cache):
         self.resident_layers = resident_layers
         self.flush_bytes = flush_bytes
         self.swap = (swap or SwapConfig()).replace(**({} if path is None else {"folder": os.fspath(path)}))
+        if isinstance(self.swap.folder, tuple):  # (its files are per layer, not yet placed over drives)
+            raise UnsupportedError(
+                f"StorageCache keeps its files in one folder, got {list(self.swap.folder)}; pass one"
+            )
         self.folder = create_run_folder(self.swap.folder, None, self.swap.trust_folder_owner)
         if self.swap.keep_files:
             keep_run_folder(self.folder)

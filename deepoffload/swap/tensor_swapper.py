@@ -53,8 +53,7 @@ class TensorSwapper:
 
     The run folder is rank-aware, and removed on ``close`` and at exit unless ``config.keep_files`` (a swapper
     dropped without ``close`` removes it then). With the ``folder`` layout one group is one file
-    ``<folder>/<group>.swp``; group names are file names (letters, digits, ``-``, ``_``, ``.``). Usable as a context
-    manager (``close`` on exit).
+    ``<folder>/<group>.swp``; group names are file names (letters, digits, ``-``, ``_``, ``.``). A context manager.
 
     Args:
         config: Where and how to swap (default: ``SwapConfig()``).

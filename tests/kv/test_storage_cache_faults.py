@@ -135,3 +135,14 @@ def test_a_crashed_runs_files_are_removed_by_the_next_cache(scratch):
     assert os.path.getsize(os.path.join(left, "layer0.keys")) > 0
     with StorageCache(scratch, config=llama().config):
         assert not os.path.exists(left), "the dead run's files went when the next cache was made"
+
+
+def test_several_folders_are_refused_naming_the_one_folder_call(scratch):
+    model = llama()
+    folders = [str(scratch / "a"), str(scratch / "b")]
+    for folder in folders:
+        os.makedirs(folder)
+    with pytest.raises(UnsupportedError, match="one folder"):
+        StorageCache(config=model.config, swap=deepoffload.SwapConfig(folder=folders))
+    cache = StorageCache(folders[0], config=model.config)  # the alternative the message names
+    cache.close()

@@ -388,8 +388,7 @@ class ParameterOffload:
         a forward that follows a training one), a collective every rank must join: evaluation on one rank only
         (``if rank == 0: evaluate(model)``) would wait forever for the others. Inside this block no buffer is
         broadcast (the forward uses this rank's own, as ``ddp.module`` would), and a backward raises
-        ``UnsupportedError``, since its gradients could not be averaged. Without ``data_parallel=`` it changes
-        nothing.
+        ``UnsupportedError`` (its gradients could not be averaged). Without ``data_parallel=`` it changes nothing.
 
         Returns:
             A context manager (``with off.rank_local():``); it binds nothing.

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ....io.buffers import aligned_empty
+from ..storage.slices import read_slices
 from .expert_cache import ExpertCache, ExpertStats
 from .placeholders import plain, streamed
 from .residency import Block, Residency
@@ -167,7 +168,7 @@ class ExpertReads:
                 tensor[k].copy_(part)
         if missing:
             waits = [
-                self.store.read_slices(entry.block, name, entry.count, {e: t[k] for k, e in missing.items()})
+                read_slices(self.store, entry.block, name, entry.count, {e: t[k] for k, e in missing.items()})
                 for name, t in zip(entry.names, out)
             ]
             for wait in waits:
@@ -208,7 +209,7 @@ class ExpertReads:
                 continue
             parts = [aligned_empty(s[1:], p.dtype, pin=False) for p, s in zip(following.params, following.shapes)]
             waits = [
-                self.store.read_slices(following.block, name, following.count, {e: t})
+                read_slices(self.store, following.block, name, following.count, {e: t})
                 for name, t in zip(following.names, parts)
             ]
             self.stats.bytes_read += sum(t.numel() * t.element_size() for t in parts)

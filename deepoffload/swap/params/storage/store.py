@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ class BlockStore:
         self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE) + slack
         self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
         self.io_wait = 0.0
-        self.slice_bytes = 0  # bytes of parameter slices read alone (``read_slices``: experts)
+        self.slice_bytes = 0  # bytes of parameter slices read alone (``slices.read_slices``: experts)
         self.grad_bytes = 0
         self.peak = 0
         self.peak_grad = 0
@@ -119,7 +119,7 @@ class BlockStore:
             partial = partial and all(records[name].codec == "none" for name in block.skip)  # (raw bytes: sliceable)
             block.read = self.swapper.swap_in([block.group], skip={block.group: block.skip} if partial else None)
         except OSError as e:
-            raise self._read_error(block, e) from e
+            raise self.read_error(block, e) from e
         block.read_partly = partial
         block.move(Residency.READING)
         self.note_peak()
@@ -149,14 +149,15 @@ class BlockStore:
         except OSError as e:
             block.read = None
             block.move(Residency.ON_STORAGE)
-            raise self._read_error(block, e) from e
+            raise self.read_error(block, e) from e
         finally:
             self.io_wait += time.perf_counter() - start
         block.set_data(tensors)
         block.move(Residency.RESIDENT)
         self.note_peak()
 
-    def _read_error(self, block: Block, error: OSError) -> OSError:
+    def read_error(self, block: Block, error: OSError) -> OSError:
+        """The error to raise for a failed read of ``block``'s records (naming its parameters and the file)."""
         names = ", ".join(block.qualified(n) for n in block.names)
         path = error.filename or next(iter(self.swapper.records(block.group).values())).file
         if error.errno == errno.ENOENT:
@@ -452,35 +453,6 @@ class BlockStore:
     def discard_grads(self, block: Block) -> None:
         """Forget ``block``'s stored gradients."""
         self.swapper.discard(block.grad_group)
-
-    def read_slices(self, block: Block, name: str, count: int, wanted: dict[int, torch.Tensor]) -> Callable[[], None]:
-        """Start reading slices of ``block``'s stored parameter ``name`` along its first dimension (one expert each).
-
-        Args:
-            block: The block (ON_STORAGE or read without the parameter).
-            name: The parameter's name in the block; its record holds ``count`` equal slices, raw (codec ``none``).
-            count: How many slices the record holds (its first dimension).
-            wanted: Slice index -> contiguous tensor of one slice's shape and dtype to read into.
-
-        Returns:
-            A function that waits for the reads; it raises ``OSError`` naming the parameter and block when one failed.
-        """
-        record = self.swapper.records(block.group)[name]
-        size = record.nbytes // count
-        requests = [self.swapper.handle.read_async(t, record.file, record.offset + k * size) for k, t in wanted.items()]
-        self.slice_bytes += size * len(wanted)
-
-        def wait() -> None:
-            start = time.perf_counter()
-            try:
-                for request in requests:
-                    request.wait()
-            except OSError as e:
-                raise self._read_error(block, e) from e
-            finally:
-                self.io_wait += time.perf_counter() - start
-
-        return wait
 
     # -- counters and closing -------------------------------------------------------------------------------------
     @property
