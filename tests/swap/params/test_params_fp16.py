@@ -88,7 +88,7 @@ def test_fp16_autocast_with_a_grad_scaler_in_grads_mode_equals_memory(scratch, v
         streamed = StreamedOptimizer(off, clip_grad_norm=1.0 if variant == "clip" else None)
         assert _loop(model, streamed, _scaler()) == expected
         assert _same_state(reference, off)
-        assert _named_state(off=off) == _named_state(model=reference, optimizer=optimizer)
+        assert _named_state(off=off, model=model) == _named_state(model=reference, optimizer=optimizer)
     finally:
         off.close()
 
