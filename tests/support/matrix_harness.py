@@ -223,8 +223,8 @@ class Setup:
     def close(self) -> None:
         if self.off is not None:
             self.off.close(restore=False)
-        elif isinstance(self.optimizer, OffloadedOptimizer):
-            self.optimizer.close()
+        elif isinstance(getattr(self, "optimizer", None), OffloadedOptimizer):  # (set up may fail before it)
+            self.optimizer.close()  # type: ignore[union-attr]
         if getattr(self, "drives", None) is not None:
             self.drives.__exit__(None, None, None)
 
@@ -640,7 +640,7 @@ def _from_deepoffload(error: BaseException) -> bool:
     )
     text = str(inner).lower()
     return raised_here and any(
-        w in text for w in ("use ", "pass ", "instead", "before ", "set ", "without ", "freeze ", "call ")
+        w in text for w in ("use ", "pass ", "instead", "before ", "set ", "without ", "freeze ", "call ", "leave ")
     )
 
 
