@@ -172,11 +172,15 @@ class ActivationOffload:
                 self.counts["kept"] += 1
                 return tensor.detach()
             store.reap()
-            stored = self._stored_already(tensor, storage)
+            # A tensor no autograd node made (a buffer, an input, a no-grad result) may change in place without its
+            # version counter moving (BatchNorm's running statistics do, in the kernel that saves them): its bytes are
+            # copied at the save, and it is never taken for an earlier save of the same storage and version.
+            fresh = tensor.grad_fn is not None
+            stored = self._stored_already(tensor, storage) if fresh else None
             if stored is not None:
                 self.counts["deduplicated"] += 1
                 return _Saved(self, stored, tensor)
-            stored = store.write(tensor.detach(), tensor._version, len(self._order))
+            stored = store.write(tensor.detach(), tensor._version, len(self._order), copy=not fresh)
             self._order.append(stored)
             base = tensor if tensor._base is None else tensor._base
             entry = (weakref.ref(storage), weakref.ref(base), tensor._version, stored)
@@ -238,7 +242,8 @@ class ActivationOffload:
             store.reap()
             stored = saved.stored
             original, base = stored.original, saved.base()
-            changed = [t for t in (base, original) if t is not None and t._version != saved.version]
+            kept = original if not stored.copied else None  # (a copy's own counter says nothing of the user's)
+            changed = [t for t in (base, kept) if t is not None and t._version != saved.version]
             if changed:
                 raise UnsupportedError(
                     f"offload_activations: a tensor saved for backward ({tuple(saved.size)}, {saved.dtype}) was "

@@ -49,6 +49,7 @@ class StoredBytes:
         error: The ``OSError`` of a failed write (the bytes then stay in ``original``).
         reading: ``(request, buffer)`` of a read in flight. restored: the storage read back (weakly held).
         index: The position in the forward's order (prefetch goes down from here). users: live handles.
+        copied: ``original`` is a copy made at the save (``write(copy=True)``), not the saved tensor.
     """
 
     __slots__ = (
@@ -65,6 +66,7 @@ class StoredBytes:
         "restored",
         "index",
         "users",
+        "copied",
     )
 
     def __init__(self, original: torch.Tensor, version: int, offset: int, index: int):
@@ -81,6 +83,7 @@ class StoredBytes:
         self.restored: weakref.ref | None = None
         self.index = index
         self.users = 0
+        self.copied = False
 
 
 class ActivationStore:
@@ -120,18 +123,24 @@ class ActivationStore:
         self.closed = False
 
     # -- writes ---------------------------------------------------------------------------------------------
-    def write(self, original: torch.Tensor, version: int, index: int) -> StoredBytes:
+    def write(self, original: torch.Tensor, version: int, index: int, copy: bool = False) -> StoredBytes:
         """Start writing the bytes of ``original``'s whole storage; ``original`` is kept until they are written.
 
         Args:
             original: The saved tensor, detached (in CPU memory).
             version: The saved tensor's version counter at the save.
             index: The position in the forward's order.
+            copy: Copy the bytes now and write (and keep) the copy: for memory that may change after the save without
+                its version counter moving (buffers a kernel updates in place, such as BatchNorm's running statistics).
 
         Returns:
             The record; its ``pending`` writes complete in the background (``reap``).
         """
+        if copy:  # (views of a fresh clone: its version counter starts where the saved tensor's check expects)
+            flat = torch.empty(0, dtype=torch.uint8).set_(original.untyped_storage()).clone().view(original.dtype)
+            original = flat.as_strided(original.size(), original.stride(), original.storage_offset())
         stored = StoredBytes(original, version, self._end, index)
+        stored.copied = copy
         self._end += stored.span
         self.live += 1
         check_run_folder(self.folder)
