@@ -72,7 +72,7 @@ def test_the_pairwise_cover_covers_every_pair():
         enumerate((harness.MODELS, harness.PRECISIONS, harness.LOOPS, harness.FEATURES)), 2
     ):
         assert {(c[i], c[j]) for c in cells} == set(itertools.product(axis_i, axis_j))
-    assert len(cells) < 40
+    assert len(cells) < len(harness.MODELS) * len(harness.FEATURES) + 10  # (the largest pair of axes, and a few)
 
 
 @pytest.mark.slow
