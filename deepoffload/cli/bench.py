@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from .options import add_folders
+
 
 def size_argument(text: str) -> int:
     """argparse type for byte sizes with K/M/G suffixes (see ``deepoffload.bench.sizes``)."""
@@ -80,14 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The command's subparser.
     """
-    parser.add_argument(
-        "--path",
-        "--folder",
-        dest="path",
-        action="append",
+    add_folders(
+        parser,
+        "folder on the storage to measure; repeat for several drives: each alone, then all together",
         required=True,
-        metavar="DIR",
-        help="folder on the storage to measure; repeat for several drives: each alone, then all together",
     )
     parser.add_argument(
         "--size",

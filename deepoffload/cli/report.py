@@ -15,6 +15,7 @@ import sys
 
 from ..diagnostics import gather
 from ..op_builder import env
+from .options import add_folders
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,13 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The command's subparser.
     """
-    parser.add_argument(
-        "--path",
-        "--folder",
-        dest="path",
-        action="append",
-        metavar="DIR",
-        help="also check this folder: free space, filesystem, device, O_DIRECT (repeat for each drive's folder)",
+    add_folders(
+        parser,
+        "also check this folder: free space, filesystem, device, O_DIRECT (repeat for each drive's folder)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--no-probe-cache", action="store_true", help="run the probes again instead of using the cache")

@@ -18,6 +18,7 @@ import sys
 import time
 
 from .bench import size_argument
+from .options import add_folders
 
 PLOT_HINT = "--plot needs matplotlib, which is not installed: pip install matplotlib"
 
@@ -28,15 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The command's subparser.
     """
-    parser.add_argument(
-        "--path",
-        "--folder",
-        dest="path",
-        action="append",
-        required=True,
-        metavar="DIR",
-        help="folder on the storage to tune for; repeat for several drives: the search runs on the first, then each "
+    add_folders(
+        parser,
+        "folder on the storage to tune for; repeat for several drives: the search runs on the first, then each "
         "drive is measured and the output gets folder and folder_speeds (each drive's share)",
+        required=True,
     )
     parser.add_argument(
         "--budget",
