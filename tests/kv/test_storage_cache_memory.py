@@ -5,13 +5,21 @@ peak shrinks by at least 3/4 of the KV cache's bytes; the tokens are the same.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.memory import bounds
 from tests.memory.bounds import memlimit
 
 reason = memlimit.unavailable()
-pytestmark = [pytest.mark.skipif(reason is not None, reason=reason or ""), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(reason is not None, reason=reason or ""),
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("DEEPOFFLOAD_TEST_LARGE_MEMORY") != "1", reason="minutes long: DEEPOFFLOAD_TEST_LARGE_MEMORY=1"
+    ),
+]
 MiB = 1 << 20
 
 

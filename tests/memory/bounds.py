@@ -57,6 +57,9 @@ ENTRIES = (
 )
 # entries measured at the "large" shape only (their own model)
 ONE_SHAPE = ("generate", "generate_storage_cache", "lora_served", "moe_generate")
+# entries whose proof takes minutes (a 2.7 GB base; a 4096-token prompt three times): their own tests
+# (test_bounds.py, tests/kv/test_storage_cache_memory.py) run them with DEEPOFFLOAD_TEST_LARGE_MEMORY=1
+LARGE = ("lora_served", "generate_storage_cache")
 
 
 @dataclass
