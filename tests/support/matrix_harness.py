@@ -87,6 +87,8 @@ def build(name: str, device: str | None = None) -> nn.Module:
     """The tiny model ``name`` (random weights from seed 0; on ``device`` "meta": built without memory)."""
     import transformers as T
 
+    moe_model = importlib.import_module("tests.support.moe_models" if __package__ else "moe_models").moe_model
+
     small = dict(
         vocab_size=64,
         hidden_size=32,
@@ -102,33 +104,10 @@ def build(name: str, device: str | None = None) -> nn.Module:
         "t5": lambda: T.T5ForConditionalGeneration(
             T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
         ),
-        "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)),
+        "mixtral": lambda: moe_model("mixtral", small, experts=4),
         "plain": PlainModel,
-        "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(
-            T.Qwen2MoeConfig(
-                **small,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=16,
-                shared_expert_intermediate_size=16,
-            )
-        ),
-        "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(  # shared experts; MLA attention
-            T.DeepseekV3Config(
-                **{**small, "num_key_value_heads": 4},
-                n_routed_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=16,
-                first_k_dense_replace=0,
-                n_group=1,
-                topk_group=1,
-                q_lora_rank=None,
-                kv_lora_rank=16,
-                qk_rope_head_dim=8,
-                qk_nope_head_dim=8,
-                v_head_dim=8,
-            )
-        ),
+        "qwen2_moe": lambda: moe_model("qwen2_moe", small, experts=4),
+        "deepseek_v3": lambda: moe_model("deepseek_v3", small, experts=4),  # shared experts; MLA attention
     }
     torch.manual_seed(0)
     with torch.device(device) if device else contextlib.nullcontext():

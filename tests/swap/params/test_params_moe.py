@@ -17,6 +17,7 @@ import transformers as T
 
 import deepoffload
 from deepoffload import StreamOptions, TrainOptions
+from tests.support.moe_models import moe_model
 
 SMALL = dict(
     vocab_size=96,
@@ -29,36 +30,8 @@ SMALL = dict(
     max_position_embeddings=64,
 )
 FAMILIES = {
-    "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**SMALL, num_local_experts=8, num_experts_per_tok=2)),
-    "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(
-        T.Qwen2MoeConfig(
-            **SMALL,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=16,
-        )
-    ),
-    "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
-        T.Qwen3MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
-    ),
-    "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(  # shared experts, a sigmoid router with a bias
-        T.DeepseekV3Config(
-            **{**SMALL, "num_key_value_heads": 4},
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            first_k_dense_replace=0,
-            n_group=1,
-            topk_group=1,
-            q_lora_rank=None,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-        )
-    ),
+    name: (lambda name=name: moe_model(name, SMALL, experts=8, shared=True))
+    for name in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 }
 
 
