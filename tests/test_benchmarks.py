@@ -27,6 +27,7 @@ TINY = {
     "drives.py": ["--quick"],
     "device_staging.py": ["--path", "{folder}", "--size", "4M", "--chunk", "1M", "--rounds", "1"],
     "engines_vs_fio.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
+    "figures.py": ["--list"],
     "kv_cache.py": ["--folder", "{folder}", "--quick"],
     "hf_llama_stream.py": ["--folder", "{folder}", "--tiny", "--rounds", "1"],
     "lora.py": ["--folder", "{folder}", "--quick"],
@@ -115,3 +116,22 @@ def test_script_runs_at_a_tiny_size(script, scratch, aio):
         return
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip(), proc.stderr
+
+
+def test_every_plot_on_the_benchmarks_page_has_its_figure_command():
+    """One command refreshes every figure of the page: each plot it embeds is in benchmarks/figures.py, each figure
+    there is embedded, and each command names a benchmark that exists and writes the results file it draws from."""
+    import re
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import figures
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    embedded = set(re.findall(r"\(assets/plots/([\w]+)\.png\)", page))
+    assert embedded == set(figures.FIGURES), "embed each figure of benchmarks/figures.py, and list each plot there"
+    for name in figures.FIGURES:
+        argv = figures.command(name, "DIR")
+        assert (REPO / argv[1]).is_file(), argv
+        assert argv[argv.index("--json") + 1] == f"benchmarks/results/{name}.json", argv
