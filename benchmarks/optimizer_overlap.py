@@ -10,14 +10,16 @@ Per variant: median wall time, the AdamW compute inside it (the wrapped optimize
 CPU time (user + sys, all threads), the machine's steal time and the rest of the machine's busy CPU time (other
 processes, interrupts: load that disturbs the figures), all per step, from /proc/stat and ``os.times``.
 
-    python benchmarks/optimizer_overlap.py [--rounds 3] [--folder DIR] [--mlp-width 1536] [--mlp-layers 8]
-        [--compute-threads 1] [--json PATH]
+    python benchmarks/optimizer_overlap.py [--rounds 3] [--folder DIR [--folder DIR2]] [--models llama,mlp]
+        [--mlp-width 1536] [--mlp-layers 8] [--compute-threads 1] [--json PATH]
 
-``--json PATH`` also writes each offloaded mode's step time over the in-memory step's (target 1.15) and over the
-in-memory step with the IO alongside (bound 1), for ``benchmarks/plot.py``.
-
-Target: step_in_backward <= 1.15 x max(in-memory step, IO alone). The fair bound on a given machine is the in-memory
-step with the IO alongside: the IO's own cost in CPU is part of any step that does it.
+The step's bound is the larger of the in-memory step and the IO alone (the raw read plus write of the state's bytes
+through the op), both measured in the same round: each offloaded step is divided by its own round's bound, and the
+median of those ratios is reported (target 1.05, issue 41). Two or more ``--folder`` spread the state over those
+drives (``SwapConfig(folder=[...])``) and the IO alone then reads and writes every drive's extents through its own
+queue, as the step does. ``--json PATH`` writes each offloaded mode's step over its bound (target 1.05), over the
+in-memory step, and over the in-memory step with the IO alongside (the IO's own CPU cost on this machine), for
+``benchmarks/plot.py``.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def mlp(width: int, layers: int):
 
 
 def extents_of(opt) -> list:
-    """The extents of ``opt``'s pack file, in file order."""
+    """The extents of ``opt``'s pack files, in file order (drives interleaved, as the step's chunks are)."""
     return sorted({id(e): e for e in opt.swapper.packing.extents.values()}.values(), key=lambda e: e.offset)
 
 
@@ -81,13 +83,13 @@ def io_buffers(opt, ahead: int) -> list:
     return buffers
 
 
-def step_io(handle, opt, ahead: int, buffers: list) -> float:
-    """Seconds to read every extent of ``opt``'s pack file (in file order) and write each back from its buffer as
+def step_io(opt, ahead: int, buffers: list) -> float:
+    """Seconds to read every extent of ``opt``'s pack files (in file order) and write each back from its buffer as
     soon as it is in, ``ahead`` reads in flight beyond the one waited for, as the step's pipeline does without its
-    compute. ``buffers`` (``io_buffers``) are reused."""
+    compute, each through its drive's own handle (the swapper's). ``buffers`` (``io_buffers``) are reused."""
     extents = extents_of(opt)
     free = list(buffers)
-    path = opt.swapper.pack.path
+    of = opt.swapper.io.of
     reads, writes = [], []  # (request, buffer)
     start = time.perf_counter()
     for k, extent in enumerate(extents):
@@ -97,10 +99,11 @@ def step_io(handle, opt, ahead: int, buffers: list) -> float:
                 request.wait()
                 free.append(buffer)
             e, buffer = extents[k + len(reads)], free.pop()
-            reads.append((handle.read_async(buffer[: e.nbytes], path, e.offset), buffer))
+            reads.append((of(e.pack.path).read_async(buffer[: e.nbytes], e.pack.path, e.offset), buffer))
         request, buffer = reads.pop(0)
         request.wait()
-        writes.append((handle.write_async(buffer[: extent.nbytes], path, extent.offset, truncate=False), buffer))
+        path = extent.pack.path
+        writes.append((of(path).write_async(buffer[: extent.nbytes], path, extent.offset, truncate=False), buffer))
         while writes and writes[0][0].done():
             request, buffer = writes.pop(0)
             request.wait()
@@ -133,10 +136,9 @@ def machine_seconds() -> tuple[float, float]:
     return (sum(ticks[:8]) - idle - steal) / hz, steal / hz
 
 
-def compare(name: str, build, rounds: int, folder: str, threads: int | None = None) -> list[dict]:
+def compare(name: str, build, rounds: int, folder: str | list[str], threads: int | None = None) -> list[dict]:
     import torch
 
-    from deepoffload.io.handle import AsyncIOHandle
     from deepoffload.swap.config import SwapConfig
     from deepoffload.swap.optimizer import OffloadedOptimizer
 
@@ -194,32 +196,31 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
     buffers = io_buffers(offloaded, ahead)
     order = ("in memory", *offloaded_variants, "IO alone", ALONGSIDE)
     samples: dict[str, list[dict[str, float]]] = {v: [] for v in order}
-    with AsyncIOHandle(config.aio) as handle:
-        for _ in range(rounds):
-            for variant in order:
-                adamw.clear()
-                cpu, (busy, steal) = cpu_seconds(), machine_seconds()
-                start = time.perf_counter()
-                if variant == "IO alone":
-                    step_io(handle, offloaded, ahead, buffers)
-                elif variant == ALONGSIDE:
-                    io = threading.Thread(target=step_io, args=(handle, offloaded, ahead, buffers))
-                    io.start()
-                    train_step(variant)
-                    io.join()
-                else:
-                    train_step(variant)
-                wall = time.perf_counter() - start
-                cpu, (busy, steal) = cpu_seconds() - cpu, [b - a for a, b in zip((busy, steal), machine_seconds())]
-                samples[variant].append(
-                    {
-                        "wall": wall,
-                        "adamw": adamw.get(variant, 0.0),
-                        "cpu": cpu,
-                        "steal": steal,
-                        "others": max(0.0, busy - cpu),
-                    }
-                )
+    for _ in range(rounds):
+        for variant in order:
+            adamw.clear()
+            cpu, (busy, steal) = cpu_seconds(), machine_seconds()
+            start = time.perf_counter()
+            if variant == "IO alone":
+                step_io(offloaded, ahead, buffers)
+            elif variant == ALONGSIDE:
+                io = threading.Thread(target=step_io, args=(offloaded, ahead, buffers))
+                io.start()
+                train_step(variant)
+                io.join()
+            else:
+                train_step(variant)
+            wall = time.perf_counter() - start
+            cpu, (busy, steal) = cpu_seconds() - cpu, [b - a for a, b in zip((busy, steal), machine_seconds())]
+            samples[variant].append(
+                {
+                    "wall": wall,
+                    "adamw": adamw.get(variant, 0.0),
+                    "cpu": cpu,
+                    "steal": steal,
+                    "others": max(0.0, busy - cpu),
+                }
+            )
     same = all(
         torch.equal(a, b) for a, b in zip(runs["in memory"][0].parameters(), runs["step_in_backward"][0].parameters())
     )
@@ -238,49 +239,72 @@ def compare(name: str, build, rounds: int, folder: str, threads: int | None = No
     )
     for variant, f in m.items():
         print(f"  {variant:24s}" + "".join(f"{f[k]:7.2f}" for k in ("wall", "adamw", "cpu", "steal", "others")))
-    bound = [max(a, b) for a, b in zip(wall["in memory"], wall["IO alone"])]
+    bound = [max(a, b) for a, b in zip(wall["in memory"], wall["IO alone"])]  # per round
+    print(
+        f"  bound max(in memory, IO alone) per round {' '.join(f'{b:.2f}' for b in bound)} (the IO alone "
+        f"{statistics.median(wall['IO alone']) / statistics.median(wall['in memory']):.2f}x the in-memory step)"
+    )
     print(
         f"  the IO alongside costs the in-memory step {m[ALONGSIDE]['wall'] / m['in memory']['wall']:.2f}x "
         f"(per round {' '.join(f'{a / b:.2f}' for a, b in zip(wall[ALONGSIDE], wall['in memory']))})"
     )
+    over_bound = {}
     for variant in offloaded_variants:
-        ratio = statistics.median(wall[variant]) / statistics.median(bound)
+        rounds_ = [a / b for a, b in zip(wall[variant], bound)]
+        over_bound[variant] = rounds_
         print(
-            f"  {variant}: / max(in memory, IO alone) {ratio:.2f}x"
-            f" (target 1.15x), / in memory with the IO alongside "
-            f"{m[variant]['wall'] / m[ALONGSIDE]['wall']:.2f}x (per round "
-            f"{' '.join(f'{a / b:.2f}' for a, b in zip(wall[variant], wall[ALONGSIDE]))})"
+            f"  {variant}: / its round's max(in memory, IO alone) {statistics.median(rounds_):.3f}x (target 1.05x; "
+            f"per round {' '.join(f'{r:.2f}' for r in rounds_)}), / in memory with the IO alongside "
+            f"{m[variant]['wall'] / m[ALONGSIDE]['wall']:.2f}x"
         )
     print(f"  step_in_backward parameters identical to in memory: {same}")
-    results = [
+    results = []
+    for variant in offloaded_variants:
+        results.append(
+            {
+                "label": f"{name}: {variant} / max(in memory, IO alone)",
+                "value": round(statistics.median(over_bound[variant]), 3),
+                "bound": 1.05,
+                "higher_is_better": False,
+                "per_round": [round(r, 3) for r in over_bound[variant]],
+            }
+        )
+    results.append(
+        {
+            "label": f"{name}: IO alone / in memory",
+            "value": round(statistics.median(wall["IO alone"]) / statistics.median(wall["in memory"]), 3),
+            "higher_is_better": False,
+        }
+    )
+    results.append(
         {
             "label": f"{name}: in memory with the IO alongside / in memory",
             "value": round(m[ALONGSIDE]["wall"] / m["in memory"]["wall"], 3),
             "higher_is_better": False,
         }
-    ]
+    )
     for variant in offloaded_variants:
-        results += [
-            {
-                "label": f"{name}: {variant} / in memory",
-                "value": round(m[variant]["wall"] / m["in memory"]["wall"], 3),
-                "bound": 1.15,
-                "higher_is_better": False,
-            },
+        results.append(
             {
                 "label": f"{name}: {variant} / in memory with its IO alongside",
                 "value": round(m[variant]["wall"] / m[ALONGSIDE]["wall"], 3),
                 "bound": 1.0,
                 "higher_is_better": False,
-            },
-        ]
+            }
+        )
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--folder", default=None)
+    parser.add_argument(
+        "--folder",
+        action="append",
+        default=None,
+        help="a folder on the drive to measure; twice or more: several drives",
+    )
+    parser.add_argument("--models", default="llama,mlp", help="which models, comma-separated (llama, mlp)")
     parser.add_argument("--llama-hidden", type=int, default=256)
     parser.add_argument("--llama-layers", type=int, default=4)
     parser.add_argument("--llama-vocab", type=int, default=8000)
@@ -294,30 +318,39 @@ def main() -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/plot.py)")
     args = parser.parse_args()
-    folder = tempfile.mkdtemp(prefix="overlap-", dir=args.folder or os.getcwd())
+    models = args.models.split(",")
+    unknown = set(models) - {"llama", "mlp"}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; expected llama and/or mlp")
+    folders = [tempfile.mkdtemp(prefix="overlap-", dir=base) for base in args.folder or [os.getcwd()]]
+    folder = folders if len(folders) > 1 else folders[0]
     try:
-        results = compare(
-            "tiny Llama",
-            lambda: llama(args.llama_hidden, args.llama_layers, args.llama_vocab),
-            args.rounds,
-            folder,
-            args.compute_threads,
-        )
-        results += compare(
-            "MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder, args.compute_threads
-        )
+        results = []
+        if "llama" in models:
+            results += compare(
+                "tiny Llama",
+                lambda: llama(args.llama_hidden, args.llama_layers, args.llama_vocab),
+                args.rounds,
+                folder,
+                args.compute_threads,
+            )
+        if "mlp" in models:
+            results += compare(
+                "MLP", lambda: mlp(args.mlp_width, args.mlp_layers), args.rounds, folder, args.compute_threads
+            )
         if args.json:
             write_json(
                 args.json,
                 "optimizer_overlap",
-                "Offloaded AdamW step / in-memory step",
+                "Offloaded AdamW step / its bound, max(in-memory step, raw read + write of its state)",
                 results,
-                unit="step time / in-memory step time (lower is better)",
+                unit="step time / bound (lower is better)",
             )
     finally:
         import shutil
 
-        shutil.rmtree(folder, ignore_errors=True)
+        for made in folders:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 if __name__ == "__main__":

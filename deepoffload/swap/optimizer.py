@@ -62,9 +62,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     only what is kept in memory. Under ``torch.distributed`` each rank swaps its own (local-shard) state into its own
     folder.
 
-    Pipelining across steps (off by default): ``prefetch(params)`` starts reading the state a coming step over those
-    parameters needs (e.g. while their gradients are being computed). ``step`` returns only once its writes are on
-    storage, so a failed write is raised by the step that made it, with that state still in memory.
+    Pipelining across steps: as ``step`` ends, it starts reading the state of the first chunks the next step over
+    the same parameters steps (as many as a step reads ahead, in the pool's buffers: no memory added), so that step
+    starts stepping at once, its first reads done during forward and backward (``read_ahead``, True by default; set
+    it False to read nothing between steps). ``prefetch(params)`` starts reading the state a coming step over other
+    parameters needs. ``step`` returns only once its writes are on storage, so a failed write is raised by the step
+    that made it, with that state still in memory.
 
     ``compute_threads`` (None by default: torch's setting is left alone): torch's intra-op threads while ``step``
     runs, restored after. With few cores, compute threads on every core starve the IO threads and the disk idles
@@ -186,6 +189,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.swapper = TensorSwapper(self.config, packed=True)
         self.pipeline = ChunkPipeline(inner, unhooked_step(inner), self.swapper, config, self.per_parameter)
         self._compute_threads: int | None = None
+        self.read_ahead = True  # start the next step's first reads as a step ends (class docstring)
         self._backward: BackwardSteps | None = None  # step_in_backward's plan and progress, when on
         self._busy = threading.RLock()  # step, state_dict, load_state_dict, close: one at a time (others wait)
         # What torch.optim.Optimizer.__init__ sets up besides params and state (which live in the wrapped one).
@@ -309,7 +313,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 try:
                     params = self.pipeline.params()  # (all at once when not per-parameter: the groups as they are)
                     chosen = [p for p in params if p.grad is not None] if self.per_parameter else params
-                    self.pipeline.run(self.pipeline.chunks(chosen), self.pipeline.step_chunk)
+                    chunks = self.pipeline.chunks(chosen)
+                    self.pipeline.run(chunks, self.pipeline.step_chunk)
+                    if self.read_ahead:
+                        self.pipeline.read_ahead(chunks)
                 finally:
                     self.pipeline.trim()
         return loss
@@ -352,6 +359,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     f"backward. Call step() after backward"
                 )
             refuse_step_in_backward_under_ddp(self.pipeline.params())
+            self.pipeline.drop_prefetched()  # (the default mode's read-ahead: backward reads in its own order)
             self._backward = BackwardSteps(self.pipeline, lambda: self._compute_threads)
         elif not enabled and self._backward is not None:
             self._backward.close()

@@ -204,6 +204,27 @@ class ChunkPipeline:
         if error is not None:
             raise error
 
+    def read_ahead(self, chunks: list[Chunk]) -> None:
+        """Start reading the first chunks' state for the next step over the same chunks, as a step just ended.
+
+        The reads run during the next forward and backward, so the next ``run`` over these chunks starts stepping at
+        once instead of waiting for its first chunk's read (and has that much less IO left to overlap). They use the
+        pool's buffers (as many as a step keeps reading ahead), which exist already: no memory is added. A step over
+        other chunks releases them (``drop_prefetched``), as do ``state_dict``, ``load_state_dict`` and ``close``.
+        Only a head start: a read that cannot start is left to the next step, which reads, and reports, itself.
+
+        Args:
+            chunks: The chunks the step just ran over, in order.
+        """
+        window = max(1, self.config.buffer_count - 2) + 1  # what ``run`` keeps in flight beyond the chunk stepping
+        try:
+            for chunk in chunks[:window]:
+                key = tuple(map(id, chunk))
+                if key not in self.prefetched:
+                    self.prefetched[key] = self.read(chunk)
+        except OSError:
+            self.drop_prefetched()
+
     def trim(self) -> None:
         """Return freed heap pages to the system (``trim_heap``, which costs milliseconds) when it is worth it.
 
