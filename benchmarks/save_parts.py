@@ -9,9 +9,16 @@ same round (ratios: bound time / method time, medians of per-round ratios; 1.0 i
   own memory, eight requests in flight (no copy);
 - the whole save of a model + AdamW state dict over an existing checkpoint: the durable raw write of the same bytes
   (new file, fsync, rename over the previous one, folder fsync) that frees the replaced file on a thread as ``save``
-  does (the bound); ``deepoffload.save``; ``deepoffload.save(checksum=False)``.
+  does (the bound); ``deepoffload.save``; ``deepoffload.save(checksum=False)``;
+- the goal of issue 41 (``--goal-only`` runs only this), on each ``--path`` (one per drive) in turn:
+  ``deepoffload.save`` of ``--tensors`` tensors of ``--tensor-size`` (default 64 x 16 MiB) into a new file against
+  the plainest bound, the op's O_DIRECT write of the same bytes from one aligned buffer into a new file, fsync, rename
+  and folder fsync (no file replaced by either: each one's previous file is removed untimed before it). One untimed
+  warm-up round first (the first save of a process allocates its staging buffers). Target: 0.9.
 
-    python benchmarks/save_parts.py [--path DIR] [--size 1G] [--rounds 9]
+``deepoffload.save`` takes one path; several drives are measured one after the other, each against its own bound.
+
+    python benchmarks/save_parts.py [--path DIR ...] [--size 1G] [--rounds 9] [--goal-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Callable
 
 import torch
 from checkpoint import fsync_path, tensors_of, training_state
-from common import run_main
+from common import run_main, write_json
 
 import deepoffload
 from deepoffload.bench.sizes import format_size, parse_size
@@ -68,13 +75,81 @@ def report(title: str, seconds: dict[str, list[float]], bound: str) -> None:
         )
 
 
+NEW_FILE_BOUND = "raw write, new file + fsync + rename + folder fsync (bound)"
+
+
+def goal_group(path: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per round of ``deepoffload.save`` of the goal's state dict and of its new-file bound, on ``path``."""
+    folder = Path(tempfile.mkdtemp(prefix="save-goal-", dir=path))
+    names = ("raw.tmp", "raw.bin", "save.pt")
+    try:
+        torch.manual_seed(0)
+        numel = args.tensor_size // 4
+        state = {f"layer{i}.weight": torch.randn(numel) for i in range(args.tensors)}
+        raw = deepoffload.aligned_empty(numel * 4 * args.tensors)
+        raw.fill_(1)
+        with deepoffload.AsyncIOHandle() as handle:
+
+            def bound() -> None:
+                temporary, target = folder / "raw.tmp", folder / "raw.bin"
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    handle.write(raw, temporary, truncate=False)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(temporary, target)
+                fsync_path(folder)
+
+            def remove_previous() -> None:
+                for name in names:
+                    (folder / name).unlink(missing_ok=True)
+
+            methods = {NEW_FILE_BOUND: bound, "deepoffload.save": lambda: deepoffload.save(state, folder / "save.pt")}
+            interleaved(methods, 1, before=remove_previous)  # warm-up: staging buffers, page tables, the op's threads
+            return interleaved(methods, args.rounds, before=remove_previous)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--path", default=tempfile.gettempdir(), help="folder on the disk to measure")
+    parser.add_argument("--path", action="append", help="folder on the disk to measure (repeat: one per drive)")
     parser.add_argument("--size", type=parse_size, default="1G", help="state-dict bytes (default 1G)")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--tensors", type=int, default=64, help="tensors of the goal's state dict (default 64)")
+    parser.add_argument("--tensor-size", type=parse_size, default="16M", help="bytes per tensor (default 16M)")
+    parser.add_argument("--goal-only", action="store_true", help="only the goal group (save vs new-file raw write)")
+    parser.add_argument("--json", metavar="FILE", help="write the goal's ratios for benchmarks/plot.py")
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="save-parts-", dir=args.path))
+    paths = args.path or [tempfile.gettempdir()]
+    goal = {path: goal_group(path, args) for path in paths}
+    print(
+        f"save_parts goal: deepoffload.save of {args.tensors} x {format_size(args.tensor_size)} into a new file vs "
+        f"the new-file durable raw write, {args.rounds} rounds interleaved (bound/this: 1.0 is the bound's speed)"
+    )
+    for path, seconds in goal.items():
+        report(f"on {path}:", seconds, NEW_FILE_BOUND)
+    if args.json:
+        results = []
+        for index, seconds in enumerate(goal.values()):
+            ratios = [b / t for b, t in zip(seconds[NEW_FILE_BOUND], seconds["deepoffload.save"])]
+            label = "deepoffload.save / new-file raw write" + (f", drive {index + 1}" if len(goal) > 1 else "")
+            results.append(
+                {
+                    "label": label,
+                    "value": round(statistics.median(ratios), 3),
+                    "bound": 0.9,
+                    "per_round": [round(r, 3) for r in ratios],
+                }
+            )
+        title = (
+            f"deepoffload.save of {args.tensors} x {format_size(args.tensor_size)}: speed / the new-file raw write's"
+        )
+        write_json(args.json, "save_parts", title, results)
+    if args.goal_only:
+        return 0
+    folder = Path(tempfile.mkdtemp(prefix="save-parts-", dir=paths[0]))
     try:
         state = training_state(args.size)
         tensors = [t for _, t in tensors_of(state)]

@@ -64,7 +64,7 @@ TINY = {
     ],
     "optimizer_timeline.py": ["--folder", "{folder}", "--mlp-width", "64", "--mlp-layers", "2", "--steps", "1"],
     "param_offload.py": ["--folder", "{folder}", "--tiny", "--steps", "1", "--checksum"],
-    "save_parts.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],
+    "save_parts.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1", "--tensors", "2", "--tensor-size", "1M"],
     "small_ops.py": ["--path", "{folder}", "--cases", "4x64K", "--rounds", "1"],
     "vs_deepspeed.py": ["--reference-python", "{python}", "--path", "{folder}", "--size", "4M", "--rounds", "1"],
 }
