@@ -337,9 +337,10 @@ class TensorSwapper:
         decodes = []
         for record, start, span in plan.encoded:  # (buffer is set: encoded groups have bytes)
             stored, out = self.pool.one_off(record.stored), cast(torch.Tensor, buffer)[start : start + span]
-            requests.append(self.io.of(record.file).read_async(stored[: round_up(record.stored)], record.file))
+            request = self.io.of(record.file).read_async(stored[: round_up(record.stored)], record.file)
+            requests.append(request)
             codec = self._codecs.setdefault(record.codec, codec_class(record.codec)())
-            decodes.append(Decode(codec, stored[: record.stored], out, record.file))
+            decodes.append(Decode(codec, stored[: record.stored], out, record.file, request))
         read = SwapIn(self, requests, layout, buffer, decodes=decodes)
         self.track_read(read, layout)
         return read

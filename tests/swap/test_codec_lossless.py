@@ -205,3 +205,35 @@ def test_the_memory_plan_counts_the_encoded_bytes_beside_each_block_in_flight(sc
     assert plans["lossless"].stored_bytes == codec_class("lossless")().max_stored_bytes(block)
     extra = plans["lossless"].staging_bytes - plans["none"].staging_bytes
     assert extra == (plans["none"].prefetch + 2) * plans["lossless"].stored_bytes
+
+
+def test_decoding_runs_on_the_pool_before_the_caller_waits(scratch, monkeypatch):
+    """Each group is decoded by a pool thread as soon as its own read is done (while the caller computes), not by
+    the caller's ``wait``; a read released without a wait still waits for its decodes before the buffer goes."""
+    import threading
+    import time
+
+    from deepoffload.swap.codecs.lossless import Lossless
+
+    threads: list[str] = []
+    real = Lossless.decode
+
+    def recording(self, stored, out):
+        threads.append(threading.current_thread().name)
+        return real(self, stored, out)
+
+    monkeypatch.setattr(Lossless, "decode", recording)
+    written = {f"g{i}": {"w": torch.randn(64, 1024).to(torch.bfloat16)} for i in range(3)}
+    with TensorSwapper(SwapConfig(folder=str(scratch), codec="lossless", pin=False)) as swapper:
+        swapper.swap_out(written).wait()
+        read = swapper.swap_in(list(written))
+        deadline = time.monotonic() + 60
+        while len(threads) < 3 and time.monotonic() < deadline:  # nobody waits: the pool decodes on its own
+            time.sleep(0.01)
+        assert len(threads) == 3 and all(name.startswith("deepoffload-decode") for name in threads)
+        back = read.wait()
+        assert all(same(back[g]["w"], written[g]["w"]) for g in written)
+        read.release()
+        unwaited = swapper.swap_in(list(written))
+        unwaited.release()  # waits for its decodes first
+        assert len(threads) == 6
