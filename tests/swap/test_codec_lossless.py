@@ -137,7 +137,7 @@ def test_streamed_bf16_parameters_through_it_compute_exactly_and_read_fewer_byte
     assert 0 < read["lossless"] <= 0.75 * read["none"]
 
 
-def test_serving_from_a_checkpoint_with_it_is_refused_and_loading_it_encoded_works(scratch):
+def test_loading_a_checkpoint_through_it_writes_each_block_encoded(scratch):
     safetensors = pytest.importorskip("safetensors.torch")
     from deepoffload import LoadOptions
 
@@ -151,10 +151,6 @@ def test_serving_from_a_checkpoint_with_it_is_refused_and_loading_it_encoded_wor
     config = SwapConfig(codec="lossless", pin=False)
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)]).to(torch.bfloat16)
-    with pytest.raises(UnsupportedError, match="leave serve_from_checkpoint off"):
-        offload_parameters(
-            model, str(scratch), load=LoadOptions(checkpoint=str(checkpoint), serve_from_checkpoint=True), config=config
-        )
     load = LoadOptions(checkpoint=str(checkpoint))
     with offload_parameters(model, str(scratch), load=load, config=config) as offload, torch.no_grad():
         assert same(model(x), expected)

@@ -1,0 +1,127 @@
+"""Serving a checkpoint with a codec (``serve_from_checkpoint=True``, ``SwapConfig(codec="lossless")``) writes a
+compressed copy of the served blocks once, in the background, and says so (``storage/compressed_copy.py``): the
+values are bit-identical before the copy is complete (served from the checkpoint), once it is (the same run switches
+to it) and in later runs (read from the copy from the start, fewer bytes); a copy whose checkpoint changed is rebuilt,
+never read. The crash-point harness kills the writer at every step (``tests/crash/scenarios.py``: ``compressed_copy``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+from deepoffload import LoadOptions, SwapConfig, offload_parameters
+from deepoffload.swap.params.storage import compressed_copy
+
+pytest.importorskip("zstandard")
+safetensors = pytest.importorskip("safetensors.torch")
+
+
+def model(meta: bool = True) -> torch.nn.Module:
+    with torch.device("meta" if meta else "cpu"):
+        return torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)]).to(torch.bfloat16)
+
+
+def save(folder, seed: int) -> tuple[str, torch.nn.Module]:
+    torch.manual_seed(seed)
+    reference = model(meta=False)
+    path = str(folder / "model.safetensors")
+    safetensors.save_file(reference.state_dict(), path)
+    return path, reference
+
+
+def serve(checkpoint: str, swap):
+    load = LoadOptions(checkpoint=checkpoint, serve_from_checkpoint=True)
+    config = SwapConfig(codec="lossless", pin=False)
+    served = model()
+    return served, offload_parameters(served, str(swap), load=load, config=config)
+
+
+def codecs(offload) -> set[str]:
+    return {r.codec for b in offload.blocks for r in offload.store.swapper.records(b.group).values()}
+
+
+def copies(swap) -> list[str]:
+    return sorted(n for n in os.listdir(swap) if n.startswith("deepoffload-copy-"))
+
+
+def test_served_values_are_identical_before_and_after_the_copy_and_later_runs_read_it(scratch, monkeypatch):
+    checkpoint, reference = save(scratch, 0)
+    swap = scratch / "swap"
+    swap.mkdir()
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(x)
+    gate = threading.Event()
+    build = compressed_copy.CompressedCopy._build
+    monkeypatch.setattr(compressed_copy.CompressedCopy, "_build", lambda self: (gate.wait(60), build(self)))
+    served, offload = serve(checkpoint, swap)
+    with offload, torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = offload.stats.bytes_read
+        assert torch.equal(served(x), expected)  # the copy is not written yet: served from the checkpoint
+        raw = offload.stats.bytes_read - before
+        assert codecs(offload) == {"none"}
+        [warning] = [w for w in caught if "compressed copy" in str(w.message)]
+        assert offload.store.copy.folder in str(warning.message)
+        gate.set()
+        assert offload.store.copy.wait()
+        assert torch.equal(served(x), expected)  # this forward switches each block to the copy
+        before = offload.stats.bytes_read
+        assert torch.equal(served(x), expected)
+        assert codecs(offload) == {"lossless"}
+        assert 0 < offload.stats.bytes_read - before <= 0.75 * raw
+    assert len(copies(swap)) == 1 and not [n for n in os.listdir(swap) if ".tmp-" in n]
+    monkeypatch.setattr(compressed_copy.CompressedCopy, "_build", build)
+    served, offload = serve(checkpoint, swap)  # a later run: the copy from the start, no warning
+    with offload, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = offload.stats.bytes_read
+        assert torch.equal(served(x), expected)
+        assert codecs(offload) == {"lossless"} and offload.stats.bytes_read - before <= 0.75 * raw
+
+
+def test_a_copy_whose_checkpoint_changed_is_rebuilt_never_read(scratch):
+    checkpoint, _ = save(scratch, 0)
+    swap = scratch / "swap"
+    swap.mkdir()
+    served, offload = serve(checkpoint, swap)
+    with offload, pytest.warns(UserWarning, match="compressed copy"):
+        with torch.no_grad():
+            served(torch.zeros(1, 128, dtype=torch.bfloat16))
+        assert offload.store.copy.wait()
+    checkpoint, reference = save(scratch, 1)  # same names and shapes, other values
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(x)
+    served, offload = serve(checkpoint, swap)
+    with offload, torch.no_grad(), pytest.warns(UserWarning, match="compressed copy"):
+        assert torch.equal(served(x), expected)  # from the checkpoint, while the stale copy is rebuilt
+        assert offload.store.copy.wait()
+        served(x)
+        assert torch.equal(served(x), expected) and codecs(offload) == {"lossless"}
+    assert len(copies(swap)) == 1
+
+
+def test_a_run_closed_before_the_copy_is_complete_leaves_no_copy(scratch, monkeypatch):
+    checkpoint, reference = save(scratch, 0)
+    swap = scratch / "swap"
+    swap.mkdir()
+    started = threading.Event()
+    write = compressed_copy.CompressedCopy._write_group
+
+    def slow(self, *args):
+        started.set()
+        self._stop.wait(60)  # until close() stops it
+        return write(self, *args)
+
+    monkeypatch.setattr(compressed_copy.CompressedCopy, "_write_group", slow)
+    served, offload = serve(checkpoint, swap)
+    with offload, torch.no_grad(), pytest.warns(UserWarning, match="compressed copy"):
+        served(torch.zeros(1, 128, dtype=torch.bfloat16))
+        assert started.wait(60)
+    assert copies(swap) == [] and not [n for n in os.listdir(swap) if "deepoffload-copy" in n]
