@@ -23,6 +23,7 @@ The 2 cores and the disk are shared: read the ratios, not the absolutes.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -96,6 +97,7 @@ def memory_curve(folder: str, model_folder: str, ids: torch.Tensor, tokens: int,
             os.makedirs(swap, exist_ok=True)
             while True:
                 headroom = (least or step) + int(blocks * share)
+                gc.collect()  # the last variant's model and buffers: freed now, not while the plan measures
                 try:
                     run = generate(model_folder, swap, codec, 0.0, ids, tokens, max_memory=process_bytes() + headroom)
                     break

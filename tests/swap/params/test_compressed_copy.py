@@ -125,3 +125,33 @@ def test_a_run_closed_before_the_copy_is_complete_leaves_no_copy(scratch, monkey
         served(torch.zeros(1, 128, dtype=torch.bfloat16))
         assert started.wait(60)
     assert copies(swap) == [] and not [n for n in os.listdir(swap) if "deepoffload-copy" in n]
+
+
+def test_generate_from_a_save_pretrained_folder_gives_the_same_tokens_before_and_after_the_copy(scratch):
+    transformers = pytest.importorskip("transformers")
+    import deepoffload
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    reference.save_pretrained(scratch / "llama")
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        expected = reference.generate(ids, **greedy)
+    load = LoadOptions(dtype=torch.bfloat16, serve_from_checkpoint=True)
+    swap = scratch / "swap"
+    swap.mkdir()
+    for run in range(2):
+        with pytest.warns(UserWarning, match="compressed copy") if run == 0 else warnings.catch_warnings():
+            served, offload = deepoffload.from_pretrained(
+                scratch / "llama", path=str(swap), load=load, config=SwapConfig(codec="lossless", pin=False)
+            )
+            with offload, torch.no_grad():
+                assert torch.equal(served.generate(ids, **greedy), expected)
+                assert offload.store.copy.wait()
+                assert torch.equal(served.generate(ids, **greedy), expected)
+                assert codecs(offload) == {"lossless"}
