@@ -155,3 +155,31 @@ def test_generate_from_a_save_pretrained_folder_gives_the_same_tokens_before_and
                 assert offload.store.copy.wait()
                 assert torch.equal(served.generate(ids, **greedy), expected)
                 assert codecs(offload) == {"lossless"}
+
+
+def test_a_backward_through_the_served_blocks_is_identical_before_and_after_the_copy(scratch, monkeypatch):
+    """Training over a served base (frozen blocks, gradients flowing to what trains, as LoRA's do): the same
+    gradients from the checkpoint's bytes and from the copy (the matrix's ``lora_served`` x ``codec`` cells train
+    PEFT LoRA this way)."""
+    checkpoint, reference = save(scratch, 0)
+    reference.requires_grad_(False)
+    swap = scratch / "swap"
+    swap.mkdir()
+    x = torch.randn(3, 128).to(torch.bfloat16).requires_grad_(True)
+    reference(x).float().square().sum().backward()
+    expected, x.grad = x.grad.clone(), None
+    gate = threading.Event()
+    build = compressed_copy.CompressedCopy._build
+    monkeypatch.setattr(compressed_copy.CompressedCopy, "_build", lambda self: (gate.wait(60), build(self)))
+    served, offload = serve(checkpoint, swap)
+    served.requires_grad_(False)
+    with offload, pytest.warns(UserWarning, match="compressed copy"):
+        served(x).float().square().sum().backward()
+        assert torch.equal(x.grad, expected) and codecs(offload) == {"none"}
+        gate.set()
+        assert offload.store.copy.wait()
+        for _ in range(2):  # the first switches each block to the copy (forward, then backward's reads)
+            x.grad = None
+            served(x).float().square().sum().backward()
+            assert torch.equal(x.grad, expected)
+        assert codecs(offload) == {"lossless"}
