@@ -220,7 +220,7 @@ def main() -> int:
             {"label": "lossless bytes / none bytes", "value": read_ratio, "bound": 0.70, "higher_is_better": False},
             {"label": "lossless tokens/s / none tokens/s", "value": statistics.median(speed), "bound": 1.3},
             {
-                "label": "lossless decode speed / raw disk read speed (the codec pays above the tick)",
+                "label": "lossless decode speed / raw read speed",
                 "value": rate / (median(raw, "read") / median(raw, "seconds")),
                 "bound": MARGIN,
             },
