@@ -69,9 +69,9 @@ def _sync(path: str) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except ProcessLookupError:  # no such process: its writer died
         return False
-    except PermissionError:
+    except PermissionError:  # another user's live process
         return True
     return True
 
@@ -175,7 +175,7 @@ class CompressedCopy:
                     return None
                 copies[group] = records
             return copies
-        except (OSError, KeyError, ValueError, TypeError):
+        except (OSError, KeyError, ValueError, TypeError):  # no copy, or not a whole one: never read, rebuilt
             return None
 
     # -- the background writer ------------------------------------------------------------------------------------
