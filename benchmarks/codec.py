@@ -5,7 +5,9 @@
 2. the raw disk reading the bytes one ``codec="none"`` generate read (8 MiB requests through the op, 4 in flight,
    O_DIRECT where the folder takes it): the speed streaming cannot beat without reading fewer bytes;
 3. bytes read per token against ``StreamOptions(max_resident_bytes=)``: 0, 1/4, 1/2, 3/4 and all of the blocks kept
-   resident (``deepoffload plan`` shows the ``max_memory`` that keeps each), codec ``none``.
+   resident (``deepoffload plan`` shows the ``max_memory`` that keeps each), codec ``none``;
+4. bytes read per token against ``StreamOptions(max_memory=)`` itself, as a curve (codec none and lossless): from
+   the least headroom above the process's own memory the plan takes, up by 0.25 to 1.25 times the blocks' bytes.
 
 Every variant's tokens are checked equal to the first's (a difference is an error, not a figure). Goals of issue 40:
 the codec reads <= 0.70 of the bytes and gives >= 1.3x the tokens/s of uncompressed streaming on this disk; on a
@@ -13,12 +15,15 @@ disk faster than the CPU decodes (``decode MB/s`` below) the codec is a loss.
 
     python benchmarks/codec.py [--folder DIR] [--rounds N] [--tokens N] [--quick] [--json PATH]
 
+``--json PATH`` writes the ratios (bars) to PATH and the curve to PATH's name with ``_curve`` (``codec_curve.json``).
+
 The 2 cores and the disk are shared: read the ratios, not the absolutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -31,10 +36,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_json  # noqa: E402
 
+from deepoffload.swap.codecs.choice import MARGIN  # noqa: E402
+
 warnings.filterwarnings("ignore")
 FULL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8)
 QUICK = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+CURVE_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)  # headroom = the least taken + this share of the blocks
 
 
 def save_model(folder: str, size: dict) -> str:
@@ -48,13 +56,18 @@ def save_model(folder: str, size: dict) -> str:
     return path
 
 
-def generate(model_folder: str, swap: str, codec: str, resident: float, ids: torch.Tensor, tokens: int) -> dict:
+def generate(
+    model_folder: str, swap: str, codec: str, resident: float, ids: torch.Tensor, tokens: int, max_memory: int = 0
+) -> dict:
     """One streamed ``generate``: its tokens, seconds, bytes read and the bytes of the model's blocks."""
     import deepoffload
-    from deepoffload import LoadOptions, SwapConfig
+    from deepoffload import LoadOptions, StreamOptions, SwapConfig
 
     load = LoadOptions(dtype=torch.bfloat16)
-    model, off = deepoffload.from_pretrained(model_folder, path=swap, load=load, config=SwapConfig(codec=codec))
+    stream = StreamOptions(max_memory=max_memory or None)
+    model, off = deepoffload.from_pretrained(
+        model_folder, path=swap, load=load, stream=stream, config=SwapConfig(codec=codec)
+    )
     try:
         blocks = sum(b.nbytes for b in off.blocks)
         if resident:
@@ -66,6 +79,39 @@ def generate(model_folder: str, swap: str, codec: str, resident: float, ids: tor
         return {"out": out, "seconds": seconds, "read": off.stats.bytes_read - before, "blocks": blocks}
     finally:
         off.close()
+
+
+def memory_curve(folder: str, model_folder: str, ids: torch.Tensor, tokens: int, blocks: int, expected) -> dict:
+    """Bytes read per token against ``max_memory`` above the process's own memory at the call (MB), per codec: from
+    the least such headroom the plan takes (a step doubled until it is not refused) up by shares of the blocks'
+    bytes. The headroom, not ``max_memory`` itself, is the x axis: this process grows as it runs variants."""
+    from deepoffload.errors import MemoryBudgetError
+    from deepoffload.swap.memory import process_bytes  # (what the plan counts as the process: RssAnon)
+
+    curve: dict[str, tuple[list, list]] = {}
+    for codec in ("none", "lossless"):
+        xs, ys = curve.setdefault(f"codec {codec}", ([], []))
+        least, step = 0, max(blocks // 4, 1 << 20)
+        for share in CURVE_SHARES:
+            swap = os.path.join(folder, f"curve-{codec}-{share}")
+            os.makedirs(swap, exist_ok=True)
+            while True:
+                headroom = (least or step) + int(blocks * share)
+                gc.collect()  # the last variant's model and buffers: freed now, not while the plan measures
+                try:
+                    run = generate(model_folder, swap, codec, 0.0, ids, tokens, max_memory=process_bytes() + headroom)
+                    break
+                except MemoryBudgetError:
+                    if least:
+                        least += 1 << 20  # the process grew since the least was found
+                    else:
+                        step *= 2
+            least = least or headroom
+            if not torch.equal(run["out"], expected):
+                raise SystemExit(f"max_memory headroom {headroom} codec={codec}: tokens differ from the first run's")
+            xs.append(headroom / 1e6)
+            ys.append(run["read"] / tokens / 1e6)
+    return curve
 
 
 def raw_read(folder: str, nbytes: int) -> float:
@@ -144,6 +190,7 @@ def main() -> int:
             plain_read = runs["none 0.0"][-1]["read"]
             runs.setdefault("raw", []).append({"seconds": raw_read(folder, plain_read), "read": plain_read})
         rate = decode_rate(model_folder)
+        curve = memory_curve(folder, model_folder, ids, args.tokens, runs["none 0.0"][0]["blocks"], expected)
 
     def median(key: str, field: str) -> float:
         return statistics.median(r[field] for r in runs[key])
@@ -165,12 +212,30 @@ def main() -> int:
     for fraction in FRACTIONS:
         key = f"none {fraction}"
         print(f"  {fraction:>5.2f} of the blocks resident: {median(key, 'read') / tokens / 1e6:8.2f} MB/token")
+    print("bytes read per token against max_memory above the process's own memory at the call:")
+    for series, (xs, ys) in curve.items():
+        print(f"  {series}: " + ", ".join(f"{x:.0f} MB -> {y:.2f} MB/token" for x, y in zip(xs, ys)))
     if args.json:
         results = [
             {"label": "lossless bytes / none bytes", "value": read_ratio, "bound": 0.70, "higher_is_better": False},
             {"label": "lossless tokens/s / none tokens/s", "value": statistics.median(speed), "bound": 1.3},
+            {
+                "label": "lossless decode speed / raw read speed",
+                "value": rate / (median(raw, "read") / median(raw, "seconds")),
+                "bound": MARGIN,
+            },
         ]
         write_json(args.json, "codec", "Lossless codec: bytes and speed against uncompressed streaming", results)
+        stem, suffix = os.path.splitext(args.json)
+        series = [{"label": label, "x": xs, "y": ys} for label, (xs, ys) in curve.items()]
+        write_json(
+            f"{stem}_curve{suffix}",
+            "codec",
+            "Dense bf16 Llama streamed: bytes read per token against max_memory",
+            series,
+            unit="MB read per token",
+            extra={"kind": "curve", "x_label": "StreamOptions(max_memory=) above the process's own memory (MB)"},
+        )
     return 0
 
 

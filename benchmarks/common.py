@@ -53,10 +53,14 @@ def run_main(name: str, main: Callable[[], int]) -> None:
         sys.exit(1)
 
 
-def write_json(path: str, benchmark: str, title: str, results: list[dict], unit: str = "ratio") -> None:
+def write_json(
+    path: str, benchmark: str, title: str, results: list[dict], unit: str = "ratio", extra: dict | None = None
+) -> None:
     """Write a benchmark's results where ``--json PATH`` asked, in the format ``benchmarks/plot.py`` draws: the
     command, the machine and the date with them. Each result is ``{"label", "value"}``, optionally ``"bound"`` (the
-    bound or target it is measured against), ``"higher_is_better"`` (default true) and ``"per_round"``."""
+    bound or target it is measured against), ``"higher_is_better"`` (default true) and ``"per_round"``.
+    ``extra={"kind": "curve", "x_label": ...}``: each result is a series ``{"label", "x": [...], "y": [...]}`` instead,
+    drawn as lines (``unit`` labels the y axis)."""
     import datetime
     import json
     import os
@@ -70,6 +74,7 @@ def write_json(path: str, benchmark: str, title: str, results: list[dict], unit:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "unit": unit,
         "results": results,
+        **(extra or {}),
     }
     with open(path, "w") as f:
         json.dump(record, f, indent=1)

@@ -1,6 +1,8 @@
 """Plots of benchmark results: each ratio as a bar, with the bound or target it is measured against as a tick, so
 a reader sees at a glance how far each result is from its bound.
 
+A file with ``"kind": "curve"`` holds series (``{"label", "x": [...], "y": [...]}``) drawn as lines instead.
+
 Input: the JSON a benchmark writes with ``--json PATH`` (``benchmarks/common.py`` ``write_json``), or a file in
 ``benchmarks/results/`` in the same format. The documentation site draws ``benchmarks/results/*.json`` with this at
 build time (``mkdocs_hooks.py``).
@@ -18,8 +20,37 @@ import textwrap
 from pathlib import Path
 
 
+def render_curve(data: dict) -> bytes:
+    """PNG bytes of a ``"kind": "curve"`` file: one line per result (``x``, ``y`` lists), ``x_label`` and ``unit``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    for series in data["results"]:
+        ax.plot(series["x"], series["y"], marker="o", label=series["label"])
+    ax.set_xlabel(data.get("x_label", "x"), fontsize=8)
+    ax.set_ylabel(data.get("unit", "value"), fontsize=8)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    title = textwrap.fill(data["title"], 90) + "\n" + textwrap.fill(f"{data['machine']}, {data['date']}", 90)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return out.getvalue()
+
+
 def render(data: dict) -> bytes:
-    """PNG bytes of one result file's bars: ``value`` per result, ``bound`` as a black tick where given."""
+    """PNG bytes of one result file's bars: ``value`` per result, ``bound`` as a black tick where given.
+
+    A file with ``"kind": "curve"`` is drawn as lines instead (``render_curve``).
+    """
+    if data.get("kind") == "curve":
+        return render_curve(data)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -148,7 +148,8 @@ def test_every_benchmark_result_says_its_command_machine_and_date_and_plots(tmp_
         data = json.loads(path.read_text())
         assert data["command"].startswith("python benchmarks/"), path
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]) and data["machine"] and data["title"], path
-        assert data["results"] and all({"label", "value"} <= set(r) for r in data["results"]), path
+        keys = {"label", "x", "y"} if data.get("kind") == "curve" else {"label", "value"}  # curve: lines of x, y
+        assert data["results"] and all(keys <= set(r) for r in data["results"]), path
         assert plot.render_file(path).startswith(b"\x89PNG"), path
 
 

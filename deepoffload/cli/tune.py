@@ -21,6 +21,7 @@ from .bench import size_argument
 from .options import add_folders
 
 PLOT_HINT = "--plot needs matplotlib, which is not installed: pip install matplotlib"
+CODEC_HINT = "--codec needs zstandard, which is not installed: pip install 'deepoffload[codec]'"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes per trial transfer and test-file size (K/M/G suffixes; default 256M)",
     )
     parser.add_argument(
+        "--codec",
+        action="store_true",
+        help="also measure the lossless codec's decode speed on this CPU against the drive's read speed and write "
+        "codec=lossless into the output only where it makes streaming at least 1.1x faster, else codec=none (the "
+        "output then has an aio section; SwapConfig.from_json reads both)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE.png",
         help="draw throughput against block size and queue depth per engine (needs matplotlib)",
@@ -75,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         BrokenPipeError: When the reader of stdout went away (``deepoffload.cli.main`` then stops quietly).
         ValueError: For a ``--budget`` that is not a positive finite number; caught here (printed, status 1), it
             does not escape.
-        BenchError: When ``--plot`` is asked for without matplotlib; caught here (printed, status 1), it does not
-            escape.
+        BenchError: When ``--plot`` is asked for without matplotlib (``--codec`` without zstandard); caught here
+            (printed, status 1), it does not escape.
     """
     started = time.monotonic()  # the budget counts everything from here: importing torch, self-tests, setup
     from ..bench.measure import BenchError
@@ -87,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--budget must be a positive number of seconds (not inf or nan), got {args.budget}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise BenchError(PLOT_HINT)
+        if args.codec and importlib.util.find_spec("zstandard") is None:
+            raise BenchError(CODEC_HINT)
         for name in (args.output, args.plot):
             if name:
                 check_writable(name)
@@ -169,10 +179,16 @@ def _run(args: argparse.Namespace, started: float) -> int:
     if len(args.path) > 1:
         drives, drives_table = per_drive(args.path, args.size, result.best)
         config = {"aio": config, **drives}
+    choice = None
+    if args.codec:
+        choice = codec_choice(result.best_read_gbps * 1e9)
+        config = {"aio": config, "codec": choice.codec} if "aio" not in config else {**config, "codec": choice.codec}
     Path(args.output).write_text(json.dumps(config, indent=2) + "\n")  # first: printing fails when piped to head
     print(format_trials(result, direct))
     if drives_table:
         print(f"\n{drives_table}")
+    if choice is not None:
+        print(f"\n{choice.reason}")
     print(f"\noptimised for {SCORE_DESCRIPTION}")
     print(f"best: {json.dumps(config)}")
     print(
@@ -195,6 +211,21 @@ def _run(args: argparse.Namespace, started: float) -> int:
         plot(result, args.plot)
         print(f"plotted {args.plot}")
     return 0
+
+
+def codec_choice(read_bytes_per_s: float):
+    """The codec to stream with on a drive reading ``read_bytes_per_s``: ``lossless`` only where it pays.
+
+    Args:
+        read_bytes_per_s: The drive's read speed found by the search (bytes per second).
+
+    Returns:
+        A ``CodecChoice`` (``deepoffload.swap.codecs.choice``): the codec, its predicted speedup and the reason.
+    """
+    from ..swap.codecs.choice import choose, measure_decode
+
+    decode, ratio = measure_decode()
+    return choose(read_bytes_per_s, decode, ratio)
 
 
 def per_drive(folders: list[str], nbytes: int, config) -> tuple[dict, str]:

@@ -20,22 +20,34 @@ class MappedFiles:
 
     def __init__(self) -> None:
         self._identities: dict[str, tuple] = {}  # group -> the file's identity
+        self._encoded: set[str] = set()  # groups mapped to a codec's file (read and decoded as swap records)
+
+    def raw(self, group: str) -> bool:
+        """True when ``group`` is mapped to tensors as they lie (read from the page holding its first byte)."""
+        return group in self._identities and group not in self._encoded
 
     def __contains__(self, group: object) -> bool:
         return group in self._identities
 
-    def add(self, group: str, records: dict[str, SwapRecord]) -> None:
+    def add(self, group: str, records: dict[str, SwapRecord], encoded: bool = False) -> None:
         """Map ``group`` to ``records`` (checked here), recording its file's identity.
 
         Args:
             group: The group's name.
             records: Where its tensors lie.
+            encoded: The records are a codec's own file (a compressed copy): read as swap records are, decoded.
 
         Raises:
             ValueError: When the records are not back to back in one file at offsets that are multiples of their
                 element sizes (or carry checksums or DTensor shards).
         """
         files = {r.file for r in records.values()}
+        if encoded:
+            if len(files) != 1:
+                raise ValueError(f"group {group!r}: an encoded mapped group lies in one file, not {sorted(files)}")
+            self._encoded.add(group)
+            self._identities[group] = file_identity(next(iter(files)))
+            return
         base = min((r.offset for r in records.values()), default=0)
         end = max((r.offset + r.nbytes for r in records.values()), default=0)
         if (
@@ -102,4 +114,5 @@ class MappedFiles:
         Returns:
             Whether it was mapped.
         """
+        self._encoded.discard(group)
         return self._identities.pop(group, None) is not None

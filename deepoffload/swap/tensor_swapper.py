@@ -159,11 +159,10 @@ class TensorSwapper:
             The tensors' bytes (without padding; 0 for a group with nothing on storage).
         """
         if group is not None:
-            records = self._records.get(group)
-            return sum(r.nbytes for r in records.values()) if records else 0
+            return sum(r.nbytes for r in self._records.get(group, {}).values())
         return sum(r.nbytes for records in self._records.values() for r in records.values())
 
-    def map_group(self, group: str, records: Mapping[str, SwapRecord]) -> None:
+    def map_group(self, group: str, records: Mapping[str, SwapRecord], encoded: bool = False) -> None:
         """Serve ``group`` read-only from tensors that already lie in another file (a checkpoint).
 
         ``swap_in`` reads the range from the page holding the first byte to the last byte with one request, so a
@@ -177,6 +176,7 @@ class TensorSwapper:
             group: The group's name (letters, digits, ``-``, ``_``, ``.``).
             records: Where the tensors lie: one file, absolute byte offsets, each a multiple of its element size,
                 laid out back to back, without checksums or DTensor shards.
+            encoded: ``records`` are a codec's file laid out as a swap file (a checkpoint's compressed copy).
 
         Raises:
             ValueError: When the group name is not a valid file name, the group is already on storage, or the
@@ -185,10 +185,9 @@ class TensorSwapper:
         """
         self._check_open()
         check_group_name(group)
-        records = dict(records)
         if group in self._records:
             raise ValueError(f"group {group!r} is already on storage")
-        self._mapped.add(group, records)
+        self._mapped.add(group, records := dict(records), encoded)
         self._records[group] = records
         self.version += 1
 
@@ -325,6 +324,7 @@ class TensorSwapper:
             mapped = bool(records) and group in self._mapped
             if mapped:
                 self._mapped.check(group, records)
+                mapped = self._mapped.raw(group)
             left_out = (skip or {}).get(group, ()) if packed is None else ()
             plan.add(group, records, packed.span(group) if packed is not None else None, mapped, left_out)
         total, spans, layout = plan.total, plan.spans, plan.layout
@@ -339,7 +339,7 @@ class TensorSwapper:
             stored, out = self.pool.one_off(record.stored), cast(torch.Tensor, buffer)[start : start + span]
             requests.append(self.io.of(record.file).read_async(stored[: round_up(record.stored)], record.file))
             codec = self._codecs.setdefault(record.codec, codec_class(record.codec)())
-            decodes.append(Decode(codec, stored[: record.stored], out, record.file))
+            decodes.append(Decode(codec, stored[: record.stored], out, record.file, requests[-1]))
         read = SwapIn(self, requests, layout, buffer, decodes=decodes)
         self.track_read(read, layout)
         return read

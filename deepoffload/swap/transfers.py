@@ -7,17 +7,18 @@ through which a transfer that finished hands its outcome back (the swapper keeps
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, cast
 
 import torch
 
 from ..errors import ChecksumError, ClosedError
 from ..io.request import Request
 from ..pending import Pending, settle
+from .codecs import decoding
+from .codecs.decoding import Decode
 from .records import SwapRecord, contiguous_strides, hash_bytes
 
 if TYPE_CHECKING:
-    from .codecs import ByteCodec
     from .extents import Extent
     from .staging_buffers import StagingBuffers
 
@@ -44,15 +45,6 @@ class TransferOwner(Protocol):
 
     def read_done(self, read: SwapIn, groups: Iterable[str], nbytes: int) -> None:
         """The reads of ``groups`` have finished (``nbytes`` read; 0 when they failed)."""
-
-
-class Decode(NamedTuple):
-    """One encoded group of a read: its stored bytes, decoded into its place in the staging buffer once read."""
-
-    codec: ByteCodec
-    stored: torch.Tensor  # exactly the encoded bytes (a view of a one-off buffer they are read into)
-    out: torch.Tensor  # the group's range of the staging buffer (its whole, page-aligned span)
-    file: str
 
 
 class SwapOut(Pending[int]):
@@ -198,7 +190,8 @@ class SwapIn(Pending[dict]):
         layout: ``{group: (start in the buffer, records)}``: where each tensor lands (start + its record's offset).
         buffer: The staging buffer read into (None when there is nothing to read).
         extent: Packed: the one extent read whole (its views may be reused), else None.
-        decodes: The groups stored encoded (``Decode``), decoded into ``buffer`` once the reads are done.
+        decodes: The groups stored encoded (``Decode``): each decoded into ``buffer`` on the decode pool as soon as
+            its own read is done (``codecs/decoding.py``), while the caller computes.
 
     Examples:
         >>> import torch
@@ -226,7 +219,7 @@ class SwapIn(Pending[dict]):
         decodes: list[Decode] | None = None,
     ):
         self._swapper = swapper
-        self._decodes = decodes or []
+        self._decodes = decoding.start(decodes) if decodes else []  # futures: None or the error to raise
         self._extent = extent  # packed: the one extent read whole (its views may be reused), else None
         self._requests = requests
         self._layout = layout  # group -> (start in buffer, records)
@@ -236,7 +229,9 @@ class SwapIn(Pending[dict]):
 
     def done(self) -> bool:
         """True once the reads have finished, successfully or not; never blocks."""
-        return self._tensors is not None or all(r.done() for r in self._requests)
+        return self._tensors is not None or (
+            all(r.done() for r in self._requests) and all(d.done() for d in self._decodes)
+        )
 
     def wait(self, timeout: float | None = None) -> dict[str, dict[str, torch.Tensor]]:
         """Block until the reads have finished; return the tensors (the same objects on every later call).
@@ -371,36 +366,13 @@ class SwapIn(Pending[dict]):
             except OSError as e:
                 error = error or e
         self._requests = []
-        if error is None and self._decodes:
-            error = self._decode()
+        if self._decodes:  # always waited for, so that no decode writes into the buffer once it is released
+            decodes, self._decodes = self._decodes, []
+            decoded = decoding.finish(decodes)
+            error = error or decoded
         self._error = error
         self._swapper.read_done(self, self._layout, nbytes if error is None else 0)
         return error
-
-    def _decode(self) -> ChecksumError | None:
-        """Decode the encoded groups read into their places in the buffer (once); their stored bytes are freed.
-
-        Returns:
-            A ``ChecksumError`` naming the file whose bytes do not decode to their recorded length, or None.
-        """
-        decodes, self._decodes = self._decodes, []
-        for decode in decodes:
-            try:
-                nbytes = decode.codec.decode(decode.stored, decode.out)
-            except Exception as e:  # noqa: BLE001 - whatever a codec raises on bad bytes is reported as corrupt
-                error = ChecksumError(
-                    errno.EIO, f"stored bytes do not decode with codec {decode.codec.name!r} ({e!r})", decode.file
-                )
-                error.__cause__ = e
-                return error
-            if nbytes != decode.out.numel():
-                return ChecksumError(
-                    errno.EIO,
-                    f"stored bytes decode with codec {decode.codec.name!r} to {nbytes} bytes, not the "
-                    f"{decode.out.numel()} written: the swap file was changed or corrupted",
-                    decode.file,
-                )
-        return None
 
     def _restore(self, start: int, record: SwapRecord, typed: dict) -> torch.Tensor:
         """The record's tensor as a view of the buffer (``typed``: the buffer viewed as each dtype, reused)."""
@@ -460,5 +432,7 @@ class SwapIn(Pending[dict]):
         Returns:
             The buffer (None when it was released or handed over already).
         """
+        if self._decodes:
+            self.wait_io()  # (no decode may still write into a buffer that changes hands)
         buffer, self._buffer = self._buffer, None
         return buffer

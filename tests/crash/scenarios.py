@@ -250,6 +250,57 @@ def sharded_folder_load(work: Path) -> Any:
     return load_file(work / "ckpt")
 
 
+def _served(work: Path):
+    """``work/ckpt.safetensors`` served with the lossless codec (its compressed copy under ``work/swap``)."""
+    import deepoffload
+    from deepoffload import LoadOptions, SwapConfig
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]).to(torch.bfloat16)
+    load = LoadOptions(checkpoint=str(work / "ckpt.safetensors"), serve_from_checkpoint=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("writing a compressed copy ...")
+        off = deepoffload.offload_parameters(model, str(work / "swap"), load=load, config=SwapConfig(codec="lossless"))
+    return model, off
+
+
+def compressed_copy_act(work: Path, version: int) -> None:
+    """Save checkpoint ``version``, serve it with a codec: its compressed copy is (re)built, then read."""
+    from deepoffload.formats import save_file
+
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in _block_model(version).state_dict().items()}, work / "ckpt.safetensors"
+    )
+    (work / "swap").mkdir(exist_ok=True)
+    model, off = _served(work)
+    try:
+        off.store.copy.start()
+        if not off.store.copy.wait():
+            raise RuntimeError(f"no compressed copy: {off.store.copy.error!r}")
+        with torch.no_grad():
+            model(torch.ones(2, 32, dtype=torch.bfloat16))
+    finally:
+        off.close(restore=False)
+
+
+def compressed_copy_load(work: Path) -> Any:
+    """The next run serves exactly the checkpoint's values (from a whole matching copy or the checkpoint): the
+    checkpoint's values when a forward equals the model's in memory, else a string saying it does not."""
+    from deepoffload.formats import load_file
+
+    values = load_file(work / "ckpt.safetensors")
+    reference = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]).to(torch.bfloat16)
+    reference.load_state_dict(values)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    model, off = _served(work)
+    try:
+        with torch.no_grad():
+            same_out = torch.equal(model(x), reference(x)) and torch.equal(model(x), reference(x))
+    finally:
+        off.close(restore=False)
+    return values if same_out else "the served values differ from the checkpoint's"
+
+
 SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] = {
     "save": (save_act, torch_load),
     "save_async": (save_async_act, torch_load),
@@ -263,6 +314,7 @@ SCENARIOS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], Any]]] 
     "max_resident_bytes": (budget_act, sharded_folder_load),
     "two_drives": (two_drives_act, sharded_folder_load),
     "scaled_overflow": (scaled_overflow_act, sharded_folder_load),
+    "compressed_copy": (compressed_copy_act, compressed_copy_load),
 }
 
 

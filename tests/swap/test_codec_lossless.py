@@ -137,7 +137,7 @@ def test_streamed_bf16_parameters_through_it_compute_exactly_and_read_fewer_byte
     assert 0 < read["lossless"] <= 0.75 * read["none"]
 
 
-def test_serving_from_a_checkpoint_with_it_is_refused_and_loading_it_encoded_works(scratch):
+def test_loading_a_checkpoint_through_it_writes_each_block_encoded(scratch):
     safetensors = pytest.importorskip("safetensors.torch")
     from deepoffload import LoadOptions
 
@@ -151,10 +151,6 @@ def test_serving_from_a_checkpoint_with_it_is_refused_and_loading_it_encoded_wor
     config = SwapConfig(codec="lossless", pin=False)
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)]).to(torch.bfloat16)
-    with pytest.raises(UnsupportedError, match="leave serve_from_checkpoint off"):
-        offload_parameters(
-            model, str(scratch), load=LoadOptions(checkpoint=str(checkpoint), serve_from_checkpoint=True), config=config
-        )
     load = LoadOptions(checkpoint=str(checkpoint))
     with offload_parameters(model, str(scratch), load=load, config=config) as offload, torch.no_grad():
         assert same(model(x), expected)
@@ -205,3 +201,35 @@ def test_the_memory_plan_counts_the_encoded_bytes_beside_each_block_in_flight(sc
     assert plans["lossless"].stored_bytes == codec_class("lossless")().max_stored_bytes(block)
     extra = plans["lossless"].staging_bytes - plans["none"].staging_bytes
     assert extra == (plans["none"].prefetch + 2) * plans["lossless"].stored_bytes
+
+
+def test_decoding_runs_on_the_pool_before_the_caller_waits(scratch, monkeypatch):
+    """Each group is decoded by a pool thread as soon as its own read is done (while the caller computes), not by
+    the caller's ``wait``; a read released without a wait still waits for its decodes before the buffer goes."""
+    import threading
+    import time
+
+    from deepoffload.swap.codecs.lossless import Lossless
+
+    threads: list[str] = []
+    real = Lossless.decode
+
+    def recording(self, stored, out):
+        threads.append(threading.current_thread().name)
+        return real(self, stored, out)
+
+    monkeypatch.setattr(Lossless, "decode", recording)
+    written = {f"g{i}": {"w": torch.randn(64, 1024).to(torch.bfloat16)} for i in range(3)}
+    with TensorSwapper(SwapConfig(folder=str(scratch), codec="lossless", pin=False)) as swapper:
+        swapper.swap_out(written).wait()
+        read = swapper.swap_in(list(written))
+        deadline = time.monotonic() + 60
+        while len(threads) < 3 and time.monotonic() < deadline:  # nobody waits: the pool decodes on its own
+            time.sleep(0.01)
+        assert len(threads) == 3 and all(name.startswith("deepoffload-decode") for name in threads)
+        back = read.wait()
+        assert all(same(back[g]["w"], written[g]["w"]) for g in written)
+        read.release()
+        unwaited = swapper.swap_in(list(written))
+        unwaited.release()  # waits for its decodes first
+        assert len(threads) == 6

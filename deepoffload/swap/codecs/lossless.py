@@ -18,6 +18,7 @@ Needs the ``zstandard`` package (``pip install deepoffload[codec]``); it is impo
 from __future__ import annotations
 
 import struct
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigError
@@ -55,10 +56,23 @@ class Lossless(ByteCodec):
     )
 
     def __init__(self) -> None:
-        zstandard = _zstandard()
-        self._compressor = zstandard.ZstdCompressor(level=LEVEL)
-        self._decompressor = zstandard.ZstdDecompressor()
-        self._error = zstandard.ZstdError
+        self._zstandard = _zstandard()
+        self._error = self._zstandard.ZstdError
+        self._local = threading.local()  # zstandard's (de)compressors are not to be used by two threads at once
+
+    @property
+    def _compressor(self) -> Any:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = self._zstandard.ZstdCompressor(level=LEVEL)
+        return compressor
+
+    @property
+    def _decompressor(self) -> Any:
+        decompressor = getattr(self._local, "decompressor", None)
+        if decompressor is None:
+            decompressor = self._local.decompressor = self._zstandard.ZstdDecompressor()
+        return decompressor
 
     def max_stored_bytes(self, nbytes: int) -> int:
         """The header, the low plane, and zstandard's bound for the high plane (or the plane as it is, if larger).

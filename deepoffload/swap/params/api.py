@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ...errors import UnsupportedError
-from ..codecs import codec_class
 from ..config import SwapConfig
 from .blocks.finding import find_blocks
 from .budget import READER_BYTES, STATE_CHUNKS, Fitted, MemoryPlan, encoded_bytes, fit, parse_bytes, process_bytes
@@ -64,8 +63,7 @@ def offload_parameters(
         ValueError: When a block is not a submodule, no block has parameters, a block is offloaded twice,
             ``serve_from_checkpoint`` is set without a ``checkpoint``, ``data_parallel`` is set for a meta model
             without a strict checkpoint, or ``init``/``dtype`` is given for a module without meta tensors.
-        UnsupportedError: When a block was compiled (``block.compile()``) before offloading: call it after; or
-            ``serve_from_checkpoint`` is asked with a codec other than ``none``.
+        UnsupportedError: When a block was compiled (``block.compile()``) before offloading: call it after.
 
     Examples:
         >>> import torch, deepoffload
@@ -127,12 +125,6 @@ def offload_parameters(
     config = config or SwapConfig()
     if path is not None:
         config = config.replace(folder=path)
-    if load.serve_from_checkpoint and not codec_class(config.codec).identity:
-        raise UnsupportedError(
-            f"LoadOptions(serve_from_checkpoint=True) with SwapConfig(codec={config.codec!r}): served blocks are read "
-            f"from the checkpoint's own (uncompressed) bytes, so the codec would read no fewer; leave "
-            f"serve_from_checkpoint off and the load writes each block once, encoded, to the swap folder"
-        )
     materializer = None
     if data_parallel is not False and has_meta(module) and (checkpoint is None or not load.strict):
         raise ValueError(

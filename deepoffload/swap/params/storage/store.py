@@ -13,12 +13,14 @@ from typing import Sequence
 import torch
 
 from ....errors import ChecksumError, ResidencyError, StreamedParameterError
+from ...codecs import codec_class
 from ...config import SwapConfig
 from ...pool import PAGE_SIZE
 from ...tensor_swapper import SwapIn, SwapOut, SwapRecord, TensorSwapper
 from ..blocks.placeholders import plain
 from ..blocks.residency import Block, Residency, span
 from . import user_changes
+from .compressed_copy import CompressedCopy
 
 
 class BlockStore:
@@ -40,6 +42,8 @@ class BlockStore:
         self.blocks = list(blocks)
         self.block_span = max((span(b.masters) for b in self.blocks), default=PAGE_SIZE) + slack
         self.swapper = TensorSwapper(config.replace(chunk_bytes=self.block_span, buffer_count=prefetch + 2))
+        encoder = not codec_class(config.codec).identity
+        self.copy = CompressedCopy(config.folders[0], config.codec) if encoder else None  # of served blocks
         self.io_wait = 0.0
         self.slice_bytes = 0  # bytes of parameter slices read alone (``slices.read_slices``: experts)
         self.grad_bytes = 0
@@ -52,8 +56,13 @@ class BlockStore:
         return self.swapper.swap_out({block.group: block.master_tensors()})
 
     def serve(self, block: Block, records: dict[str, SwapRecord]) -> None:
-        """Read ``block``'s group from ``records`` (tensors in place in a checkpoint file) from now on."""
+        """Read ``block``'s group from ``records`` (tensors in place in a checkpoint file) from now on.
+
+        With a codec, from its compressed copy once that is whole (``compressed_copy.py``).
+        """
         self.swapper.map_group(block.group, records)
+        if self.copy is not None:
+            self.copy.add(block.group, records)
 
     def offload_all(self) -> None:
         """Write every block out (two writes in flight at most).
@@ -107,6 +116,13 @@ class BlockStore:
         if block.state is Residency.READING or block.in_memory:
             return
         self.wait_write(block)
+        if self.copy is not None and block.group in self.copy.sources:  # served: from the copy once it is whole
+            self.copy.start()
+            copied = self.copy.ready(block.group)
+            if copied is not None and self.swapper.mapped(block.group) and block.group not in self.copy.used:
+                self.swapper.discard(block.group)
+                self.swapper.map_group(block.group, copied, encoded=True)
+                self.copy.used.add(block.group)
         records = self.swapper.records(block.group)
         if len(records) != len(block.names):
             raise ResidencyError(
@@ -474,5 +490,7 @@ class BlockStore:
         return self.swapper.pool.held_bytes()
 
     def close(self) -> None:
-        """Close the swapper (its files are removed)."""
+        """Close the swapper (its files are removed) and stop a compressed copy still being written."""
+        if self.copy is not None:
+            self.copy.close()
         self.swapper.close()
