@@ -2,9 +2,11 @@
 
 Each (variant, round) runs in its own process (so that each one's peak memory is its own), in rotating order:
 
-1. ``served``: ``deepoffload.from_pretrained(folder, load=LoadOptions(serve_from_checkpoint=True))`` then
-   ``peft.get_peft_model``: the base is read from the folder's own safetensors file block by block (in the forward,
-   then again for the recomputation in backward), the adapters step in memory (their AdamW state on storage);
+1. ``served``: ``deepoffload.from_pretrained(folder, load=LoadOptions(serve_from_checkpoint=True),
+   stream=StreamOptions(recompute=False))`` then ``peft.get_peft_model``: the base is read from the folder's own
+   safetensors file block by block (in the forward, then again for the backward, which runs the graph each frozen
+   block's forward kept instead of recomputing it; ``--recompute``: the default, recomputing), the adapters step in
+   memory (their AdamW state on storage);
 2. ``accelerate``: transformers' ``from_pretrained(folder, device_map=..., offload_folder=...)`` with every decoder
    layer on "disk" (accelerate's disk offload: at load it writes a second copy of the base into ``offload_folder``,
    then reads each layer from there in its hooks), then ``get_peft_model`` and ``torch.optim.AdamW`` over the
@@ -36,12 +38,12 @@ variant, and the ratios (medians of the per-round ratios):
   from the drive, so the closer to 1 the less the step adds to its reads (meaningful where the step is IO-bound,
   i.e. the raw read takes longer than the in-memory step; both are printed), and max(raw read, in-memory step) /
   served (goal >= 0.9): the same against the larger of the two things the served step cannot beat, its reads and
-  the in-memory step's compute (the served step also recomputes each block's forward for its backward, which the
-  in-memory step does not);
+  the in-memory step's compute (with ``--recompute`` the served step also recomputes each block's forward for its
+  backward, which the in-memory step does not);
 - served / memory step time.
 
     python benchmarks/lora.py [--folder DIR] [--rounds N] [--steps N] [--layers N] [--hidden N] [--seq N]
-        [--json PATH] [--quick]
+        [--recompute] [--json PATH] [--quick]
 
 ``--json PATH`` writes the ratios for ``benchmarks/plot.py``. The machine's cores and disk may be shared: read the
 ratios, not the absolutes.
@@ -65,10 +67,12 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's deepoffload
 from common import write_json  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SEQ, BATCH = 128, 1  # SEQ: --seq
+RECOMPUTE = False  # --recompute: the served step recomputes each block's forward in backward (the default there)
 TARGETS = ["q_proj", "v_proj"]
 VARIANTS = ("served", "accelerate", "memory")
 
@@ -168,6 +172,7 @@ def served(folder: str, steps: int) -> dict:
         path=tempfile.mkdtemp(dir=folder, prefix="swap"),
         train=deepoffload.TrainOptions(lambda ps: torch.optim.AdamW(ps, lr=1e-4)),
         load=deepoffload.LoadOptions(serve_from_checkpoint=True, dtype=torch.bfloat16),
+        stream=deepoffload.StreamOptions(recompute=RECOMPUTE),
     )
     model = lora(model)
     with off:
@@ -235,6 +240,7 @@ def child(variant: str, folder: str, steps: int) -> None:
 
 def run_child(variant: str, folder: str, steps: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--folder", folder, "--seq", str(SEQ)]
+    command += ["--recompute"] if RECOMPUTE else []
     done = subprocess.run([*command, "--steps", str(steps)], capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -244,7 +250,7 @@ def run_child(variant: str, folder: str, steps: int) -> dict:
 
 
 def main() -> int:
-    global SEQ
+    global SEQ, RECOMPUTE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=None)
     parser.add_argument("--rounds", type=int, default=3)
@@ -252,11 +258,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per step (batch 1): fewer make it IO-bound")
+    parser.add_argument("--recompute", action="store_true", help="served: recompute in backward (the default)")
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON (benchmarks/plot.py)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, one round, one step")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    SEQ = args.seq
+    SEQ, RECOMPUTE = args.seq, args.recompute
     if args.child:
         child(args.child, args.folder, args.steps)
         return 0
