@@ -117,6 +117,7 @@ def test_the_old_keywords_are_those_of_the_three_objects():
         "compute_dtype": ("stream", StreamOptions),
         "max_resident_bytes": ("stream", StreamOptions),
         "max_memory": ("stream", StreamOptions),
+        "recompute": ("stream", StreamOptions),
     }
 
 
