@@ -168,7 +168,7 @@ def offload_parameters(
         prefetch, state_chunks = fitted.plan.prefetch, fitted.plan.state_chunks
         max_resident_bytes = fitted.plan.resident_bytes or None
     try:
-        return ParameterOffload(
+        offload = ParameterOffload(
             module,
             chosen,
             prefetch=prefetch,
@@ -185,6 +185,8 @@ def offload_parameters(
         if materializer is not None:
             materializer.undo()
         raise
+    offload.keep_graphs = not stream.recompute
+    return offload
 
 
 def fit_limit(

@@ -106,7 +106,7 @@ class ParameterOffload:
     ):
         self.module = module
         self.prefetch = prefetch
-        self.mode = mode
+        self.mode, self.keep_graphs = mode, False  # keep_graphs: StreamOptions(recompute=False), set after
         self.compute_dtype = compute_dtype
         layout_of = materializer.layout_of if materializer is not None else dense_layout
         self.blocks = [Block(i, p, block, compute_dtype, layout_of) for i, (p, block) in enumerate(blocks)]

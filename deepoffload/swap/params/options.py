@@ -177,12 +177,17 @@ class StreamOptions:
             prefetch 0 and the fewest buffers cannot, ``MemoryBudgetError`` (a ``MemoryError``) at once (before
             anything is read or written) names the least limit that works and what it is made of. ``off.plan``
             holds the parts chosen.
+        recompute: Whether a block's backward recomputes its forward (True: only its inputs are kept between
+            forward and backward). False: a block none of whose parameters is trainable (e.g. a frozen base under
+            LoRA adapters) keeps its forward's graph, its activations in memory as in memory, and its backward reads
+            the block again without recomputing it: one forward's compute less per step, the activations of every
+            such block more memory until its backward. Blocks with trainable parameters recompute either way.
 
     Raises:
         TypeError: When ``max_memory`` is neither bytes nor a string.
-        ValueError: When ``prefetch`` is not a number of blocks (0 or more), ``compute_dtype`` not a floating-point
-            ``torch.dtype``, ``max_resident_bytes`` not a number of bytes (0 or more) or ``max_memory`` not a
-            positive size.
+        ValueError: When ``recompute`` is not a bool, ``prefetch`` not a number of blocks (0 or more),
+            ``compute_dtype`` not a floating-point ``torch.dtype``, ``max_resident_bytes`` not a number of bytes (0
+            or more) or ``max_memory`` not a positive size.
 
     Examples:
         >>> import torch
@@ -199,8 +204,11 @@ class StreamOptions:
     compute_dtype: torch.dtype | None = None
     max_resident_bytes: int | None = None
     max_memory: int | str | None = None
+    recompute: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.recompute, bool):
+            raise ConfigError(f"recompute={self.recompute!r}: expected True or False")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise ConfigError(f"prefetch={self.prefetch!r}: expected a number of blocks, 0 or more")
         dtype = self.compute_dtype

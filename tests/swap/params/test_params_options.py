@@ -54,6 +54,7 @@ BAD = [
     (StreamOptions, {"max_memory": 0}, ValueError, r"max_memory=0: expected a positive number of bytes"),
     (StreamOptions, {"max_memory": "6 parsecs"}, ValueError, r"max_memory='6 parsecs': expected bytes such as '6GB'"),
     (StreamOptions, {"max_memory": 1.5}, TypeError, r"max_memory=1.5: expected bytes \(an int\) or a string"),
+    (StreamOptions, {"recompute": "no"}, ValueError, r"recompute='no': expected True or False"),
 ]
 
 
@@ -116,6 +117,7 @@ def test_the_old_keywords_are_those_of_the_three_objects():
         "compute_dtype": ("stream", StreamOptions),
         "max_resident_bytes": ("stream", StreamOptions),
         "max_memory": ("stream", StreamOptions),
+        "recompute": ("stream", StreamOptions),
     }
 
 

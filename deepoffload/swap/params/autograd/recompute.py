@@ -28,6 +28,7 @@ class Streamer(Protocol):
     """The streaming side ``Recompute`` talks to (``ParameterOffload``, whose methods these are)."""
 
     mode: str  # the training mode, "fused" or "grads"
+    keep_graphs: bool  # frozen blocks keep their forward's graph for backward (StreamOptions(recompute=False))
 
     def acquire(self, block: Block, phase: str, training: bool) -> None:
         """Make ``block`` resident and read ahead the blocks expected next."""
@@ -78,6 +79,7 @@ class BlockCall:
         self.captured = Captured(block.module, check_caches(block.prefix, flat))
         self.steps = block.steps
         self.node: weakref.ref | None = None  # the autograd node (ctx) of this call
+        self.kept: KeptGraph | None = None  # the forward's graph, kept for backward (frozen blocks, keep_graphs)
         # made inside a backward pass (a reentrant torch.utils.checkpoint recomputing its segment): such a call is
         # back-propagated in a nested pass of its own, which cannot see the block's other calls still to come
         self.nested = torch._C._current_graph_task_id() != -1
@@ -151,6 +153,91 @@ def _watched(saved: list) -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
 
+class _ParamView:
+    """A saved tensor that is a view of one of the block's parameters: re-made from the parameter when unpacked.
+
+    Args:
+        kept: The gate of the graph it belongs to (unpacked only while its backward runs, the block resident).
+        index: The parameter's position in ``block.params``.
+        tensor: The saved view.
+        param: The parameter it views.
+    """
+
+    __slots__ = ("kept", "index", "size", "stride", "offset", "dtype")
+
+    def __init__(self, kept: "_Gate", index: int, tensor: torch.Tensor, param: torch.Tensor):
+        self.kept, self.index, self.dtype = kept, index, tensor.dtype
+        self.size, self.stride = tensor.size(), tensor.stride()
+        self.offset = (tensor.data_ptr() - param.data_ptr()) // tensor.element_size()
+
+    def unpack(self) -> torch.Tensor:
+        if not self.kept.unpacking:
+            raise ValueError(
+                f"block {self.kept.block.prefix}: its forward's graph was back-propagated outside its own backward "
+                "(a tensor computed inside the block outlived its forward other than as its output); train with "
+                "StreamOptions(recompute=True)"
+            )
+        param = self.kept.block.params[self.index].detach()
+        return param.as_strided(self.size, self.stride, param.storage_offset() + self.offset)
+
+
+class _Gate:
+    """Whether a kept graph's backward runs now (its block resident); holds no tensor, so no reference cycle."""
+
+    __slots__ = ("block", "unpacking")
+
+    def __init__(self, block: Block):
+        self.block, self.unpacking = block, False
+
+
+class KeptGraph:
+    """The graph a frozen block's forward built, kept for its backward instead of recomputing the forward.
+
+    The activations it saved stay in memory (as in memory); the saved tensors that view the block's parameters are
+    kept as their position only and re-made from the parameters when the backward makes the block resident again.
+    This sees what autograd saves (torch's ops, ``save_for_backward``), as the recomputing path's check does.
+
+    Args:
+        block: The block.
+    """
+
+    def __init__(self, block: Block):
+        self.block = block
+        self.gate = _Gate(block)
+        self.inputs: list[torch.Tensor] = []  # the forward's leaves (their .grad: the inputs' gradients)
+        self.given: list[torch.Tensor] = []  # what the block ran on (``as_given``)
+        self.outputs: list[torch.Tensor] = []  # its tensor outputs, attached to the graph
+        self.spans = [(p.data_ptr(), p.data_ptr() + p.nbytes, p) for p in block.params]
+        self.storages = {p.untyped_storage().data_ptr() for p in block.params if p.numel()}
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks: a view of a parameter is kept as its position, any other tensor as itself.
+
+        The pack hook raises ``ValueError`` when a saved tensor shares a parameter's memory other than as a view of
+        one parameter of its dtype (it could not be re-made, and that memory is reused once the block is released).
+
+        Returns:
+            The hooks, a context manager.
+        """
+
+        def pack(tensor: torch.Tensor) -> Any:
+            if not tensor.numel() or tensor.untyped_storage().data_ptr() not in self.storages:
+                return tensor.detach()
+            start = tensor.data_ptr()
+            for index, (low, high, param) in enumerate(self.spans):
+                if low <= start < high and tensor.dtype == param.dtype:
+                    return _ParamView(self.gate, index, tensor, param)
+            raise ValueError(
+                f"block {self.block.prefix}: its forward saved a tensor sharing its parameters' memory that is not "
+                "a view of one parameter; train with StreamOptions(recompute=True)"
+            )
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return packed.unpack() if isinstance(packed, _ParamView) else packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` detached, each requiring grad as it did."""
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
@@ -217,13 +304,20 @@ class Recompute(torch.autograd.Function):
         check_loss_scaling(block, call.state, streamer.mode)
         streamer.acquire(block, "forward", training=True)
         saved: list[weakref.ref] = []  # the tensors the block's graph saves, to see whether the graph outlives it
+        kept = KeptGraph(block) if streamer.keep_graphs and block.module.training and not block.trainable else None
         try:
-            with torch.enable_grad(), _watched(saved):  # grad mode as in memory, hence the same kernels
-                flat, call.out_spec = pytree.tree_flatten(call.run(as_given(detached(tensors), call.was_leaf)))
+            with torch.enable_grad(), kept.hooks() if kept else _watched(saved):  # grad mode: the same kernels
+                inputs = detached(tensors)
+                given = as_given(inputs, call.was_leaf)
+                flat, call.out_spec = pytree.tree_flatten(call.run(given))
             call.captured.detach_new_cache_entries()
             call.out_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             call.out_flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
             outputs = tuple(flat[i].detach() for i in call.out_positions)
+            if kept is not None:  # the backward runs this graph on the block read again: no recomputation
+                kept.inputs, kept.given, kept.outputs = inputs, given, [flat[i] for i in call.out_positions]
+                call.kept = kept
+            del inputs, given
             # outputs needing no gradient in memory (a mask, a bias made of constants) need none here either: a
             # tensor requiring grad makes later blocks take other kernels (T5's cross-attention bias: rounding)
             constant = [o for i, o in zip(call.out_positions, outputs) if not flat[i].requires_grad]
@@ -251,6 +345,8 @@ class Recompute(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         """Make the block resident again, recompute it as the forward ran and back-propagate ``grads`` through it."""
         call: BlockCall = ctx.call
+        if call.kept is not None:
+            return Recompute.backward_kept(call, grads)
         streamer, block = call.streamer, call.block
         inputs = detached(ctx.saved_tensors)  # (this may run torch.utils.checkpoint's recomputation first)
         block.calls.discard(call)
@@ -280,3 +376,32 @@ class Recompute(torch.autograd.Function):
             raise
         streamer.after_backward(block, last)
         return (None, None, *[t.grad if t.requires_grad else None for t in inputs])
+
+    @staticmethod
+    def backward_kept(call: BlockCall, grads: Sequence[torch.Tensor | None]) -> tuple:
+        """Make the block resident again and back-propagate ``grads`` through the graph its forward kept."""
+        kept, call.kept = cast(KeptGraph, call.kept), None
+        streamer, block = call.streamer, call.block
+        block.calls.discard(call)
+        last = not any(other.will_run_backward() for other in list(block.calls))
+        last = streamer.before_backward(call, last)
+        streamer.acquire(block, "backward", training=True)
+        kept.gate.unpacking = True
+        try:
+            n = len(call.out_positions)
+            pairs = [(o, g) for o, g in zip(kept.outputs, grads[:n]) if g is not None and o.requires_grad]
+            with torch.enable_grad():  # (the chained inputs' gradient last, as in ``backward``)
+                pairs += [
+                    (kept.given[k].view_as(kept.given[k]), g) for k, g in zip(call.chained, grads[n:]) if g is not None
+                ]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            del pairs
+        except BaseException:
+            streamer.release(block)
+            raise
+        finally:
+            kept.gate.unpacking = False
+            kept.outputs, kept.given = [], []
+        streamer.after_backward(block, last)
+        return (None, None, *[t.grad if t.requires_grad else None for t in kept.inputs])
