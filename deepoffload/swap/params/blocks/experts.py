@@ -165,7 +165,11 @@ class ExpertReads:
         """
         self.check_stored(entry)
         out = self.buffers(entry)
-        ready = self.arrived(entry)
+        pending = self.pending.pop(entry.slot, None)
+        if pending is not None and pending[0] is not entry:
+            pending[2]()  # (another module's reads into this slot finish before its rows are written)
+            pending = None
+        ready = set(pending[1]) if pending is not None else set()
         missing, cached = [], []
         for e in chosen:
             found = self.cache.get((entry.block.index, e))  # (counts the use)
@@ -176,6 +180,8 @@ class ExpertReads:
             else:
                 missing.append(e)
         waits = [read_slices(self.store, entry.block, n, missing, t) for n, t in zip(entry.names, out)]
+        if pending is not None:
+            waits.insert(0, pending[2])  # (its rows and the missing ones are other rows of the slot)
         if hidden is not None:
             self.prefetch_after(entry, hidden)
         for e, found in cached:
@@ -193,14 +199,11 @@ class ExpertReads:
                     self.cache.put((entry.block.index, e), [t[e].clone() for t in out])
         return out
 
-    def arrived(self, entry: _Experts) -> set[int]:
-        """Wait for the reads pending into ``entry``'s slot; the experts read ahead for ``entry`` (others: dropped)."""
+    def settle(self, entry: _Experts) -> None:
+        """Wait for the reads pending into ``entry``'s slot and drop them (the slot is read into again)."""
         pending = self.pending.pop(entry.slot, None)
-        if pending is None:
-            return set()
-        owner, rows, wait = pending
-        wait()
-        return set(rows) if owner is entry else set()
+        if pending is not None:
+            pending[2]()
 
     def check_stored(self, entry: _Experts) -> None:
         """Drop what is cached or read ahead of ``entry``'s block when its records changed (it was written since)."""
@@ -231,7 +234,7 @@ class ExpertReads:
         found = [t for t in (output if isinstance(output, tuple) else (output,)) if not t.is_floating_point()]
         if not found:
             return  # a router returning logits only: nothing to read ahead
-        self.arrived(following)  # (a read still pending into its slot finishes first)
+        self.settle(following)  # (a read still pending into its slot finishes first: its rows may be read again)
         cached = lambda e: (following.block.index, e) in self.cache  # noqa: E731
         rows = [e for e in torch.unique(found[-1]).tolist() if e < following.count and not cached(e)]
         if not rows:
