@@ -10,8 +10,9 @@ forward runs on them: the same call, which uses the chosen experts' rows only. B
 backward's recompute, ``state_dict``) run the module untouched.
 
 The early router: the next experts module's router, copied once its block was in memory, is applied to this module's
-input before this module's own reads are waited for; the experts it chooses are read ahead into the next slot while
-this module computes (speculative: a wrong guess costs a read, never a wrong result).
+input before this module's own reads are waited for (the first module's router to its block's input); the experts it
+chooses are read ahead into the next slot while this module computes (speculative: a wrong guess costs a read, never a
+wrong result).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class ExpertReads:
             self.handles.append(spec.module.register_forward_hook(self._after(entry), always_call=True))
             if spec.router is not None:
                 self.handles.append(spec.router.register_forward_hook(self._copy_router(entry)))
+        if self.experts and self.experts[0].block.module is not self.experts[0].spec.module:
+            first = self.experts[0]  # (its experts read ahead from the block's input: no layer before to do it)
+            self.handles.append(first.block.module.register_forward_pre_hook(self._entering(first), with_kwargs=True))
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def _copy_router(self, entry: _Experts) -> Callable:
@@ -102,6 +106,14 @@ class ExpertReads:
             if entry.router_copy is None and not any(t.is_meta for t in module.parameters()):
                 with torch.no_grad():
                     entry.router_copy = copy.deepcopy(module).requires_grad_(False)
+
+        return hook
+
+    def _entering(self, entry: _Experts) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else next(iter(kwargs.values()), None)
+            if isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not torch.is_grad_enabled():
+                self.prefetch(entry, hidden)
 
         return hook
 
@@ -224,13 +236,21 @@ class ExpertReads:
         """Start reading the experts the next experts module's router chooses for ``hidden`` (speculative)."""
         position = self.experts.index(entry)
         following = self.experts[position + 1] if position + 1 < len(self.experts) else None
-        if following is None or following.router_copy is None or following.block is entry.block:
-            return
-        if not following.block.read_partly:
+        if following is not None and following.block is not entry.block:
+            self.prefetch(following, hidden)
+
+    def prefetch(self, following: _Experts, hidden: torch.Tensor) -> None:
+        """Start reading the experts ``following``'s router copy chooses for ``hidden`` into its slot (speculative).
+
+        Args:
+            following: An experts module about to run.
+            hidden: Hidden states of the tokens it will run on, or an earlier layer's (its router is applied).
+        """
+        if following.router_copy is None or not following.block.read_partly:
             return  # (its block is read whole, or not yet: it may be read whole)
         self.check_stored(following)
         with torch.no_grad():
-            output = following.router_copy(hidden)
+            output = following.router_copy(hidden.reshape(-1, hidden.shape[-1]))
         found = [t for t in (output if isinstance(output, tuple) else (output,)) if not t.is_floating_point()]
         if not found:
             return  # a router returning logits only: nothing to read ahead
