@@ -62,7 +62,8 @@ class StagingBuffers:
             The group's records (offsets: ``base`` + offset in the group) and its span (bytes, ``group_alignment``).
         """
         group_records, end = {}, 0
-        checksum, slices = None, ()
+        checksum: int | None = None
+        slices: tuple[int, ...] = ()
         for key, (local, spec, offset) in entries.items():
             nbytes = local.numel() * local.element_size()
             region = buffer[start + offset : start + offset + nbytes]
