@@ -144,7 +144,6 @@ def hash_bytes(region: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest((ctypes.c_char * region.numel()).from_address(region.data_ptr()))
 
 
-@functools.lru_cache(maxsize=4096)
 def slice_hashes(region: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The xxh3-64 of each slice along the first dimension of a tensor of 3 or more dimensions (``SwapRecord.slices``).
 
@@ -160,6 +159,7 @@ def slice_hashes(region: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...
     return tuple(hash_bytes(row) for row in region.view(shape[0], -1))
 
 
+@functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (in elements).
 
