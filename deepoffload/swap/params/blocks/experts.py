@@ -10,9 +10,10 @@ forward runs on them: the same call, which uses the chosen experts' rows only. B
 backward's recompute, ``state_dict``) run the module untouched.
 
 The early router: the next experts module's router, copied once its block was in memory, is applied to this module's
-input before this module's own reads are waited for (the first module's router to its block's input); the experts it
-chooses are read ahead into the next slot while this module computes (speculative: a wrong guess costs a read, never a
-wrong result).
+input before this module's own reads are waited for; the experts it chooses are read ahead into the next slot while
+this module computes (speculative: a wrong guess costs a read, never a wrong result). The first module has no layer
+before it: its experts are read when it runs (its router applied to the block's input guessed too few of them right to
+pay for the bytes).
 """
 
 from __future__ import annotations
@@ -96,9 +97,6 @@ class ExpertReads:
             self.handles.append(spec.module.register_forward_hook(self._after(entry), always_call=True))
             if spec.router is not None:
                 self.handles.append(spec.router.register_forward_hook(self._copy_router(entry)))
-        if self.experts and self.experts[0].block.module is not self.experts[0].spec.module:
-            first = self.experts[0]  # (its experts read ahead from the block's input: no layer before to do it)
-            self.handles.append(first.block.module.register_forward_pre_hook(self._entering(first), with_kwargs=True))
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def _copy_router(self, entry: _Experts) -> Callable:
@@ -106,14 +104,6 @@ class ExpertReads:
             if entry.router_copy is None and not any(t.is_meta for t in module.parameters()):
                 with torch.no_grad():
                     entry.router_copy = copy.deepcopy(module).requires_grad_(False)
-
-        return hook
-
-    def _entering(self, entry: _Experts) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = args[0] if args else next(iter(kwargs.values()), None)
-            if isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not torch.is_grad_enabled():
-                self.prefetch(entry, hidden)
 
         return hook
 
