@@ -41,6 +41,8 @@ class SwapRecord:
     global shape, global stride) when the tensor was a DTensor (its local shard is what is stored), else None.
     codec: the byte codec its group's file was stored with (``deepoffload.swap.codecs``; ``none``: as it is).
     stored: the encoded length of its group's file (bytes, before page padding) when ``codec`` is not ``none``, else 0.
+    slices: with ``checksum``, for a tensor of 3 or more dimensions, the xxh3-64 of each slice along its first dimension
+    (what a slice read alone checks: an expert of a fused experts parameter), else ().
     """
 
     key: str
@@ -54,6 +56,7 @@ class SwapRecord:
     dtensor: tuple | None = None
     codec: str = "none"
     stored: int = 0
+    slices: tuple[int, ...] = ()
 
 
 def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
@@ -141,6 +144,21 @@ def hash_bytes(region: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest((ctypes.c_char * region.numel()).from_address(region.data_ptr()))
 
 
+def slice_hashes(region: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The xxh3-64 of each slice along the first dimension of a tensor of 3 or more dimensions (``SwapRecord.slices``).
+
+    Args:
+        region: The tensor's bytes (a contiguous CPU uint8 tensor).
+        shape: The tensor's shape.
+
+    Returns:
+        One checksum per slice, or () for a tensor of fewer than 3 dimensions or no bytes.
+    """
+    if len(shape) < 3 or region.numel() == 0:
+        return ()
+    return tuple(hash_bytes(row) for row in region.view(shape[0], -1))
+
+
 @functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (in elements).
@@ -168,3 +186,15 @@ def group_span(records: Iterable[SwapRecord]) -> int:
         The bytes.
     """
     return round_up(max((r.offset + r.nbytes for r in records), default=0))
+
+
+def sliceable_checked(record: SwapRecord) -> bool:
+    """Whether slices of ``record`` read alone are checked as the whole record is: it has no checksum, or one per slice.
+
+    Args:
+        record: A record.
+
+    Returns:
+        True when a slice read needs no check or can be checked (``SwapRecord.slices``).
+    """
+    return record.checksum is None or (len(record.shape) > 0 and len(record.slices) == record.shape[0])

@@ -13,7 +13,7 @@ import torch
 
 from ..pending import Pending
 from .pool import BufferPool, round_up
-from .records import SwapRecord, hash_bytes
+from .records import SwapRecord, hash_bytes, slice_hashes
 
 if TYPE_CHECKING:
     from .codecs import ByteCodec
@@ -62,16 +62,26 @@ class StagingBuffers:
             The group's records (offsets: ``base`` + offset in the group) and its span (bytes, ``group_alignment``).
         """
         group_records, end = {}, 0
-        checksum = None
+        checksum: int | None = None
+        slices: tuple[int, ...] = ()
         for key, (local, spec, offset) in entries.items():
             nbytes = local.numel() * local.element_size()
             region = buffer[start + offset : start + offset + nbytes]
             if nbytes and region.data_ptr() != local.data_ptr():
                 region.view(local.dtype).view(local.shape).copy_(local)
             if self._checksum:
-                checksum = hash_bytes(region)
+                checksum, slices = hash_bytes(region), slice_hashes(region, tuple(local.shape))
             group_records[key] = SwapRecord(
-                key, local.dtype, tuple(local.shape), nbytes, file, base + offset, local.device, checksum, spec
+                key,
+                local.dtype,
+                tuple(local.shape),
+                nbytes,
+                file,
+                base + offset,
+                local.device,
+                checksum,
+                spec,
+                slices=slices,
             )
             end = offset + nbytes
         span = round_up(end, self.group_alignment)

@@ -103,7 +103,7 @@ class TensorSwapper:
         packs = [PackFile(path) for path in self.layout.pack_files()] if packed else []
         self.pack = packs[0] if packs else None  # (the first pack file: the only one of the folder layout)
         self.packing = PackedLayout(self, packs, self.layout.pack_weights()) if packs else None  # its extents
-        self._mapped = MappedFiles()  # groups served read-only from other files
+        self.mapped_files = MappedFiles()  # groups served read-only from other files
         self.tensor_alignment = PACKED_ALIGNMENT if packed else TENSOR_ALIGNMENT  # between a group's tensors
         self.checksum = self.config.checksum
         self.staging = StagingBuffers(
@@ -187,7 +187,7 @@ class TensorSwapper:
         check_group_name(group)
         if group in self._records:
             raise ValueError(f"group {group!r} is already on storage")
-        self._mapped.add(group, records := dict(records), encoded)
+        self.mapped_files.add(group, records := dict(records), encoded)
         self._records[group] = records
         self.version += 1
 
@@ -200,7 +200,7 @@ class TensorSwapper:
         Returns:
             Whether ``group`` is mapped.
         """
-        return group in self._mapped
+        return group in self.mapped_files
 
     # -- transfers ------------------------------------------------------------------------------------------
     def swap_out(
@@ -234,7 +234,7 @@ class TensorSwapper:
         total = 0
         for group, tensors in groups.items():
             check_group_name(group)
-            self._mapped.refuse_write(group, self._records.get(group, {}))
+            self.mapped_files.refuse_write(group, self._records.get(group, {}))
             self.wait_writing(group)
             if group in self._reading:  # its file is about to be rewritten: let the read finish first
                 self._reading[group].wait_io()
@@ -321,10 +321,9 @@ class TensorSwapper:
         for group in groups:
             self.wait_writing(group)
             records = self._records.get(group, {})
-            mapped = bool(records) and group in self._mapped
+            mapped = bool(records) and group in self.mapped_files
             if mapped:
-                self._mapped.check(group, records)
-                mapped = self._mapped.raw(group)
+        self.mapped_files.add(group, records := dict(records), encoded)
             left_out = (skip or {}).get(group, ()) if packed is None else ()
             plan.add(group, records, packed.span(group) if packed is not None else None, mapped, left_out)
         total, spans, layout = plan.total, plan.spans, plan.layout
@@ -361,7 +360,7 @@ class TensorSwapper:
             self.version += 1
         if self.packing is not None and self.packing.leave(group):
             pass  # (its extent is freed once no group lives there)
-        elif self._mapped.forget(group):
+        elif self.mapped_files.forget(group):
             pass  # the file is someone else's
         elif records:
             self.layout.remove_file(next(iter(records.values())).file)

@@ -135,3 +135,31 @@ def test_a_change_to_a_block_read_without_its_experts_is_refused(tmp_path):
             model(ids)
         handle.remove()
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_a_corrupt_expert_read_alone_raises_a_checksum_error_naming_it(tmp_path):
+    """With checksums, each expert's slice of a fused record carries its own, checked when read alone: one expert's
+    bytes changed on storage raise a ChecksumError naming that expert, its parameter and block (never wrong values)."""
+    saved(tmp_path, "mixtral")
+    config = deepoffload.SwapConfig(checksum=True)
+    model, off = deepoffload.from_pretrained(tmp_path / "ckpt", path=tmp_path / "swap", config=config)
+    entry = off.experts.experts[0]
+    chosen: list[int] = []
+    handle = entry.spec.module.register_forward_pre_hook(lambda m, args: chosen.extend(args[1].unique().tolist()))
+    ids = torch.tensor([[3, 17, 5]])
+    with torch.no_grad():
+        model(ids)
+        handle.remove()
+        assert off.blocks[0].read_partly  # (checksummed records are still read by slices)
+        record = off.store.swapper.records(entry.block.group)[entry.names[1]]
+        expert = chosen[0]
+        size = record.nbytes // record.shape[0]
+        with open(record.file, "r+b") as f:
+            f.seek(record.offset + expert * size + size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+        name = f"model.layers.0.{entry.names[1]}"
+        with pytest.raises(deepoffload.ChecksumError, match=rf"expert {expert} of parameter {name}"):
+            model(ids)
+    off.close(restore=False)  # (restoring reads the corrupt record whole: its own checksum refuses it)

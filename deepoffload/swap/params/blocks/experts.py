@@ -4,13 +4,16 @@ A Mixture-of-Experts block's experts module holds fused parameters whose first d
 (``gate_up_proj[e]``, ``down_proj[e]``); each expert's bytes are a contiguous slice of the parameter's record. The model
 rules name such modules (``ModelRules.experts``). Their parameters are the block's ``skip``: a forward without a
 backward reads the block without them (``BlockStore.start_read(partial=True)``), and a pre-hook on the experts module
-reads the chosen experts' slices (or takes them from the ``ExpertCache``) into tensors of those experts only, and calls
-the module's own forward with the expert indices renumbered into them and its expert count set to their number: the
-same computation, expert by expert in the same order, as on the whole parameters. Blocks read whole (training, the
+reads the chosen experts' slices (or takes them from the ``ExpertCache``) into their rows of whole-shaped parameters
+(two slots of them, reused: no memory is allocated per forward; adjacent experts are one read), and the module's own
+forward runs on them: the same call, which uses the chosen experts' rows only. Blocks read whole (training, the
 backward's recompute, ``state_dict``) run the module untouched.
 
 The early router: the next experts module's router, copied once its block was in memory, is applied to this module's
-input; the experts it chooses are read ahead (speculative: a wrong guess costs a read, never a wrong result).
+input before this module's own reads are waited for; the experts it chooses are read ahead into the next slot while
+this module computes (speculative: a wrong guess costs a read, never a wrong result). The first module has no layer
+before it: its experts are read when it runs (its router applied to the block's input guessed too few of them right to
+pay for the bytes).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _Experts:
         self.shapes = [block.shapes[block.names.index(n)] for n in self.names]  # (the parameters are placeholders)
         self.count = int(getattr(spec.module, spec.count))
         self.router_copy: nn.Module | None = None
+        self.slot = 0  # which of the two buffers it computes in (``ExpertReads.buffers``)
         self.saved: list[torch.Tensor] = []
 
 
@@ -76,7 +80,8 @@ class ExpertReads:
         self.stats = ExpertStats()
         pinned = lambda: sum(b.nbytes + b.compute_nbytes for b in blocks if b.state is Residency.PINNED)  # noqa: E731
         self.cache = ExpertCache(lambda: max(0, (budget() or 0) - pinned()), self.stats)
-        self.pending: dict[tuple[int, int], tuple[list[torch.Tensor], Callable[[], None]]] = {}
+        self.pending: dict[int, tuple[_Experts, list[int], Callable[[], None]]] = {}  # slot -> rows read ahead
+        self.slots: dict[tuple, list[torch.Tensor]] = {}
         self.experts: list[_Experts] = []
         self.handles: list[Any] = []
         self.stamps: dict[int, list[Any]] = {}  # block index -> its experts' records when last read
@@ -85,6 +90,7 @@ class ExpertReads:
             if block is None or block.compute_dtype is not None:  # (compute copies: the block is read whole)
                 continue
             entry = _Experts(spec, block)
+            entry.slot = len(self.experts) % 2
             block.skip = block.skip | frozenset(entry.names)
             self.experts.append(entry)
             self.handles.append(spec.module.register_forward_pre_hook(self._before(entry), with_kwargs=True))
@@ -102,26 +108,17 @@ class ExpertReads:
         return hook
 
     def _before(self, entry: _Experts) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not entry.block.read_partly:
-                return None  # read whole: the module runs on its own parameters
+                return  # read whole: the module runs on its own parameters
             values = [*args, *kwargs.values()]
             hidden, index = values[0], values[1]
-            chosen = [int(e) for e in torch.unique(index) if int(e) < entry.count]
-            tensors = self.take(entry, chosen)
+            chosen = [e for e in torch.unique(index).tolist() if e < entry.count]
+            tensors = self.take(entry, chosen, hidden)
             entry.saved = [p.data for p in entry.params]
             for param, value in zip(entry.params, tensors):
                 plain(param)
                 param.data = value
-            setattr(module, entry.spec.count, len(chosen))
-            lookup = torch.full((entry.count + 1,), len(chosen), dtype=index.dtype)
-            lookup[torch.tensor(chosen, dtype=torch.long)] = torch.arange(len(chosen), dtype=index.dtype)
-            renumbered = lookup[index.clamp(0, entry.count)]
-            self.prefetch_after(entry, hidden)
-            if len(args) >= 2:
-                return (args[0], renumbered, *args[2:]), kwargs
-            key = next(k for k, v in kwargs.items() if v is index)
-            return args, {**kwargs, key: renumbered}
 
         return hook
 
@@ -129,7 +126,6 @@ class ExpertReads:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not entry.saved:
                 return
-            setattr(module, entry.spec.count, entry.count)
             for param, name, saved in zip(entry.params, entry.names, entry.saved):
                 param.data = saved
                 streamed(param, entry.block, name)
@@ -138,45 +134,78 @@ class ExpertReads:
         return hook
 
     # -- reading --------------------------------------------------------------------------------------------
-    def take(self, entry: _Experts, chosen: list[int]) -> list[torch.Tensor]:
-        """The module's parameters holding only the ``chosen`` experts, in that order (cached, read ahead or read).
+    def buffers(self, entry: _Experts) -> list[torch.Tensor]:
+        """The module's slot: whole-shaped parameters (zeroed once) whose chosen experts' rows a forward fills.
+
+        Experts modules alternate between two slots, so the next one's experts are read while this one computes.
+
+        Args:
+            entry: The experts module.
+
+        Returns:
+            One tensor per parameter, of the parameter's shape and dtype (reused by every module of that slot).
+        """
+        key = (entry.slot, tuple(entry.shapes), tuple(p.dtype for p in entry.params))
+        if key not in self.slots:
+            self.slots[key] = [aligned_empty(s, p.dtype, pin=False).zero_() for p, s in zip(entry.params, entry.shapes)]
+        return self.slots[key]
+
+    def take(self, entry: _Experts, chosen: list[int], hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The module's parameters with the ``chosen`` experts' rows as stored (cached, read ahead or read now).
+
+        The other rows hold other experts' values (or zeros): the module's forward, called with ``chosen`` only,
+        never uses them. The next experts module's reads are started (``prefetch_after``) before this one's are
+        waited for.
 
         Args:
             entry: The experts module.
             chosen: Expert indices, ascending.
+            hidden: The module's input (the early router's), or None.
 
         Returns:
-            One tensor per parameter, of first dimension ``len(chosen)``.
+            One tensor per parameter, of the parameter's shape.
         """
         self.check_stored(entry)
-        out = [aligned_empty((len(chosen), *s[1:]), p.dtype, pin=False) for p, s in zip(entry.params, entry.shapes)]
-        missing: dict[int, int] = {}
-        for k, e in enumerate(chosen):
-            key = (entry.block.index, e)
-            found = self.cache.get(key)  # (counts the use)
-            if key in self.pending:  # read ahead: used now, kept if the budget allows
-                found, wait = self.pending.pop(key)
-                wait()
+        out = self.buffers(entry)
+        pending = self.pending.pop(entry.slot, None)
+        if pending is not None and pending[0] is not entry:
+            pending[2]()  # (another module's reads into this slot finish before its rows are written)
+            pending = None
+        ready = set(pending[1]) if pending is not None else set()
+        missing, cached = [], []
+        for e in chosen:
+            found = self.cache.get((entry.block.index, e))  # (counts the use)
+            if e in ready:
                 self.stats.prefetch_used += 1
-                self.cache.put(key, found)
-            if found is None:
-                missing[k] = e
-                self.stats.misses += 1
-                continue
-            self.stats.hits += 1
+            elif found is not None:
+                cached.append((e, found))
+            else:
+                missing.append(e)
+        waits = [read_slices(self.store, entry.block, n, missing, t) for n, t in zip(entry.names, out)]
+        if pending is not None:
+            waits.insert(0, pending[2])  # (its rows and the missing ones are other rows of the slot)
+        if hidden is not None:
+            self.prefetch_after(entry, hidden)
+        for e, found in cached:
             for tensor, part in zip(out, found):
-                tensor[k].copy_(part)
-        if missing:
-            waits = [
-                read_slices(self.store, entry.block, name, entry.count, {e: t[k] for k, e in missing.items()})
-                for name, t in zip(entry.names, out)
-            ]
-            for wait in waits:
-                wait()
-            self.stats.bytes_read += sum(t[0].numel() * t.element_size() for t in out) * len(missing)
-            for k, e in missing.items():
-                self.cache.put((entry.block.index, e), [t[k].clone() for t in out])
+                tensor[e].copy_(part)
+        for wait in waits:
+            wait()
+        row = sum(t[0].numel() * t.element_size() for t in out)
+        self.stats.misses += len(missing)
+        self.stats.hits += len(chosen) - len(missing)
+        self.stats.bytes_read += row * len(missing)
+        if self.cache.budget() >= row:  # (copies only when the cache may keep them)
+            for e in [*missing, *(e for e in chosen if e in ready)]:
+                if (entry.block.index, e) not in self.cache:
+                    self.cache.put((entry.block.index, e), [t[e].clone() for t in out])
         return out
+
+    def settle(self, entry: _Experts) -> None:
+        """Wait for the reads pending into ``entry``'s slot and drop them (the slot is read into again)."""
+        pending = self.pending.pop(entry.slot, None)
+        if pending is not None:
+            pending[2]()
 
     def check_stored(self, entry: _Experts) -> None:
         """Drop what is cached or read ahead of ``entry``'s block when its records changed (it was written since)."""
@@ -186,8 +215,10 @@ class ExpertReads:
         if seen is not None and all(a is b for a, b in zip(seen, stamp)):
             return
         self.stamps[entry.block.index] = stamp  # (held: the old records' ids are not reused while compared)
-        for key in [k for k in self.pending if k[0] == entry.block.index]:
-            self.pending.pop(key)[1]()
+        for slot, (owner, _, wait) in list(self.pending.items()):
+            if owner.block is entry.block:
+                del self.pending[slot]
+                wait()
         for key in [k for k in self.cache.entries if k[0] == entry.block.index]:
             self.cache.drop(key)
 
@@ -195,30 +226,38 @@ class ExpertReads:
         """Start reading the experts the next experts module's router chooses for ``hidden`` (speculative)."""
         position = self.experts.index(entry)
         following = self.experts[position + 1] if position + 1 < len(self.experts) else None
-        if following is None or following.router_copy is None or following.block is entry.block:
-            return
+        if following is not None and following.block is not entry.block:
+            self.prefetch(following, hidden)
+
+    def prefetch(self, following: _Experts, hidden: torch.Tensor) -> None:
+        """Start reading the experts ``following``'s router copy chooses for ``hidden`` into its slot (speculative).
+
+        Args:
+            following: An experts module about to run.
+            hidden: Hidden states of the tokens it will run on, or an earlier layer's (its router is applied).
+        """
+        if following.router_copy is None or not following.block.read_partly:
+            return  # (its block is read whole, or not yet: it may be read whole)
         self.check_stored(following)
         with torch.no_grad():
-            output = following.router_copy(hidden)
+            output = following.router_copy(hidden.reshape(-1, hidden.shape[-1]))
         found = [t for t in (output if isinstance(output, tuple) else (output,)) if not t.is_floating_point()]
         if not found:
             return  # a router returning logits only: nothing to read ahead
-        for e in sorted({int(e) for e in torch.unique(found[-1]) if int(e) < following.count}):
-            key = (following.block.index, e)
-            if key in self.cache or key in self.pending:
-                continue
-            parts = [aligned_empty(s[1:], p.dtype, pin=False) for p, s in zip(following.params, following.shapes)]
-            waits = [
-                read_slices(self.store, following.block, name, following.count, {e: t})
-                for name, t in zip(following.names, parts)
-            ]
-            self.stats.bytes_read += sum(t.numel() * t.element_size() for t in parts)
-            self.stats.prefetched += 1
-            self.pending[key] = (parts, _waiting(waits))
+        self.settle(following)  # (a read still pending into its slot finishes first: its rows may be read again)
+        cached = lambda e: (following.block.index, e) in self.cache  # noqa: E731
+        rows = [e for e in torch.unique(found[-1]).tolist() if e < following.count and not cached(e)]
+        if not rows:
+            return
+        out = self.buffers(following)
+        waits = [read_slices(self.store, following.block, n, rows, t) for n, t in zip(following.names, out)]
+        self.stats.bytes_read += sum(t[0].numel() * t.element_size() for t in out) * len(rows)
+        self.stats.prefetched += len(rows)
+        self.pending[following.slot] = (following, rows, _waiting(waits))
 
     def forget(self) -> None:
         """Drop cached and read-ahead experts (after the weights changed: a training step, a load)."""
-        for _, wait in self.pending.values():
+        for _, _, wait in self.pending.values():
             wait()
         self.pending.clear()
         self.cache.clear()

@@ -16,6 +16,7 @@ from ....errors import ChecksumError, ResidencyError, StreamedParameterError
 from ...codecs import codec_class
 from ...config import SwapConfig
 from ...pool import PAGE_SIZE
+from ...records import sliceable_checked
 from ...tensor_swapper import SwapIn, SwapOut, SwapRecord, TensorSwapper
 from ..blocks.placeholders import plain
 from ..blocks.residency import Block, Residency, span
@@ -133,6 +134,7 @@ class BlockStore:
         try:
             partial = partial and bool(block.skip) and self.swapper.packing is None
             partial = partial and all(records[name].codec == "none" for name in block.skip)  # (raw bytes: sliceable)
+            partial = partial and all(sliceable_checked(records[name]) for name in block.skip)
             block.read = self.swapper.swap_in([block.group], skip={block.group: block.skip} if partial else None)
         except OSError as e:
             raise self.read_error(block, e) from e
