@@ -323,7 +323,8 @@ class TensorSwapper:
             records = self._records.get(group, {})
             mapped = bool(records) and group in self.mapped_files
             if mapped:
-        self.mapped_files.add(group, records := dict(records), encoded)
+                self.mapped_files.check(group, records)
+                mapped = self.mapped_files.raw(group)
             left_out = (skip or {}).get(group, ()) if packed is None else ()
             plan.add(group, records, packed.span(group) if packed is not None else None, mapped, left_out)
         total, spans, layout = plan.total, plan.spans, plan.layout
