@@ -254,12 +254,12 @@ class ActivationOffload:
                 )
             in_memory = stored.original is not None
             self.counts["served_from_memory" if in_memory else "read"] += 1
-            storage = store.bytes_of(stored)
+            storage, skip = store.bytes_of(stored)
             if not in_memory:  # a tensor of it saved again (a recomputation, a double backward) is not written again
                 self._read_back[storage.data_ptr()] = (weakref.ref(storage), stored)
             self._read_ahead(stored)
         tensor = torch.empty(0, dtype=saved.dtype, device=stored.device)
-        return tensor.set_(storage, saved.offset, saved.size, saved.stride)
+        return tensor.set_(storage, saved.offset + skip // tensor.element_size(), saved.size, saved.stride)
 
     def _read_ahead(self, stored: StoredBytes) -> None:
         """Start reading the ``prefetch`` stored tensors saved before ``stored`` (the backward's next ones)."""

@@ -6,7 +6,7 @@ calling thread: the op's worker threads bounce memory that is not aligned for di
 ``buffer_count * chunk_bytes`` bytes of tensors are being written at once (beyond it the next save waits for the
 oldest writes, or one tensor when larger). The tensor is kept until its write has completed, then let go (its memory
 is released once written). A failed write keeps it for good and is reported once (``take_error``). A read goes into
-a fresh page-aligned buffer and is checked against the xxh3-64 of each ``chunk_bytes`` of the tensor's bytes, hashed
+a page-aligned buffer and is checked against the xxh3-64 of each ``chunk_bytes`` of the tensor's bytes, hashed
 at the save, when checksums are on. Extents are handed out from the end of
 the file; when no stored tensor is left the file starts again at offset 0.
 
@@ -17,14 +17,16 @@ next run removes the folders of dead processes).
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
+import threading
 import weakref
 
 import torch
 
 from ..errors import ChecksumError, UnsupportedError
-from ..io.buffers import aligned_empty
+from ..io.buffers import PAGE_SIZE, aligned_empty
 from ..io.handle import AsyncIOHandle
 from ..io.request import Request
 from ..swap.config import SwapConfig
@@ -47,7 +49,8 @@ class StoredBytes:
             one failed. version: its version counter at the save.
         pending: Writes of it not yet completed. hashes: xxh3-64 of each chunk (None: checksums off).
         error: The ``OSError`` of a failed write (the bytes then stay in ``original``).
-        reading: ``(request, buffer)`` of a read in flight. restored: the storage read back (weakly held).
+        reading: ``(request, buffer)`` of a read in flight. restored: the storage read back (weakly held), its
+            bytes from ``skip`` on.
         index: The position in the forward's order (prefetch goes down from here). users: live handles.
         copied: ``original`` is a copy made at the save (``write(copy=True)``), not the saved tensor.
     """
@@ -67,6 +70,7 @@ class StoredBytes:
         "index",
         "users",
         "copied",
+        "skip",
     )
 
     def __init__(self, original: torch.Tensor, version: int, offset: int, index: int):
@@ -84,6 +88,7 @@ class StoredBytes:
         self.index = index
         self.users = 0
         self.copied = False
+        self.skip = 0  # bytes from the start of the storage read back to the tensor's bytes
 
 
 class ActivationStore:
@@ -212,31 +217,42 @@ class ActivationStore:
 
     # -- reads ----------------------------------------------------------------------------------------------
     def start_read(self, stored: StoredBytes) -> None:
-        """Start reading ``stored`` back into a fresh page-aligned buffer, unless in memory or already started."""
+        """Start reading ``stored`` back into a page-aligned buffer, unless in memory or already started.
+
+        The buffer is a page-aligned slice of a tensor from torch's allocator (one page more than the bytes): memory
+        the heap already holds (the forward's written tensors, freed gradients) is used again, where a mapping of its
+        own would be faulted in and zeroed page by page, then unmapped, for every read.
+        """
         if stored.reading is not None or stored.original is not None or self._restored(stored) is not None:
             return
         check_run_folder(self.folder)
-        buffer = aligned_empty(stored.span, pin=False)
-        stored.reading = (self.handle.read_async(buffer[: stored.nbytes], self.path, stored.offset), buffer)
+        raw = torch.empty(stored.nbytes + PAGE_SIZE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE_SIZE
+        if skip % 16:  # (torch's allocator aligns to 64 bytes: an offset in elements of any dtype)
+            raw, skip = aligned_empty(stored.span, pin=False), 0
+        buffer = raw[skip : skip + stored.nbytes]
+        stored.skip = skip
+        stored.reading = (self.handle.read_async(buffer, self.path, stored.offset), buffer)
 
-    def bytes_of(self, stored: StoredBytes) -> torch.UntypedStorage:
+    def bytes_of(self, stored: StoredBytes) -> tuple[torch.UntypedStorage, int]:
         """The storage of ``stored``'s bytes in memory: the original, the storage read back, or a read now.
 
         Args:
             stored: The record.
 
         Returns:
-            An untyped storage of at least ``stored.nbytes`` bytes, in CPU memory.
+            An untyped storage in CPU memory and the byte offset of ``stored.nbytes`` bytes in it (0 for the
+            original).
 
         Raises:
             OSError: When the read fails (errno, path, offset).
             ChecksumError: When the bytes read differ from those written.
         """
         if stored.original is not None:
-            return stored.original.untyped_storage()
+            return stored.original.untyped_storage(), 0
         restored = self._restored(stored)
         if restored is not None:
-            return restored
+            return restored, stored.skip
         self.start_read(stored)
         request, buffer = stored.reading  # type: ignore[misc]  # (set by start_read)
         stored.reading = None
@@ -245,7 +261,7 @@ class ActivationStore:
             self._check(stored, buffer)
         storage = buffer.untyped_storage()
         stored.restored = weakref.ref(storage)
-        return storage
+        return storage, stored.skip
 
     @staticmethod
     def _restored(stored: StoredBytes) -> torch.UntypedStorage | None:
@@ -287,9 +303,37 @@ class ActivationStore:
         finally:
             self.handle.close()
             if not self.config.keep_files:
+                held = _hold_open(self.path)
                 remove_run_folder(self.folder)
+                if held is not None:
+                    _close_later(held)
 
     @property
     def file_bytes(self) -> int:
         """Bytes of the file in use (up to the end of the last extent handed out)."""
         return self._end
+
+
+def _hold_open(path: str) -> int | None:
+    """A descriptor of ``path`` (None where it cannot be opened): the file's blocks stay allocated while it is open."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags)
+    except OSError:
+        return None
+
+
+def _close_later(fd: int) -> None:
+    """Close ``fd`` on a thread of its own: the last close of an unlinked file frees its blocks.
+
+    Freeing the blocks of a file of hundreds of MiB takes a tenth of a second or more (the filesystem's extent work,
+    and the discards of a folder mounted with ``discard``), all of it waiting; the run folder is already gone when
+    this is called, so nothing observable changes (the space comes back once the thread is done, and at the
+    latest when the process ends).
+    """
+    threading.Thread(target=_close_quietly, args=(fd,), name="deepoffload-activations-free", daemon=True).start()
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
