@@ -53,6 +53,7 @@ class StoredBytes:
             bytes from ``skip`` on.
         index: The position in the forward's order (prefetch goes down from here). users: live handles.
         copied: ``original`` is a copy made at the save (``write(copy=True)``), not the saved tensor.
+        skip: The byte offset of the bytes in the storage read back. drive: The run's store holding it.
     """
 
     __slots__ = (
@@ -71,6 +72,7 @@ class StoredBytes:
         "users",
         "copied",
         "skip",
+        "drive",
     )
 
     def __init__(self, original: torch.Tensor, version: int, offset: int, index: int):
@@ -89,6 +91,7 @@ class StoredBytes:
         self.users = 0
         self.copied = False
         self.skip = 0  # bytes from the start of the storage read back to the tensor's bytes
+        self.drive = 0  # which store of the run holds it (``ActivationDrives``)
 
 
 class ActivationStore:
@@ -100,7 +103,7 @@ class ActivationStore:
         config: Where and how (folder, bytes being written at once, checksums, aio settings).
 
     Raises:
-        UnsupportedError: When ``config.folder`` is several folders.
+        UnsupportedError: When ``config.folder`` is several folders (``ActivationDrives`` makes a store for each).
     """
 
     def __init__(self, config: SwapConfig):
