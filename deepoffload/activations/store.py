@@ -36,7 +36,8 @@ from ..swap.pool import round_up, trim_heap
 from ..swap.records import hash_bytes
 
 FILE_NAME = "activations.swp"
-TRIM_BYTES = 64 << 20  # bytes let go between two trims of the heap (see ``released``)
+TRIM_BYTES = 32 << 20  # growth of the process's resident memory that makes ``released`` trim the heap
+CHECK_BYTES = 16 << 20  # bytes let go between two looks at the resident memory
 
 
 class StoredBytes:
@@ -128,6 +129,7 @@ class ActivationStore:
         self.bytes_written = 0
         self.bytes_read = 0
         self._released = 0
+        self._resident_low = resident_bytes()  # the resident memory after the last trim, or lower since
         self.closed = False
 
     # -- writes ---------------------------------------------------------------------------------------------
@@ -186,16 +188,29 @@ class ActivationStore:
             self.released(stored.nbytes)
 
     def released(self, nbytes: int) -> None:
-        """``nbytes`` of tensors were let go; give freed heap pages back to the system every ``TRIM_BYTES``.
+        """``nbytes`` of tensors were let go; give freed heap pages back when the resident memory grew ``TRIM_BYTES``.
 
         Activations (and their gradients in backward) are mostly above glibc's initial mmap threshold: freeing one
         raises the threshold, later ones come from the heap, and freed heap memory stays in the process (RSS as high
-        as keeping every saved tensor) until ``malloc_trim`` (``swap.pool.trim_heap``).
+        as keeping every saved tensor) until ``malloc_trim`` (``swap.pool.trim_heap``). A trim costs twice: its own
+        walk, and the page faults (and zeroing) when the heap grows into the returned pages again. So the heap is
+        trimmed only when the process's resident memory (looked at every ``CHECK_BYTES`` let go) is ``TRIM_BYTES``
+        above where it was after the last trim: freed memory the next tensors reuse is never returned (where the
+        resident memory cannot be read, every ``TRIM_BYTES`` let go).
         """
         self._released += nbytes
-        if self._released >= TRIM_BYTES:
-            self._released = 0
+        if self._released < (CHECK_BYTES if self._resident_low is not None else TRIM_BYTES):
+            return
+        self._released = 0
+        resident = resident_bytes()
+        if resident is None or self._resident_low is None:
             trim_heap()
+            return
+        if resident - self._resident_low >= TRIM_BYTES:
+            trim_heap()
+            self._resident_low = resident_bytes() or resident
+        else:
+            self._resident_low = min(self._resident_low, resident)
 
     def reap(self, wait: bool = False) -> None:
         """Collect completed writes (``wait``: all of them), releasing their buffers and written tensors."""
@@ -340,3 +355,12 @@ def _close_later(fd: int) -> None:
 def _close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (``/proc/self/statm``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
