@@ -161,3 +161,9 @@ class ActivationDrives:
     def file_bytes(self) -> int:
         """Bytes of the files in use, on every drive."""
         return sum(s.file_bytes for s in self.stores)
+
+    @property
+    def peak_held(self) -> int:
+        """The most bytes the run held at once (tensors being written, reads not yet handed out; with several
+        drives the sum of each drive's most, an upper bound)."""
+        return sum(s.peak_held for s in self.stores)

@@ -143,16 +143,19 @@ class ActivationOffload:
         """Counts and bytes of this run so far.
 
         Returns:
-            ``counts`` plus ``bytes_written``, ``bytes_read``, ``stored`` (stored tensors alive) and ``file_bytes``.
+            ``counts`` plus ``bytes_written``, ``bytes_read``, ``stored`` (stored tensors alive), ``file_bytes`` and
+            ``peak_held_bytes`` (the library's own part of the memory: the most bytes of saved tensors it kept
+            alive while they were being written plus those read ahead and not yet used, at once).
         """
         store = self.store
-        extra = {"bytes_written": 0, "bytes_read": 0, "stored": 0, "file_bytes": 0}
+        extra = {"bytes_written": 0, "bytes_read": 0, "stored": 0, "file_bytes": 0, "peak_held_bytes": 0}
         if store is not None:
             extra = {
                 "bytes_written": store.bytes_written,
                 "bytes_read": store.bytes_read,
                 "stored": store.live,
                 "file_bytes": store.file_bytes,
+                "peak_held_bytes": store.peak_held,
             }
         return {**{name: self.counts[name] for name in COUNTS}, **extra}
 

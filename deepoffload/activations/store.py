@@ -128,6 +128,8 @@ class ActivationStore:
         self.reported = False
         self.bytes_written = 0
         self.bytes_read = 0
+        self._reading = 0  # bytes of reads started and not yet handed out
+        self.peak_held = 0  # the most bytes of tensors being written plus reads not yet handed out, at once
         self._released = 0
         self._resident_low = resident_bytes()  # the resident memory after the last trim, or lower since
         self.closed = False
@@ -163,6 +165,7 @@ class ActivationStore:
             request = self.handle.write_async(data, self.path, stored.offset, truncate=False)
             self._writes.append((request, stored))
             self._in_flight += stored.nbytes
+            self.peak_held = max(self.peak_held, self._in_flight + self._reading)
             stored.pending += 1
         else:
             stored.original = None
@@ -251,6 +254,8 @@ class ActivationStore:
         buffer = raw[skip : skip + stored.nbytes]
         stored.skip = skip
         stored.reading = (self.handle.read_async(buffer, self.path, stored.offset), buffer)
+        self._reading += stored.nbytes
+        self.peak_held = max(self.peak_held, self._in_flight + self._reading)
 
     def bytes_of(self, stored: StoredBytes) -> tuple[torch.UntypedStorage, int]:
         """The storage of ``stored``'s bytes in memory: the original, the storage read back, or a read now.
@@ -274,6 +279,7 @@ class ActivationStore:
         self.start_read(stored)
         request, buffer = stored.reading  # type: ignore[misc]  # (set by start_read)
         stored.reading = None
+        self._reading -= stored.nbytes
         self.bytes_read += request.wait()
         if stored.hashes is not None:
             self._check(stored, buffer)
@@ -302,6 +308,8 @@ class ActivationStore:
     def free(self, stored: StoredBytes) -> None:
         """``stored`` is no longer needed; its extent is reused once nothing is stored (pending writes finish)."""
         stored.restored = None
+        if stored.reading is not None:  # read ahead, never used
+            self._reading -= stored.nbytes
         stored.reading = None
         if stored.error is not None:
             stored.original = None
