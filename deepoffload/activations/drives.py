@@ -164,6 +164,8 @@ class ActivationDrives:
 
     @property
     def peak_held(self) -> int:
-        """The most bytes the run held at once (tensors being written, reads not yet handed out; with several
-        drives the sum of each drive's most, an upper bound)."""
+        """The most bytes the run held at once: tensors being written and reads not yet handed out.
+
+        With several drives, the sum of each drive's most (an upper bound).
+        """
         return sum(s.peak_held for s in self.stores)

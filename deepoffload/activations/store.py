@@ -345,7 +345,7 @@ def _hold_open(path: str) -> int | None:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         return os.open(path, flags)
-    except OSError:
+    except OSError:  # (gone or replaced by a link: the folder's removal then frees it, in the foreground)
         return None
 
 
@@ -370,5 +370,5 @@ def resident_bytes() -> int | None:
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * PAGE_SIZE
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError):  # no /proc here: the caller trims by bytes let go instead
         return None
