@@ -10,12 +10,15 @@ A B C D per round:
 
 Per variant: the median step time (after one warm-up step) and the peak of the step's memory over what the process
 held before it (``ru_maxrss`` of the child after the steps less its RSS before them: the saved activations and the
-step's temporaries). Ratios: offload over plain, over checkpoint and over max(plain, disk) (1 where the IO overlaps
-the compute perfectly); peak of offload over plain (target <= 0.20 of keeping them in memory). The load average at the
-start and end is printed with the figures (a shared machine disturbs them).
+step's temporaries); for ``offload`` also the library's own part, ``stats()["peak_held_bytes"]`` (tensors being
+written plus reads ahead not yet used, at once), over the saved bytes: the rest of its peak is the model's (its
+gradients and the forward's and backward's live tensors). Ratios: offload over plain, over checkpoint and over
+max(plain, disk) (1 where the IO overlaps the compute perfectly); peak of offload over plain (target <= 0.20 of
+keeping them in memory). The load average at the start and end is printed with the figures (a shared machine disturbs
+them).
 
     python benchmarks/activations.py [--folder DIR] [--width 1024] [--layers 16] [--rows 8192] [--steps 3]
-        [--rounds 3] [--json PATH]
+        [--rounds 3] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def training_step(variant: str, args, stats: dict):
             with offload_activations(args.folder) as off:
                 model(x).square().mean().backward()
             stats["written"] = off.stats()["bytes_written"]
+            stats["held"] = max(stats.get("held", 0), off.stats()["peak_held_bytes"])
         elif variant == "checkpoint":
             h = x
             for layer in model:
@@ -104,7 +108,7 @@ def disk_step(args):
 
 def child(variant: str, args) -> dict:
     """One variant's steps in this process; returns its median step time, peak over the start and bytes written."""
-    stats = {"written": 0}
+    stats = {"written": 0, "held": 0}
     step = disk_step(args) if variant == "disk" else training_step(variant, args, stats)
     start = rss_bytes()
     step()  # warm-up
@@ -114,7 +118,12 @@ def child(variant: str, args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": statistics.median(times), "peak": peak - start, "written": stats["written"]}
+    return {
+        "seconds": statistics.median(times),
+        "peak": peak - start,
+        "written": stats["written"],
+        "held": stats["held"],
+    }
 
 
 def main() -> int:
@@ -126,9 +135,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 layers of 64 on 256 rows, 1 round")
     parser.add_argument("--child", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--disk-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.width, args.layers, args.rows, args.rounds, args.steps = 64, 2, 256, 1, 1
     if args.child:
         print(json.dumps(child(args.child, args)))
         return 0
@@ -176,6 +188,12 @@ def compare(args, folder: str) -> int:
         ("raw disk same bytes / plain step", per_round("disk", "plain"), None, False),
         ("offload peak / plain peak", per_round("offload", "plain", "peak"), 0.20, False),
         ("checkpoint peak / plain peak", per_round("checkpoint", "plain", "peak"), None, False),
+        (
+            "offload's own part (writes + reads ahead) / saved",
+            [r["held"] / saved for r in runs["offload"]],
+            None,
+            False,
+        ),
     ]
     for label, ratios, bound, _ in rows:
         target = "" if bound is None else f" (target <= {bound})"

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not BENCHMARKS.is_dir(), reason="needs the sourc
 
 # script -> its arguments at a tiny size ("{folder}": a scratch folder on a real disk; "{python}": this interpreter)
 TINY = {
-    "activations.py": ["--folder", "{folder}", "--width", "64", "--layers", "2", "--rows", "256", "--rounds", "1"],
+    "activations.py": ["--folder", "{folder}", "--quick"],
     "bounce_buffer.py": ["--path", "{folder}", "--size", "1M", "--rounds", "1"],
     "build_and_load.py": ["--rounds", "1"],
     "checkpoint.py": ["--path", "{folder}", "--size", "4M", "--rounds", "1"],

@@ -22,13 +22,15 @@ import collections
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..errors import UnsupportedError
 from ..swap.config import SwapConfig
-from .store import ActivationStore, StoredBytes
+from .drives import ActivationDrives
+from .store import StoredBytes
 
 MIN_BYTES = 1 << 20
 PREFETCH = 2
@@ -89,7 +91,7 @@ class ActivationOffload:
         self.config = config
         self.min_bytes = min_bytes
         self.prefetch = prefetch
-        self.store: ActivationStore | None = None
+        self.store: ActivationDrives | None = None
         self.counts = collections.Counter[str]()
         self._lock = threading.Lock()
         self._state = "new"
@@ -110,7 +112,7 @@ class ActivationOffload:
                 )
             self._state = "active"
         try:
-            self.store = ActivationStore(self.config)
+            self.store = ActivationDrives(self.config)
         except BaseException:
             self._state = "closed"
             raise
@@ -141,23 +143,31 @@ class ActivationOffload:
         """Counts and bytes of this run so far.
 
         Returns:
-            ``counts`` plus ``bytes_written``, ``bytes_read``, ``stored`` (stored tensors alive) and ``file_bytes``.
+            ``counts`` plus ``bytes_written``, ``bytes_read``, ``stored`` (stored tensors alive), ``file_bytes`` and
+            ``peak_held_bytes`` (the library's own part of the memory: the most bytes of saved tensors it kept
+            alive while they were being written plus those read ahead and not yet used, at once).
         """
         store = self.store
-        extra = {"bytes_written": 0, "bytes_read": 0, "stored": 0, "file_bytes": 0}
+        extra = {"bytes_written": 0, "bytes_read": 0, "stored": 0, "file_bytes": 0, "peak_held_bytes": 0}
         if store is not None:
             extra = {
                 "bytes_written": store.bytes_written,
                 "bytes_read": store.bytes_read,
                 "stored": store.live,
                 "file_bytes": store.file_bytes,
+                "peak_held_bytes": store.peak_held,
             }
         return {**{name: self.counts[name] for name in COUNTS}, **extra}
 
     @property
     def folder(self) -> str | None:
-        """The run folder (None before the context is entered)."""
-        return None if self.store is None else self.store.folder
+        """The run folder (the first drive's with several folders; None before the context is entered)."""
+        return None if self.store is None else self.store.folders[0]
+
+    @property
+    def folders(self) -> list[str]:
+        """The run folder on each drive (empty before the context is entered)."""
+        return [] if self.store is None else self.store.folders
 
     # -- pack ---------------------------------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -254,12 +264,12 @@ class ActivationOffload:
                 )
             in_memory = stored.original is not None
             self.counts["served_from_memory" if in_memory else "read"] += 1
-            storage = store.bytes_of(stored)
+            storage, skip = store.bytes_of(stored)
             if not in_memory:  # a tensor of it saved again (a recomputation, a double backward) is not written again
                 self._read_back[storage.data_ptr()] = (weakref.ref(storage), stored)
             self._read_ahead(stored)
         tensor = torch.empty(0, dtype=saved.dtype, device=stored.device)
-        return tensor.set_(storage, saved.offset, saved.size, saved.stride)
+        return tensor.set_(storage, saved.offset + skip // tensor.element_size(), saved.size, saved.stride)
 
     def _read_ahead(self, stored: StoredBytes) -> None:
         """Start reading the ``prefetch`` stored tensors saved before ``stored`` (the backward's next ones)."""
@@ -304,7 +314,7 @@ class ActivationOffload:
 
 
 def offload_activations(
-    path: str | None = None,
+    path: str | Sequence[str] | None = None,
     *,
     min_bytes: int = MIN_BYTES,
     prefetch: int = PREFETCH,
@@ -322,7 +332,10 @@ def offload_activations(
 
     Files: one file in a run folder of its own under ``path`` (see ``SwapConfig.folder``), removed at the exit of the
     context once nothing saved is left, else once the last graph that saved tensors in it is freed (a backward run
-    after the context), and at interpreter exit; the next run removes the folders of crashed processes.
+    after the context), and at interpreter exit; the next run removes the folders of crashed processes. Several
+    folders (``path=[a, b]``, each on a drive of its own): a run folder and file on each, each drive with its own IO
+    queue, each saved tensor placed on the drive with the fewest bytes so far per unit of ``config.folder_speeds``
+    (``tests/activations/test_activation_drives.py``).
 
     Errors: a failed write (full disk) leaves that tensor, and every later one of the run, in memory, and raises its
     ``OSError`` (errno, path, offset) once: at the next backward use of a stored tensor or at the context's exit,
@@ -333,7 +346,8 @@ def offload_activations(
     entering it again (on any thread) raises ``UnsupportedError``. Its stored tensors may be unpacked from any thread.
 
     Args:
-        path: The base folder for the run folder (default: ``config.folder``, else the temp folder).
+        path: The base folder for the run folder, or a list of them (one per drive; default: ``config.folder``, else
+            the temp folder).
         min_bytes: Saved tensors whose storage is smaller stay in memory (bytes).
         prefetch: Stored tensors read ahead of the backward.
         checksum: Hash each staged chunk (xxh3-64) and check it when read back (replaces ``config.checksum``).
@@ -345,7 +359,7 @@ def offload_activations(
 
     Raises:
         ValueError: When ``min_bytes`` or ``prefetch`` is negative or not an integer.
-        UnsupportedError: When given several folders (a list): activations go to one folder.
+        FileNotFoundError: When one of several folders does not exist (at the context's entry).
 
     Examples:
         >>> import torch, deepoffload
@@ -358,10 +372,6 @@ def offload_activations(
     """
     config = config or SwapConfig(chunk_bytes=CHUNK_BYTES)
     config = config.replace(checksum=checksum, **({} if path is None else {"folder": path}))
-    if isinstance(config.folder, tuple):  # (its one file per run has no per-drive placement yet)
-        raise UnsupportedError(
-            f"offload_activations: several folders {list(config.folder)}: saved activations go to one file in one "
-            f"folder; pass one of them (path={config.folder[0]!r}); parameters and optimizer state "
-            f"(offload_parameters, OffloadedOptimizer) take the list"
-        )
+    if isinstance(config.folder, tuple) and len(config.folder) == 1:
+        config = config.replace(folder=config.folder[0], folder_speeds=None)
     return ActivationOffload(config, min_bytes, prefetch)

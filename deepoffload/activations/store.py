@@ -6,7 +6,7 @@ calling thread: the op's worker threads bounce memory that is not aligned for di
 ``buffer_count * chunk_bytes`` bytes of tensors are being written at once (beyond it the next save waits for the
 oldest writes, or one tensor when larger). The tensor is kept until its write has completed, then let go (its memory
 is released once written). A failed write keeps it for good and is reported once (``take_error``). A read goes into
-a fresh page-aligned buffer and is checked against the xxh3-64 of each ``chunk_bytes`` of the tensor's bytes, hashed
+a page-aligned buffer and is checked against the xxh3-64 of each ``chunk_bytes`` of the tensor's bytes, hashed
 at the save, when checksums are on. Extents are handed out from the end of
 the file; when no stored tensor is left the file starts again at offset 0.
 
@@ -17,14 +17,16 @@ next run removes the folders of dead processes).
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
+import threading
 import weakref
 
 import torch
 
 from ..errors import ChecksumError, UnsupportedError
-from ..io.buffers import aligned_empty
+from ..io.buffers import PAGE_SIZE, aligned_empty
 from ..io.handle import AsyncIOHandle
 from ..io.request import Request
 from ..swap.config import SwapConfig
@@ -34,7 +36,8 @@ from ..swap.pool import round_up, trim_heap
 from ..swap.records import hash_bytes
 
 FILE_NAME = "activations.swp"
-TRIM_BYTES = 64 << 20  # bytes let go between two trims of the heap (see ``released``)
+TRIM_BYTES = 32 << 20  # growth of the process's resident memory that makes ``released`` trim the heap
+CHECK_BYTES = 16 << 20  # bytes let go between two looks at the resident memory
 
 
 class StoredBytes:
@@ -47,9 +50,11 @@ class StoredBytes:
             one failed. version: its version counter at the save.
         pending: Writes of it not yet completed. hashes: xxh3-64 of each chunk (None: checksums off).
         error: The ``OSError`` of a failed write (the bytes then stay in ``original``).
-        reading: ``(request, buffer)`` of a read in flight. restored: the storage read back (weakly held).
+        reading: ``(request, buffer)`` of a read in flight. restored: the storage read back (weakly held), its
+            bytes from ``skip`` on.
         index: The position in the forward's order (prefetch goes down from here). users: live handles.
         copied: ``original`` is a copy made at the save (``write(copy=True)``), not the saved tensor.
+        skip: The byte offset of the bytes in the storage read back. drive: The run's store holding it.
     """
 
     __slots__ = (
@@ -67,6 +72,8 @@ class StoredBytes:
         "index",
         "users",
         "copied",
+        "skip",
+        "drive",
     )
 
     def __init__(self, original: torch.Tensor, version: int, offset: int, index: int):
@@ -84,6 +91,8 @@ class StoredBytes:
         self.index = index
         self.users = 0
         self.copied = False
+        self.skip = 0  # bytes from the start of the storage read back to the tensor's bytes
+        self.drive = 0  # which store of the run holds it (``ActivationDrives``)
 
 
 class ActivationStore:
@@ -95,7 +104,7 @@ class ActivationStore:
         config: Where and how (folder, bytes being written at once, checksums, aio settings).
 
     Raises:
-        UnsupportedError: When ``config.folder`` is several folders.
+        UnsupportedError: When ``config.folder`` is several folders (``ActivationDrives`` makes a store for each).
     """
 
     def __init__(self, config: SwapConfig):
@@ -119,7 +128,10 @@ class ActivationStore:
         self.reported = False
         self.bytes_written = 0
         self.bytes_read = 0
+        self._reading = 0  # bytes of reads started and not yet handed out
+        self.peak_held = 0  # the most bytes of tensors being written plus reads not yet handed out, at once
         self._released = 0
+        self._resident_low = resident_bytes()  # the resident memory after the last trim, or lower since
         self.closed = False
 
     # -- writes ---------------------------------------------------------------------------------------------
@@ -153,6 +165,7 @@ class ActivationStore:
             request = self.handle.write_async(data, self.path, stored.offset, truncate=False)
             self._writes.append((request, stored))
             self._in_flight += stored.nbytes
+            self.peak_held = max(self.peak_held, self._in_flight + self._reading)
             stored.pending += 1
         else:
             stored.original = None
@@ -178,16 +191,29 @@ class ActivationStore:
             self.released(stored.nbytes)
 
     def released(self, nbytes: int) -> None:
-        """``nbytes`` of tensors were let go; give freed heap pages back to the system every ``TRIM_BYTES``.
+        """``nbytes`` of tensors were let go; give freed heap pages back when the resident memory grew ``TRIM_BYTES``.
 
         Activations (and their gradients in backward) are mostly above glibc's initial mmap threshold: freeing one
         raises the threshold, later ones come from the heap, and freed heap memory stays in the process (RSS as high
-        as keeping every saved tensor) until ``malloc_trim`` (``swap.pool.trim_heap``).
+        as keeping every saved tensor) until ``malloc_trim`` (``swap.pool.trim_heap``). A trim costs twice: its own
+        walk, and the page faults (and zeroing) when the heap grows into the returned pages again. So the heap is
+        trimmed only when the process's resident memory (looked at every ``CHECK_BYTES`` let go) is ``TRIM_BYTES``
+        above where it was after the last trim: freed memory the next tensors reuse is never returned (where the
+        resident memory cannot be read, every ``TRIM_BYTES`` let go).
         """
         self._released += nbytes
-        if self._released >= TRIM_BYTES:
-            self._released = 0
+        if self._released < (CHECK_BYTES if self._resident_low is not None else TRIM_BYTES):
+            return
+        self._released = 0
+        resident = resident_bytes()
+        if resident is None or self._resident_low is None:
             trim_heap()
+            return
+        if resident - self._resident_low >= TRIM_BYTES:
+            trim_heap()
+            self._resident_low = resident_bytes() or resident
+        else:
+            self._resident_low = min(self._resident_low, resident)
 
     def reap(self, wait: bool = False) -> None:
         """Collect completed writes (``wait``: all of them), releasing their buffers and written tensors."""
@@ -212,40 +238,54 @@ class ActivationStore:
 
     # -- reads ----------------------------------------------------------------------------------------------
     def start_read(self, stored: StoredBytes) -> None:
-        """Start reading ``stored`` back into a fresh page-aligned buffer, unless in memory or already started."""
+        """Start reading ``stored`` back into a page-aligned buffer, unless in memory or already started.
+
+        The buffer is a page-aligned slice of a tensor from torch's allocator (one page more than the bytes): memory
+        the heap already holds (the forward's written tensors, freed gradients) is used again, where a mapping of its
+        own would be faulted in and zeroed page by page, then unmapped, for every read.
+        """
         if stored.reading is not None or stored.original is not None or self._restored(stored) is not None:
             return
         check_run_folder(self.folder)
-        buffer = aligned_empty(stored.span, pin=False)
-        stored.reading = (self.handle.read_async(buffer[: stored.nbytes], self.path, stored.offset), buffer)
+        raw = torch.empty(stored.nbytes + PAGE_SIZE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE_SIZE
+        if skip % 16:  # (torch's allocator aligns to 64 bytes: an offset in elements of any dtype)
+            raw, skip = aligned_empty(stored.span, pin=False), 0
+        buffer = raw[skip : skip + stored.nbytes]
+        stored.skip = skip
+        stored.reading = (self.handle.read_async(buffer, self.path, stored.offset), buffer)
+        self._reading += stored.nbytes
+        self.peak_held = max(self.peak_held, self._in_flight + self._reading)
 
-    def bytes_of(self, stored: StoredBytes) -> torch.UntypedStorage:
+    def bytes_of(self, stored: StoredBytes) -> tuple[torch.UntypedStorage, int]:
         """The storage of ``stored``'s bytes in memory: the original, the storage read back, or a read now.
 
         Args:
             stored: The record.
 
         Returns:
-            An untyped storage of at least ``stored.nbytes`` bytes, in CPU memory.
+            An untyped storage in CPU memory and the byte offset of ``stored.nbytes`` bytes in it (0 for the
+            original).
 
         Raises:
             OSError: When the read fails (errno, path, offset).
             ChecksumError: When the bytes read differ from those written.
         """
         if stored.original is not None:
-            return stored.original.untyped_storage()
+            return stored.original.untyped_storage(), 0
         restored = self._restored(stored)
         if restored is not None:
-            return restored
+            return restored, stored.skip
         self.start_read(stored)
         request, buffer = stored.reading  # type: ignore[misc]  # (set by start_read)
         stored.reading = None
+        self._reading -= stored.nbytes
         self.bytes_read += request.wait()
         if stored.hashes is not None:
             self._check(stored, buffer)
         storage = buffer.untyped_storage()
         stored.restored = weakref.ref(storage)
-        return storage
+        return storage, stored.skip
 
     @staticmethod
     def _restored(stored: StoredBytes) -> torch.UntypedStorage | None:
@@ -268,6 +308,8 @@ class ActivationStore:
     def free(self, stored: StoredBytes) -> None:
         """``stored`` is no longer needed; its extent is reused once nothing is stored (pending writes finish)."""
         stored.restored = None
+        if stored.reading is not None:  # read ahead, never used
+            self._reading -= stored.nbytes
         stored.reading = None
         if stored.error is not None:
             stored.original = None
@@ -287,9 +329,46 @@ class ActivationStore:
         finally:
             self.handle.close()
             if not self.config.keep_files:
+                held = _hold_open(self.path)
                 remove_run_folder(self.folder)
+                if held is not None:
+                    _close_later(held)
 
     @property
     def file_bytes(self) -> int:
         """Bytes of the file in use (up to the end of the last extent handed out)."""
         return self._end
+
+
+def _hold_open(path: str) -> int | None:
+    """A descriptor of ``path`` (None where it cannot be opened): the file's blocks stay allocated while it is open."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags)
+    except OSError:  # (gone or replaced by a link: the folder's removal then frees it, in the foreground)
+        return None
+
+
+def _close_later(fd: int) -> None:
+    """Close ``fd`` on a thread of its own: the last close of an unlinked file frees its blocks.
+
+    Freeing the blocks of a file of hundreds of MiB takes a tenth of a second or more (the filesystem's extent work,
+    and the discards of a folder mounted with ``discard``), all of it waiting; the run folder is already gone when
+    this is called, so nothing observable changes (the space comes back once the thread is done, and at the
+    latest when the process ends).
+    """
+    threading.Thread(target=_close_quietly, args=(fd,), name="deepoffload-activations-free", daemon=True).start()
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (``/proc/self/statm``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):  # no /proc here: the caller trims by bytes let go instead
+        return None

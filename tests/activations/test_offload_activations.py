@@ -297,3 +297,13 @@ def test_views_with_offsets_rebuilt_on_the_bytes_read_back(scratch):
         step(off)
     assert same(plain, grads(nn.ParameterList([w])))
     assert off.stats()["served_from_memory"] == 0 and off.stats()["read"] == 3 and off.stats()["written"] == 2
+
+
+def test_the_library_holds_at_most_the_writes_in_flight_and_the_reads_ahead(scratch):
+    model, x = mlp(depth=8), torch.randn(1024, 256)  # saved tensors of 1 MiB, about 24 MiB in all
+    with offload_activations(str(scratch), min_bytes=1 << 20, prefetch=2, config=config()) as off:
+        model(x).sum().backward()
+    stats, tensor = off.stats(), 1024 * 256 * 4
+    assert stats["read"] > 0 and stats["bytes_written"] >= 16 * tensor, stats
+    # one tensor being written (larger than config()'s 4 x 64 KiB), 2 read ahead and 1 being read
+    assert tensor <= stats["peak_held_bytes"] <= tensor + 3 * tensor, stats
