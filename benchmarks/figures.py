@@ -26,20 +26,33 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# name -> (the benchmark's arguments, "{folder}" for DIR, "{json}" for its results file), needs root
-FIGURES: dict[str, tuple[list[str], bool]] = {
-    "engines_vs_fio": (["--path", "{folder}", "--size", "1G", "--rounds", "5", "--json", "{json}"], False),
-    "checkpoint": (["--path", "{folder}", "--size", "1G", "--rounds", "9", "--core", "--json", "{json}"], False),
+# name -> (the benchmark's arguments, "{folder}" for DIR, "{json}" for its results file; needs root; the other
+# results files it writes beside its own, each drawn as its own plot)
+FIGURES: dict[str, tuple[list[str], bool, tuple[str, ...]]] = {
+    "engines_vs_fio": (["--path", "{folder}", "--size", "1G", "--rounds", "5", "--json", "{json}"], False, ()),
+    "checkpoint": (["--path", "{folder}", "--size", "1G", "--rounds", "9", "--core", "--json", "{json}"], False, ()),
+    "save_parts": (["--path", "{folder}", "--goal-only", "--rounds", "9", "--json", "{json}"], False, ()),
+    "drives": (["--rounds", "2", "--json", "{json}"], True, ()),
     "optimizer_overlap": (
-        ["--folder", "{folder}", "--mlp-width", "4096", "--mlp-layers", "8", "--rounds", "5", "--json", "{json}"],
+        ["--folder", "{folder}", "--models", "mlp", "--mlp-width", "2048", "--mlp-layers", "32", "--rounds", "5"]
+        + ["--json", "{json}"],
         False,
+        (),
     ),
-    "hf_llama_stream": (["--folder", "{folder}", "--rounds", "2", "--json", "{json}"], False),
+    "hf_llama_stream": (["--folder", "{folder}", "--rounds", "2", "--json", "{json}"], False, ()),
+    "codec": (["--folder", "{folder}", "--rounds", "2", "--tokens", "8", "--json", "{json}"], False, ("codec_curve",)),
     "activations": (
         ["--folder", "{folder}", "--width", "512", "--layers", "16", "--rows", "8192", "--rounds", "3"]
         + ["--json", "{json}"],
         False,
+        (),
     ),
+    "lora": (
+        ["--folder", "{folder}", "--rounds", "3", "--steps", "3", "--layers", "8", "--seq", "16", "--json", "{json}"],
+        False,
+        (),
+    ),
+    "moe": (["--folder", "{folder}", "--rounds", "3", "--tokens", "24", "--json", "{json}"], False, ()),
 }
 
 
@@ -53,7 +66,7 @@ def command(name: str, folder: str) -> list[str]:
     Returns:
         The argument vector, run from the repository's root (``python`` is this interpreter).
     """
-    arguments, _ = FIGURES[name]
+    arguments = FIGURES[name][0]
     json_path = f"benchmarks/results/{name}.json"
     return ["python", f"benchmarks/{name}.py", *(a.format(folder=folder, json=json_path) for a in arguments)]
 
