@@ -41,8 +41,8 @@ python_env() {
 }
 
 # The op's build (g++, python3-dev), its libaio and io_uring engines, the virtual environment, fio for
-# `deepoffload bench --compare-fio`.
-MAIN_PACKAGES=(g++ python3-dev python3-venv libaio-dev liburing-dev fio)
+# `deepoffload bench --compare-fio`, libdeflate for the CRC-32 of `deepoffload.save` (about 3x zlib; optional).
+MAIN_PACKAGES=(g++ python3-dev python3-venv libaio-dev liburing-dev fio libdeflate0)
 # The tests besides: MinGW-w64 and Wine for the Windows engine's tests (cross-compiled, run under Wine; about 50 s
 # to install), strace for tests/io/test_direct_alignment.py (reads the addresses of the op's system calls).
 # chromium: tests/test_docs_site.py opens the built site headless to check that no main page scrolls sideways.

@@ -103,3 +103,16 @@ def test_rendering_shows_every_fact_of_the_data():
     assert report.usable(SAMPLE)
     broken = {**SAMPLE, "path": {"path": "/proc", "error": "not a folder deepoffload can use"}}
     assert "/proc: not a folder deepoffload can use" in report.render(broken, report.Style(False))
+
+
+@pytest.mark.parametrize("library", ["libdeflate", "zlib"])
+def test_the_report_names_the_library_computing_the_save_crcs(library, monkeypatch):
+    from deepoffload.io import crc
+    from op_builder.async_io import AsyncIOBuilder
+
+    monkeypatch.setattr(crc, "backend", lambda: library)
+    shown = diagnostics.versions(AsyncIOBuilder())["save_crc"]
+    if library == "libdeflate":
+        assert shown == "libdeflate"
+    else:
+        assert shown.startswith("zlib") and "libdeflate0" in shown, shown
