@@ -31,7 +31,7 @@ from ..swap.folder_checks import check_run_folder, create_swap_file
 from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
 from ..swap.pool import trim_heap
 from .layer import StorageLayer
-from .stream import ByteStream, StreamRead
+from .stream import ByteStream, ReadBuffers, StreamRead
 
 RESIDENT_LAYERS = 2
 FLUSH_BYTES = 1 << 20
@@ -115,8 +115,10 @@ class StorageCache(Cache):
         self.handle = AsyncIOHandle(self.swap.aio)
         self.storage_layers: list[StorageLayer] = []  # self.layers, typed
         self._reads: dict[int, tuple[StreamRead, StreamRead]] = {}
+        self._buffers = ReadBuffers(2 * (resident_layers + 1))  # keys and values of the resident layers, one more
         self._lock = threading.Lock()
-        self._assembled = 0  # bytes assembled since the last trim of the heap
+        self._assembled = 0  # bytes of layers assembled in fresh tensors
+        self._trimmed = 0  # fresh bytes (read buffers, assembled layers) at the last trim of the heap
         self.closed = False
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -155,10 +157,10 @@ class StorageCache(Cache):
             if not layer.is_initialized:
                 layer.lazy_initialization(key_states, value_states)
             layer.check(key_states, value_states)
-            reads = self._reads.pop(layer_idx, None) or layer.start_read()
+            reads = self._reads.pop(layer_idx, None) or layer.start_read(self._buffers)
             keys, values = layer.past_and_new(reads, key_states, value_states)
             del reads
-            self._trim(keys.nbytes + values.nbytes)
+            self._trim(0 if keys._base is not None else keys.nbytes + values.nbytes)
             layer.append(key_states, value_states)
             if layer_idx:  # the previous layer's writes ran while this one computed: let their buffers go
                 self.storage_layers[layer_idx - 1].settle()
@@ -167,16 +169,19 @@ class StorageCache(Cache):
         finally:
             self._lock.release()
 
-    def _trim(self, nbytes: int) -> None:
-        """Give freed heap pages back to the system every ``TRIM_BYTES`` of layers assembled.
+    def _trim(self, assembled: int) -> None:
+        """Give freed heap pages back to the system every ``TRIM_BYTES`` of read buffers allocated.
 
-        Layers are read and assembled into fresh buffers, freed a layer later: above glibc's initial mmap threshold,
-        so freeing them raises it and later ones come from the heap, whose freed pages stay in the process until
-        ``malloc_trim`` (``swap.pool.trim_heap``).
+        Args:
+            assembled: Bytes of a layer assembled in a fresh tensor (0 when handed out in place).
+
+        Read buffers (and, where a read's buffer has no room for the new tokens, assembled layers) above glibc's
+        initial mmap threshold raise it when freed, and later ones come from the heap, whose freed pages stay in the
+        process until ``malloc_trim`` (``swap.pool.trim_heap``).
         """
-        self._assembled += nbytes
-        if self._assembled >= TRIM_BYTES:
-            self._assembled = 0
+        self._assembled += assembled
+        if self._buffers.allocated + self._assembled - self._trimmed >= TRIM_BYTES:
+            self._trimmed = self._buffers.allocated + self._assembled
             trim_heap()
 
     def _check_open(self) -> None:
@@ -207,7 +212,7 @@ class StorageCache(Cache):
             ahead = (index + step) % self.layer_count
             layers = self.storage_layers
             if ahead < len(layers) and ahead not in self._reads and layers[ahead].get_seq_length():
-                self._reads[ahead] = layers[ahead].start_read()
+                self._reads[ahead] = layers[ahead].start_read(self._buffers)
 
     def _raise_write_error(self) -> None:
         for stream in self._streams():
