@@ -1,6 +1,7 @@
 """``StorageCache``: a transformers ``Cache`` whose keys and values live in append-only files, read a layer ahead.
 
-Each attention layer has two files in the cache's own run folder (``layer<i>.keys``, ``layer<i>.values``:
+Each attention layer has two files in the cache's own run folder, or spread over one run folder per drive when given
+several (``layer<i>.keys``, ``layer<i>.values``:
 ``layer.StorageLayer``, ``stream.ByteStream``). ``update(keys, values, i)`` takes layer ``i``'s stored tokens from the
 read started earlier (or reads them now), returns them followed by the new ones exactly as ``DynamicLayer.update``
 does, appends the new ones to the files and starts reading the next ``resident_layers - 1`` layers (wrapping to
@@ -18,17 +19,17 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from ..errors import ClosedError, UnsupportedError
-from ..io.handle import AsyncIOHandle
 from ..swap.config import SwapConfig
-from ..swap.folder_checks import check_run_folder, create_swap_file
-from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
+from ..swap.drive_handles import DriveHandles
+from ..swap.folder_checks import create_swap_file
+from ..swap.layouts.multi_folder import MultiFolder
 from ..swap.pool import trim_heap
 from .layer import StorageLayer
 from .stream import ByteStream, ReadBuffers, StreamRead
@@ -62,8 +63,10 @@ class StorageCache(Cache):
     """A transformers ``Cache`` on storage: pass it as ``generate(..., cache=...)`` or a forward's ``cache=``.
 
     Args:
-        path: The base folder of the cache's run folder (None: the temp folder). On tmpfs it warns (the files
-            stay in memory); on a file system without O_DIRECT the op reads and writes buffered.
+        path: The base folder of the cache's run folder (None: the temp folder), or a list of folders, one per
+            drive: a run folder under each, the layers' files placed over them by ``swap.folder_speeds`` (equal
+            shares without), each drive with its own IO queue; folders on one device count once. On tmpfs it warns
+            (the files stay in memory); on a file system without O_DIRECT the op reads and writes buffered.
         config: The model's transformers config (every layer must be full attention).
         resident_layers: Layers' keys and values in memory at once (>= 1): the one computing and
             ``resident_layers - 1`` read ahead.
@@ -74,7 +77,7 @@ class StorageCache(Cache):
     Raises:
         ValueError: When ``resident_layers`` < 1 or ``flush_bytes`` < 1.
         TypeError: When ``config`` is not a transformers config.
-        UnsupportedError: For layers other than full attention, an encoder-decoder model, or several folders.
+        UnsupportedError: For layers other than full attention, or an encoder-decoder model.
 
     Examples:
         >>> import torch, transformers, deepoffload
@@ -89,7 +92,7 @@ class StorageCache(Cache):
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | None = None,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
         *,
         config: Any,
         resident_layers: int = RESIDENT_LAYERS,
@@ -103,16 +106,12 @@ class StorageCache(Cache):
         super().__init__(layers=[])
         self.resident_layers = resident_layers
         self.flush_bytes = flush_bytes
-        self.swap = (swap or SwapConfig()).replace(**({} if path is None else {"folder": os.fspath(path)}))
-        if isinstance(self.swap.folder, tuple):  # (its files are per layer, not yet placed over drives)
-            raise UnsupportedError(
-                f"StorageCache keeps its files in one folder, got {list(self.swap.folder)}; pass one"
-            )
-        self.folder = create_run_folder(self.swap.folder, None, self.swap.trust_folder_owner)
-        if self.swap.keep_files:
-            keep_run_folder(self.folder)
-        weakref.finalize(self, remove_run_folder_if_owned, self.folder).atexit = False
-        self.handle = AsyncIOHandle(self.swap.aio)
+        folder = path if path is None or isinstance(path, (str, os.PathLike)) else tuple(os.fspath(p) for p in path)
+        self.swap = (swap or SwapConfig()).replace(**({} if folder is None else {"folder": folder}))
+        # a run folder on each drive (dead runs' folders removed there), removed at close or collection
+        self.layout = MultiFolder(self.swap)
+        self.folders, self.folder = list(self.layout.folders), self.layout.folder
+        self.drives = DriveHandles(self.layout, self.swap.aio)  # each drive its own queue
         self.storage_layers: list[StorageLayer] = []  # self.layers, typed
         self._reads: dict[int, tuple[StreamRead, StreamRead]] = {}
         self._buffers = ReadBuffers(2 * (resident_layers + 1))  # keys and values of the resident layers, one more
@@ -187,7 +186,7 @@ class StorageCache(Cache):
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError("StorageCache: used after close(); its files are gone. Make a new StorageCache")
-        check_run_folder(self.folder)
+        self.layout.check()
 
     def _layer(self, index: int) -> StorageLayer:
         if index >= self.layer_count:
@@ -199,9 +198,9 @@ class StorageCache(Cache):
         return self.storage_layers[index]
 
     def _stream(self, index: int, kind: str) -> ByteStream:
-        path = os.path.join(self.folder, f"layer{index}.{kind}")
+        path = os.path.join(self.folders[self.layout.next_drive()], f"layer{index}.{kind}")  # files by drive speed
         create_swap_file(path)
-        return ByteStream(self.handle, path, self.flush_bytes)
+        return ByteStream(self.drives.of(path), path, self.flush_bytes)
 
     def _streams(self) -> list[ByteStream]:
         return [s for layer in self.storage_layers for s in (layer.key_stream, layer.value_stream)]
@@ -277,9 +276,8 @@ class StorageCache(Cache):
                 for stream in self._streams():
                     stream.settle()
             finally:
-                self.handle.close()
-                if not self.swap.keep_files:
-                    remove_run_folder(self.folder)
+                self.drives.close()
+                self.layout.close()  # (not when keep_files)
 
     def __enter__(self) -> "StorageCache":
         return self
