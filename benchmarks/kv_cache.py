@@ -6,8 +6,8 @@ memory, interleaved per round in one process:
 - ``raw read``: the same files read whole through the async-IO handle (all at once, no compute), after each
   decoded token (interleaved): the disk's bound for the bytes a token needs;
 - ``dynamic``: ``DynamicCache`` (all in memory; it concatenates each layer's keys and values with the new token's);
-- ``compute``: ``StaticCache`` sized to the context (all in memory, written in place): the compute on the keys and
-  values alone;
+- ``compute``: the keys and values in memory, token-major with room to grow and handed to attention as views, as
+  ``StorageCache`` hands them after its read (``in_place_cache``): the compute on them alone;
 - ``offloaded``: ``DynamicCache(offloading=True)`` (transformers' ``OffloadedCache``: on an accelerator only).
 
 The cache is filled to ``--context`` tokens with random keys and values (what a token's decode costs does not depend
@@ -74,6 +74,41 @@ def fill(cache, args) -> None:
             cache.update(k, v, layer, {"cache_position": torch.arange(start, start + n)})
 
 
+def in_place_cache(config, layers: int):
+    """A ``DynamicCache`` whose layers keep keys and values token-major in memory with room to grow and hand them out
+    as views, as ``StorageCache`` does after its read: the compute on resident keys and values, without IO or a
+    per-token copy of the stored tokens."""
+    import torch
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class InPlaceLayer(DynamicLayer):
+        rows: list
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.rows = [None, None]
+            new_tokens = key_states.shape[-2]
+            total = self.get_seq_length() + new_tokens
+            out = []
+            for i, new in enumerate((key_states, value_states)):
+                b, h, _, d = new.shape
+                rows = self.rows[i]
+                if rows is None or rows.shape[0] < total:
+                    grown = torch.empty(total + total // 8, b, h, d, dtype=new.dtype)
+                    if rows is not None:
+                        grown[: total - new_tokens].copy_(rows[: total - new_tokens])
+                    rows = self.rows[i] = grown
+                rows[total - new_tokens : total].copy_(new.permute(2, 0, 1, 3))
+                out.append(rows[:total].permute(1, 2, 0, 3))
+            self.keys, self.values = out
+            return self.keys, self.values
+
+    cache = DynamicCache(config=config)
+    cache.layers = [InPlaceLayer() for _ in range(layers)]
+    return cache
+
+
 def decode(model, cache, args, between=None) -> tuple[float, list[int], float]:
     """Median seconds per token of ``args.steps`` greedy tokens, the tokens, and the median seconds of ``between``
     (called after each token, outside its time: the raw read, interleaved token by token)."""
@@ -117,7 +152,7 @@ class RawRead:
 
 
 def one_round(model, args, folder: str, accelerator: bool) -> dict[str, float]:
-    from transformers import DynamicCache, StaticCache
+    from transformers import DynamicCache
 
     from deepoffload import StorageCache
 
@@ -134,7 +169,7 @@ def one_round(model, args, folder: str, accelerator: bool) -> dict[str, float]:
     fill(cache, args)
     out["dynamic"], tokens["dynamic"], _ = decode(model, cache, args)
     del cache
-    cache = StaticCache(config=model.config, max_cache_len=args.context + args.steps)
+    cache = in_place_cache(model.config, args.layers)
     fill(cache, args)
     out["compute"], tokens["compute"], _ = decode(model, cache, args)
     del cache
@@ -143,9 +178,11 @@ def one_round(model, args, folder: str, accelerator: bool) -> dict[str, float]:
         fill(cache, args)
         out["offloaded"], _, _ = decode(model, cache, args)
         del cache
-    if tokens["storage"] != tokens["dynamic"]:
-        raise SystemExit(f"kv_cache: StorageCache's tokens {tokens['storage']} differ from {tokens['dynamic']}")
-    # (StaticCache's tokens are not compared: it attends over masked empty slots, other bits of the same softmax)
+    for other in ("dynamic", "compute"):
+        if tokens["storage"] != tokens[other]:
+            raise SystemExit(
+                f"kv_cache: StorageCache's tokens {tokens['storage']} differ from {other}'s {tokens[other]}"
+            )
     return out
 
 
