@@ -17,6 +17,7 @@ folder removes those of a process that died.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -108,6 +109,9 @@ class StorageCache(Cache):
         self.flush_bytes = flush_bytes
         folder = path if path is None or isinstance(path, (str, os.PathLike)) else tuple(os.fspath(p) for p in path)
         self.swap = (swap or SwapConfig()).replace(**({} if folder is None else {"folder": folder}))
+        if isinstance(self.swap.folder, str):  # one folder: created if missing, as every single swap folder is
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.swap.folder)
         # a run folder on each drive (dead runs' folders removed there), removed at close or collection
         self.layout = MultiFolder(self.swap)
         self.folders, self.folder = list(self.layout.folders), self.layout.folder
