@@ -53,6 +53,7 @@ FIGURES: dict[str, tuple[list[str], bool, tuple[str, ...]]] = {
         (),
     ),
     "moe": (["--folder", "{folder}", "--rounds", "3", "--tokens", "24", "--json", "{json}"], False, ()),
+    "kv_cache": (["--folder", "{folder}", "--rounds", "3", "--json", "{json}"], False, ()),
 }
 
 

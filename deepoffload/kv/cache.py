@@ -1,6 +1,7 @@
 """``StorageCache``: a transformers ``Cache`` whose keys and values live in append-only files, read a layer ahead.
 
-Each attention layer has two files in the cache's own run folder (``layer<i>.keys``, ``layer<i>.values``:
+Each attention layer has two files in the cache's own run folder, or spread over one run folder per drive when given
+several (``layer<i>.keys``, ``layer<i>.values``:
 ``layer.StorageLayer``, ``stream.ByteStream``). ``update(keys, values, i)`` takes layer ``i``'s stored tokens from the
 read started earlier (or reads them now), returns them followed by the new ones exactly as ``DynamicLayer.update``
 does, appends the new ones to the files and starts reading the next ``resident_layers - 1`` layers (wrapping to
@@ -16,22 +17,23 @@ folder removes those of a process that died.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from ..errors import ClosedError, UnsupportedError
-from ..io.handle import AsyncIOHandle
 from ..swap.config import SwapConfig
-from ..swap.folder_checks import check_run_folder, create_swap_file
-from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
+from ..swap.drive_handles import DriveHandles
+from ..swap.folder_checks import create_swap_file
+from ..swap.layouts.multi_folder import MultiFolder
 from ..swap.pool import trim_heap
 from .layer import StorageLayer
-from .stream import ByteStream, StreamRead
+from .stream import ByteStream, ReadBuffers, StreamRead
 
 RESIDENT_LAYERS = 2
 FLUSH_BYTES = 1 << 20
@@ -62,8 +64,10 @@ class StorageCache(Cache):
     """A transformers ``Cache`` on storage: pass it as ``generate(..., cache=...)`` or a forward's ``cache=``.
 
     Args:
-        path: The base folder of the cache's run folder (None: the temp folder). On tmpfs it warns (the files
-            stay in memory); on a file system without O_DIRECT the op reads and writes buffered.
+        path: The base folder of the cache's run folder (None: the temp folder), or a list of folders, one per
+            drive: a run folder under each, the layers' files placed over them by ``swap.folder_speeds`` (equal
+            shares without), each drive with its own IO queue; folders on one device count once. On tmpfs it warns
+            (the files stay in memory); on a file system without O_DIRECT the op reads and writes buffered.
         config: The model's transformers config (every layer must be full attention).
         resident_layers: Layers' keys and values in memory at once (>= 1): the one computing and
             ``resident_layers - 1`` read ahead.
@@ -74,7 +78,7 @@ class StorageCache(Cache):
     Raises:
         ValueError: When ``resident_layers`` < 1 or ``flush_bytes`` < 1.
         TypeError: When ``config`` is not a transformers config.
-        UnsupportedError: For layers other than full attention, an encoder-decoder model, or several folders.
+        UnsupportedError: For layers other than full attention, or an encoder-decoder model.
 
     Examples:
         >>> import torch, transformers, deepoffload
@@ -89,7 +93,7 @@ class StorageCache(Cache):
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | None = None,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
         *,
         config: Any,
         resident_layers: int = RESIDENT_LAYERS,
@@ -103,20 +107,21 @@ class StorageCache(Cache):
         super().__init__(layers=[])
         self.resident_layers = resident_layers
         self.flush_bytes = flush_bytes
-        self.swap = (swap or SwapConfig()).replace(**({} if path is None else {"folder": os.fspath(path)}))
-        if isinstance(self.swap.folder, tuple):  # (its files are per layer, not yet placed over drives)
-            raise UnsupportedError(
-                f"StorageCache keeps its files in one folder, got {list(self.swap.folder)}; pass one"
-            )
-        self.folder = create_run_folder(self.swap.folder, None, self.swap.trust_folder_owner)
-        if self.swap.keep_files:
-            keep_run_folder(self.folder)
-        weakref.finalize(self, remove_run_folder_if_owned, self.folder).atexit = False
-        self.handle = AsyncIOHandle(self.swap.aio)
+        folder = path if path is None or isinstance(path, (str, os.PathLike)) else tuple(os.fspath(p) for p in path)
+        self.swap = (swap or SwapConfig()).replace(**({} if folder is None else {"folder": folder}))
+        if isinstance(self.swap.folder, str):  # one folder: created if missing, as every single swap folder is
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.swap.folder)
+        # a run folder on each drive (dead runs' folders removed there), removed at close or collection
+        self.layout = MultiFolder(self.swap)
+        self.folders, self.folder = list(self.layout.folders), self.layout.folder
+        self.drives = DriveHandles(self.layout, self.swap.aio)  # each drive its own queue
         self.storage_layers: list[StorageLayer] = []  # self.layers, typed
         self._reads: dict[int, tuple[StreamRead, StreamRead]] = {}
+        self._buffers = ReadBuffers(2 * (resident_layers + 1))  # keys and values of the resident layers, one more
         self._lock = threading.Lock()
-        self._assembled = 0  # bytes assembled since the last trim of the heap
+        self._assembled = 0  # bytes of layers assembled in fresh tensors
+        self._trimmed = 0  # fresh bytes (read buffers, assembled layers) at the last trim of the heap
         self.closed = False
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -155,10 +160,10 @@ class StorageCache(Cache):
             if not layer.is_initialized:
                 layer.lazy_initialization(key_states, value_states)
             layer.check(key_states, value_states)
-            reads = self._reads.pop(layer_idx, None) or layer.start_read()
+            reads = self._reads.pop(layer_idx, None) or layer.start_read(self._buffers)
             keys, values = layer.past_and_new(reads, key_states, value_states)
             del reads
-            self._trim(keys.nbytes + values.nbytes)
+            self._trim(0 if keys._base is not None else keys.nbytes + values.nbytes)
             layer.append(key_states, value_states)
             if layer_idx:  # the previous layer's writes ran while this one computed: let their buffers go
                 self.storage_layers[layer_idx - 1].settle()
@@ -167,22 +172,25 @@ class StorageCache(Cache):
         finally:
             self._lock.release()
 
-    def _trim(self, nbytes: int) -> None:
-        """Give freed heap pages back to the system every ``TRIM_BYTES`` of layers assembled.
+    def _trim(self, assembled: int) -> None:
+        """Give freed heap pages back to the system every ``TRIM_BYTES`` of read buffers allocated.
 
-        Layers are read and assembled into fresh buffers, freed a layer later: above glibc's initial mmap threshold,
-        so freeing them raises it and later ones come from the heap, whose freed pages stay in the process until
-        ``malloc_trim`` (``swap.pool.trim_heap``).
+        Args:
+            assembled: Bytes of a layer assembled in a fresh tensor (0 when handed out in place).
+
+        Read buffers (and, where a read's buffer has no room for the new tokens, assembled layers) above glibc's
+        initial mmap threshold raise it when freed, and later ones come from the heap, whose freed pages stay in the
+        process until ``malloc_trim`` (``swap.pool.trim_heap``).
         """
-        self._assembled += nbytes
-        if self._assembled >= TRIM_BYTES:
-            self._assembled = 0
+        self._assembled += assembled
+        if self._buffers.allocated + self._assembled - self._trimmed >= TRIM_BYTES:
+            self._trimmed = self._buffers.allocated + self._assembled
             trim_heap()
 
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError("StorageCache: used after close(); its files are gone. Make a new StorageCache")
-        check_run_folder(self.folder)
+        self.layout.check()
 
     def _layer(self, index: int) -> StorageLayer:
         if index >= self.layer_count:
@@ -194,9 +202,9 @@ class StorageCache(Cache):
         return self.storage_layers[index]
 
     def _stream(self, index: int, kind: str) -> ByteStream:
-        path = os.path.join(self.folder, f"layer{index}.{kind}")
+        path = os.path.join(self.folders[self.layout.next_drive()], f"layer{index}.{kind}")  # files by drive speed
         create_swap_file(path)
-        return ByteStream(self.handle, path, self.flush_bytes)
+        return ByteStream(self.drives.of(path), path, self.flush_bytes)
 
     def _streams(self) -> list[ByteStream]:
         return [s for layer in self.storage_layers for s in (layer.key_stream, layer.value_stream)]
@@ -207,7 +215,7 @@ class StorageCache(Cache):
             ahead = (index + step) % self.layer_count
             layers = self.storage_layers
             if ahead < len(layers) and ahead not in self._reads and layers[ahead].get_seq_length():
-                self._reads[ahead] = layers[ahead].start_read()
+                self._reads[ahead] = layers[ahead].start_read(self._buffers)
 
     def _raise_write_error(self) -> None:
         for stream in self._streams():
@@ -272,9 +280,8 @@ class StorageCache(Cache):
                 for stream in self._streams():
                     stream.settle()
             finally:
-                self.handle.close()
-                if not self.swap.keep_files:
-                    remove_run_folder(self.folder)
+                self.drives.close()
+                self.layout.close()  # (not when keep_files)
 
     def __enter__(self) -> "StorageCache":
         return self

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import UnsupportedError
-from .stream import ByteStream, StreamRead
+from .stream import ByteStream, ReadBuffers, StreamRead
 
 
 def _refused(what: str) -> str:
@@ -20,6 +20,18 @@ def _refused(what: str) -> str:
         f"StorageCache: {what} is not supported: its files are append-only and one batch size wide. Use a "
         f"DynamicCache for assisted decoding, prompt lookup, contrastive search or batch changes"
     )
+
+
+def _wait_both(reads: tuple[StreamRead, StreamRead]) -> None:
+    """Wait for both reads, then raise the first one's failure: no read is left in flight into a buffer."""
+    errors = []
+    for read in reads:
+        try:
+            read.wait()
+        except OSError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 class StorageLayer(CacheLayerMixin):
@@ -77,13 +89,16 @@ class StorageLayer(CacheLayerMixin):
                     )
                 )
 
-    def start_read(self) -> tuple[StreamRead, StreamRead]:
+    def start_read(self, buffers: ReadBuffers) -> tuple[StreamRead, StreamRead]:
         """Start reading the layer's keys and values.
+
+        Args:
+            buffers: Where the reads go.
 
         Returns:
             The two reads.
         """
-        return self.key_stream.start_read(), self.value_stream.start_read()
+        return self.key_stream.start_read(buffers), self.value_stream.start_read(buffers)
 
     def settle(self) -> None:
         """Wait for the writes in flight of both streams (a failure is kept in the stream's ``error``)."""
@@ -108,20 +123,28 @@ class StorageLayer(CacheLayerMixin):
             value_states: The new values.
 
         Returns:
-            Keys and values ``[batch, heads, stored + new tokens, head_dim]`` on the new ones' device.
+            Keys and values ``[batch, heads, stored + new tokens, head_dim]`` on the new ones' device: on the CPU,
+            without a beam map and where the read's buffer has room, a view of that buffer (token-major, no copy of
+            the stored tokens); else a contiguous copy as ``DynamicLayer.update``'s.
 
         Raises:
             OSError: When a read fails.
         """
+        _wait_both(reads)
         out = []
         for read, new, shape, dtype in zip(reads, (key_states, value_states), self.shapes or (), self.dtypes or ()):
-            full = torch.empty(
-                (shape[0], shape[1], self.length + new.shape[2], shape[3]), dtype=dtype, device=new.device
-            )
+            tokens = self.length + new.shape[2]
+            row = shape[0] * shape[1] * shape[3] * dtype.itemsize
+            if self.rows is None and new.device.type == "cpu" and read.buffer.numel() >= tokens * row:
+                # in place: the stored rows where the read put them, the new ones after them (token-major rows,
+                # handed out as a [batch, heads, tokens, head_dim] view: attention gives the same bits)
+                rows = read.buffer[: tokens * row].view(dtype).view(tokens, shape[0], shape[1], shape[3])
+                rows[self.length :].copy_(new.permute(2, 0, 1, 3))
+                out.append(rows.permute(1, 2, 0, 3))
+                continue
+            full = torch.empty((shape[0], shape[1], tokens, shape[3]), dtype=dtype, device=new.device)
             if self.length:
                 full[:, :, : self.length].copy_(self._stored(read, shape, dtype))
-            else:
-                read.wait()
             full[:, :, self.length :].copy_(new)
             out.append(full)
         return out[0], out[1]

@@ -6,7 +6,9 @@ written (one asynchronous write at the file's end, from a page-aligned buffer of
 tail. So the file is always a whole number of pages, every write and read is page-aligned (O_DIRECT), and at most
 one write per stream is in flight; the write goes from the tail's own buffer (no copy), which it holds until settled.
 In memory per stream: the tail (under ``flush_bytes`` plus the last append) and the write in flight. A read of the
-stream is one read of the whole file plus a copy of the tail.
+stream is one read of the whole file plus a copy of the tail, into a buffer of the cache's ``ReadBuffers`` (reused
+once nothing refers to it any more, with spare room for the next tokens, so that a decoded token's keys and values
+go after the stored ones in place: no fresh memory and no second copy per token).
 
 A failed write (a full disk) puts its bytes back in front of the tail and stops further writes: every byte stays in
 memory, exact, and the error (errno, path, offset) waits in ``error`` until the owner reports it.
@@ -20,6 +22,54 @@ from ..io.buffers import aligned_empty
 from ..io.handle import AsyncIOHandle
 from ..io.request import Request
 from ..swap.pool import round_up
+
+
+def _use_count(buffer: torch.Tensor) -> int:
+    """How many tensors (views included) refer to ``buffer``'s memory."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)
+
+
+class ReadBuffers:
+    """Page-aligned buffers the reads of a cache's streams go into, reused once nothing else refers to them.
+
+    A buffer is free when only the pool refers to its memory (its views, handed to the model as keys and values or
+    held by a read in flight, are gone): a tensor kept by a caller is never overwritten. Each buffer has room for
+    ``SPARE`` more of its bytes (a decoded token's rows go after the stored ones); too small free buffers are
+    dropped, and the pool keeps at most ``limit`` buffers.
+
+    Args:
+        limit: The most buffers kept.
+    """
+
+    SPARE = 8  # room for 1/SPARE more bytes
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, its use count when free)
+        self.allocated = 0  # bytes allocated (fresh memory) since the pool was made
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A free buffer of at least ``nbytes`` (reused, or new).
+
+        Args:
+            nbytes: The bytes needed.
+
+        Returns:
+            A page-aligned uint8 buffer, referred to by nothing else.
+        """
+        free = [i for i, (buffer, count) in enumerate(self.buffers) if _use_count(buffer) == count]
+        for i in free:
+            if self.buffers[i][0].numel() >= nbytes:
+                return self.buffers[i][0]
+        for i in reversed(free):  # free but too small: let them go
+            del self.buffers[i]
+        size = round_up(max(nbytes + nbytes // self.SPARE, 1))
+        buffer = aligned_empty(size, pin=False)
+        self.allocated += size
+        self.buffers.append((buffer, _use_count(buffer)))
+        if len(self.buffers) > self.limit:
+            del self.buffers[0]  # the oldest: still used by someone, or it would have been taken
+        return buffer
 
 
 class StreamRead:
@@ -137,15 +187,18 @@ class ByteStream:
                 self.path,
             )
 
-    def start_read(self) -> StreamRead:
+    def start_read(self, buffers: ReadBuffers) -> StreamRead:
         """Start reading the whole stream (after its write in flight has completed).
+
+        Args:
+            buffers: Where the read's buffer comes from.
 
         Returns:
             The read; its buffer already holds the tail's bytes after the file's.
         """
         self.settle()
         total = self.nbytes
-        buffer = aligned_empty(max(round_up(total), round_up(1)), pin=False)
+        buffer = buffers.take(max(round_up(total), round_up(1)))[:]  # a view: the buffer is in use while it lives
         request = None
         if self.flushed:
             request = self.handle.read_async(buffer[: self.flushed], self.path, 0)

@@ -158,3 +158,27 @@ def test_keep_files_keeps_them(scratch):
     with StorageCache(scratch, config=model.config, swap=deepoffload.SwapConfig(keep_files=True)) as cache:
         generate(model, ids, cache, do_sample=False, max_new_tokens=2)
     assert os.path.isdir(cache.folder)
+
+
+def test_decode_reads_into_reused_buffers_and_never_overwrites_a_held_tensor(scratch):
+    """A decoded token's layer comes back as a view of a reused read buffer (no fresh memory, no copy of the stored
+    tokens per token); a tensor the caller still holds is never one the next reads go into."""
+    model, ids = llama(), prompt()
+    with StorageCache(scratch, config=model.config, flush_bytes=FLUSH) as cache:
+        generate(model, ids, cache, do_sample=False, max_new_tokens=3)
+        allocated = cache._buffers.allocated
+        k = torch.randn(2, 2, 1, 16)
+        keys, values = cache.update(k, k, 0)
+        assert keys._base is not None and torch.equal(keys[:, :, -1:], k)  # in place, the new token last
+        held = keys.clone()
+        for _ in range(3):  # more forwards: every layer read again, the held one's buffer must not be reused
+            with torch.no_grad():
+                model(torch.tensor([[5], [6]]), cache=cache, use_cache=True)
+        assert torch.equal(keys, held)
+        del keys, values
+        for _ in range(3):
+            with torch.no_grad():
+                model(torch.tensor([[5], [6]]), cache=cache, use_cache=True)
+        # a fresh buffer per read would be 3 forwards x 3 layers x 2 streams of at least a layer's bytes; reused
+        # buffers are only replaced as they grow (room for an eighth more) or while held
+        assert cache._buffers.allocated - allocated < 3 * 3 * 2 * held.nbytes / 2

@@ -1,6 +1,7 @@
 """``StorageCache`` under bad input: a full disk (the keys and values stay in memory, the next forward raises with
 path and errno, then goes on exactly), tmpfs (a warning) and a file system without O_DIRECT (buffered), two threads
-(one at a time; a cache each works), a crashed run's files (removed by the next run)."""
+(one at a time; a cache each works), a crashed run's files (removed by the next run, also after a generate killed
+mid-way)."""
 
 from __future__ import annotations
 
@@ -137,12 +138,34 @@ def test_a_crashed_runs_files_are_removed_by_the_next_cache(scratch):
         assert not os.path.exists(left), "the dead run's files went when the next cache was made"
 
 
-def test_several_folders_are_refused_naming_the_one_folder_call(scratch):
-    model = llama()
-    folders = [str(scratch / "a"), str(scratch / "b")]
-    for folder in folders:
-        os.makedirs(folder)
-    with pytest.raises(UnsupportedError, match="one folder"):
-        StorageCache(config=model.config, swap=deepoffload.SwapConfig(folder=folders))
-    cache = StorageCache(folders[0], config=model.config)  # the alternative the message names
-    cache.close()
+def test_a_generate_killed_mid_way_leaves_files_the_next_run_removes_and_it_is_exact(scratch):
+    """A generate SIGKILLed inside a decoded token's forward, right after a write was submitted (not yet settled:
+    in flight), leaves its run folder; the next StorageCache in the same folder removes it, and its generate gives
+    DynamicCache's tokens."""
+    code = (
+        "import os, signal, deepoffload\n"
+        "from deepoffload.kv.stream import ByteStream\n"
+        "from tests.kv.helpers import generate, llama, prompt\n"
+        "flush = ByteStream._flush\n"
+        "def dying(self):\n"
+        "    flush(self)\n"
+        "    if self.writing is not None and cache.get_seq_length() > 20 + 3:\n"  # past the prompt and 3 tokens
+        "        print(cache.folder, cache.get_seq_length(), flush=True)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "ByteStream._flush = dying\n"
+        "model = llama()\n"
+        f"cache = deepoffload.StorageCache({str(scratch)!r}, config=model.config, flush_bytes=4096)\n"
+        "generate(model, prompt(), cache, do_sample=False, max_new_tokens=40)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left, tokens_then = proc.stdout.split()
+    assert 23 < int(tokens_then) < 60, "killed mid-way through the decoded tokens"
+    assert {"layer0.keys", "layer0.values"} <= set(os.listdir(left))
+    assert os.path.getsize(os.path.join(left, "layer0.keys")) > 0
+    model, ids = llama(), prompt()
+    reference, tokens, _ = dynamic_and_storage(model, ids, scratch, do_sample=False)
+    assert not os.path.exists(left), "the dead run's files went when the next cache was made"
+    assert torch.equal(reference, tokens)
+    assert os.listdir(scratch) == [], "and the next run's own at its close"

@@ -242,7 +242,8 @@ def kv_cache_bounds() -> tuple[int, int]:
     layers, heads, head_dim, tokens, chunk, flush = workloads.KV_CACHE
     hidden = heads * head_dim
     append = 2 * chunk * hidden * 4  # a chunk's keys and values
-    library = 2 * kv_layer_bytes() + 2 * layers * (flush + 4096) + 2 * (2 * flush + append) + append
+    resident = 2 * kv_layer_bytes() * 9 // 8  # the read buffers have room for an eighth more (kv.stream.ReadBuffers)
+    library = resident + 2 * layers * (flush + 4096) + 2 * (2 * flush + append) + append
     params = layers * (4 * hidden * hidden + 3 * hidden * hidden + 2 * hidden) + 2 * 256 * hidden + hidden
     forward = 2 * heads * chunk * (tokens + 4) * 4
     return library, 4 * params + forward + FORWARD_BYTES
