@@ -10,7 +10,7 @@ that fails is reported and the others still run; the exit status is the number t
     python benchmarks/figures.py --folder DIR --only moe kv_cache
     python benchmarks/figures.py --list                      # the commands, without running them
 
-``DIR`` is a folder on the disk to measure (not tmpfs). Figures that need root (throttled loop drives) are skipped
+``DIR`` is a folder on the disk to measure (not tmpfs). The benchmarks import the deepoffload of this checkout. Figures that need root (throttled loop drives) are skipped
 with a message where the process is not root.
 """
 
@@ -97,7 +97,8 @@ def main() -> int:
         if load > 0.5 * (os.cpu_count() or 1):
             print(f"   warning: the machine is not idle (load {load:.2f}); the ratios may move", flush=True)
         start = time.monotonic()
-        rc = subprocess.call([sys.executable, *command(name, args.folder)[1:]], cwd=REPO)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        rc = subprocess.call([sys.executable, *command(name, args.folder)[1:]], cwd=REPO, env=env)
         print(f"== {name}: exit {rc} after {time.monotonic() - start:.0f} s", flush=True)
         if rc != 0:
             failed.append(name)
