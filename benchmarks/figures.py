@@ -10,8 +10,8 @@ that fails is reported and the others still run; the exit status is the number t
     python benchmarks/figures.py --folder DIR --only moe kv_cache
     python benchmarks/figures.py --list                      # the commands, without running them
 
-``DIR`` is a folder on the disk to measure (not tmpfs). The benchmarks import the deepoffload of this checkout. Figures that need root (throttled loop drives) are skipped
-with a message where the process is not root.
+``DIR`` is a folder on the disk to measure (not tmpfs). The benchmarks import the deepoffload of this checkout.
+Figures that need root (throttled loop drives) are skipped with a message where the process is not root.
 """
 
 from __future__ import annotations
