@@ -39,7 +39,18 @@ from deepoffload.swap.params.options import LoadOptions, StreamOptions, TrainOpt
 MODELS = ("llama", "gpt2", "t5", "mixtral", "plain", "qwen2_moe", "deepseek_v3")
 PRECISIONS = ("fp32", "bf16", "fp16", "compute_bf16")
 LOOPS = ("plain", "trainer", "accelerate", "lora", "lora_served")
-FEATURES = ("optimizer", "fused", "grads", "half", "serve", "codec", "two_folders", "activations", "storage_cache")
+FEATURES = (
+    "optimizer",
+    "fused",
+    "grads",
+    "half",
+    "serve",
+    "codec",
+    "two_folders",
+    "activations",
+    "storage_cache",
+    "kept_graph",
+)
 STEPS = 3
 LR = 1e-2
 LORA_TARGETS = {
@@ -143,6 +154,8 @@ class Setup:
         lora_after = loop == "lora_served" and feature not in (None, "activations", "storage_cache")
         if loop == "lora_served" and feature in ("optimizer", "serve"):
             raise NotApplicable("lora_served serves the base from its checkpoint in every training column")
+        if feature == "kept_graph" and loop != "lora_served":
+            raise NotApplicable("recompute=False changes blocks with no trainable parameter: lora_served's frozen base")
         if loop in ("lora", "lora_served") and feature != "serve" and not lora_after:
             model = _lora(model, name)
         self.model = model.train()
@@ -161,9 +174,12 @@ class Setup:
         else:
             train = TrainOptions(
                 lambda ps: torch.optim.AdamW(ps, lr=LR),
-                mode="fused" if feature in ("fused", "two_folders") else "grads",
+                mode="fused" if feature in ("fused", "two_folders", "kept_graph") else "grads",
             )
-            stream = StreamOptions(compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None)
+            stream = StreamOptions(
+                compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None,
+                recompute=feature != "kept_graph",  # frozen blocks keep their forward's graph for backward
+            )
             load = None
             if feature == "half":
                 blocks = find_blocks(model)
@@ -652,6 +668,8 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "trained inside `offload_activations(min_bytes=0)` (every saved tensor written to storage and read back for "
         "the backward); `storage_cache` = `generate` with "
         "`deepoffload.StorageCache` against `DynamicCache` (greedy, sampling, beams: same tokens; plain loop only). "
+        "`kept_graph` = fused mode with `StreamOptions(recompute=False)` (frozen blocks keep their forward's graph; "
+        "`lora_served` only, the loop with a frozen base). "
         "In the `lora` row PEFT LoRA comes after offloading, over the served base. Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
         "`accumulate` and `clip_grad_norm_`), `lora` (PEFT LoRA before offloading), "

@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, Sequence, cast
 import torch
 from torch.utils import _pytree as pytree
 
+from ....errors import UnsupportedError
 from ..blocks.residency import Block
 from .forward_state import ForwardState
 from .side_effects import Captured, check_caches
@@ -172,7 +173,7 @@ class _ParamView:
 
     def unpack(self) -> torch.Tensor:
         if not self.kept.unpacking:
-            raise ValueError(
+            raise UnsupportedError(
                 f"block {self.kept.block.prefix}: its forward's graph was back-propagated outside its own backward "
                 "(a tensor computed inside the block outlived its forward other than as its output); train with "
                 "StreamOptions(recompute=True)"
@@ -213,8 +214,9 @@ class KeptGraph:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks: a view of a parameter is kept as its position, any other tensor as itself.
 
-        The pack hook raises ``ValueError`` when a saved tensor shares a parameter's memory other than as a view of
-        one parameter of its dtype (it could not be re-made, and that memory is reused once the block is released).
+        The pack hook raises ``UnsupportedError`` when a saved tensor shares a parameter's memory other than as a view
+        of one parameter of its dtype (it could not be re-made, and that memory is reused once the block is
+        released).
 
         Returns:
             The hooks, a context manager.
@@ -227,7 +229,7 @@ class KeptGraph:
             for index, (low, high, param) in enumerate(self.spans):
                 if low <= start < high and tensor.dtype == param.dtype:
                     return _ParamView(self.gate, index, tensor, param)
-            raise ValueError(
+            raise UnsupportedError(
                 f"block {self.block.prefix}: its forward saved a tensor sharing its parameters' memory that is not "
                 "a view of one parameter; train with StreamOptions(recompute=True)"
             )
