@@ -295,6 +295,11 @@ def compare(name: str, build, rounds: int, folder: str | list[str], threads: int
     return results
 
 
+def mlp_state_bytes(args) -> int:
+    """The MLP's AdamW state (two float32 moments per parameter, weights and biases)."""
+    return 2 * 4 * args.mlp_layers * (args.mlp_width * args.mlp_width + args.mlp_width)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -342,7 +347,12 @@ def main() -> None:
             write_json(
                 args.json,
                 "optimizer_overlap",
-                "Offloaded AdamW step / its bound, max(in-memory step, raw read + write of its state)",
+                "Offloaded AdamW step / its bound, max(in-memory step, raw read + write of its state)"
+                + (
+                    f" (MLP {args.mlp_layers} x {args.mlp_width}: {mlp_state_bytes(args) / 1e9:.2f} GB of AdamW state)"
+                    if "mlp" in models
+                    else ""
+                ),
                 results,
                 unit="step time / bound (lower is better)",
             )

@@ -174,7 +174,7 @@ class Setup:
         else:
             train = TrainOptions(
                 lambda ps: torch.optim.AdamW(ps, lr=LR),
-                mode="fused" if feature in ("fused", "two_folders", "kept_graph") else "grads",
+                mode="fused" if feature in ("fused", "two_folders") else "grads",
             )
             stream = StreamOptions(
                 compute_dtype=torch.bfloat16 if precision == "compute_bf16" else None,
@@ -668,7 +668,7 @@ def support_matrix(results: dict[tuple, Outcome]) -> str:
         "trained inside `offload_activations(min_bytes=0)` (every saved tensor written to storage and read back for "
         "the backward); `storage_cache` = `generate` with "
         "`deepoffload.StorageCache` against `DynamicCache` (greedy, sampling, beams: same tokens; plain loop only). "
-        "`kept_graph` = fused mode with `StreamOptions(recompute=False)` (frozen blocks keep their forward's graph; "
+        "`kept_graph` = grads mode with `StreamOptions(recompute=False)` (frozen blocks keep their forward's graph; "
         "`lora_served` only, the loop with a frozen base). "
         "In the `lora` row PEFT LoRA comes after offloading, over the served base. Loops: `plain` (hand-written), "
         "`trainer` (transformers `Trainer`, checkpoint at step 2 and a resumed run), `accelerate` (`Accelerator` with "
