@@ -29,6 +29,7 @@ from typing import Mapping
 
 import torch
 
+from ....io.owners import is_alive
 from ...codecs import codec_class
 from ...pool import round_up
 from ...records import TENSOR_ALIGNMENT, SwapRecord, file_identity, group_span, hash_bytes
@@ -66,16 +67,6 @@ def _sync(path: str) -> None:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:  # no such process: its writer died
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 class CompressedCopy:
     """The compressed copy of the blocks one offload serves from a checkpoint.
 
@@ -110,7 +101,7 @@ class CompressedCopy:
         self.folder = os.path.join(self.base, f"deepoffload-copy-{key:016x}")
         for name in os.listdir(self.base):  # temporaries of dead writers
             stem, _, pid = name.rpartition(".tmp-")
-            if stem == os.path.basename(self.folder) and pid.isdigit() and not _alive(int(pid)):
+            if stem == os.path.basename(self.folder) and pid.isdigit() and not is_alive(int(pid), 0):
                 shutil.rmtree(os.path.join(self.base, name), ignore_errors=True)
         self.records = self._read_manifest()
         if self.records is not None:
