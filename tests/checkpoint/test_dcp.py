@@ -90,6 +90,7 @@ def worker(rank: int, folder: str, store: str) -> None:
             torch.save({"model": full[0], "optim": full[1]}, os.path.join(folder, "full.pt"))
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        dist.barrier()  # both ranks done before either tears gloo down (a rank aborted there once under load)
     finally:
         dist.destroy_process_group()
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper, offload_parameters
-from deepoffload.errors import ConfigError, UnsupportedError
+from deepoffload.errors import ConfigError
 from tests.support.drives import Drives, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,20 +168,6 @@ def test_every_drive_is_cleaned_by_the_next_run_after_a_crash(two):
     with TensorSwapper(SwapConfig(folder=two, pin=False)) as swapper:
         mine = [os.path.basename(f) for f in swapper.layout.folders]
         assert [_run_folders(base) for base in two] == [[mine[0]], [mine[1]]]
-
-
-def test_offload_activations_refuses_several_folders_naming_one_that_works(tmp_path):
-    import deepoffload
-
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
-    with pytest.raises(UnsupportedError, match=r"several folders .* pass one of them"):
-        deepoffload.offload_activations(folders)
-    model = torch.nn.Linear(64, 64)
-    with deepoffload.offload_activations(folders[0], min_bytes=0) as off:  # the alternative the message names
-        model(torch.randn(32, 64)).sum().backward()
-    assert off.stats()["written"] > 0
 
 
 def test_from_pretrained_trains_over_two_drives_bit_identical_to_in_memory(two, tmp_path):
