@@ -34,14 +34,24 @@ def run_folder_prefix(rank: int) -> str:
     return f"deepoffload-rank{rank}-{process_token()}-"
 
 
+def _remove_if_empty(path: str) -> bool:
+    """Remove ``path`` if it is an empty folder; whether it was removed."""
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty (or gone, or not ours to remove): left as it is
+        return False
+    return True
+
+
 def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
     """Remove the per-run swap folders in ``base`` of processes that are no longer alive.
 
     Only a folder (not a link) named as ``run_folder_prefix`` names it, owned by this process's user and holding the
-    ``RUN_MARKER`` file is a candidate; one holding a ``KEPT`` file stays. Anything else in ``base`` may be another
-    user's, planted on purpose: it is never entered. Removal walks the tree without recursion and without following
-    links (``remove_tree``). Any error, listing ``base`` or removing one folder, is logged (logger ``deepoffload``)
-    and passed over: leftovers never stop a set-up.
+    ``RUN_MARKER`` file is a candidate; one holding a ``KEPT`` file stays. Such a folder of a dead run without the
+    marker is removed only when empty (a run killed between making it and writing the marker). Anything else in
+    ``base`` may be another user's, planted on purpose: it is never entered. Removal walks the tree without
+    recursion and without following links (``remove_tree``). Any error, listing ``base`` or removing one folder, is
+    logged (logger ``deepoffload``) and passed over: leftovers never stop a set-up.
 
     Args:
         base: The folder holding the run folders.
@@ -63,7 +73,11 @@ def remove_dead_run_folders(base: str | os.PathLike[str]) -> list[Path]:
             if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
                 continue  # a link, a file, or another user's: not ours to judge
             if not os.path.lexists(os.path.join(entry.path, RUN_MARKER)):
-                continue  # not made by this library (or by a version before the marker)
+                # not made by this library, or made by a run killed before it wrote the marker (then empty): rmdir
+                # removes an empty folder only, so nothing anyone put there is lost
+                if not owner_alive(match) and _remove_if_empty(entry.path):
+                    removed.append(Path(entry.path))
+                continue
             if os.path.lexists(os.path.join(entry.path, KEPT)) or owner_alive(match):
                 continue
             remove_tree(entry.path, owner=uid, last=RUN_MARKER)

@@ -267,3 +267,17 @@ def test_remove_tree_removes_the_marker_last_so_a_killed_removal_is_cleaned_next
     remove_tree(folder, last=".deepoffload-run")
     assert not folder.exists()
     assert order[-1] == ".deepoffload-run" and len(order) == 4, order
+
+
+def test_a_run_killed_before_its_marker_leaves_an_empty_folder_that_the_next_run_removes(scratch):
+    """Killed between making its run folder and writing the marker, a run leaves an empty folder of its name: the next
+    run removes it (rmdir removes nothing but an empty folder); an unmarked folder holding anything stays."""
+    empty = scratch / dead_name()
+    empty.mkdir()
+    holding = scratch / dead_name(rank=1)
+    holding.mkdir()
+    (holding / "someone's file").write_bytes(b"x")
+    live = scratch / f"deepoffload-rank0-{os.getpid()}.0.{owners.host_id()}-abc_12xy"  # a live owner's: kept
+    live.mkdir()
+    assert dead_runs.remove_dead_run_folders(scratch) == [empty]
+    assert not empty.exists() and (holding / "someone's file").exists() and live.is_dir()
