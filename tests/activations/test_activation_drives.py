@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from deepoffload import offload_activations
 from tests.support.drives import Drives, unavailable
+from tests.support.killed import run_until_killed
 
 from .helpers import config, grads, same
 from .test_offload_activations import mlp
@@ -81,10 +79,7 @@ def test_a_crashed_runs_folders_are_removed_from_every_drive_by_the_next_run():
             "    print(*off.folders, flush=True)\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n"
         )
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == -signal.SIGKILL, proc.stderr
-        left = proc.stdout.split()
+        left = run_until_killed(code).split()
         assert len(left) == 2 and all(os.path.getsize(os.path.join(f, "activations.swp")) > 0 for f in left)
         with offload_activations(list(drives.folders), config=config()):
             assert not any(os.path.exists(f) for f in left), "the dead run's folders went from both drives"

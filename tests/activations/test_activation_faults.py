@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
-import subprocess
-import sys
 import threading
 import warnings
 
@@ -20,6 +17,7 @@ from torch import nn
 
 from deepoffload import ChecksumError, UnsupportedError, offload_activations
 from deepoffload.io.request import Request
+from tests.support.killed import run_until_killed
 
 from .helpers import config, grads, same
 from .test_offload_activations import mlp
@@ -97,10 +95,7 @@ def test_a_crashed_runs_folder_is_removed_by_the_next_run(scratch):
         "    print(off.folder, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    left = proc.stdout.strip()
+    left = run_until_killed(code).strip()
     assert os.path.isdir(left) and os.path.getsize(os.path.join(left, "activations.swp")) > 0
     with offload_activations(str(scratch), config=config()):
         assert not os.path.exists(left), "the dead run's folder went when the next run started"

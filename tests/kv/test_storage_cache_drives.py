@@ -5,15 +5,13 @@ removed at close and, after a killed generate, by the next cache."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from deepoffload import StorageCache
 from tests.support.drives import Drives, unavailable
+from tests.support.killed import run_until_killed
 
 from .helpers import FLUSH, dynamic_and_storage, generate, llama, prompt
 
@@ -58,10 +56,7 @@ def test_a_killed_generate_over_two_drives_is_cleaned_on_both_by_the_next_cache(
         "print(*cache.folders, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    left = proc.stdout.split()
+    left = run_until_killed(code).split()
     assert len(left) == 2 and all(os.listdir(f) for f in left)
     model, ids = llama(), prompt()
     reference, tokens, _ = dynamic_and_storage(model, ids, two, do_sample=False)

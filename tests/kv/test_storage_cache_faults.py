@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 import deepoffload
 from deepoffload import StorageCache, UnsupportedError
+from tests.support.killed import run_until_killed
 
 from .helpers import FLUSH, dynamic_and_storage, generate, llama, prompt
 
@@ -129,10 +130,7 @@ def test_a_crashed_runs_files_are_removed_by_the_next_cache(scratch):
         "print(cache.folder, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    left = proc.stdout.strip()
+    left = run_until_killed(code).strip()
     assert os.path.getsize(os.path.join(left, "layer0.keys")) > 0
     with StorageCache(scratch, config=llama().config):
         assert not os.path.exists(left), "the dead run's files went when the next cache was made"
