@@ -192,3 +192,22 @@ def test_input_gradients_reach_the_rest_of_the_model(scratch):
         model.loss(batch).backward()
         assert torch.equal(model.embed.weight.grad, reference.embed.weight.grad)
         assert torch.equal(model.position.grad, reference.position.grad)
+
+
+@pytest.mark.parametrize("mode", ["fused", "grads"])
+def test_no_optimizer_state_read_is_held_between_steps(scratch, mode):
+    """The blocks' optimizer steps block by block, each block's state read with the block: its step reads nothing
+    ahead for the next step (that would read a block's state just written again, and hold staging buffers through
+    the next forward and backward: the memory harness's grads entries measured a block more)."""
+    model = build_model(SIZE)
+    offload = offload_parameters(model, str(scratch), train=TrainOptions(mode=mode, optimizer=OPTIMIZERS["adam"]))
+    data = SyntheticText(SIZE)
+    try:
+        pipeline = offload.optimizers[0].pipeline
+        for _ in range(3):
+            model.loss(data.batch()).backward()
+            offload.step()
+            offload.zero_grad()
+            assert not pipeline.prefetched
+    finally:
+        offload.close()

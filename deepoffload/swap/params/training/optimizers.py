@@ -48,6 +48,10 @@ class Optimizers:
         if factory is not None:
             masters = [m for b in blocks for m in b.masters if m.requires_grad]
             self.block = OffloadedOptimizer(factory, masters, block_config) if masters else None
+            if self.block is not None:  # stepped block by block, each block's state prefetched with the block: a
+                # block's step reading its own state ahead again for the next step would read it twice and hold
+                # the buffers through the next forward and backward
+                self.block.read_ahead = False
             rest = [p for _, p in rest_named if p.requires_grad]
             self.rest = OffloadedOptimizer(factory, rest, rest_config) if rest else None
         check_per_parameter(self.all())
