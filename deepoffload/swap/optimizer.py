@@ -368,8 +368,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def prefetch(self, params: Iterable[torch.Tensor]) -> None:
         """Start reading the stored state of ``params`` in the chunks a ``step()`` over exactly them will use.
 
-        That step (over those with a gradient then) waits only for what is still in flight. Reads the step does not
-        use are released when it starts. Costs staging buffers until then (see ``SwapConfig``).
+        That step (over those with a gradient then) waits only for what is still in flight. Steps over other
+        parameters in between keep these reads for it (a block-by-block trainer reads the next block's state while
+        this block steps); a step over any of their parameters in other chunks releases them (their state changes
+        then), as do ``state_dict``, ``load_state_dict`` and ``close``. Costs staging buffers until then (see
+        ``SwapConfig``).
 
         Args:
             params: The parameters a coming step will step (others of this optimizer's are ignored).
@@ -379,6 +382,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             key = tuple(map(id, chunk))
             if key not in pipeline.prefetched:
                 pipeline.prefetched[key] = pipeline.read(chunk)
+            pipeline.asked.add(key)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -37,6 +37,8 @@ class ChunkPipeline:
         names: ``id(param)`` -> its group name in the swapper (params stay alive in the param groups).
         strides: group name -> key -> strides of state that was not contiguous.
         prefetched: chunk (ids of its params) -> its read, started early.
+        asked: the chunks of ``prefetched`` that ``OffloadedOptimizer.prefetch`` asked for: kept for their own step
+            while steps over other chunks run (a block-by-block trainer reads the next block's state during this one's).
         loading: ``load_state_dict`` is storing the loaded state.
     """
 
@@ -56,6 +58,7 @@ class ChunkPipeline:
         self.names: dict[int, str] = {}
         self.strides: dict[str, dict[str, tuple[int, ...]]] = {}
         self.prefetched: dict[tuple[int, ...], SwapIn] = {}
+        self.asked: set[tuple[int, ...]] = set()
         self.loading = False
         self._planner = ChunkPlanner(self)
         self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
@@ -119,6 +122,7 @@ class ChunkPipeline:
                 kept[key] = read
             else:
                 read.release()
+        self.asked.intersection_update(kept)
         return kept
 
     def step_chunk(self, chunk: Chunk) -> None:
@@ -158,7 +162,14 @@ class ChunkPipeline:
         end. A failed read stops it (that chunk cannot step). Transfers in flight always finish first when it stops.
         """
         writes: list[SwapOut] = []
-        prefetched = self.drop_prefetched({tuple(map(id, chunk)) for chunk in chunks})
+        mine = {tuple(map(id, chunk)) for chunk in chunks}
+        stepped_ids = {i for key in mine for i in key}
+        # reads asked for a coming step over other parameters stay for it; one holding any parameter this step
+        # changes would be stale: released
+        prefetched = self.drop_prefetched(mine | {key for key in self.asked if stepped_ids.isdisjoint(key)})
+        for key in [key for key in prefetched if key not in mine]:
+            self.prefetched[key] = prefetched.pop(key)
+        self.asked -= mine
         reads: list[SwapIn] = []
         current: SwapIn | None = None
         error: OSError | None = None  # a failed write: the step still completes (that state stays in memory)

@@ -211,3 +211,33 @@ def test_no_optimizer_state_read_is_held_between_steps(scratch, mode):
             assert not pipeline.prefetched
     finally:
         offload.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_grads_mode_reads_each_block_state_once_a_step(scratch, prefetch):
+    """Grads mode reads the next blocks' state while a block steps: a block's step keeps those reads for their own
+    steps, so each parameter's state is read once a step (the training stays bit-identical: test above)."""
+    model = build_model(SIZE)
+    offload = offload_parameters(
+        model,
+        str(scratch),
+        train=TrainOptions(mode="grads", optimizer=OPTIMIZERS["adam"]),
+        stream=StreamOptions(prefetch=prefetch),
+    )
+    data = SyntheticText(SIZE)
+    try:
+        pipeline = offload.optimizers[0].pipeline
+        reads: list[int] = []
+        read = pipeline.read
+        pipeline.read = lambda chunk: (reads.extend(map(id, chunk)), read(chunk))[1]
+        for step in range(3):
+            reads.clear()
+            model.loss(data.batch()).backward()
+            offload.step()
+            offload.zero_grad()
+            assert not pipeline.prefetched
+            if step:  # the first step creates the state: nothing to read
+                assert sorted(reads) == sorted(set(reads))
+                assert len(reads) == sum(len(b.masters) for b in offload.blocks)
+    finally:
+        offload.close()
