@@ -32,7 +32,7 @@ from ..io.request import Request
 from ..swap.config import SwapConfig
 from ..swap.folder_checks import check_run_folder, create_swap_file
 from ..swap.folders import create_run_folder, keep_run_folder, remove_run_folder, remove_run_folder_if_owned
-from ..swap.pool import round_up, trim_heap
+from ..swap.pool import GrowthTrim, round_up
 from ..swap.records import hash_bytes
 
 FILE_NAME = "activations.swp"
@@ -130,8 +130,7 @@ class ActivationStore:
         self.bytes_read = 0
         self._reading = 0  # bytes of reads started and not yet handed out
         self.peak_held = 0  # the most bytes of tensors being written plus reads not yet handed out, at once
-        self._released = 0
-        self._resident_low = resident_bytes()  # the resident memory after the last trim, or lower since
+        self._trim = GrowthTrim(TRIM_BYTES, CHECK_BYTES)
         self.closed = False
 
     # -- writes ---------------------------------------------------------------------------------------------
@@ -195,25 +194,9 @@ class ActivationStore:
 
         Activations (and their gradients in backward) are mostly above glibc's initial mmap threshold: freeing one
         raises the threshold, later ones come from the heap, and freed heap memory stays in the process (RSS as high
-        as keeping every saved tensor) until ``malloc_trim`` (``swap.pool.trim_heap``). A trim costs twice: its own
-        walk, and the page faults (and zeroing) when the heap grows into the returned pages again. So the heap is
-        trimmed only when the process's resident memory (looked at every ``CHECK_BYTES`` let go) is ``TRIM_BYTES``
-        above where it was after the last trim: freed memory the next tensors reuse is never returned (where the
-        resident memory cannot be read, every ``TRIM_BYTES`` let go).
+        as keeping every saved tensor) until it is trimmed; ``swap.pool.GrowthTrim`` says when.
         """
-        self._released += nbytes
-        if self._released < (CHECK_BYTES if self._resident_low is not None else TRIM_BYTES):
-            return
-        self._released = 0
-        resident = resident_bytes()
-        if resident is None or self._resident_low is None:
-            trim_heap()
-            return
-        if resident - self._resident_low >= TRIM_BYTES:
-            trim_heap()
-            self._resident_low = resident_bytes() or resident
-        else:
-            self._resident_low = min(self._resident_low, resident)
+        self._trim.released(nbytes)
 
     def reap(self, wait: bool = False) -> None:
         """Collect completed writes (``wait``: all of them), releasing their buffers and written tensors."""
@@ -363,12 +346,3 @@ def _close_later(fd: int) -> None:
 def _close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory in bytes (``/proc/self/statm``), or None where it cannot be read."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE_SIZE
-    except (OSError, ValueError, IndexError):  # no /proc here: the caller trims by bytes let go instead
-        return None

@@ -42,6 +42,51 @@ def trim_heap() -> None:
         trim(0)
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (``/proc/self/statm``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):  # no /proc here: the caller trims by bytes let go instead
+        return None
+
+
+class GrowthTrim:
+    """Trims the heap (``trim_heap``) only when the process's resident memory grew ``trim_bytes`` since the last trim.
+
+    Large tensors freed after glibc raised its mmap threshold stay in the heap as free memory the process keeps. A
+    trim costs twice: its own walk, and the page faults (and zeroing) when the heap grows into the returned pages
+    again. So freed memory the next tensors reuse is never returned: the resident memory is looked at every
+    ``check_bytes`` let go, and the heap trimmed once it is ``trim_bytes`` above where it was after the last trim (or
+    lower since). Where the resident memory cannot be read, the heap is trimmed every ``trim_bytes`` let go.
+    """
+
+    def __init__(self, trim_bytes: int, check_bytes: int):
+        self.trim_bytes, self.check_bytes = trim_bytes, check_bytes
+        self._released = 0
+        self._resident_low = resident_bytes()  # the resident memory after the last trim, or lower since
+
+    def released(self, nbytes: int) -> None:
+        """``nbytes`` of tensors were let go: trim the heap if the resident memory grew ``trim_bytes``.
+
+        Args:
+            nbytes: The bytes let go.
+        """
+        self._released += nbytes
+        if self._released < (self.check_bytes if self._resident_low is not None else self.trim_bytes):
+            return
+        self._released = 0
+        resident = resident_bytes()
+        if resident is None or self._resident_low is None:
+            trim_heap()
+            return
+        if resident - self._resident_low >= self.trim_bytes:
+            trim_heap()
+            self._resident_low = resident_bytes() or resident
+        else:
+            self._resident_low = min(self._resident_low, resident)
+
+
 def round_up(nbytes: int, alignment: int = PAGE_SIZE) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment`` (bytes)."""
     return (nbytes + alignment - 1) // alignment * alignment
