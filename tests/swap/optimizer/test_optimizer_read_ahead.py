@@ -102,3 +102,40 @@ def test_identical_to_in_memory_with_changes_between_steps(config, read_ahead):
                 assert torch.equal(saved[index][key], value), (index, key)
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_prefetched_reads_wait_for_their_step_and_are_never_used_stale(config, read_ahead):
+    """``prefetch(params)``: a step over other parameters keeps those reads for their own step (none read again);
+    a step over some of them, in other chunks, changes their state, so it releases them and the next step over all
+    of them reads again: bit-identical to the plain optimizer."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = OffloadedOptimizer(torch.optim.Adam, params, config, lr=0.1)
+    opt.read_ahead = read_ahead
+    plain = torch.optim.Adam(reference, lr=0.1)
+    started = counting_reads(opt)
+
+    def step(which: list[int], seed: int) -> None:
+        for ps, optimizer in ((params, opt), (reference, plain)):
+            for i, p in enumerate(ps):
+                p.grad = torch.randn(64, generator=torch.Generator().manual_seed(seed + i)) if i in which else None
+            optimizer.step()
+
+    try:
+        step([0, 1, 2], 0)  # the state exists from here
+        opt.prefetch(params[:2])
+        before = len(started)
+        step([2], 10)  # other parameters: the prefetched reads stay
+        assert opt.pipeline.prefetched
+        after_other = len(started)
+        step([0, 1], 20)  # uses them: nothing of theirs read again (only the read-ahead for the next step, if on)
+        assert len(started) == after_other + read_ahead
+        opt.prefetch(params[:2])
+        step([0], 30)  # changes parameter 0's state: the read holding it goes
+        step([0, 1], 40)  # reads both again, as they are now
+        assert before < after_other
+        assert all(torch.equal(p, r) for p, r in zip(params, reference))
+    finally:
+        opt.close()

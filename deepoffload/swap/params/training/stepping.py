@@ -64,6 +64,8 @@ class Stepper:
             self.store.wait_writes()
         finally:
             self.guard_grads()  # gradients a failure left away stay refused
+            if self.optimizers.block is not None:  # state read ahead for parameters that got no gradient this step
+                self.optimizers.block.pipeline.drop_prefetched()
         if rest_optimizer is not None:
             if coefficient is not None:
                 grad_norm.scale_([p.grad for p in self.rest if p.grad is not None], coefficient)
