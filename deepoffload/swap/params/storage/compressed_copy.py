@@ -25,10 +25,12 @@ import shutil
 import tempfile
 import threading
 import warnings
+from pathlib import Path
 from typing import Mapping
 
 import torch
 
+from ....formats.commit import sync_folder
 from ....io.owners import is_alive
 from ...codecs import codec_class
 from ...pool import round_up
@@ -56,15 +58,6 @@ def source_identity(path: str) -> list:
         tail = f.read(SAMPLE)
     ends = torch.frombuffer(bytearray(head + tail), dtype=torch.uint8) if head or tail else torch.empty(0)
     return [device, inode, size, mtime, hash_bytes(ends.to(torch.uint8))]
-
-
-def _sync(path: str) -> None:
-    """fsync a file or folder."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CompressedCopy:
@@ -193,9 +186,9 @@ class CompressedCopy:
                 json.dump({"codec": self.codec, "sources": identities, "groups": groups}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _sync(tmp)
+            sync_folder(Path(tmp))
             os.rename(tmp, folder)  # refused over a copy another run published first: that one is used
-            _sync(self.base)
+            sync_folder(Path(self.base))
         except BaseException as e:  # noqa: BLE001 - the run goes on serving the checkpoint; no copy this time
             self.error = e
             shutil.rmtree(tmp, ignore_errors=True)
