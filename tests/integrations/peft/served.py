@@ -100,6 +100,14 @@ def adapters(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
+def assert_adapters_equal(model, reference, count: int = 8) -> None:
+    """The ``count`` adapter tensors of ``model`` and ``reference`` have the same names and are equal bit for bit."""
+    got, want = adapters(model), adapters(reference)
+    assert sorted(got) == sorted(want) and len(got) == count
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def folder_bytes(folder: Path) -> int:
     """The bytes of the files under ``folder``."""
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())

@@ -45,10 +45,7 @@ def test_kept_graphs_train_lora_over_a_served_base_bit_identical_without_recompu
     with off:
         losses = s.plain_loop(model, off.step, off.zero_grad)
         assert losses == expected
-        got, want = s.adapters(model), s.adapters(reference)
-        assert sorted(got) == sorted(want) and len(got) == 8
-        for name, value in want.items():
-            assert torch.equal(got[name], value), name
+        s.assert_adapters_equal(model, reference)
         assert all(block.served for block in off.blocks)
         assert s.folder_bytes(tmp_path / "swap") < s.folder_bytes(folder) / 10
     # one forward per block and step (2 blocks, 3 steps): none recomputed in backward (the default recomputes: 12)

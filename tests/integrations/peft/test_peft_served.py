@@ -24,10 +24,7 @@ def test_lora_over_a_served_base_trains_bit_identical_to_in_memory_peft(tmp_path
     with off:
         losses = s.plain_loop(model, off.step, off.zero_grad)
         assert losses == expected
-        got, want = s.adapters(model), s.adapters(reference)
-        assert sorted(got) == sorted(want) and len(got) == 8
-        for name, value in want.items():
-            assert torch.equal(got[name], value), name
+        s.assert_adapters_equal(model, reference)
         # the whole state dict under PEFT's names, the wrapped base weights read from the checkpoint (it held
         # 0-element placeholders under "base_layer" names before the block's state_dict hook followed the move)
         state, expected_state = model.state_dict(), reference.state_dict()
