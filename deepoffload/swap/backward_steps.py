@@ -176,7 +176,7 @@ class BackwardSteps:
             else:
                 read.release()
             raise
-        opt.trim()
+        opt.trim(grew=sum(p.grad.nbytes for p in chunk if p.grad is not None))  # the backward made these since
         for p in chunk:
             self.stepped.add(id(p))
             self.entries[id(p)] = opt.optimizer.state.get(p)
@@ -272,7 +272,7 @@ class BackwardSteps:
         finally:
             for write in self.writes:
                 self._collect(write)
-            opt.trim()
+            opt.trim_step()
             self.writes, self.stepped, self.entries, self.prints, self.settings = [], set(), {}, {}, None
             self.marks = {}
             error, self.error = self.error, None

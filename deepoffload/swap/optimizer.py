@@ -318,7 +318,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     if self.read_ahead:
                         self.pipeline.read_ahead(chunks)
                 finally:
-                    self.pipeline.trim()
+                    self.pipeline.trim_step()
         return loss
 
     def step_in_backward(self, enabled: bool = True) -> None:
