@@ -243,12 +243,14 @@ class ChunkPipeline:
         - State that lived in ordinary memory (made by the wrapped optimizer in memory, or loaded) was stored: it is
           freed as its chunk is written and, after glibc raised its mmap threshold, stays in the heap as free memory
           that nothing reuses. Trimmed at once.
-        - Otherwise only once the resident memory grew half of ``chunk_bytes`` above where it was at the first chunk
-          after the last trim. Each chunk's temporaries reuse the heap pages the previous chunk's left, so they are
-          kept: trimming them made every chunk fault them in again (1.07 GB of Adam state trimmed every half chunk:
-          a gigabyte of page faults and 0.5 s of system time a step). What the heap gains beyond them (glibc's
-          fragmentation) is returned once it reaches that half chunk; ``trim_step`` returns the rest as a step ends.
-        Where the resident memory cannot be read, the heap is trimmed every half ``chunk_bytes`` of state read.
+        - Otherwise only once the resident memory grew a staging buffer's bytes above where it was at the first chunk
+          after the last trim. Each chunk's temporaries mostly reuse the heap pages the previous chunk's left, so
+          they are kept: trimming them made every chunk fault them in again (1.07 GB of Adam state trimmed every half
+          chunk: a gigabyte of page faults and 0.5 s of system time a step). The heap swings by about two of them
+          from chunk to chunk (glibc does not always fit them into the same free block), and a buffer holds a
+          parameter's state (two moments of its size), so a swing never trims; growth past it is returned, and
+          ``trim_step`` returns the rest as the step ends.
+        Where the resident memory cannot be read, the heap is trimmed every buffer's bytes of state read.
 
         Args:
             grew: Bytes the caller's own tensors took since the last chunk (``step_in_backward``: the gradients the
@@ -257,7 +259,7 @@ class ChunkPipeline:
         if self._copied:
             self.trim_step()
             return
-        allowance = self.config.chunk_bytes // 2
+        allowance = self.swapper.pool.buffer_bytes
         resident = resident_bytes()
         if resident is None:
             if self.swapper.bytes_read - self._read_at >= allowance:

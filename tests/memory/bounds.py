@@ -34,8 +34,6 @@ SAVE_STAGING = 2 * 16 * MiB  # save_sharded's two staging buffers
 SAVE_SMALL_FILES = 1 * MiB  # the index and the shards' headers, written through the page cache the group is charged
 OPTIMIZER_POOL = 4  # SwapConfig's default buffer_count
 OPTIMIZER_TEMPORARIES = 3  # Adam's step on the largest parameter: gradient, and two temporaries of its size
-# the heap's growth a step lets pass before it trims (ChunkPipeline.trim: half of SwapConfig's default chunk_bytes)
-OPTIMIZER_HEAP_GROWTH = 16 * MiB
 ENTRIES = (
     "load_safetensors",
     "load_sharded",
@@ -212,7 +210,8 @@ def stated(entry: str, sizes: dict) -> tuple[int, int]:
         return plan.peak_bytes + 4 * sizes["adapter_bytes"], FORWARD_BYTES
     if entry == "optimizer_step":  # the model and its gradients are the user's
         chunk = max(32 * MiB, 2 * largest + 2 * largest // 16)  # grows to the largest parameter's state
-        library = OPTIMIZER_POOL * chunk + OPTIMIZER_TEMPORARIES * largest + OPTIMIZER_HEAP_GROWTH
+        # and the heap's growth a step lets pass before it trims (ChunkPipeline.trim): a staging buffer's bytes
+        library = (OPTIMIZER_POOL + 1) * chunk + OPTIMIZER_TEMPORARIES * largest
         return library, 2 * total + FORWARD_BYTES
     raise ValueError(entry)
 

@@ -1,5 +1,5 @@
 """When an offloaded step gives freed heap memory back (``ChunkPipeline.trim``): after each chunk whose state lived in
-ordinary memory, once the resident memory grew half of ``chunk_bytes`` since the first chunk after the last trim, and
+ordinary memory, once the resident memory grew a staging buffer's bytes since the first chunk after the last trim, and
 once as the step ends; never after every chunk of a steady step, whose temporaries reuse the heap pages the previous
 chunk's left (trimming them made each chunk fault them in again). The resident memory is faked here, so each rule is
 seen apart from glibc's own behaviour; the memory harness (tests/memory) checks the real peak against its bound."""
@@ -73,17 +73,19 @@ def test_the_first_step_trims_after_every_chunk_of_state_made_in_memory(config, 
     opt.close()
 
 
-def test_heap_growth_of_half_a_chunk_is_trimmed_within_the_step(config, monkeypatch):
+def test_heap_growth_of_a_buffer_is_trimmed_within_the_step(config, monkeypatch):
     model, opt = model_and_optimizer(config)
     step(model, opt, 0)
-    heap = Heap(monkeypatch, grow=CHUNK // 2)  # every chunk leaves half a chunk more resident
+    buffer = opt.swapper.pool.buffer_bytes
+    assert buffer >= CHUNK
+    heap = Heap(monkeypatch, grow=buffer)  # every chunk leaves a buffer's bytes more resident
     step(model, opt, 1)
-    # the first look after a trim takes the mark; the next one, half a chunk above it, trims: every other chunk
+    # the first look after a trim takes the mark; the next one, a buffer above it, trims: every other chunk
     assert heap.trims == LAYERS // 2 + 1
-    heap = Heap(monkeypatch, once=CHUNK // 2 - 1)  # just under, in one chunk: only the step's end
+    heap = Heap(monkeypatch, once=buffer - 1)  # just under, in one chunk: only the step's end
     step(model, opt, 2)
     assert heap.trims == 1
-    heap = Heap(monkeypatch, once=CHUNK // 2)
+    heap = Heap(monkeypatch, once=buffer)
     step(model, opt, 3)
     assert heap.trims == 2
     opt.close()
@@ -95,10 +97,11 @@ def test_step_in_backward_does_not_count_the_gradients_backward_made_as_heap_gro
     step(model, opt, 0)  # makes the state; this step only checks
     step(model, opt, 1)
     # backward makes the gradients of each chunk before it steps: the resident memory grows by them at each look
-    heap = Heap(monkeypatch, once=CHUNK // 2 - 1, model=model)
+    buffer = opt.swapper.pool.buffer_bytes
+    heap = Heap(monkeypatch, once=buffer - 1, model=model)
     step(model, opt, 2)
-    assert heap.trims == 1  # the step's end only: what grew beyond the gradients stayed under half a chunk
-    heap = Heap(monkeypatch, once=CHUNK // 2, model=model)
+    assert heap.trims == 1  # the step's end only: what grew beyond the gradients stayed under a buffer
+    heap = Heap(monkeypatch, once=buffer, model=model)
     step(model, opt, 3)
     assert heap.trims == 2
     opt.close()
