@@ -33,7 +33,10 @@ SOURCES = {
         ("checkpoint", "torch.load / deepoffload.load"),
         ("checkpoint", "raw op read, fresh memory / deepoffload.load"),
     ],
-    "offloaded AdamW step": [("optimizer_overlap", "MLP: offloaded / max(in memory, IO alone)")],
+    "offloaded AdamW step": [
+        ("optimizer_overlap", "MLP: step_in_backward / max(in memory, IO alone)"),
+        ("optimizer_overlap", "MLP: offloaded / max(in memory, IO alone)"),
+    ],
 }
 
 
@@ -85,7 +88,8 @@ def test_each_figure_of_the_measured_table_is_its_recorded_result():
 
 
 def test_a_figure_that_is_not_recorded_fails():
-    assert matches("1.42", [result("optimizer_overlap", "MLP: offloaded / max(in memory, IO alone)")])
+    step = result("optimizer_overlap", "MLP: offloaded / max(in memory, IO alone)")
+    assert matches(f"{step:.2f}", [step]) and not matches(f"{step + 0.05:.2f}", [step])
     assert matches("1.20", [result("engines_vs_fio", "max")])
     assert not matches("2.29", [result("checkpoint", "torch.save + fsync / deepoffload.save")])  # another row's
     assert not matches("0.37", [0.74, 0.78]) and not matches("1.2", [1.26])
