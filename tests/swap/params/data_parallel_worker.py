@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -147,8 +148,17 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     # no rank leaves (and no node's agent, which holds the rendezvous store, shuts down) while another still uses
     # the group: a rank whose peers had gone aborted in gloo at exit ("terminate called without an active exception")
+    world = dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
+    # nor before every rank has torn its groups down: under load, a rank still in destroy_process_group when its
+    # peer exited aborted the same way (every rank runs on this machine, so a file in OUT_FOLDER marks each one done)
+    (out / f"done{rank}").touch()
+    deadline = time.monotonic() + 300
+    while not all((out / f"done{r}").exists() for r in range(world)):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {rank}: the other ranks did not finish within 300 s")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
