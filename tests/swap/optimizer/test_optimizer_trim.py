@@ -105,3 +105,19 @@ def test_step_in_backward_does_not_count_the_gradients_backward_made_as_heap_gro
     step(model, opt, 3)
     assert heap.trims == 2
     opt.close()
+
+
+def test_without_the_resident_memory_it_trims_every_buffer_of_state_read(config, monkeypatch):
+    """Where ``/proc/self/statm`` cannot be read: a trim each time a buffer's bytes of state were read."""
+    model, opt = model_and_optimizer(config)
+    step(model, opt, 0)
+    heap = Heap(monkeypatch)
+    monkeypatch.setattr(optimizer_pipeline, "resident_bytes", lambda: None)
+    before = opt.swapper.bytes_read
+    step(model, opt, 1)
+    read = opt.swapper.bytes_read - before
+    assert read > opt.swapper.pool.buffer_bytes  # the rule below is about steps that read more than a buffer
+    chunks = len(opt.pipeline.chunks([p for p in model.parameters()]))
+    # within the step at least once, at most once a buffer read (not after every chunk); then the step's end
+    assert 1 < heap.trims <= read // opt.swapper.pool.buffer_bytes + 1 < chunks + 1
+    opt.close()
