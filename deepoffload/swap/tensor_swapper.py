@@ -86,9 +86,9 @@ class TensorSwapper:
         codec = codec_class(self.config.codec)()
         if packed and not codec.identity:
             raise UnsupportedError(
-                f"TensorSwapper: codec={self.config.codec!r} with packed=True (the layout OffloadedOptimizer uses): "
-                f"a packed extent is rewritten in place, which encoded bytes of another length cannot be; use "
-                f"codec='none' there, or packed=False"
+                f"TensorSwapper: codec={self.config.codec!r} with packed=True (OffloadedOptimizer's layout): a packed "
+                f"extent is rewritten in place, which encoded bytes of another length cannot be; give the optimizer "
+                f"config.replace(codec='none') (offload_parameters does so itself), or use TensorSwapper(packed=False)"
             )
         self._encoder: ByteCodec | None = None if codec.identity else codec  # None: bytes stored as they are
         self._codecs: dict[str, ByteCodec] = {codec.name: codec}  # name -> codec, for records written with it

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from deepoffload import SwapConfig, TensorSwapper, offload_parameters
+from deepoffload import OffloadedOptimizer, SwapConfig, TensorSwapper, offload_parameters
 from deepoffload.errors import ChecksumError, UnsupportedError
 from deepoffload.swap.codecs import codec_class, codec_names
 from deepoffload.swap.codecs.lossless import HEADER
@@ -112,9 +112,17 @@ def test_records_written_without_a_codec_still_read(scratch):
             read.release()
 
 
-def test_the_packed_layout_refuses_it_at_the_first_call(scratch):
+def test_the_packed_layout_refuses_it_at_the_first_call_and_its_advice_works(scratch):
+    config = SwapConfig(folder=str(scratch), codec="lossless", pin=False)
     with pytest.raises(UnsupportedError, match="packed=False"):
-        TensorSwapper(SwapConfig(folder=str(scratch), codec="lossless", pin=False), packed=True)
+        TensorSwapper(config, packed=True)
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(UnsupportedError, match=r"config.replace\(codec='none'\)"):
+        OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config, lr=1e-3)
+    with OffloadedOptimizer(torch.optim.AdamW, model.parameters(), config.replace(codec="none"), lr=1e-3) as opt:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # the advice: the optimizer's state uncompressed
+        assert opt.stored_bytes() > 0
 
 
 def test_streamed_bf16_parameters_through_it_compute_exactly_and_read_fewer_bytes(scratch):
