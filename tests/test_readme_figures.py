@@ -1,7 +1,7 @@
-"""Every figure in the README comes from a benchmark result recorded in the repository (benchmarks/results/*.json,
-the data of the benchmarks page), and the README quotes no time outside them: a figure measured once and copied by
-hand goes stale (the README once said "0.37x the time" for a ratio measured at 0.74-0.78 later, and times of the
-build and the demo seen on no machine since)."""
+"""Every figure in the README and in the benchmarks page's summary table comes from a benchmark result recorded in the
+repository (benchmarks/results/*.json, the data of the benchmarks page's plots), and the README quotes no time outside
+them: a figure measured once and copied by hand goes stale (the README once said "0.37x the time" for a ratio measured
+at 0.74-0.78 later, and times of the build and the demo seen on no machine since)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,58 @@ def test_the_readme_quotes_no_time_outside_the_recorded_results():
     text = re.sub(r"```.*?```", "", README.read_text(), flags=re.S)  # code blocks: arguments, not claims
     times = re.findall(r"(?<![\w.])\d+(?:\.\d+)? ?(?:s|seconds?|min|minutes?|hours?)\b", text)
     assert not times, f"README quotes times no recorded result backs: {times}"
+
+
+# The benchmarks page's summary table: each row names its results file by its command (``--only NAME``,
+# ``results/NAME.json`` or ``benchmarks/NAME.py``; "same" is the row above's). A figure there must be one of that
+# file's recorded values (a median or a round), to the digits it shows; figures with a unit (GB/s, s, MB) are
+# context measured outside the file. Weaker than the README's check (any value of the row's own file), it still
+# catches a figure left behind when its file was re-measured.
+PAGE = REPO / "docs" / "benchmarks.md"
+PAGE_FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])(?!\s*(?:GB/s|s\b|MB|MiB|GiB|drives\b|x\b))")
+
+
+def recorded(name: str) -> list[float]:
+    """Every median and round recorded in benchmarks/results/``name``.json."""
+    found = []
+    for entry in json.loads((RESULTS / f"{name}.json").read_text())["results"]:
+        found += [float(entry["value"]), *map(float, entry.get("per_round") or [])]
+    return found
+
+
+def page_rows() -> list[tuple[str, str, str]]:
+    """(what, figure, results file) of each row of the benchmarks page's summary table."""
+    text = PAGE.read_text()
+    section = text[text.index("## Summary") :]
+    section = section[: section.index("\n## ", 1)]
+    rows, name = [], ""
+    for line in section.splitlines()[4:]:
+        if not line.startswith("|"):
+            continue
+        what, figure, _target, command, _date = (cell.strip() for cell in line.split("|")[1:-1])
+        named = [re.search(pattern, command) for pattern in (r"--only (\w+)", r"results/(\w+)\.json", r"s/(\w+)\.py")]
+        if any(named):
+            name = next(found.group(1) for found in named if found)
+        elif not command.startswith("same"):
+            name = ""
+        rows.append((what, figure, name))
+    return rows
+
+
+def test_each_figure_of_the_benchmarks_summary_is_recorded_in_its_results_file():
+    rows = page_rows()
+    assert len(rows) >= 10
+    for what, figure, name in rows:
+        figures = PAGE_FIGURE.findall(figure)
+        if not figures:
+            continue
+        assert (RESULTS / f"{name}.json").is_file(), f"benchmarks page: {what!r}: no results file for {figure!r}"
+        values = recorded(name)
+        for printed in figures:
+            assert matches(printed, values), f"benchmarks page: {printed} ({what}) is not recorded in {name}.json"
+
+
+def test_a_stale_figure_of_the_benchmarks_summary_fails():
+    values = recorded("optimizer_overlap")
+    assert not matches("1.41", values)  # the page's old figure for step_in_backward over the step with its IO
+    assert matches(f"{values[0]:.2f}", values)
