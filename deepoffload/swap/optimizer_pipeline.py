@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Callable
 import torch
 
 from ..io.handle import wait_each
+from .adam_slices import SLICE_ELEMENTS, adam_slices
 from .chunk_plan import ChunkPlanner, index_ranges
 from .chunks import Chunk
 from .optimizer_state import restore, storable, write_back, write_copy
@@ -61,6 +62,7 @@ class ChunkPipeline:
         self.asked: set[tuple[int, ...]] = set()
         self.loading = False
         self._planner = ChunkPlanner(self)
+        self.slice_elements: int | None = SLICE_ELEMENTS  # torch's Adam steps larger parameters in slices (None: whole)
         self._copied = False  # state held in ordinary memory was stored since the heap was last trimmed
         self._mark: int | None = None  # the resident memory at the first look after the last trim
         self._read_at = 0  # swapper.bytes_read at the last trim (where the resident memory cannot be read)
@@ -138,9 +140,10 @@ class ChunkPipeline:
             chosen = set(map(id, chunk))
             chunk.in_groups = [[p for p in params if id(p) in chosen] for params in saved]
         try:
-            for group, params in zip(groups, chunk.in_groups):
-                group["params"] = params
-            self.inner_step()
+            with adam_slices(self.optimizer, chunk.in_groups, self.slice_elements or 0) as in_groups:
+                for group, params in zip(groups, in_groups):
+                    group["params"] = params
+                self.inner_step()
         finally:
             for group, params in zip(groups, saved):
                 group["params"] = params

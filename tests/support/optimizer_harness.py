@@ -23,11 +23,23 @@ from deepoffload import OffloadedOptimizer, SwapConfig
 from deepoffload.errors import DeepOffloadError
 
 OPTIMIZERS = ("adam", "sgd", "per_param", "cross_param", "undeclared")
-SIZES = ("one_chunk", "many_chunks")
+SIZES = ("one_chunk", "many_chunks", "sliced")
 BETWEEN = ("nothing", "clip", "scaler", "inplace", "data", "reassign")
 MODES = ("step", "in_backward")
 STEPS = 4
-CHUNK_BYTES = {"one_chunk": 32 << 20, "many_chunks": 4096}  # many: about one parameter's state per chunk
+CHUNK_BYTES = {"one_chunk": 32 << 20, "many_chunks": 4096, "sliced": 4096}  # many: about a parameter's state a chunk
+# "sliced": torch's Adam steps each parameter of over 7 elements in slices (``adam_slices``: of 256 elements, the
+# least it cuts), on a model wide enough to have them (64 x 64 weights: 16 slices each)
+SLICE_ELEMENTS = {"sliced": 7}
+WIDTH = {"sliced": 64}
+
+
+def offloaded(name: str, param_groups: list[dict], config: SwapConfig, size: str) -> OffloadedOptimizer:
+    """The offloaded optimizer of a cell: optimizer ``name`` over ``param_groups``, sliced as ``size`` says."""
+    opt = OffloadedOptimizer(MAKERS[name], param_groups, config)
+    if size in SLICE_ELEMENTS:
+        opt.pipeline.slice_elements = SLICE_ELEMENTS[size]
+    return opt
 
 
 class PerParamSGD(torch.optim.Optimizer):
@@ -224,7 +236,7 @@ def compare(name: str, size: str, actions: Sequence[str], mode: str, folder: str
     initial = [p.detach().clone() for p in module.parameters()]
     config = SwapConfig(folder=folder, chunk_bytes=CHUNK_BYTES[size], buffer_count=4, pin=False)
     try:
-        opt = OffloadedOptimizer(MAKERS[name], groups(module), config)
+        opt = offloaded(name, groups(module), config, size)
     except DeepOffloadError as e:
         return Outcome("refused", f"at construction: {e}")
     try:
@@ -259,4 +271,4 @@ def expected(name: str, size: str, action: str, mode: str) -> str:
 
 def run_cell(name: str, size: str, action: str, mode: str) -> Outcome:
     with tempfile.TemporaryDirectory() as folder:
-        return compare(name, size, [action] * STEPS, mode, folder)
+        return compare(name, size, [action] * STEPS, mode, folder, width=WIDTH.get(size, 8))

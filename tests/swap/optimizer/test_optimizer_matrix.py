@@ -1,5 +1,6 @@
 """The optimizer's differential matrix (``tests/support/optimizer_harness.py``): optimizer (built-in, hand-written
-per-parameter, hand-written cross-parameter, undeclared) x size (one chunk, many chunks) x what happens between
+per-parameter, hand-written cross-parameter, undeclared) x size (one chunk, many chunks, many chunks with
+Adam stepping each parameter in slices) x what happens between
 backward and ``step()`` (nothing, clipping, a GradScaler with an overflowing step, in-place edits, ``.data`` edits,
 reassignment) x ``step_in_backward`` or not. Every cell is bit-identical to the in-memory run or refused before any
 parameter moves, as ``expected`` says; the whole product runs by default (tiny models), a wider model with many

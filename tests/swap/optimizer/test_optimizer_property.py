@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from deepoffload import OffloadedOptimizer, SwapConfig
+from deepoffload import SwapConfig
 from deepoffload.errors import DeepOffloadError
 from tests.support import optimizer_harness as harness
 
@@ -76,7 +76,7 @@ def test_random_loops_equal_memory_or_are_refused_at_the_first_change(loop):
     with tempfile.TemporaryDirectory() as folder:
         config = SwapConfig(folder=folder, chunk_bytes=harness.CHUNK_BYTES[loop["size"]], pin=False)
         try:
-            opt = OffloadedOptimizer(harness.MAKERS[loop["name"]], harness.groups(module), config)
+            opt = harness.offloaded(loop["name"], harness.groups(module), config, loop["size"])
         except DeepOffloadError:
             assert loop["name"] == "undeclared"
             return
