@@ -1,0 +1,140 @@
+"""The refusals of offload_parameters() name an alternative a caller can type: each test meets a refusal, takes the
+alternative's code from the message (so a message naming a keyword offload_parameters() no longer takes, such as
+``optimizer=`` or ``init=``, fails here) and runs it to a working result."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from deepoffload import LoadOptions, StreamOptions, TrainOptions
+from deepoffload.swap.params import offload_parameters
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # O_DIRECT falls back on tmpfs, with a warning
+
+
+def advised(message: str, pattern: str) -> str:
+    """The code the message advises (the first group of ``pattern``); fails the test when the message has none."""
+    found = re.search(pattern, message)
+    assert found, f"no advice matching {pattern!r} in: {message}"
+    return found.group(1)
+
+
+def follow(advice: str, model: nn.Module, path, **names):
+    """``offload_parameters(model, path, <advice>)``, the advice's names bound to ``names``."""
+    scope = {"offload_parameters": offload_parameters, "model": model, "path": str(path), "torch": torch}
+    scope.update(LoadOptions=LoadOptions, StreamOptions=StreamOptions, TrainOptions=TrainOptions, **names)
+    return eval(f"offload_parameters(model, path, {advice})", scope)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_step_without_train_advises_train_options_and_that_trains_as_in_memory(scratch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    reference = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8)
+    off = offload_parameters(model, str(scratch))
+    with pytest.raises(ValueError, match="no optimizer") as refused:
+        off.step()
+    off.close()
+
+    advice = advised(str(refused.value), r"pass (train=TrainOptions\(optimizer\))")
+    off = follow(advice, model, scratch, optimizer=sgd)
+    model(x).sum().backward()
+    off.step()
+    expected = sgd(reference.parameters())
+    reference(x).sum().backward()
+    expected.step()
+    off.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+
+
+class Scale(nn.Module):
+    """A parameter without reset_parameters(): on the meta device nothing gives it a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_a_meta_value_left_unset_advises_load_options_init_which_makes_it(scratch):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="without a value") as refused:
+        offload_parameters(model, str(scratch))
+
+    def init(module):
+        if isinstance(module, Scale):
+            nn.init.constant_(module.weight, 2.0)
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    advice = advised(str(refused.value), r"pass (load=LoadOptions\(init=)\.\.\.\)") + "init)"
+    off = follow(advice, model, scratch, init=init)
+    with torch.no_grad():
+        assert model(torch.ones(1, 4)).isfinite().all()
+    assert torch.equal(model.state_dict()["1.weight"], torch.full((4,), 2.0))  # (read from storage)
+    off.close()
+
+
+class Rotary(nn.Module):
+    """A block holding a non-persistent buffer that its own initializer does not set (as rotary embeddings do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.inv_freq
+
+
+def test_an_unset_non_persistent_buffer_advises_load_options_init_which_sets_it(scratch):
+    with torch.device("meta"):
+        model = nn.Sequential(Rotary(), Rotary())
+
+    def weights_only(module):
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    with pytest.raises(ValueError, match="non-persistent buffers") as refused:
+        offload_parameters(model, str(scratch), load=LoadOptions(init=weights_only))
+
+    def init(module):
+        weights_only(module)
+        if isinstance(module, Rotary):
+            module.inv_freq.fill_(0.5)  # (in place, as transformers' initializers set buffers)
+
+    advice = advised(str(refused.value), r"pass (load=LoadOptions\(init=)\.\.\.\)") + "init)"
+    off = follow(advice, model, scratch, init=init)
+    assert all(torch.equal(block.inv_freq, torch.full((4,), 0.5)) for block in model)
+    off.close()
+
+
+def test_converting_a_compute_dtype_model_advises_stream_options_which_computes_in_that_dtype(scratch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    in_memory = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    in_memory.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8, dtype=torch.float64)
+    off = offload_parameters(model, str(scratch), stream=StreamOptions(compute_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16 copies") as refused:
+        model.double()
+    off.close()  # (the refusal converted nothing: the model is given back as it was)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+    advice = advised(str(refused.value), r"offload it with (stream=StreamOptions\(compute_dtype=torch\.float64\))")
+    off = follow(advice, model, scratch)
+    with torch.no_grad():
+        assert torch.equal(model(x), in_memory.double()(x))
+    off.close()
