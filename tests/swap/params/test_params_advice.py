@@ -30,6 +30,10 @@ def follow(advice: str, model: nn.Module, path, **names):
     return eval(f"offload_parameters(model, path, {advice})", scope)
 
 
+def states_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
@@ -138,3 +142,66 @@ def test_converting_a_compute_dtype_model_advises_stream_options_which_computes_
     with torch.no_grad():
         assert torch.equal(model(x), in_memory.double()(x))
     off.close()
+
+
+def test_trainer_max_grad_norm_advice_clips_as_the_trainer_does_in_memory(scratch, tmp_path):
+    """The refusal of TrainingArguments(max_grad_norm>0) says: max_grad_norm=0, grads mode and
+    trainer_arguments(offload, clip_grad_norm=...). Followed, the run equals a Trainer clipping in memory."""
+    transformers = pytest.importorskip("transformers")
+    from deepoffload import trainer_arguments
+
+    def build():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        return transformers.LlamaForCausalLM(config)
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12), generator=generator)]
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def arguments(max_grad_norm):
+        return transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            max_steps=3,
+            max_grad_norm=max_grad_norm,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            seed=0,
+            dataloader_num_workers=0,
+        )
+
+    reference = build()
+    transformers.Trainer(
+        reference, arguments(0.05), train_dataset=data, optimizers=(adamw(reference.parameters()), None)
+    ).train()
+    model = build()
+    with offload_parameters(model, str(scratch), train=TrainOptions(adamw)) as off:
+        with pytest.raises(ValueError, match="max_grad_norm=0.05") as refused:
+            transformers.Trainer(model, arguments(0.05), train_dataset=data, **trainer_arguments(off)).train()
+    assert states_equal(model.state_dict(), build().state_dict())  # refused before the first step
+    message = str(refused.value)
+    zero = float(advised(message, r"TrainingArguments\(max_grad_norm=(\d+)\)"))
+    mode = advised(message, r'use mode="(\w+)"')
+    assert re.search(r"trainer_arguments\(offload, clip_grad_norm=\.\.\.\)", message)
+    with offload_parameters(model, str(scratch), train=TrainOptions(adamw, mode=mode)) as off:
+        clipping = trainer_arguments(off, clip_grad_norm=0.05)
+        transformers.Trainer(model, arguments(zero), train_dataset=data, **clipping).train()
+        trained = model.state_dict()
+    unclipped = build()
+    transformers.Trainer(
+        unclipped, arguments(0), train_dataset=data, optimizers=(adamw(unclipped.parameters()), None)
+    ).train()
+    assert states_equal(trained, reference.state_dict())
+    assert not states_equal(unclipped.state_dict(), reference.state_dict())  # (the clipping changed the run)
