@@ -205,3 +205,58 @@ def test_trainer_max_grad_norm_advice_clips_as_the_trainer_does_in_memory(scratc
     ).train()
     assert states_equal(trained, reference.state_dict())
     assert not states_equal(unclipped.state_dict(), reference.state_dict())  # (the clipping changed the run)
+
+
+def two_linears():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+
+def test_load_dtype_for_a_module_in_memory_is_refused_not_ignored_and_converting_first_works(scratch):
+    """LoadOptions(dtype=) sets the dtype of parameters made from meta; given a module in memory and a checkpoint it
+    used to be ignored (the parameters stayed float32). It is refused; converting first, as advised, gives the dtype."""
+    from deepoffload.formats import save_file
+
+    save_file(two_linears().state_dict(), scratch / "model.safetensors")
+    model = two_linears()
+    load = LoadOptions(checkpoint=scratch / "model.safetensors", dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"LoadOptions\(dtype=torch.float16\) applies to tensors on the meta device"):
+        offload_parameters(model, str(scratch / "swap"), load=load)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything was made
+    with offload_parameters(model.to(torch.float16), str(scratch / "swap"), load=load.replace(dtype=None)):
+        state = model.state_dict()
+    expected = {k: v.to(torch.float16) for k, v in two_linears().state_dict().items()}
+    assert states_equal(state, expected)
+
+
+@pytest.mark.parametrize("built", ["meta", "memory"])
+def test_converting_a_served_model_advises_offloading_it_in_that_dtype(scratch, built):
+    from deepoffload.formats import save_file
+
+    save_file(two_linears().state_dict(), scratch / "model.safetensors")
+    expected = {k: v.to(torch.float16) for k, v in two_linears().state_dict().items()}
+
+    def build():
+        if built == "memory":
+            return two_linears()
+        with torch.device("meta"):
+            return two_linears()
+
+    served = LoadOptions(checkpoint=scratch / "model.safetensors", serve_from_checkpoint=True)
+    model = build()
+    with offload_parameters(model, str(scratch / "a"), load=served) as off:
+        assert all(b.served is not None for b in off.blocks)
+        with pytest.raises(ValueError, match="served read-only") as refused:
+            model.half()
+    message = str(refused.value)
+    model = build()
+    if built == "meta":
+        dtype = advised(message, r"built on the meta device: load=LoadOptions\(\.\.\., dtype=(torch\.\w+)\)")
+        load = served.replace(dtype=eval(dtype, {"torch": torch}))
+    else:
+        converted = advised(message, r"in memory: (model\.to\(torch\.\w+\)) first")
+        model = eval(converted, {"torch": torch, "model": model})
+        load = served
+    with offload_parameters(model, str(scratch / "b"), load=load), torch.no_grad():
+        assert states_equal(model.state_dict(), expected)
+        assert model(torch.ones(1, 8, dtype=torch.float16)).dtype == torch.float16

@@ -58,8 +58,9 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
         read_only = block.source.read_only()
         if read_only is not None:
             raise ValueError(
-                f"this would convert the parameters of block {block.prefix}, {read_only}: pass "
-                f"LoadOptions(dtype=) to offload_parameters() or offload without serve_from_checkpoint="
+                f"this would convert the parameters of block {block.prefix}, {read_only}: offload the model in "
+                f"{target} (built on the meta device: load=LoadOptions(..., dtype={target}); in memory: "
+                f"model.to({target}) first), or offload without serve_from_checkpoint="
             )
         todo.append(block)
     return todo
