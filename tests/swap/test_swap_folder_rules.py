@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import warnings
 
@@ -56,3 +57,35 @@ def test_a_staging_buffer_too_large_to_allocate_names_chunk_bytes(scratch):
         assert info.value.errno == errno.ENOMEM
     finally:
         swapper.close()
+
+
+def test_a_folder_that_cannot_be_made_names_the_argument_each_entry_point_takes(scratch):
+    """The advice names where each entry point takes its folder (a `folder=` keyword is refused by
+    offload_parameters and passed on to the optimizer class by OffloadedOptimizer); following it works."""
+    from torch import nn
+
+    from deepoffload import OffloadedOptimizer, offload_parameters
+
+    (scratch / "a-file").write_bytes(b"")
+    bad, good = str(scratch / "a-file" / "swap"), str(scratch / "good")
+
+    def make_offload(**where):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        return offload_parameters(model, **where)
+
+    def make_optimizer(**where):
+        return OffloadedOptimizer(torch.optim.Adam, nn.Linear(4, 4).parameters(), **where)
+
+    calls = {
+        "offload_parameters": (make_offload, "path=", lambda folder: {"path": folder}),
+        "OffloadedOptimizer": (make_optimizer, "SwapConfig(folder=...)", lambda f: {"config": SwapConfig(folder=f)}),
+    }
+    for name, (make, argument, where) in calls.items():
+        with pytest.raises(OSError) as refused:
+            make(**where(bad))
+        assert refused.value.errno == errno.ENOTDIR
+        message = str(refused.value)
+        assert re.search(rf"{re.escape(argument)}[^;]* {name}", message), message  # its own way is named
+        make(**where(good)).close()
+        with pytest.raises(TypeError):  # the keyword the message used to name
+            make(folder=good)
