@@ -260,3 +260,43 @@ def test_converting_a_served_model_advises_offloading_it_in_that_dtype(scratch, 
     with offload_parameters(model, str(scratch / "b"), load=load), torch.no_grad():
         assert states_equal(model.state_dict(), expected)
         assert model(torch.ones(1, 8, dtype=torch.float16)).dtype == torch.float16
+
+
+def test_a_cache_the_recomputation_cannot_rewind_is_refused_and_a_dynamic_cache_trains(scratch):
+    """A StaticCache (updated in place) passed to a streamed model's training forward is refused, as its backward
+    would update it a second time; the advice, a DynamicCache or use_cache=False, trains as in memory."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with offload_parameters(model, str(scratch), train=TrainOptions(sgd, mode="grads")) as off:
+        static = transformers.StaticCache(config=config, max_cache_len=16)
+        with pytest.raises(ValueError, match="update that cache a second time") as refused:
+            model(ids, labels=ids, past_key_values=static)
+        message = str(refused.value)
+        assert "Use a DynamicCache, or use_cache=False when training" in message
+        assert states_equal(model.state_dict(), reference.state_dict())  # nothing stepped or changed
+        off.zero_grad()
+        model(ids, labels=ids, past_key_values=transformers.DynamicCache(config=config)).loss.backward()
+        off.step()
+        off.zero_grad()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        off.step()
+        trained = model.state_dict()
+    expected = sgd(reference.parameters())
+    for cache in (transformers.DynamicCache(config=config), None):
+        reference(ids, labels=ids, past_key_values=cache, use_cache=cache is not None).loss.backward()
+        expected.step()
+        expected.zero_grad()
+    assert states_equal(trained, reference.state_dict())
