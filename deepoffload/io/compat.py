@@ -400,7 +400,7 @@ def aio_read(
     """
     import os
 
-    check_tensor(buffer, "aio_read")
+    check_tensor(buffer, "aio_read", filled=True)
     size = os.stat(filename).st_size
     nbytes = buffer.numel() * buffer.element_size()
     if size != nbytes:

@@ -128,7 +128,7 @@ class AsyncIOHandle:
         Returns:
             The ``Request`` of the read; its ``wait()`` returns the bytes read.
         """
-        check_tensor(tensor, "read")
+        check_tensor(tensor, "read", filled=True)
         if not tensor.is_inference():  # an in-place change, as torch's copy_ counts it: a backward that saved this
             torch.autograd.graph.increment_version(tensor)  # tensor refuses instead of using the new bytes
         finish = None

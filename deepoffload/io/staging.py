@@ -118,7 +118,7 @@ class DeviceStager:
     # -- internals ------------------------------------------------------------------------------------------
     @staticmethod
     def _device_tensor(tensor: torch.Tensor, what: str) -> accelerator.Accelerator:
-        check_tensor(tensor, what)
+        check_tensor(tensor, what, filled=what == "read")  # a read fills it: the advice differs
         acc = accelerator.current()
         if not acc.is_device_tensor(tensor):
             raise ValueError(

@@ -70,8 +70,8 @@ def _refusal(base: str, why: str) -> str:
     return (
         f"swap folder {base} {why}: another user could replace this run's folder with a link to theirs and read or "
         f"change the swap files. Use a folder only you can change (e.g. a folder of your own inside it: mkdir "
-        f"{os.path.join(base, 'mine')} and pass that), or pass SwapConfig(trust_folder_owner=True) if you trust "
-        f"every user who can change it"
+        f"{os.path.join(base, 'mine')} and pass that), or pass SwapConfig(trust_folder_owner=True) (as config=; "
+        f"StorageCache takes it as swap=) if you trust every user who can change it"
     )
 
 

@@ -24,6 +24,12 @@ from ..op_builder import env
 from .dead_runs import KEPT, RUN_MARKER, remove_dead_run_folders, run_folder_prefix
 from .folder_checks import adopt_run_folder, check_base, check_run_folder, forget_run_folder
 
+# where each entry point takes its swap folder (only offload_parameters and its kin take path=)
+CHOOSE_FOLDER = (
+    "choose a writable folder: path= of offload_parameters, from_pretrained, offload_activations or StorageCache; "
+    "SwapConfig(folder=...) for OffloadedOptimizer or TensorSwapper; --path on the command line"
+)
+
 _owned_lock = threading.Lock()
 _owned: dict[str, int] = {}  # folder -> id of the process that created it (a forked child removes none of them)
 
@@ -84,8 +90,7 @@ def create_run_folder(base: str | None, rank: int | None = None, trust_owner: bo
     except OSError as e:
         raise OSError(
             e.errno,
-            f"cannot create a swap folder in {base} ({e.strerror}); choose a writable folder "
-            f"with `folder=` (or --path)",
+            f"cannot create a swap folder in {base} ({e.strerror}); {CHOOSE_FOLDER}",
             base,
         ) from e
     adopt_run_folder(folder, trust_owner)
@@ -122,8 +127,7 @@ def _make_base(base: str) -> None:
     except OSError as e:
         raise OSError(
             e.errno,
-            f"cannot create a swap folder at {base} ({e.strerror}); choose a writable folder with "
-            f"`folder=` (or --path)",
+            f"cannot create a swap folder at {base} ({e.strerror}); {CHOOSE_FOLDER}",
             base,
         ) from e
 

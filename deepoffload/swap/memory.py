@@ -61,3 +61,18 @@ def process_bytes() -> int:
     except OSError:  # no /proc here: the system does not say (0, documented)
         pass
     return 0
+
+
+def limit_with_room(least: int) -> str:
+    """A ``max_memory`` that works when passed at the next call: ``least`` bytes and room for the process to grow.
+
+    ``least`` counts this process's memory now, which grows as it runs (a page between two calls already), so the
+    least itself is refused when passed back; the room is a twentieth of it, at least 16 MB, rounded up to whole MB.
+
+    Args:
+        least: The least limit that works now, in bytes.
+
+    Returns:
+        The limit as ``max_memory`` takes it, e.g. ``'316MB'``.
+    """
+    return f"{-(-(least + max(16 * 10**6, least // 20)) // 10**6)}MB"

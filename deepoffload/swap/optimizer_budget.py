@@ -14,6 +14,7 @@ import torch
 
 from ..errors import MemoryBudgetError
 from .config import SwapConfig
+from .memory import limit_with_room
 from .pool import round_up
 
 MIN_BUFFERS = 3  # read ahead, step, write behind
@@ -55,7 +56,8 @@ def fit_buffers(
             f"least that works is {least} bytes ({least / 1e6:.1f} MB): the process now "
             f"{process / 1e6:.1f} MB + gradients {grads / 1e6:.1f} MB + {TEMPORARIES} x the largest "
             f"parameter {largest / 1e6:.1f} MB (temporaries) + {MIN_BUFFERS} staging buffers of "
-            f"{need_chunk / 1e6:.1f} MB (its state) + {FORWARD_BYTES / 1e6:.1f} MB for the forward"
+            f"{need_chunk / 1e6:.1f} MB (its state) + {FORWARD_BYTES / 1e6:.1f} MB for the forward. The process "
+            f"grows as it runs: OffloadedOptimizer(..., max_memory={limit_with_room(least)!r}) leaves it room"
         )
     count = max(MIN_BUFFERS, min(config.buffer_count, room // need_chunk))
     chunk = max(need_chunk, min(config.chunk_bytes, room // count // 4096 * 4096))

@@ -143,10 +143,10 @@ class BufferPool:
                 raise  # e.g. a page-locking failure, whose own message says what to do
             raise OSError(
                 errno.ENOMEM,
-                f"cannot allocate a {nbytes}-byte swap staging buffer (staging buffers are "
-                f"SwapConfig.chunk_bytes each, or as large as the largest tensor swapped; up "
-                f"to buffer_count={self.count} of them): lower chunk_bytes or buffer_count, "
-                f"or free memory",
+                f"cannot allocate a {nbytes}-byte swap staging buffer (up to {self.count} of them, each "
+                f"SwapConfig.chunk_bytes or the largest tensor swapped; offload_parameters sizes them from its "
+                f"blocks): lower SwapConfig(chunk_bytes=, buffer_count=) (OffloadedOptimizer, TensorSwapper), "
+                f"stream smaller blocks (offload_parameters(blocks=...)), or free memory",
             ) from e
 
     def fit(self, nbytes: int) -> None:

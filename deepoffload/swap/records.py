@@ -115,7 +115,7 @@ def checked_tensor(group: str, key: str, tensor: object) -> torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"swap_out: {group}/{key} is a {type(tensor).__name__}, not a tensor")
-    if tensor.is_sparse or tensor.is_quantized:
+    if tensor.layout != torch.strided or tensor.is_quantized:  # (is_sparse is False for CSR, CSC, BSR, BSC)
         raise ValueError(
             f"swap_out: {group}/{key} is sparse or quantized and has no single byte buffer; swap "
             f"tensor.to_dense() or tensor.dequantize() instead"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -107,6 +108,47 @@ def test_quantized_tensor_is_refused_as_quantized(handle, scratch):
         assert "int_repr" in str(e.value)
     with pytest.raises(ValueError, match="sparse"):
         handle.write(torch.eye(3).to_sparse(), scratch / "s.bin")
+
+
+def _followed(message: str, tensor: torch.Tensor, read) -> None:
+    """Run the read the message advises: ``buf = ...`` from it, the read into buf, then what it says to do."""
+    found = re.search(r"read into a new tensor instead \(buf = (.+?); .*\), wait, then (tensor\.copy_\(buf\))", message)
+    assert found, message
+    scope = {"torch": torch, "tensor": tensor}
+    exec(f"buf = {found.group(1)}", scope)
+    read(scope["buf"])
+    eval(found.group(2), scope)
+
+
+@pytest.mark.parametrize("view", ["transposed", "sliced", "conjugate"])
+def test_a_read_into_a_tensor_that_cannot_take_bytes_advises_a_read_that_fills_it(handle, scratch, view):
+    """A read into a non-contiguous or lazy conjugate view is refused; the advice is not "pass tensor.contiguous()"
+    (that copy would get the bytes and the caller's tensor none) but a read into a new tensor copied in, which gives
+    the tensor the values written."""
+    source = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    if view == "conjugate":
+        source = torch.complex(source, -source)
+    base = torch.zeros(source.t().shape if view == "transposed" else (4, 12), dtype=source.dtype)
+    target = {"transposed": lambda: base.t(), "sliced": lambda: base[:, ::2], "conjugate": lambda: base[:, :6]}[view]()
+    written = source if view != "conjugate" else source.conj().resolve_conj()
+    handle.write(written.contiguous(), scratch / "t.bin")  # the write advice: a contiguous copy
+    if view == "conjugate":
+        target = target.contiguous().conj()  # (a lazy view: its memory holds the conjugates)
+    with pytest.raises(ValueError, match="read into a new tensor instead") as refused:
+        handle.read(target, scratch / "t.bin")
+    assert "pass tensor.contiguous()" not in str(refused.value)
+    _followed(str(refused.value), target, lambda buf: handle.read(buf, scratch / "t.bin"))
+    assert torch.equal(target, written)
+
+
+def test_a_write_of_a_non_contiguous_tensor_advises_a_contiguous_copy(handle, scratch):
+    tensor = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+    with pytest.raises(ValueError, match=r"pass tensor\.contiguous\(\) \(a copy\) instead"):
+        handle.write(tensor, scratch / "t.bin")
+    handle.write(tensor.contiguous(), scratch / "t.bin")
+    back = torch.empty(tensor.shape)
+    handle.read(back, scratch / "t.bin")
+    assert torch.equal(back, tensor)
 
 
 def test_environment_variable_typo_fails_the_first_handle(monkeypatch, aio):

@@ -157,7 +157,7 @@ BAD_CALLS = {
         ValueError,
         "resolve_conj",
     ),
-    "negative view": (lambda h, d: h.read(torch._neg_view(torch.ones(4)), d / "x"), ValueError, "resolve_neg"),
+    "negative view": (lambda h, d: h.read(torch._neg_view(torch.ones(4)), d / "x"), ValueError, "read into a new"),
     "meta tensor": (lambda h, d: h.write(torch.empty(4, device="meta"), d / "x"), ValueError, "meta"),
     "float file": (lambda h, d: h.write(torch.empty(4), 2.0), TypeError, "path or a file descriptor"),
     "bool file": (lambda h, d: h.write(torch.empty(4), True), TypeError, "bool"),

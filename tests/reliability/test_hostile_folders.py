@@ -281,3 +281,41 @@ def test_a_run_killed_before_its_marker_leaves_an_empty_folder_that_the_next_run
     live.mkdir()
     assert dead_runs.remove_dead_run_folders(scratch) == [empty]
     assert not empty.exists() and (holding / "someone's file").exists() and live.is_dir()
+
+
+def test_the_open_folder_refusal_advice_works_for_each_entry_point(scratch):
+    """Both ways out the refusal names: a folder of one's own inside it, or SwapConfig(trust_folder_owner=True)
+    given as each entry point takes a SwapConfig (config=, and swap= for StorageCache)."""
+    import re
+
+    from torch import nn
+
+    from deepoffload import StorageCache, offload_activations, offload_parameters
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    base = scratch / "open"
+    base.mkdir()
+    os.chmod(base, 0o777)
+
+    def activations(folder, swap):
+        with offload_activations(folder, min_bytes=0, config=swap):
+            nn.Linear(8, 8)(torch.randn(4, 8, requires_grad=True)).sum().backward()
+
+    uses = {
+        "config": lambda folder, swap: offload_parameters(nn.Sequential(nn.Linear(2, 2)), folder, config=swap).close(),
+        "swap": lambda folder, swap: StorageCache(folder, config=hf, swap=swap).close(),
+        "activations": activations,
+    }
+    for name, use in uses.items():
+        with pytest.raises(PermissionError, match="writable by every user") as refused:
+            use(str(base), None)
+        message = str(refused.value)
+        own = re.search(r"mkdir (\S+) and pass that", message).group(1)
+        os.makedirs(own, mode=0o700, exist_ok=True)
+        use(own, None)
+        keyword = "swap" if name == "swap" else "config"
+        assert f"as {keyword}=" in message, message
+        use(str(base), SwapConfig(trust_folder_owner=True))

@@ -153,6 +153,31 @@ def test_rejects_what_has_no_byte_buffer_and_bad_names(swapper):
             swapper.swap_out({bad: {"t": torch.ones(1)}})
 
 
+@pytest.mark.parametrize(
+    "layout, advised",
+    [("coo", "to_dense"), ("csr", "to_dense"), ("csc", "to_dense"), ("quantized", "dequantize")],
+)
+def test_what_has_no_byte_buffer_is_refused_before_writing_and_the_advice_swaps(swapper, layout, advised):
+    dense = torch.eye(4)
+    tensor = {
+        "coo": lambda: dense.to_sparse(),
+        "csr": lambda: dense.to_sparse_csr(),
+        "csc": lambda: dense.to_sparse_csc(),
+        "quantized": lambda: torch.quantize_per_tensor(dense, 0.5, 0, torch.qint8),
+    }[layout]()
+    kept = torch.randn(8)
+    swapper.swap_out({"g": {"kept": kept}}).wait()
+    with pytest.raises(ValueError, match=r"no single byte buffer; swap tensor\.to_dense\(\) or tensor\.dequantize\(\)"):
+        swapper.swap_out({"g": {"kept": kept + 1, "s": tensor}})
+    read = swapper.swap_in(["g"])
+    assert list(read.wait()["g"]) == ["kept"] and torch.equal(read.wait()["g"]["kept"], kept)  # nothing written
+    read.release()
+    swapper.swap_out({"g": {"s": getattr(tensor, advised)()}}).wait()
+    read = swapper.swap_in(["g"])
+    assert torch.equal(read.wait()["g"]["s"], dense)
+    read.release()
+
+
 def test_corrupted_file_is_detected_by_checksum(swapper):
     swapper.swap_out({"g": {"t": torch.randn(5000)}}).wait()
     record = swapper.records("g")["t"]

@@ -132,6 +132,13 @@ def offload_parameters(
             "strict=True): values made by init= (random) would differ between the ranks. Build the model in "
             "memory (its values are taken from the first rank, as DDP does) or load it from one checkpoint"
         )
+    if (load.init is not None or load.dtype is not None) and not has_meta(module):  # with a checkpoint too
+        given = "init=" if load.dtype is None else f"dtype={load.dtype}"
+        raise ValueError(
+            f"LoadOptions({given}) applies to tensors on the meta device, and this module has none, so it would be "
+            f"ignored: initialize or convert the module before offload_parameters() (e.g. module.to(dtype)), or build "
+            f"it on the meta device (with torch.device('meta'): ...)"
+        )
     if checkpoint is not None or has_meta(module):
         materializer = Materializer(
             module,
@@ -141,11 +148,6 @@ def offload_parameters(
             dtype=load.dtype,
             strict=load.strict,
             serve=load.serve_from_checkpoint,
-        )
-    elif load.init is not None or load.dtype is not None:
-        raise ValueError(
-            "LoadOptions(init=, dtype=) apply to tensors on the meta device, and this module has none: "
-            "initialize or convert it before offload_parameters()"
         )
     prefetch, max_resident_bytes, state_chunks = stream.prefetch, stream.max_resident_bytes, STATE_CHUNKS
     if stream.max_memory is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...errors import MemoryBudgetError
-from ..memory import parse_bytes, process_bytes  # noqa: F401  (re-exported: max_memory= parses here)
+from ..memory import limit_with_room, parse_bytes, process_bytes  # noqa: F401  (re-exported: max_memory= parses here)
 
 READER_SPAN_BYTES = 16 << 20  # the checkpoint reader's buffer per request while loading
 READER_INFLIGHT_BYTES = 32 << 20  # and what it keeps in flight
@@ -181,7 +181,8 @@ def fit(
             f"max_memory={limit} bytes ({limit / 1e6:.1f} MB) cannot hold this model: the least that "
             f"works is {need} bytes ({need / 1e6:.1f} MB): the process now {process / 1e6:.1f} MB + "
             f"the offload's own {least.peak_bytes / 1e6:.1f} MB ({parts}) + {forward / 1e6:.1f} MB "
-            f"for the forward's activations. Raise max_memory, or use smaller blocks (the largest "
+            f"for the forward's activations. Raise max_memory (the process grows as it runs: "
+            f"StreamOptions(max_memory={limit_with_room(need)!r}) leaves it room), or use smaller blocks (the largest "
             f"block is held {SETUP_BLOCKS}x while loading)"
         )
     chosen = least

@@ -233,6 +233,11 @@ class StreamOptions:
 OPTIONS = {LoadOptions: "load", TrainOptions: "train", StreamOptions: "stream"}
 # each keyword the entry points took before these objects -> (the keyword that replaces it, its object)
 MOVED = {f.name: (keyword, cls) for cls, keyword in OPTIONS.items() for f in dataclasses.fields(cls)}
+# (entry point, keyword) -> where it went instead, where that is not its options object
+MOVED_ELSEWHERE = {
+    ("from_pretrained", "checkpoint"): "the folder given: from_pretrained(<the checkpoint's folder>, ...), "
+    "which reads its config.json and weights (a LoadOptions with checkpoint= is refused there)"
+}
 
 
 def moved_keywords(function: Function) -> Function:
@@ -252,7 +257,11 @@ def moved_keywords(function: Function) -> Function:
             raise TypeError(
                 f"{function.__name__}(): options are grouped in objects now: "
                 + "; ".join(
-                    f"{name}= is {MOVED[name][0]}=deepoffload.{MOVED[name][1].__name__}({name}=...)" for name in moved
+                    f"{name}= is "
+                    + MOVED_ELSEWHERE.get(
+                        (function.__name__, name), f"{MOVED[name][0]}=deepoffload.{MOVED[name][1].__name__}({name}=...)"
+                    )
+                    for name in moved
                 )
             )
         return function(*args, **kwargs)

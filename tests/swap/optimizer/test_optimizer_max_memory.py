@@ -3,6 +3,8 @@ least limit that works."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -27,6 +29,26 @@ def test_too_small_is_refused_before_anything_is_wrapped(scratch):
     with pytest.raises(MemoryBudgetError, match=r"the least that works is \d+ bytes .* staging buffers"):
         OffloadedOptimizer(inner, config=SwapConfig(folder=str(scratch)), max_memory="10MB")
     OffloadedOptimizer(inner, config=SwapConfig(folder=str(scratch))).close()  # not marked wrapped: wraps again
+
+
+def test_the_limit_the_refusal_advises_works_after_the_process_grew(scratch):
+    net = model()
+    with pytest.raises(MemoryBudgetError) as refused:
+        OffloadedOptimizer(
+            torch.optim.Adam, net.parameters(), config=SwapConfig(folder=str(scratch)), max_memory="10MB"
+        )
+    least = int(re.search(r"the least that works is (\d+) bytes", str(refused.value)).group(1))
+    advised = re.search(r"OffloadedOptimizer\(\.\.\., max_memory='(\d+MB)'\)", str(refused.value)).group(1)
+    grown = torch.ones(4 << 20, dtype=torch.uint8)  # the process grows as it runs (4 MiB, touched)
+    with pytest.raises(MemoryBudgetError):  # so the least of before no longer works
+        OffloadedOptimizer(torch.optim.Adam, net.parameters(), config=SwapConfig(folder=str(scratch)), max_memory=least)
+    opt = OffloadedOptimizer(
+        torch.optim.Adam, net.parameters(), config=SwapConfig(folder=str(scratch)), max_memory=advised
+    )
+    net(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    opt.close()
+    del grown
 
 
 def test_buffers_shrink_to_the_room_left_and_training_is_unchanged(scratch):

@@ -94,6 +94,33 @@ def test_max_memory_too_small_is_refused_at_once_with_the_least_that_works(scrat
     assert not any(scratch.iterdir())
 
 
+def test_the_limit_the_refusal_advises_works_after_the_process_grew(scratch):
+    import re
+
+    from deepoffload import StreamOptions, TrainOptions
+    from deepoffload.swap.params import offload_parameters
+
+    with pytest.raises(MemoryBudgetError) as refused:
+        offload_parameters(
+            tower(), str(scratch), train=TrainOptions(torch.optim.Adam), stream=StreamOptions(max_memory="100MB")
+        )
+    least = int(re.search(r"the least that works is (\d+) bytes", str(refused.value)).group(1))
+    advised = re.search(r"StreamOptions\(max_memory='(\d+MB)'\)", str(refused.value)).group(1)
+    grown = torch.ones(4 << 20, dtype=torch.uint8)  # the process grows as it runs (4 MiB, touched)
+    with pytest.raises(MemoryBudgetError):  # so the least of before no longer works
+        offload_parameters(
+            tower(), str(scratch), train=TrainOptions(torch.optim.Adam), stream=StreamOptions(max_memory=least)
+        )
+    model = tower()
+    off = offload_parameters(
+        model, str(scratch), train=TrainOptions(torch.optim.Adam), stream=StreamOptions(max_memory=advised)
+    )
+    model(torch.randn(2, 4)).sum().backward()
+    off.step()
+    off.close()
+    del grown
+
+
 def test_max_memory_sizes_prefetch_buffers_and_kept_blocks(scratch):
     from deepoffload import StreamOptions, TrainOptions
     from deepoffload.swap.params import offload_parameters

@@ -97,10 +97,32 @@ def test_an_old_keyword_names_the_object_that_replaces_it(scratch, keyword):
     expected = f"{keyword}= is {MOVED[keyword][0]}=deepoffload.{obj}\\({keyword}=...\\)"
     with pytest.raises(TypeError, match=expected):
         offload_parameters(model, str(scratch / "swap"), **{keyword: None})
+    if keyword == "checkpoint":  # from_pretrained refuses LoadOptions(checkpoint=): its checkpoint is its folder
+        expected = r"checkpoint= is the folder given: from_pretrained\(<the checkpoint's folder>, \.\.\.\)"
     with pytest.raises(TypeError, match=expected):
         deepoffload.from_pretrained(scratch / "no-such-folder", path=str(scratch / "swap"), **{keyword: None})
     assert not os.path.exists(scratch / "swap")
     assert model[0].forward.__func__ is nn.Linear.forward  # not streamed
+
+
+def test_from_pretrained_checkpoint_keyword_advice_loads_the_folder(scratch, tmp_path):
+    """from_pretrained(folder, checkpoint=other): the advice (pass the checkpoint's folder itself) loads it; the
+    options object the other keywords move to (LoadOptions(checkpoint=)) is refused by from_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(config)
+    saved.save_pretrained(tmp_path / "tiny")
+    with pytest.raises(TypeError) as refused:
+        deepoffload.from_pretrained(scratch, path=str(scratch / "swap"), checkpoint=tmp_path / "tiny")
+    with pytest.raises(TypeError, match="the checkpoint is the folder given"):
+        deepoffload.from_pretrained(scratch, load=LoadOptions(checkpoint=tmp_path / "tiny"))
+    assert "from_pretrained(<the checkpoint's folder>, ...)" in str(refused.value)
+    model, off = deepoffload.from_pretrained(tmp_path / "tiny", path=str(scratch / "swap"))
+    with off, torch.no_grad():
+        assert all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
 
 
 def test_the_old_keywords_are_those_of_the_three_objects():

@@ -335,9 +335,9 @@ class Materializer:
             how = "init= left them unset" if self.init is not None else "their modules have no reset_parameters()"
             raise ValueError(
                 f"{left[:10]}: on the meta device and without a value ({how}"
-                f"{'; the checkpoint lacks them' if self.reader else ''}); pass init= a function "
-                f"that initializes each module (e.g. a Hugging Face model's _init_weights), or a "
-                f"checkpoint= holding them"
+                f"{'; the checkpoint lacks them' if self.reader else ''}); pass load=LoadOptions(init=...) a "
+                f"function that initializes each module (e.g. a Hugging Face model's _init_weights), or "
+                f"load=LoadOptions(checkpoint=...) a checkpoint holding them"
             )
 
     def _call_init(self, modules: list[nn.Module]) -> None:
@@ -446,9 +446,9 @@ class Materializer:
                 left = init_ancestors(self.module, self._deferred, self.init, _is_unset, streamed)
                 if left:
                     raise ValueError(
-                        f"{left[:10]}: non-persistent buffers on the meta device that neither their modules' nor "
-                        f"their ancestors' initializer set; pass init= a function that sets them, or build the "
-                        f"model with its buffers in memory (accelerate's init_empty_weights() keeps them)"
+                        f"{left[:10]}: non-persistent buffers on the meta device no initializer set; pass "
+                        f"load=LoadOptions(init=...) a function that sets them, or build the model with its buffers "
+                        f"in memory (accelerate's init_empty_weights() keeps them)"
                     )
         except BaseException:
             for block in writes:

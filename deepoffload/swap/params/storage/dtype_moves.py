@@ -34,7 +34,7 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
     """
     todo = []
     for block in blocks:
-        changes = False
+        target = None  # the dtype the move converts a parameter to
         for name, param in zip(block.names, block.params):
             moved = fn(param.data)
             if moved.device != param.device:
@@ -44,20 +44,23 @@ def planned(blocks: Sequence[Block], fn: Callable[[torch.Tensor], torch.Tensor])
                     f"{param.device}: move the model before offload_parameters() (blocks then stream to "
                     f"that device)"
                 )
-            changes = changes or moved.dtype != param.dtype
-        if not changes:
+            if moved.dtype != param.dtype:
+                target = moved.dtype
+        if target is None:
             continue
         if block.compute_dtype is not None:
             raise ValueError(
                 f"this would convert the streamed parameters of block {block.prefix}, which compute "
                 f"with compute_dtype={block.compute_dtype} copies of their stored values: convert the "
-                f"model before offload_parameters(), or change compute_dtype= instead"
+                f"model before offload_parameters(), or offload it with stream=StreamOptions(compute_dtype={target}) "
+                f"to compute in {target}"
             )
         read_only = block.source.read_only()
         if read_only is not None:
             raise ValueError(
-                f"this would convert the parameters of block {block.prefix}, {read_only}: pass "
-                f"LoadOptions(dtype=) to offload_parameters() or offload without serve_from_checkpoint="
+                f"this would convert the parameters of block {block.prefix}, {read_only}: offload the model in "
+                f"{target} (built on the meta device: load=LoadOptions(..., dtype={target}); in memory: "
+                f"model.to({target}) first), or offload without serve_from_checkpoint="
             )
         todo.append(block)
     return todo

@@ -116,7 +116,7 @@ class Training:
         if self.block_optimizer is None:
             raise StreamedParameterError(
                 f"block {block.prefix}: its parameters are trained but offload_parameters() "
-                f"got no optimizer=: pass optimizer= to train, or freeze the parameters "
+                f"got no optimizer: pass train=TrainOptions(optimizer) to train, or freeze the parameters "
                 f"(requires_grad_(False))"
             )
         return self.block_optimizer

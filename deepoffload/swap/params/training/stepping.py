@@ -51,7 +51,7 @@ class Stepper:
         """
         rest_optimizer = self.optimizers.rest
         if self.optimizers.block is None and rest_optimizer is None:
-            raise ValueError("step(): offload_parameters() got no optimizer=; pass one to train")
+            raise ValueError("step(): offload_parameters() got no optimizer: pass train=TrainOptions(optimizer)")
         if clip_grad_norm is not None:
             grad_norm.check_clip_args(clip_grad_norm, norm_type)
         for block in self.blocks:
