@@ -1,4 +1,4 @@
-"""torch's Adam and AdamW over slices of each large parameter: the same bits, without temporaries of its size.
+"""torch's Adam and AdamW stepped over slices of each large parameter, without temporaries of the parameter's size.
 
 torch's single-tensor Adam (its path for tensors in main memory) allocates two temporaries of each parameter's size
 for ``denom`` (``exp_avg_sq.sqrt() / bias_correction2_sqrt``): 512 MiB more at the peak of a step over a 64M-element
