@@ -34,6 +34,19 @@ def states_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def tiny_llama_config(transformers):
+    """A two-layer Llama config small enough to train in a test."""
+    return transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
@@ -152,15 +165,7 @@ def test_trainer_max_grad_norm_advice_clips_as_the_trainer_does_in_memory(scratc
 
     def build():
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
+        config = tiny_llama_config(transformers)
         return transformers.LlamaForCausalLM(config)
 
     generator = torch.Generator().manual_seed(3)
@@ -266,15 +271,7 @@ def test_a_cache_the_recomputation_cannot_rewind_is_refused_and_a_dynamic_cache_
     """A StaticCache (updated in place) passed to a streamed model's training forward is refused, as its backward
     would update it a second time; the advice, a DynamicCache or use_cache=False, trains as in memory."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama_config(transformers)
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(config)
     model = transformers.LlamaForCausalLM(config)
