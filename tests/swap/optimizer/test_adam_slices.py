@@ -48,6 +48,15 @@ def _grads(params, k: int) -> None:
         p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
 
 
+def _stepped_once() -> tuple[list[torch.nn.Parameter], torch.optim.Adam]:
+    """The test parameters and an Adam over them after its first step (which makes the state, whole)."""
+    params = _params()
+    opt = torch.optim.Adam(params, lr=1e-3)
+    _grads(params, 0)
+    opt.step()
+    return params, opt
+
+
 class Counter:
     """Wraps ``adam_slices`` as the pipeline calls it and counts the tensors each step gives the optimizer."""
 
@@ -165,10 +174,7 @@ def test_the_step_count_is_written_back_in_place_once():
 
 
 def test_the_slices_leave_when_the_step_raises():
-    params = _params()
-    opt = torch.optim.Adam(params, lr=1e-3)
-    _grads(params, 0)
-    opt.step()
+    params, opt = _stepped_once()
     with pytest.raises(ZeroDivisionError):
         with adam_slices(opt, [params], ELEMENTS) as groups:
             pieces_ = groups[0]
@@ -179,20 +185,14 @@ def test_the_slices_leave_when_the_step_raises():
 
 
 def test_a_replaced_state_tensor_is_an_error():
-    params = _params()
-    opt = torch.optim.Adam(params, lr=1e-3)
-    _grads(params, 0)
-    opt.step()
+    params, opt = _stepped_once()
     with pytest.raises(UnsupportedError, match="slice_elements = None"):
         with adam_slices(opt, [params], ELEMENTS) as groups:
             opt.state[groups[0][0]]["exp_avg"] = torch.zeros(1)
 
 
 def test_a_slice_changed_in_place_counts_as_a_change_of_its_parameter():
-    params = _params()
-    opt = torch.optim.Adam(params, lr=1e-3)
-    _grads(params, 0)
-    opt.step()
+    params, opt = _stepped_once()
     before = params[0]._version
     with adam_slices(opt, [params], ELEMENTS) as groups:
         groups[0][0].add_(0)
@@ -211,10 +211,7 @@ def test_a_calibration_that_finds_other_bits_steps_every_parameter_whole(monkeyp
                 piece.add_(1)
 
     monkeypatch.setattr(adam_slices_module, "_sliced", off_by_one)
-    params = _params()
-    opt = torch.optim.Adam(params, lr=1e-3)
-    _grads(params, 0)
-    opt.step()
+    params, opt = _stepped_once()
     with pytest.warns(RuntimeWarning, match="each parameter steps whole"):
         with adam_slices(opt, [params], ELEMENTS) as groups:
             assert len(groups[0]) == 3
